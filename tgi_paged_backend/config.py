@@ -1,0 +1,162 @@
+"""Frozen configuration dataclasses, one per component.
+
+Built once at start-up by :func:`tgi_paged_backend.envs.build_config` from the CLI arguments and the
+environment, then passed down. Nothing below this module reads ``os.environ``.
+
+Every field carries an attribute docstring (checked by ``tests/test_config.py``). ``__post_init__``
+validates values for programmatic construction; ``envs.py`` validates the same values earlier with
+messages that name the environment variable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+PreemptionMode = Literal["auto", "recompute", "swap"]
+PREEMPTION_MODES: tuple[str, ...] = ("auto", "recompute", "swap")
+BLOCK_SIZES: tuple[int, ...] = (8, 16, 32)
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3fn", "fp8_e5m2")
+DEFAULT_OVERCOMMIT = 2.0
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the knob, the value and what is allowed."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheConfig:
+    """Sizing of the physical KV pool and of the virtual budget advertised to the router."""
+
+    block_size: int = 16
+    """Tokens per KV block (8, 16 or 32); also reported to the router in ``InfoResponse.block_size``."""
+    memory_fraction: float = 0.90
+    """Share of device memory for weights + activations + KV (0 < f <= 1)."""
+    num_blocks: int | None = None
+    """Cap on physical blocks (tests, benchmarks, capacity drills); ``None`` sizes from memory."""
+    overcommit: float = DEFAULT_OVERCOMMIT
+    """Advertised virtual tokens divided by physical tokens (>= 1)."""
+    swap_space_bytes: int = 4 * 1024**3
+    """Bytes of CPU memory for swapped-out blocks (0 disables swapping)."""
+    watermark: float = 0.01
+    """Share of physical blocks kept free for running requests before admission is braked."""
+    kv_cache_dtype: str = "auto"
+    """KV storage dtype: ``auto`` (model dtype), ``fp8_e4m3fn`` or ``fp8_e5m2``."""
+    prefix_caching: bool = False
+    """Advertise ``use_prefix_caching`` to the router (from ``PREFIX_CACHING``)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size not in BLOCK_SIZES:
+            raise ConfigError(f"block_size={self.block_size} is invalid: allowed {BLOCK_SIZES}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ConfigError(f"memory_fraction={self.memory_fraction} is invalid: allowed (0, 1]")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"num_blocks={self.num_blocks} is invalid: allowed >= 2")
+        if self.overcommit < 1.0:
+            raise ConfigError(f"overcommit={self.overcommit} is invalid: allowed >= 1.0")
+        if self.swap_space_bytes < 0:
+            raise ConfigError(f"swap_space_bytes={self.swap_space_bytes} is invalid: allowed >= 0")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark={self.watermark} is invalid: allowed [0, 1)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is invalid: allowed {KV_CACHE_DTYPES}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PreemptionConfig:
+    """How requests are preempted when the physical pool runs dry."""
+
+    mode: PreemptionMode = "auto"
+    """``recompute`` drops a victim's blocks, ``swap`` copies them to CPU, ``auto`` picks the cheaper."""
+    max_preemptions_per_request: int = 8
+    """A request preempted this many times is protected from further preemption."""
+    cost_aware_victims: bool = False
+    """Choose victims by estimated preemption cost instead of latest-admitted-first."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in PREEMPTION_MODES:
+            raise ConfigError(f"mode={self.mode!r} is invalid: allowed {PREEMPTION_MODES}")
+        if self.max_preemptions_per_request < 1:
+            raise ConfigError("max_preemptions_per_request must be >= 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    """What to load and how."""
+
+    model_id: str
+    """Local directory (or hub id, resolved by ``download-weights``) of a transformers model."""
+    revision: str | None = None
+    """Hub revision, passed through to transformers."""
+    dtype: str | None = None
+    """``float16``, ``bfloat16`` or ``float32``; ``None`` picks float32 on CPU, float16 on CUDA."""
+    trust_remote_code: bool = False
+    """Allow custom modeling code shipped with the model."""
+    quantize: str | None = None
+    """Quantization method from the launcher; only ``None`` is implemented."""
+    speculate: int = 0
+    """Speculative tokens per step; only 0 is implemented."""
+    max_input_tokens: int | None = None
+    """The launcher's ``--max-input-tokens``; echoed at Warmup."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    """The gRPC shard process: sockets, ranks, logging."""
+
+    uds_path: str = "/tmp/text-generation-server"
+    """Base socket path; the shard listens on ``{uds_path}-{rank}``."""
+    rank: int = 0
+    """This shard's rank (``RANK``)."""
+    world_size: int = 1
+    """Number of shards (``WORLD_SIZE``)."""
+    master_addr: str = "localhost"
+    """torch.distributed rendezvous address (``MASTER_ADDR``)."""
+    master_port: int = 29500
+    """torch.distributed rendezvous port (``MASTER_PORT``)."""
+    sharded: bool = False
+    """The launcher passed ``--sharded``."""
+    logger_level: str = "INFO"
+    """Loguru level name after mapping the launcher's ``WARN``/``OFF``."""
+    json_output: bool = False
+    """One JSON object per log line on stdout, as the launcher parses them."""
+    request_logprobs: bool = False
+    """Honour ``prefill_logprobs`` (``REQUEST_LOGPROBS``)."""
+    max_batch_size: int | None = None
+    """Launcher ``MAX_BATCH_SIZE``; echoed by Info when set."""
+    max_total_tokens: int | None = None
+    """Launcher ``MAX_TOTAL_TOKENS``."""
+
+    @property
+    def socket_path(self) -> str:
+        return f"{self.uds_path}-{self.rank}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TelemetryConfig:
+    """Where metrics and traces go."""
+
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC endpoint for traces and metrics; ``None`` disables OTLP export."""
+    otlp_service_name: str = "text-generation-inference.server"
+    """``service.name`` resource attribute."""
+    metrics_port: int | None = None
+    """Serve Prometheus ``/metrics`` on 127.0.0.1:PORT; ``None`` disables it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BackendConfig:
+    """Everything the shard needs, built once from CLI + environment."""
+
+    backend: Literal["paged", "stock"] = "paged"
+    """``paged`` (this package) or ``stock`` (delegate to TGI's own server)."""
+    model: ModelConfig
+    """Model to serve."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    """KV pool sizing."""
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    """Preemption policy."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """Process, sockets and logging."""
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    """Metrics and traces."""

@@ -1,0 +1,189 @@
+"""The only module that reads the process environment.
+
+Each knob has one parser entry below (name, default, meaning). :func:`read_env` turns a mapping
+(``os.environ`` by default) into a typed :class:`EnvSettings`, failing with a :class:`ConfigError`
+that names the variable, its value and what is allowed. :func:`build_config` merges those settings
+with the CLI arguments into the frozen :class:`~tgi_paged_backend.config.BackendConfig`.
+Nothing is read at import time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from tgi_paged_backend.config import (
+    BLOCK_SIZES,
+    DEFAULT_OVERCOMMIT,
+    PREEMPTION_MODES,
+    BackendConfig,
+    CacheConfig,
+    ConfigError,
+    ModelConfig,
+    PreemptionConfig,
+    ServerConfig,
+    TelemetryConfig,
+)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EnvSettings:
+    """Typed values of every environment variable the backend honours."""
+
+    backend: str
+    block_size: int
+    memory_fraction: float
+    cuda_memory_fraction: float
+    num_blocks: int | None
+    overcommit: float
+    preemption: str
+    swap_space_gb: float
+    watermark: float
+    metrics_port: int | None
+    prefix_caching: bool
+    max_batch_size: int | None
+    max_total_tokens: int | None
+    request_logprobs: bool
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+def _fail(name: str, raw: str, allowed: str) -> ConfigError:
+    return ConfigError(f"{name}={raw!r} is invalid: allowed {allowed}")
+
+
+def _parse(env: Mapping[str, str], name: str, default: T, convert: Callable[[str], T],
+           allowed: str, ok: Callable[[T], bool] = lambda _: True) -> T:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = convert(raw.strip())
+    except (TypeError, ValueError):
+        raise _fail(name, raw, allowed) from None
+    if not ok(value):
+        raise _fail(name, raw, allowed)
+    return value
+
+
+def _bool(raw: str) -> bool:
+    lowered = raw.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
+    """Parse and validate every knob. ``env`` defaults to ``os.environ``."""
+    e = os.environ if env is None else env
+    return EnvSettings(
+        # TGI_BACKEND: `paged` (this package) or `stock` (TGI's own server, if installed).
+        backend=_parse(e, "TGI_BACKEND", "paged", str.lower, "paged or stock",
+                       lambda v: v in ("paged", "stock")),
+        # TGI_PAGED_BLOCK_SIZE: tokens per physical and virtual block.
+        block_size=_parse(e, "TGI_PAGED_BLOCK_SIZE", 16, int, "one of 8, 16, 32",
+                          lambda v: v in BLOCK_SIZES),
+        # TGI_PAGED_MEMORY_FRACTION: share of device memory for weights + activations + KV.
+        memory_fraction=_parse(e, "TGI_PAGED_MEMORY_FRACTION", 0.90, float, "a number in (0, 1]",
+                               lambda v: 0.0 < v <= 1.0),
+        # CUDA_MEMORY_FRACTION: the launcher's --cuda-memory-fraction, multiplies the above.
+        cuda_memory_fraction=_parse(e, "CUDA_MEMORY_FRACTION", 1.0, float, "a number in (0, 1]",
+                                    lambda v: 0.0 < v <= 1.0),
+        # TGI_PAGED_NUM_BLOCKS: cap on physical blocks (tests, benchmarks, capacity drills).
+        num_blocks=_parse(e, "TGI_PAGED_NUM_BLOCKS", None, int, "an integer >= 2",
+                          lambda v: v >= 2),
+        # TGI_PAGED_OVERCOMMIT: advertised virtual tokens / physical tokens.
+        overcommit=_parse(e, "TGI_PAGED_OVERCOMMIT", DEFAULT_OVERCOMMIT, float, "a number >= 1.0",
+                          lambda v: v >= 1.0),
+        # TGI_PAGED_PREEMPTION: auto, recompute or swap.
+        preemption=_parse(e, "TGI_PAGED_PREEMPTION", "auto", str.lower,
+                          "one of " + ", ".join(PREEMPTION_MODES), lambda v: v in PREEMPTION_MODES),
+        # TGI_PAGED_SWAP_SPACE_GB: CPU swap space in GiB (0 disables swap).
+        swap_space_gb=_parse(e, "TGI_PAGED_SWAP_SPACE_GB", 4.0, float, "a number >= 0",
+                             lambda v: v >= 0.0),
+        # TGI_PAGED_WATERMARK: free-block share kept before braking admission.
+        watermark=_parse(e, "TGI_PAGED_WATERMARK", 0.01, float, "a number in [0, 1)",
+                         lambda v: 0.0 <= v < 1.0),
+        # TGI_PAGED_METRICS_PORT: Prometheus /metrics on 127.0.0.1:PORT.
+        metrics_port=_parse(e, "TGI_PAGED_METRICS_PORT", None, int, "a port in 1..65535",
+                            lambda v: 0 < v < 65536),
+        # PREFIX_CACHING: set by the launcher; advertised in Info.use_prefix_caching.
+        prefix_caching=_parse(e, "PREFIX_CACHING", False, _bool, "1/0/true/false"),
+        # MAX_BATCH_SIZE, MAX_TOTAL_TOKENS: set by the launcher when the user gives them.
+        max_batch_size=_parse(e, "MAX_BATCH_SIZE", None, int, "an integer >= 1", lambda v: v >= 1),
+        max_total_tokens=_parse(e, "MAX_TOTAL_TOKENS", None, int, "an integer >= 1",
+                                lambda v: v >= 1),
+        # REQUEST_LOGPROBS: launcher --enable-prefill-logprobs.
+        request_logprobs=_parse(e, "REQUEST_LOGPROBS", False, _bool, "1/0/true/false"),
+        # RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT: set by the launcher for each shard.
+        rank=_parse(e, "RANK", 0, int, "an integer >= 0", lambda v: v >= 0),
+        world_size=_parse(e, "WORLD_SIZE", 1, int, "an integer >= 1", lambda v: v >= 1),
+        master_addr=_parse(e, "MASTER_ADDR", "localhost", str, "a host name"),
+        master_port=_parse(e, "MASTER_PORT", 29500, int, "a port in 1..65535",
+                           lambda v: 0 < v < 65536),
+    )
+
+
+LOGGER_LEVELS = {"TRACE": "TRACE", "DEBUG": "DEBUG", "INFO": "INFO", "WARN": "WARNING",
+                 "WARNING": "WARNING", "ERROR": "ERROR", "CRITICAL": "CRITICAL", "OFF": "OFF"}
+
+
+def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> BackendConfig:
+    """Merge CLI arguments (the ``serve`` options, snake_case keys) with the environment."""
+    s = read_env(env)
+    level = str(cli.get("logger_level") or "INFO").upper()
+    if level not in LOGGER_LEVELS:
+        raise ConfigError(f"--logger-level={level!r} is invalid: allowed {sorted(LOGGER_LEVELS)}")
+    if cli.get("sharded") and s.world_size < 2:
+        raise ConfigError("--sharded needs WORLD_SIZE >= 2 (and RANK, MASTER_ADDR, MASTER_PORT)")
+    if s.rank >= s.world_size:
+        raise ConfigError(f"RANK={s.rank} is invalid: allowed 0..WORLD_SIZE-1 ({s.world_size - 1})")
+    return BackendConfig(
+        backend=s.backend,  # type: ignore[arg-type]
+        model=ModelConfig(
+            model_id=str(cli["model_id"]),
+            revision=cli.get("revision"),
+            dtype=cli.get("dtype"),
+            trust_remote_code=bool(cli.get("trust_remote_code", False)),
+            quantize=cli.get("quantize"),
+            speculate=int(cli.get("speculate") or 0),
+            max_input_tokens=cli.get("max_input_tokens"),
+        ),
+        cache=CacheConfig(
+            block_size=s.block_size,
+            memory_fraction=s.memory_fraction * s.cuda_memory_fraction,
+            num_blocks=s.num_blocks,
+            overcommit=s.overcommit,
+            swap_space_bytes=int(s.swap_space_gb * 1024**3),
+            watermark=s.watermark,
+            kv_cache_dtype=cli.get("kv_cache_dtype") or "auto",
+            prefix_caching=s.prefix_caching,
+        ),
+        preemption=PreemptionConfig(mode=s.preemption),  # type: ignore[arg-type]
+        server=ServerConfig(
+            uds_path=str(cli.get("uds_path") or "/tmp/text-generation-server"),
+            rank=s.rank,
+            world_size=s.world_size,
+            master_addr=s.master_addr,
+            master_port=s.master_port,
+            sharded=bool(cli.get("sharded", False)),
+            logger_level=LOGGER_LEVELS[level],
+            json_output=bool(cli.get("json_output", False)),
+            request_logprobs=s.request_logprobs,
+            max_batch_size=s.max_batch_size,
+            max_total_tokens=s.max_total_tokens,
+        ),
+        telemetry=TelemetryConfig(
+            otlp_endpoint=cli.get("otlp_endpoint"),
+            otlp_service_name=str(cli.get("otlp_service_name") or "text-generation-inference.server"),
+            metrics_port=s.metrics_port,
+        ),
+    )
