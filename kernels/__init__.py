@@ -1,0 +1,24 @@
+"""Paged-KV kernels for tgi-paged-backend, imported as ``tgi_paged_kernels``.
+
+Public functions (``api``), each with a Triton path for CUDA tensors and a plain-torch path for CPU:
+
+- ``store_kv``: write new tokens' K/V into their slots (fp16/bf16/fp32/fp8 caches)
+- ``paged_decode_attention``: one query token per request, GQA/MQA, softcap, sliding window,
+  split-K chosen by shape
+- ``paged_prefill_attention``: packed variable-length causal prefill over a cached prefix
+- ``copy_blocks``: copy-on-write of whole blocks inside the pool, all layers
+- ``swap_blocks``: whole blocks between the pool and the CPU swap space, all layers
+
+Files: one kernel family per module (``store_kv``, ``paged_decode``, ``paged_prefill``,
+``block_copy``; shared inner loop in ``_attention_tiles``), each a ``_<name>_kernel`` plus a
+``_launch_*`` launcher that checks arguments and computes the grid; ``torch_impl`` (CPU paths);
+``reference`` (fp32 per-request references, the specification); ``testing`` (paged test-case
+builders and tolerances shared by tests and ``examples/bench_paged_attention.py``).
+
+Words as in the package glossary: *slot* = ``block_id * block_size + offset``; *block table* = a
+request's physical blocks in token order; *pool* = all physical blocks of one layer.
+"""
+
+from .api import copy_blocks, paged_decode_attention, paged_prefill_attention, store_kv, swap_blocks
+
+__all__ = ["copy_blocks", "paged_decode_attention", "paged_prefill_attention", "store_kv", "swap_blocks"]

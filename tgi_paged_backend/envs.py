@@ -132,6 +132,19 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
     )
 
 
+def engine_factory_override(env: Mapping[str, str] | None = None) -> str | None:
+    """``TGI_PAGED_ENGINE_FACTORY`` (tests only): ``module:callable`` that ``serve`` uses instead of
+    ``engine.build_engine``, so CLI tests can run the real server on a fake engine. Unset in production."""
+    e = os.environ if env is None else env
+    raw = (e.get("TGI_PAGED_ENGINE_FACTORY") or "").strip()
+    if not raw:
+        return None
+    module, sep, attr = raw.partition(":")
+    if not (module and sep and attr):
+        raise _fail("TGI_PAGED_ENGINE_FACTORY", raw, "module:callable")
+    return raw
+
+
 LOGGER_LEVELS = {"TRACE": "TRACE", "DEBUG": "DEBUG", "INFO": "INFO", "WARN": "WARNING",
                  "WARNING": "WARNING", "ERROR": "ERROR", "CRITICAL": "CRITICAL", "OFF": "OFF"}
 

@@ -1,0 +1,129 @@
+"""The inner loop shared by the paged decode and prefill kernels: online softmax over key tiles
+read through a block table.
+
+A program owns ``BLOCK_M`` query *rows*. A row is one (query token, query head) pair; all rows of a
+program share one KV head, so each K/V tile loaded from the pool serves every query head of the
+GQA group (decode packs the group's heads as rows; prefill packs tokens x heads). Each row carries
+its own token position, which gives causal and sliding-window masking per row.
+
+Keys are visited in tiles of ``BLOCK_N`` token positions. Every position is located on its own,
+``block_tables[pos // BLOCK_SIZE]`` and offset ``pos % BLOCK_SIZE``, so a tile may span several
+physical blocks (block size 8 with BLOCK_N 64) or part of one (block size 32 with BLOCK_N 16).
+
+The softmax is the streaming form of FlashAttention-2 (Dao, 2023, arXiv:2307.08691, Algorithm 1):
+running row maximum ``m_i``, running denominator ``l_i``, unnormalised output ``acc``; the exponent
+is taken base 2 with the scores pre-multiplied by log2(e), which is exact algebra and maps to the
+hardware ``ex2`` instruction.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import is_fp8, next_power_of_2
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) == exp2(x * LOG2E)
+
+# Initial running maximum. Finite on purpose: a row whose keys so far are all masked (-inf) then
+# gets alpha = exp2(M_FLOOR - M_FLOOR) = 1 and p = exp2(-inf) = 0, where an initial -inf would give
+# (-inf) - (-inf) = NaN. Real scores (|s| << 1e30) replace it at the first visible key.
+M_FLOOR: tl.constexpr = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1), an exact identity. |x| is clamped to 10 first: tanh(10) is
+    # 1 - 4e-9, which rounds to 1.0 in fp32, and the clamp keeps exp() from overflowing.
+    x = tl.minimum(tl.maximum(x, -10.0), 10.0)
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _attend_kv_tiles(
+    acc, m_i, l_i,  # running state: [BLOCK_M, HEAD_DIM_PAD] fp32, [BLOCK_M] fp32, [BLOCK_M] fp32
+    q, q_pos,  # [BLOCK_M, HEAD_DIM_PAD] in DOT_DTYPE; [BLOCK_M] int32 token position of each row
+    kv_lo, kv_hi,  # visit key positions kv_lo <= p < kv_hi (all < seq_len)
+    block_table_ptr,  # this request's row of the block table
+    k_head_ptr, stride_kb, stride_ks, stride_kd,  # K pool, already offset to this KV head
+    v_head_ptr, stride_vb, stride_vs, stride_vd,  # V pool, already offset to this KV head
+    sm_scale, softcap, sliding_window,  # sm_scale includes k_scale
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,  #
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,  #
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,  #
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
+):
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM  # head dims 80, 96 are padded to 128
+    for tile_start in range(kv_lo, kv_hi, BLOCK_N):
+        # -- locate the tile's token positions in the pool -------------------------------------
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_hi  # never read past seq_len: those slots may hold NaN
+        physical_block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        slot_in_block = offs_n % BLOCK_SIZE
+        # -- scores = q @ k^T, K loaded transposed: [HEAD_DIM_PAD, BLOCK_N] -----------------------
+        k_offs = (physical_block * stride_kb + slot_in_block * stride_ks)[None, :] + offs_d[:, None] * stride_kd
+        k = tl.load(k_head_ptr + k_offs, mask=d_mask[:, None] & n_mask[None, :], other=0.0).to(DOT_DTYPE)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+
+        # -- mask: inside the range, causal, inside the window ----------------------------------
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s * LOG2E, float("-inf"))
+
+        # -- update m_i and l_i, rescale acc ------------------------------------------------------
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        # -- acc += p @ v, V loaded as [BLOCK_N, HEAD_DIM_PAD] ------------------------------------
+        v_offs = (physical_block * stride_vb + slot_in_block * stride_vs)[:, None] + offs_d[None, :] * stride_vd
+        v = tl.load(v_head_ptr + v_offs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher-side helpers
+# ---------------------------------------------------------------------------------------------
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def dot_dtype_and_precision(query: torch.Tensor) -> tuple[tl.dtype, str]:
+    """The dtype K/V tiles and probabilities are cast to for ``tl.dot``, and the dot's precision.
+
+    The query's own dtype (fp8 K/V values are exact in fp16 and bf16). fp32 uses "ieee": TF32's
+    10-bit mantissa would cost an fp32 model ~1e-3 relative error. One exception: CPU tensors can
+    only mean the Triton interpreter, whose ``tl.dot`` multiplies bf16 bit patterns as integers
+    (triton-lang/triton#11584, "not supported yet"), so bf16 is computed in fp32 there.
+    """
+    if query.dtype == torch.bfloat16 and query.device.type == "cpu":
+        return tl.float32, "ieee"
+    dtype = _TL_DTYPES[query.dtype]
+    return dtype, "ieee" if dtype == tl.float32 else "tf32"
+
+
+def head_dim_pad(head_dim: int) -> int:
+    """Block width of the head_dim axis: the next power of two, and at least 16 (tl.dot's minimum)."""
+    return max(16, next_power_of_2(head_dim))
+
+
+def key_tile_size(head_dim_padded: int) -> int:
+    """BLOCK_N: key positions per loop iteration. 64 keeps a K tile plus a V tile of fp16 at
+    head_dim 128 at 32 KiB; head_dim 256 halves it to stay within the same register/SMEM budget."""
+    return 64 if head_dim_padded <= 128 else 32
+
+
+def kernel_scales(cache_dtype: torch.dtype, scale: float, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """(scale applied to q.k, scale applied to the output). fp8 caches store x / scale, so K's scale
+    folds into the softmax scale and V's into the output; other caches ignore the scales."""
+    if not is_fp8(cache_dtype):
+        return float(scale), 1.0
+    return float(scale) * float(k_scale), float(v_scale)

@@ -1,0 +1,197 @@
+"""The public kernel functions the model runner calls.
+
+Each dispatches on the tensors' device: CUDA -> the Triton launchers (``_launch_*`` in the kernel
+modules, importable directly to force the Triton path, e.g. under ``TRITON_INTERPRET=1`` on CPU);
+anything else -> the plain-torch paths in ``torch_impl``. Triton is imported only on the CUDA path:
+it is installed on Linux only, and CPU serving must not need it.
+
+Layouts (one layer; the runner owns one K and one V pool per layer)::
+
+    k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim]
+    slot             : block_id * block_size + offset
+    block_tables     : int32 [num_requests, max_blocks], request b's position p is in block
+                       block_tables[b, p // block_size] at offset p % block_size
+
+Scales: an fp8 cache (float8_e4m3fn / float8_e5m2) stores ``x / scale`` saturated to the finite
+range and reads back ``fp8.float() * scale``; one scale per layer for K and one for V. Other cache
+dtypes store values as they are and ignore the scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import torch_impl
+from ._checks import check_attention, check_index, check_kv_cache, check_store
+from .block_copy import check_block_pairs, swap_blocks_torch
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write new tokens' K and V into their slots of one layer's pool.
+
+    Parameters
+    ----------
+    key, value : [num_tokens, num_kv_heads, head_dim], float16/bfloat16/float32
+    k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any of float16, bfloat16,
+        float32, float8_e4m3fn, float8_e5m2 (K and V alike); written in place
+    slot_mapping : int64 (or int32) [num_tokens], slot of each token; negative = skip (padding)
+    k_scale, v_scale : per-layer fp8 scales, see the module docstring
+    """
+    if k_cache.is_cuda:
+        from .store_kv import _launch_store_kv
+
+        _launch_store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        return
+    check_store(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    torch_impl.store_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+
+def paged_decode_attention(
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale: float,
+    softcap: float = 0.0,
+    sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per request over that request's K/V in the pool.
+
+    Parameters
+    ----------
+    query : [num_requests, num_q_heads, head_dim], float16/bfloat16/float32; request b's token is at
+        position ``seq_lens[b] - 1``. ``num_q_heads`` is a multiple of ``num_kv_heads`` (GQA/MQA).
+    k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any cache dtype
+    block_tables : int32 [num_requests, max_blocks]
+    seq_lens : int32 [num_requests], tokens in the pool per request, the current one included
+    scale : softmax scale, usually ``head_dim ** -0.5``
+    softcap : > 0 caps scores as ``softcap * tanh(scores / softcap)`` (Gemma 2); 0 disables it
+    sliding_window : ``w`` attends to the last ``w`` positions only (key position > query position - w)
+    k_scale, v_scale : fp8 scales, see the module docstring
+    out : optional [num_requests, num_q_heads, head_dim] float output buffer
+
+    Returns
+    -------
+    [num_requests, num_q_heads, head_dim] in ``query``'s dtype (or ``out``). On CUDA, long contexts
+    with few requests use split-K (flash-decoding), chosen from shapes without a device sync.
+    """
+    if query.is_cuda:
+        from .paged_decode import _launch_paged_decode
+
+        return _launch_paged_decode(
+            query, k_cache, v_cache, block_tables, seq_lens,
+            scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+        )  # fmt: skip
+    check_attention(
+        query, k_cache, v_cache, block_tables,
+        softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+    )  # fmt: skip
+    check_index("seq_lens", seq_lens, (query.shape[0],), query.device)
+    return torch_impl.paged_decode_attention_torch(
+        query, k_cache, v_cache, block_tables, seq_lens,
+        scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+    )  # fmt: skip
+
+
+def paged_prefill_attention(
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    *,
+    scale: float,
+    softcap: float = 0.0,
+    sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of many requests' new tokens (packed) over their cached prefix and themselves.
+
+    Serves prefill, chunked prefill, prefix-cache hits and recompute alike: the new tokens' K/V are
+    already stored, so every position ``< seq_lens[b]`` of request b is in the pool.
+
+    Parameters
+    ----------
+    query : [num_tokens, num_q_heads, head_dim], float16/bfloat16/float32; request b's queries are
+        rows ``query_start_loc[b]:query_start_loc[b+1]``, at positions
+        ``seq_lens[b] - q_len .. seq_lens[b] - 1``
+    k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any cache dtype
+    block_tables : int32 [num_requests, max_blocks]
+    query_start_loc : int32 [num_requests + 1], rising from 0 to num_tokens
+    seq_lens : int32 [num_requests], cached prefix + new tokens
+    scale, softcap, sliding_window, k_scale, v_scale, out : as for ``paged_decode_attention``
+
+    Returns
+    -------
+    [num_tokens, num_q_heads, head_dim] in ``query``'s dtype (or ``out``).
+    """
+    if query.is_cuda:
+        from .paged_prefill import _launch_paged_prefill
+
+        return _launch_paged_prefill(
+            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+            scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+        )  # fmt: skip
+    check_attention(
+        query, k_cache, v_cache, block_tables,
+        softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+    )  # fmt: skip
+    check_index("seq_lens", seq_lens, (block_tables.shape[0],), query.device)
+    check_index("query_start_loc", query_start_loc, (block_tables.shape[0] + 1,), query.device)
+    return torch_impl.paged_prefill_attention_torch(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+        scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+    )  # fmt: skip
+
+
+def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy-on-write inside the pool: block ``src[i]`` -> block ``dst[i]`` in every layer's K and V.
+
+    Parameters
+    ----------
+    k_caches, v_caches : per layer, [num_blocks, block_size, num_kv_heads, head_dim]
+    src, dst : int [num_pairs] block ids (moved to the pool's device if needed); ``dst`` distinct
+        and disjoint from ``src``
+    """
+    if not k_caches:
+        return
+    device = k_caches[0].device
+    src, dst = src.to(device), dst.to(device)
+    if device.type == "cuda":
+        from .block_copy import _launch_copy_blocks
+
+        _launch_copy_blocks(k_caches, v_caches, src, dst)
+        return
+    for k_cache, v_cache in zip(k_caches, v_caches, strict=True):
+        check_kv_cache(k_cache, v_cache)
+    check_block_pairs(src, dst, device, device)
+    torch_impl.copy_blocks_torch(k_caches, v_caches, src, dst)
+
+
+def swap_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], src_ids, dst_ids) -> None:
+    """Copy whole blocks between the pool and the CPU swap space (either way), all layers, batched.
+
+    Parameters
+    ----------
+    src_caches, dst_caches : matching lists (K and V pools of every layer, in any fixed order) of
+        [num_blocks, block_size, num_kv_heads, head_dim]; the swap space should be pinned CPU memory
+        when the pool is on CUDA
+    src_ids, dst_ids : int [num_pairs]: block ``src_ids[i]`` of each source -> ``dst_ids[i]`` of its destination
+    """
+    if len(src_caches) != len(dst_caches):
+        raise ValueError(f"{len(src_caches)} source pools but {len(dst_caches)} destination pools")
+    if not src_caches or src_ids.numel() == 0:
+        return
+    for src, dst in zip(src_caches, dst_caches):
+        if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+            raise ValueError(f"pool blocks differ: {src.dtype} {tuple(src.shape)} vs {dst.dtype} {tuple(dst.shape)}")
+    check_block_pairs(src_ids, dst_ids, src_ids.device, dst_ids.device)
+    swap_blocks_torch(src_caches, dst_caches, src_ids, dst_ids)

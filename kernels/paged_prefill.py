@@ -1,0 +1,169 @@
+"""Paged prefill / extend attention: many requests' new tokens, packed, causal over each request's
+cached prefix plus its new tokens, all read from the block pool.
+
+This one kernel serves a first prefill (no prefix), chunked prefill (earlier chunks in the pool),
+prefix-cache hits (shared blocks in the pool) and recompute after preemption: the caller has stored
+the new tokens' K/V before the call, so for request ``b`` every position ``< seq_lens[b]`` is in the
+pool and its ``q_len`` queries sit at positions ``seq_lens[b] - q_len .. seq_lens[b] - 1``::
+
+    position:  0 ............................ seq_len - q_len ........ seq_len - 1
+               |<- cached prefix (no mask) ->|<- new tokens (causal) ->|
+
+Work split: rows are (query token, query head of the GQA group) pairs, token-major, so a tile of
+``BLOCK_M`` rows covers ``BLOCK_M / queries_per_kv`` tokens of one request and one KV head. The grid
+is flat over tiles of all requests; request ``b``'s tiles start at tile
+``query_start_loc[b] * queries_per_kv // BLOCK_M + b``, a layout every program computes from
+``query_start_loc`` alone (no host sync, no extra index tensor). That start is an upper bound on the
+tiles all earlier requests need, so a few programs find no rows and return.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._attention_tiles import (
+    M_FLOOR,
+    _attend_kv_tiles,
+    dot_dtype_and_precision,
+    head_dim_pad,
+    kernel_scales,
+    key_tile_size,
+)
+from ._checks import check_attention, check_index, check_unit_inner_stride, next_power_of_2
+
+MAX_HEAD_DIM = 256  # as for decode: the fp32 accumulator [BLOCK_M, 256] is the register budget's limit
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    query_ptr, stride_qt, stride_qh, stride_qd,  #
+    k_cache_ptr, stride_kb, stride_ks, stride_kh, stride_kd,  #
+    v_cache_ptr, stride_vb, stride_vs, stride_vh, stride_vd,  #
+    block_tables_ptr, stride_btb,  #
+    query_start_loc_ptr, seq_lens_ptr, num_requests,  #
+    out_ptr, stride_ot, stride_oh, stride_od,  #
+    sm_scale, v_scale, softcap, sliding_window,  #
+    QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, REQUESTS_PAD: tl.constexpr,  #
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,  #
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,  #
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # -- find the request: the last one whose first tile is <= this tile ------------------------------
+    offs_r = tl.arange(0, REQUESTS_PAD)
+    starts = tl.load(query_start_loc_ptr + offs_r, mask=offs_r < num_requests, other=0)
+    first_tiles = tl.where(offs_r < num_requests, starts * QUERIES_PER_KV // BLOCK_M + offs_r, 2**30)
+    request = tl.sum((first_tiles <= tile).to(tl.int32), axis=0) - 1
+    q_start = tl.load(query_start_loc_ptr + request).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + request + 1).to(tl.int32) - q_start
+    row_start = (tile - (q_start * QUERIES_PER_KV // BLOCK_M + request)) * BLOCK_M
+    if row_start >= q_len * QUERIES_PER_KV:
+        return  # this request has fewer tiles than its allotment
+
+    # -- rows: token-major (token, head in group) pairs; their positions -------------------------------
+    seq_len = tl.load(seq_lens_ptr + request).to(tl.int32)
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    row_mask = offs_m < q_len * QUERIES_PER_KV
+    token = offs_m // QUERIES_PER_KV
+    q_head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
+    q_pos = seq_len - q_len + token
+    io_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_offs = (q_start + token)[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(query_ptr + q_offs, mask=io_mask, other=0.0).to(DOT_DTYPE)
+
+    # -- key range: causal up to the tile's last token, from its first token's window start ----------
+    first_pos = seq_len - q_len + row_start // QUERIES_PER_KV
+    last_pos = seq_len - q_len + tl.minimum((row_start + BLOCK_M - 1) // QUERIES_PER_KV, q_len - 1)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+    kv_hi = last_pos + 1
+
+    # -- online softmax over the key tiles -----------------------------------------------------------
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), M_FLOOR, tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc, m_i, l_i = _attend_kv_tiles(
+        acc, m_i, l_i, q, q_pos, kv_lo, kv_hi,  #
+        block_tables_ptr + request.to(tl.int64) * stride_btb,  #
+        k_cache_ptr + kv_head * stride_kh, stride_kb, stride_ks, stride_kd,  #
+        v_cache_ptr + kv_head * stride_vh, stride_vb, stride_vs, stride_vd,  #
+        sm_scale, softcap, sliding_window,  #
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, USE_SOFTCAP, USE_WINDOW, DOT_DTYPE, DOT_PRECISION,  #
+    )
+
+    # -- epilogue: normalise and store (every row sees at least itself, so l_i > 0) --------------------
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    result = acc * (v_scale / l_safe)[:, None]
+    out_offs = (q_start + token)[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :] * stride_od
+    tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def query_tile_size(head_dim_padded: int) -> int:
+    """BLOCK_M rows per program: 64 up to head_dim 128; 32 at 256, so the fp32 accumulator
+    [BLOCK_M, HEAD_DIM_PAD] stays at 32 KiB."""
+    return 64 if head_dim_padded <= 128 else 32
+
+
+def _launch_paged_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    softcap: float = 0.0,
+    sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Check arguments and launch the Triton prefill kernel, whatever the device.
+
+    Parameters are those of ``api.paged_prefill_attention``. Returns ``out``,
+    ``[num_tokens, num_q_heads, head_dim]``.
+    """
+    shape = check_attention(
+        query, k_cache, v_cache, block_tables,
+        softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+    )  # fmt: skip
+    cache = shape.cache
+    num_requests = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    check_index("seq_lens", seq_lens, (num_requests,), query.device)
+    check_index("query_start_loc", query_start_loc, (num_requests + 1,), query.device)
+    if block_tables.shape[0] != num_requests:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_requests} requests")
+    if cache.head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {cache.head_dim} > {MAX_HEAD_DIM} is not supported by the Triton prefill kernel")
+    out = torch.empty_like(query) if out is None else out
+    check_unit_inner_stride(query=query, k_cache=k_cache, v_cache=v_cache, out=out, block_tables=block_tables)
+    if num_requests == 0 or shape.num_rows == 0:
+        return out
+
+    dim_pad = head_dim_pad(cache.head_dim)
+    block_m = query_tile_size(dim_pad)
+    # Tiles: request b gets tiles [qsl[b] * G // BLOCK_M + b, qsl[b+1] * G // BLOCK_M + b + 1).
+    num_tiles = shape.num_rows * shape.queries_per_kv // block_m + num_requests
+    dot_dtype, dot_precision = dot_dtype_and_precision(query)
+    sm_scale, out_scale = kernel_scales(k_cache.dtype, scale, k_scale, v_scale)
+    _paged_prefill_kernel[(num_tiles, cache.num_kv_heads)](
+        query, *query.stride(),  #
+        k_cache, *k_cache.stride(),  #
+        v_cache, *v_cache.stride(),  #
+        block_tables, block_tables.stride(0),  #
+        query_start_loc, seq_lens, num_requests,  #
+        out, *out.stride(),  #
+        sm_scale, out_scale, softcap, sliding_window or 0,  #
+        QUERIES_PER_KV=shape.queries_per_kv, BLOCK_M=block_m, REQUESTS_PAD=next_power_of_2(num_requests),  #
+        BLOCK_SIZE=cache.block_size, BLOCK_N=key_tile_size(dim_pad), HEAD_DIM=cache.head_dim,  #
+        HEAD_DIM_PAD=dim_pad, USE_SOFTCAP=softcap > 0, USE_WINDOW=sliding_window is not None,  #
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,  #
+    )  # fmt: skip
+    return out

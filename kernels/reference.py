@@ -1,0 +1,146 @@
+"""Pure fp32 PyTorch references for every kernel in this package.
+
+These are the specification: obvious per-request, per-head loops, no masking tricks, no batching.
+They read only the slots a request owns (positions < its ``seq_len``), so unused slots may hold
+anything, NaN included. Tests compare both the Triton kernels and the plain-torch CPU paths
+(``torch_impl``) against these; nothing on a fast path calls them.
+
+Layouts (one layer):
+
+- ``k_cache``, ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``
+- slot ``s`` is block ``s // block_size``, offset ``s % block_size``
+- token position ``p`` of request ``b`` lives in block ``block_tables[b, p // block_size]``,
+  offset ``p % block_size``
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import is_fp8
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Value as stored in a cache of ``dtype``: fp8 stores ``x / scale`` saturated to the finite
+    range; other dtypes store ``x`` as is (scales apply to fp8 caches only)."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    finite_max = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-finite_max, finite_max).to(dtype)
+
+
+def dequantize(stored: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 value of cache entries: ``fp8.float() * scale``, or the plain value for other dtypes."""
+    if is_fp8(stored.dtype):
+        return stored.float() * scale
+    return stored.float()
+
+
+def store_kv_reference(key, value, k_cache, v_cache, slot_mapping, *, k_scale=1.0, v_scale=1.0) -> None:
+    """Write token ``i``'s K/V into slot ``slot_mapping[i]``, one token at a time; skip negative slots."""
+    block_size = k_cache.shape[1]
+    for i, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block_id, offset = divmod(slot, block_size)
+        k_cache[block_id, offset] = quantize(key[i], k_cache.dtype, k_scale)
+        v_cache[block_id, offset] = quantize(value[i], v_cache.dtype, v_scale)
+
+
+def gather_request_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """One request's first ``seq_len`` positions, in token order: ``[seq_len, num_kv_heads, head_dim]`` fp32."""
+    block_size = cache.shape[1]
+    positions = torch.arange(seq_len)
+    block_ids = block_table_row.long().cpu()[positions // block_size]
+    return dequantize(cache[block_ids, positions % block_size], scale)
+
+
+def attend_one_request(q, k, v, q_positions, *, scale, softcap=0.0, sliding_window=None) -> torch.Tensor:
+    """Causal attention of one request's queries over its keys, one query head at a time.
+
+    Parameters
+    ----------
+    q : [num_queries, num_q_heads, head_dim] fp32
+    k, v : [seq_len, num_kv_heads, head_dim] fp32, key position ``p`` at row ``p``
+    q_positions : [num_queries] token position of each query
+
+    Query ``i`` sees key ``p`` when ``p <= q_positions[i]`` and, with a window ``w``,
+    ``p > q_positions[i] - w``. Rows that see no key return zeros.
+    """
+    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+    queries_per_kv = num_q_heads // num_kv_heads
+    key_positions = torch.arange(k.shape[0])
+    visible = key_positions[None, :] <= q_positions[:, None]
+    if sliding_window is not None:
+        visible &= key_positions[None, :] > q_positions[:, None] - sliding_window
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for q_head in range(num_q_heads):
+        kv_head = q_head // queries_per_kv
+        scores = (q[:, q_head] @ k[:, kv_head].T) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no visible key: all -inf -> NaN -> 0
+        out[:, q_head] = probs @ v[:, kv_head]
+    return out
+
+
+def paged_decode_attention_reference(
+    query, k_cache, v_cache, block_tables, seq_lens, *, scale, softcap=0.0, sliding_window=None, k_scale=1.0, v_scale=1.0
+) -> torch.Tensor:
+    """Decode: request ``b``'s single query sits at position ``seq_lens[b] - 1``. Returns fp32 on CPU."""
+    query, k_cache, v_cache = query.float().cpu(), k_cache.cpu(), v_cache.cpu()
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        k = gather_request_kv(k_cache, block_tables[b], seq_len, k_scale)
+        v = gather_request_kv(v_cache, block_tables[b], seq_len, v_scale)
+        q_positions = torch.tensor([seq_len - 1])
+        out[b] = attend_one_request(
+            query[b : b + 1], k, v, q_positions, scale=scale, softcap=softcap, sliding_window=sliding_window
+        )[0]
+    return out
+
+
+def paged_prefill_attention_reference(
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    *,
+    scale,
+    softcap=0.0,
+    sliding_window=None,
+    k_scale=1.0,
+    v_scale=1.0,
+) -> torch.Tensor:
+    """Prefill/extend: request ``b``'s queries are rows ``query_start_loc[b]:query_start_loc[b+1]`` at
+    positions ``seq_lens[b] - q_len .. seq_lens[b] - 1``. Returns fp32 on CPU."""
+    query, k_cache, v_cache = query.float().cpu(), k_cache.cpu(), v_cache.cpu()
+    starts = query_start_loc.tolist()
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[b], starts[b + 1]
+        k = gather_request_kv(k_cache, block_tables[b], seq_len, k_scale)
+        v = gather_request_kv(v_cache, block_tables[b], seq_len, v_scale)
+        q_positions = torch.arange(seq_len - (end - start), seq_len)
+        out[start:end] = attend_one_request(
+            query[start:end], k, v, q_positions, scale=scale, softcap=softcap, sliding_window=sliding_window
+        )
+    return out
+
+
+def copy_blocks_reference(k_caches, v_caches, src, dst) -> None:
+    """Copy block ``src[i]`` to block ``dst[i]`` in every layer's K and V pool, pair by pair."""
+    for cache in [*k_caches, *v_caches]:
+        for s, d in zip(src.tolist(), dst.tolist()):
+            cache[d] = cache[s].clone()
+
+
+def swap_blocks_reference(src_caches, dst_caches, src_ids, dst_ids) -> None:
+    """Copy block ``src_ids[i]`` of each source pool to block ``dst_ids[i]`` of the matching destination
+    pool (pool <-> swap space, any devices), pair by pair."""
+    for src, dst in zip(src_caches, dst_caches):
+        for s, d in zip(src_ids.tolist(), dst_ids.tolist()):
+            dst[d] = src[s].to(dst.device)

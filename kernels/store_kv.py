@@ -1,0 +1,95 @@
+"""Store the K/V of new tokens into their slots of the paged pool.
+
+Token ``i`` goes to slot ``slot_mapping[i]``: block ``slot // block_size``, offset
+``slot % block_size``; a negative slot (padding) is skipped. fp8 caches store ``x / scale``
+saturated to the format's finite range, so an outlier becomes the largest finite value, never
+inf/NaN (e5m2 would otherwise overflow to inf).
+
+One program stores one token for ``BLOCK_H`` heads: each head's row is a contiguous
+``head_dim`` run in both source and cache, so loads and stores are coalesced.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_store, check_unit_inner_stride, is_fp8, next_power_of_2
+
+MAX_ELEMENTS_PER_PROGRAM = 4096  # heads x padded head_dim per program: 16 KiB of fp32 registers for K and V each
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, stride_kt, stride_kh, stride_kd,  #
+    value_ptr, stride_vt, stride_vh, stride_vd,  #
+    k_cache_ptr, stride_kcb, stride_kcs, stride_kch, stride_kcd,  #
+    v_cache_ptr, stride_vcb, stride_vcs, stride_vch, stride_vcd,  #
+    slot_mapping_ptr,  #
+    k_scale, v_scale, fp8_max,  #
+    NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,  #
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,  #
+    BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr,  #
+):
+    token = tl.program_id(0)
+    head_block = tl.program_id(1)
+
+    # -- where this token goes ----------------------------------------------------------------------
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return  # padding token: nothing to store
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+
+    # -- [BLOCK_H, HEAD_DIM_PAD] tile of this token's heads ------------------------------------------
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
+
+    # -- quantize: fp8 stores x / scale, saturated -----------------------------------------------------
+    if IS_FP8:
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -fp8_max), fp8_max)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -fp8_max), fp8_max)
+
+    # -- store ------------------------------------------------------------------------------------------
+    kc_offs = block * stride_kcb + offset * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd
+    vc_offs = block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd
+    tl.store(k_cache_ptr + kc_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + vc_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Check arguments and launch ``_store_kv_kernel``, whatever the device (parameters: ``api.store_kv``)."""
+    cache = check_store(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    check_unit_inner_stride(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+
+    dim_pad = next_power_of_2(cache.head_dim)
+    block_h = min(next_power_of_2(cache.num_kv_heads), max(1, MAX_ELEMENTS_PER_PROGRAM // dim_pad))
+    fp8 = is_fp8(k_cache.dtype)
+    grid = (num_tokens, triton.cdiv(cache.num_kv_heads, block_h))
+    _store_kv_kernel[grid](
+        key, *key.stride(),  #
+        value, *value.stride(),  #
+        k_cache, *k_cache.stride(),  #
+        v_cache, *v_cache.stride(),  #
+        slot_mapping,  #
+        float(k_scale), float(v_scale), torch.finfo(k_cache.dtype).max if fp8 else 0.0,  #
+        NUM_KV_HEADS=cache.num_kv_heads, BLOCK_H=block_h,  #
+        HEAD_DIM=cache.head_dim, HEAD_DIM_PAD=dim_pad,  #
+        BLOCK_SIZE=cache.block_size, IS_FP8=fp8,  #
+    )  # fmt: skip

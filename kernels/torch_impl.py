@@ -1,0 +1,145 @@
+"""Plain-torch implementations behind the public functions for CPU tensors.
+
+These serve small models on CPU (tests, the demo: SmolLM2-135M, batch 32, contexts up to ~1k), so
+decode is vectorised across the batch: gather every request's blocks through the block table into
+one padded ``[batch, max_len, num_kv_heads, head_dim]`` tensor, mask, and do one batched matmul
+pair for the whole call. Prefill loops over requests (each request is already a large matmul).
+
+Unused slots of the pool may hold anything, NaN included (pools come from ``torch.empty``). Padded
+positions are therefore masked in the scores *and* zeroed in V: ``0 * NaN`` is NaN, so a zero
+probability alone would not hide them.
+
+Arguments are checked by the public functions in ``api``; only value-dependent checks live here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import cdiv
+from .reference import dequantize, quantize
+
+
+def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float, v_scale: float) -> None:
+    """Scatter token ``i``'s K/V into slot ``slot_mapping[i]``; negative slots are skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = k_cache.shape[1]
+    block_ids, offsets = slots // block_size, slots % block_size
+    # Advanced-index assignment also works on non-contiguous cache views.
+    k_cache[block_ids, offsets] = quantize(key[keep], k_cache.dtype, k_scale)
+    v_cache[block_ids, offsets] = quantize(value[keep], v_cache.dtype, v_scale)
+
+
+def _attend(q, k, v, visible, *, scale: float, softcap: float) -> torch.Tensor:
+    """Batched masked attention in fp32.
+
+    q: [..., num_queries, head_dim]; k, v: [..., num_keys, head_dim] (V already zeroed where no query
+    sees it); visible: bool, broadcastable to [..., num_queries, num_keys]. Rows that see nothing give 0.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if softcap > 0:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
+    scores = scores.masked_fill_(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # all -inf row -> NaN -> 0
+    return torch.matmul(probs, v)
+
+
+def paged_decode_attention_torch(
+    query, k_cache, v_cache, block_tables, seq_lens, *, scale, softcap, sliding_window, k_scale, v_scale, out
+) -> torch.Tensor:
+    """Decode for CPU tensors: one gather, one masked batched attention; see ``api.paged_decode_attention``."""
+    batch, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    seq_lens = seq_lens.long()
+    max_len = int(seq_lens.max()) if batch else 0
+    num_blocks = cdiv(max_len, block_size)
+    if num_blocks > block_tables.shape[1]:
+        raise ValueError(f"seq_lens up to {max_len} need {num_blocks} blocks, block_tables has {block_tables.shape[1]}")
+
+    # -- gather: [batch, num_blocks * block_size, num_kv_heads, head_dim]; table entries past a
+    # request's last block may be garbage, so point them at block 0 (masked below) ---------------
+    used = torch.arange(num_blocks)[None, :] < cdiv_tensor(seq_lens, block_size)[:, None]
+    table = torch.where(used, block_tables[:, :num_blocks].long(), 0)
+    k = dequantize(k_cache[table], k_scale).flatten(1, 2)
+    v = dequantize(v_cache[table], v_scale).flatten(1, 2)
+
+    # -- which positions the single query (at seq_len - 1) sees ------------------------------
+    positions = torch.arange(num_blocks * block_size)
+    visible = positions[None, :] < seq_lens[:, None]
+    if sliding_window is not None:
+        visible &= positions[None, :] > seq_lens[:, None] - 1 - sliding_window
+    v = v.masked_fill_(~visible[:, :, None, None], 0.0)  # v is the gathered copy, never the pool
+
+    # -- GQA: the queries_per_kv heads of a group are the "query rows" of one KV head ----------
+    q = query.float().reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    result = _attend(
+        q, k.transpose(1, 2), v.transpose(1, 2), visible[:, None, None, :], scale=scale, softcap=softcap
+    ).reshape(batch, num_q_heads, head_dim)
+    return _write_out(result, query, out)
+
+
+def paged_prefill_attention_torch(
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    *,
+    scale,
+    softcap,
+    sliding_window,
+    k_scale,
+    v_scale,
+    out,
+) -> torch.Tensor:
+    """Prefill/extend for CPU tensors, one request at a time; see ``api.paged_prefill_attention``."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    queries_per_kv = num_q_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    if starts[0] != 0 or starts[-1] != num_tokens or any(a > b for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {starts}")
+    result = torch.zeros(query.shape, dtype=torch.float32)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[b], starts[b + 1]
+        num_queries = end - start
+        if num_queries == 0:
+            continue
+        if not num_queries <= seq_len <= block_tables.shape[1] * block_size:
+            raise ValueError(f"request {b}: seq_len {seq_len} must cover its {num_queries} queries and fit its block table")
+        # -- this request's K/V, positions 0 .. seq_len-1 only: nothing to mask out in V ----------
+        positions = torch.arange(seq_len)
+        block_ids = block_tables[b, positions // block_size].long()
+        k = dequantize(k_cache[block_ids, positions % block_size], k_scale).transpose(0, 1)  # [kv_heads, seq, D]
+        v = dequantize(v_cache[block_ids, positions % block_size], v_scale).transpose(0, 1)
+        # -- causal (+ window) mask of queries at positions seq_len-num_queries .. seq_len-1 ---------
+        q_positions = torch.arange(seq_len - num_queries, seq_len)
+        visible = positions[None, :] <= q_positions[:, None]
+        if sliding_window is not None:
+            visible &= positions[None, :] > q_positions[:, None] - sliding_window
+        # -- [num_queries, q_heads, D] -> [kv_heads, queries_per_kv, num_queries, D] ----------------
+        q = query[start:end].float().reshape(num_queries, num_kv_heads, queries_per_kv, head_dim).permute(1, 2, 0, 3)
+        o = _attend(q, k[:, None], v[:, None], visible, scale=scale, softcap=softcap)
+        result[start:end] = o.permute(2, 0, 1, 3).reshape(num_queries, num_q_heads, head_dim)
+    return _write_out(result, query, out)
+
+
+def cdiv_tensor(a: torch.Tensor, b: int) -> torch.Tensor:
+    """Elementwise ceiling division of a non-negative integer tensor."""
+    return (a + b - 1) // b
+
+
+def _write_out(result: torch.Tensor, query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return result.to(query.dtype)
+    out.copy_(result)
+    return out
+
+
+def copy_blocks_torch(k_caches, v_caches, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """In-pool block copies: block ``src[i]`` -> block ``dst[i]`` in every layer's K and V pool."""
+    src, dst = src.long(), dst.long()
+    for cache in [*k_caches, *v_caches]:
+        cache[dst] = cache[src]  # the right side is gathered first, so sources read pre-copy values

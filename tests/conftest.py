@@ -1,0 +1,11 @@
+"""Test-suite wide setup.
+
+Triton decides at decoration time whether kernels run in its interpreter, so the switch must be set
+before anything imports ``tgi_paged_kernels``; this root conftest is loaded first. Library code never
+reads it: on CPU the public kernel functions dispatch to plain torch, and tests launch the Triton
+kernels explicitly.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")

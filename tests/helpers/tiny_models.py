@@ -1,0 +1,118 @@
+"""Tiny random causal LMs written to disk, for tests that must run offline and fast.
+
+Each factory writes a complete local model directory (``config.json``, ``model.safetensors``,
+``generation_config.json``, ``tokenizer.json`` + ``tokenizer_config.json``) that
+``AutoModelForCausalLM`` / ``AutoTokenizer`` load with ``local_files_only=True``. Weights and
+tokenizer are deterministic functions of ``seed``.
+
+The tokenizer is a byte-level BPE trained on :data:`TINY_CORPUS`, so any text encodes; special
+tokens are ``<unk>`` = 0, ``<s>`` = 1 (BOS, prepended), ``</s>`` = 2 (EOS), ``<pad>`` = 3.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+TINY_KINDS: tuple[str, ...] = ("llama", "qwen2", "mistral")
+"""Model families :func:`write_tiny_model` can write."""
+
+TINY_CORPUS: tuple[str, ...] = (
+    "The quick brown fox jumps over the lazy dog.",
+    "A paged KV cache keeps keys and values in fixed-size blocks.",
+    "Hello world! How are you today?",
+    "Large language models predict the next token from the previous ones.",
+    "The router reserves slots; the shard writes keys and values only where it computes.",
+    "def add(a, b):\n    return a + b\n",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16.",
+    "Once upon a time, a small model learned to count blocks.",
+)
+"""Sentences the tiny BPE tokenizer is trained on."""
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = range(4)
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    rms_norm_eps=1e-6,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
+)
+
+_PER_KIND: dict[str, dict[str, Any]] = {
+    "llama": dict(num_hidden_layers=3, rope_theta=10000.0, tie_word_embeddings=False),
+    "qwen2": dict(rope_theta=1000000.0, tie_word_embeddings=True),  # Qwen2: q/k/v biases, tied head
+    "mistral": dict(sliding_window=24, rope_theta=10000.0, tie_word_embeddings=False),
+}
+
+
+def tiny_config(kind: str, *, vocab_size: int = 512, **overrides: Any) -> transformers.PretrainedConfig:
+    """Config of a tiny ``kind`` model (hidden 64, 4 query / 2 KV heads of 16 channels)."""
+    if kind not in _PER_KIND:
+        raise ValueError(f"unknown tiny model kind {kind!r}: allowed {TINY_KINDS}")
+    kwargs = {**_COMMON, **_PER_KIND[kind], "vocab_size": vocab_size, **overrides}
+    return transformers.AutoConfig.for_model(kind, **kwargs)
+
+
+def make_tiny_tokenizer(vocab_size: int = 320) -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on :data:`TINY_CORPUS` (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(TINY_CORPUS), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)])
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+
+
+def write_tiny_model(kind: str, path: Path | str, *, seed: int = 0, vocab_size: int = 512,
+                     **config_overrides: Any) -> Path:
+    """Write a tiny random ``kind`` model plus tokenizer to ``path`` (created) and return it.
+
+    ``config_overrides`` go to the config (e.g. ``sliding_window=8``, ``num_hidden_layers=2``).
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(kind, vocab_size=vocab_size, **config_overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        # Re-draw every weight from the seed: init order inside transformers is version dependent.
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in sorted(model.named_parameters()):
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+                else:
+                    param.copy_(config.initializer_range * torch.randn(param.shape, generator=generator))
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    model.save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def load_reference(path: Path | str, attn_implementation: str = "eager") -> Any:
+    """Load ``path`` as a plain HF model (float32, CPU, eval) to compare against."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation=attn_implementation, local_files_only=True)
+    return model.float().eval()

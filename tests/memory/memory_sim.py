@@ -1,0 +1,68 @@
+"""A stand-in for the runner: device and CPU blocks hold one content code per slot.
+
+The code of token position ``p`` is a rolling hash of ``history[:p + 1]``, so it captures what real
+K/V depends on (the token, its position and everything before it). Tests write codes through the
+manager's slot mappings, execute its copy plans in issue order, and read codes back to check that
+every request sees exactly its own history -- shared, copied or swapped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from tgi_paged_backend.memory import Allocation, KVCacheManager, SwapPlan
+
+_MOD = (1 << 61) - 1
+
+
+def content_codes(token_ids: Sequence[int]) -> np.ndarray:
+    """Per-position prefix codes of a token history."""
+    codes = np.empty(len(token_ids), dtype=np.int64)
+    h = 7
+    for i, t in enumerate(token_ids):
+        h = (h * 1_000_003 + int(t) + 1) % _MOD
+        codes[i] = h
+    return codes
+
+
+class KVSim:
+    """Device pool and swap space as ``int64 [num_blocks, block_size]`` code arrays (-1 = garbage)."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
+        self.block_size = block_size
+        self.device = np.full((num_blocks, block_size), -1, dtype=np.int64)
+        self.cpu = np.full((max(num_swap_blocks, 1), block_size), -1, dtype=np.int64)
+
+    def apply_allocation(self, allocation: Allocation) -> None:
+        for copy in allocation.copies:
+            self.device[copy.dst, :copy.num_tokens] = self.device[copy.src, :copy.num_tokens]
+
+    def apply_swap(self, plan: SwapPlan) -> None:
+        src, dst = list(plan.src_blocks), list(plan.dst_blocks)
+        if plan.direction == "out":
+            self.cpu[dst] = self.device[src]
+        else:
+            self.device[dst] = self.cpu[src]
+
+    def write(self, manager: KVCacheManager, request_id: int, history: Sequence[int], start: int,
+              end: int) -> None:
+        """Write the codes of positions ``[start, end)`` where the manager maps them."""
+        if end <= start:
+            return
+        slots = manager.slot_mapping([request_id], [start], [end - start])
+        self.device.reshape(-1)[slots] = content_codes(history)[start:end]
+
+    def read(self, manager: KVCacheManager, request_id: int, num_tokens: int) -> np.ndarray:
+        if num_tokens == 0:
+            return np.empty(0, dtype=np.int64)
+        slots = manager.slot_mapping([request_id], [0], [num_tokens])
+        return self.device.reshape(-1)[slots]
+
+    def assert_holds(self, manager: KVCacheManager, request_id: int, history: Sequence[int],
+                     num_tokens: int) -> None:
+        """The first ``num_tokens`` positions of the request read back as its history."""
+        got = self.read(manager, request_id, num_tokens)
+        want = content_codes(history)[:num_tokens]
+        assert np.array_equal(got, want), f"request {request_id}: K/V content differs from its history"

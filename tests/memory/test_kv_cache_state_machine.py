@@ -1,0 +1,207 @@
+"""Random lifecycles against KVCacheManager, checked after every step (Hypothesis state machine).
+
+Modelled on TGI's ``invariants_hold_on_many_insertions``: a 2-token vocabulary forces prefix
+sharing. Requests are admitted (router-managed or self-managed), decode, finish, get filtered or
+cleared, preempted (swap or recompute) and resumed. After every step the manager's invariants must
+hold and every running request must read back exactly its own history through the slot mapping
+(``memory_sim.KVSim`` executes the copy plans in issue order). When all requests have ended the pool
+must be free or retained, and fully free once retained blocks are evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from memory_sim import KVSim
+
+from tgi_paged_backend.memory import KVCacheManager
+
+VOCAB = (0, 1)
+BS = 4
+NUM_BLOCKS = 13
+NUM_SWAP_BLOCKS = 6
+NUM_VIRTUAL_BLOCKS = 48
+U64_MAX = 2**64 - 1
+
+
+@dataclass
+class Req:
+    history: list[int]
+    max_len: int
+    virtual: tuple[int, ...]
+    state: str = "dropped"  # running | waiting (matched, allocation pending) | swapped | dropped
+    num_cached: int = 0
+    num_written: int = 0
+
+
+class MemoryMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = KVCacheManager(num_blocks=NUM_BLOCKS, block_size=BS, num_swap_blocks=NUM_SWAP_BLOCKS)
+        self.sim = KVSim(NUM_BLOCKS, BS, NUM_SWAP_BLOCKS)
+        self.reqs: dict[int, Req] = {}
+        self.next_id = 0
+        self.virtual_free = list(range(NUM_VIRTUAL_BLOCKS - 1, 0, -1))  # the router's pool
+
+    # ------------------------------------------------------------------------------- helpers
+    def _ids(self, *states: str) -> list[int]:
+        return sorted(rid for rid, r in self.reqs.items() if r.state in states)
+
+    def _start(self, rid: int) -> None:
+        req = self.reqs[rid]
+        match = self.m.match_prefix(rid, req.history)
+        assert 0 <= match.num_cached_tokens < len(req.history)
+        if match.num_shared_blocks:
+            event("prefix blocks shared")
+        if match.copy_src is not None:
+            event("copy-on-write")
+        req.state, req.num_cached, req.num_written = "waiting", match.num_cached_tokens, 0
+        self._try_prefill(rid)
+
+    def _try_prefill(self, rid: int) -> None:
+        req = self.reqs[rid]
+        allocation = self.m.allocate(rid, len(req.history))
+        if allocation is None:
+            event("prefill allocation refused")
+            return
+        self.sim.apply_allocation(allocation)
+        # Whatever the cache supplied (shared or copied) is exactly this request's prefix.
+        self.sim.assert_holds(self.m, rid, req.history, req.num_cached)
+        self.sim.write(self.m, rid, req.history, req.num_cached, len(req.history))
+        self.m.commit_tokens(rid, req.history)
+        req.state, req.num_written = "running", len(req.history)
+
+    def _finish(self, rid: int) -> None:
+        self.m.free(rid)
+        self.virtual_free.extend(self.reqs.pop(rid).virtual)
+
+    # --------------------------------------------------------------------------------- rules
+    @rule(prompt=st.lists(st.sampled_from(VOCAB), min_size=1, max_size=14),
+          max_new=st.integers(1, 8), router=st.booleans(), huge_id=st.booleans())
+    def admit(self, prompt: list[int], max_new: int, router: bool, huge_id: bool) -> None:
+        rid = U64_MAX - 1 - self.next_id if huge_id else self.next_id
+        self.next_id += 1
+        max_len = len(prompt) + max_new
+        virtual: tuple[int, ...] = ()
+        if router:
+            num = -(-max_len // BS)
+            if num > len(self.virtual_free):
+                return  # the router would not admit it
+            virtual = tuple(self.virtual_free.pop() for _ in range(num))
+        self.m.add_request(rid, virtual)
+        self.reqs[rid] = Req(list(prompt), max_len, virtual)
+        self._start(rid)
+
+    @precondition(lambda self: any(r.state == "running" and len(r.history) < r.max_len
+                                   for r in self.reqs.values()))
+    @rule(data=st.data(), token=st.sampled_from(VOCAB))
+    def decode(self, data: st.DataObject, token: int) -> None:
+        rid = data.draw(st.sampled_from([i for i in self._ids("running")
+                                         if len(self.reqs[i].history) < self.reqs[i].max_len]))
+        req = self.reqs[rid]
+        allocation = self.m.allocate(rid, len(req.history) + 1)
+        if allocation is None:
+            return  # pool exhausted: the engine would preempt (another rule does)
+        assert allocation.copies == ()
+        req.history.append(token)
+        self.sim.write(self.m, rid, req.history, len(req.history) - 1, len(req.history))
+        self.m.commit_tokens(rid, req.history)
+        req.num_written = len(req.history)
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        self._finish(data.draw(st.sampled_from(sorted(self.reqs))))
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def filter_batch(self, data: st.DataObject) -> None:
+        keep = data.draw(st.sets(st.sampled_from(sorted(self.reqs))))
+        for rid in sorted(set(self.reqs) - keep):
+            self._finish(rid)
+
+    @rule(evict=st.booleans())
+    def clear_cache(self, evict: bool) -> None:
+        for rid in sorted(self.reqs):
+            self._finish(rid)
+        self._assert_pool_drained(evict)
+
+    @precondition(lambda self: self._ids("running"))
+    @rule(data=st.data(), swap=st.booleans())
+    def preempt(self, data: st.DataObject, swap: bool) -> None:
+        rid = data.draw(st.sampled_from(self._ids("running")))
+        req = self.reqs[rid]
+        if swap:
+            possible = self.m.can_swap_out(rid)
+            plan = self.m.swap_out(rid)
+            assert (plan is not None) == possible
+            if plan is not None:
+                event("swapped out")
+                self.sim.apply_swap(plan)
+                req.state = "swapped"
+                return
+        assert self.m.preempt_recompute(rid) == req.num_written
+        req.state, req.num_written = "dropped", 0
+
+    @precondition(lambda self: self._ids("waiting", "swapped", "dropped"))
+    @rule(data=st.data())
+    def resume(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self._ids("waiting", "swapped", "dropped")))
+        req = self.reqs[rid]
+        if req.state == "swapped":
+            plan = self.m.swap_in(rid)
+            if plan is not None:
+                event("swapped in")
+                self.sim.apply_swap(plan)
+                req.state = "running"
+        elif req.state == "dropped":
+            self._start(rid)
+        else:
+            self._try_prefill(rid)
+
+    @rule()
+    def liveness_probe(self) -> None:
+        used = self.m.num_used_blocks
+        self.m.add_request(U64_MAX, (0,))
+        assert self.m.match_prefix(U64_MAX, [1]).num_cached_tokens == 0
+        assert self.m.allocate(U64_MAX, 1) is not None
+        np.testing.assert_array_equal(self.m.slot_mapping([U64_MAX], [0], [1]), [0])
+        assert self.m.num_used_blocks == used
+        self.m.free(U64_MAX)
+
+    # ---------------------------------------------------------------------------- invariants
+    @invariant()
+    def books_balance_and_contents_are_intact(self) -> None:
+        self.m.check_invariants()
+        stats = self.m.stats()
+        assert stats.num_free_blocks + stats.num_used_blocks + stats.num_retained_blocks == NUM_BLOCKS - 1
+        for rid in self._ids("running"):
+            req = self.reqs[rid]
+            self.sim.assert_holds(self.m, rid, req.history, req.num_written)
+            if req.virtual:
+                pos = np.arange(req.num_written)
+                router_slots = np.asarray(req.virtual, dtype=np.int64)[pos // BS] * BS + pos % BS
+                np.testing.assert_array_equal(self.m.virtual_to_physical_slots(rid, router_slots),
+                                              self.m.slot_mapping([rid], [0], [req.num_written]))
+
+    def _assert_pool_drained(self, evict: bool) -> None:
+        assert self.m.num_used_blocks == 0 and self.m.num_swapped_blocks == 0
+        assert self.m.num_free_blocks + self.m.num_retained_blocks == NUM_BLOCKS - 1
+        if evict:
+            self.m.reset_prefix_cache()
+            assert self.m.num_free_blocks == NUM_BLOCKS - 1
+        self.m.check_invariants()
+
+    def teardown(self) -> None:
+        for rid in sorted(self.reqs):
+            self._finish(rid)
+        self._assert_pool_drained(evict=True)
+
+
+MemoryMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
+                                           derandomize=True)
+TestMemoryMachine = MemoryMachine.TestCase

@@ -1,0 +1,78 @@
+"""envs.py validation and config dataclass conventions."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import fields
+
+import pytest
+
+from tgi_paged_backend import config as config_module
+from tgi_paged_backend.config import CacheConfig, ConfigError, PreemptionConfig
+from tgi_paged_backend.envs import build_config, read_env
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "allowed"),
+    [
+        ("TGI_PAGED_BLOCK_SIZE", "12", "8, 16, 32"),
+        ("TGI_PAGED_OVERCOMMIT", "0.5", ">= 1.0"),
+        ("TGI_PAGED_MEMORY_FRACTION", "1.7", "(0, 1]"),
+        ("TGI_PAGED_PREEMPTION", "sometimes", "auto, recompute, swap"),
+        ("TGI_PAGED_NUM_BLOCKS", "many", ">= 2"),
+        ("TGI_PAGED_WATERMARK", "-0.1", "[0, 1)"),
+        ("TGI_BACKEND", "vllm", "paged or stock"),
+        ("PREFIX_CACHING", "maybe", "true/false"),
+    ],
+)
+def test_bad_env_value_names_variable_value_and_allowed(name: str, value: str, allowed: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        read_env({name: value})
+    message = str(err.value)
+    assert name in message and repr(value) in message and allowed in message
+
+
+def test_defaults_and_launcher_variables() -> None:
+    env = {"PREFIX_CACHING": "true", "CUDA_MEMORY_FRACTION": "0.5", "MAX_BATCH_SIZE": "8",
+           "TGI_PAGED_BLOCK_SIZE": "32", "TGI_PAGED_PREEMPTION": "SWAP", "REQUEST_LOGPROBS": "1"}
+    cfg = build_config({"model_id": "/m", "uds_path": "/tmp/s", "logger_level": "WARN"}, env)
+    assert cfg.cache.block_size == 32
+    assert cfg.cache.prefix_caching is True
+    assert cfg.cache.memory_fraction == pytest.approx(0.45)
+    assert cfg.preemption.mode == "swap"
+    assert cfg.server.logger_level == "WARNING"
+    assert cfg.server.max_batch_size == 8 and cfg.server.request_logprobs is True
+    assert cfg.server.socket_path == "/tmp/s-0"
+
+
+def test_sharded_requires_world_size() -> None:
+    with pytest.raises(ConfigError, match="WORLD_SIZE"):
+        build_config({"model_id": "/m", "sharded": True}, {})
+
+
+def test_direct_construction_is_validated() -> None:
+    with pytest.raises(ConfigError, match="block_size"):
+        CacheConfig(block_size=12)
+    with pytest.raises(ConfigError, match="mode"):
+        PreemptionConfig(mode="later")  # type: ignore[arg-type]
+
+
+def test_every_config_field_has_an_attribute_docstring() -> None:
+    tree = ast.parse(inspect.getsource(config_module))
+    documented: dict[str, set[str]] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        names: set[str] = set()
+        body = node.body
+        for stmt, nxt in zip(body, body[1:] + [None]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                names.add(stmt.target.id)  # type: ignore[union-attr]
+        documented[node.name] = names
+    for cls_name in ("CacheConfig", "PreemptionConfig", "ModelConfig", "ServerConfig",
+                     "TelemetryConfig", "BackendConfig"):
+        cls = getattr(config_module, cls_name)
+        missing = {f.name for f in fields(cls)} - documented[cls_name]
+        assert not missing, f"{cls_name} fields without docstring: {missing}"

@@ -1,0 +1,218 @@
+"""``text-generation-server``: the CLI the stock TGI launcher runs (``serve``, ``download-weights``).
+
+Option spellings follow what the launcher passes (``launcher/src/main.rs``); flags it passes bare
+(``--json-output``, ``--sharded``, ``--trust-remote-code``, ``--merge-lora``) take no value. Unknown
+options are warned about, not fatal, because newer launchers may add some. Configuration errors
+print one clear line (a JSON log line with ``--json-output``) and exit 1, without a traceback.
+
+``TGI_BACKEND=stock`` hands the whole command line to TGI's own server when it is installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn, Optional
+
+import typer
+from loguru import logger as _logger
+
+from tgi_paged_backend import __version__, envs
+from tgi_paged_backend.config import BackendConfig, ConfigError
+from tgi_paged_backend.logging_setup import setup_logging
+
+# Bound as ours: under `python -m tgi_paged_backend.cli` the module is named `__main__`.
+logger = _logger.bind(own=True)
+
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+DOWNLOAD_PATTERNS = ["*.safetensors", "*.json", "tokenizer*"]
+_LENIENT = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                  help="TGI model server (generate.v3 over unix sockets), paged-KV backend.")
+tools_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                        help="tgi-paged-backend tools.")
+
+
+@app.callback()
+def _select_backend() -> None:
+    """TGI model server: `serve` and `download-weights`, as the TGI launcher calls them."""
+    json_output = "--json-output" in sys.argv[1:]
+    try:
+        backend = envs.read_env().backend
+    except ConfigError as err:
+        _fail(str(err), json_output)
+    if backend == "stock":
+        _exec_stock_server(sys.argv[1:], json_output)
+
+
+@app.command(context_settings=_LENIENT)
+def serve(
+    ctx: typer.Context,
+    model_id: str = typer.Argument(..., help="Local model directory or hub id."),
+    uds_path: str = typer.Option("/tmp/text-generation-server", help="Base socket path; `-{rank}` is appended."),
+    logger_level: str = typer.Option("INFO", help="TRACE, DEBUG, INFO, WARN, ERROR or OFF."),
+    json_output: bool = typer.Option(False, help="One JSON object per log line on stdout."),
+    trust_remote_code: bool = typer.Option(False),
+    sharded: bool = typer.Option(False),
+    quantize: Optional[str] = typer.Option(None, help="Not supported (refused)."),
+    speculate: Optional[int] = typer.Option(None, help="Only 0 is supported."),
+    dtype: Optional[str] = typer.Option(None, help="float16, bfloat16 or float32."),
+    kv_cache_dtype: Optional[str] = typer.Option(None, help="fp8_e4m3fn or fp8_e5m2."),
+    revision: Optional[str] = typer.Option(None),
+    otlp_endpoint: Optional[str] = typer.Option(None),
+    otlp_service_name: str = typer.Option("text-generation-inference.server"),
+    max_input_tokens: Optional[int] = typer.Option(None),
+    merge_lora: bool = typer.Option(False, hidden=True, help="Accepted and ignored."),
+    lora_adapters: Optional[str] = typer.Option(None, hidden=True, help="Accepted and ignored."),
+) -> None:
+    """Load the model, then serve generate.v3 on unix://{uds_path}-{rank} until SIGTERM."""
+    try:
+        config = envs.build_config({
+            "model_id": model_id,
+            "uds_path": os.path.abspath(uds_path),
+            "logger_level": logger_level,
+            "json_output": json_output,
+            "trust_remote_code": trust_remote_code,
+            "sharded": sharded,
+            "quantize": quantize,
+            "speculate": speculate,
+            "dtype": dtype,
+            "kv_cache_dtype": kv_cache_dtype,
+            "revision": revision,
+            "otlp_endpoint": otlp_endpoint,
+            "otlp_service_name": otlp_service_name,
+            "max_input_tokens": max_input_tokens,
+        })
+        _check_supported(config)
+    except ConfigError as err:
+        _fail(str(err), json_output)
+
+    setup_logging(config.server.logger_level, json_output, redirect_stdout=json_output)
+    if ctx.args:
+        logger.warning(f"Ignoring unknown arguments: {' '.join(ctx.args)}")
+    if lora_adapters:
+        logger.warning(f"LoRA adapters are not supported; ignoring --lora-adapters {lora_adapters}")
+
+    try:
+        engine_factory = _engine_factory()
+    except Exception as err:  # noqa: BLE001 - one clear line instead of a traceback
+        _fail(f"Cannot load the engine: {type(err).__name__}: {err}", json_output)
+
+    from tgi_paged_backend.server import grpc_server
+
+    # Telemetry seam: a server-side tracing interceptor goes here when
+    # config.telemetry.otlp_endpoint is set.
+    interceptors: list = []
+    raise typer.Exit(grpc_server.run(config, engine_factory, interceptors=interceptors))
+
+
+@app.command("download-weights", context_settings=_LENIENT)
+def download_weights(
+    ctx: typer.Context,
+    model_id: str = typer.Argument(..., help="Local model directory or hub id."),
+    extension: str = typer.Option(".safetensors"),
+    logger_level: str = typer.Option("INFO"),
+    json_output: bool = typer.Option(False),
+    merge_lora: bool = typer.Option(False, help="Accepted and ignored."),
+    revision: Optional[str] = typer.Option(None),
+    trust_remote_code: bool = typer.Option(False, help="Accepted and ignored."),
+    auto_convert: bool = typer.Option(True, help="Accepted and ignored (safetensors only)."),
+) -> None:
+    """Make the model's safetensors, config and tokenizer files available locally."""
+    try:
+        setup_logging(logger_level, json_output, redirect_stdout=json_output)
+    except ValueError as err:
+        _fail(str(err), json_output)
+    if ctx.args:
+        logger.warning(f"Ignoring unknown arguments: {' '.join(ctx.args)}")
+    if extension != ".safetensors":
+        logger.warning(f"--extension {extension} ignored: this backend loads .safetensors only")
+
+    if Path(model_id).is_dir():
+        if not any(Path(model_id).glob("*.safetensors")):
+            logger.warning(f"{model_id} has no *.safetensors files; loading it will fail")
+        logger.info(f"{model_id} is a local directory: nothing to download")
+        return
+    try:
+        path = _snapshot_download(model_id, revision)
+    except Exception as err:  # noqa: BLE001 - any hub/network failure: one clear line, exit 1
+        _fail(f"Could not download {model_id} (revision {revision or 'main'}) from the Hugging Face hub: "
+              f"{type(err).__name__}: {err}", json_output)
+    if not any(Path(path).glob("*.safetensors")):
+        _fail(f"{model_id} has no *.safetensors weights on the hub; this backend loads safetensors only",
+              json_output)
+    logger.info(f"Successfully downloaded weights for {model_id} to {path}")
+
+
+@tools_app.callback()
+def _tools() -> None:
+    """tgi-paged-backend tools."""
+
+
+@tools_app.command()
+def version() -> None:
+    """Print the package version."""
+    typer.echo(__version__)
+
+
+# -------------------------------------------------------------------------------------------------
+
+
+def _check_supported(config: BackendConfig) -> None:
+    """Refuse launcher options the engine does not implement, naming the option and the way out."""
+    model = config.model
+    if model.quantize is not None:
+        raise ConfigError(f"--quantize={model.quantize!r} is not supported by tgi-paged-backend (unquantized "
+                          f"models only); set TGI_BACKEND=stock to use TGI's own server")
+    if model.speculate > 0:
+        raise ConfigError(f"--speculate={model.speculate} is not supported: allowed 0")
+    if model.dtype is not None and model.dtype not in SUPPORTED_DTYPES:
+        raise ConfigError(f"--dtype={model.dtype!r} is invalid: allowed {', '.join(SUPPORTED_DTYPES)}")
+
+
+def _engine_factory():
+    """``engine.build_engine``, or the test override named by ``TGI_PAGED_ENGINE_FACTORY``."""
+    override = envs.engine_factory_override()
+    if override is not None:
+        module, _, attr = override.partition(":")
+        logger.warning(f"Using engine factory {override} (TGI_PAGED_ENGINE_FACTORY, for tests)")
+        return getattr(importlib.import_module(module), attr)
+    from tgi_paged_backend.engine import build_engine  # lazy: pulls in torch and the model code
+
+    return build_engine
+
+
+def _snapshot_download(model_id: str, revision: str | None) -> str:
+    from huggingface_hub import constants, snapshot_download
+
+    # The launcher sets HF_HUB_ENABLE_HF_TRANSFER=1; hub versions that honour it fail without the
+    # hf_transfer package, so fall back to plain downloads when it is missing.
+    if getattr(constants, "HF_HUB_ENABLE_HF_TRANSFER", False) and importlib.util.find_spec("hf_transfer") is None:
+        logger.info("hf_transfer is not installed: using plain downloads")
+        constants.HF_HUB_ENABLE_HF_TRANSFER = False
+    logger.info(f"Downloading {model_id} ({', '.join(DOWNLOAD_PATTERNS)})")
+    return snapshot_download(repo_id=model_id, revision=revision, allow_patterns=DOWNLOAD_PATTERNS)
+
+
+def _exec_stock_server(argv: list[str], json_output: bool) -> NoReturn:
+    """Replace this process by TGI's own ``text_generation_server.cli`` with the same arguments."""
+    if importlib.util.find_spec("text_generation_server") is None:
+        _fail("TGI_BACKEND=stock, but TGI's text_generation_server package is not installed", json_output)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvp(sys.executable, [sys.executable, "-m", "text_generation_server.cli", *argv])
+
+
+def _fail(message: str, json_output: bool) -> NoReturn:
+    """Report a fatal error as one log line (JSON when asked) and exit 1."""
+    setup_logging("INFO", json_output)
+    logger.error(message)
+    raise typer.Exit(1)
+
+
+if __name__ == "__main__":
+    app()

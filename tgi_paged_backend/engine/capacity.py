@@ -1,0 +1,65 @@
+"""Warmup arithmetic: physical pool size, the overcommitted budget and the request limits.
+
+Pure functions, so the capacity rules are unit-tested without a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tgi_paged_backend.config import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    num_blocks: int
+    """Physical blocks including the scratch block 0."""
+    physical_tokens: int
+    """Tokens the usable blocks hold."""
+    max_supported_total_tokens: int
+    """Advertised to the router: its virtual pool."""
+    max_input_tokens: int
+    max_total_tokens: int
+    max_prefill_tokens: int
+    """Server-side chunk budget, a multiple of the block size."""
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def plan_capacity(*, available_kv_bytes: int, block_bytes: int, block_size: int,
+                  num_blocks_cap: int | None, overcommit: float, max_position_embeddings: int,
+                  max_input_tokens: int | None, max_total_tokens: int | None,
+                  max_prefill_tokens: int) -> Capacity:
+    """Size the pool and answer Warmup.
+
+    Raises:
+        ConfigError: one ``max_total_tokens`` request cannot fit physically, or limits contradict.
+    """
+    num_blocks = available_kv_bytes // block_bytes
+    if num_blocks_cap is not None:
+        num_blocks = min(num_blocks, num_blocks_cap)
+    physical_tokens = max(num_blocks - 1, 0) * block_size
+    if max_total_tokens is None:
+        max_total_tokens = min(physical_tokens, max_position_embeddings)
+        if max_input_tokens is not None:
+            max_total_tokens = max(max_total_tokens, max_input_tokens + 1)
+    if max_input_tokens is None:
+        max_input_tokens = max_total_tokens - 1
+    if max_input_tokens >= max_total_tokens or max_input_tokens < 1:
+        raise ConfigError(f"max_input_tokens={max_input_tokens} must be in [1, max_total_tokens="
+                          f"{max_total_tokens})")
+    needed_blocks = -(-max_total_tokens // block_size) + 1
+    if needed_blocks > num_blocks:
+        raise ConfigError(
+            f"one request of max_total_tokens={max_total_tokens} needs {needed_blocks} KV blocks "
+            f"(block size {block_size}, incl. the scratch block) but the pool holds {num_blocks}: "
+            "raise TGI_PAGED_NUM_BLOCKS or TGI_PAGED_MEMORY_FRACTION (CUDA_MEMORY_FRACTION), or lower "
+            "--max-total-tokens")
+    max_prefill_tokens = round_up(max(max_prefill_tokens, 1), block_size)
+    virtual_tokens = int(physical_tokens * overcommit) // block_size * block_size
+    advertised = max(virtual_tokens, round_up(max_total_tokens, block_size), max_prefill_tokens)
+    return Capacity(num_blocks=num_blocks, physical_tokens=physical_tokens,
+                    max_supported_total_tokens=advertised, max_input_tokens=max_input_tokens,
+                    max_total_tokens=max_total_tokens, max_prefill_tokens=max_prefill_tokens)

@@ -1,0 +1,195 @@
+"""Executes a :class:`~tgi_paged_backend.engine.scheduler.StepPlan`: copies, one forward, sampling,
+stopping and detokenization, producing ``Generation`` records.
+
+Only requests whose computed tokens reach the end of their history yield a token; a request in the
+middle of a prefill chunk (or of a recompute) gets nothing this step, which the router tolerates.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tgi_paged_backend.engine.detokenize import TokenDecoder
+from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
+from tgi_paged_backend.engine.sampling import choose_next_tokens
+from tgi_paged_backend.engine.scheduler import StepPlan
+from tgi_paged_backend.engine.types import GeneratedText, Generation, Tokens
+from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
+from tgi_paged_backend.runner.input_batch import ForwardBatch
+from tgi_paged_backend.runner.model_runner import ModelRunner
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    generations: list[Generation]
+    finished: list[RequestState]
+    num_computed_tokens: int
+    num_recomputed_tokens: int
+    forward_ns: int
+    decode_ns: int
+
+
+class ModelStep:
+    """Turns a plan into generations. Owns no request state; mutates the planned requests."""
+
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, decoder: TokenDecoder, *,
+                 prefill_logprobs_enabled: bool) -> None:
+        self.runner = runner
+        self.kv = kv
+        self.decoder = decoder
+        self.prefill_logprobs_enabled = prefill_logprobs_enabled
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        t0 = time.perf_counter_ns()
+        self._apply_copies(plan)
+        if not plan.scheduled:
+            return StepOutput([], [], 0, 0, time.perf_counter_ns() - t0, 0)
+        batch, rows = self._build_batch(plan)
+        logits = self.runner.forward(batch)
+        sampled, recomputed = self._advance(plan, rows, logits)
+        t1 = time.perf_counter_ns()
+        generations, finished = self._emit(sampled)
+        t2 = time.perf_counter_ns()
+        return StepOutput(generations, finished, plan.num_tokens, recomputed, t1 - t0, t2 - t1)
+
+    # -- phases ------------------------------------------------------------------------------
+
+    def _apply_copies(self, plan: StepPlan) -> None:
+        for kind, src, dst in plan.copy_ops:
+            if kind == "out":
+                self.runner.swap_out(src, dst)
+            elif kind == "in":
+                self.runner.swap_in(src, dst)
+            else:
+                self.runner.copy_blocks(src, dst)
+
+    def _wants_prompt_logprobs(self, r: RequestState) -> bool:
+        return (self.prefill_logprobs_enabled and r.spec.prefill_logprobs and not r.prefill_done
+                and r.num_computed < len(r.prompt_ids))
+
+    def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple[int, int, bool]]]:
+        """Packed inputs; ``rows[i]`` = (first logits row, number of rows, rows are prompt logprobs)
+        of scheduled request i."""
+        ids, starts, counts, chunks, logits_idx, rows = [], [], [], [], [], []
+        offset = 0
+        for r, n in plan.scheduled:
+            start = r.num_computed
+            ids.append(r.id)
+            starts.append(start)
+            counts.append(n)
+            if n == 1 and start >= len(r.prompt_ids):
+                chunks.append(r.output_ids[start - len(r.prompt_ids):start - len(r.prompt_ids) + 1])
+            else:
+                chunks.append(r.all_ids[start:start + n])
+            if self._wants_prompt_logprobs(r):
+                rows.append((len(logits_idx), n, True))
+                logits_idx.extend(range(offset, offset + n))
+            else:
+                rows.append((len(logits_idx), 1, False))
+                logits_idx.append(offset + n - 1)
+            offset += n
+        starts_np = np.asarray(starts, dtype=np.int64)
+        counts_np = np.asarray(counts, dtype=np.int64)
+        qsl = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts_np, out=qsl[1:])
+        is_decode = bool((counts_np == 1).all())
+        if is_decode:
+            positions = starts_np
+            slots = self.kv.decode_slot_mapping(ids, starts_np)
+        else:
+            positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])
+            slots = self.kv.slot_mapping(ids, starts, counts)
+        batch = ForwardBatch.from_numpy(
+            input_ids=np.fromiter((t for c in chunks for t in c), dtype=np.int64, count=offset),
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=self.kv.block_tables(ids),
+            query_start_loc=qsl,
+            seq_lens=starts_np + counts_np,
+            logits_indices=np.asarray(logits_idx, dtype=np.int64),
+            is_decode=is_decode,
+        )
+        return batch.to(self.runner.device), rows
+
+    def _advance(self, plan: StepPlan, rows: list[tuple[int, int, bool]], logits: torch.Tensor):
+        """Account computed tokens; collect (request, logits row) for those that yield a token."""
+        sampled: list[tuple[RequestState, torch.Tensor]] = []
+        recomputed = 0
+        for (r, n), (first, count, prompt_rows) in zip(plan.scheduled, rows):
+            start, end = r.num_computed, r.num_computed + n
+            if prompt_rows:
+                self._record_prompt_logprobs(r, start, end, logits[first:first + count])
+            num_prompt = len(r.prompt_ids)
+            if r.prefill_done:
+                recomputed += max(0, min(end, r.num_tokens - 1) - start)
+            if start < num_prompt:
+                self.kv.commit_tokens(r.id, r.prompt_ids[:min(end, num_prompt)])
+            r.num_computed = end
+            r.chunk_len_hint = None
+            if end == r.num_tokens:
+                r.prefill_done = True
+                sampled.append((r, logits[first + count - 1]))
+        return sampled, recomputed
+
+    def _record_prompt_logprobs(self, r: RequestState, start: int, end: int, rows: torch.Tensor) -> None:
+        """Row ``p - start`` predicts prompt token ``p + 1``; position 0 and cached ones are NaN."""
+        if not r.prefill_logprobs:
+            r.prefill_logprobs = [math.nan] * start
+        prompt = r.prompt_ids
+        targets = [p + 1 for p in range(start, end) if p + 1 < len(prompt)]
+        if targets:
+            lp = torch.log_softmax(rows[: len(targets)].float(), dim=-1)
+            tgt = torch.tensor([prompt[t] for t in targets], device=lp.device)
+            values = lp.gather(1, tgt[:, None]).squeeze(1).tolist()
+            r.prefill_logprobs.extend(v if math.isfinite(v) else -1e30 for v in values)
+
+    def _emit(self, sampled: list[tuple[RequestState, torch.Tensor]]):
+        if not sampled:
+            return [], []
+        logits = torch.stack([row for _, row in sampled])
+        requests = [r for r, _ in sampled]
+        params = [r.spec.sampling for r in requests]
+        needs_history = [p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 for p in params]
+        histories = [r.all_ids if need else [] for r, need in zip(requests, needs_history)]
+        chosen = choose_next_tokens(logits, params, [len(r.output_ids) for r in requests],
+                                    histories if any(needs_history) else None,
+                                    [r.spec.top_n_tokens for r in requests])
+        generations, finished = [], []
+        for r, c in zip(requests, chosen):
+            r.output_ids.append(c.id)
+            text = r.detok_state.step(c.id)  # type: ignore[union-attr]
+            reason = r.stop_state(c.id, text)  # type: ignore[operator]
+            tokens = Tokens(ids=[c.id], logprobs=[c.logprob], texts=[text],
+                            is_special=[self.decoder.is_special(c.id)])
+            top = []
+            if r.spec.top_n_tokens > 0:
+                top = [Tokens(ids=c.top_ids, logprobs=c.top_logprobs,
+                              texts=self.decoder.token_texts(c.top_ids),
+                              is_special=self.decoder.is_special_many(c.top_ids))]
+            prefill = None
+            if len(r.output_ids) == 1 and self.prefill_logprobs_enabled and r.spec.prefill_logprobs:
+                prefill = self._prefill_tokens(r)
+            generated = None
+            if reason is not None:
+                r.finish_reason = reason
+                r.status = RequestStatus.FINISHED
+                finished.append(r)
+                generated = GeneratedText(
+                    text=r.detok_state.final_text(),  # type: ignore[union-attr]
+                    generated_tokens=len(r.output_ids), finish_reason=reason,
+                    seed=r.spec.sampling.seed if r.spec.sampling.is_sampling else None)
+            generations.append(Generation(request_id=r.id, tokens=tokens, prefill_tokens=prefill,
+                                          generated_text=generated, top_tokens=top))
+        return generations, finished
+
+    def _prefill_tokens(self, r: RequestState) -> Tokens:
+        n = len(r.prompt_ids)
+        lps = ([math.nan] + r.prefill_logprobs[:n - 1]) if r.prefill_logprobs else [math.nan] * n
+        lps = (lps + [math.nan] * n)[:n]
+        return Tokens(ids=list(r.prompt_ids), logprobs=lps, texts=self.decoder.prefill_texts(r.prompt_ids),
+                      is_special=[])

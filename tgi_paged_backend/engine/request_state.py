@@ -1,0 +1,109 @@
+"""Per-request state the shard keeps between RPCs.
+
+The router never resends a request's prompt, blocks or parameters, so everything needed to resume a
+preempted request (its token ids, sampling and stopping state, detokenizer offsets) lives here.
+
+Token regions of one request (``all_ids = prompt_ids + output_ids``)::
+
+    |<------------- prompt_ids ------------->|<---- output_ids ---->|
+    |<--- num_computed (K/V in the pool) --->|<- to compute ->|
+                                                               ^ the last sampled token is fed next step
+
+A step computes ``all_ids[num_computed : num_computed + n]``; when that reaches the end of
+``all_ids`` the logits of its last position give the next token. Decode is the ``n == 1`` case;
+chunked prefill, the first prefill and recompute after preemption are all the same operation.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tgi_paged_backend.engine.types import FinishReason, RequestSpec
+
+
+class RequestStatus(enum.Enum):
+    RUNNING = "running"
+    """Holds physical blocks for ``num_computed`` positions (or is waiting for its first blocks)."""
+    SWAPPED = "swapped"
+    """Preempted: its blocks sit in CPU swap space."""
+    PREEMPTED = "preempted"
+    """Preempted for recompute: no blocks; resumes by prefilling ``all_ids``."""
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, kw_only=True)
+class RequestState:
+    spec: RequestSpec
+    prompt_ids: list[int]
+    admitted_seq: int
+    """Admission order (lower = older = higher priority); kept across preemptions."""
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    """Positions whose K/V sit in the pool."""
+    num_cached_prompt: int = 0
+    """Prompt positions found in retained prefix blocks at (re)admission."""
+    status: RequestStatus = RequestStatus.RUNNING
+    num_preemptions: int = 0
+    preempted_at: float | None = None
+    prefill_done: bool = False
+    """The original prompt has been fully computed once (recompute does not reset it)."""
+    prefill_logprobs: list[float] = field(default_factory=list)
+    """Accumulated prompt-token logprobs across chunks (only when requested and enabled)."""
+    finish_reason: FinishReason | None = None
+    recomputed_tokens: int = 0
+    chunk_len_hint: int | None = None
+    """The router's ``chunk_len`` for the first chunk, consumed once."""
+    stop_state: object | None = None
+    """Stopping-criteria state (engine.stopping)."""
+    detok_state: object | None = None
+    """Incremental detokenizer state (engine.detokenize)."""
+
+    @property
+    def id(self) -> int:
+        return self.spec.id
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens to compute before this request yields its next token."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_remaining > 1
+
+    @property
+    def is_preempted(self) -> bool:
+        return self.status in (RequestStatus.SWAPPED, RequestStatus.PREEMPTED)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Slots the router reserved (what stock TGI would have allocated)."""
+        return len(self.spec.slots)
+
+    def mark_preempted(self, status: RequestStatus) -> None:
+        assert status in (RequestStatus.SWAPPED, RequestStatus.PREEMPTED)
+        assert self.status is RequestStatus.RUNNING, f"request {self.id} is {self.status}"
+        if status is RequestStatus.PREEMPTED:
+            self.recomputed_tokens += self.num_computed
+            self.num_computed = 0
+        self.status = status
+        self.num_preemptions += 1
+        self.preempted_at = time.monotonic()
+
+    def mark_resumed(self) -> float:
+        """Back to running; returns seconds spent preempted."""
+        assert self.is_preempted
+        waited = time.monotonic() - (self.preempted_at or time.monotonic())
+        self.status = RequestStatus.RUNNING
+        self.preempted_at = None
+        return waited

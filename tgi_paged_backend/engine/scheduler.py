@@ -1,0 +1,165 @@
+"""Plans one forward step: which requests compute how many tokens, and who is preempted.
+
+Priority is admission order (oldest first). Preempted requests keep their original admission number,
+so they resume before anything admitted after them, and a request only ever takes blocks from
+requests admitted later than itself (vLLM's rule). The oldest request can therefore always make
+progress as long as one request fits in the pool (Warmup guarantees that), so nothing deadlocks.
+
+Per step:
+1. swapped requests try to swap back in (preempting later-admitted ones if needed);
+2. every request gets its token count (1 to decode; a prefill chunk within the token budget);
+3. its physical blocks are allocated, preempting later-admitted victims until they fit; when no
+   victim is left it simply waits this step (no Generation, it stays in the batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
+from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
+from tgi_paged_backend.policy.victims import VictimCandidate, victim_order
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionEvent:
+    request_id: int
+    mode: str
+    """``swap`` or ``recompute``."""
+    num_tokens: int
+    """Tokens whose K/V were swapped out or dropped."""
+    estimated_cost_s: float
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the model step must do: the block copies in issue order, then one forward."""
+
+    scheduled: list[tuple[RequestState, int]] = field(default_factory=list)
+    copy_ops: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    """``(kind, src ids, dst ids)`` in the order the memory manager issued them (a block released by
+    one may be reused by a later one): ``out`` device -> cpu, ``in`` cpu -> device, ``cow`` in-pool."""
+    preemptions: list[PreemptionEvent] = field(default_factory=list)
+    resumed_wait_s: list[float] = field(default_factory=list)
+    num_new_blocks: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+ChooseMode = Callable[[RequestState, bool], tuple[str, float]]
+"""(victim, swap possible) -> (mode, estimated cost in seconds)."""
+
+
+class Scheduler:
+    """Stateless planner over the KV cache manager; the engine owns the requests."""
+
+    def __init__(self, kv: KVCacheManager, *, max_batch_tokens: int, max_preemptions: int,
+                 choose_mode: ChooseMode, cost_aware: bool = False) -> None:
+        self.kv = kv
+        self.cost_aware = cost_aware
+        self.max_batch_tokens = max_batch_tokens
+        self.max_preemptions = max_preemptions
+        self.choose_mode = choose_mode
+
+    def plan(self, step: list[RequestState], others: Iterable[RequestState]) -> StepPlan:
+        """Plan one step for ``step`` (the merged batch); ``others`` may lose blocks to it."""
+        plan = StepPlan()
+        live = sorted((r for r in step if r.status is not RequestStatus.FINISHED),
+                      key=lambda r: r.admitted_seq)
+        victims_pool = sorted({id(r): r for r in [*live, *others]
+                               if r.status is not RequestStatus.FINISHED}.values(),
+                              key=lambda r: r.admitted_seq)
+        num_decodes = sum(1 for r in live if not r.is_preempted and r.num_remaining == 1)
+        prefill_budget = max(self.max_batch_tokens - num_decodes, 0)
+        for request in live:
+            if request.status is RequestStatus.FINISHED or request.id in _preempted(plan):
+                continue  # preempted earlier in this step by an older request: wait
+            if request.status is RequestStatus.SWAPPED and not self._swap_in(request, victims_pool, plan):
+                continue
+            if request.status is RequestStatus.PREEMPTED:
+                self._resume_for_recompute(request, plan)
+            n = self._num_tokens(request, prefill_budget)
+            if n == 0:
+                continue
+            if not self._allocate(request, request.num_computed + n, victims_pool, plan):
+                continue
+            if n > 1 or request.num_remaining > 1:
+                prefill_budget -= n
+            plan.scheduled.append((request, n))
+        return plan
+
+    # -- phases ------------------------------------------------------------------------------
+
+    def _num_tokens(self, request: RequestState, prefill_budget: int) -> int:
+        remaining = request.num_remaining
+        if remaining == 1:
+            return 1
+        n = min(remaining, prefill_budget)
+        if request.chunk_len_hint is not None:
+            n = min(n, request.chunk_len_hint)
+        return max(n, 0)
+
+    def _swap_in(self, request: RequestState, victims_pool: list[RequestState], plan: StepPlan) -> bool:
+        while (swap := self.kv.swap_in(request.id)) is None:
+            if not self._preempt_one_after(request, victims_pool, plan):
+                return False
+        plan.copy_ops.append(("in", list(swap.src_blocks), list(swap.dst_blocks)))
+        plan.resumed_wait_s.append(request.mark_resumed())
+        return True
+
+    def _resume_for_recompute(self, request: RequestState, plan: StepPlan) -> None:
+        match = self.kv.match_prefix(request.id, request.all_ids)
+        request.num_computed = match.num_cached_tokens
+        plan.resumed_wait_s.append(request.mark_resumed())
+
+    def _allocate(self, request: RequestState, num_tokens: int, victims_pool: list[RequestState],
+                  plan: StepPlan) -> bool:
+        while (allocation := self.kv.allocate(request.id, num_tokens)) is None:
+            if not self._preempt_one_after(request, victims_pool, plan):
+                return False
+        for copy in allocation.copies:
+            plan.copy_ops.append(("cow", [copy.src], [copy.dst]))
+        plan.num_new_blocks += len(allocation.new_blocks)
+        return True
+
+    def _preempt_one_after(self, request: RequestState, victims_pool: list[RequestState],
+                           plan: StepPlan) -> bool:
+        """Preempt one request admitted after ``request`` that holds blocks (policy order)."""
+        candidates = []
+        by_id = {}
+        for victim in victims_pool:
+            if victim.admitted_seq <= request.admitted_seq or victim.status is not RequestStatus.RUNNING:
+                continue
+            memory = self.kv.request_memory(victim.id)
+            if memory.num_blocks == 0:
+                continue
+            by_id[victim.id] = victim
+            candidates.append(VictimCandidate(
+                request_id=victim.id, admission_seq=victim.admitted_seq,
+                num_preemptions=victim.num_preemptions, num_freeable_blocks=memory.num_exclusive_blocks,
+                estimated_cost_s=self.choose_mode(victim, False)[1] if self.cost_aware else 0.0))
+        order = victim_order(candidates, max_preemptions=self.max_preemptions, cost_aware=self.cost_aware)
+        if not order:
+            return False
+        self._preempt(by_id[order[0].request_id], plan)
+        return True
+
+    def _preempt(self, victim: RequestState, plan: StepPlan) -> None:
+        plan.scheduled = [(r, n) for r, n in plan.scheduled if r is not victim]
+        mode, cost = self.choose_mode(victim, self.kv.can_swap_out(victim.id))
+        num_tokens = victim.num_computed
+        if mode == "swap" and (swap := self.kv.swap_out(victim.id)) is not None:
+            plan.copy_ops.append(("out", list(swap.src_blocks), list(swap.dst_blocks)))
+            victim.mark_preempted(RequestStatus.SWAPPED)
+        else:
+            mode = "recompute"
+            self.kv.preempt_recompute(victim.id)
+            victim.mark_preempted(RequestStatus.PREEMPTED)
+        plan.preemptions.append(PreemptionEvent(victim.id, mode, num_tokens, cost))
+
+
+def _preempted(plan: StepPlan) -> set[int]:
+    return {e.request_id for e in plan.preemptions}

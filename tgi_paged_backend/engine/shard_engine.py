@@ -1,0 +1,292 @@
+"""The shard engine: the eight ``generate.v3`` RPCs over the scheduler, memory manager and runner.
+
+Batches are lists of request ids; requests live in one table, so merging (Prefill with
+``cached_batch``, Decode of several batches) is a list concatenation. The physical pool is shared by
+all cached batches: a step may preempt requests of another cached batch, which simply resume when
+their batch runs next.
+
+Failure rule: validation happens before any state changes (``InvalidRequestError``). An unexpected
+error inside a step frees every request of that call and re-raises: the router fails exactly those
+requests (it also ``ClearCache``s the batch id), and the shard keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+from loguru import logger
+
+from tgi_paged_backend.config import BackendConfig
+from tgi_paged_backend.engine.capacity import Capacity, plan_capacity
+from tgi_paged_backend.engine.detokenize import TokenDecoder
+from tgi_paged_backend.engine.engine_stats import EngineStats
+from tgi_paged_backend.engine.model_step import ModelStep
+from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
+from tgi_paged_backend.engine.sampling import validate_sampling_params
+from tgi_paged_backend.engine.scheduler import Scheduler
+from tgi_paged_backend.engine.stopping import StoppingCriteria, eos_token_ids
+from tgi_paged_backend.engine.tokenize import PromptTokenizer
+from tgi_paged_backend.engine.types import (
+    U64_MAX,
+    BatchNotFoundError,
+    BatchSpec,
+    CachedBatchInfo,
+    InfoResult,
+    InvalidRequestError,
+    RequestSpec,
+    StepResult,
+    WarmupResult,
+)
+from tgi_paged_backend.engine.validation import validate_batch, validate_tokenized
+from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
+from tgi_paged_backend.policy.admission import reported_batch_tokens, should_brake
+from tgi_paged_backend.policy.preemption_mode import RateCalibrator, choose_preemption_mode
+from tgi_paged_backend.runner.model_runner import ModelRunner
+
+BOOTSTRAP_BLOCKS = 1024
+"""Pool size before Warmup (enough for the router's warmup batch at the default prefill budget)."""
+IDLE_WAIT_S = 0.005
+"""Pause when a step could do nothing (every request waits), so back-to-back Decodes don't spin."""
+
+
+class PagedShardEngine:
+    """Implements :class:`~tgi_paged_backend.engine.interface.ShardEngine`."""
+
+    def __init__(self, config: BackendConfig, runner: ModelRunner) -> None:
+        self.config = config
+        self.runner = runner
+        self.block_size = config.cache.block_size
+        self.prompt_tokenizer = PromptTokenizer(runner.tokenizer)
+        self.decoder = TokenDecoder(runner.tokenizer)
+        self.eos_ids = eos_token_ids(runner.tokenizer, runner.generation_config) or frozenset(runner.eos_token_ids)
+        self.calibrator = RateCalibrator()
+        self.stats = EngineStats()
+        self.batches: dict[int, list[int]] = {}
+        self.requests: dict[int, RequestState] = {}
+        self._admitted = 0
+        # A small pool so the engine serves (and warms up) before Warmup sizes the real one.
+        self._configure(self._plan(max_input_tokens=None, max_total_tokens=None, max_prefill_tokens=4096,
+                                   max_blocks=BOOTSTRAP_BLOCKS))
+
+    # -- sizing -----------------------------------------------------------------------------
+
+    def _plan(self, *, max_input_tokens: int | None, max_total_tokens: int | None,
+              max_prefill_tokens: int, max_blocks: int | None = None) -> Capacity:
+        cache = self.config.cache
+        caps = [c for c in (cache.num_blocks, max_blocks) if c is not None]
+        return plan_capacity(
+            available_kv_bytes=self.runner.available_kv_bytes(cache.memory_fraction),
+            block_bytes=self.runner.block_bytes, block_size=self.block_size,
+            num_blocks_cap=min(caps) if caps else None,
+            overcommit=cache.overcommit, max_position_embeddings=self.runner.spec.max_position_embeddings,
+            max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
+            max_prefill_tokens=max_prefill_tokens)
+
+    def _configure(self, capacity: Capacity) -> None:
+        self.capacity = capacity
+        self.runner.allocate_kv_cache(capacity.num_blocks)
+        swap_blocks = self.config.cache.swap_space_bytes // self.runner.block_bytes
+        if self.config.preemption.mode == "recompute":
+            swap_blocks = 0
+        self.runner.allocate_swap_space(swap_blocks)
+        self.kv = KVCacheManager(num_blocks=capacity.num_blocks, block_size=self.block_size,
+                                 num_swap_blocks=swap_blocks, enable_prefix_retention=True)
+        self.scheduler = Scheduler(self.kv, max_batch_tokens=capacity.max_prefill_tokens,
+                                   max_preemptions=self.config.preemption.max_preemptions_per_request,
+                                   choose_mode=self._choose_mode,
+                                   cost_aware=self.config.preemption.cost_aware_victims)
+        self.model_step = ModelStep(self.runner, self.kv, self.decoder,
+                                    prefill_logprobs_enabled=self.config.server.request_logprobs)
+
+    def _choose_mode(self, victim: RequestState, swap_has_room: bool) -> tuple[str, float]:
+        decision = choose_preemption_mode(
+            self.config.preemption.mode, num_tokens_to_reprefill=victim.num_computed + 1,
+            num_swap_bytes=self.kv.request_memory(victim.id).num_blocks * self.runner.block_bytes,
+            swap_has_room=swap_has_room, calibrator=self.calibrator)
+        cost = decision.swap_cost_s if decision.mode == "swap" else decision.recompute_cost_s
+        return decision.mode, float(cost or 0.0)
+
+    @property
+    def num_virtual_blocks(self) -> int:
+        return self.capacity.max_supported_total_tokens // self.block_size
+
+    # -- RPCs -------------------------------------------------------------------------------
+
+    def info(self) -> InfoResult:
+        return InfoResult(requires_padding=False, dtype=str(self.runner.dtype).removeprefix("torch."),
+                          device_type=self.runner.device.type, window_size=None, speculate=0,
+                          support_chunking=True, use_prefix_caching=self.config.cache.prefix_caching,
+                          attention_impl="paged", block_size=self.block_size)
+
+    def health(self) -> None:
+        torch.zeros((2, 2), device=self.runner.device).sum().item()
+
+    def warmup(self, batch: BatchSpec, *, max_input_tokens: int | None, max_prefill_tokens: int,
+               max_total_tokens: int | None) -> WarmupResult:
+        self.clear_cache(None)
+        self.kv.reset_prefix_cache()
+        # Exercise the full prefill path (sampling, top-n, prompt logprobs) on the router's batch,
+        # with private ids (the router sends id 0 for every warmup request).
+        warm = BatchSpec(id=batch.id, requests=tuple(
+            _replace_id(r, -(i + 1)) for i, r in enumerate(batch.requests)))
+        self.runner.profile_prefill(max(max_prefill_tokens, 1))
+        ids = [r.id for r in warm.requests]
+        try:
+            self._add_requests(warm, max_input_tokens=None)
+            for _ in range(4 * len(ids) + 4):  # bounded: each step completes or advances a prefill
+                self._step(ids)
+                done = [i for i in ids if i not in self.requests or self.requests[i].output_ids]
+                self._free(done)
+                ids = [i for i in ids if i not in done]
+                if not ids:
+                    break
+        finally:
+            self._free(ids)
+        capacity = self._plan(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
+                              max_prefill_tokens=max_prefill_tokens)
+        self._configure(capacity)
+        logger.info("warmup: {} physical blocks x {} tokens = {} tokens; advertising {} (overcommit {})",
+                    capacity.num_blocks, self.block_size, capacity.physical_tokens,
+                    capacity.max_supported_total_tokens, self.config.cache.overcommit)
+        return WarmupResult(max_supported_total_tokens=capacity.max_supported_total_tokens,
+                            max_input_tokens=capacity.max_input_tokens,
+                            max_total_tokens=capacity.max_total_tokens)
+
+    def prefill(self, batch: BatchSpec, cached_batch_id: int | None) -> StepResult:
+        start = time.perf_counter_ns()
+        if batch.id == U64_MAX:
+            return self._liveness(batch, start)
+        if cached_batch_id is not None and cached_batch_id not in self.batches:
+            raise BatchNotFoundError(f"cached batch {cached_batch_id} not found")
+        self._add_requests(batch, max_input_tokens=self.capacity.max_input_tokens)
+        new_ids = [r.id for r in batch.requests]
+        concat_ns = None
+        batch_id = batch.id
+        ids = new_ids
+        if cached_batch_id is not None:
+            t = time.perf_counter_ns()
+            ids = self.batches.pop(cached_batch_id) + new_ids
+            batch_id = cached_batch_id
+            concat_ns = time.perf_counter_ns() - t
+        return self._run(batch_id, ids, start, concat_ns)
+
+    def decode(self, batch_ids: list[int]) -> StepResult:
+        start = time.perf_counter_ns()
+        if not batch_ids:
+            raise InvalidRequestError("Decode needs at least one batch")
+        missing = [b for b in batch_ids if b not in self.batches]
+        if missing:
+            raise BatchNotFoundError(f"Batch ID {missing[0]} not found in cache.")
+        ids = [rid for b in batch_ids for rid in self.batches.pop(b)]
+        return self._run(batch_ids[0], ids, start, None if len(batch_ids) == 1 else 0)
+
+    def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatchInfo:
+        if batch_id not in self.batches:
+            raise BatchNotFoundError(f"Batch ID {batch_id} not found in cache.")
+        keep = set(request_ids)
+        current = self.batches[batch_id]
+        self._free([rid for rid in current if rid not in keep])
+        self.batches[batch_id] = [rid for rid in current if rid in keep]
+        return self._batch_info(batch_id)
+
+    def clear_cache(self, batch_id: int | None) -> None:
+        ids = list(self.batches) if batch_id is None else [batch_id]
+        for bid in ids:
+            self._free(self.batches.pop(bid, []))
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _add_requests(self, batch: BatchSpec, *, max_input_tokens: int | None) -> None:
+        """Validate everything, then register (no state changes before validation passes)."""
+        validate_batch(batch, live_ids=set(self.requests), num_virtual_blocks=self.num_virtual_blocks)
+        prompts = self.prompt_tokenizer.encode_requests(batch.requests)
+        for spec, prompt_ids in zip(batch.requests, prompts):
+            validate_sampling_params(spec.sampling)
+            validate_tokenized(spec, prompt_ids, block_size=self.block_size, max_input_tokens=max_input_tokens)
+        for spec, prompt_ids in zip(batch.requests, prompts):
+            self._admitted += 1
+            state = RequestState(spec=spec, prompt_ids=prompt_ids, admitted_seq=self._admitted,
+                                 chunk_len_hint=spec.chunk_len)
+            state.stop_state = StoppingCriteria(spec.stopping, self.eos_ids)
+            state.detok_state = self.decoder.new_request(prompt_ids)
+            self.kv.add_request(spec.id, spec.blocks)
+            match = self.kv.match_prefix(spec.id, prompt_ids)
+            state.num_computed = state.num_cached_prompt = match.num_cached_tokens
+            self.stats.prefix_query_tokens += len(prompt_ids)
+            self.stats.prefix_hit_tokens += match.num_cached_tokens
+            self.requests[spec.id] = state
+
+    def _run(self, batch_id: int, ids: list[int], start_ns: int, concat_ns: int | None) -> StepResult:
+        try:
+            generations, forward_ns, decode_ns = self._step(ids)
+        except Exception:
+            logger.exception("step failed for batch {}; failing its {} requests", batch_id, len(ids))
+            self._free(ids)
+            raise
+        live = [rid for rid in ids if rid in self.requests]
+        batch = None
+        if live:
+            self.batches[batch_id] = live
+            batch = self._batch_info(batch_id)
+        return StepResult(generations=generations, batch=batch, forward_ns=forward_ns, decode_ns=decode_ns,
+                          total_ns=time.perf_counter_ns() - start_ns, concat_ns=concat_ns)
+
+    def _step(self, ids: list[int]):
+        step = [self.requests[rid] for rid in ids]
+        in_step = set(ids)
+        others = [r for rid, r in self.requests.items() if rid not in in_step]
+        plan = self.scheduler.plan(step, others)
+        out = self.model_step.run(plan)
+        if not plan.scheduled:
+            time.sleep(IDLE_WAIT_S)
+        elif out.forward_ns > 0 and out.num_computed_tokens > len(plan.scheduled):
+            self.calibrator.observe_prefill(out.num_computed_tokens, out.forward_ns / 1e9)
+        self.stats.record_step(plan, out, swap_block_bytes=self.runner.block_bytes)
+        self._free([r.id for r in out.finished])
+        return out.generations, out.forward_ns, out.decode_ns
+
+    def _liveness(self, batch: BatchSpec, start_ns: int) -> StepResult:
+        """The router's health probe: one token on the scratch block, nothing kept."""
+        self._add_requests(batch, max_input_tokens=None)
+        ids = [r.id for r in batch.requests]
+        try:
+            generations, forward_ns, decode_ns = self._step(ids)
+        finally:
+            self._free(ids)
+        return StepResult(generations=generations, batch=None, forward_ns=forward_ns, decode_ns=decode_ns,
+                          total_ns=time.perf_counter_ns() - start_ns)
+
+    def _free(self, request_ids: list[int]) -> None:
+        for rid in request_ids:
+            state = self.requests.pop(rid, None)
+            if state is not None:
+                if state.status is not RequestStatus.FINISHED:
+                    state.status = RequestStatus.FINISHED
+                self.kv.free(rid)
+
+    def _batch_info(self, batch_id: int) -> CachedBatchInfo:
+        ids = self.batches[batch_id]
+        states = [self.requests[rid] for rid in ids]
+        reserved = sum(_reserved_tokens(r, self.block_size) for r in states)
+        current = sum(min(r.num_remaining, self.capacity.max_prefill_tokens) for r in states)
+        num_waiting_preempted = sum(1 for r in self.requests.values() if r.is_preempted)
+        braking = should_brake(self.kv.num_available_blocks, self.kv.num_total_blocks,
+                               self.config.cache.watermark, num_waiting_preempted)
+        tokens = reported_batch_tokens(braking=braking, max_tokens=reserved, current_tokens=current,
+                                       max_batch_total_tokens=self.capacity.max_supported_total_tokens,
+                                       max_batch_prefill_tokens=self.capacity.max_prefill_tokens)
+        return CachedBatchInfo(id=batch_id, request_ids=list(ids), max_tokens=tokens.max_tokens,
+                               current_tokens=tokens.current_tokens)
+
+
+def _reserved_tokens(r: RequestState, block_size: int) -> int:
+    """Tokens the router reserved for this request (stock TGI's ``max_tokens`` contribution)."""
+    if r.spec.blocks:
+        return len(r.spec.blocks) * block_size
+    return -(-(len(r.prompt_ids) + r.spec.stopping.max_new_tokens - 1) // block_size) * block_size
+
+
+def _replace_id(spec: RequestSpec, new_id: int) -> RequestSpec:
+    return dataclasses.replace(spec, id=new_id)

@@ -1,0 +1,242 @@
+"""Content-addressed retention of full KV blocks (prefix caching), verified by token ids.
+
+A full block's K/V depends on every token before it, so a block is identified by a *hash chain*:
+``chain_hash(i) = hash((chain_hash(i - 1), tokens of block i))`` with ``ROOT_HASH`` before block 0.
+Entries are found by chain hash, then verified: the stored token ids must equal the block's tokens
+and the stored parent must be the entry matched for the previous block. Parents are identified by a
+serial number that is never reused, so a hash collision can never make two different prefixes share
+a block (no false sharing); a collision only costs a cache miss.
+
+Lifetime: a request registers its full committed blocks when it releases them; a registered block
+whose refcount drops to 0 becomes *retained* in the pool (LRU, reclaimable). When the pool evicts a
+retained block it calls :meth:`PrefixCache.forget_block`. Entries whose parent was evicted become
+unreachable (*stale*); they stay until their own block is evicted, or are replaced when the same
+content is registered again under a live parent.
+
+A partly matching block is served by copy-on-write: after the last fully matching block, the child
+entry sharing the longest run of leading tokens with the prompt is returned as a copy source.
+
+``NullPrefixCache`` is the same interface with retention off (selected once, no flag checks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tgi_paged_backend.memory.block_pool import BlockPool
+from tgi_paged_backend.memory.types import SCRATCH_BLOCK
+
+ROOT_HASH = 0
+"""Chain hash "before" block 0."""
+_ROOT_SERIAL = 0
+
+
+def chain_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    """Hash of one full block given its parent's chain hash.
+
+    Python's tuple-of-int hash is deterministic across processes (``PYTHONHASHSEED`` only affects
+    ``str``/``bytes``) and 64-bit; collisions are tolerated because matches are verified.
+    """
+    return hash((parent_hash, token_ids))
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass(slots=True)
+class _Entry:
+    block_id: int
+    chain_hash: int
+    serial: int
+    parent_serial: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """What :meth:`PrefixCache.match` found (nothing is pinned yet; the caller increfs).
+
+    Attributes:
+        block_ids: Physical blocks whose full contents match the prompt's leading blocks, in order.
+        cow_src: A block whose first ``num_cow_tokens`` tokens match the prompt right after
+            ``block_ids``; ``None`` when there is none.
+        num_cow_tokens: Valid tokens to copy from ``cow_src`` (0 without a source).
+    """
+
+    block_ids: tuple[int, ...] = ()
+    cow_src: int | None = None
+    num_cow_tokens: int = 0
+
+
+_NO_HIT = PrefixHit()
+
+
+class PrefixCache:
+    """Registry of full blocks by content, layered over a :class:`BlockPool`.
+
+    Args:
+        pool: The pool whose blocks are registered; its ``on_evict`` must call :meth:`forget_block`.
+        block_size: Tokens per block.
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self._pool = pool
+        self.block_size = block_size
+        self._by_hash: dict[int, _Entry] = {}
+        self._by_block: dict[int, _Entry] = {}
+        self._by_serial: dict[int, _Entry] = {}
+        self._children: dict[int, dict[int, _Entry]] = {}
+        self._next_serial = _ROOT_SERIAL + 1
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._by_block)
+
+    def is_registered(self, block_id: int) -> bool:
+        return block_id in self._by_block
+
+    # -------------------------------------------------------------------------------- matching
+    def match(self, token_ids: Sequence[int]) -> PrefixHit:
+        """Longest verified prefix of ``token_ids`` held in registered blocks.
+
+        The hit always leaves at least the last token to compute: full blocks are matched only
+        within ``token_ids[:-1]`` and the copy-on-write run stops before the last token.
+        """
+        bs = self.block_size
+        limit = len(token_ids) - 1
+        if limit <= 0:
+            return _NO_HIT
+        block_ids: list[int] = []
+        parent_hash, parent_serial = ROOT_HASH, _ROOT_SERIAL
+        for start in range(0, limit - bs + 1, bs):
+            chunk = tuple(token_ids[start:start + bs])
+            key = chain_hash(parent_hash, chunk)
+            entry = self._by_hash.get(key)
+            if entry is None or entry.parent_serial != parent_serial or entry.token_ids != chunk:
+                break
+            block_ids.append(entry.block_id)
+            parent_hash, parent_serial = key, entry.serial
+        start = len(block_ids) * bs
+        want = token_ids[start:min(limit, start + bs)]
+        best: _Entry | None = None
+        best_len = 0
+        for child in self._children.get(parent_serial, {}).values():
+            n = _common_prefix_len(child.token_ids, want)
+            if n > best_len:
+                best, best_len = child, n
+        if not block_ids and best is None:
+            return _NO_HIT
+        return PrefixHit(tuple(block_ids), None if best is None else best.block_id, best_len)
+
+    # ----------------------------------------------------------------------------- registering
+    def register(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> int:
+        """Register the full blocks among the first ``num_tokens`` tokens of a request.
+
+        ``block_ids[i]`` holds tokens ``[i * block_size, (i + 1) * block_size)``. Blocks already
+        registered (shared ones) are kept; a block whose content is already registered under another
+        block is skipped (it will be freed, the chain continues through the existing entry). The walk
+        stops at a scratch block or at a genuine hash collision.
+
+        Returns:
+            How many blocks were newly registered.
+        """
+        bs = self.block_size
+        parent_hash, parent_serial = ROOT_HASH, _ROOT_SERIAL
+        num_new = 0
+        for index in range(min(num_tokens // bs, len(block_ids))):
+            block_id = block_ids[index]
+            if block_id == SCRATCH_BLOCK:
+                break
+            chunk = tuple(token_ids[index * bs:(index + 1) * bs])
+            key = chain_hash(parent_hash, chunk)
+            entry = self._by_hash.get(key)
+            if entry is not None and entry.parent_serial != parent_serial and self._is_stale(entry):
+                self._drop_stale(entry)
+                entry = None
+            if entry is None:
+                assert block_id not in self._by_block, f"block {block_id} registered under other content"
+                entry = self._add(block_id, key, parent_serial, chunk)
+                num_new += 1
+            elif entry.parent_serial != parent_serial or entry.token_ids != chunk:
+                break  # live collision: keep the existing entry, stop the chain here
+            parent_hash, parent_serial = key, entry.serial
+        return num_new
+
+    def forget_block(self, block_id: int) -> None:
+        """Drop the entry of an evicted block (the pool's ``on_evict`` hook)."""
+        entry = self._by_block.pop(block_id)
+        del self._by_serial[entry.serial]
+        if self._by_hash.get(entry.chain_hash) is entry:
+            del self._by_hash[entry.chain_hash]
+        siblings = self._children[entry.parent_serial]
+        del siblings[entry.serial]
+        if not siblings:
+            del self._children[entry.parent_serial]
+
+    def _add(self, block_id: int, key: int, parent_serial: int, chunk: tuple[int, ...]) -> _Entry:
+        entry = _Entry(block_id, key, self._next_serial, parent_serial, chunk)
+        self._next_serial += 1
+        self._by_hash[key] = entry
+        self._by_block[block_id] = entry
+        self._by_serial[entry.serial] = entry
+        self._children.setdefault(parent_serial, {})[entry.serial] = entry
+        return entry
+
+    def _is_stale(self, entry: _Entry) -> bool:
+        return entry.parent_serial != _ROOT_SERIAL and entry.parent_serial not in self._by_serial
+
+    def _drop_stale(self, entry: _Entry) -> None:
+        self.forget_block(entry.block_id)
+        if self._pool.is_retained(entry.block_id):
+            self._pool.discard_retained(entry.block_id)
+        # A stale block still in use simply goes free when its last holder releases it.
+
+    # ------------------------------------------------------------------------------ invariants
+    def check_invariants(self) -> None:
+        """Entries index each other consistently; registered blocks are used or retained, and
+        every retained block is registered."""
+        assert len(self._by_serial) == len(self._by_block)
+        for block_id, entry in self._by_block.items():
+            assert entry.block_id == block_id and block_id != SCRATCH_BLOCK
+            assert self._by_serial[entry.serial] is entry
+            assert self._children[entry.parent_serial][entry.serial] is entry
+            assert len(entry.token_ids) == self.block_size
+            assert self._pool.refcount(block_id) > 0 or self._pool.is_retained(block_id), (
+                f"registered block {block_id} is free")
+        for entry in self._by_hash.values():
+            assert self._by_block[entry.block_id] is entry
+        assert sum(len(c) for c in self._children.values()) == len(self._by_block)
+        for block_id in self._pool.retained_lru():
+            assert block_id in self._by_block, f"retained block {block_id} is not registered"
+
+
+class NullPrefixCache:
+    """Prefix retention switched off: never matches, never registers (same interface)."""
+
+    num_entries = 0
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self._pool = pool
+        self.block_size = block_size
+
+    def is_registered(self, block_id: int) -> bool:
+        return False
+
+    def match(self, token_ids: Sequence[int]) -> PrefixHit:
+        return _NO_HIT
+
+    def register(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> int:
+        return 0
+
+    def forget_block(self, block_id: int) -> None:
+        raise AssertionError("nothing is retained without prefix retention")
+
+    def check_invariants(self) -> None:
+        assert self._pool.num_retained_blocks == 0

@@ -1,0 +1,86 @@
+"""Memory statistics and waste accounting (one snapshot per engine step, fed to telemetry).
+
+Waste comes in three kinds (``tgi_paged_kv_waste_ratio{kind}``):
+
+- **internal**: slots of physically mapped blocks that hold no written token -- in steady state the
+  unfilled tail of each request's last block (at most ``block_size - 1`` per request).
+- **reservation**: slots the router reserved (its virtual blocks) beyond the blocks that back the
+  request. Under stock TGI these are physical memory holding nothing; here they cost nothing, and the
+  number shows what the lazy mapping saves.
+- **external**: free (or reclaimable) blocks stranded because the head-of-line pending allocation
+  needs more than are available. Paging makes every free block usable by any request, so this is 0
+  unless memory is actually short; it is measured anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryStats:
+    """Pool occupancy and waste at one instant. Block counts exclude the scratch block."""
+
+    block_size: int
+    num_total_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_retained_blocks: int
+    num_swapped_blocks: int
+    num_swap_total_blocks: int
+    num_requests: int
+    num_swapped_requests: int
+    num_written_tokens: int
+    """Tokens whose K/V is written, summed over requests resident on the device."""
+    num_reserved_slots: int
+    """Slots of all router (virtual) blocks of live requests."""
+    internal_waste_slots: int
+    reservation_waste_slots: int
+    external_waste_blocks: int
+    num_prefix_query_tokens: int
+    """Cumulative prompt tokens looked up in the prefix cache."""
+    num_prefix_hit_tokens: int
+    """Cumulative prompt tokens served from the prefix cache (shared or copied)."""
+
+    @property
+    def usage_ratio(self) -> float:
+        """Used blocks over usable blocks."""
+        return self.num_used_blocks / max(self.num_total_blocks, 1)
+
+    @property
+    def internal_waste_ratio(self) -> float:
+        """Internal waste over the slots of used blocks."""
+        return self.internal_waste_slots / max(self.num_used_blocks * self.block_size, 1)
+
+    @property
+    def reservation_waste_ratio(self) -> float:
+        """Reserved-but-unbacked slots over all router-reserved slots."""
+        return self.reservation_waste_slots / max(self.num_reserved_slots, 1)
+
+    @property
+    def external_waste_ratio(self) -> float:
+        """Stranded blocks over usable blocks."""
+        return self.external_waste_blocks / max(self.num_total_blocks, 1)
+
+
+def request_waste(*, num_written_tokens: int, num_mapped_blocks: int, num_reserved_blocks: int,
+                  block_size: int) -> tuple[int, int]:
+    """Internal and reservation waste (in slots) of one request.
+
+    Args:
+        num_written_tokens: Tokens whose K/V is written.
+        num_mapped_blocks: Blocks backing the request (physical, or CPU while swapped out).
+        num_reserved_blocks: Router virtual blocks (0 for self-managed requests).
+        block_size: Tokens per block.
+
+    Returns:
+        ``(internal_slots, reservation_slots)``.
+    """
+    internal = max(num_mapped_blocks * block_size - num_written_tokens, 0)
+    reservation = max(num_reserved_blocks - num_mapped_blocks, 0) * block_size
+    return internal, reservation
+
+
+def stranded_blocks(num_available_blocks: int, num_pending_blocks: int) -> int:
+    """External waste: available blocks that cannot serve a pending all-or-nothing allocation."""
+    return num_available_blocks if num_pending_blocks > num_available_blocks else 0

@@ -1,0 +1,167 @@
+"""Paged attention as a transformers attention function.
+
+:func:`register_attention` registers :func:`paged_attention_forward` with
+``transformers.AttentionInterface`` under :data:`ATTENTION_NAME`; models are loaded with
+``attn_implementation=ATTENTION_NAME``. Each HF attention layer then calls us after its
+projections and RoPE. We write the new K/V into the layer's pool tensors at the step's physical
+slots and attend over the paged K/V with the kernels of ``tgi_paged_kernels``.
+
+The step's metadata (:class:`PagedAttentionMetadata`) reaches us as the explicit keyword argument
+:data:`METADATA_KWARG`, passed by the runner through ``model(..., **{METADATA_KWARG: metadata})``;
+transformers forwards unknown keyword arguments down to the attention function. There is no
+module-level state besides the registration itself.
+
+Masks: we never need one. transformers >= 4.53 builds masks through
+``masking_utils.AttentionMaskInterface``; we register a no-op there. Older versions (4.51, the
+TGI 3.3 pin) build a 4D mask in the model unless one is given; :func:`mask_placeholder` gives the
+runner a ``[1, 1, 1, 1]`` stand-in that those versions pass through untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+import tgi_paged_kernels
+
+ATTENTION_NAME = "tgi_paged"
+"""Name under which the attention function (and its no-op mask) are registered."""
+
+METADATA_KWARG = "tgi_paged_metadata"
+"""Keyword argument that carries :class:`PagedAttentionMetadata` through ``model(...)``."""
+
+try:  # transformers >= 4.53
+    from transformers.masking_utils import AttentionMaskInterface as _MaskInterface
+except ImportError:  # transformers 4.51/4.52: the model builds its own 4D mask
+    _MaskInterface = None
+
+HAS_MASK_INTERFACE = _MaskInterface is not None
+"""Whether this transformers builds masks through ``AttentionMaskInterface`` (>= 4.53)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PagedAttentionMetadata:
+    """Everything the attention layers need for one forward step.
+
+    Attributes
+    ----------
+    batch : ForwardBatch
+        The step's packed inputs, on the model's device.
+    k_caches, v_caches : Sequence[torch.Tensor]
+        Per-layer pool tensors, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    k_scale, v_scale : float
+        Dequantization scales of fp8 KV (1.0 otherwise).
+    """
+
+    batch: Any  # ForwardBatch; typed loosely to keep this module free of runner imports
+    k_caches: Sequence[torch.Tensor]
+    v_caches: Sequence[torch.Tensor]
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Store this layer's new K/V in the pool and attend over the paged K/V.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The HF attention layer; ``module.layer_idx`` selects the pool tensors.
+    query : torch.Tensor
+        ``[1, Hq, T, D]`` after RoPE (all requests packed along ``T``).
+    key, value : torch.Tensor
+        ``[1, Hkv, T, D]`` for the same ``T`` tokens.
+    attention_mask : torch.Tensor | None
+        Ignored: causality and request boundaries come from the metadata.
+    scaling : float, optional
+        Softmax scale; defaults to ``module.scaling`` or ``D ** -0.5``.
+    sliding_window : int, optional
+        This layer's window (each query sees the last ``sliding_window`` positions, itself
+        included); ``None`` or 0 for full attention.
+    softcap : float, optional
+        Attention logit soft-cap (Gemma 2).
+    **kwargs
+        Must contain :data:`METADATA_KWARG`; everything else is ignored.
+
+    Returns
+    -------
+    tuple[torch.Tensor, None]
+        ``[1, T, Hq, D]`` attention output and no attention weights.
+    """
+    metadata: PagedAttentionMetadata | None = kwargs.get(METADATA_KWARG)
+    if metadata is None:
+        raise RuntimeError(
+            f"attention {ATTENTION_NAME!r} needs `{METADATA_KWARG}=` in the model call; "
+            "run the model through ModelRunner.forward, not model.generate()"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"{ATTENTION_NAME} expects one packed sequence (batch dim 1), got {query.shape[0]}")
+    layer_idx = module.layer_idx
+    k_cache, v_cache = metadata.k_caches[layer_idx], metadata.v_caches[layer_idx]
+    batch = metadata.batch
+
+    q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
+    k = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
+    v = value[0].transpose(0, 1).contiguous()
+    tgi_paged_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping,
+                               k_scale=metadata.k_scale, v_scale=metadata.v_scale)
+
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or q.shape[-1] ** -0.5
+    common = dict(
+        scale=float(scaling),
+        softcap=float(softcap or 0.0),
+        sliding_window=int(sliding_window) if sliding_window else None,
+        k_scale=metadata.k_scale,
+        v_scale=metadata.v_scale,
+    )
+    if batch.is_decode:
+        out = tgi_paged_kernels.paged_decode_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, **common)
+    else:
+        out = tgi_paged_kernels.paged_prefill_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, **common)
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """Mask builder for ``AttentionMaskInterface``: paged attention needs none."""
+    return None
+
+
+def register_attention() -> str:
+    """Register :func:`paged_attention_forward` (and its no-op mask) with transformers; idempotent.
+
+    Returns the name to pass as ``attn_implementation``.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    if _MaskInterface is not None:
+        _MaskInterface.register(ATTENTION_NAME, _no_mask)
+    return ATTENTION_NAME
+
+
+def mask_placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    """``attention_mask`` to pass to the model: ``None``, or a ``[1, 1, 1, 1]`` zero mask before 4.53.
+
+    transformers < 4.53 otherwise materializes a ``[1, 1, T, T]`` causal mask for custom attention
+    functions; a 4D mask given by the caller is passed through as is (documented behaviour of
+    ``_prepare_4d_causal_attention_mask_with_cache_position``), and we ignore it anyway.
+    """
+    if HAS_MASK_INTERFACE:
+        return None
+    return torch.zeros((1, 1, 1, 1), device=device, dtype=dtype)

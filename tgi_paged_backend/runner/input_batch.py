@@ -1,0 +1,206 @@
+"""The per-step input of the model runner: packed tokens plus paged-attention metadata.
+
+All requests of a step are packed into one sequence of ``T`` tokens (the model sees batch size 1);
+request ``b`` owns rows ``query_start_loc[b]:query_start_loc[b + 1]``, which are the last
+``q_len_b`` positions of its ``seq_lens[b]`` tokens. The engine builds a :class:`ForwardBatch` from
+numpy arrays (:meth:`ForwardBatch.from_numpy`, or :func:`build_forward_batch` from per-request
+chunks) and the runner moves it to the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardBatch:
+    """One forward step over ``B`` requests and ``T`` packed tokens.
+
+    Attributes
+    ----------
+    input_ids : torch.Tensor
+        ``[T]`` int64 token ids.
+    positions : torch.Tensor
+        ``[T]`` int64 token positions (index of each token in its own request).
+    slot_mapping : torch.Tensor
+        ``[T]`` int64 physical slots (``physical_block * block_size + offset``) where each token's
+        K/V is written.
+    block_tables : torch.Tensor
+        ``[B, max_blocks]`` int32 physical blocks of each request in token order (padding: any
+        valid block id, e.g. 0; entries past ``seq_lens`` are never read).
+    query_start_loc : torch.Tensor
+        ``[B + 1]`` int32 prefix sums of the per-request query lengths; ``query_start_loc[-1] == T``.
+    seq_lens : torch.Tensor
+        ``[B]`` int32 tokens of each request with K/V after this step (cached + new).
+    is_decode : bool
+        Every request has exactly one new token (``T == B``).
+    logits_indices : torch.Tensor
+        ``[K]`` int64 rows of the packed tokens whose logits are returned, in output order.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    is_decode: bool
+    logits_indices: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """``T``, the packed token count."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_requests(self) -> int:
+        """``B``, the number of requests."""
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @classmethod
+    def from_numpy(
+        cls,
+        *,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        block_tables: np.ndarray,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        logits_indices: np.ndarray,
+        is_decode: bool | None = None,
+    ) -> ForwardBatch:
+        """Wrap numpy arrays (copied to the canonical dtypes) and check their shapes.
+
+        ``is_decode`` defaults to "every query length is 1".
+        """
+        qsl = np.asarray(query_start_loc, dtype=np.int32)
+        if is_decode is None:
+            is_decode = bool(np.all(np.diff(qsl) == 1))
+        batch = cls(
+            input_ids=torch.from_numpy(np.asarray(input_ids, dtype=np.int64).copy()),
+            positions=torch.from_numpy(np.asarray(positions, dtype=np.int64).copy()),
+            slot_mapping=torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64).copy()),
+            block_tables=torch.from_numpy(np.atleast_2d(np.asarray(block_tables, dtype=np.int32)).copy()),
+            query_start_loc=torch.from_numpy(qsl.copy()),
+            seq_lens=torch.from_numpy(np.asarray(seq_lens, dtype=np.int32).copy()),
+            is_decode=is_decode,
+            logits_indices=torch.from_numpy(np.asarray(logits_indices, dtype=np.int64).copy()),
+        )
+        batch.validate()
+        return batch
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` when shapes or dtypes disagree (cheap; no device sync)."""
+        t, b = self.num_tokens, self.num_requests
+        checks = (
+            (self.input_ids, torch.int64, (t,)),
+            (self.positions, torch.int64, (t,)),
+            (self.slot_mapping, torch.int64, (t,)),
+            (self.query_start_loc, torch.int32, (b + 1,)),
+            (self.seq_lens, torch.int32, (b,)),
+            (self.logits_indices, torch.int64, (int(self.logits_indices.shape[0]),)),
+        )
+        for name, (tensor, dtype, shape) in zip(
+            ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices"), checks
+        ):
+            if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                raise ValueError(f"ForwardBatch.{name}: expected {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
+        if self.block_tables.dtype != torch.int32 or self.block_tables.ndim != 2 or self.block_tables.shape[0] != b:
+            raise ValueError(f"ForwardBatch.block_tables: expected int32 [{b}, max_blocks], "
+                             f"got {self.block_tables.dtype} {tuple(self.block_tables.shape)}")
+        if self.is_decode and t != b:
+            raise ValueError(f"ForwardBatch.is_decode with {t} tokens for {b} requests")
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> ForwardBatch:
+        """The same batch on ``device`` (``self`` when already there)."""
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        non_blocking = non_blocking and device.type == "cuda"
+
+        def move(x: torch.Tensor) -> torch.Tensor:
+            if non_blocking and not x.is_pinned():
+                x = x.pin_memory()
+            return x.to(device, non_blocking=non_blocking)
+
+        return ForwardBatch(
+            input_ids=move(self.input_ids),
+            positions=move(self.positions),
+            slot_mapping=move(self.slot_mapping),
+            block_tables=move(self.block_tables),
+            query_start_loc=move(self.query_start_loc),
+            seq_lens=move(self.seq_lens),
+            is_decode=self.is_decode,
+            logits_indices=move(self.logits_indices),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestChunk:
+    """The part of one request computed in a step.
+
+    Attributes
+    ----------
+    token_ids : Sequence[int]
+        New tokens to compute (the whole prompt, a chunk of it, or one generated token).
+    num_computed : int
+        Positions of this request whose K/V is already in the pool; the new tokens take positions
+        ``num_computed, num_computed + 1, ...``.
+    block_table : Sequence[int]
+        Physical blocks covering at least ``num_computed + len(token_ids)`` positions.
+    all_logits : bool
+        Return logits for every new token (prompt logprobs), not only the last one.
+    """
+
+    token_ids: Sequence[int]
+    num_computed: int
+    block_table: Sequence[int]
+    all_logits: bool = False
+
+
+def build_forward_batch(chunks: Sequence[RequestChunk], block_size: int) -> ForwardBatch:
+    """Pack per-request chunks into a CPU :class:`ForwardBatch` (pure numpy, then one wrap).
+
+    Raises ``ValueError`` when a block table is too short for its chunk.
+    """
+    if not chunks:
+        raise ValueError("build_forward_batch needs at least one request")
+    q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+    if (q_lens < 1).any():
+        raise ValueError("every request chunk needs at least one token")
+    query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=query_start_loc[1:])
+    seq_lens = np.array([c.num_computed + len(c.token_ids) for c in chunks], dtype=np.int64)
+    max_blocks = max(len(c.block_table) for c in chunks)
+    block_tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
+    positions, slots, logits_indices = [], [], []
+    for b, chunk in enumerate(chunks):
+        table = np.asarray(chunk.block_table, dtype=np.int64)
+        needed = -(-int(seq_lens[b]) // block_size)
+        if len(table) < needed:
+            raise ValueError(f"request {b}: block table has {len(table)} blocks, {needed} needed "
+                             f"for {seq_lens[b]} tokens at block_size={block_size}")
+        block_tables[b, : len(table)] = table
+        pos = np.arange(chunk.num_computed, seq_lens[b], dtype=np.int64)
+        positions.append(pos)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        logits_indices.append(np.arange(start, end) if chunk.all_logits else np.array([end - 1]))
+    return ForwardBatch.from_numpy(
+        input_ids=np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks]),
+        positions=np.concatenate(positions),
+        slot_mapping=np.concatenate(slots),
+        block_tables=block_tables,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        logits_indices=np.concatenate(logits_indices),
+    )

@@ -1,0 +1,308 @@
+"""Run the model over a paged KV pool: allocation, forward, block copies, swap and profiling.
+
+The runner owns the model, the per-layer K/V pool tensors and the CPU swap space. It never sees
+virtual blocks or requests: the engine hands it a :class:`ForwardBatch` of physical slots and block
+tables and gets logits back, and asks it to copy or swap physical blocks by id.
+
+Pool layout, per layer: ``k_caches[i]`` and ``v_caches[i]``, each
+``[num_blocks, block_size, num_kv_heads, head_dim]``. The swap space has the same shape with
+``num_cpu_blocks`` rows (pinned when the device is CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+from loguru import logger
+
+import tgi_paged_kernels
+from tgi_paged_backend.config import CacheConfig, ModelConfig
+from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
+from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
+from tgi_paged_backend.runner.model_loader import load_model
+from tgi_paged_backend.runner.model_spec import ModelSpec, resolve_kv_dtype
+
+CPU_KV_BUDGET_CAP_BYTES = 4 * 1024**3
+"""On CPU the pool gets ``memory_fraction`` of the available RAM minus the activation estimate,
+capped at this many bytes, so a CPU server (tests, demos) keeps a sane pool size."""
+
+BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def _cpu_available_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # psutil is optional; Linux sysconf is enough
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+class ModelRunner:
+    """Model plus paged KV pool on one device.
+
+    Parameters
+    ----------
+    model_config : ModelConfig
+        What to load (a local directory) and in which dtype.
+    cache_config : CacheConfig
+        Block size and KV dtype of the pool.
+    device : torch.device | str
+        ``cpu`` or ``cuda[:n]``.
+    """
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+
+        loaded = load_model(model_config, self.device)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.generation_config = loaded.generation_config
+        self.eos_token_ids: tuple[int, ...] = loaded.eos_token_ids
+        self.dtype = loaded.dtype
+        self.spec = ModelSpec.from_hf_config(self.model.config, self.dtype)
+        self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+
+        self.weights_bytes = sum(t.numel() * t.element_size()
+                                 for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+        self.activation_peak_bytes: int | None = None
+        """Set by :meth:`profile_prefill`; used by :meth:`available_kv_bytes`."""
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+        self.cpu_k_caches: list[torch.Tensor] = []
+        self.cpu_v_caches: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one physical block (K and V, all layers) in the pool's dtype."""
+        return self.spec.kv_bytes_per_block(self.block_size, self.kv_dtype)
+
+    @property
+    def num_blocks(self) -> int:
+        """Physical blocks in the pool (0 before :meth:`allocate_kv_cache`)."""
+        return int(self.k_caches[0].shape[0]) if self.k_caches else 0
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        """Blocks of swap space (0 before :meth:`allocate_swap_space`)."""
+        return int(self.cpu_k_caches[0].shape[0]) if self.cpu_k_caches else 0
+
+    def _block_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        return (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate (or replace) the pool: per layer K and V of ``[num_blocks, block_size, Hkv, D]``.
+
+        Zero-filled, so blocks never written hold finite values.
+        """
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks}: the KV pool needs at least one block")
+        self.k_caches, self.v_caches = [], []  # free the old pool before allocating the new one
+        shape = self._block_shape(num_blocks)
+        for _ in range(self.spec.num_layers):
+            self.k_caches.append(torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            self.v_caches.append(torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+        logger.info("KV pool: {} blocks x {} tokens, {:.1f} MiB ({})", num_blocks, self.block_size,
+                    num_blocks * self.block_bytes / 2**20, self.kv_dtype)
+
+    def allocate_swap_space(self, num_cpu_blocks: int) -> None:
+        """Allocate (or replace) the CPU swap space; pinned when the device is CUDA. 0 frees it."""
+        self.cpu_k_caches, self.cpu_v_caches = [], []
+        if num_cpu_blocks <= 0:
+            return
+        pin = self.device.type == "cuda"
+        shape = self._block_shape(num_cpu_blocks)
+        for _ in range(self.spec.num_layers):
+            self.cpu_k_caches.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
+            self.cpu_v_caches.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
+
+    def available_kv_bytes(self, memory_fraction: float, activation_bytes: int | None = None) -> int:
+        """Bytes the KV pool may take.
+
+        CUDA: ``memory_fraction * total - weights - activation peak``, capped by what is actually
+        free (``mem_get_info`` plus memory torch holds in its cache or in a current pool).
+        CPU: ``memory_fraction * available RAM - activation estimate``, capped at
+        :data:`CPU_KV_BUDGET_CAP_BYTES`.
+
+        ``activation_bytes`` defaults to the last :meth:`profile_prefill` result (0 if none).
+        """
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction={memory_fraction} is invalid: allowed (0, 1]")
+        activation = self.activation_peak_bytes if activation_bytes is None else activation_bytes
+        activation = activation or 0
+        pool_bytes = self.num_blocks * self.block_bytes
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            held = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            by_fraction = memory_fraction * total - self.weights_bytes - activation
+            by_free = free + held + pool_bytes - activation
+            budget = min(by_fraction, by_free)
+        else:
+            budget = min(memory_fraction * (_cpu_available_bytes() + pool_bytes) - activation,
+                         CPU_KV_BUDGET_CAP_BYTES)
+        return max(0, int(budget))
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step and return logits of the requested rows.
+
+        Parameters
+        ----------
+        batch : ForwardBatch
+            Packed tokens of ``B`` requests (``T`` tokens, ``K`` logits rows), on any device.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[K, vocab]`` float32 logits for ``batch.logits_indices``, on the runner's device.
+        """
+        if not self.k_caches:
+            raise RuntimeError("allocate_kv_cache() must be called before forward()")
+        return self._forward(batch, self.k_caches, self.v_caches)
+
+    def _forward(self, batch: ForwardBatch, k_caches: list[torch.Tensor],
+                 v_caches: list[torch.Tensor]) -> torch.Tensor:
+        batch = batch.to(self.device)
+        metadata = PagedAttentionMetadata(batch, k_caches, v_caches, self.k_scale, self.v_scale)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=batch.input_ids.unsqueeze(0),
+                position_ids=batch.positions.unsqueeze(0),
+                attention_mask=mask_placeholder(self.device, self.dtype),
+                use_cache=False,
+                logits_to_keep=batch.logits_indices,
+                return_dict=True,
+                **{METADATA_KWARG: metadata},
+            )
+        return out.logits[0].float()
+
+    # ------------------------------------------------------------ block moves
+    def _ids(self, ids: BlockIds, device: torch.device) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(ids, dtype=np.int64) if not torch.is_tensor(ids) else ids,
+                               dtype=torch.int64).to(device)
+
+    def copy_blocks(self, src: BlockIds, dst: BlockIds) -> None:
+        """Copy pool blocks ``src[i] -> dst[i]`` in every layer (copy-on-write)."""
+        if len(src) != len(dst):
+            raise ValueError(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
+        if len(src) == 0:
+            return
+        tgi_paged_kernels.copy_blocks(self.k_caches, self.v_caches,
+                                      self._ids(src, self.device), self._ids(dst, self.device))
+
+    def swap_out(self, device_ids: BlockIds, cpu_ids: BlockIds) -> None:
+        """Copy pool blocks ``device_ids[i]`` to swap blocks ``cpu_ids[i]`` (all layers, K and V)."""
+        self._swap(self.k_caches + self.v_caches, self.cpu_k_caches + self.cpu_v_caches, device_ids, cpu_ids)
+
+    def swap_in(self, cpu_ids: BlockIds, device_ids: BlockIds) -> None:
+        """Copy swap blocks ``cpu_ids[i]`` back to pool blocks ``device_ids[i]``."""
+        self._swap(self.cpu_k_caches + self.cpu_v_caches, self.k_caches + self.v_caches, cpu_ids, device_ids)
+
+    def _swap(self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor],
+              src_ids: BlockIds, dst_ids: BlockIds) -> None:
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"swap: {len(src_ids)} sources for {len(dst_ids)} destinations")
+        if len(src_ids) == 0:
+            return
+        if not self.cpu_k_caches:
+            raise RuntimeError("allocate_swap_space() must be called before swapping")
+        cpu = torch.device("cpu")
+        tgi_paged_kernels.swap_blocks(src_caches, dst_caches, self._ids(src_ids, cpu), self._ids(dst_ids, cpu))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # --------------------------------------------------------------- profiling
+    def _dummy_prefill(self, num_tokens: int, num_logits: int) -> tuple[ForwardBatch, int]:
+        """A prefill of ``num_tokens`` tokens split into requests no longer than the model allows."""
+        max_len = self.spec.max_position_embeddings or num_tokens
+        lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+        chunks, next_block = [], 0
+        for n in lengths:
+            nblocks = -(-n // self.block_size)
+            chunks.append(RequestChunk(token_ids=[0] * n, num_computed=0,
+                                       block_table=range(next_block, next_block + nblocks)))
+            next_block += nblocks
+        batch = build_forward_batch(chunks, self.block_size)
+        if num_logits > len(lengths):  # prompt logprobs: logits for the last num_logits tokens
+            indices = torch.arange(num_tokens - min(num_logits, num_tokens), num_tokens, dtype=torch.int64)
+            batch = dataclasses.replace(batch, logits_indices=indices)
+        return batch, next_block
+
+    def profile_prefill(self, num_tokens: int, *, num_logits: int = 1) -> int:
+        """Activation peak in bytes of a prefill of ``num_tokens`` tokens; also stored on the runner.
+
+        CUDA: measured with ``torch.cuda.max_memory_allocated`` around a dummy forward that writes
+        into a temporary pool (the real pool, if any, is untouched). CPU: an estimate (hidden
+        states, QKV, MLP, a naive attention-score matrix per request and the logits rows).
+        ``num_logits`` sizes the logits part (``num_tokens`` when prompt logprobs are served).
+        """
+        if num_tokens < 1:
+            raise ValueError("profile_prefill needs num_tokens >= 1")
+        if self.device.type != "cuda":
+            peak = self._estimate_prefill_bytes(num_tokens, num_logits)
+        else:
+            batch, nblocks = self._dummy_prefill(num_tokens, num_logits)
+            shape = self._block_shape(nblocks)
+            k_tmp = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.spec.num_layers)]
+            v_tmp = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.spec.num_layers)]
+            batch = batch.to(self.device)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            self._forward(batch, k_tmp, v_tmp)
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - base
+            del k_tmp, v_tmp
+            torch.cuda.empty_cache()
+        self.activation_peak_bytes = int(peak)
+        logger.info("prefill of {} tokens: activation peak {:.1f} MiB", num_tokens, peak / 2**20)
+        return int(peak)
+
+    def _estimate_prefill_bytes(self, num_tokens: int, num_logits: int) -> int:
+        s = self.spec
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        per_token = (4 * s.hidden_size + 2 * (s.num_q_heads + 2 * s.num_kv_heads) * s.head_dim
+                     + 3 * s.intermediate_size) * itemsize
+        longest = min(num_tokens, s.max_position_embeddings or num_tokens)
+        scores = s.num_q_heads * longest * longest * 4
+        logits = min(num_logits, num_tokens) * s.vocab_size * (itemsize + 4)
+        return int(num_tokens * per_token + scores + logits)
+
+    def measure_copy_bandwidth(self, num_bytes: int = 64 * 1024**2, repeats: int = 3) -> float:
+        """Bytes per second of a device <-> CPU copy (the slower direction, best of ``repeats``).
+
+        On CUDA this copies between device memory and pinned host memory, as swapping does; on CPU
+        it is a host memcpy.
+        """
+        cuda = self.device.type == "cuda"
+        dev = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=cuda)
+
+        def best(dst: torch.Tensor, src: torch.Tensor) -> float:
+            times = []
+            for _ in range(repeats + 1):  # the first run warms up
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                start = time.perf_counter()
+                dst.copy_(src, non_blocking=cuda)
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                times.append(time.perf_counter() - start)
+            return num_bytes / max(min(times[1:]), 1e-9)
+
+        return min(best(host, dev), best(dev, host))

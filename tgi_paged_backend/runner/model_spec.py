@@ -1,0 +1,117 @@
+"""The shape facts of a loaded model that the KV pool and the kernels need.
+
+:class:`ModelSpec` is derived once from the transformers config. Nothing else in the runner reads
+the HF config for sizes, so model-family quirks (``head_dim`` missing, sliding windows declared but
+unused, logit soft-capping) are resolved here, in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_KV_DTYPES: dict[str, torch.dtype] = {
+    "fp8_e4m3fn": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """Map ``CacheConfig.kv_cache_dtype`` to a torch dtype (``auto`` = the model dtype)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    try:
+        return _KV_DTYPES[kv_cache_dtype]
+    except KeyError:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is invalid: allowed ('auto', {', '.join(map(repr, _KV_DTYPES))})"
+        ) from None
+
+
+def _sliding_window(config: Any) -> int | None:
+    """The attention window, or ``None`` when no layer of the model really uses one.
+
+    Qwen2-style configs carry a ``sliding_window`` value even when ``use_sliding_window`` is off;
+    transformers >= 4.53 configs list per-layer ``layer_types``.
+    """
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    """Sizes of a decoder-only causal LM, as the KV pool and the attention kernels see them."""
+
+    model_type: str
+    """``config.model_type`` (``llama``, ``mistral``, ``qwen2``, ...)."""
+    num_layers: int
+    """Decoder layers; one K and one V cache tensor each."""
+    num_q_heads: int
+    """Query heads per layer."""
+    num_kv_heads: int
+    """Key/value heads per layer (``< num_q_heads`` for grouped-query attention)."""
+    head_dim: int
+    """Channels per head."""
+    hidden_size: int
+    """Residual stream width."""
+    intermediate_size: int
+    """MLP width (used for activation-memory estimates)."""
+    vocab_size: int
+    """Rows of the LM head; logits have this many columns."""
+    max_position_embeddings: int
+    """Longest sequence the model was configured for."""
+    sliding_window: int | None
+    """Attention window in tokens when any layer uses one, else ``None``."""
+    softcap: float
+    """Attention logit soft-cap (Gemma 2); ``0.0`` means none."""
+    dtype: torch.dtype
+    """Dtype of the weights and activations."""
+
+    @property
+    def hidden(self) -> int:
+        """Alias of :attr:`hidden_size`."""
+        return self.hidden_size
+
+    @property
+    def vocab(self) -> int:
+        """Alias of :attr:`vocab_size`."""
+        return self.vocab_size
+
+    @classmethod
+    def from_hf_config(cls, config: Any, dtype: torch.dtype) -> ModelSpec:
+        """Read the sizes from a ``transformers.PretrainedConfig``."""
+        config = getattr(config, "text_config", None) or config
+        num_q_heads = int(config.num_attention_heads)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
+        return cls(
+            model_type=str(config.model_type),
+            num_layers=int(config.num_hidden_layers),
+            num_q_heads=num_q_heads,
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_q_heads),
+            head_dim=int(head_dim),
+            hidden_size=int(config.hidden_size),
+            intermediate_size=int(getattr(config, "intermediate_size", None) or 4 * config.hidden_size),
+            vocab_size=int(config.vocab_size),
+            max_position_embeddings=int(getattr(config, "max_position_embeddings", 0) or 0),
+            sliding_window=_sliding_window(config),
+            softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
+            dtype=dtype,
+        )
+
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+        """Bytes of K plus V for one token position over all layers."""
+        itemsize = torch.empty((), dtype=kv_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def kv_bytes_per_block(self, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
+        """Bytes of one physical block (K and V, all layers); ``kv_dtype`` defaults to :attr:`dtype`."""
+        return block_size * self.kv_bytes_per_token(kv_dtype or self.dtype)
