@@ -118,8 +118,12 @@ class _OutputCollector:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
-                return  # Rust ``lines().map_while(Result::ok)`` stops at the first invalid line.
-            self.stderr_lines.append(line.rstrip("\n"))
+                # Rust ``lines().map_while(Result::ok)`` stops at the first invalid line and drops
+                # the pipe; later writes by the child then fail with EPIPE.
+                stream.close()
+                return
+            line = line[:-1] if line.endswith("\n") else line
+            self.stderr_lines.append(line[:-1] if line.endswith("\r") else line)
 
     def join(self, timeout: float = 2.0) -> None:
         for thread in self._threads:
@@ -340,6 +344,12 @@ def terminate(process: subprocess.Popen, timeout: float) -> tuple[int, bool]:
     return process.wait(), True
 
 
+def _close_pipes(process: subprocess.Popen) -> None:
+    for stream in (process.stdin, process.stdout, process.stderr):
+        if stream is not None and not stream.closed:
+            stream.close()
+
+
 @dataclass
 class DownloadResult:
     argv: list[str]
@@ -372,6 +382,7 @@ def download_weights(
     except subprocess.TimeoutExpired:
         exit_code, _ = terminate(process, 10.0)
     collector.join()
+    _close_pipes(process)
     result = DownloadResult([EXECUTABLE, *argv], env, exit_code, logs, collector.unparseable, collector.stderr)
     if check and exit_code != 0:
         raise DownloadError(f"Download encountered an error (exit {exit_code}): {result.stderr}")
@@ -476,7 +487,8 @@ class LaunchedShards:
                     continue
                 if shard.process.poll() is not None:
                     shard.collector.join()
-                    self.launcher_log.append(f"rank {shard.rank}: Shard complete standard error output:\n{shard.collector.stderr}")
+                    stderr = shard.collector.stderr
+                    self.launcher_log.append(f"rank {shard.rank}: Shard complete standard error output:\n{stderr}")
                     raise ShardCannotStart(shard.rank, shard.process.returncode, shard.collector.stderr)
                 if os.path.exists(self.socket_paths[shard.rank]):
                     shard.ready_after = time.monotonic() - start
@@ -514,6 +526,5 @@ class LaunchedShards:
                 self.launcher_log.append(f"rank {rank}: shard killed")
         for shard in self._shards:
             shard.collector.join()
-            if shard.process.stdin is not None and not shard.process.stdin.closed:
-                shard.process.stdin.close()
+            _close_pipes(shard.process)
         return dict(self.exit_codes)

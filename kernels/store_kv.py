@@ -19,6 +19,26 @@ from ._checks import check_store, check_unit_inner_stride, is_fp8, next_power_of
 
 MAX_ELEMENTS_PER_PROGRAM = 4096  # heads x padded head_dim per program: 16 KiB of fp32 registers for K and V each
 
+# fp8 formats as (mantissa bits, exponent of the smallest normal): the grid _round_to_fp8_grid rounds to.
+FP8_GRIDS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+
+
+@triton.jit
+def _round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    # Round fp32 y (already within the fp8 range) to the nearest fp8 value, ties to even, in fp32
+    # arithmetic, so the cast that follows is exact on every backend. (The Triton interpreter's
+    # fp8 cast rounds half up and drops the carry into the exponent: -1.97 -> -1.0.)
+    bits = y.to(tl.int32, bitcast=True)
+    # The ulp of |y| in fp8: 2^(exponent - MANTISSA_BITS), fixed below the normal range (subnormals).
+    exponent = ((bits >> 23) & 0xFF) - 127  # fp32: 8 exponent bits above 23 mantissa bits, bias 127
+    ulp_exponent = tl.maximum(exponent, MIN_NORMAL_EXP) - MANTISSA_BITS
+    ulp = ((ulp_exponent + 127) << 23).to(tl.float32, bitcast=True)  # 2^ulp_exponent, built from its bits
+    # Adding 1.5 * 2^23 ulps moves |y| to where fp32's own spacing is one fp8 ulp, so the fp32 add
+    # rounds it to a multiple of ulp (ties to even); subtracting the constant back is exact.
+    magic = ulp * 12582912.0  # 1.5 * 2^23
+    rounded = (tl.abs(y) + magic) - magic
+    return tl.where(bits < 0, -rounded, rounded)  # sign from the sign bit, so -tiny -> -0.0 as a cast gives
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -31,6 +51,7 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,  #
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,  #
     BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr,  #
+    FP8_MANTISSA_BITS: tl.constexpr, FP8_MIN_NORMAL_EXP: tl.constexpr,  #
 ):
     token = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -49,10 +70,12 @@ def _store_kv_kernel(
     k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
 
-    # -- quantize: fp8 stores x / scale, saturated -----------------------------------------------------
+    # -- quantize: fp8 stores x / scale, saturated, rounded to nearest even ---------------------------
     if IS_FP8:
         k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -fp8_max), fp8_max)
         v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -fp8_max), fp8_max)
+        k = _round_to_fp8_grid(k, FP8_MANTISSA_BITS, FP8_MIN_NORMAL_EXP)
+        v = _round_to_fp8_grid(v, FP8_MANTISSA_BITS, FP8_MIN_NORMAL_EXP)
 
     # -- store ------------------------------------------------------------------------------------------
     kc_offs = block * stride_kcb + offset * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd
@@ -81,6 +104,7 @@ def _launch_store_kv(
     dim_pad = next_power_of_2(cache.head_dim)
     block_h = min(next_power_of_2(cache.num_kv_heads), max(1, MAX_ELEMENTS_PER_PROGRAM // dim_pad))
     fp8 = is_fp8(k_cache.dtype)
+    mantissa_bits, min_normal_exp = FP8_GRIDS.get(k_cache.dtype, (0, 0))
     grid = (num_tokens, triton.cdiv(cache.num_kv_heads, block_h))
     _store_kv_kernel[grid](
         key, *key.stride(),  #
@@ -92,4 +116,5 @@ def _launch_store_kv(
         NUM_KV_HEADS=cache.num_kv_heads, BLOCK_H=block_h,  #
         HEAD_DIM=cache.head_dim, HEAD_DIM_PAD=dim_pad,  #
         BLOCK_SIZE=cache.block_size, IS_FP8=fp8,  #
+        FP8_MANTISSA_BITS=mantissa_bits, FP8_MIN_NORMAL_EXP=min_normal_exp,  #
     )  # fmt: skip

@@ -53,6 +53,7 @@ from .queue import Queue
 
 
 def _f32(x: float) -> float:
+    """Round to IEEE single precision (the stock ``min_size`` is computed in ``f32``)."""
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
@@ -137,9 +138,8 @@ class Batcher:
                     picked = self.queue.next_batch(min_size, max_size, prefill_budget, token_budget)
                     if picked is not None:
                         new_entries, new_batch = picked
-                        reason = "backpressure" if min_size is not None else (
-                            "chunking" if cfg.support_chunking else "wait_exceeded"
-                        )
+                        reason = "chunking" if cfg.support_chunking else "wait_exceeded"
+                        reason = "backpressure" if min_size is not None else reason
                         self.stats.batch_concat[reason] = self.stats.batch_concat.get(reason, 0) + 1
                         if cfg.support_chunking:
                             entries.update(new_entries)
@@ -315,11 +315,9 @@ class Batcher:
         """Contract checks beyond the stock panics (strict mode)."""
         rid = generation.request_id
         request = entry.request
-        if not generation.HasField("tokens"):
-            self._fatal("generation_without_tokens", f"Generation for request {rid} has no tokens")
+        if not generation.HasField("tokens") or not generation.tokens.ids:
+            self._fatal("generation_without_tokens", f"Generation for request {rid} has no (or empty) tokens")
         tokens = generation.tokens
-        if not tokens.ids:
-            self._fatal("generation_without_tokens", f"Generation for request {rid} has an empty token list")
         if not _equal_lengths(tokens) or not all(_equal_lengths(t) for t in generation.top_tokens):
             self._fatal(
                 "unequal_token_lists",

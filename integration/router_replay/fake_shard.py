@@ -13,9 +13,12 @@ Tests break it on purpose with ``fail_next`` (make the next call of a method fai
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +26,8 @@ import grpc
 
 from tgi_paged_backend.server.pb import generate_pb2 as pb
 from tgi_paged_backend.server.pb import generate_pb2_grpc as pb_grpc
+
+from .validation import encode
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -96,6 +101,8 @@ class FakeShard:
     violations: list[str] = field(default_factory=list)
     hold: dict[int, int] = field(default_factory=dict)
     """request id -> number of steps it sits out (no compute, no Generation), like a preempted request."""
+    pause: dict[str, Any] = field(default_factory=dict)
+    """method -> ``asyncio.Event``: calls of that method (logged first) wait until it is set."""
     """Router-side contract breaches the shard noticed (block 0 handed out, wrong slot count, ...)."""
 
     @property
@@ -120,7 +127,7 @@ class FakeShard:
 
     def _admit(self, request: pb.Request) -> FakeRequest:
         text = next((c.text for c in request.input_chunks.chunks if c.WhichOneof("chunk") == "text"), "")
-        ids = self.tokenizer.encode(text, request.add_special_tokens)[-request.truncate :]
+        ids = encode(self.tokenizer, text, request.add_special_tokens)[-request.truncate :]
         stopping = request.stopping_parameters
         if request.blocks:
             if 0 in request.blocks and request.id != 2**64 - 1:
@@ -143,6 +150,11 @@ class FakeShard:
             blocks=list(request.blocks),
         )
 
+    def _decode(self, token_id: int) -> str:
+        if hasattr(self.tokenizer, "decode_one"):
+            return self.tokenizer.decode_one(token_id)
+        return self.tokenizer.decode([token_id])
+
     def _token(self, req: FakeRequest) -> tuple[int, str]:
         if self.config.eos_after is not None and not req.ignore_eos and req.generated == self.config.eos_after:
             return self.config.eos_id, "</s>"
@@ -158,7 +170,8 @@ class FakeShard:
                 self.hold[req.id] -= 1
                 continue
             if req.prefilling:
-                n = req.next_chunk if req.next_chunk is not None else min(len(req.prompt_ids) - req.computed, max(1, budget))
+                remaining = len(req.prompt_ids) - req.computed
+                n = req.next_chunk if req.next_chunk is not None else min(remaining, max(1, budget))
                 req.next_chunk = None
                 budget -= n
                 req.computed += n
@@ -172,13 +185,15 @@ class FakeShard:
             req.text += text if token_id != self.config.eos_id else ""
             generation = pb.Generation(
                 request_id=req.id,
-                tokens=pb.Tokens(ids=[token_id], logprobs=[-0.5], texts=[text], is_special=[token_id == self.config.eos_id]),
+                tokens=pb.Tokens(
+                    ids=[token_id], logprobs=[-0.5], texts=[text], is_special=[token_id == self.config.eos_id]
+                ),
             )
             if prefill:
                 ids = req.prompt_ids
                 generation.prefill_tokens.CopyFrom(
                     pb.Tokens(ids=ids, logprobs=[math.nan] + [-1.0] * (len(ids) - 1),
-                              texts=[self.tokenizer.decode_one(i) for i in ids])
+                              texts=[self._decode(i) for i in ids])
                 )  # fmt: skip
             if req.top_n_tokens:
                 generation.top_tokens.append(
@@ -252,7 +267,9 @@ class FakeShard:
 
     def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
         self.max_prefill_tokens = request.max_prefill_tokens
-        total = request.max_total_tokens if request.HasField("max_total_tokens") else self.config.default_max_total_tokens
+        total = self.config.default_max_total_tokens
+        if request.HasField("max_total_tokens"):
+            total = request.max_total_tokens
         max_input = request.max_input_tokens if request.HasField("max_input_tokens") else total - 1
         response = pb.WarmupResponse(max_input_tokens=max_input, max_total_tokens=total)
         if self.config.max_supported_total_tokens is not None:
@@ -303,6 +320,9 @@ class _Servicer(pb_grpc.TextGenerationServiceServicer):
     async def _handle(self, method: str, body: Callable[[Any], Any], request: Any, context: Any) -> Any:
         shard = self.shard
         shard.calls.append((method, request))
+        gate = shard.pause.get(method)
+        if gate is not None:
+            await gate.wait()
         message = shard.fail_next.pop(method, None)
         if message is not None:
             await context.abort(grpc.StatusCode.INTERNAL, message)
@@ -337,3 +357,26 @@ class _Servicer(pb_grpc.TextGenerationServiceServicer):
 
     async def Health(self, request, context):  # noqa: N802
         return await self._handle("Health", self.shard.health, request, context)
+
+
+@contextlib.asynccontextmanager
+async def fake_shards(
+    config: FakeShardConfig | None = None, *, world_size: int = 1, tokenizer: Any = None
+) -> AsyncIterator[list[FakeShard]]:
+    """``world_size`` started fake ranks on a short temporary base path (``shards[0].uds_base_path``)."""
+    directory = tempfile.mkdtemp(prefix="rr", dir="/tmp")  # unix socket paths must stay short
+    base = os.path.join(directory, "tgs")
+    shards = [
+        FakeShard(base, config or FakeShardConfig(), rank=rank, world_size=world_size,
+                  tokenizer=tokenizer or CharTokenizer())  # fmt: skip
+        for rank in range(world_size)
+    ]
+    try:
+        for shard in shards:
+            await shard.start()
+        yield shards
+    finally:
+        for shard in shards:
+            if hasattr(shard, "_server"):
+                await shard.stop()
+        shutil.rmtree(directory, ignore_errors=True)

@@ -237,14 +237,12 @@ class Router:
         self._permits -= 1
         try:
             valid = await self._validator.validate(inputs, params)
-        except ValidationError:
+            self._raise_if_unusable()
+        except BaseException as err:
             self._permits += 1
-            self._stats.validation_errors += 1
+            if isinstance(err, ValidationError):
+                self._stats.validation_errors += 1
             raise
-        except BaseException:
-            self._permits += 1
-            raise
-        self._raise_if_unusable()
         request_id, channel = self._schedule(valid)
         return GenerationStream(self, inputs, params, valid, request_id, channel)
 

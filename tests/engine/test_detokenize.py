@@ -94,7 +94,8 @@ def test_final_text_keeps_leading_space_like_streaming(tok, dec):
     assert r.final_text() == "".join(pieces) == " world"
     # stock: decode([last prompt id] + generated) minus the decoded first token
     anchor = prompt[-1:]
-    expected = tok.decode(anchor + gen, skip_special_tokens=True)[len(tok.decode(anchor, skip_special_tokens=True)):]
+    head = tok.decode(anchor, skip_special_tokens=True)
+    expected = tok.decode(anchor + gen, skip_special_tokens=True)[len(head):]
     assert r.final_text() == expected
 
 

@@ -132,7 +132,8 @@ def test_matches_stock_on_random_streams():
     rng = random.Random(0)
     alphabet = ["a", "b", "ab", "\n", "", "ba", "b\n", "xyz", " ", "a\nb", "é", "🙂"]
     for trial in range(400):
-        stops = tuple(rng.choice(["ab", "b\n", "aa", "\n", "zb", "🙂a", "é"]) for _ in range(rng.randint(0, 3)))
+        choices = ["ab", "b\n", "aa", "\n", "zb", "🙂a", "é"]
+        stops = tuple(rng.choice(choices) for _ in range(rng.randint(0, 3)))
         max_new = rng.randint(1, 60)
         ignore = rng.random() < 0.3
         ours = crit(max_new_tokens=max_new, stop=stops, ignore_eos=ignore, eos={EOS})

@@ -84,7 +84,8 @@ def test_batch_helper_mixed_flags_and_limits_preserve_order(tok, pt):
     flags = [True, True, False, True, False]
     got = pt.encode_batch(texts, truncs, flags)
     assert got == [stock(tok, t, n, f) for t, n, f in zip(texts, truncs, flags)]
-    reqs = [SimpleNamespace(text=t, truncate=n, add_special_tokens=f) for t, n, f in zip(texts, truncs, flags)]
+    reqs = [SimpleNamespace(text=t, truncate=n, add_special_tokens=f)
+            for t, n, f in zip(texts, truncs, flags)]
     assert pt.encode_requests(reqs) == got
     assert pt.encode_batch(texts, truncs, True) == pt.encode_batch(texts, truncs, [True] * 5)
 

@@ -51,7 +51,7 @@ _COMMON: dict[str, Any] = dict(
 
 _PER_KIND: dict[str, dict[str, Any]] = {
     "llama": dict(num_hidden_layers=3, rope_theta=10000.0, tie_word_embeddings=False),
-    "qwen2": dict(rope_theta=1000000.0, tie_word_embeddings=True),  # Qwen2: q/k/v biases, tied head
+    "qwen2": dict(rope_theta=1000000.0, tie_word_embeddings=False),  # Qwen2: q/k/v biases
     "mistral": dict(sliding_window=24, rope_theta=10000.0, tie_word_embeddings=False),
 }
 

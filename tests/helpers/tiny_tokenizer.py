@@ -18,7 +18,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 BOS, EOS, PAD, EXTRA_SPECIAL, ADDED_NON_SPECIAL = "<s>", "</s>", "<pad>", "<|im_end|>", "<|user|>"
 ADDED_SPECIAL = "<|tool|>"
-"""Added with ``special=True`` through ``add_tokens``: in ``added_tokens_decoder`` but not ``all_special_ids``."""
+"""Added with ``special=True`` via ``add_tokens``: in ``added_tokens_decoder``, not ``all_special_ids``."""
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog. the dog sleeps.",

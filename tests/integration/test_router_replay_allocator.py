@@ -76,7 +76,13 @@ def test_radix_lru_eviction_and_duplicate_insert():
     # Needing 6 blocks evicts the unreferenced cached prompt (LRU leaf), trimming only what's needed.
     z = alloc.allocate(6, [9, 9, 9, 9, 9, 9])
     assert z is not None and z.prefix_len == 0
-    assert alloc.free_block_count() == 1 - 0 or alloc.trie.cached_blocks() == 1
+    assert z.blocks == [1, 2, 3, 4, 6, 7]  # the cached 3-block leaf lost its last two blocks
+    assert alloc.free_block_count() == 0 and alloc.trie.cached_blocks() == 1
+    # What is left of the cached prompt still matches its first token.
+    assert alloc.allocate(2, [1, 2]) is None  # no block left for the suffix; the prefix ref is undone
+    z.free()  # its 6 prompt blocks become a cached leaf
+    w = alloc.allocate(2, [1, 2])  # evicts one block from the end of the LRU leaf
+    assert w.prefix_len == 1 and w.blocks == [5, 7]
 
 
 def _valid(input_ids, max_new_tokens=4, details=False) -> ValidRequest:

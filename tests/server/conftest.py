@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from loguru import logger
 from server_fakes import FakeEngine, InProcessShard, make_config
 
+from tgi_paged_backend import logging_setup
 from tgi_paged_backend.server.pb import generate_pb2_grpc as pb_grpc
 
 
@@ -38,3 +42,17 @@ def shard(short_dir: Path, engine: FakeEngine) -> Iterator[InProcessShard]:
 def stub(shard: InProcessShard) -> Iterator[pb_grpc.TextGenerationServiceStub]:
     with grpc.insecure_channel(f"unix://{shard.socket_path}") as channel:
         yield pb_grpc.TextGenerationServiceStub(channel)
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """Undo ``setup_logging``: loguru sinks, stdlib root handlers, warnings capture, stdout redirection."""
+    root = logging.getLogger()
+    handlers, level, stdout = root.handlers[:], root.level, sys.stdout
+    yield
+    logger.remove()
+    logger.add(sys.stderr)
+    root.handlers, root.level = handlers, level
+    logging.captureWarnings(False)
+    sys.stdout = stdout
+    logging_setup._real_stdout = None

@@ -116,6 +116,7 @@ BAD_CONFIGS = [
     ((), {"TGI_PAGED_BLOCK_SIZE": "7"}, "TGI_PAGED_BLOCK_SIZE"),
     ((), {"TGI_PAGED_PREEMPTION": "sometimes"}, "TGI_PAGED_PREEMPTION"),
     ((), {"CUDA_MEMORY_FRACTION": "2"}, "CUDA_MEMORY_FRACTION"),
+    ((), {"TGI_BACKEND": "fast"}, "TGI_BACKEND"),
     (("--quantize", "gptq"), {}, "--quantize"),
     (("--speculate", "2"), {}, "--speculate"),
     (("--dtype", "int8"), {}, "--dtype"),
@@ -125,20 +126,31 @@ BAD_CONFIGS = [
 ]
 
 
-def test_bad_config_exits_1_with_one_clear_line(short_dir: Path) -> None:
-    """Each case in its own process, all started at once to keep the suite fast."""
-    procs = []
-    for extra_args, extra_env, named in BAD_CONFIGS:
-        argv = [*serve_argv(short_dir / "s", "INFO"), *extra_args]
-        procs.append((named, subprocess.Popen(argv, env=cli_env(**extra_env), stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True)))
-    for named, proc in procs:
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 1, (named, out, err)
-        lines = launcher_lines(out)
-        assert len(lines) == 1 and lines[0][0] == "ERROR" and named in lines[0][1], (named, lines)
-        assert "Traceback" not in err, named
-    assert not Path(f"{short_dir / 's'}-0").exists()
+@pytest.mark.parametrize("extra_args, extra_env, named", BAD_CONFIGS)
+def test_bad_config_exits_1_with_one_clear_line(short_dir: Path, monkeypatch, restore_logging,
+                                                extra_args, extra_env, named) -> None:
+    """In-process through Typer's runner (fast); the subprocess variant below checks the real process."""
+    from typer.testing import CliRunner
+
+    from tgi_paged_backend.cli import app
+
+    argv = [*serve_argv(short_dir / "s", "INFO")[3:], *extra_args]
+    monkeypatch.setattr(sys, "argv", ["text-generation-server", *argv])
+    env = {k: None for k in os.environ if k.startswith(("TGI_", "RANK", "WORLD_SIZE", "CUDA_MEMORY"))}
+    result = CliRunner().invoke(app, argv, env={**env, **extra_env})
+    assert result.exit_code == 1, result.output
+    lines = launcher_lines(result.stdout)
+    assert len(lines) == 1 and lines[0][0] == "ERROR" and named in lines[0][1], lines
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_bad_config_in_a_real_process(short_dir: Path) -> None:
+    result = subprocess.run([*serve_argv(short_dir / "s", "INFO"), "--dtype", "int8"],
+                            env=cli_env(TGI_PAGED_WATERMARK="1.5"), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    ((level, text),) = launcher_lines(result.stdout)
+    assert level == "ERROR" and "TGI_PAGED_WATERMARK" in text
+    assert "Traceback" not in result.stderr
 
 
 def test_engine_build_failure_exits_1_without_socket(short_dir: Path) -> None:

@@ -6,24 +6,12 @@ import io
 import json
 import logging
 import warnings
-from collections.abc import Iterator
 
 import pytest
 from loguru import logger
 
 from tgi_paged_backend import logging_setup
 from tgi_paged_backend.logging_setup import normalize_level, setup_logging
-
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    logger.remove()
-    logger.add(__import__("sys").stderr)
-    root.handlers, root.level = handlers, level
-    logging.captureWarnings(False)
 
 
 def parse(stream: io.StringIO) -> list[dict]:

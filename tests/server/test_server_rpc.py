@@ -282,19 +282,19 @@ def test_engine_errors_map_to_status_and_server_keeps_running(stub) -> None:
 
 
 def test_rpcs_are_serialised_but_the_loop_stays_responsive(stub, engine) -> None:
-    slow = threading.Thread(target=lambda: prefill(stub, 1, text_request(1, "sleep:0.6")))
+    slow = threading.Thread(target=lambda: prefill(stub, 1, text_request(1, "sleep:1.0")))
     slow.start()
     while not engine.calls_named("prefill"):
         time.sleep(0.005)
     started = time.monotonic()
     stub.ServiceDiscovery(pb.ServiceDiscoveryRequest())  # no engine call: answered at once
-    assert time.monotonic() - started < 0.3
+    assert time.monotonic() - started < 0.5
     others = [threading.Thread(target=lambda i=i: prefill(stub, 10 + i, text_request(10 + i, "sleep:0.05")))
               for i in range(3)]
     for t in others:
         t.start()
     stub.Health(pb.HealthRequest())  # queues behind the slow prefill
-    assert time.monotonic() - started > 0.3
+    assert time.monotonic() - started > 0.7
     for t in [slow, *others]:
         t.join()
     assert engine.max_active == 1
@@ -314,3 +314,28 @@ def test_stop_removes_socket_and_closes_engine(short_dir) -> None:
     assert shard.stop() == 0
     assert not os.path.exists(shard.socket_path)
     assert engine.closed
+
+
+def test_servicer_serialises_on_a_shared_thread_pool_even_after_cancellation() -> None:
+    """Without the dedicated engine thread (executor=None) the servicer's own locks must serialise."""
+    import asyncio
+
+    from tgi_paged_backend.server.servicer import TextGenerationService
+
+    engine = FakeEngine()
+    servicer = TextGenerationService(engine, ["unix:///x-0"], executor=None)
+
+    def call(batch_id: int, text: str):
+        request = pb.PrefillRequest(batch=pb.Batch(id=batch_id, requests=[text_request(batch_id, text)]))
+        return servicer.Prefill(request, context=None)
+
+    async def main() -> None:
+        await asyncio.gather(*(call(i, "sleep:0.05") for i in range(4)))
+        cancelled = asyncio.ensure_future(call(10, "sleep:0.3"))
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        await call(11, "sleep:0.05")  # must wait for the cancelled call's engine work to finish
+
+    asyncio.run(main())
+    assert engine.max_active == 1
+    assert len(engine.calls_named("prefill")) == 6

@@ -111,7 +111,10 @@ def _padded_histories(histories: Sequence[History] | torch.Tensor, rows: list[in
     seqs = []
     for r in rows:
         h = histories[r]
-        t = h.to(dtype=torch.int64).flatten() if isinstance(h, torch.Tensor) else torch.tensor(h, dtype=torch.int64)
+        if isinstance(h, torch.Tensor):
+            t = h.to(dtype=torch.int64).flatten()
+        else:
+            t = torch.tensor(h, dtype=torch.int64)
         if history_lens is not None:
             t = t[: history_lens[r]]
         seqs.append(t)
@@ -155,9 +158,9 @@ def _apply_penalties(scores: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def _top_k(scores: torch.Tensor, ks: list[int]) -> torch.Tensor:
-    vocab = scores.shape[1]
-    k = torch.tensor([min(x, vocab) for x in ks], dtype=torch.int64, device=scores.device)[:, None]
-    kth = torch.topk(scores, int(k.max()), dim=1).values.gather(1, k - 1)
+    ks = [min(x, scores.shape[1]) for x in ks]
+    k = torch.tensor(ks, dtype=torch.int64, device=scores.device)[:, None]
+    kth = torch.topk(scores, max(ks), dim=1).values.gather(1, k - 1)  # ties with the k-th are kept
     return scores.masked_fill(scores < kth, _NEG_INF)
 
 

@@ -89,11 +89,13 @@ class BlockTableArray:
             ValueError: A position is negative or not backed by a mapped block.
         """
         bs = self.block_size
-        block_index = positions // bs
-        if not ((block_index >= 0) & (block_index < self.lengths[rows])).all():
+        block_index, offset = np.divmod(positions, bs)
+        if (block_index >= self.lengths[rows]).any() or (block_index < 0).any():
             raise ValueError("slot requested for a token position without a physical block")
-        blocks = self.table[rows, block_index].astype(np.int64)
-        return blocks * bs + positions % bs
+        slots = self.table.ravel().take(rows * self.table.shape[1] + block_index).astype(np.int64)
+        slots *= bs
+        slots += offset
+        return slots
 
     def check_row(self, row: int, block_ids: Sequence[int]) -> None:
         """Assert that ``row`` holds exactly ``block_ids`` followed by zeros."""

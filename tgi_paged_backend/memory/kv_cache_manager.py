@@ -21,7 +21,7 @@ from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.block_table import BlockTableArray
 from tgi_paged_backend.memory.page_map import PageMap
 from tgi_paged_backend.memory.prefix_cache import NullPrefixCache, PrefixCache
-from tgi_paged_backend.memory.stats import MemoryStats, request_waste, stranded_blocks
+from tgi_paged_backend.memory.stats import MemoryStats, stranded_blocks, summarize_waste
 from tgi_paged_backend.memory.swap_space import SwapSpace
 from tgi_paged_backend.memory.types import (
     EMPTY_ALLOCATION,
@@ -59,6 +59,7 @@ class KVCacheManager:
         self._requests: dict[int, PageMap] = {}
         self._num_prefix_query_tokens = 0
         self._num_prefix_hit_tokens = 0
+        self._rows_cache: tuple[list[int], np.ndarray] | None = None
 
     # ------------------------------------------------------------------------------- lifecycle
     def add_request(self, request_id: int, virtual_blocks: Sequence[int] = ()) -> None:
@@ -69,6 +70,7 @@ class KVCacheManager:
         if len(set(virtual)) != len(virtual):
             raise ValueError(f"request {request_id}: duplicate virtual blocks {virtual}")
         self._requests[request_id] = PageMap.create(self._table.add_row(), virtual)
+        self._rows_cache = None
 
     def match_prefix(self, request_id: int, prompt_ids: Sequence[int]) -> PrefixMatch:
         """Share retained blocks matching the leading tokens of ``prompt_ids`` (content decides).
@@ -79,7 +81,7 @@ class KVCacheManager:
         req = self._requests[request_id]
         assert not req.blocks and req.swapped is None and req.cow_src is None, "request already has blocks"
         req.token_ids = [int(t) for t in prompt_ids]
-        req.num_committed = 0
+        req.num_committed = req.num_allocated_tokens = 0
         self._num_prefix_query_tokens += len(req.token_ids)
         hit = self._prefix.match(req.token_ids)
         shared, cow_src = hit.block_ids, hit.cow_src
@@ -97,7 +99,7 @@ class KVCacheManager:
             self._pool.incref(cow_src)
             req.cow_src, req.num_cow_tokens = cow_src, hit.num_cow_tokens
             num_cow = hit.num_cow_tokens
-        req.num_committed = len(shared) * self.block_size + num_cow
+        req.num_committed = req.num_allocated_tokens = len(shared) * self.block_size + num_cow
         self._num_prefix_hit_tokens += req.num_committed
         return PrefixMatch(req.num_committed, len(shared), cow_src, num_cow)
 
@@ -116,6 +118,8 @@ class KVCacheManager:
         num_have = len(req.blocks)
         num_want = -(-num_tokens // self.block_size)
         if num_want <= num_have:
+            if num_tokens > req.num_allocated_tokens:
+                req.num_allocated_tokens = num_tokens
             return EMPTY_ALLOCATION
         assert req.swapped is None, f"request {request_id} is swapped out"
         if req.virtual_blocks and num_want > len(req.virtual_blocks):
@@ -131,6 +135,7 @@ class KVCacheManager:
             copies = (BlockCopy(req.cow_src, mapped[0], req.num_cow_tokens),)
             self._release_cow_source(req)
         req.blocks.extend(mapped)
+        req.num_allocated_tokens = num_tokens
         self._table.append(req.row, mapped)
         return Allocation(tuple(new), copies)
 
@@ -154,6 +159,7 @@ class KVCacheManager:
     def free(self, request_id: int) -> None:
         """Release everything of a finished (or filtered/cleared) request; full blocks are retained."""
         req = self._requests.pop(request_id)
+        self._rows_cache = None
         if req.swapped is not None:
             self._swap.free(req.swapped)
         else:
@@ -170,7 +176,7 @@ class KVCacheManager:
         assert req.swapped is None, f"request {request_id} is swapped out"
         lost = req.num_committed
         self._release_device_blocks(req, register=True)
-        req.num_committed = 0
+        req.num_committed = req.num_allocated_tokens = 0
         return lost
 
     def can_swap_out(self, request_id: int) -> bool:
@@ -204,7 +210,7 @@ class KVCacheManager:
         src = req.swapped
         self._swap.free(src)
         req.swapped = None
-        mapped = req.extension(dst[::-1], req.num_swapped_positions)
+        mapped = req.extension(dst, req.num_swapped_positions)
         req.blocks = mapped
         self._table.append(req.row, mapped)
         return SwapPlan(request_id, "in", tuple(src), tuple(dst))
@@ -248,8 +254,15 @@ class KVCacheManager:
         return physical * self.block_size + offset
 
     def _rows(self, request_ids: Sequence[int]) -> np.ndarray:
+        """Block-table rows of ``request_ids``; the last answer is reused while the batch and the
+        set of live requests are unchanged (the common decode case: tables + slots, step after step)."""
+        ids = request_ids if isinstance(request_ids, list) else list(request_ids)
+        if self._rows_cache is not None and self._rows_cache[0] == ids:
+            return self._rows_cache[1]
         requests = self._requests
-        return np.fromiter((requests[r].row for r in request_ids), dtype=np.intp, count=len(request_ids))
+        rows = np.array([requests[r].row for r in ids], dtype=np.intp)
+        self._rows_cache = (list(ids), rows)
+        return rows
 
     # --------------------------------------------------------------------------------- queries
     @property
@@ -299,27 +312,15 @@ class KVCacheManager:
 
     def stats(self, num_pending_blocks: int = 0) -> MemoryStats:
         """Occupancy and waste now; ``num_pending_blocks`` is the head-of-line allocation's need."""
-        internal = reservation = written = reserved = swapped_requests = 0
-        for req in self._requests.values():
-            reserved += len(req.virtual_blocks) * self.block_size
-            if req.swapped is not None:  # nothing on the device
-                swapped_requests += 1
-                waste = request_waste(num_written_tokens=0, num_mapped_blocks=0,
-                                      num_reserved_blocks=len(req.virtual_blocks), block_size=self.block_size)
-            else:
-                written += req.num_committed
-                waste = request_waste(num_written_tokens=req.num_committed, num_mapped_blocks=len(req.blocks),
-                                      num_reserved_blocks=len(req.virtual_blocks), block_size=self.block_size)
-            internal += waste[0]
-            reservation += waste[1]
+        waste = summarize_waste(self._requests.values(), self.block_size)
         return MemoryStats(
             block_size=self.block_size, num_total_blocks=self.num_total_blocks,
             num_free_blocks=self.num_free_blocks, num_used_blocks=self.num_used_blocks,
             num_retained_blocks=self.num_retained_blocks, num_swapped_blocks=self.num_swapped_blocks,
             num_swap_total_blocks=self._swap.num_blocks, num_requests=len(self._requests),
-            num_swapped_requests=swapped_requests, num_written_tokens=written,
-            num_reserved_slots=reserved, internal_waste_slots=internal,
-            reservation_waste_slots=reservation,
+            num_swapped_requests=waste.num_swapped_requests, num_written_tokens=waste.num_written_tokens,
+            num_reserved_slots=waste.num_reserved_slots, internal_waste_slots=waste.internal_slots,
+            reservation_waste_slots=waste.reservation_slots,
             external_waste_blocks=stranded_blocks(self.num_available_blocks, num_pending_blocks),
             num_prefix_query_tokens=self._num_prefix_query_tokens,
             num_prefix_hit_tokens=self._num_prefix_hit_tokens)

@@ -34,6 +34,8 @@ class PageMap:
     """Token history known so far (prompt + generated)."""
     num_committed: int = 0
     """Leading tokens whose K/V is valid (written, shared, or brought by the pending copy)."""
+    num_allocated_tokens: int = 0
+    """Largest ``num_tokens`` the engine asked to back: positions it is writing or has written."""
     cow_src: int | None = None
     """Pinned copy-on-write source, until the allocation that maps its destination."""
     num_cow_tokens: int = 0

@@ -14,7 +14,10 @@ Waste comes in three kinds (``tgi_paged_kv_waste_ratio{kind}``):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from tgi_paged_backend.memory.page_map import PageMap
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,7 +34,8 @@ class MemoryStats:
     num_requests: int
     num_swapped_requests: int
     num_written_tokens: int
-    """Tokens whose K/V is written, summed over requests resident on the device."""
+    """Token positions written or being written (committed, or backed on the engine's request),
+    summed over requests resident on the device."""
     num_reserved_slots: int
     """Slots of all router (virtual) blocks of live requests."""
     internal_waste_slots: int
@@ -84,3 +88,33 @@ def request_waste(*, num_written_tokens: int, num_mapped_blocks: int, num_reserv
 def stranded_blocks(num_available_blocks: int, num_pending_blocks: int) -> int:
     """External waste: available blocks that cannot serve a pending all-or-nothing allocation."""
     return num_available_blocks if num_pending_blocks > num_available_blocks else 0
+
+
+@dataclass(frozen=True, slots=True)
+class WasteSummary:
+    """Waste and token totals over a set of page maps (slots unless named otherwise)."""
+
+    internal_slots: int
+    reservation_slots: int
+    num_written_tokens: int
+    num_reserved_slots: int
+    num_swapped_requests: int
+
+
+def summarize_waste(page_maps: Iterable[PageMap], block_size: int) -> WasteSummary:
+    """Sum :func:`request_waste` over live requests; swapped-out ones hold nothing on the device."""
+    internal = reservation = written = reserved = swapped = 0
+    for pm in page_maps:
+        num_reserved = len(pm.virtual_blocks)
+        reserved += num_reserved * block_size
+        if pm.swapped is not None:
+            swapped += 1
+            num_written, num_mapped = 0, 0
+        else:
+            num_written, num_mapped = max(pm.num_committed, pm.num_allocated_tokens), len(pm.blocks)
+        written += num_written
+        slots = request_waste(num_written_tokens=num_written, num_mapped_blocks=num_mapped,
+                              num_reserved_blocks=num_reserved, block_size=block_size)
+        internal += slots[0]
+        reservation += slots[1]
+    return WasteSummary(internal, reservation, written, reserved, swapped)

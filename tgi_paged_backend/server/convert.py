@@ -128,11 +128,11 @@ def generation_to_pb(generation: Generation) -> pb.Generation:
         message.prefill_tokens.CopyFrom(tokens_to_pb(generation.prefill_tokens))
     done = generation.generated_text
     if done is not None:
-        message.generated_text.text = done.text
-        message.generated_text.generated_tokens = done.generated_tokens
-        message.generated_text.finish_reason = int(done.finish_reason)
+        generated = pb.GeneratedText(text=done.text, generated_tokens=done.generated_tokens,
+                                     finish_reason=int(done.finish_reason))
         if done.seed is not None:
-            message.generated_text.seed = done.seed
+            generated.seed = done.seed
+        message.generated_text.CopyFrom(generated)
     return message
 
 

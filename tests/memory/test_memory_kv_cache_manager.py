@@ -248,3 +248,24 @@ def test_duplicate_request_ids_are_rejected() -> None:
     m.add_request(0)
     with pytest.raises(ValueError, match="already registered"):
         m.add_request(0)
+
+
+def test_block_tables_follow_rows_recycled_between_identical_batches() -> None:
+    m = make_manager()
+    run_prompt(m, 1, tokens(5))        # block 1
+    run_prompt(m, 2, tokens(5, 100))   # block 2
+    np.testing.assert_array_equal(m.block_tables([1, 2]), [[1], [2]])
+    m.free(2)
+    m.free(1)
+    run_prompt(m, 2, tokens(20, 300))  # takes request 1's old row
+    run_prompt(m, 1, tokens(5, 200))
+    np.testing.assert_array_equal(m.block_tables([1, 2]), [[3, 0], [1, 2]])
+    np.testing.assert_array_equal(m.decode_slot_mapping([1, 2], [4, 17]), [3 * BS + 4, 2 * BS + 1])
+
+
+def test_waste_counts_positions_being_written_even_before_commit() -> None:
+    m = make_manager()
+    run_prompt(m, 1, tokens(20))
+    assert m.allocate(1, 21) == Allocation()  # decode step in flight: position 20 is being written
+    stats = m.stats()
+    assert stats.num_written_tokens == 21 and stats.internal_waste_slots == 11

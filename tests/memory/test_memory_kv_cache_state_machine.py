@@ -179,7 +179,15 @@ class MemoryMachine(RuleBasedStateMachine):
         self.m.check_invariants()
         stats = self.m.stats()
         assert stats.num_free_blocks + stats.num_used_blocks + stats.num_retained_blocks == NUM_BLOCKS - 1
-        for rid in self._ids("running"):
+        running = self._ids("running")
+        if running:  # batched gathers agree with per-request slot mappings
+            tables = self.m.block_tables(running)
+            last = [self.reqs[rid].num_written - 1 for rid in running]
+            slots = self.m.decode_slot_mapping(running, last)
+            for i, (rid, pos) in enumerate(zip(running, last)):
+                assert slots[i] == tables[i, pos // BS] * BS + pos % BS
+                assert slots[i] == self.m.slot_mapping([rid], [pos], [1])[0]
+        for rid in running:
             req = self.reqs[rid]
             self.sim.assert_holds(self.m, rid, req.history, req.num_written)
             if req.virtual:

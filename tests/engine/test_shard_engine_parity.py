@@ -1,0 +1,172 @@
+"""Greedy output of the shard engine is token-identical to HF ``generate`` (tiny Llama, Qwen2, Mistral).
+
+Every scenario drives the engine the way the router does (``RouterDriver``: one final Generation per
+request, FilterBatch/ClearCache after finals, invariants after every RPC) and most give requests the
+router's virtual ``blocks``/``slots`` reservations. Scenarios: one request; a mixed batch of different
+prompt lengths; a batch joining mid-flight in chunking mode (``prefill(new, cached_batch_id)``) and in
+non-chunking mode (separate prefill, then ``decode([running, new])``); chunked prefill (small
+``max_prefill_tokens`` from Warmup, router ``chunk_len`` on the last request, server continuation);
+prefix reuse after a request finished (with and without a router prefix hit ``cache_len``); a physical
+pool small enough that requests are preempted by recompute or by swap.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.conftest import (
+    RouterBlocks,
+    RouterDriver,
+    make_engine,
+    make_text,
+    prompt_ids,
+    router_spec,
+    router_warmup,
+    spec,
+)
+from tgi_paged_backend.engine.types import BatchSpec, FinishReason
+
+
+def expect_hf(engine, hf_greedy, model_dir, driver: RouterDriver, requests) -> None:
+    for r in requests:
+        ids = prompt_ids(engine, r.text, r.truncate, r.add_special_tokens)
+        want = hf_greedy(model_dir, ids, r.stopping.max_new_tokens)
+        assert driver.tokens[r.id] == want, f"request {r.id} (prompt {len(ids)} tokens) differs from HF"
+        assert driver.final[r.id].generated_text.finish_reason is FinishReason.LENGTH
+
+
+def test_single_request(tiny_dir, hf_greedy):
+    engine = make_engine(tiny_dir, num_blocks=16)
+    driver = RouterDriver(engine)
+    r = spec(1, "The quick brown fox jumps over the lazy dog.", 12)
+    driver.run(BatchSpec(id=0, requests=(r,)))
+    expect_hf(engine, hf_greedy, tiny_dir, driver, [r])
+    driver.assert_idle()
+
+
+def test_mixed_batch_with_router_reservations(tiny_dir, hf_greedy):
+    engine = make_engine(tiny_dir, num_blocks=40)
+    blocks = RouterBlocks(engine)
+    driver = RouterDriver(engine, blocks)
+    requests = [router_spec(engine, blocks, rid, make_text(rid, words), max_new)
+                for rid, words, max_new in ((1, 3, 9), (2, 22, 6), (3, 11, 12), (4, 1, 4))]
+    lengths = {len(prompt_ids(engine, r.text)) for r in requests}
+    assert len(lengths) == 4, "prompts must differ in length"
+    driver.run(BatchSpec(id=7, requests=tuple(requests)))
+    expect_hf(engine, hf_greedy, tiny_dir, driver, requests)
+    driver.assert_idle()
+    assert sorted(blocks.free) == list(range(1, engine.num_virtual_blocks))
+
+
+@pytest.mark.parametrize("mode", ["chunking", "non_chunking"])
+def test_batch_joins_mid_flight(tiny_dir, hf_greedy, mode):
+    engine = make_engine(tiny_dir, num_blocks=40)
+    blocks = RouterBlocks(engine)
+    driver = RouterDriver(engine, blocks)
+    first = [router_spec(engine, blocks, 10, make_text(10, 12), 12),
+             router_spec(engine, blocks, 11, make_text(11, 4), 10)]
+    running = driver.prefill(BatchSpec(id=0, requests=tuple(first)))
+    for _ in range(3):
+        running = driver.decode([running])
+    assert set(running.request_ids) == {10, 11}
+    late = [router_spec(engine, blocks, 12, make_text(12, 17), 8),
+            router_spec(engine, blocks, 13, make_text(13, 6), 5)]
+    new = BatchSpec(id=1, requests=tuple(late))
+    if mode == "chunking":
+        running = driver.prefill(new, cached=running)
+        assert running.id == 0 and set(running.request_ids) == {10, 11, 12, 13}
+        assert [g.request_id for g in driver.results[-1].generations].count(10) == 1
+    else:
+        new_batch = driver.prefill(new)
+        assert new_batch.id == 1 and set(new_batch.request_ids) == {12, 13}
+        assert set(running.request_ids) == {10, 11}
+        running = driver.decode([running, new_batch])
+        assert running.id == 0 and set(running.request_ids) == {10, 11, 12, 13}
+        assert list(engine.batches) == [0]
+    driver.drain(running)
+    expect_hf(engine, hf_greedy, tiny_dir, driver, first + late)
+    driver.assert_idle()
+
+
+def test_chunked_prefill_router_chunk_len_and_server_continuation(tiny_dir, hf_greedy):
+    engine = make_engine(tiny_dir, num_blocks=48)
+    router_warmup(engine, 16)
+    assert engine.capacity.max_prefill_tokens == 16
+    blocks = RouterBlocks(engine)
+    driver = RouterDriver(engine, blocks)
+    texts = [make_text(20, 30), make_text(21, 9), make_text(22, 40)]
+    requests = [router_spec(engine, blocks, 20 + i, t, 6) for i, t in enumerate(texts)]
+    requests[-1] = router_spec(engine, blocks, 22, texts[-1], 6, chunk_len=5)
+    lengths = [len(prompt_ids(engine, t)) for t in texts]
+    assert lengths[0] > 32 and lengths[2] > 48, lengths
+    batch = driver.prefill(BatchSpec(id=3, requests=tuple(requests)))
+    first_ids = {g.request_id for g in driver.results[-1].generations}
+    assert 22 not in first_ids and 20 not in first_ids  # both still prefilling: no Generation
+    assert set(batch.request_ids) == {20, 21, 22}
+    assert engine.requests[22].num_computed <= 5  # the router's chunk_len bounds the first chunk
+    assert 0 < batch.current_tokens
+    # The server continues the chunks itself; every step stays within the 16-token budget.
+    steps_without_token = {20: 1, 22: 1}
+    while batch is not None:
+        before = {rid: engine.requests[rid].num_computed for rid in batch.request_ids}
+        batch = driver.decode([batch])
+        got = {g.request_id for g in driver.results[-1].generations}
+        for rid in steps_without_token:
+            if rid in before and not driver.tokens[rid]:
+                steps_without_token[rid] += 1
+        computed = sum(engine.requests[rid].num_computed - n for rid, n in before.items() if rid in engine.requests)
+        assert computed <= 16
+        del got
+    assert steps_without_token[22] >= 3 and steps_without_token[20] >= 2, steps_without_token
+    expect_hf(engine, hf_greedy, tiny_dir, driver, requests)
+    driver.assert_idle()
+
+
+@pytest.mark.parametrize("router_prefix_hit", [False, True])
+def test_prefix_reuse_after_finish(tiny_dir, hf_greedy, router_prefix_hit):
+    engine = make_engine(tiny_dir, num_blocks=32)
+    blocks = RouterBlocks(engine)
+    driver = RouterDriver(engine, blocks)
+    text = make_text(30, 30)
+    n = len(prompt_ids(engine, text))
+    first = router_spec(engine, blocks, 1, text, 6)
+    driver.run(BatchSpec(id=0, requests=(first,)))
+    assert engine.kv.num_retained_blocks >= n // engine.block_size
+    hits_before = engine.stats.prefix_hit_tokens
+    if router_prefix_hit:  # RadixAllocator: prefix blocks come back, cache_len = full blocks
+        k = (n - 1) // engine.block_size
+        prefix = first.blocks[:k]
+        blocks.free = [b for b in blocks.free if b not in prefix]
+        fresh, _ = blocks.allocate(n + 6 - 1 - k * engine.block_size)
+        all_blocks = prefix + fresh
+        slots = tuple(b * engine.block_size + o for b in all_blocks for o in range(engine.block_size))[:n + 5]
+        second = spec(2, text, 6, blocks=all_blocks, slots=slots, cache_len=k * engine.block_size)
+    else:
+        second = router_spec(engine, blocks, 2, text, 6)
+    driver.run(BatchSpec(id=1, requests=(second,)))
+    assert engine.stats.prefix_hit_tokens - hits_before >= engine.block_size
+    assert driver.tokens[2] == driver.tokens[1]
+    expect_hf(engine, hf_greedy, tiny_dir, driver, [first, second])
+    driver.assert_idle()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_outputs_identical(tiny_dir, hf_greedy, mode):
+    # 9 physical blocks (8 usable = 64 tokens); four requests of ~30 tokens each need ~16 blocks.
+    engine = make_engine(tiny_dir, num_blocks=9, preemption=mode, TGI_PAGED_OVERCOMMIT="3")
+    result = router_warmup(engine, 32)
+    assert result.max_supported_total_tokens == 3 * 64
+    blocks = RouterBlocks(engine)
+    driver = RouterDriver(engine, blocks)
+    requests = [router_spec(engine, blocks, 40 + i, make_text(40 + i, words), 16)
+                for i, words in enumerate((8, 12, 5, 10))]
+    batch = driver.prefill(BatchSpec(id=5, requests=tuple(requests[:2])))
+    batch = driver.decode([batch])
+    batch = driver.prefill(BatchSpec(id=6, requests=tuple(requests[2:])), cached=batch)
+    driver.drain(batch)
+    assert engine.stats.preemptions[mode] > 0, engine.stats.preemptions
+    if mode == "swap":
+        assert engine.stats.swap_bytes["in"] == engine.stats.swap_bytes["out"] > 0
+    expect_hf(engine, hf_greedy, tiny_dir, driver, requests)
+    driver.assert_idle()
+    assert engine.kv.num_swapped_blocks == 0

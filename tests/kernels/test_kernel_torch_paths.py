@@ -1,0 +1,119 @@
+"""The public functions on CPU tensors (plain-torch paths) against the references: at the CPU
+serving shape (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64, fp32, batch 32, contexts up
+to ~1k) and over the same adversarial axes as the Triton tests (cheap here: no interpreter).
+Also checks the reference itself against torch's SDPA on a contiguous sequence (layered references).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tgi_paged_kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from tgi_paged_kernels.reference import (
+    attend_one_request,
+    paged_decode_attention_reference,
+    paged_prefill_attention_reference,
+    store_kv_reference,
+)
+from tgi_paged_kernels.testing import assert_attention_close, make_paged_kv, query_start_loc
+
+SERVING = dict(num_kv_heads=3, head_dim=64, block_size=16, kv_dtype=torch.float32)
+
+
+def test_reference_matches_sdpa_on_a_contiguous_sequence():
+    q, k, v = torch.randn(7, 9, 64), torch.randn(12, 3, 64), torch.randn(12, 3, 64)
+    ours = attend_one_request(q, k, v, torch.arange(5, 12), scale=0.125)
+    # SDPA with the 7 queries as the last 7 of 12 positions: bottom-right aligned causal mask.
+    mask = torch.ones(7, 12, dtype=torch.bool).tril(diagonal=5)
+    k9, v9 = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
+    sdpa = F.scaled_dot_product_attention(q.transpose(0, 1), k9.transpose(0, 1), v9.transpose(0, 1), attn_mask=mask,
+                                          scale=0.125).transpose(0, 1)  # fmt: skip
+    torch.testing.assert_close(ours, sdpa, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_at_serving_shape():
+    seq_lens = torch.randint(1, 1025, (32,)).tolist()
+    kv = make_paged_kv(seq_lens, **SERVING)
+    query = torch.randn(32, 9, 64)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+    assert_attention_close(
+        paged_decode_attention(*args, scale=0.125), paged_decode_attention_reference(*args, scale=0.125), torch.float32
+    )
+
+
+def test_prefill_at_serving_shape():
+    requests = [(128, 128), (64, 700), (1, 1), (33, 257), (200, 1000)]  # (new tokens, tokens in pool)
+    kv = make_paged_kv([n for _, n in requests], **SERVING)
+    starts = query_start_loc([q for q, _ in requests])
+    query = torch.randn(int(starts[-1]), 9, 64)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, starts, kv.seq_lens)
+    assert_attention_close(
+        paged_prefill_attention(*args, scale=0.125), paged_prefill_attention_reference(*args, scale=0.125),
+        torch.float32,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize(
+    "q_dtype, kv_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float8_e4m3fn),
+     (torch.float32, torch.float8_e5m2)],
+    ids=["fp32", "bf16", "fp16-e4m3", "fp32-e5m2"],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "softcap, sliding_window", [(0.0, None), (5.0, None), (0.0, 20), (5.0, 33)],
+    ids=["plain", "softcap", "window", "both"],
+)  # fmt: skip
+def test_adversarial_grid(block_size, q_dtype, kv_dtype, softcap, sliding_window):
+    # Every last-block fill, odd lengths, shuffled blocks, NaN in unowned slots, interleaved K/V.
+    seq_lens = [fill + block_size * (fill % 3) for fill in range(1, block_size + 1)] + [1, 17, 97]
+    kv = make_paged_kv(seq_lens, num_kv_heads=3, head_dim=80, block_size=block_size, kv_dtype=kv_dtype,
+                       k_scale=0.5, v_scale=2.0, interleaved=True)  # fmt: skip
+    kwargs = dict(scale=0.1, softcap=softcap, sliding_window=sliding_window, k_scale=0.5, v_scale=2.0)
+    tables = (kv.k_cache, kv.v_cache, kv.block_tables)
+
+    query = torch.randn(len(seq_lens), 9, 80).to(q_dtype)
+    out = torch.empty_like(query)
+    assert paged_decode_attention(query, *tables, kv.seq_lens, out=out, **kwargs) is out
+    assert_attention_close(out, paged_decode_attention_reference(query, *tables, kv.seq_lens, **kwargs), q_dtype)
+
+    query_lens = [min(n, 1 + n % 7) for n in seq_lens]
+    starts = query_start_loc(query_lens)
+    query = torch.randn(sum(query_lens), 9, 80).to(q_dtype)
+    actual = paged_prefill_attention(query, *tables, starts, kv.seq_lens, **kwargs)
+    expected = paged_prefill_attention_reference(query, *tables, starts, kv.seq_lens, **kwargs)
+    assert actual.dtype == q_dtype
+    assert_attention_close(actual, expected, q_dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=str)
+def test_store_then_decode_round_trip(cache_dtype):
+    # What the runner does each step: store the new token's K/V, then attend over the pool.
+    kv = make_paged_kv([5, 16, 40], **{**SERVING, "kv_dtype": cache_dtype})
+    slots = torch.tensor([0, -1, 0])
+    for b, seq_len in enumerate([5, 16, 40]):
+        position = seq_len - 1  # overwrite each request's last position
+        slots[b] = kv.block_tables[b, position // 16] * 16 + position % 16 if b != 1 else -1
+    key, value = torch.randn(3, 3, 64), torch.randn(3, 3, 64)
+    k_ref, v_ref = kv.k_cache.clone(), kv.v_cache.clone()
+    store_kv(key, value, kv.k_cache, kv.v_cache, slots)
+    store_kv_reference(key, value, k_ref, v_ref, slots)
+    assert torch.equal(kv.k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(kv.v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    query = torch.randn(3, 9, 64)
+    actual = paged_decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale=0.125)
+    expected = paged_decode_attention_reference(query, k_ref, v_ref, kv.block_tables, kv.seq_lens, scale=0.125)
+    assert_attention_close(actual, expected, torch.float32)
+
+
+def test_cpu_paths_check_values():
+    kv = make_paged_kv([5, 20], num_kv_heads=1, head_dim=16, block_size=8, kv_dtype=torch.float32)
+    query = torch.randn(2, 1, 16)
+    with pytest.raises(ValueError, match="need 4 blocks"):
+        paged_decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor([5, 32], dtype=torch.int32),
+                               scale=1.0)  # fmt: skip
+    with pytest.raises(ValueError, match="query_start_loc must rise"):
+        paged_prefill_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor([0, 2, 1]), kv.seq_lens,
+                                scale=1.0)  # fmt: skip

@@ -1,0 +1,79 @@
+"""Builds a :class:`StepRecord` from the engine's own per-step objects.
+
+Duck-typed on purpose: telemetry imports no engine module (the engine imports telemetry). What it
+reads:
+
+- ``plan``: ``scheduled`` (list of ``(request, num_tokens)``), ``preemptions`` (objects with
+  ``request_id``, ``mode``, ``num_tokens``, ``estimated_cost_s``), ``copy_ops`` (``(kind, src, dst)``
+  with kind ``out``/``in``/``cow``), ``resumed_wait_s``, ``num_new_blocks``
+  (``engine.scheduler.StepPlan``);
+- ``out``: ``num_computed_tokens``, ``num_recomputed_tokens`` (``engine.model_step.StepOutput``);
+- ``requests``: the engine's live requests, each with ``is_preempted`` and ``preempted_at``
+  (a ``time.monotonic()`` stamp; ``engine.request_state.RequestState``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from tgi_paged_backend.memory.stats import MemoryStats
+from tgi_paged_backend.telemetry.step_record import Phase, PreemptionRecord, StepRecord
+
+
+class StepRecordBuilder:
+    """Turns ``(plan, out, memory stats)`` into a record; remembers the cumulative prefix counters.
+
+    ``MemoryStats`` carries prefix-cache counters cumulative over the memory manager's life; records
+    carry deltas. When the manager is rebuilt (Warmup re-sizes the pool) its counters restart at 0,
+    and the next delta is the new cumulative value.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._last_prefix_hit = 0
+        self._last_prefix_query = 0
+
+    def build(self, *, plan: Any, out: Any, memory: MemoryStats, step_s: float, swap_block_bytes: int,
+              requests: Iterable[Any], phase: Phase | None = None) -> StepRecord:
+        """Record one step; ``phase=None`` infers it (prefill when any request computed > 1 token)."""
+        batch_size = len(plan.scheduled)
+        if phase is None:
+            phase = "prefill" if out.num_computed_tokens > batch_size else "decode"
+        swap = {"out": 0, "in": 0}
+        for kind, src, _dst in plan.copy_ops:
+            if kind in swap:
+                swap[kind] += len(src) * swap_block_bytes
+        now = self._clock()
+        num_running = num_preempted = 0
+        max_wait = 0.0
+        for request in requests:
+            if request.is_preempted:
+                num_preempted += 1
+                if request.preempted_at is not None:
+                    max_wait = max(max_wait, now - request.preempted_at)
+            else:
+                num_running += 1
+        return StepRecord(
+            phase=phase, step_s=max(step_s, 0.0), batch_size=batch_size,
+            tokens_computed=out.num_computed_tokens, tokens_recomputed=out.num_recomputed_tokens,
+            blocks_allocated=plan.num_new_blocks,
+            preemptions=tuple(PreemptionRecord(mode=e.mode, victim_id=e.request_id, tokens_lost=e.num_tokens,
+                                               estimated_cost_s=float(e.estimated_cost_s))
+                              for e in plan.preemptions),
+            swap_out_bytes=swap["out"], swap_in_bytes=swap["in"],
+            prefix_hit_tokens=self._delta_hit(memory.num_prefix_hit_tokens),
+            prefix_query_tokens=self._delta_query(memory.num_prefix_query_tokens),
+            resumed_wait_s=tuple(plan.resumed_wait_s), num_running=num_running, num_preempted=num_preempted,
+            max_preempted_wait_s=max(max_wait, 0.0), memory=memory)
+
+    def _delta_hit(self, cumulative: int) -> int:
+        delta = cumulative - self._last_prefix_hit if cumulative >= self._last_prefix_hit else cumulative
+        self._last_prefix_hit = cumulative
+        return delta
+
+    def _delta_query(self, cumulative: int) -> int:
+        delta = cumulative - self._last_prefix_query if cumulative >= self._last_prefix_query else cumulative
+        self._last_prefix_query = cumulative
+        return delta

@@ -1,0 +1,314 @@
+"""Metric recorders: the engine calls one per step; implementations turn records into instruments.
+
+:func:`build_recorder` picks the implementation from :class:`TelemetryConfig`:
+
+- :class:`OtelRecorder` when ``otlp_endpoint`` and/or ``metrics_port`` is set. It owns a private
+  ``MeterProvider`` (the global one is never read or set) with the ``tgi_paged_*`` instruments of
+  ``docs/design.md`` (see :data:`METRIC_NAMES`) and up to two readers: periodic OTLP/gRPC push, and a
+  Prometheus ``/metrics`` endpoint on ``127.0.0.1:{metrics_port + rank}`` (one port per shard).
+- :class:`NullRecorder` otherwise.
+
+Either way the result is wrapped in :class:`PreemptionLoggingRecorder`, so preemption summaries reach
+the log (rate-limited) even with metrics off.
+
+Gauges are observable: their callbacks read the latest snapshot, so an exporter thread never calls
+into the engine. Counters and histograms are fed from each record's per-step deltas.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+from opentelemetry.sdk.resources import Resource
+
+from tgi_paged_backend.config import TelemetryConfig
+from tgi_paged_backend.memory.stats import MemoryStats
+from tgi_paged_backend.telemetry.log_throttle import PreemptionLogThrottle
+from tgi_paged_backend.telemetry.prometheus import PrometheusEndpoint
+from tgi_paged_backend.telemetry.step_record import (
+    PHASES,
+    PREEMPTION_MODES,
+    SWAP_DIRECTIONS,
+    MemoryBudget,
+    StepRecord,
+)
+
+METER_NAME = "tgi_paged_backend"
+SHARD_RANK_ATTRIBUTE = "tgi_paged.shard.rank"
+"""Resource attribute carrying the shard rank (exported by Prometheus as ``target_info`` label)."""
+
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+WAIT_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+METRIC_NAMES: dict[str, str] = {
+    # pool (gauges)
+    "tgi_paged_kv_blocks": "Physical KV blocks by state (free, used, retained prefix, swapped to CPU)",
+    "tgi_paged_kv_usage_ratio": "Used physical blocks over usable physical blocks",
+    "tgi_paged_kv_physical_tokens": "Token capacity of the physical KV pool",
+    "tgi_paged_kv_virtual_reserved_tokens": "Slots the router reserved for live requests",
+    "tgi_paged_kv_waste_ratio": "KV waste by kind (internal: unfilled last-block slots; reservation: "
+                                "reserved but unbacked slots; external: stranded free blocks)",
+    "tgi_paged_device_memory_bytes": "Total device memory",
+    "tgi_paged_weights_bytes": "Model weights resident on this shard",
+    "tgi_paged_activation_peak_bytes": "Profiled activation peak",
+    "tgi_paged_kv_pool_bytes": "Physical KV pool size",
+    "tgi_paged_swap_space_bytes": "CPU swap space for swapped-out KV blocks",
+    "tgi_paged_requests": "Live requests by state",
+    "tgi_paged_preempted_max_wait_seconds": "Longest current wait among preempted requests",
+    # preemption and prefix cache (counters, histogram)
+    "tgi_paged_preemptions_total": "Requests preempted, by mode",
+    "tgi_paged_recomputed_tokens_total": "Tokens computed again after recompute-mode preemption",
+    "tgi_paged_swap_bytes_total": "Bytes copied between device and CPU swap, by direction",
+    "tgi_paged_preempted_wait_seconds": "Time a resumed request spent preempted",
+    "tgi_paged_prefix_hit_tokens_total": "Prompt tokens served from the prefix cache",
+    "tgi_paged_prefix_query_tokens_total": "Prompt tokens looked up in the prefix cache",
+    # steps (histograms)
+    "tgi_paged_step_seconds": "Engine step wall time, by phase (steps that computed nothing excluded)",
+    "tgi_paged_batch_size": "Requests computed per step (steps that computed nothing excluded)",
+}
+
+
+class MetricsRecorder(Protocol):
+    """What the engine calls. Implementations must be cheap: ``record_step`` runs on every step."""
+
+    def record_step(self, record: StepRecord) -> None: ...
+
+    def record_memory(self, memory: MemoryStats, *, num_running: int, num_preempted: int,
+                      max_preempted_wait_s: float = 0.0) -> None:
+        """Refresh the pool gauges outside a step (after FilterBatch / ClearCache freed blocks)."""
+
+    def record_budget(self, budget: MemoryBudget) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class NullRecorder:
+    """Records nothing."""
+
+    def record_step(self, record: StepRecord) -> None:
+        pass
+
+    def record_memory(self, memory: MemoryStats, *, num_running: int, num_preempted: int,
+                      max_preempted_wait_s: float = 0.0) -> None:
+        pass
+
+    def record_budget(self, budget: MemoryBudget) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+class PreemptionLoggingRecorder:
+    """Logs rate-limited preemption summaries, then forwards everything to ``inner``."""
+
+    def __init__(self, inner: MetricsRecorder, throttle: PreemptionLogThrottle | None = None) -> None:
+        self.inner = inner
+        self.throttle = throttle if throttle is not None else PreemptionLogThrottle()
+
+    def record_step(self, record: StepRecord) -> None:
+        self.throttle.observe(record.preemptions)
+        self.inner.record_step(record)
+
+    def record_memory(self, memory: MemoryStats, *, num_running: int, num_preempted: int,
+                      max_preempted_wait_s: float = 0.0) -> None:
+        self.inner.record_memory(memory, num_running=num_running, num_preempted=num_preempted,
+                                 max_preempted_wait_s=max_preempted_wait_s)
+
+    def record_budget(self, budget: MemoryBudget) -> None:
+        self.inner.record_budget(budget)
+
+    def shutdown(self) -> None:
+        self.throttle.flush()
+        self.inner.shutdown()
+
+
+def build_recorder(config: TelemetryConfig, rank: int = 0) -> MetricsRecorder:
+    """The recorder a shard should use for ``config`` (see the module docstring)."""
+    exporting = config.otlp_endpoint is not None or config.metrics_port is not None
+    inner: MetricsRecorder = OtelRecorder(config, rank) if exporting else NullRecorder()
+    return PreemptionLoggingRecorder(inner)
+
+
+class OtelRecorder:
+    """OpenTelemetry instruments on a private ``MeterProvider``.
+
+    Args:
+        config: ``otlp_endpoint`` enables OTLP/gRPC push (``insecure=True``, interval from
+            ``export_interval_s`` or ``OTEL_METRIC_EXPORT_INTERVAL``, default 60 s);
+            ``metrics_port`` enables ``/metrics`` on ``127.0.0.1:{metrics_port + rank}``
+            (``metrics_port=0``: any free port, see :attr:`metrics_port`).
+        rank: Shard rank, a resource attribute.
+        export_interval_s: Override of the OTLP push interval.
+    """
+
+    def __init__(self, config: TelemetryConfig, rank: int = 0, *, export_interval_s: float | None = None) -> None:
+        self.resource = Resource.create({"service.name": config.otlp_service_name, SHARD_RANK_ATTRIBUTE: rank})
+        readers: list[MetricReader] = []
+        if config.otlp_endpoint is not None:
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+            interval_ms = None if export_interval_s is None else export_interval_s * 1000
+            readers.append(PeriodicExportingMetricReader(
+                OTLPMetricExporter(endpoint=config.otlp_endpoint, insecure=True),
+                export_interval_millis=interval_ms))
+        self.prometheus: PrometheusEndpoint | None = None
+        if config.metrics_port is not None:
+            port = config.metrics_port + rank if config.metrics_port else 0
+            self.prometheus = PrometheusEndpoint(
+                port=port, target_info={"service.name": config.otlp_service_name, SHARD_RANK_ATTRIBUTE: rank})
+            readers.append(self.prometheus)
+        self.provider = MeterProvider(resource=self.resource, metric_readers=readers, views=_views())
+        self._memory: MemoryStats | None = None
+        self._requests = (0, 0, 0.0)
+        self._budget: MemoryBudget | None = None
+        self._closed = False
+        self._create_instruments()
+        if self.prometheus is not None:
+            try:
+                self.prometheus.start()
+            except OSError as err:
+                self.provider.shutdown()
+                raise OSError(f"cannot serve Prometheus metrics on 127.0.0.1:{self.prometheus.port} "
+                              f"(TGI_PAGED_METRICS_PORT + rank): {err}") from err
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound ``/metrics`` port, or ``None`` when the endpoint is off."""
+        return None if self.prometheus is None else self.prometheus.port
+
+    # -- MetricsRecorder ---------------------------------------------------------------------
+
+    def record_step(self, record: StepRecord) -> None:
+        self._memory = record.memory
+        self._requests = (record.num_running, record.num_preempted, record.max_preempted_wait_s)
+        if record.batch_size:
+            self._step_seconds.record(record.step_s, self._phase_attrs[record.phase])
+            self._batch_size.record(record.batch_size)
+        for event in record.preemptions:
+            self._preemptions.add(1, self._mode_attrs.get(event.mode) or {"mode": event.mode})
+        for waited in record.resumed_wait_s:
+            self._preempted_wait.record(waited)
+        if record.tokens_recomputed:
+            self._recomputed.add(record.tokens_recomputed)
+        if record.swap_out_bytes:
+            self._swap_bytes.add(record.swap_out_bytes, self._direction_attrs["out"])
+        if record.swap_in_bytes:
+            self._swap_bytes.add(record.swap_in_bytes, self._direction_attrs["in"])
+        if record.prefix_query_tokens:
+            self._prefix_query.add(record.prefix_query_tokens)
+        if record.prefix_hit_tokens:
+            self._prefix_hit.add(record.prefix_hit_tokens)
+
+    def record_memory(self, memory: MemoryStats, *, num_running: int, num_preempted: int,
+                      max_preempted_wait_s: float = 0.0) -> None:
+        self._memory = memory
+        self._requests = (num_running, num_preempted, max_preempted_wait_s)
+
+    def record_budget(self, budget: MemoryBudget) -> None:
+        self._budget = budget
+
+    def force_flush(self, timeout_s: float = 10.0) -> bool:
+        """Push pending metrics now (OTLP); returns False on timeout."""
+        return self.provider.force_flush(timeout_millis=int(timeout_s * 1000))
+
+    def shutdown(self) -> None:
+        """Final OTLP export, stop the ``/metrics`` server. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.provider.shutdown()
+
+    # -- instruments -------------------------------------------------------------------------
+
+    def _create_instruments(self) -> None:
+        meter = self.provider.get_meter(METER_NAME)
+        self._phase_attrs = {p: {"phase": p} for p in PHASES}
+        self._mode_attrs = {m: {"mode": m} for m in PREEMPTION_MODES}
+        self._direction_attrs = {d: {"direction": d} for d in SWAP_DIRECTIONS}
+
+        def gauge(name: str, unit: str, callback) -> None:
+            meter.create_observable_gauge(name, callbacks=[callback], unit=unit, description=METRIC_NAMES[name])
+
+        def counter(name: str, unit: str):
+            return meter.create_counter(name, unit=unit, description=METRIC_NAMES[name])
+
+        def histogram(name: str, unit: str):
+            return meter.create_histogram(name, unit=unit, description=METRIC_NAMES[name])
+
+        gauge("tgi_paged_kv_blocks", "{block}", self._observe_blocks)
+        gauge("tgi_paged_kv_usage_ratio", "1", self._pool(lambda m: m.usage_ratio))
+        gauge("tgi_paged_kv_physical_tokens", "{token}", self._pool(lambda m: m.num_total_blocks * m.block_size))
+        gauge("tgi_paged_kv_virtual_reserved_tokens", "{token}", self._pool(lambda m: m.num_reserved_slots))
+        gauge("tgi_paged_kv_waste_ratio", "1", self._observe_waste)
+        gauge("tgi_paged_requests", "{request}", self._observe_requests)
+        gauge("tgi_paged_preempted_max_wait_seconds", "s", self._observe_max_wait)
+        for name, field in (("tgi_paged_device_memory_bytes", "device_total_bytes"),
+                            ("tgi_paged_weights_bytes", "weights_bytes"),
+                            ("tgi_paged_activation_peak_bytes", "activation_peak_bytes"),
+                            ("tgi_paged_kv_pool_bytes", "pool_bytes"),
+                            ("tgi_paged_swap_space_bytes", "swap_bytes")):
+            gauge(name, "By", self._budget_field(field))
+
+        self._preemptions = counter("tgi_paged_preemptions_total", "{preemption}")
+        self._recomputed = counter("tgi_paged_recomputed_tokens_total", "{token}")
+        self._swap_bytes = counter("tgi_paged_swap_bytes_total", "By")
+        self._prefix_hit = counter("tgi_paged_prefix_hit_tokens_total", "{token}")
+        self._prefix_query = counter("tgi_paged_prefix_query_tokens_total", "{token}")
+        self._preempted_wait = histogram("tgi_paged_preempted_wait_seconds", "s")
+        self._step_seconds = histogram("tgi_paged_step_seconds", "s")
+        self._batch_size = histogram("tgi_paged_batch_size", "{request}")
+        # Zero-valued series for every label value, so rate() and dashboards see them from the start.
+        for attrs in self._mode_attrs.values():
+            self._preemptions.add(0, attrs)
+        for attrs in self._direction_attrs.values():
+            self._swap_bytes.add(0, attrs)
+        for instrument in (self._recomputed, self._prefix_hit, self._prefix_query):
+            instrument.add(0)
+
+    def _pool(self, value):
+        def callback(options: CallbackOptions) -> list[Observation]:
+            memory = self._memory
+            return [] if memory is None else [Observation(value(memory))]
+        return callback
+
+    def _observe_blocks(self, options: CallbackOptions) -> list[Observation]:
+        m = self._memory
+        if m is None:
+            return []
+        return [Observation(m.num_free_blocks, {"state": "free"}), Observation(m.num_used_blocks, {"state": "used"}),
+                Observation(m.num_retained_blocks, {"state": "retained"}),
+                Observation(m.num_swapped_blocks, {"state": "swapped"})]
+
+    def _observe_waste(self, options: CallbackOptions) -> list[Observation]:
+        m = self._memory
+        if m is None:
+            return []
+        return [Observation(m.internal_waste_ratio, {"kind": "internal"}),
+                Observation(m.reservation_waste_ratio, {"kind": "reservation"}),
+                Observation(m.external_waste_ratio, {"kind": "external"})]
+
+    def _observe_requests(self, options: CallbackOptions) -> list[Observation]:
+        running, preempted, _ = self._requests
+        return [Observation(running, {"state": "running"}), Observation(preempted, {"state": "preempted"})]
+
+    def _observe_max_wait(self, options: CallbackOptions) -> list[Observation]:
+        return [Observation(self._requests[2])]
+
+    def _budget_field(self, field: str):
+        def callback(options: CallbackOptions) -> list[Observation]:
+            budget = self._budget
+            return [] if budget is None else [Observation(getattr(budget, field))]
+        return callback
+
+
+def _views() -> list[View]:
+    def buckets(name: str, bounds: tuple[float, ...]) -> View:
+        return View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(boundaries=bounds))
+    return [buckets("tgi_paged_step_seconds", STEP_SECONDS_BUCKETS),
+            buckets("tgi_paged_preempted_wait_seconds", WAIT_SECONDS_BUCKETS),
+            buckets("tgi_paged_batch_size", BATCH_SIZE_BUCKETS)]
