@@ -9,7 +9,7 @@ Public functions (``api``), each with a Triton path for CUDA tensors and a plain
 - ``copy_blocks``: copy-on-write of whole blocks inside the pool, all layers
 - ``swap_blocks``: whole blocks between the pool and the CPU swap space, all layers
 
-Files: one kernel family per module (``store_kv``, ``paged_decode``, ``paged_prefill``,
+Files: one kernel family per module (``kv_store``, ``paged_decode``, ``paged_prefill``,
 ``block_copy``; shared inner loop in ``_attention_tiles``), each a ``_<name>_kernel`` plus a
 ``_launch_*`` launcher that checks arguments and computes the grid; ``torch_impl`` (CPU paths);
 ``reference`` (fp32 per-request references, the specification); ``testing`` (paged test-case

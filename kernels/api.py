@@ -38,7 +38,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0
     k_scale, v_scale : per-layer fp8 scales, see the module docstring
     """
     if k_cache.is_cuda:
-        from .store_kv import _launch_store_kv
+        from .kv_store import _launch_store_kv
 
         _launch_store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return

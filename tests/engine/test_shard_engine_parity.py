@@ -152,17 +152,18 @@ def test_prefix_reuse_after_finish(tiny_dir, hf_greedy, router_prefix_hit):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_outputs_identical(tiny_dir, hf_greedy, mode):
-    # 9 physical blocks (8 usable = 64 tokens); four requests of ~30 tokens each need ~16 blocks.
+    # 9 physical blocks (8 usable = 64 tokens); four requests of ~12 + 20 tokens need 16 blocks.
     engine = make_engine(tiny_dir, num_blocks=9, preemption=mode, TGI_PAGED_OVERCOMMIT="3")
-    result = router_warmup(engine, 32)
+    result = router_warmup(engine, 64)
     assert result.max_supported_total_tokens == 3 * 64
     blocks = RouterBlocks(engine)
     driver = RouterDriver(engine, blocks)
-    requests = [router_spec(engine, blocks, 40 + i, make_text(40 + i, words), 16)
-                for i, words in enumerate((8, 12, 5, 10))]
-    batch = driver.prefill(BatchSpec(id=5, requests=tuple(requests[:2])))
-    batch = driver.decode([batch])
-    batch = driver.prefill(BatchSpec(id=6, requests=tuple(requests[2:])), cached=batch)
+    requests = [router_spec(engine, blocks, 40 + i, make_text(40 + i, 3), 20) for i in range(4)]
+    assert all(9 <= len(prompt_ids(engine, r.text)) <= 16 for r in requests)
+    # The four prompts (2 blocks each) fill the pool in the first step, so every block boundary an
+    # older request crosses afterwards takes blocks from a younger one.
+    batch = driver.prefill(BatchSpec(id=5, requests=tuple(requests)))
+    assert engine.kv.num_free_blocks == 0
     driver.drain(batch)
     assert engine.stats.preemptions[mode] > 0, engine.stats.preemptions
     if mode == "swap":

@@ -170,3 +170,23 @@ def greedy_hf(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_
             )
         outputs.append(out[0, input_ids.shape[1]:].tolist())
     return outputs
+
+
+def greedy_hf_full_recompute(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                             eos_token_ids: Sequence[int]) -> list[list[int]]:
+    """Reference without any KV cache: a full forward over the whole sequence for every token.
+
+    Independent of the HF cache classes (transformers 4.51's Gemma 2 ``HybridCache`` decodes
+    differently from its own cache-less forward at the sliding-window boundary).
+    """
+    outputs = []
+    for prompt in prompts:
+        tokens = list(prompt)
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                logits = model(torch.tensor([tokens]), use_cache=False).logits[0, -1]
+                tokens.append(int(torch.argmax(logits)))
+                if tokens[-1] in eos_token_ids:
+                    break
+        outputs.append(tokens[len(prompt):])
+    return outputs

@@ -18,7 +18,10 @@ import torch
 import transformers
 
 TINY_KINDS: tuple[str, ...] = ("llama", "qwen2", "mistral")
-"""Model families :func:`write_tiny_model` can write."""
+"""The main model families of the parity tests."""
+
+EXTRA_KINDS: tuple[str, ...] = ("phi3", "gemma2")
+"""Further families :func:`write_tiny_model` can write (fused QKV; soft-capping + alternating windows)."""
 
 TINY_CORPUS: tuple[str, ...] = (
     "The quick brown fox jumps over the lazy dog.",
@@ -53,13 +56,16 @@ _PER_KIND: dict[str, dict[str, Any]] = {
     "llama": dict(num_hidden_layers=3, rope_theta=10000.0, tie_word_embeddings=False),
     "qwen2": dict(rope_theta=1000000.0, tie_word_embeddings=False),  # Qwen2: q/k/v biases
     "mistral": dict(sliding_window=24, rope_theta=10000.0, tie_word_embeddings=False),
+    "phi3": dict(sliding_window=20, rope_theta=10000.0, tie_word_embeddings=False),
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", rope_theta=10000.0),
 }
 
 
 def tiny_config(kind: str, *, vocab_size: int = 512, **overrides: Any) -> transformers.PretrainedConfig:
     """Config of a tiny ``kind`` model (hidden 64, 4 query / 2 KV heads of 16 channels)."""
     if kind not in _PER_KIND:
-        raise ValueError(f"unknown tiny model kind {kind!r}: allowed {TINY_KINDS}")
+        raise ValueError(f"unknown tiny model kind {kind!r}: allowed {TINY_KINDS + EXTRA_KINDS}")
     kwargs = {**_COMMON, **_PER_KIND[kind], "vocab_size": vocab_size, **overrides}
     return transformers.AutoConfig.for_model(kind, **kwargs)
 

@@ -111,8 +111,8 @@ def test_store_then_decode_round_trip(cache_dtype):
 def test_cpu_paths_check_values():
     kv = make_paged_kv([5, 20], num_kv_heads=1, head_dim=16, block_size=8, kv_dtype=torch.float32)
     query = torch.randn(2, 1, 16)
-    with pytest.raises(ValueError, match="need 4 blocks"):
-        paged_decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor([5, 32], dtype=torch.int32),
+    with pytest.raises(ValueError, match="need 5 blocks"):
+        paged_decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor([5, 40], dtype=torch.int32),
                                scale=1.0)  # fmt: skip
     with pytest.raises(ValueError, match="query_start_loc must rise"):
         paged_prefill_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor([0, 2, 1]), kv.seq_lens,

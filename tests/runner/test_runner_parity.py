@@ -3,7 +3,9 @@
 Tiny random Llama, Qwen2 and Mistral (sliding window 24, shorter than the longest sequences)
 models; several prompts of different lengths packed into one prefill; shuffled physical blocks
 at block sizes 8 and 16. Variants: chunked prefill, late arrivals (mixed prefill + decode steps),
-recompute after dropping K/V, and blocks moved by copy_blocks or a swap round trip.
+recompute after dropping K/V, and blocks moved by copy_blocks or a swap round trip. Phi-3 (fused
+QKV, window 20) and Gemma 2 (soft-capping, alternating window-8 layers) are checked against a
+cache-less HF forward.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.paged_driver import PagedDriver, greedy_hf, greedy_paged
-from tests.helpers.tiny_models import EOS_ID, PAD_ID, TINY_KINDS, load_reference
+from tests.helpers.paged_driver import PagedDriver, greedy_hf, greedy_hf_full_recompute, greedy_paged
+from tests.helpers.tiny_models import EOS_ID, EXTRA_KINDS, PAD_ID, TINY_KINDS, load_reference
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model_runner import ModelRunner
 
@@ -88,6 +90,15 @@ def test_recompute_after_dropping_kv(kind, block_size, runners, prompts, expecte
                     driver.drop_kv(i)
 
     assert greedy_paged(runners(kind, block_size), prompts, MAX_NEW_TOKENS, hook=hook) == expected[kind]
+
+
+@pytest.mark.parametrize("kind", EXTRA_KINDS)
+def test_other_families(kind, tiny_model_factory, prompts) -> None:
+    path = tiny_model_factory(kind)
+    want = greedy_hf_full_recompute(load_reference(path), prompts, MAX_NEW_TOKENS, [EOS_ID])
+    runner = ModelRunner(ModelConfig(model_id=str(path)), CacheConfig(block_size=8), "cpu")
+    assert greedy_paged(runner, prompts, MAX_NEW_TOKENS) == want
+    assert greedy_paged(runner, prompts, MAX_NEW_TOKENS, chunk_size=16, arrival_steps=[0, 2, 2, 5]) == want
 
 
 @pytest.mark.parametrize("via", ["copy", "swap"])

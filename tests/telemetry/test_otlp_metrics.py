@@ -11,7 +11,13 @@ from otlp_sink import OtlpSink, points_by
 from telemetry_samples import BUDGET, GiB, memory_stats, sample_steps
 
 from tgi_paged_backend.config import TelemetryConfig
-from tgi_paged_backend.telemetry.recorder import METRIC_NAMES, OtelRecorder
+from tgi_paged_backend.telemetry.recorder import (
+    METRIC_NAMES,
+    NullRecorder,
+    OtelRecorder,
+    PreemptionLoggingRecorder,
+    build_recorder,
+)
 
 
 @pytest.fixture
@@ -106,3 +112,16 @@ def test_global_meter_provider_is_never_touched(recorder: OtelRecorder) -> None:
     assert not isinstance(otel_metrics.get_meter_provider(), MeterProvider)
     assert recorder.provider is not otel_metrics.get_meter_provider()
 
+
+
+def test_build_recorder_picks_the_implementation_from_config(otlp_sink: OtlpSink) -> None:
+    off = build_recorder(TelemetryConfig())
+    assert isinstance(off, PreemptionLoggingRecorder) and isinstance(off.inner, NullRecorder)
+    off.record_step(sample_steps()[1])
+    off.shutdown()
+    on = build_recorder(TelemetryConfig(otlp_endpoint=otlp_sink.endpoint), rank=0)
+    assert isinstance(on, PreemptionLoggingRecorder) and isinstance(on.inner, OtelRecorder)
+    assert on.inner.metrics_port is None
+    on.record_step(sample_steps()[1])
+    on.shutdown()  # the final export on shutdown delivers what was recorded
+    assert otlp_sink.wait_for(lambda: "tgi_paged_preemptions_total" in otlp_sink.latest_metrics())

@@ -222,9 +222,9 @@ class ModelRunner:
         if not self.cpu_k_caches:
             raise RuntimeError("allocate_swap_space() must be called before swapping")
         cpu = torch.device("cpu")
+        # swap_blocks returns once the CPU side is done: swap-out copies have landed in the swap
+        # space, swap-in sources have been read (the device-side scatter is in stream order).
         tgi_paged_kernels.swap_blocks(src_caches, dst_caches, self._ids(src_ids, cpu), self._ids(dst_ids, cpu))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     # --------------------------------------------------------------- profiling
     def _dummy_prefill(self, num_tokens: int, num_logits: int) -> tuple[ForwardBatch, int]:

@@ -20,14 +20,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tgi_paged_backend.config import TelemetryConfig
-from tgi_paged_backend.telemetry.recorder import SHARD_RANK_ATTRIBUTE
+from tgi_paged_backend.telemetry.resource import shard_resource
 from tgi_paged_backend.telemetry.spans import annotate_step
 
 __all__ = ["TracingInterceptor", "annotate_step", "setup_tracing"]
@@ -44,8 +43,7 @@ def setup_tracing(config: TelemetryConfig, rank: int = 0) -> TracerProvider | No
         return None
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-    resource = Resource.create({"service.name": config.otlp_service_name, SHARD_RANK_ATTRIBUTE: rank})
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=shard_resource(config, rank))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=config.otlp_endpoint, insecure=True)))
     return provider
 
@@ -76,7 +74,7 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         assert tracer is not None
 
         async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            parent = None
+            parent = self._propagator.extract(_carrier(metadata))
             attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
             with tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes,
                                               record_exception=False, set_status_on_exception=False) as span:

@@ -66,8 +66,8 @@ class PrometheusEndpoint(MetricReader):
         server = ThreadingHTTPServer((self.host, self._requested_port), MetricsHandler.factory(self.registry))
         server.daemon_threads = True
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name=f"tgi-paged-metrics-{self.port}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name=f"tgi-paged-metrics-{self.port}", daemon=True)
         self._thread.start()
 
     def render(self) -> bytes:
@@ -133,7 +133,8 @@ def _family(name: str, help_text: str, data: Any) -> Metric | None:
         family: Metric = HistogramMetricFamily(name, help_text, labels=keys)
         for p in points:
             cumulative, buckets = 0, []
-            for bound, count in zip(p.explicit_bounds, p.bucket_counts):
+            # bucket_counts has one more entry (the overflow bucket) than explicit_bounds: +Inf below
+            for bound, count in zip(p.explicit_bounds, p.bucket_counts, strict=False):
                 cumulative += count
                 buckets.append((floatToGoString(bound), cumulative))
             buckets.append(("+Inf", p.count))

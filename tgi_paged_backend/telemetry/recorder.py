@@ -23,12 +23,12 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
-from opentelemetry.sdk.resources import Resource
 
 from tgi_paged_backend.config import TelemetryConfig
 from tgi_paged_backend.memory.stats import MemoryStats
 from tgi_paged_backend.telemetry.log_throttle import PreemptionLogThrottle
 from tgi_paged_backend.telemetry.prometheus import PrometheusEndpoint
+from tgi_paged_backend.telemetry.resource import shard_attributes, shard_resource
 from tgi_paged_backend.telemetry.step_record import (
     PHASES,
     PREEMPTION_MODES,
@@ -38,8 +38,6 @@ from tgi_paged_backend.telemetry.step_record import (
 )
 
 METER_NAME = "tgi_paged_backend"
-SHARD_RANK_ATTRIBUTE = "tgi_paged.shard.rank"
-"""Resource attribute carrying the shard rank (exported by Prometheus as ``target_info`` label)."""
 
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 WAIT_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -148,7 +146,7 @@ class OtelRecorder:
     """
 
     def __init__(self, config: TelemetryConfig, rank: int = 0, *, export_interval_s: float | None = None) -> None:
-        self.resource = Resource.create({"service.name": config.otlp_service_name, SHARD_RANK_ATTRIBUTE: rank})
+        self.resource = shard_resource(config, rank)
         readers: list[MetricReader] = []
         if config.otlp_endpoint is not None:
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
@@ -160,8 +158,10 @@ class OtelRecorder:
         self.prometheus: PrometheusEndpoint | None = None
         if config.metrics_port is not None:
             port = config.metrics_port + rank if config.metrics_port else 0
-            self.prometheus = PrometheusEndpoint(
-                port=port, target_info={"service.name": config.otlp_service_name, SHARD_RANK_ATTRIBUTE: rank})
+            if port > 65535:
+                raise OSError(f"cannot serve Prometheus metrics on port {config.metrics_port} + rank {rank} = {port}: "
+                              "choose a lower TGI_PAGED_METRICS_PORT")
+            self.prometheus = PrometheusEndpoint(port=port, target_info=shard_attributes(config, rank))
             readers.append(self.prometheus)
         self.provider = MeterProvider(resource=self.resource, metric_readers=readers, views=_views())
         self._memory: MemoryStats | None = None
