@@ -42,18 +42,22 @@ def _tanh(x):
 
 @triton.jit
 def _attend_kv_tiles(
-    acc, m_i, l_i,  # running state: [BLOCK_M, HEAD_DIM_PAD] fp32, [BLOCK_M] fp32, [BLOCK_M] fp32
     q, q_pos,  # [BLOCK_M, HEAD_DIM_PAD] in DOT_DTYPE; [BLOCK_M] int32 token position of each row
     kv_lo, kv_hi,  # visit key positions kv_lo <= p < kv_hi (all < seq_len)
     block_table_ptr,  # this request's row of the block table
     k_head_ptr, stride_kb, stride_ks, stride_kd,  # K pool, already offset to this KV head
     v_head_ptr, stride_vb, stride_vs, stride_vd,  # V pool, already offset to this KV head
     sm_scale, softcap, sliding_window,  # sm_scale includes k_scale
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,  #
+    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,  #
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,  #
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,  #
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
 ):
+    # Returns the softmax state after the range: unnormalised output acc [BLOCK_M, HEAD_DIM_PAD],
+    # row maximum m_i and denominator l_i [BLOCK_M], all fp32, scores in log2 units.
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), M_FLOOR, tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM  # head dims 80, 96 are padded to 128
     for tile_start in range(kv_lo, kv_hi, BLOCK_N):
@@ -96,15 +100,17 @@ def _attend_kv_tiles(
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def dot_dtype_and_precision(query: torch.Tensor) -> tuple[tl.dtype, str]:
-    """The dtype K/V tiles and probabilities are cast to for ``tl.dot``, and the dot's precision.
+def dot_dtype_and_precision(query: torch.Tensor, cache_dtype: torch.dtype) -> tuple[tl.dtype, str]:
+    """The dtype q, K/V tiles and probabilities are cast to for ``tl.dot``, and the dot's precision.
 
-    The query's own dtype (fp8 K/V values are exact in fp16 and bf16). fp32 uses "ieee": TF32's
-    10-bit mantissa would cost an fp32 model ~1e-3 relative error. One exception: CPU tensors can
+    The query's dtype when the cache holds the same dtype or fp8 (fp8 values are exact in fp16 and
+    bf16); fp32 when they differ otherwise (fp16 <-> bf16 casts lose range or precision). fp32 uses
+    "ieee": TF32's 10-bit mantissa would cost an fp32 model ~1e-3 relative error. CPU tensors can
     only mean the Triton interpreter, whose ``tl.dot`` multiplies bf16 bit patterns as integers
     (triton-lang/triton#11584, "not supported yet"), so bf16 is computed in fp32 there.
     """
-    if query.dtype == torch.bfloat16 and query.device.type == "cpu":
+    interpreted_bf16 = query.dtype == torch.bfloat16 and query.device.type == "cpu"
+    if interpreted_bf16 or not (cache_dtype == query.dtype or is_fp8(cache_dtype)):
         return tl.float32, "ieee"
     dtype = _TL_DTYPES[query.dtype]
     return dtype, "ieee" if dtype == tl.float32 else "tf32"
@@ -115,10 +121,16 @@ def head_dim_pad(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def key_tile_size(head_dim_padded: int) -> int:
-    """BLOCK_N: key positions per loop iteration. 64 keeps a K tile plus a V tile of fp16 at
-    head_dim 128 at 32 KiB; head_dim 256 halves it to stay within the same register/SMEM budget."""
-    return 64 if head_dim_padded <= 128 else 32
+def tile_rows(head_dim_padded: int, dot_dtype: tl.dtype) -> int:
+    """Rows of a 16 KiB tile of padded head_dim vectors in ``dot_dtype``, clamped to [16, 64].
+
+    Used for BLOCK_N (keys per loop iteration: K plus V tiles are 32 KiB of shared memory per
+    pipeline stage) and for prefill's BLOCK_M (the Q tile, and its fp32 accumulator at twice the
+    size, within one program's registers): 64 rows of fp16 at head_dim 128, 32 at 256 or for fp32
+    dots at 128, 16 (tl.dot's minimum) for fp32 at 256.
+    """
+    row_bytes = head_dim_padded * dot_dtype.primitive_bitwidth // 8
+    return min(64, max(16, (16 << 10) // row_bytes))
 
 
 def kernel_scales(cache_dtype: torch.dtype, scale: float, k_scale: float, v_scale: float) -> tuple[float, float]:

@@ -68,7 +68,9 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVCacheShape
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
     if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"KV cache dtype must be one of {KV_DTYPES} (K and V alike), got {k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError(
+            f"KV cache dtype must be one of {KV_DTYPES} (K and V alike), got {k_cache.dtype}, {v_cache.dtype}"
+        )
     if k_cache.device != v_cache.device:
         raise ValueError(f"k_cache is on {k_cache.device} but v_cache is on {v_cache.device}")
     return KVCacheShape(*k_cache.shape)

@@ -152,7 +152,9 @@ def paged_prefill_attention(
     )  # fmt: skip
 
 
-def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+def copy_blocks(
+    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
+) -> None:
     """Copy-on-write inside the pool: block ``src[i]`` -> block ``dst[i]`` in every layer's K and V.
 
     Parameters

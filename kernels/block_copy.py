@@ -55,15 +55,25 @@ def check_block_pairs(src: torch.Tensor, dst: torch.Tensor, src_device: torch.de
     check_index("destination block ids", dst, tuple(src.shape), dst_device)
 
 
-def _launch_copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor):
-    """Check arguments and launch ``_copy_blocks_kernel`` once per layer (parameters: ``api.copy_blocks``)."""
+def _launch_copy_blocks(
+    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Check arguments and launch ``_copy_blocks_kernel`` once per layer, whatever the device.
+
+    Parameters
+    ----------
+    k_caches, v_caches : per layer [num_blocks, block_size, num_kv_heads, head_dim], each block contiguous
+    src, dst : int32/int64 [num_pairs] block ids on the pools' device; ``dst`` distinct, disjoint from ``src``
+    """
     if len(k_caches) != len(v_caches):
         raise ValueError(f"{len(k_caches)} K pools but {len(v_caches)} V pools")
     for k_cache, v_cache in zip(k_caches, v_caches):
         check_kv_cache(k_cache, v_cache)
         check_block_pairs(src, dst, k_cache.device, k_cache.device)
         if not (k_cache[0].is_contiguous() and v_cache[0].is_contiguous()):
-            raise ValueError(f"each block of the pool must be contiguous, got strides {k_cache.stride()}, {v_cache.stride()}")
+            raise ValueError(
+                f"each block of the pool must be contiguous, got strides {k_cache.stride()}, {v_cache.stride()}"
+            )
     if src.numel() == 0:
         return
     for k_cache, v_cache in zip(k_caches, v_caches):

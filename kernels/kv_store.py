@@ -71,9 +71,10 @@ def _store_kv_kernel(
     v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
 
     # -- quantize: fp8 stores x / scale, saturated, rounded to nearest even ---------------------------
+    # div_rn is IEEE division, as torch's x / scale; Triton's `/` is the approximate div.full.f32.
     if IS_FP8:
-        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -fp8_max), fp8_max)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -fp8_max), fp8_max)
+        k = tl.minimum(tl.maximum(tl.div_rn(k.to(tl.float32), k_scale), -fp8_max), fp8_max)
+        v = tl.minimum(tl.maximum(tl.div_rn(v.to(tl.float32), v_scale), -fp8_max), fp8_max)
         k = _round_to_fp8_grid(k, FP8_MANTISSA_BITS, FP8_MIN_NORMAL_EXP)
         v = _round_to_fp8_grid(v, FP8_MANTISSA_BITS, FP8_MIN_NORMAL_EXP)
 
@@ -94,7 +95,16 @@ def _launch_store_kv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    """Check arguments and launch ``_store_kv_kernel``, whatever the device (parameters: ``api.store_kv``)."""
+    """Check arguments and launch ``_store_kv_kernel``, whatever the device.
+
+    Parameters
+    ----------
+    key, value : [num_tokens, num_kv_heads, head_dim], fp16/bf16/fp32, head_dim contiguous
+    k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any cache dtype, head_dim
+        contiguous (other strides free); written in place
+    slot_mapping : int64/int32 [num_tokens]; negative = skip
+    k_scale, v_scale : fp8 scales (ignored for other cache dtypes)
+    """
     cache = check_store(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     check_unit_inner_stride(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
     num_tokens = slot_mapping.shape[0]

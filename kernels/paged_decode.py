@@ -23,14 +23,13 @@ import triton
 import triton.language as tl
 
 from ._attention_tiles import (
-    M_FLOOR,
     _attend_kv_tiles,
     dot_dtype_and_precision,
     head_dim_pad,
     kernel_scales,
-    key_tile_size,
+    tile_rows,
 )
-from ._checks import cdiv, check_attention, check_index, check_unit_inner_stride, next_power_of_2
+from ._checks import AttentionShape, cdiv, check_attention, check_index, check_unit_inner_stride, next_power_of_2
 
 MAX_HEAD_DIM = 256  # a [16, 256] fp32 accumulator plus K/V tiles is the most one program holds in registers
 MAX_SPLITS = 64  # the reduction holds all splits' partial rows of one head at once: 64 x 256 fp32 = 64 KiB
@@ -78,16 +77,13 @@ def _paged_decode_kernel(
     q_pos = tl.full((BLOCK_M,), 0, tl.int32) + (seq_len - 1)  # the decode token is the last position
 
     # -- online softmax over the key tiles ----------------------------------------------------------
-    acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), dtype=tl.float32)
-    m_i = tl.full((BLOCK_M,), M_FLOOR, tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc, m_i, l_i = _attend_kv_tiles(
-        acc, m_i, l_i, q, q_pos, kv_lo, kv_hi,  #
+        q, q_pos, kv_lo, kv_hi,  #
         block_tables_ptr + request.to(tl.int64) * stride_btb,  #
         k_cache_ptr + kv_head * stride_kh, stride_kb, stride_ks, stride_kd,  #
         v_cache_ptr + kv_head * stride_vh, stride_vb, stride_vs, stride_vd,  #
         sm_scale, softcap, sliding_window,  #
-        BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, USE_SOFTCAP, USE_WINDOW, DOT_DTYPE, DOT_PRECISION,  #
+        BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, USE_SOFTCAP, USE_WINDOW, DOT_DTYPE, DOT_PRECISION,  #
     )
 
     # -- epilogue: normalise (an empty range, l_i == 0, gives zeros) --------------------------------
@@ -149,6 +145,37 @@ def _num_sms(device: torch.device) -> int:
     return 1  # interpreter: no SMs to fill, so automatic choice stays single pass
 
 
+def _check_decode(shape: AttentionShape, query, k_cache, v_cache, block_tables, seq_lens, out) -> None:
+    """Decode-only checks, on top of ``check_attention``'s."""
+    batch = shape.num_rows
+    check_index("seq_lens", seq_lens, (batch,), query.device)
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {batch} requests")
+    if shape.cache.head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {shape.cache.head_dim} > {MAX_HEAD_DIM} is not supported by the decode kernel")
+    check_unit_inner_stride(query=query, k_cache=k_cache, v_cache=v_cache, out=out, block_tables=block_tables)
+
+
+def _split_plan(
+    num_splits: int | None, shape: AttentionShape, table_width: int, sliding_window: int | None, block_n: int,
+    device: torch.device,
+) -> tuple[int, int]:
+    """(number of slices, tokens per slice) for a decode call; ``num_splits`` None: by shape."""
+    # Longest key range any request can have: the table's width, or the window plus tile alignment.
+    max_context = table_width * shape.cache.block_size
+    if sliding_window is not None:
+        max_context = min(max_context, sliding_window + block_n)
+    chosen = num_splits is None
+    if chosen:
+        num_splits = choose_num_splits(shape.num_rows * shape.cache.num_kv_heads, max_context, _num_sms(device))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    tokens_per_split = cdiv(cdiv(max_context, num_splits), block_n) * block_n  # a multiple of BLOCK_N
+    if chosen:  # rounding slices up to whole tiles may leave the last one empty for every request: drop it
+        num_splits = cdiv(max_context, tokens_per_split)
+    return num_splits, tokens_per_split
+
+
 def _launch_paged_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -166,38 +193,36 @@ def _launch_paged_decode(
 ) -> torch.Tensor:
     """Check arguments and launch the Triton decode kernel(s), whatever the device.
 
-    Parameters are those of ``api.paged_decode_attention``, plus ``num_splits``: ``None`` chooses
-    by shape (``choose_num_splits``); 1 forces the single pass; > 1 forces split-K with that many
-    slices (tests use this under ``TRITON_INTERPRET=1``). Returns ``out``, ``[B, num_q_heads, head_dim]``.
+    Parameters
+    ----------
+    query : [B, num_q_heads, head_dim], fp16/bf16/fp32, head_dim contiguous
+    k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any cache dtype, head_dim
+        contiguous (other strides free)
+    block_tables : int32 [B, max_blocks], rows contiguous; seq_lens : int32 [B]
+    scale, softcap, sliding_window, k_scale, v_scale, out : as ``api.paged_decode_attention``
+    num_splits : ``None`` chooses by shape (``choose_num_splits``); 1 forces the single pass; > 1
+        forces split-K with that many slices (tests use this under ``TRITON_INTERPRET=1``)
+
+    Returns
+    -------
+    ``out`` (allocated like ``query`` if not given): [B, num_q_heads, head_dim]
     """
     shape = check_attention(
         query, k_cache, v_cache, block_tables,
         softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
     )  # fmt: skip
-    cache, batch = shape.cache, shape.num_rows
-    check_index("seq_lens", seq_lens, (batch,), query.device)
-    if block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {batch} requests")
-    if cache.head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {cache.head_dim} > {MAX_HEAD_DIM} is not supported by the Triton decode kernel")
     out = torch.empty_like(query) if out is None else out
-    check_unit_inner_stride(query=query, k_cache=k_cache, v_cache=v_cache, out=out, block_tables=block_tables)
+    _check_decode(shape, query, k_cache, v_cache, block_tables, seq_lens, out)
+    cache, batch = shape.cache, shape.num_rows
     if batch == 0:
         return out
 
     dim_pad = head_dim_pad(cache.head_dim)
-    block_n = key_tile_size(dim_pad)
-    # Longest key range any request can have: the table's width, or the window plus tile alignment.
-    max_context = block_tables.shape[1] * cache.block_size
-    if sliding_window is not None:
-        max_context = min(max_context, sliding_window + block_n)
-    if num_splits is None:
-        num_splits = choose_num_splits(batch * cache.num_kv_heads, max_context, _num_sms(query.device))
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    tokens_per_split = cdiv(cdiv(max_context, num_splits), block_n) * block_n
-
-    dot_dtype, dot_precision = dot_dtype_and_precision(query)
+    dot_dtype, dot_precision = dot_dtype_and_precision(query, k_cache.dtype)
+    block_n = tile_rows(dim_pad, dot_dtype)
+    num_splits, tokens_per_split = _split_plan(
+        num_splits, shape, block_tables.shape[1], sliding_window, block_n, query.device
+    )
     sm_scale, out_scale = kernel_scales(k_cache.dtype, scale, k_scale, v_scale)
     if num_splits > 1:
         part_out = torch.empty(batch, shape.num_q_heads, num_splits, cache.head_dim, device=query.device)

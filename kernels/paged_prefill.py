@@ -24,16 +24,29 @@ import triton
 import triton.language as tl
 
 from ._attention_tiles import (
-    M_FLOOR,
     _attend_kv_tiles,
     dot_dtype_and_precision,
     head_dim_pad,
     kernel_scales,
-    key_tile_size,
+    tile_rows,
 )
 from ._checks import check_attention, check_index, check_unit_inner_stride, next_power_of_2
 
 MAX_HEAD_DIM = 256  # as for decode: the fp32 accumulator [BLOCK_M, 256] is the register budget's limit
+
+
+@triton.jit
+def _locate_tile(tile, query_start_loc_ptr, num_requests, QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr,
+                 REQUESTS_PAD: tl.constexpr):  # fmt: skip
+    # The request owning this tile is the last one whose first tile is <= tile (first tiles rise).
+    offs_r = tl.arange(0, REQUESTS_PAD)
+    starts = tl.load(query_start_loc_ptr + offs_r, mask=offs_r < num_requests, other=0)
+    first_tiles = tl.where(offs_r < num_requests, starts * QUERIES_PER_KV // BLOCK_M + offs_r, 2**30)
+    request = tl.sum((first_tiles <= tile).to(tl.int32), axis=0) - 1
+    q_start = tl.load(query_start_loc_ptr + request).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + request + 1).to(tl.int32) - q_start
+    row_start = (tile - (q_start * QUERIES_PER_KV // BLOCK_M + request)) * BLOCK_M  # first packed row
+    return request, q_start, q_len, row_start
 
 
 @triton.jit
@@ -50,17 +63,10 @@ def _paged_prefill_kernel(
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,  #
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
 ):
-    tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-
-    # -- find the request: the last one whose first tile is <= this tile ------------------------------
-    offs_r = tl.arange(0, REQUESTS_PAD)
-    starts = tl.load(query_start_loc_ptr + offs_r, mask=offs_r < num_requests, other=0)
-    first_tiles = tl.where(offs_r < num_requests, starts * QUERIES_PER_KV // BLOCK_M + offs_r, 2**30)
-    request = tl.sum((first_tiles <= tile).to(tl.int32), axis=0) - 1
-    q_start = tl.load(query_start_loc_ptr + request).to(tl.int32)
-    q_len = tl.load(query_start_loc_ptr + request + 1).to(tl.int32) - q_start
-    row_start = (tile - (q_start * QUERIES_PER_KV // BLOCK_M + request)) * BLOCK_M
+    request, q_start, q_len, row_start = _locate_tile(
+        tl.program_id(0), query_start_loc_ptr, num_requests, QUERIES_PER_KV, BLOCK_M, REQUESTS_PAD
+    )
     if row_start >= q_len * QUERIES_PER_KV:
         return  # this request has fewer tiles than its allotment
 
@@ -85,16 +91,13 @@ def _paged_prefill_kernel(
     kv_hi = last_pos + 1
 
     # -- online softmax over the key tiles -----------------------------------------------------------
-    acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), dtype=tl.float32)
-    m_i = tl.full((BLOCK_M,), M_FLOOR, tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc, m_i, l_i = _attend_kv_tiles(
-        acc, m_i, l_i, q, q_pos, kv_lo, kv_hi,  #
+        q, q_pos, kv_lo, kv_hi,  #
         block_tables_ptr + request.to(tl.int64) * stride_btb,  #
         k_cache_ptr + kv_head * stride_kh, stride_kb, stride_ks, stride_kd,  #
         v_cache_ptr + kv_head * stride_vh, stride_vb, stride_vs, stride_vd,  #
         sm_scale, softcap, sliding_window,  #
-        BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, USE_SOFTCAP, USE_WINDOW, DOT_DTYPE, DOT_PRECISION,  #
+        BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, USE_SOFTCAP, USE_WINDOW, DOT_DTYPE, DOT_PRECISION,  #
     )
 
     # -- epilogue: normalise and store (every row sees at least itself, so l_i > 0) --------------------
@@ -102,12 +105,6 @@ def _paged_prefill_kernel(
     result = acc * (v_scale / l_safe)[:, None]
     out_offs = (q_start + token)[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=io_mask)
-
-
-def query_tile_size(head_dim_padded: int) -> int:
-    """BLOCK_M rows per program: 64 up to head_dim 128; 32 at 256, so the fp32 accumulator
-    [BLOCK_M, HEAD_DIM_PAD] stays at 32 KiB."""
-    return 64 if head_dim_padded <= 128 else 32
 
 
 def _launch_paged_prefill(
@@ -127,8 +124,18 @@ def _launch_paged_prefill(
 ) -> torch.Tensor:
     """Check arguments and launch the Triton prefill kernel, whatever the device.
 
-    Parameters are those of ``api.paged_prefill_attention``. Returns ``out``,
-    ``[num_tokens, num_q_heads, head_dim]``.
+    Parameters
+    ----------
+    query : [num_tokens, num_q_heads, head_dim], fp16/bf16/fp32, head_dim contiguous
+    k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any cache dtype, head_dim
+        contiguous (other strides free)
+    block_tables : int32 [B, max_blocks], rows contiguous
+    query_start_loc : int32 [B + 1]; seq_lens : int32 [B]
+    scale, softcap, sliding_window, k_scale, v_scale, out : as ``api.paged_prefill_attention``
+
+    Returns
+    -------
+    ``out`` (allocated like ``query`` if not given): [num_tokens, num_q_heads, head_dim]
     """
     shape = check_attention(
         query, k_cache, v_cache, block_tables,
@@ -148,10 +155,10 @@ def _launch_paged_prefill(
         return out
 
     dim_pad = head_dim_pad(cache.head_dim)
-    block_m = query_tile_size(dim_pad)
+    dot_dtype, dot_precision = dot_dtype_and_precision(query, k_cache.dtype)
+    block_m = tile_rows(dim_pad, dot_dtype)
     # Tiles: request b gets tiles [qsl[b] * G // BLOCK_M + b, qsl[b+1] * G // BLOCK_M + b + 1).
     num_tiles = shape.num_rows * shape.queries_per_kv // block_m + num_requests
-    dot_dtype, dot_precision = dot_dtype_and_precision(query)
     sm_scale, out_scale = kernel_scales(k_cache.dtype, scale, k_scale, v_scale)
     _paged_prefill_kernel[(num_tiles, cache.num_kv_heads)](
         query, *query.stride(),  #
@@ -162,7 +169,7 @@ def _launch_paged_prefill(
         out, *out.stride(),  #
         sm_scale, out_scale, softcap, sliding_window or 0,  #
         QUERIES_PER_KV=shape.queries_per_kv, BLOCK_M=block_m, REQUESTS_PAD=next_power_of_2(num_requests),  #
-        BLOCK_SIZE=cache.block_size, BLOCK_N=key_tile_size(dim_pad), HEAD_DIM=cache.head_dim,  #
+        BLOCK_SIZE=cache.block_size, BLOCK_N=tile_rows(dim_pad, dot_dtype), HEAD_DIM=cache.head_dim,  #
         HEAD_DIM_PAD=dim_pad, USE_SOFTCAP=softcap > 0, USE_WINDOW=sliding_window is not None,  #
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,  #
     )  # fmt: skip

@@ -86,7 +86,8 @@ def attend_one_request(q, k, v, q_positions, *, scale, softcap=0.0, sliding_wind
 
 
 def paged_decode_attention_reference(
-    query, k_cache, v_cache, block_tables, seq_lens, *, scale, softcap=0.0, sliding_window=None, k_scale=1.0, v_scale=1.0
+    query, k_cache, v_cache, block_tables, seq_lens, *, scale, softcap=0.0, sliding_window=None, k_scale=1.0,
+    v_scale=1.0,
 ) -> torch.Tensor:
     """Decode: request ``b``'s single query sits at position ``seq_lens[b] - 1``. Returns fp32 on CPU."""
     query, k_cache, v_cache = query.float().cpu(), k_cache.cpu(), v_cache.cpu()

@@ -68,8 +68,7 @@ def make_paged_kv(
     ``poison=False`` the whole pool is random instead (no NaN; for benchmarks, generated block by
     block so huge pools need no fp32 staging copy).
     """
-    num_used = sum(cdiv(n, block_size) for n in seq_lens)
-    num_blocks = num_used + num_spare_blocks + 1  # + 1: the poison block, last
+    num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + num_spare_blocks + 1  # + 1: the poison block, last
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if interleaved:
         pool = torch.empty((num_blocks, 2, *shape[1:]), dtype=kv_dtype, device=device)
@@ -84,20 +83,16 @@ def make_paged_kv(
         else:
             _fill_random_by_block(cache, scale, generator)
 
-    physical = torch.randperm(num_blocks - 1, generator=generator)[:num_used].tolist()
-    max_blocks = max([cdiv(n, block_size) for n in seq_lens], default=0)
-    block_tables = torch.full((len(seq_lens), max_blocks + 1), poison_block, dtype=torch.int32)
+    block_tables = _shuffled_block_tables(seq_lens, block_size, num_blocks, generator)
     for b, seq_len in enumerate(seq_lens):
-        num_request_blocks = cdiv(seq_len, block_size)
-        block_tables[b, :num_request_blocks] = torch.tensor(physical[:num_request_blocks], dtype=torch.int32)
-        physical = physical[num_request_blocks:]
-        if poison and seq_len:
-            positions = torch.arange(seq_len)
-            block_ids = block_tables[b, positions // block_size].long().to(device)
-            offsets = (positions % block_size).to(device)
-            for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
-                values = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(device) * scale
-                cache[block_ids, offsets] = quantize(values, kv_dtype, scale)
+        if not poison or seq_len == 0:
+            continue  # without poison the whole pool is random already
+        positions = torch.arange(seq_len)
+        block_ids = block_tables[b, positions // block_size].long().to(device)
+        offsets = (positions % block_size).to(device)
+        for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
+            values = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(device) * scale
+            cache[block_ids, offsets] = quantize(values, kv_dtype, scale)
     return PagedKV(
         k_cache=k_cache,
         v_cache=v_cache,
@@ -109,12 +104,29 @@ def make_paged_kv(
     )
 
 
+def _shuffled_block_tables(seq_lens, block_size: int, num_blocks: int, generator) -> torch.Tensor:
+    """Distinct physical blocks in random order, one extra column; padding -> the last (poison) block."""
+    num_used = sum(cdiv(n, block_size) for n in seq_lens)
+    physical = torch.randperm(num_blocks - 1, generator=generator)[:num_used].to(torch.int32)
+    max_blocks = max([cdiv(n, block_size) for n in seq_lens], default=0)
+    block_tables = torch.full((len(seq_lens), max_blocks + 1), num_blocks - 1, dtype=torch.int32)
+    next_block = 0
+    for b, seq_len in enumerate(seq_lens):
+        num_request_blocks = cdiv(seq_len, block_size)
+        block_tables[b, :num_request_blocks] = physical[next_block : next_block + num_request_blocks]
+        next_block += num_request_blocks
+    return block_tables
+
+
 def _fill_random_by_block(cache: torch.Tensor, scale: float, generator: torch.Generator | None) -> None:
     chunk = max(1, (64 << 20) // max(1, cache[0].numel() * 4))  # blocks per 64 MiB of fp32 staging
     for start in range(0, cache.shape[0], chunk):
         part = cache[start : start + chunk]
-        values = torch.randn(part.shape, generator=generator).to(cache.device) * scale
-        part.copy_(quantize(values, cache.dtype, scale))
+        if generator is None:  # on the pool's device: a GPU fills tens of GiB in seconds
+            values = torch.randn(part.shape, device=cache.device)
+        else:  # seeded: generators live on the CPU
+            values = torch.randn(part.shape, generator=generator).to(cache.device)
+        part.copy_(quantize(values * scale, cache.dtype, scale))
 
 
 def query_start_loc(query_lens: list[int], device: str | torch.device = "cpu") -> torch.Tensor:

@@ -9,3 +9,6 @@ kernels explicitly.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Session fixtures shared by every test folder (tiny models, the converted SmolLM2).
+pytest_plugins = ["tests.helpers.fixtures"]

@@ -103,11 +103,15 @@ def serve(
         _fail(f"Cannot load the engine: {type(err).__name__}: {err}", json_output)
 
     from tgi_paged_backend.server import grpc_server
+    from tgi_paged_backend.server.tracing import TracingInterceptor, setup_tracing
 
-    # Telemetry seam: a server-side tracing interceptor goes here when
-    # config.telemetry.otlp_endpoint is set.
-    interceptors: list = []
-    raise typer.Exit(grpc_server.run(config, engine_factory, interceptors=interceptors))
+    tracer_provider = setup_tracing(config.telemetry, config.server.rank)
+    try:
+        code = grpc_server.run(config, engine_factory, interceptors=[TracingInterceptor(tracer_provider)])
+    finally:
+        if tracer_provider is not None:
+            tracer_provider.shutdown()
+    raise typer.Exit(code)
 
 
 @app.command("download-weights", context_settings=_LENIENT)

@@ -28,6 +28,7 @@ from tests.helpers.tiny_models import TINY_CORPUS, load_reference  # noqa: E402
 from tgi_paged_backend.engine import build_engine  # noqa: E402
 from tgi_paged_backend.engine.request_state import RequestStatus  # noqa: E402
 from tgi_paged_backend.engine.types import (  # noqa: E402
+    U64_MAX,
     BatchSpec,
     FinishReason,
     Generation,
@@ -113,9 +114,6 @@ def make_text(seed: int, num_words: int) -> str:
     words = " ".join(TINY_CORPUS).split()
     rng = random.Random(seed)
     return " ".join(rng.choice(words) for _ in range(num_words))
-
-
-GREEDY = SamplingParams()
 
 
 def spec(rid: int, text: str, max_new: int = 8, *, ignore_eos: bool = True, truncate: int = 10_000,
@@ -277,6 +275,29 @@ class RouterDriver:
         assert self.engine.batches == {} and self.engine.requests == {}
         assert self.engine.kv.num_used_blocks == 0
         self.engine.kv.check_invariants()
+
+
+# ------------------------------------------------------------------------------------ liveness
+
+
+LIVENESS = BatchSpec(id=U64_MAX, requests=(RequestSpec(
+    id=U64_MAX, text="liveness", truncate=1, add_special_tokens=False, blocks=(0,), slots=(0,),
+    stopping=StoppingParams(max_new_tokens=1)),), max_tokens=2, max_blocks=1)
+
+
+def probe(engine) -> None:
+    """The router's health Prefill: one final token, no batch, nothing left behind."""
+    used, retained, requests = engine.kv.num_used_blocks, engine.kv.num_retained_blocks, set(engine.requests)
+    batches = {k: list(v) for k, v in engine.batches.items()}
+    result = engine.prefill(LIVENESS, None)
+    assert result.batch is None
+    (g,) = result.generations
+    assert g.request_id == U64_MAX and len(g.tokens.ids) == 1
+    assert g.generated_text.generated_tokens == 1 and g.generated_text.finish_reason is FinishReason.LENGTH
+    assert U64_MAX not in engine.requests and U64_MAX not in engine.batches
+    assert set(engine.requests) == requests and engine.batches == batches
+    assert engine.kv.num_used_blocks == used and engine.kv.num_retained_blocks <= retained
+    engine.kv.check_invariants()
 
 
 # ------------------------------------------------------------------------------------ reference

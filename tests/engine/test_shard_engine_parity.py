@@ -5,9 +5,10 @@ request, FilterBatch/ClearCache after finals, invariants after every RPC) and mo
 router's virtual ``blocks``/``slots`` reservations. Scenarios: one request; a mixed batch of different
 prompt lengths; a batch joining mid-flight in chunking mode (``prefill(new, cached_batch_id)``) and in
 non-chunking mode (separate prefill, then ``decode([running, new])``); chunked prefill (small
-``max_prefill_tokens`` from Warmup, router ``chunk_len`` on the last request, server continuation);
-prefix reuse after a request finished (with and without a router prefix hit ``cache_len``); a physical
-pool small enough that requests are preempted by recompute or by swap.
+``max_prefill_tokens`` from Warmup, router ``chunk_len`` on the last request, server continuation, a
+long request joining with the router's leftover budget); prefix reuse after a request finished (no
+router hit, a router hit with ``cache_len``, and a router hit on blocks the shard already reclaimed);
+a physical pool small enough that requests are preempted by recompute or by swap.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.conftest import (
+    TINY_KIND_FIXTURES,
     RouterBlocks,
     RouterDriver,
     make_engine,
@@ -89,41 +91,51 @@ def test_batch_joins_mid_flight(tiny_dir, hf_greedy, mode):
 
 
 def test_chunked_prefill_router_chunk_len_and_server_continuation(tiny_dir, hf_greedy):
+    budget = 32  # the router's max_batch_prefill_tokens, told to the shard in Warmup
     engine = make_engine(tiny_dir, num_blocks=48)
-    router_warmup(engine, 16)
-    assert engine.capacity.max_prefill_tokens == 16
+    router_warmup(engine, budget)
+    assert engine.capacity.max_prefill_tokens == budget
     blocks = RouterBlocks(engine)
     driver = RouterDriver(engine, blocks)
-    texts = [make_text(20, 30), make_text(21, 9), make_text(22, 40)]
-    requests = [router_spec(engine, blocks, 20 + i, t, 6) for i, t in enumerate(texts)]
-    requests[-1] = router_spec(engine, blocks, 22, texts[-1], 6, chunk_len=5)
-    lengths = [len(prompt_ids(engine, t)) for t in texts]
-    assert lengths[0] > 32 and lengths[2] > 48, lengths
-    batch = driver.prefill(BatchSpec(id=3, requests=tuple(requests)))
-    first_ids = {g.request_id for g in driver.results[-1].generations}
-    assert 22 not in first_ids and 20 not in first_ids  # both still prefilling: no Generation
-    assert set(batch.request_ids) == {20, 21, 22}
-    assert engine.requests[22].num_computed <= 5  # the router's chunk_len bounds the first chunk
-    assert 0 < batch.current_tokens
-    # The server continues the chunks itself; every step stays within the 16-token budget.
-    steps_without_token = {20: 1, 22: 1}
-    while batch is not None:
+    short = router_spec(engine, blocks, 20, make_text(21, 3), 10)
+    n_short = len(prompt_ids(engine, short.text))
+    long_text, later_text = make_text(20, 30), make_text(22, 40)
+    assert len(prompt_ids(engine, long_text)) > 3 * budget and len(prompt_ids(engine, later_text)) > 3 * budget
+    # The router's batch fills the prefill budget: the last request gets chunk_len.
+    long = router_spec(engine, blocks, 21, long_text, 6, chunk_len=budget - n_short)
+    batch = driver.prefill(BatchSpec(id=3, requests=(short, long)))
+    assert {g.request_id for g in driver.results[-1].generations} == {20}  # 21 prefills: no Generation
+    assert batch.request_ids == [20, 21] and engine.requests[21].num_computed == budget - n_short
+    assert batch.current_tokens >= budget  # the router adds no prefill while the chunks continue
+
+    def step(batch, new=None):
         before = {rid: engine.requests[rid].num_computed for rid in batch.request_ids}
-        batch = driver.decode([batch])
-        got = {g.request_id for g in driver.results[-1].generations}
-        for rid in steps_without_token:
-            if rid in before and not driver.tokens[rid]:
-                steps_without_token[rid] += 1
-        computed = sum(engine.requests[rid].num_computed - n for rid, n in before.items() if rid in engine.requests)
-        assert computed <= 16
-        del got
-    assert steps_without_token[22] >= 3 and steps_without_token[20] >= 2, steps_without_token
-    expect_hf(engine, hf_greedy, tiny_dir, driver, requests)
+        batch = driver.prefill(new, cached=batch) if new else driver.decode([batch])
+        assert sum(engine.requests[rid].num_computed - n for rid, n in before.items()
+                   if rid in engine.requests) <= budget
+        return batch
+
+    while not driver.tokens[21]:  # server-side continuation
+        batch = step(batch)
+    assert len(driver.results) >= 4
+    assert batch.current_tokens < budget
+    # A new long request joins with the budget the router has left (chunking mode).
+    later = router_spec(engine, blocks, 22, later_text, 6, chunk_len=budget - batch.current_tokens)
+    batch = step(batch, BatchSpec(id=4, requests=(later,)))
+    joined = len(driver.results) - 1
+    assert batch.id == 3 and engine.requests[22].num_computed == later.chunk_len and not driver.tokens[22]
+    while batch is not None:
+        batch = step(batch)
+    first = next(i for i, res in enumerate(driver.results) if 22 in {g.request_id for g in res.generations})
+    assert first - joined >= 3  # three or more forwards for its prompt
+    expect_hf(engine, hf_greedy, tiny_dir, driver, [short, long, later])
     driver.assert_idle()
 
 
-@pytest.mark.parametrize("router_prefix_hit", [False, True])
-def test_prefix_reuse_after_finish(tiny_dir, hf_greedy, router_prefix_hit):
+@pytest.mark.parametrize(("kind", "router_prefix_hit"), [
+    ("llama", "none"), ("qwen2", "none"), ("mistral", "none"), ("llama", "hit"), ("llama", "hit_but_evicted")])
+def test_prefix_reuse_after_finish(request, hf_greedy, kind, router_prefix_hit):
+    tiny_dir = request.getfixturevalue(TINY_KIND_FIXTURES[kind])
     engine = make_engine(tiny_dir, num_blocks=32)
     blocks = RouterBlocks(engine)
     driver = RouterDriver(engine, blocks)
@@ -132,8 +144,10 @@ def test_prefix_reuse_after_finish(tiny_dir, hf_greedy, router_prefix_hit):
     first = router_spec(engine, blocks, 1, text, 6)
     driver.run(BatchSpec(id=0, requests=(first,)))
     assert engine.kv.num_retained_blocks >= n // engine.block_size
+    if router_prefix_hit == "hit_but_evicted":  # the shard reclaimed them; the router does not know
+        assert engine.kv.reset_prefix_cache() > 0
     hits_before = engine.stats.prefix_hit_tokens
-    if router_prefix_hit:  # RadixAllocator: prefix blocks come back, cache_len = full blocks
+    if router_prefix_hit != "none":  # RadixAllocator: prefix blocks come back, cache_len = full blocks
         k = (n - 1) // engine.block_size
         prefix = first.blocks[:k]
         blocks.free = [b for b in blocks.free if b not in prefix]
@@ -144,7 +158,10 @@ def test_prefix_reuse_after_finish(tiny_dir, hf_greedy, router_prefix_hit):
     else:
         second = router_spec(engine, blocks, 2, text, 6)
     driver.run(BatchSpec(id=1, requests=(second,)))
-    assert engine.stats.prefix_hit_tokens - hits_before >= engine.block_size
+    if router_prefix_hit == "hit_but_evicted":  # recomputed silently
+        assert engine.stats.prefix_hit_tokens == hits_before
+    else:
+        assert engine.stats.prefix_hit_tokens - hits_before >= (n - 1) // engine.block_size * engine.block_size
     assert driver.tokens[2] == driver.tokens[1]
     expect_hf(engine, hf_greedy, tiny_dir, driver, [first, second])
     driver.assert_idle()
@@ -158,7 +175,7 @@ def test_preemption_keeps_outputs_identical(tiny_dir, hf_greedy, mode):
     assert result.max_supported_total_tokens == 3 * 64
     blocks = RouterBlocks(engine)
     driver = RouterDriver(engine, blocks)
-    requests = [router_spec(engine, blocks, 40 + i, make_text(40 + i, 3), 20) for i in range(4)]
+    requests = [router_spec(engine, blocks, rid, make_text(rid, 3), 20) for rid in (40, 41, 42, 44)]
     assert all(9 <= len(prompt_ids(engine, r.text)) <= 16 for r in requests)
     # The four prompts (2 blocks each) fill the pool in the first step, so every block boundary an
     # older request crosses afterwards takes blocks from a younger one.

@@ -13,7 +13,8 @@ Wire it from the root ``tests/conftest.py`` with ``pytest_plugins = ["tests.help
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 

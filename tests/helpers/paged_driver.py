@@ -10,7 +10,7 @@ prefill + decode steps), and hooks can drop a request's K/V (recompute) or move 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -118,7 +118,7 @@ class PagedDriver:
         logits = self.runner.forward(batch)
         self.last_logits = logits
         eos = set(self.runner.eos_token_ids)
-        for row, (request, chunk) in enumerate(zip(active, chunks)):
+        for row, (request, chunk) in enumerate(zip(active, chunks, strict=True)):
             request.num_computed += len(chunk.token_ids)
             if request.num_computed < len(request.tokens):
                 continue  # a prompt chunk: its logits are not used

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tgi_paged_kernels import paged_decode
 from tgi_paged_kernels.paged_decode import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, _launch_paged_decode, choose_num_splits
 from tgi_paged_kernels.reference import paged_decode_attention_reference
 from tgi_paged_kernels.testing import assert_attention_close, make_paged_kv
@@ -88,6 +89,14 @@ def test_fp8_cache(kv_dtype, q_dtype):
     run_case(ODD_LENGTHS, q_dtype=q_dtype, kv_dtype=kv_dtype, num_splits=num_splits, k_scale=0.5, v_scale=3.0)
 
 
+@pytest.mark.parametrize(
+    "q_dtype, kv_dtype",
+    [(torch.float16, torch.float32), (torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16)],
+)
+def test_query_and_cache_dtypes_differ(q_dtype, kv_dtype):
+    run_case(ODD_LENGTHS, q_dtype=q_dtype, kv_dtype=kv_dtype, num_splits=2)
+
+
 @pytest.mark.parametrize("num_splits", SPLITS)
 @pytest.mark.parametrize(
     "softcap, sliding_window",
@@ -101,7 +110,8 @@ def test_softcap_and_sliding_window(softcap, sliding_window, num_splits):
 @pytest.mark.parametrize("num_splits", SPLITS)
 def test_strided_inputs_and_out_buffer(num_splits):
     # K/V interleaved in one [num_blocks, 2, ...] pool; the query a slice of a fused QKV row; out=.
-    kv = make_paged_kv(ODD_LENGTHS, num_kv_heads=3, head_dim=64, block_size=16, kv_dtype=torch.float16, interleaved=True)
+    kv = make_paged_kv(ODD_LENGTHS, num_kv_heads=3, head_dim=64, block_size=16, kv_dtype=torch.float16,
+                       interleaved=True)  # fmt: skip
     qkv = torch.randn(3, 9 + 3 + 3, 64).half()
     query = qkv[:, :9]
     out = torch.full((3, 9, 64), float("nan"), dtype=torch.float32)
@@ -109,13 +119,25 @@ def test_strided_inputs_and_out_buffer(num_splits):
         query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale=0.125, out=out, num_splits=num_splits
     )
     assert result is out
-    expected = paged_decode_attention_reference(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale=0.125)
+    expected = paged_decode_attention_reference(
+        query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale=0.125
+    )
     assert_attention_close(out, expected, torch.float16)
 
 
 def test_many_splits_agree_with_single_pass():
     # More slices than a request has tiles: most slices are empty and must weigh nothing.
     run_case([1, 200], head_dim=16, block_size=8, q_dtype=torch.float32, num_splits=7)
+
+
+def test_automatic_split_choice_on_a_large_device(monkeypatch):
+    # Pretend to be a 132-SM GPU: 2 requests x 1 KV head is far too few programs, so the launcher
+    # splits, here into 4 slices of 256 tokens (the table's 63 + 1 padding blocks allow 1024 tokens).
+    monkeypatch.setattr(paged_decode, "_num_sms", lambda device: 132)
+    calls = []
+    monkeypatch.setattr(paged_decode, "choose_num_splits", lambda *a: calls.append(a) or choose_num_splits(*a))
+    run_case([600, 1000], head_dim=16, q_dtype=torch.float32, num_splits=None)
+    assert calls == [(2, 64 * 16, 132)]
 
 
 def test_choose_num_splits():

@@ -58,7 +58,7 @@ def test_mixed_requests_every_block_size(block_size):
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_every_last_block_fill(block_size):
     # Two new tokens per request, each request's pool ending at a different fill of its last block.
-    run_case([(2, fill + block_size * (fill % 2)) for fill in range(2, block_size + 1)], head_dim=16,
+    run_case([(2, fill + block_size * (fill % 2)) for fill in range(1, block_size + 1)], head_dim=16,
              block_size=block_size)  # fmt: skip
 
 
@@ -80,6 +80,11 @@ def test_head_dims_and_dtypes(head_dim, q_dtype):
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_cache(kv_dtype, q_dtype):
     run_case([(17, 17), (5, 97)], q_dtype=q_dtype, kv_dtype=kv_dtype, k_scale=0.5, v_scale=3.0)
+
+
+@pytest.mark.parametrize("q_dtype, kv_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float16)])
+def test_query_and_cache_dtypes_differ(q_dtype, kv_dtype):
+    run_case([(17, 17), (5, 97)], q_dtype=q_dtype, kv_dtype=kv_dtype)
 
 
 @pytest.mark.parametrize(

@@ -117,3 +117,16 @@ def test_cpu_paths_check_values():
     with pytest.raises(ValueError, match="query_start_loc must rise"):
         paged_prefill_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor([0, 2, 1]), kv.seq_lens,
                                 scale=1.0)  # fmt: skip
+
+
+def test_public_names_are_the_functions_after_every_submodule_import():
+    # A submodule named like a public function would replace it on the package once imported.
+    import importlib
+
+    import tgi_paged_kernels
+
+    for module in ("api", "block_copy", "kv_store", "paged_decode", "paged_prefill", "reference", "testing",
+                   "torch_impl"):  # fmt: skip
+        importlib.import_module(f"tgi_paged_kernels.{module}")
+    for name in tgi_paged_kernels.__all__:
+        assert getattr(tgi_paged_kernels, name) is getattr(tgi_paged_kernels.api, name)

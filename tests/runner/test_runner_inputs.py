@@ -25,7 +25,8 @@ def test_spec_from_tiny_configs(kind: str, window: int | None) -> None:
 def test_spec_ignores_declared_but_unused_sliding_window() -> None:
     config = transformers.Qwen2Config(sliding_window=128, use_sliding_window=False)
     assert ModelSpec.from_hf_config(config, torch.float16).sliding_window is None
-    assert ModelSpec.from_hf_config(transformers.MistralConfig(sliding_window=None), torch.float16).sliding_window is None
+    no_window = transformers.MistralConfig(sliding_window=None)
+    assert ModelSpec.from_hf_config(no_window, torch.float16).sliding_window is None
 
 
 def test_spec_head_dim_and_softcap_when_explicit() -> None:

@@ -111,7 +111,7 @@ def test_copy_and_swap_move_exact_block_contents(llama_runner: ModelRunner) -> N
     for cache in llama_runner.k_caches + llama_runner.v_caches:
         cache[[3, 4]] = 0
     llama_runner.swap_in([5, 0], [0, 7])  # block 4 -> 0, block 3 -> 7
-    for old, new in zip(before, llama_runner.k_caches + llama_runner.v_caches):
+    for old, new in zip(before, llama_runner.k_caches + llama_runner.v_caches, strict=True):
         assert torch.equal(new[[5, 6]], old[[1, 2]])
         assert torch.equal(new[0], old[4]) and torch.equal(new[7], old[3])
     llama_runner.copy_blocks([], [])  # no-op

@@ -137,9 +137,13 @@ class ModelStep:
         return sampled, recomputed
 
     def _record_prompt_logprobs(self, r: RequestState, start: int, end: int, rows: torch.Tensor) -> None:
-        """Row ``p - start`` predicts prompt token ``p + 1``; position 0 and cached ones are NaN."""
-        if not r.prefill_logprobs:
-            r.prefill_logprobs = [math.nan] * start
+        """Row ``p - start`` predicts prompt token ``p + 1``; position 0 and cached ones are NaN.
+
+        Entry ``i`` of ``r.prefill_logprobs`` is the logprob of prompt token ``i + 1``; a chunk
+        starting at ``start`` owns entries ``start..``, so a resumed (recomputed) prefill overwrites
+        rather than appends."""
+        del r.prefill_logprobs[start:]
+        r.prefill_logprobs.extend([math.nan] * (start - len(r.prefill_logprobs)))
         prompt = r.prompt_ids
         targets = [p + 1 for p in range(start, end) if p + 1 < len(prompt)]
         if targets:

@@ -1,9 +1,10 @@
 """Plans one forward step: which requests compute how many tokens, and who is preempted.
 
-Priority is admission order (oldest first). Preempted requests keep their original admission number,
-so they resume before anything admitted after them, and a request only ever takes blocks from
-requests admitted later than itself (vLLM's rule). The oldest request can therefore always make
-progress as long as one request fits in the pool (Warmup guarantees that), so nothing deadlocks.
+Priority is admission order (oldest first), with protected requests (preempted the maximum number of
+times) ahead of all others. Preempted requests keep their admission number, so they resume before
+anything admitted after them, and a request only ever takes blocks from requests after it in
+priority order (vLLM's rule). The first request can therefore always make progress as long as one
+request fits in the pool (Warmup guarantees that), so nothing deadlocks.
 
 Per step:
 1. swapped requests try to swap back in (preempting later-admitted ones if needed);
@@ -67,11 +68,9 @@ class Scheduler:
     def plan(self, step: list[RequestState], others: Iterable[RequestState]) -> StepPlan:
         """Plan one step for ``step`` (the merged batch); ``others`` may lose blocks to it."""
         plan = StepPlan()
-        live = sorted((r for r in step if r.status is not RequestStatus.FINISHED),
-                      key=lambda r: r.admitted_seq)
+        live = sorted((r for r in step if r.status is not RequestStatus.FINISHED), key=self.priority)
         victims_pool = sorted({id(r): r for r in [*live, *others]
-                               if r.status is not RequestStatus.FINISHED}.values(),
-                              key=lambda r: r.admitted_seq)
+                               if r.status is not RequestStatus.FINISHED}.values(), key=self.priority)
         num_decodes = sum(1 for r in live if not r.is_preempted and r.num_remaining == 1)
         prefill_budget = max(self.max_batch_tokens - num_decodes, 0)
         for request in live:
@@ -90,6 +89,13 @@ class Scheduler:
                 prefill_budget -= n
             plan.scheduled.append((request, n))
         return plan
+
+    def priority(self, request: RequestState) -> tuple[int, int]:
+        """Sort key, smallest first: protected requests (preempted ``max_preemptions`` times), then
+        admission order. A request only takes blocks from requests after it in this order, so the
+        first one always progresses (no deadlock) and protected requests are never preempted by
+        unprotected ones."""
+        return (0 if request.num_preemptions >= self.max_preemptions else 1, request.admitted_seq)
 
     # -- phases ------------------------------------------------------------------------------
 
@@ -127,24 +133,31 @@ class Scheduler:
 
     def _preempt_one_after(self, request: RequestState, victims_pool: list[RequestState],
                            plan: StepPlan) -> bool:
-        """Preempt one request admitted after ``request`` that holds blocks (policy order)."""
+        """Preempt one request after ``request`` in priority order that holds blocks.
+
+        The policy's victim order leaves protected requests out; only when nothing else is left is a
+        protected one taken (the latest in priority order), so the first request never starves.
+        """
+        rank = self.priority(request)
+        holders: list[RequestState] = []
         candidates = []
-        by_id = {}
         for victim in victims_pool:
-            if victim.admitted_seq <= request.admitted_seq or victim.status is not RequestStatus.RUNNING:
+            if self.priority(victim) <= rank or victim.status is not RequestStatus.RUNNING:
                 continue
             memory = self.kv.request_memory(victim.id)
             if memory.num_blocks == 0:
                 continue
-            by_id[victim.id] = victim
+            holders.append(victim)
             candidates.append(VictimCandidate(
                 request_id=victim.id, admission_seq=victim.admitted_seq,
                 num_preemptions=victim.num_preemptions, num_freeable_blocks=memory.num_exclusive_blocks,
                 estimated_cost_s=self.choose_mode(victim, False)[1] if self.cost_aware else 0.0))
-        order = victim_order(candidates, max_preemptions=self.max_preemptions, cost_aware=self.cost_aware)
-        if not order:
+        if not holders:
             return False
-        self._preempt(by_id[order[0].request_id], plan)
+        order = victim_order(candidates, max_preemptions=self.max_preemptions, cost_aware=self.cost_aware)
+        by_id = {v.id: v for v in holders}
+        victim = by_id[order[0].request_id] if order else max(holders, key=self.priority)
+        self._preempt(victim, plan)
         return True
 
     def _preempt(self, victim: RequestState, plan: StepPlan) -> None:

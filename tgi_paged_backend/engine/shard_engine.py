@@ -17,6 +17,7 @@ import time
 
 import torch
 from loguru import logger
+from opentelemetry import trace
 
 from tgi_paged_backend.config import BackendConfig
 from tgi_paged_backend.engine.capacity import Capacity, plan_capacity
@@ -44,6 +45,10 @@ from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
 from tgi_paged_backend.policy.admission import reported_batch_tokens, should_brake
 from tgi_paged_backend.policy.preemption_mode import RateCalibrator, choose_preemption_mode
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.telemetry.engine_adapter import StepRecordBuilder
+from tgi_paged_backend.telemetry.recorder import MetricsRecorder, build_recorder
+from tgi_paged_backend.telemetry.spans import annotate_step
+from tgi_paged_backend.telemetry.step_record import MemoryBudget, StepRecord
 
 BOOTSTRAP_BLOCKS = 1024
 """Pool size before Warmup (enough for the router's warmup batch at the default prefill budget)."""
@@ -63,6 +68,9 @@ class PagedShardEngine:
         self.eos_ids = eos_token_ids(runner.tokenizer, runner.generation_config) or frozenset(runner.eos_token_ids)
         self.calibrator = RateCalibrator()
         self.stats = EngineStats()
+        self.recorder: MetricsRecorder = build_recorder(config.telemetry, config.server.rank)
+        self.step_records = StepRecordBuilder()
+        self.last_step: StepRecord | None = None
         self.batches: dict[int, list[int]] = {}
         self.requests: dict[int, RequestState] = {}
         self._admitted = 0
@@ -147,6 +155,11 @@ class PagedShardEngine:
         capacity = self._plan(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
                               max_prefill_tokens=max_prefill_tokens)
         self._configure(capacity)
+        self.recorder.record_budget(MemoryBudget(
+            device_total_bytes=self.runner.device_total_bytes(), weights_bytes=self.runner.weights_bytes,
+            activation_peak_bytes=self.runner.activation_peak_bytes or 0,
+            pool_bytes=capacity.num_blocks * self.runner.block_bytes,
+            swap_bytes=self.kv.stats().num_swap_total_blocks * self.runner.block_bytes))
         logger.info("warmup: {} physical blocks x {} tokens = {} tokens; advertising {} (overcommit {})",
                     capacity.num_blocks, self.block_size, capacity.physical_tokens,
                     capacity.max_supported_total_tokens, self.config.cache.overcommit)
@@ -160,7 +173,14 @@ class PagedShardEngine:
             return self._liveness(batch, start)
         if cached_batch_id is not None and cached_batch_id not in self.batches:
             raise BatchNotFoundError(f"cached batch {cached_batch_id} not found")
-        self._add_requests(batch, max_input_tokens=self.capacity.max_input_tokens)
+        try:
+            self._add_requests(batch, max_input_tokens=self.capacity.max_input_tokens)
+        except Exception:
+            # The router fails every request of this call, the cached batch's too, but only clears
+            # the new batch id: release the cached batch here (stock has popped it already).
+            if cached_batch_id is not None:
+                self._free(self.batches.pop(cached_batch_id))
+            raise
         new_ids = [r.id for r in batch.requests]
         concat_ns = None
         batch_id = batch.id
@@ -176,6 +196,8 @@ class PagedShardEngine:
         start = time.perf_counter_ns()
         if not batch_ids:
             raise InvalidRequestError("Decode needs at least one batch")
+        if len(set(batch_ids)) != len(batch_ids):
+            raise InvalidRequestError(f"Decode lists a batch twice: {batch_ids}")
         missing = [b for b in batch_ids if b not in self.batches]
         if missing:
             raise BatchNotFoundError(f"Batch ID {missing[0]} not found in cache.")
@@ -189,12 +211,20 @@ class PagedShardEngine:
         current = self.batches[batch_id]
         self._free([rid for rid in current if rid not in keep])
         self.batches[batch_id] = [rid for rid in current if rid in keep]
+        self._record_memory()
         return self._batch_info(batch_id)
 
     def clear_cache(self, batch_id: int | None) -> None:
-        ids = list(self.batches) if batch_id is None else [batch_id]
-        for bid in ids:
-            self._free(self.batches.pop(bid, []))
+        if batch_id is None:
+            self.batches.clear()
+            self._free(list(self.requests))
+        else:
+            self._free(self.batches.pop(batch_id, []))
+        self._record_memory()
+
+    def close(self) -> None:
+        """Flush telemetry (the last OTLP export, pending preemption summaries)."""
+        self.recorder.shutdown()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -205,18 +235,30 @@ class PagedShardEngine:
         for spec, prompt_ids in zip(batch.requests, prompts):
             validate_sampling_params(spec.sampling)
             validate_tokenized(spec, prompt_ids, block_size=self.block_size, max_input_tokens=max_input_tokens)
-        for spec, prompt_ids in zip(batch.requests, prompts):
-            self._admitted += 1
-            state = RequestState(spec=spec, prompt_ids=prompt_ids, admitted_seq=self._admitted,
-                                 chunk_len_hint=spec.chunk_len)
-            state.stop_state = StoppingCriteria(spec.stopping, self.eos_ids)
-            state.detok_state = self.decoder.new_request(prompt_ids)
-            self.kv.add_request(spec.id, spec.blocks)
+        registered: list[int] = []
+        try:
+            for spec, prompt_ids in zip(batch.requests, prompts):
+                registered.append(spec.id)
+                self._register(spec, prompt_ids)
+        except Exception:
+            self._free(registered)
+            raise
+
+    def _register(self, spec: RequestSpec, prompt_ids: list[int]) -> None:
+        """Create the request state and its page map; share retained prefix blocks."""
+        self._admitted += 1
+        state = RequestState(spec=spec, prompt_ids=prompt_ids, admitted_seq=self._admitted,
+                             chunk_len_hint=spec.chunk_len)
+        state.stop_state = StoppingCriteria(spec.stopping, self.eos_ids)
+        state.detok_state = self.decoder.new_request(prompt_ids)
+        self.kv.add_request(spec.id, spec.blocks)
+        self.requests[spec.id] = state
+        # Prompt logprobs need every prompt position computed (the router sends cache_len=0).
+        if not (spec.prefill_logprobs and self.config.server.request_logprobs):
             match = self.kv.match_prefix(spec.id, prompt_ids)
             state.num_computed = state.num_cached_prompt = match.num_cached_tokens
-            self.stats.prefix_query_tokens += len(prompt_ids)
             self.stats.prefix_hit_tokens += match.num_cached_tokens
-            self.requests[spec.id] = state
+        self.stats.prefix_query_tokens += len(prompt_ids)
 
     def _run(self, batch_id: int, ids: list[int], start_ns: int, concat_ns: int | None) -> StepResult:
         try:
@@ -225,6 +267,8 @@ class PagedShardEngine:
             logger.exception("step failed for batch {}; failing its {} requests", batch_id, len(ids))
             self._free(ids)
             raise
+        if self.last_step is not None:
+            annotate_step(trace.get_current_span(), self.last_step, batch_id, len(ids))
         live = [rid for rid in ids if rid in self.requests]
         batch = None
         if live:
@@ -234,18 +278,29 @@ class PagedShardEngine:
                           total_ns=time.perf_counter_ns() - start_ns, concat_ns=concat_ns)
 
     def _step(self, ids: list[int]):
+        t0 = time.perf_counter()
         step = [self.requests[rid] for rid in ids]
         in_step = set(ids)
         others = [r for rid, r in self.requests.items() if rid not in in_step]
         plan = self.scheduler.plan(step, others)
         out = self.model_step.run(plan)
+        step_s = time.perf_counter() - t0
         if not plan.scheduled:
             time.sleep(IDLE_WAIT_S)
         elif out.forward_ns > 0 and out.num_computed_tokens > len(plan.scheduled):
             self.calibrator.observe_prefill(out.num_computed_tokens, out.forward_ns / 1e9)
         self.stats.record_step(plan, out, swap_block_bytes=self.runner.block_bytes)
         self._free([r.id for r in out.finished])
+        self.last_step = self.step_records.build(
+            plan=plan, out=out, memory=self.kv.stats(), step_s=step_s,
+            swap_block_bytes=self.runner.block_bytes, requests=self.requests.values())
+        self.recorder.record_step(self.last_step)
         return out.generations, out.forward_ns, out.decode_ns
+
+    def _record_memory(self) -> None:
+        num_preempted = sum(1 for r in self.requests.values() if r.is_preempted)
+        self.recorder.record_memory(self.kv.stats(), num_running=len(self.requests) - num_preempted,
+                                    num_preempted=num_preempted)
 
     def _liveness(self, batch: BatchSpec, start_ns: int) -> StepResult:
         """The router's health probe: one token on the scratch block, nothing kept."""

@@ -39,6 +39,8 @@ def validate_request_spec(request: RequestSpec, *, num_virtual_blocks: int) -> N
     if request.cache_len < 0:
         raise InvalidRequestError(f"request {rid}: cache_len must be >= 0")
     if request.blocks:
+        if len(set(request.blocks)) != len(request.blocks):
+            raise InvalidRequestError(f"request {rid}: a block id appears twice in its blocks")
         bad = [b for b in request.blocks if not 0 <= b < num_virtual_blocks]
         if bad:
             raise InvalidRequestError(

@@ -20,7 +20,8 @@ runner a ``[1, 1, 1, 1]`` stand-in that those versions pass through untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 

@@ -10,7 +10,7 @@ chunks) and the runner moves it to the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -101,19 +101,19 @@ class ForwardBatch:
     def validate(self) -> None:
         """Raise ``ValueError`` when shapes or dtypes disagree (cheap; no device sync)."""
         t, b = self.num_tokens, self.num_requests
-        checks = (
-            (self.input_ids, torch.int64, (t,)),
-            (self.positions, torch.int64, (t,)),
-            (self.slot_mapping, torch.int64, (t,)),
-            (self.query_start_loc, torch.int32, (b + 1,)),
-            (self.seq_lens, torch.int32, (b,)),
-            (self.logits_indices, torch.int64, (int(self.logits_indices.shape[0]),)),
-        )
-        for name, (tensor, dtype, shape) in zip(
-            ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices"), checks
-        ):
+        expected = {
+            "input_ids": (torch.int64, (t,)),
+            "positions": (torch.int64, (t,)),
+            "slot_mapping": (torch.int64, (t,)),
+            "query_start_loc": (torch.int32, (b + 1,)),
+            "seq_lens": (torch.int32, (b,)),
+            "logits_indices": (torch.int64, (int(self.logits_indices.shape[0]),)),
+        }
+        for name, (dtype, shape) in expected.items():
+            tensor = getattr(self, name)
             if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-                raise ValueError(f"ForwardBatch.{name}: expected {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
+                raise ValueError(f"ForwardBatch.{name}: expected {dtype} {shape}, "
+                                 f"got {tensor.dtype} {tuple(tensor.shape)}")
         if self.block_tables.dtype != torch.int32 or self.block_tables.ndim != 2 or self.block_tables.shape[0] != b:
             raise ValueError(f"ForwardBatch.block_tables: expected int32 [{b}, max_blocks], "
                              f"got {self.block_tables.dtype} {tuple(self.block_tables.shape)}")

@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import os
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -131,6 +131,12 @@ class ModelRunner:
             self.cpu_k_caches.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
             self.cpu_v_caches.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
 
+    def device_total_bytes(self) -> int:
+        """Total memory of the device (host RAM on CPU)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.mem_get_info(self.device)[1])
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
     def available_kv_bytes(self, memory_fraction: float, activation_bytes: int | None = None) -> int:
         """Bytes the KV pool may take.
 
@@ -192,9 +198,11 @@ class ModelRunner:
         return out.logits[0].float()
 
     # ------------------------------------------------------------ block moves
-    def _ids(self, ids: BlockIds, device: torch.device) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(ids, dtype=np.int64) if not torch.is_tensor(ids) else ids,
-                               dtype=torch.int64).to(device)
+    @staticmethod
+    def _ids(ids: BlockIds, device: torch.device) -> torch.Tensor:
+        if torch.is_tensor(ids):
+            return ids.to(device=device, dtype=torch.int64)
+        return torch.as_tensor(np.asarray(ids, dtype=np.int64), device=device)
 
     def copy_blocks(self, src: BlockIds, dst: BlockIds) -> None:
         """Copy pool blocks ``src[i] -> dst[i]`` in every layer (copy-on-write)."""
