@@ -109,7 +109,8 @@ def _finish(reason: str) -> str:
     return "stop" if reason == "eos_token" else reason
 
 
-async def chat_completions(ctx: ApiContext, chat: ChatRequest, start: float) -> tuple[dict[str, Any], dict] | SSEResponse:
+async def chat_completions(ctx: ApiContext, chat: ChatRequest,
+                           start: float) -> tuple[dict[str, Any], dict] | SSEResponse:
     """Non-stream: ``(body, headers)``; stream: an :class:`SSEResponse`. Raises :class:`ApiError`."""
     ctx.metrics.request()
     try:
@@ -186,7 +187,8 @@ def _completion_requests(ctx: ApiContext, req: CompletionRequest) -> list[Genera
         for prompt in prompts]
 
 
-async def completions(ctx: ApiContext, req: CompletionRequest, start: float) -> tuple[dict[str, Any], dict] | SSEResponse:
+async def completions(ctx: ApiContext, req: CompletionRequest,
+                      start: float) -> tuple[dict[str, Any], dict] | SSEResponse:
     ctx.metrics.request()
     try:
         requests = _completion_requests(ctx, req)

@@ -214,3 +214,23 @@ def test_f32_digits():
     assert f32(-4.186315059661865) == -4.186315
     assert f32(-0.5) == -0.5
     assert f32(math.nan) is None
+
+
+def test_keep_alive_comment_while_the_shard_is_silent():
+    from integration.http_api import ApiConfig
+
+    with fake_http_stack(api_config=ApiConfig(model_id="m", keep_alive_s=0.05)) as s:
+        s.set_gate("Decode", open=False)
+        url = urlparse(s.base_url)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+        conn.request("POST", "/generate_stream", body=json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 2}}),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        buf = b""
+        while b":\n\n" not in buf.split(b"\n\n", 1)[-1]:
+            buf += response.read1(4096)
+        s.set_gate("Decode", open=True)
+        buf += response.read()
+        conn.close()
+        assert buf.startswith(b'data:{"index":1,')
+        assert b"\n\n:\n\n" in buf and buf.endswith(b'"details":null}\n\n')
