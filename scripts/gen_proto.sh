@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Regenerate the generate.v3 Python stubs in tgi_paged_backend/server/pb/.
 #
-# The stubs are generated with grpcio-tools 1.71.0, whose protoc emits code that needs
+# The stubs are generated with grpcio-tools 1.70.0, whose protoc emits code that needs
 # protobuf >= 5.29 at runtime. That keeps them importable in the TGI 3.3 image
-# (protobuf 5.29.4, grpcio 1.71.0) and with current protobuf releases. A newer grpcio-tools
+# (its uv.lock installs protobuf 5.29.3, grpcio 1.70.0) and with current protobuf releases. A newer grpcio-tools
 # would stamp a newer minimum version into the files and break the TGI image.
 #
 # Usage: scripts/gen_proto.sh            (creates a throwaway venv in $PROTOGEN_VENV)
 #        PROTOGEN_VENV=/some/venv scripts/gen_proto.sh
 set -euo pipefail
 
-GRPCIO_TOOLS_VERSION="1.71.0"
+GRPCIO_TOOLS_VERSION="1.70.0"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PB_DIR="$ROOT/tgi_paged_backend/server/pb"
 VENV="${PROTOGEN_VENV:-/tmp/protogen}"

@@ -10,3 +10,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip 2>/dev/null || true
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+# The official TGI client, used unchanged by the HTTP tests. Without its dependency pins: every
+# release pins huggingface-hub<1, which would drag transformers back to 4.x.
+.venv/bin/python -m pip install -q --disable-pip-version-check aiohttp
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'text-generation>=0.7'

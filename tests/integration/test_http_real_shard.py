@@ -116,9 +116,6 @@ def test_disconnect_mid_stream_then_keep_serving(stack):
                                   return_full_text=False).details.generated_tokens >= 1
 
 
-@pytest.mark.xfail(reason="the shard refuses adapter_id (convert.py); stock serves unknown adapter ids with the "
-                          "base model, and the stock router forwards InferenceClient's model='dummy' as one",
-                   strict=False)
 def test_chat_completion_with_the_clients_default_model(stack):
     out = InferenceClient(base_url=stack.base_url, timeout=120).chat_completion(
         [{"role": "user", "content": "hi"}], max_tokens=2)

@@ -61,7 +61,5 @@ def test_pyproject_admits_torch_2_7():
     assert torch.specifier.contains("2.7.0")
 
 
-@pytest.mark.xfail(strict=False, reason="the image installs server/uv.lock (grpcio 1.70.0, protobuf 5.29.3, "
-                                        "transformers 4.51.0), below pyproject's floors; see tgi_pins/README.md")
 def test_pyproject_admits_the_uv_lock_pins():
     assert rejected("constraints-uvlock.txt") == []

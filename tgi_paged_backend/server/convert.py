@@ -1,7 +1,7 @@
 """``generate.v3`` protobuf messages <-> the engine's boundary dataclasses.
 
 Inbound functions raise :class:`InvalidRequestError` for shapes the engine cannot serve (no text
-chunk, two text chunks, grammar, LoRA adapter); nothing else here knows about gRPC.
+chunk, two text chunks, grammar); nothing else here knows about gRPC.
 """
 
 from __future__ import annotations
@@ -50,10 +50,8 @@ def request_from_pb(request: pb.Request) -> RequestSpec:
     params = request.parameters
     if params.grammar:
         raise InvalidRequestError(f"request {request.id}: grammar-constrained decoding is not supported")
-    if request.HasField("adapter_id") and request.adapter_id:
-        raise InvalidRequestError(
-            f"request {request.id}: LoRA adapters are not supported (adapter_id={request.adapter_id!r})"
-        )
+    # adapter_id: like stock TGI without LoRA adapters loaded, serve the base model. The router
+    # forwards chat's `model` field here (huggingface_hub sends "dummy" by default).
     stopping = request.stopping_parameters
     return RequestSpec(
         id=request.id,
