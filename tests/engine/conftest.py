@@ -13,21 +13,16 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-from tests.helpers.fixtures import *  # noqa: E402,F401,F403
-from tests.helpers.tiny_models import TINY_CORPUS, load_reference  # noqa: E402
-from tgi_paged_backend.engine import build_engine  # noqa: E402
-from tgi_paged_backend.engine.request_state import RequestStatus  # noqa: E402
-from tgi_paged_backend.engine.types import (  # noqa: E402
+from tests.helpers.tiny_models import TINY_CORPUS, load_reference
+from tgi_paged_backend.engine import build_engine
+from tgi_paged_backend.engine.request_state import RequestStatus
+from tgi_paged_backend.engine.types import (
     U64_MAX,
     BatchSpec,
     FinishReason,
@@ -37,7 +32,7 @@ from tgi_paged_backend.engine.types import (  # noqa: E402
     StepResult,
     StoppingParams,
 )
-from tgi_paged_backend.envs import build_config  # noqa: E402
+from tgi_paged_backend.envs import build_config
 
 TINY_KIND_FIXTURES = {"llama": "tiny_llama_dir", "qwen2": "tiny_qwen2_dir", "mistral": "tiny_mistral_dir"}
 

@@ -12,11 +12,8 @@ from pathlib import Path
 
 import pytest
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-from integration.launcher_spawn import (  # noqa: E402
+from integration.launcher_spawn import (
     DownloadError,
     LaunchedShards,
     LauncherOptions,

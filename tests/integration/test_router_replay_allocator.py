@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-from integration.router_replay.allocator import SimpleAllocator  # noqa: E402
-from integration.router_replay.client import build_liveness_batch, build_warmup_request  # noqa: E402
-from integration.router_replay.datatypes import Entry, ResponseChannel, ValidRequest  # noqa: E402
-from integration.router_replay.errors import RouterStartupError  # noqa: E402
-from integration.router_replay.queue import Queue  # noqa: E402
-from integration.router_replay.radix import RadixAllocator  # noqa: E402
-from integration.router_replay.router import check_startup_args, derive_limits  # noqa: E402
-from tgi_paged_backend.server.pb import generate_pb2 as pb  # noqa: E402
+from integration.router_replay.allocator import SimpleAllocator
+from integration.router_replay.client import build_liveness_batch, build_warmup_request
+from integration.router_replay.datatypes import Entry, ResponseChannel, ValidRequest
+from integration.router_replay.errors import RouterStartupError
+from integration.router_replay.queue import Queue
+from integration.router_replay.radix import RadixAllocator
+from integration.router_replay.router import check_startup_args, derive_limits
+from tgi_paged_backend.server.pb import generate_pb2 as pb
 
 
 def test_simple_allocator_tail_blocks_slots_and_lifo_reuse():

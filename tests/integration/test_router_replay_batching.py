@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import sys
-from pathlib import Path
 
 import pytest
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-from integration.router_replay import (  # noqa: E402
+from integration.router_replay import (
     GenerateParameters,
     GenerationError,
     IncompleteGenerationError,
@@ -22,7 +17,7 @@ from integration.router_replay import (  # noqa: E402
     Router,
     ValidationError,
 )
-from integration.router_replay.fake_shard import CharTokenizer, FakeShardConfig, fake_shards  # noqa: E402
+from integration.router_replay.fake_shard import CharTokenizer, FakeShardConfig, fake_shards
 
 LIMITS = dict(max_input_tokens=200, max_total_tokens=256, max_batch_prefill_tokens=512)
 LEG_LIMITS = dict(max_input_tokens=1099, max_total_tokens=1100, max_batch_prefill_tokens=2048)

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-from integration.router_replay import GenerateParameters, Router, RouterFatalError  # noqa: E402
-from integration.router_replay.fake_shard import CharTokenizer, fake_shards  # noqa: E402
-from tgi_paged_backend.server.pb import generate_pb2 as pb  # noqa: E402
+from integration.router_replay import GenerateParameters, Router, RouterFatalError
+from integration.router_replay.fake_shard import CharTokenizer, fake_shards
+from tgi_paged_backend.server.pb import generate_pb2 as pb
 
 LIMITS = dict(max_input_tokens=200, max_total_tokens=256, max_batch_prefill_tokens=512)
 

@@ -8,20 +8,15 @@ token-identical to HF transformers, no leak, graceful SIGTERM.
 from __future__ import annotations
 
 import asyncio
-import signal
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from integration.launcher_spawn import LaunchedShards, LauncherOptions  # noqa: E402
-from integration.router_replay import GenerateParameters, Router  # noqa: E402
-from integration.router_replay.datatypes import FinalEvent  # noqa: E402
-from tests.helpers.tiny_models import load_reference, write_tiny_model  # noqa: E402
+from integration.launcher_spawn import LaunchedShards, LauncherOptions
+from integration.router_replay import GenerateParameters, Router
+from integration.router_replay.datatypes import FinalEvent
+from tests.helpers.tiny_models import load_reference, write_tiny_model
 
 PROMPTS = [
     "hello world this is a test of the paged backend",
