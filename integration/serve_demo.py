@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -293,7 +295,9 @@ def run_demo(requests: int = 8, max_new_tokens: int = 48, fit: int = 4, overcomm
     metrics_port = free_port()
     uds = tempfile.mkdtemp(prefix="tgs", dir="/tmp") + "/tgs"
     env = {"TGI_PAGED_NUM_BLOCKS": str(num_blocks), "PREFIX_CACHING": "0", "TGI_PAGED_OVERCOMMIT": str(overcommit),
-           "TGI_PAGED_METRICS_PORT": str(metrics_port)}
+           "TGI_PAGED_METRICS_PORT": str(metrics_port),
+           # The launcher finds `text-generation-server` on PATH: this interpreter's venv first.
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     print(f"spawning text-generation-server serve {model} (TGI_PAGED_NUM_BLOCKS={num_blocks}: room for ~{fit} "
           f"of {requests} requests) ...", flush=True)
     spawned = time.monotonic()
