@@ -8,6 +8,8 @@ token-identical to HF transformers, no leak, graceful SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import socket
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,14 +21,22 @@ from integration.router_replay.datatypes import FinalEvent
 from tests.helpers.tiny_models import load_reference, write_tiny_model
 
 PROMPTS = [
-    "hello world this is a test of the paged backend",
+    "hello world this is a test",
     "the quick brown fox jumps over the lazy dog",
     "one two three four five six seven",
     "a",
-    "some more text here to use for a longer prompt than the others in this batch",
+    "some more text here",
     "paged attention splits the cache into blocks",
+    "stock routers reserve the worst case",
+    "every request completes",
 ]
 MAX_NEW = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +70,20 @@ async def run_requests(router: Router, prompts: list[str], max_new: int) -> list
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_launcher_spawn_router_replay_greedy_with_preemption(tiny_llama: Path, tmp_path: Path,
                                                             preemption: str) -> None:
-    # 12 blocks x 8 tokens = 88 usable physical tokens; six requests reserve ~6 x 40 virtual tokens.
+    # 4x overload: 9 blocks x 8 tokens = 64 usable physical tokens (block 0 is scratch) for eight
+    # requests of ~45 tokens each (~360 tokens); the router's virtual pool is 4 x 64.
+    metrics_port = free_port()
     opts = LauncherOptions(
         uds_path=str(tmp_path / "shard"), log_level="INFO",
-        env={"TGI_PAGED_NUM_BLOCKS": "12", "TGI_PAGED_BLOCK_SIZE": "8", "TGI_PAGED_OVERCOMMIT": "4",
-             "TGI_PAGED_PREEMPTION": preemption, "TGI_PAGED_SWAP_SPACE_GB": "0.01", "PREFIX_CACHING": "0"},
-        max_input_tokens=64, max_total_tokens=88)
+        env={"TGI_PAGED_NUM_BLOCKS": "9", "TGI_PAGED_BLOCK_SIZE": "8", "TGI_PAGED_OVERCOMMIT": "4",
+             "TGI_PAGED_PREEMPTION": preemption, "TGI_PAGED_SWAP_SPACE_GB": "0.01", "PREFIX_CACHING": "0",
+             "TGI_PAGED_METRICS_PORT": str(metrics_port)},
+        max_input_tokens=32, max_total_tokens=64)
 
     async def scenario() -> tuple[list[list[int]], dict]:
         router = await Router.connect(opts.uds_path, str(tiny_llama), max_batch_prefill_tokens=64)
         try:
-            assert router.info.max_batch_total_tokens == 88 * 4  # physical tokens x overcommit
+            assert router.info.max_batch_total_tokens == 64 * 4  # physical tokens x overcommit
             outputs = await run_requests(router, PROMPTS, MAX_NEW)
             # The shard still serves after the burst (and the liveness path works).
             again = await run_requests(router, PROMPTS[:1], MAX_NEW)
@@ -82,6 +95,7 @@ def test_launcher_spawn_router_replay_greedy_with_preemption(tiny_llama: Path, t
 
     with LaunchedShards(str(tiny_llama), opts, ready_timeout=120) as shards:
         outputs, stats = asyncio.run(asyncio.wait_for(scenario(), 300))
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
         logs = [r.text for r in shards.logs]
         shards.terminate()
         assert shards.exit_codes == {0: 0}, shards.stderr
@@ -91,3 +105,6 @@ def test_launcher_spawn_router_replay_greedy_with_preemption(tiny_llama: Path, t
     # requests at once than the physical pool could hold under worst-case reservations.
     assert any("preempt" in line.lower() for line in logs), logs[-20:]
     assert stats.concurrency_peak >= 4
+    # Memory returned: no physical block is held once every request has finished.
+    assert 'tgi_paged_kv_blocks{state="used"} 0.0' in metrics, metrics
+    assert f'tgi_paged_preemptions_total{{mode="{preemption}"}}' in metrics

@@ -100,6 +100,14 @@ class RequestState:
         self.num_preemptions += 1
         self.preempted_at = time.monotonic()
 
+    def mark_waiting(self) -> None:
+        """A new request gave back its shared prefix blocks while waiting for memory: it resumes like
+        a recompute-preempted one, but this does not count as a preemption."""
+        assert self.status is RequestStatus.RUNNING and not self.prefill_done
+        self.num_computed = 0
+        self.status = RequestStatus.PREEMPTED
+        self.preempted_at = time.monotonic()
+
     def mark_resumed(self) -> float:
         """Back to running; returns seconds spent preempted."""
         assert self.is_preempted

@@ -78,13 +78,14 @@ class Scheduler:
                 continue  # preempted earlier in this step by an older request: wait
             if request.status is RequestStatus.SWAPPED and not self._swap_in(request, victims_pool, plan):
                 continue
-            if request.status is RequestStatus.PREEMPTED:
-                self._resume_for_recompute(request, plan)
+            if request.status is RequestStatus.PREEMPTED:  # resume: share what is still retained
+                request.num_computed = self.kv.match_prefix(request.id, request.all_ids).num_cached_tokens
             n = self._num_tokens(request, prefill_budget)
-            if n == 0:
+            if n == 0 or not self._allocate(request, request.num_computed + n, victims_pool, plan):
+                self._release_if_waiting(request)
                 continue
-            if not self._allocate(request, request.num_computed + n, victims_pool, plan):
-                continue
+            if request.status is RequestStatus.PREEMPTED:
+                plan.resumed_wait_s.append(request.mark_resumed())
             if n > 1 or request.num_remaining > 1:
                 prefill_budget -= n
             plan.scheduled.append((request, n))
@@ -116,10 +117,18 @@ class Scheduler:
         plan.resumed_wait_s.append(request.mark_resumed())
         return True
 
-    def _resume_for_recompute(self, request: RequestState, plan: StepPlan) -> None:
-        match = self.kv.match_prefix(request.id, request.all_ids)
-        request.num_computed = match.num_cached_tokens
-        plan.resumed_wait_s.append(request.mark_resumed())
+    def _release_if_waiting(self, request: RequestState) -> None:
+        """A request that could not run this step and has computed nothing of its own gives back the
+        prefix blocks it shares (and any copy-on-write pin): held by a waiting request they could
+        neither be evicted nor taken as a victim's, and the first request in priority order could
+        starve. It is matched against the retained prefix again when it next runs."""
+        if request.status is RequestStatus.PREEMPTED:
+            self.kv.preempt_recompute(request.id)
+            request.num_computed = 0
+        elif (request.status is RequestStatus.RUNNING and not request.prefill_done
+              and 0 < request.num_computed == request.num_cached_prompt):
+            self.kv.preempt_recompute(request.id)
+            request.mark_waiting()
 
     def _allocate(self, request: RequestState, num_tokens: int, victims_pool: list[RequestState],
                   plan: StepPlan) -> bool:
