@@ -163,6 +163,51 @@ def version() -> None:
     typer.echo(__version__)
 
 
+@tools_app.command()
+def plan(
+    model: str = typer.Option(..., help="Local model directory (config.json) or a preset: llama-3-8b, "
+                                        "llama-3-70b, mistral-7b, smollm2-135m."),
+    gpu: str = typer.Option("A10G", help="A10G, L4, A100-40, A100-80, H100, H200 or cpu."),
+    memory_gb: Optional[float] = typer.Option(None, help="Device memory in GiB (overrides the GPU's)."),
+    memory_fraction: float = typer.Option(0.90, help="TGI_PAGED_MEMORY_FRACTION x CUDA_MEMORY_FRACTION."),
+    block_size: int = typer.Option(16, help="TGI_PAGED_BLOCK_SIZE: 8, 16 or 32."),
+    dtype: Optional[str] = typer.Option(None, help="float16, bfloat16 or float32 (default as the shard)."),
+    kv_dtype: str = typer.Option("auto", help="auto, fp8_e4m3fn or fp8_e5m2."),
+    trace: Optional[str] = typer.Option(None, help="JSONL trace (prompt_tokens, output_tokens, arrival)."),
+    workload: str = typer.Option("sharegpt", help="Generator when no --trace: sharegpt, alpaca or tiny."),
+    requests: int = typer.Option(300, help="Generated requests."),
+    arrival: str = typer.Option("burst", help="burst or poisson."),
+    rate: Optional[float] = typer.Option(None, help="Requests/s for poisson arrivals."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Client cap (default: the workload's)."),
+    seed: int = typer.Option(0),
+    max_prefill_tokens: int = typer.Option(4096, help="The router's max_batch_prefill_tokens."),
+    num_blocks: Optional[int] = typer.Option(None, help="TGI_PAGED_NUM_BLOCKS cap."),
+    kv_budget_bytes: Optional[int] = typer.Option(None, help="Use this KV budget instead of the memory arithmetic."),
+    overcommits: str = typer.Option("1.5,2,3,4,6,8,12,16", help="Overcommits to simulate (comma separated)."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Also write the plan as JSON to this file."),
+) -> None:
+    """Capacity plan: bytes per token, pool size, expected concurrency and waste, advised overcommit."""
+    from tgi_paged_backend.bench.planner import format_plan, plan_from_args  # lazy: torch, the simulator
+
+    try:
+        ocs = [float(x) for x in overcommits.split(",") if x.strip()]
+        result = plan_from_args(model=model, gpu=gpu, memory_gb=memory_gb, memory_fraction=memory_fraction,
+                                block_size=block_size, dtype=dtype, kv_dtype=kv_dtype, trace_path=trace,
+                                workload=workload, requests=requests, arrival=arrival, rate=rate,
+                                max_new_tokens=max_new_tokens, seed=seed, max_prefill_tokens=max_prefill_tokens,
+                                num_blocks=num_blocks, kv_budget_bytes=kv_budget_bytes, overcommits=ocs)
+    except (ValueError, KeyError, OSError) as err:  # ConfigError is a ValueError
+        typer.echo(f"plan: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(format_plan(result))
+    if json_out:
+        import json
+
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(result.to_dict(), indent=2, default=str))
+        typer.echo(f"wrote {json_out}")
+
+
 # -------------------------------------------------------------------------------------------------
 
 

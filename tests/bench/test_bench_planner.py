@@ -1,0 +1,98 @@
+"""Capacity planner: its arithmetic is the shard's (ModelSpec, ModelRunner, plan_capacity) and its
+expectations are the simulator's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from tgi_paged_backend.bench.allocator_sim import simulate
+from tgi_paged_backend.bench.planner import (
+    PlanInputs,
+    count_safetensors_params,
+    estimate_params,
+    format_plan,
+    make_plan,
+)
+from tgi_paged_backend.bench.workload import generate_trace
+from tgi_paged_backend.config import CacheConfig, ConfigError, ModelConfig
+from tgi_paged_backend.engine.capacity import plan_capacity
+from tgi_paged_backend.runner.model_spec import ModelSpec
+
+SMALL_TRACE = generate_trace("sharegpt", 60, seed=1, max_new_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama_dir: Path):
+    from tgi_paged_backend.runner.model_runner import ModelRunner
+
+    return ModelRunner(ModelConfig(model_id=str(tiny_llama_dir)), CacheConfig(block_size=16), "cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tiny_llama_dir: Path):
+    inputs = PlanInputs(model=str(tiny_llama_dir), device="cpu", kv_budget_bytes=3_000_000, block_size=16,
+                        max_prefill_tokens=512, overcommits=(1.5, 3.0))
+    return make_plan(inputs, SMALL_TRACE)
+
+
+def test_block_bytes_weights_and_activations_are_the_runners(tiny_plan, runner, tiny_llama_dir: Path) -> None:
+    spec = ModelSpec.from_hf_config(transformers.AutoConfig.from_pretrained(tiny_llama_dir), torch.float32)
+    assert tiny_plan.block_bytes == spec.kv_bytes_per_block(16) == runner.block_bytes
+    assert tiny_plan.bytes_per_token == spec.kv_bytes_per_token(torch.float32)
+    buffers = sum(b.numel() * b.element_size() for b in runner.model.buffers())
+    assert tiny_plan.weights_bytes == runner.weights_bytes - buffers
+    assert tiny_plan.activation_bytes == runner.profile_prefill(512)
+
+
+def test_pool_is_plan_capacity_of_the_budget(tiny_plan) -> None:
+    cap = plan_capacity(available_kv_bytes=3_000_000, block_bytes=tiny_plan.block_bytes, block_size=16,
+                        num_blocks_cap=None, overcommit=tiny_plan.advised_overcommit,
+                        max_position_embeddings=tiny_plan.facts.spec.max_position_embeddings,
+                        max_input_tokens=None, max_total_tokens=None, max_prefill_tokens=512)
+    assert tiny_plan.num_blocks == cap.num_blocks == 3_000_000 // tiny_plan.block_bytes
+    assert tiny_plan.physical_tokens == (cap.num_blocks - 1) * 16
+    assert tiny_plan.capacity.max_supported_total_tokens == cap.max_supported_total_tokens
+    assert tiny_plan.sim_config.num_blocks == cap.num_blocks
+
+
+def test_expectations_are_the_simulators(tiny_plan) -> None:
+    again = simulate(SMALL_TRACE, "stock", tiny_plan.sim_config)
+    assert again.to_dict() == tiny_plan.comparison.stock.to_dict()
+    assert tiny_plan.advised_overcommit in (1.5, 3.0)
+    text = format_plan(tiny_plan)
+    assert "TGI_PAGED_OVERCOMMIT=" in text and "bytes per token" in text
+
+
+def test_params_counted_from_safetensors_match_the_estimate(tiny_llama_dir: Path) -> None:
+    import json
+
+    counted = count_safetensors_params(tiny_llama_dir)
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    assert counted == estimate_params(cfg)
+
+
+def test_presets_and_gpu_arithmetic() -> None:
+    inputs = PlanInputs(model="llama-3-8b", device="A100-80", overcommits=(2.0,))
+    plan = make_plan(inputs, SMALL_TRACE[:10])
+    assert plan.bytes_per_token == 32 * 8 * 128 * 2 * 2  # layers x KV heads x head dim x (K, V) x fp16
+    assert plan.block_bytes == 16 * plan.bytes_per_token
+    expected = int(0.9 * 80 * 1024**3 - plan.weights_bytes - plan.activation_bytes)
+    assert plan.kv_budget_bytes == expected
+    assert plan.num_blocks == expected // plan.block_bytes
+    fp8 = make_plan(PlanInputs(model="llama-3-8b", device="H100", kv_cache_dtype="fp8_e4m3fn", overcommits=(2.0,)),
+                    SMALL_TRACE[:10])
+    assert fp8.bytes_per_token == plan.bytes_per_token // 2
+
+
+def test_refusals_name_the_knob() -> None:
+    with pytest.raises(ValueError, match="--gpu"):
+        make_plan(PlanInputs(model="llama-3-8b", device="V100"), SMALL_TRACE[:3])
+    with pytest.raises(ValueError, match="not a preset"):
+        make_plan(PlanInputs(model="/nonexistent/model"), SMALL_TRACE[:3])
+    with pytest.raises(ConfigError, match="TGI_PAGED_NUM_BLOCKS"):
+        make_plan(PlanInputs(model="llama-3-8b", device="A10G", kv_budget_bytes=10 * 2**20, max_total_tokens=4096),
+                  SMALL_TRACE[:3])

@@ -1,0 +1,391 @@
+"""Capacity planner: how much KV fits, how many requests run at once, and which overcommit to set.
+
+Inputs: a model config (a local model directory, or a preset of public architecture numbers), a
+device (a GPU name from :data:`GPUS`, ``--memory-gb``, or ``cpu``), the memory fraction, block size,
+KV dtype, and a trace (a JSONL file or the :mod:`~tgi_paged_backend.bench.workload` generator).
+
+The arithmetic is the shard's own, so the plan agrees with a real shard:
+
+- bytes per token / block: :meth:`ModelSpec.kv_bytes_per_block` (what ``ModelRunner.block_bytes`` is);
+- KV budget: ``memory_fraction x device total - weights - activation peak`` on CUDA (what
+  ``ModelRunner.available_kv_bytes`` computes before its "actually free" cap), and on CPU
+  ``min(memory_fraction x available RAM - activations, 4 GiB)``; weights from the safetensors
+  headers (exact) or from the config (estimate); the activation peak from the runner's own CPU
+  estimate (on CUDA the shard measures it, usually a little lower);
+- pool and advertised budget: :func:`tgi_paged_backend.engine.capacity.plan_capacity`.
+
+Expected concurrency and waste come from :func:`~tgi_paged_backend.bench.allocator_sim.compare`
+on that pool (so the planner agrees with the simulator by construction), with a roofline step-time
+model of the device; the advised overcommit is
+:func:`~tgi_paged_backend.bench.allocator_sim.advise_overcommit` over a sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from tgi_paged_backend.bench.allocator_sim import (
+    DEFAULT_OVERCOMMITS,
+    Comparison,
+    SimConfig,
+    StepCostModel,
+    compare,
+)
+from tgi_paged_backend.bench.workload import TraceRequest, summarize
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """Memory and rough roofline numbers of one device (vendor figures; dense 16-bit tensor FLOPs)."""
+
+    name: str
+    memory_gib: float
+    mem_gb_per_s: float
+    tflops: float
+    swap_gb_per_s: float
+    """Host <-> device copy bandwidth for swapping (PCIe)."""
+
+
+GPUS: dict[str, Device] = {
+    "A10G": Device("A10G", 24, 600, 70, 12),
+    "L4": Device("L4", 24, 300, 121, 12),
+    "A100-40": Device("A100-40", 40, 1555, 312, 25),
+    "A100-80": Device("A100-80", 80, 2039, 312, 25),
+    "H100": Device("H100", 80, 3350, 989, 50),
+    "H200": Device("H200", 141, 4800, 989, 50),
+}
+"""Nominal memory (torch reports a little less), memory bandwidth, dense 16-bit TFLOPs, PCIe copy rate."""
+CPU_DEVICE = Device("cpu", 0, 20, 0.1, 10)
+"""CPU: memory is the available RAM (read at plan time); the roofline numbers are rough."""
+MEM_EFFICIENCY, FLOP_EFFICIENCY, STEP_OVERHEAD_S = 0.8, 0.5, 0.005
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Public architecture numbers (config.json fields) of a few common models.
+    "llama-3-8b": dict(model_type="llama", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       hidden_size=4096, intermediate_size=14336, vocab_size=128256,
+                       max_position_embeddings=8192, tie_word_embeddings=False),
+    "llama-3-70b": dict(model_type="llama", num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        hidden_size=8192, intermediate_size=28672, vocab_size=128256,
+                        max_position_embeddings=8192, tie_word_embeddings=False),
+    "mistral-7b": dict(model_type="mistral", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       hidden_size=4096, intermediate_size=14336, vocab_size=32768,
+                       max_position_embeddings=32768, tie_word_embeddings=False),
+    "smollm2-135m": dict(model_type="llama", num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         hidden_size=576, intermediate_size=1536, vocab_size=49152, head_dim=64,
+                         max_position_embeddings=8192, tie_word_embeddings=True),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What the planner knows about the model."""
+
+    name: str
+    spec: Any
+    """A :class:`~tgi_paged_backend.runner.model_spec.ModelSpec`."""
+    num_params: int
+    params_exact: bool
+    """``True`` when counted from safetensors headers, ``False`` when estimated from the config."""
+    tie_word_embeddings: bool
+
+
+def _read_config(model: str) -> tuple[str, dict[str, Any]]:
+    if model in PRESETS:
+        return model, dict(PRESETS[model])
+    path = Path(model)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise ValueError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) nor a model directory "
+                         "with config.json")
+    raw = json.loads(config_file.read_text())
+    text = raw.get("text_config")
+    return str(path), ({**raw, **text} if isinstance(text, dict) else raw)
+
+
+def count_safetensors_params(model_dir: str | Path) -> int | None:
+    """Parameters listed in the safetensors headers of ``model_dir`` (``None`` without files)."""
+    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with file.open("rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            n = 1
+            for dim in entry["shape"]:
+                n *= int(dim)
+            total += n
+    return total
+
+
+def estimate_params(cfg: dict[str, Any]) -> int:
+    """Decoder-only transformer parameters from config fields (attention, gated MLP, norms, embeddings)."""
+    hidden, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    inter = int(cfg.get("intermediate_size") or 4 * hidden)
+    vocab = int(cfg["vocab_size"])
+    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    mlp = 3 * hidden * inter
+    per_layer = attn + mlp + 2 * hidden
+    lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * hidden
+    return vocab * hidden + layers * per_layer + hidden + lm_head
+
+
+def load_model_facts(model: str, dtype: Any) -> ModelFacts:
+    """Model sizes from a preset name or a local directory (``dtype``: the serving torch dtype)."""
+    from tgi_paged_backend.runner.model_spec import ModelSpec
+
+    name, cfg = _read_config(model)
+    spec = ModelSpec.from_hf_config(SimpleNamespace(**cfg), dtype)
+    counted = None if model in PRESETS else count_safetensors_params(model)
+    num_params = counted if counted is not None else estimate_params(cfg)
+    return ModelFacts(name, spec, int(num_params), counted is not None, bool(cfg.get("tie_word_embeddings", False)))
+
+
+def activation_peak_bytes(spec: Any, dtype: Any, num_tokens: int) -> int:
+    """The runner's CPU activation estimate for a prefill of ``num_tokens`` (one logits row).
+
+    Calls ``ModelRunner._estimate_prefill_bytes`` itself (with a stand-in holding ``spec`` and
+    ``dtype``) so the planner cannot drift from the shard's formula.
+    """
+    from tgi_paged_backend.runner.model_runner import ModelRunner
+
+    return int(ModelRunner._estimate_prefill_bytes(SimpleNamespace(spec=spec, dtype=dtype), num_tokens, 1))
+
+
+def cpu_available_bytes() -> int:
+    """Available RAM now, as the runner reads it."""
+    from tgi_paged_backend.runner import model_runner
+
+    return model_runner._cpu_available_bytes()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanInputs:
+    model: str
+    device: str = "A10G"
+    """A name of :data:`GPUS`, or ``cpu``."""
+    memory_gib: float | None = None
+    """Overrides the device's memory (GiB)."""
+    memory_fraction: float = 0.90
+    block_size: int = 16
+    dtype: str | None = None
+    """``float16``, ``bfloat16`` or ``float32``; default float16 on a GPU, float32 on CPU (as the shard)."""
+    kv_cache_dtype: str = "auto"
+    max_prefill_tokens: int = 4096
+    max_input_tokens: int | None = None
+    max_total_tokens: int | None = None
+    num_blocks_cap: int | None = None
+    swap_space_gib: float = 4.0
+    preemption: str = "auto"
+    overcommits: Sequence[float] = DEFAULT_OVERCOMMITS
+    kv_budget_bytes: int | None = None
+    """Skip the memory arithmetic and use this KV budget (what the shard's runner would report)."""
+
+
+@dataclass(slots=True)
+class Plan:
+    inputs: PlanInputs
+    device: Device
+    facts: ModelFacts
+    dtype_name: str
+    kv_dtype_name: str
+    device_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    kv_budget_bytes: int
+    bytes_per_token: int
+    block_bytes: int
+    capacity: Any
+    """:class:`~tgi_paged_backend.engine.capacity.Capacity` at the advised overcommit."""
+    trace_summary: dict[str, float]
+    comparison: Comparison
+    sim_config: SimConfig
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.capacity.num_blocks
+
+    @property
+    def physical_tokens(self) -> int:
+        return self.capacity.physical_tokens
+
+    @property
+    def advised_overcommit(self) -> float:
+        return self.comparison.chosen_overcommit
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.facts.spec
+        return {
+            "model": self.facts.name, "device": self.device.name, "dtype": self.dtype_name,
+            "kv_dtype": self.kv_dtype_name, "memory_fraction": self.inputs.memory_fraction,
+            "device_bytes": self.device_bytes, "weights_bytes": self.weights_bytes,
+            "params": self.facts.num_params, "params_exact": self.facts.params_exact,
+            "activation_bytes": self.activation_bytes, "kv_budget_bytes": self.kv_budget_bytes,
+            "layers": s.num_layers, "kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
+            "bytes_per_token": self.bytes_per_token, "block_size": self.inputs.block_size,
+            "block_bytes": self.block_bytes, "num_blocks": self.num_blocks,
+            "physical_tokens": self.physical_tokens,
+            "max_supported_total_tokens": self.capacity.max_supported_total_tokens,
+            "trace": self.trace_summary, "simulation": self.comparison.to_dict(),
+            "advised_overcommit": self.advised_overcommit, "notes": self.notes,
+        }
+
+
+def _device(inputs: PlanInputs) -> Device:
+    if inputs.device.lower() == "cpu":
+        return CPU_DEVICE
+    key = {k.lower(): k for k in GPUS}.get(inputs.device.lower())
+    if key is None:
+        raise ValueError(f"--gpu {inputs.device!r} is unknown: allowed {', '.join(GPUS)}, cpu "
+                         "(or give --memory-gb)")
+    return GPUS[key]
+
+
+def cost_model(device: Device, weights_bytes: int, bytes_per_token: int, num_params: int) -> StepCostModel:
+    """Roofline step time on ``device``: weights + attended KV over bandwidth vs 2 FLOPs/param/token."""
+    return StepCostModel(fixed_s=STEP_OVERHEAD_S, weights_bytes=weights_bytes, kv_bytes_per_token=bytes_per_token,
+                         flops_per_token=2.0 * num_params, mem_bytes_per_s=device.mem_gb_per_s * 1e9 * MEM_EFFICIENCY,
+                         flops_per_s=device.tflops * 1e12 * FLOP_EFFICIENCY,
+                         swap_bytes_per_s=device.swap_gb_per_s * 1e9)
+
+
+def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
+    """Size the pool, simulate the trace on it, advise an overcommit."""
+    import torch
+
+    from tgi_paged_backend.config import CacheConfig
+    from tgi_paged_backend.engine.capacity import plan_capacity
+    from tgi_paged_backend.runner.model_loader import resolve_dtype
+    from tgi_paged_backend.runner.model_spec import resolve_kv_dtype
+
+    CacheConfig(block_size=inputs.block_size, memory_fraction=inputs.memory_fraction,
+                kv_cache_dtype=inputs.kv_cache_dtype)  # validates the knobs with the shard's messages
+    device = _device(inputs)
+    on_cpu = device is CPU_DEVICE
+    dtype = resolve_dtype(inputs.dtype, torch.device("cpu" if on_cpu else "cuda"))
+    kv_dtype = resolve_kv_dtype(inputs.kv_cache_dtype, dtype)
+    facts = load_model_facts(inputs.model, dtype)
+    spec = facts.spec
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    weights = facts.num_params * itemsize
+    bytes_per_token = spec.kv_bytes_per_token(kv_dtype)
+    block_bytes = spec.kv_bytes_per_block(inputs.block_size, kv_dtype)
+    activation = activation_peak_bytes(spec, dtype, max(inputs.max_prefill_tokens, 1))
+    notes: list[str] = []
+    if not facts.params_exact:
+        notes.append("weights estimated from the config (no safetensors files read)")
+    if inputs.kv_budget_bytes is not None:
+        device_bytes, budget = 0, int(inputs.kv_budget_bytes)
+        notes.append("KV budget given explicitly")
+    elif on_cpu:
+        from tgi_paged_backend.runner.model_runner import CPU_KV_BUDGET_CAP_BYTES
+
+        device_bytes = int(inputs.memory_gib * GiB) if inputs.memory_gib else cpu_available_bytes()
+        budget = max(0, int(min(inputs.memory_fraction * device_bytes - activation, CPU_KV_BUDGET_CAP_BYTES)))
+        notes.append("CPU: budget = min(fraction x available RAM - activations, 4 GiB), as the CPU runner")
+    else:
+        device_bytes = int((inputs.memory_gib or device.memory_gib) * GiB)
+        budget = max(0, int(inputs.memory_fraction * device_bytes - weights - activation))
+        notes.append("CUDA: the shard measures activations at Warmup and caps the budget by free memory")
+
+    def capacity(overcommit: float) -> Any:
+        return plan_capacity(available_kv_bytes=budget, block_bytes=block_bytes, block_size=inputs.block_size,
+                             num_blocks_cap=inputs.num_blocks_cap, overcommit=overcommit,
+                             max_position_embeddings=spec.max_position_embeddings,
+                             max_input_tokens=inputs.max_input_tokens, max_total_tokens=inputs.max_total_tokens,
+                             max_prefill_tokens=inputs.max_prefill_tokens)
+
+    base = capacity(1.0)  # raises ConfigError with the shard's message when nothing fits
+    sim_cfg = SimConfig(num_blocks=base.num_blocks, block_size=inputs.block_size,
+                        max_prefill_tokens=base.max_prefill_tokens, preemption=inputs.preemption,
+                        num_swap_blocks=int(inputs.swap_space_gib * GiB) // block_bytes if block_bytes else 0,
+                        block_bytes=block_bytes,
+                        cost=cost_model(device, weights, bytes_per_token, facts.num_params))
+    comparison = compare(trace, sim_cfg, inputs.overcommits)
+    return Plan(inputs=inputs, device=device, facts=facts, dtype_name=str(dtype).removeprefix("torch."),
+                kv_dtype_name=str(kv_dtype).removeprefix("torch."), device_bytes=device_bytes, weights_bytes=weights,
+                activation_bytes=activation, kv_budget_bytes=budget, bytes_per_token=bytes_per_token,
+                block_bytes=block_bytes, capacity=capacity(comparison.chosen_overcommit),
+                trace_summary=summarize(trace), comparison=comparison, sim_config=sim_cfg, notes=notes)
+
+
+def format_plan(plan: Plan) -> str:
+    """The planner's printed report."""
+    from tgi_paged_backend.bench.report import comparison_table, fmt_bytes, overcommit_table
+
+    s, t = plan.facts.spec, plan.trace_summary
+    lines = [
+        f"model        {plan.facts.name}: {s.model_type}, {s.num_layers} layers, {s.num_kv_heads} KV heads x "
+        f"{s.head_dim}, {plan.facts.num_params / 1e9:.3f} B params "
+        f"({'counted' if plan.facts.params_exact else 'estimated'}), weights {fmt_bytes(plan.weights_bytes)} "
+        f"({plan.dtype_name})",
+        f"device       {plan.device.name}"
+        + (f", {fmt_bytes(plan.device_bytes)} x {plan.inputs.memory_fraction:g}" if plan.device_bytes else "")
+        + f"; activation peak (prefill {plan.capacity.max_prefill_tokens} tokens) {fmt_bytes(plan.activation_bytes)}",
+        f"KV           {plan.bytes_per_token:,} bytes per token ({plan.kv_dtype_name}); block of "
+        f"{plan.inputs.block_size} tokens = {fmt_bytes(plan.block_bytes)}; budget {fmt_bytes(plan.kv_budget_bytes)}",
+        f"pool         {plan.num_blocks:,} physical blocks (incl. scratch) = {plan.physical_tokens:,} tokens "
+        f"that fit; max_total_tokens {plan.capacity.max_total_tokens:,}",
+        f"trace        {t['requests']} requests, prompt mean {t['prompt_mean']:.0f} (max {t['prompt_max']}), "
+        f"output mean {t['output_mean']:.0f} (max {t['output_max']}), max_new_tokens mean "
+        f"{t['max_new_tokens_mean']:.0f}, arrivals over {t['duration_s']:.1f} s",
+        f"bounds       stock TGI admits at most {plan.physical_tokens / t['reserved_mean']:.1f} mean reservations; "
+        f"finished requests average {t['prompt_mean'] + t['output_mean']:.0f} tokens",
+        "",
+        comparison_table(plan.comparison, time_unit="s"),
+        "",
+        overcommit_table(plan.comparison),
+        "",
+        f"advice       TGI_PAGED_OVERCOMMIT={plan.advised_overcommit:g}  (advertises "
+        f"{plan.capacity.max_supported_total_tokens:,} tokens to the router): "
+        + advice_reason(plan.comparison),
+    ]
+    lines += [f"note         {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def advice_reason(c: Comparison) -> str:
+    best = c.best
+    top = max(c.paged.values(), key=lambda r: r.tokens_per_s)
+    least = min(c.paged.values(), key=lambda r: r.waste_total)
+    return (f"the smallest overcommit within 3 % of the best simulated throughput ({best.tokens_per_s:,.0f} vs "
+            f"{top.tokens_per_s:,.0f} tok/s at {top.overcommit:g}) and 5 points of the lowest KV waste "
+            f"({100 * best.waste_total:.1f} % vs {100 * least.waste_total:.1f} % at {least.overcommit:g}), recompute "
+            f"tax {100 * best.recompute_tax:.1f} % ({best.preemptions_recompute} recompute / "
+            f"{best.preemptions_swap} swap preemptions)")
+
+
+def plan_from_args(*, model: str, gpu: str, memory_gb: float | None, memory_fraction: float, block_size: int,
+                   dtype: str | None, kv_dtype: str, trace_path: str | None, workload: str, requests: int,
+                   arrival: str, rate: float | None, max_new_tokens: int | None, seed: int,
+                   max_prefill_tokens: int, num_blocks: int | None, kv_budget_bytes: int | None,
+                   overcommits: Sequence[float]) -> Plan:
+    """What ``tgi-paged-backend plan`` calls."""
+    from tgi_paged_backend.bench.workload import generate_trace, load_trace
+
+    if trace_path:
+        trace = load_trace(trace_path, default_max_new_tokens=max_new_tokens or 1024)
+    else:
+        trace = generate_trace(workload, requests, arrival=arrival, rate=rate, max_new_tokens=max_new_tokens,
+                               seed=seed)
+    inputs = PlanInputs(model=model, device=gpu, memory_gib=memory_gb, memory_fraction=memory_fraction,
+                        block_size=block_size, dtype=dtype, kv_cache_dtype=kv_dtype,
+                        max_prefill_tokens=max_prefill_tokens, num_blocks_cap=num_blocks,
+                        kv_budget_bytes=kv_budget_bytes, overcommits=tuple(overcommits))
+    return make_plan(inputs, trace)
