@@ -128,6 +128,13 @@ class ServerConfig:
     """Launcher ``MAX_BATCH_SIZE``; echoed by Info when set."""
     max_total_tokens: int | None = None
     """Launcher ``MAX_TOTAL_TOKENS``."""
+    dist_timeout_s: float = 30.0
+    """Seconds a tensor-parallel collective may wait for the other ranks before the shard gives up and
+    exits (``TGI_PAGED_DIST_TIMEOUT_S``); only used when ``world_size > 1``."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.dist_timeout_s <= 86400.0:
+            raise ConfigError(f"dist_timeout_s={self.dist_timeout_s} is invalid: allowed (0, 86400]")
 
     @property
     def socket_path(self) -> str:

@@ -52,6 +52,7 @@ class EnvSettings:
     world_size: int
     master_addr: str
     master_port: int
+    dist_timeout_s: float
 
 
 def _fail(name: str, raw: str, allowed: str) -> ConfigError:
@@ -129,6 +130,9 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         master_addr=_parse(e, "MASTER_ADDR", "localhost", str, "a host name"),
         master_port=_parse(e, "MASTER_PORT", 29500, int, "a port in 1..65535",
                            lambda v: 0 < v < 65536),
+        # TGI_PAGED_DIST_TIMEOUT_S: how long a tensor-parallel collective waits for the other ranks.
+        dist_timeout_s=_parse(e, "TGI_PAGED_DIST_TIMEOUT_S", 30.0, float, "seconds in (0, 86400]",
+                              lambda v: 0.0 < v <= 86400.0),
     )
 
 
@@ -193,6 +197,7 @@ def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             request_logprobs=s.request_logprobs,
             max_batch_size=s.max_batch_size,
             max_total_tokens=s.max_total_tokens,
+            dist_timeout_s=s.dist_timeout_s,
         ),
         telemetry=TelemetryConfig(
             otlp_endpoint=cli.get("otlp_endpoint"),

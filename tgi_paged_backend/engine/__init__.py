@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 
 def build_engine(config: BackendConfig) -> PagedShardEngine:
-    """Load the model on the best device and wrap it in the paged shard engine."""
+    """Load the model on the best device and wrap it in the paged shard engine (a tensor-parallel
+    rank of the group when ``WORLD_SIZE > 1``)."""
     import torch
 
     from tgi_paged_backend.engine.shard_engine import PagedShardEngine
@@ -21,5 +22,9 @@ def build_engine(config: BackendConfig) -> PagedShardEngine:
 
     device = torch.device(f"cuda:{config.server.rank % torch.cuda.device_count()}"
                           if torch.cuda.is_available() else "cpu")
+    if config.server.world_size > 1:  # --num-shard N: one tensor-parallel rank per process
+        from tgi_paged_backend.engine.tp_engine import build_tensor_parallel_engine
+
+        return build_tensor_parallel_engine(config, device)
     runner = ModelRunner(config.model, config.cache, device)
     return PagedShardEngine(config, runner)

@@ -287,7 +287,7 @@ class PagedShardEngine:
         step_s = time.perf_counter() - t0
         if not plan.scheduled:
             time.sleep(IDLE_WAIT_S)
-        elif out.forward_ns > 0 and out.num_computed_tokens > len(plan.scheduled):
+        elif out.num_computed_tokens > len(plan.scheduled):  # depends on the plan only (same on every rank)
             self.calibrator.observe_prefill(out.num_computed_tokens, out.forward_ns / 1e9)
         self.stats.record_step(plan, out, swap_block_bytes=self.runner.block_bytes)
         self._free([r.id for r in out.finished])

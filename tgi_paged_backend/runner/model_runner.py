@@ -25,7 +25,7 @@ import tgi_paged_kernels
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
-from tgi_paged_backend.runner.model_loader import load_model
+from tgi_paged_backend.runner.model_loader import LoadedModel, load_model
 from tgi_paged_backend.runner.model_spec import ModelSpec, resolve_kv_dtype
 
 CPU_KV_BUDGET_CAP_BYTES = 4 * 1024**3
@@ -66,7 +66,7 @@ class ModelRunner:
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
 
-        loaded = load_model(model_config, self.device)
+        loaded = self._load_model(model_config)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.generation_config = loaded.generation_config
@@ -85,6 +85,10 @@ class ModelRunner:
         self.v_caches: list[torch.Tensor] = []
         self.cpu_k_caches: list[torch.Tensor] = []
         self.cpu_v_caches: list[torch.Tensor] = []
+
+    def _load_model(self, model_config: ModelConfig) -> LoadedModel:
+        """Load the model onto ``self.device`` (the tensor-parallel runner loads its shard instead)."""
+        return load_model(model_config, self.device)
 
     # ------------------------------------------------------------------ memory
     @property

@@ -85,6 +85,9 @@ async def serve(config: BackendConfig, engine_factory: EngineFactory, *,
         logger.info(f"Server started at unix://{socket_path}")
 
         await stop.wait()
+        begin_shutdown = getattr(engine, "begin_shutdown", None)
+        if callable(begin_shutdown):  # tensor parallel: peers leaving from now on is expected
+            begin_shutdown()
         return 0
     finally:
         if server is not None:

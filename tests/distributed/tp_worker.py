@@ -1,0 +1,52 @@
+"""One tensor-parallel rank of the runner parity test (``python -m tests.distributed.tp_worker``).
+
+Joins a gloo group of ``--world-size`` ranks, loads each model directory as a
+:class:`TensorParallelRunner` shard and decodes the prompts greedily through the paged pool with the
+test driver; rank 0 writes the generations and the per-rank pool sizes as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from tests.helpers.paged_driver import greedy_paged  # noqa: E402
+from tgi_paged_backend.config import CacheConfig, ModelConfig, ServerConfig  # noqa: E402
+from tgi_paged_backend.distributed import TensorParallelGroup  # noqa: E402
+from tgi_paged_backend.runner.tensor_parallel import TensorParallelRunner  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    parser.add_argument("--max-new", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("models", nargs="+")
+    args = parser.parse_args()
+
+    server = ServerConfig(rank=args.rank, world_size=args.world_size, master_addr="127.0.0.1",
+                          master_port=args.port, dist_timeout_s=60)
+    group = TensorParallelGroup.initialize(server, torch.device("cpu"), startup_timeout_s=120)
+    prompts = json.loads(args.prompts)
+    result: dict[str, dict] = {}
+    for model in args.models:
+        runner = TensorParallelRunner(ModelConfig(model_id=model), CacheConfig(block_size=8), "cpu", group)
+        tokens = greedy_paged(runner, prompts, args.max_new, seed=args.rank)
+        sizes = [runner.block_bytes, runner.spec.num_q_heads, runner.spec.num_kv_heads, runner.weights_bytes]
+        result[model] = {"tokens": tokens, "sizes": group.all_gather_ints(sizes, "test")}
+    if args.rank == 0:
+        Path(args.out).write_text(json.dumps(result))
+    group.close()
+
+
+if __name__ == "__main__":
+    main()

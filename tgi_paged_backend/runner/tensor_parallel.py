@@ -1,0 +1,198 @@
+"""Megatron-style tensor parallelism for the transformers decoder layers, and the runner that uses it.
+
+Every rank loads the full checkpoint on the CPU, slices each layer's linears in place, then moves only
+its shard to its device (peak device memory: one shard; peak host memory: one full copy per rank):
+
+- attention: ``q_proj``/``k_proj``/``v_proj`` are column-parallel (rank ``r`` keeps query heads
+  ``[r*Hq/N, (r+1)*Hq/N)`` and KV heads ``[r*Hkv/N, (r+1)*Hkv/N)``, biases sliced alike; query head
+  ``i`` still reads KV head ``i // (Hq/Hkv)``, which is local), ``o_proj`` is row-parallel: each rank
+  multiplies its slice of the input, the partial sums are all-reduced, then the bias is added once;
+- MLP: ``gate_proj``/``up_proj`` column-parallel, ``down_proj`` row-parallel.
+- embeddings, norms and ``lm_head`` are replicated: every rank computes the full logits, which are
+  bit-identical across ranks because the all-reduced hidden states are, so sampling with the
+  router's seeds picks the same tokens everywhere.
+
+transformers' attention modules reshape with ``view(..., -1, head_dim)``, so they run on the local
+heads unchanged; our paged attention sees ``Hq/N`` query and ``Hkv/N`` KV heads and the KV pool holds
+``Hkv/N`` heads per rank (:class:`TensorParallelRunner` sizes it from a per-rank
+:class:`~tgi_paged_backend.runner.model_spec.ModelSpec`). Supported: layers with separate
+``q/k/v/o_proj`` and ``gate/up/down_proj`` (Llama, Mistral, Qwen2/3, Gemma 1/2/3); fused projections
+(Phi-3) and MoE layers are refused with a clear error, as are head or MLP sizes not divisible by N.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from loguru import logger
+from torch import nn
+
+from tgi_paged_backend.config import CacheConfig, ModelConfig
+from tgi_paged_backend.runner.model_loader import LoadedModel, ModelLoadError, load_model, resolve_dtype
+from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.runner.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from tgi_paged_backend.distributed import TensorParallelGroup
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a tensor over the ranks in place and returns it."""
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """What one rank holds after :func:`shard_model`."""
+
+    rank: int
+    world_size: int
+    num_q_heads: int
+    """Local query heads (``Hq / N``)."""
+    num_kv_heads: int
+    """Local KV heads (``Hkv / N``): what this rank's KV pool stores."""
+    intermediate_size: int
+    """Local MLP width (``I / N``)."""
+    num_layers: int
+
+
+def check_divisible(spec: ModelSpec, world_size: int) -> None:
+    """Raise :class:`ModelLoadError` unless heads and MLP width split evenly over ``world_size`` ranks."""
+    problems = [f"{name}={value}" for name, value in (
+        ("num_attention_heads", spec.num_q_heads), ("num_key_value_heads", spec.num_kv_heads),
+        ("intermediate_size", spec.intermediate_size)) if value % world_size]
+    if problems:
+        raise ModelLoadError(
+            f"cannot shard {spec.model_type} over {world_size} ranks: {', '.join(problems)} not divisible by "
+            f"{world_size} (tensor parallelism splits attention heads, KV heads and the MLP evenly); use a "
+            "--num-shard that divides them, or --num-shard 1")
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_local @ W_local^T) + b``: the input features are split over the ranks."""
+
+    def __init__(self, linear: nn.Linear, rank: int, world_size: int, all_reduce: AllReduce) -> None:
+        super().__init__()
+        if linear.in_features % world_size:
+            raise ModelLoadError(f"row-parallel linear: in_features={linear.in_features} not divisible by "
+                                 f"{world_size}")
+        width = linear.in_features // world_size
+        self.in_features = width
+        self.out_features = linear.out_features
+        self.weight = nn.Parameter(linear.weight.detach()[:, rank * width:(rank + 1) * width].clone(),
+                                   requires_grad=False)
+        self.bias = (None if linear.bias is None
+                     else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
+        self._all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features} (local), out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _shard_columns(linear: nn.Linear, rank: int, world_size: int, what: str) -> None:
+    """Keep this rank's contiguous slice of the output features (weight rows and bias)."""
+    if linear.out_features % world_size:
+        raise ModelLoadError(f"{what}: out_features={linear.out_features} not divisible by {world_size}")
+    width = linear.out_features // world_size
+    rows = slice(rank * width, (rank + 1) * width)
+    linear.weight = nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
+    linear.out_features = width
+
+
+def _linear(module: nn.Module, name: str, where: str) -> nn.Linear:
+    layer = getattr(module, name, None)
+    if not isinstance(layer, nn.Linear):
+        raise ModelLoadError(f"tensor parallelism needs separate q/k/v/o and gate/up/down projections; "
+                             f"{where} has no nn.Linear {name!r} (fused projections such as Phi-3's qkv_proj, "
+                             "and MoE layers, are not supported): use --num-shard 1")
+    return layer
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+
+
+def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int,
+                all_reduce: AllReduce) -> ShardLayout:
+    """Slice every decoder layer of ``model`` (in place) to rank ``rank`` of ``world_size``."""
+    check_divisible(spec, world_size)
+    layers = _decoder_layers(model)
+    if len(layers) != spec.num_layers:
+        raise ModelLoadError(f"tensor parallelism: found {len(layers)} decoder layers with self_attn and mlp, "
+                             f"expected {spec.num_layers} ({spec.model_type} is not supported): use --num-shard 1")
+    q_local, kv_local = spec.num_q_heads // world_size, spec.num_kv_heads // world_size
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        where = f"layer {i}"
+        head_dim = getattr(attn, "head_dim", spec.head_dim)
+        if head_dim != spec.head_dim:
+            raise ModelLoadError(f"tensor parallelism: {where} has head_dim={head_dim}, expected {spec.head_dim}")
+        for name in ("q_proj", "k_proj", "v_proj"):
+            _shard_columns(_linear(attn, name, f"{where}.self_attn"), rank, world_size, f"{where}.self_attn.{name}")
+        attn.o_proj = RowParallelLinear(_linear(attn, "o_proj", f"{where}.self_attn"), rank, world_size, all_reduce)
+        # Some versions/families keep head counts on the module; the forward reshapes with -1, but
+        # keep them truthful for anything that reads them.
+        for attr, local in (("num_heads", q_local), ("num_attention_heads", q_local),
+                            ("num_key_value_heads", kv_local)):
+            if isinstance(getattr(attn, attr, None), int):
+                setattr(attn, attr, local)
+        for name in ("gate_proj", "up_proj"):
+            _shard_columns(_linear(mlp, name, f"{where}.mlp"), rank, world_size, f"{where}.mlp.{name}")
+        mlp.down_proj = RowParallelLinear(_linear(mlp, "down_proj", f"{where}.mlp"), rank, world_size, all_reduce)
+        if isinstance(getattr(mlp, "intermediate_size", None), int):
+            mlp.intermediate_size = spec.intermediate_size // world_size
+    return ShardLayout(rank=rank, world_size=world_size, num_q_heads=q_local, num_kv_heads=kv_local,
+                       intermediate_size=spec.intermediate_size // world_size, num_layers=len(layers))
+
+
+def local_spec(spec: ModelSpec, layout: ShardLayout) -> ModelSpec:
+    """The sizes one rank's KV pool and kernels see: local heads and MLP width, the same head_dim."""
+    return dataclasses.replace(spec, num_q_heads=layout.num_q_heads, num_kv_heads=layout.num_kv_heads,
+                               intermediate_size=layout.intermediate_size)
+
+
+class TensorParallelRunner(ModelRunner):
+    """A :class:`ModelRunner` over this rank's shard of the model.
+
+    ``spec`` (hence ``block_bytes`` and the KV pool) describes the local heads: each rank stores
+    ``1/N`` of the KV bytes of every token, in a pool with the same number of blocks on every rank.
+    :meth:`available_kv_bytes` is the minimum over the ranks, so every rank sizes the same pool.
+    """
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device | str,
+                 group: TensorParallelGroup) -> None:
+        self.group = group
+        self.layout: ShardLayout | None = None
+        super().__init__(model_config, cache_config, device)
+        assert self.layout is not None
+        self.full_spec = self.spec
+        self.spec = local_spec(self.spec, self.layout)
+        logger.info("Tensor parallel: rank {}/{} holds {} of {} query heads, {} of {} KV heads, MLP {} of {}; "
+                    "weights {:.1f} MiB", group.rank, group.world_size, self.spec.num_q_heads,
+                    self.full_spec.num_q_heads, self.spec.num_kv_heads, self.full_spec.num_kv_heads,
+                    self.spec.intermediate_size, self.full_spec.intermediate_size, self.weights_bytes / 2**20)
+
+    def _load_model(self, model_config: ModelConfig) -> LoadedModel:
+        """Load on the CPU in the target dtype, keep this rank's shard, move it to the device."""
+        dtype = resolve_dtype(model_config.dtype, self.device)
+        loaded = load_model(dataclasses.replace(model_config, dtype=_DTYPE_NAMES[dtype]), "cpu")
+        spec = ModelSpec.from_hf_config(loaded.model.config, loaded.dtype)
+        self.layout = shard_model(loaded.model, spec, self.group.rank, self.group.world_size, self.group.all_reduce_)
+        loaded.model.to(self.device)
+        return loaded
+
+    def available_kv_bytes(self, memory_fraction: float, activation_bytes: int | None = None) -> int:
+        """The KV budget of the tightest rank (a collective: every rank calls it at the same point)."""
+        local = super().available_kv_bytes(memory_fraction, activation_bytes)
+        return self.group.min_int(local, "agreeing on the KV pool size")
