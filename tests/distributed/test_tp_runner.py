@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.distributed.tp_helpers import free_port
+from tests.helpers.shard_driving import free_port
 from tests.helpers.paged_driver import greedy_hf
 from tests.helpers.tiny_models import EOS_ID, PAD_ID, TINY_KINDS, load_reference
 from tgi_paged_backend.config import CacheConfig, ModelConfig

@@ -8,7 +8,6 @@ token-identical to HF transformers, no leak, graceful SIGTERM.
 from __future__ import annotations
 
 import asyncio
-import socket
 import urllib.request
 from pathlib import Path
 
@@ -16,9 +15,9 @@ import pytest
 
 
 from integration.launcher_spawn import LaunchedShards, LauncherOptions
-from integration.router_replay import GenerateParameters, Router
-from integration.router_replay.datatypes import FinalEvent
-from tests.helpers.tiny_models import load_reference, write_tiny_model
+from integration.router_replay import Router
+from tests.helpers.shard_driving import free_port, hf_greedy, run_requests
+from tests.helpers.tiny_models import write_tiny_model
 
 PROMPTS = [
     "hello world this is a test",
@@ -33,38 +32,9 @@ PROMPTS = [
 MAX_NEW = 24
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model("llama", tmp_path_factory.mktemp("e2e-llama"), seed=3)
-
-
-def hf_greedy(model_dir: Path, prompts: list[str], max_new: int) -> list[list[int]]:
-    import transformers
-
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ref = load_reference(model_dir)
-    out = []
-    for text in prompts:
-        ids = tok(text, return_tensors="pt").input_ids
-        gen = ref.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
-        out.append(gen[0, ids.shape[1]:].tolist())
-    return out
-
-
-async def run_requests(router: Router, prompts: list[str], max_new: int) -> list[list[int]]:
-    async def one(text: str) -> list[int]:
-        stream = await router.generate(text, GenerateParameters(max_new_tokens=max_new, ignore_eos_token=True))
-        events = await stream.collect()
-        assert isinstance(events[-1], FinalEvent) and events[-1].generated_tokens == max_new
-        return [e.id for e in events if hasattr(e, "id")]
-
-    return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
