@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tgi_paged_backend.config import DEFAULT_OVERCOMMIT
+
 PROMPTS = (
     "What is the capital of France?",
     "Give me three tips for writing clean Python code.",
@@ -276,7 +278,7 @@ def _ask(base_url: str, question: str, max_new_tokens: int, stream: bool) -> tup
     return "".join(text), usage.prompt_tokens, usage.completion_tokens, finish
 
 
-def run_demo(requests: int = 8, max_new_tokens: int = 48, fit: int = 4, overcommit: float = 3.0,
+def run_demo(requests: int = 8, max_new_tokens: int = 48, fit: int = 4, overcommit: float = DEFAULT_OVERCOMMIT,
              model_dir: str | None = None, quiet_progress: bool = False) -> str:
     """Run everything; returns the printed report."""
     from transformers import AutoTokenizer
@@ -332,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=8, help="concurrent chat requests (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="max_tokens per request (default 48)")
     parser.add_argument("--fit", type=int, default=4, help="requests the physical pool holds (default 4)")
-    parser.add_argument("--overcommit", type=float, default=3.0, help="TGI_PAGED_OVERCOMMIT (default 3)")
+    parser.add_argument("--overcommit", type=float, default=DEFAULT_OVERCOMMIT,
+                        help=f"TGI_PAGED_OVERCOMMIT (default {DEFAULT_OVERCOMMIT:g}, the shard's)")
     parser.add_argument("--model-dir", default=None, help="a local model dir instead of SmolLM2")
     args = parser.parse_args(argv)
     run_demo(args.requests, args.max_new_tokens, args.fit, args.overcommit, args.model_dir)

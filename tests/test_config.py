@@ -16,7 +16,7 @@ from tgi_paged_backend.envs import build_config, read_env
 @pytest.mark.parametrize(
     ("name", "value", "allowed"),
     [
-        ("TGI_PAGED_BLOCK_SIZE", "12", "8, 16, 32"),
+        ("TGI_PAGED_BLOCK_SIZE", "12", "1, 2, 4, 8, 16, 32"),
         ("TGI_PAGED_OVERCOMMIT", "0.5", ">= 1.0"),
         ("TGI_PAGED_MEMORY_FRACTION", "1.7", "(0, 1]"),
         ("TGI_PAGED_PREEMPTION", "sometimes", "auto, recompute, swap"),
@@ -44,6 +44,22 @@ def test_defaults_and_launcher_variables() -> None:
     assert cfg.server.logger_level == "WARNING"
     assert cfg.server.max_batch_size == 8 and cfg.server.request_logprobs is True
     assert cfg.server.socket_path == "/tmp/s-0"
+
+
+@pytest.mark.parametrize("value", ["0", "3", "7", "64"])
+def test_block_sizes_outside_the_allowed_set_are_rejected(value: str) -> None:
+    # Powers of two from 1 (stock TGI's flashinfer pages) to 32 only; 3 and 7 are not powers of two.
+    with pytest.raises(ConfigError, match="TGI_PAGED_BLOCK_SIZE"):
+        read_env({"TGI_PAGED_BLOCK_SIZE": value})
+    with pytest.raises(ConfigError, match="block_size"):
+        CacheConfig(block_size=int(value))
+
+
+@pytest.mark.parametrize("value", [1, 2, 4, 8, 16, 32])
+def test_every_allowed_block_size_is_accepted(value: int) -> None:
+    cfg = build_config({"model_id": "/m"}, {"TGI_PAGED_BLOCK_SIZE": str(value)})
+    assert cfg.cache.block_size == value
+    assert CacheConfig(block_size=value).block_size == value
 
 
 def test_sharded_requires_world_size() -> None:

@@ -170,7 +170,7 @@ def plan(
     gpu: str = typer.Option("A10G", help="A10G, L4, A100-40, A100-80, H100, H200 or cpu."),
     memory_gb: Optional[float] = typer.Option(None, help="Device memory in GiB (overrides the GPU's)."),
     memory_fraction: float = typer.Option(0.90, help="TGI_PAGED_MEMORY_FRACTION x CUDA_MEMORY_FRACTION."),
-    block_size: int = typer.Option(16, help="TGI_PAGED_BLOCK_SIZE: 8, 16 or 32."),
+    block_size: int = typer.Option(16, help="TGI_PAGED_BLOCK_SIZE: 1, 2, 4, 8, 16 or 32."),
     dtype: Optional[str] = typer.Option(None, help="float16, bfloat16 or float32 (default as the shard)."),
     kv_dtype: str = typer.Option("auto", help="auto, fp8_e4m3fn or fp8_e5m2."),
     trace: Optional[str] = typer.Option(None, help="JSONL trace (prompt_tokens, output_tokens, arrival)."),

@@ -90,7 +90,7 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         backend=_parse(e, "TGI_BACKEND", "paged", str.lower, "paged or stock",
                        lambda v: v in ("paged", "stock")),
         # TGI_PAGED_BLOCK_SIZE: tokens per physical and virtual block.
-        block_size=_parse(e, "TGI_PAGED_BLOCK_SIZE", 16, int, "one of 8, 16, 32",
+        block_size=_parse(e, "TGI_PAGED_BLOCK_SIZE", 16, int, "one of " + ", ".join(map(str, BLOCK_SIZES)),
                           lambda v: v in BLOCK_SIZES),
         # TGI_PAGED_MEMORY_FRACTION: share of device memory for weights + activations + KV.
         memory_fraction=_parse(e, "TGI_PAGED_MEMORY_FRACTION", 0.90, float, "a number in (0, 1]",

@@ -62,5 +62,8 @@ class RouterStats:
     """Most live entries the batching loop held at once (the admitted concurrency)."""
     queue_peak: int = 0
     queue_length: int = 0
+    queue_blocked_on_kv: bool = False
+    """Entries wait and the last admission attempt stopped on the KV budget (token budget spent or
+    no blocks for the head): waiting for memory, as opposed to the prefill budget or batch size."""
     batch_concat: dict[str, int] = field(default_factory=dict)
     """Onboardings into a running batch by reason: backpressure, wait_exceeded, chunking."""

@@ -102,6 +102,11 @@ class Queue:
         self.next_batch_id = 0
         self.dropped = 0
         """Entries dropped at pop because their client had gone (``tgi_request_failure{err=dropped}``)."""
+        self.stop_reason: str | None = None
+        """Why the last :meth:`next_batch` left entries in the queue (not part of the stock router; for
+        benchmarks): ``kv`` (the token budget is spent -- the shard's reported ``max_tokens`` fills the
+        KV budget -- or the block allocator refused the head), ``prefill`` (the prefill token budget),
+        ``size`` (``min_size``/``max_size``), or ``None`` (nothing left behind)."""
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -115,13 +120,17 @@ class Queue:
     def next_batch(
         self, min_size: int | None, max_size: int | None, prefill_token_budget: int, token_budget: int
     ) -> tuple[dict[int, Entry], pb.Batch] | None:
-        if prefill_token_budget == 0 or token_budget == 0:
-            return None
+        self.stop_reason = None
         if not self.entries:
             return None
-        if min_size is not None and len(self.entries) < min_size:
+        if token_budget == 0:
+            self.stop_reason = "kv"
             return None
-        if max_size is not None and max_size == 0:
+        if prefill_token_budget == 0:
+            self.stop_reason = "prefill"
+            return None
+        if (min_size is not None and len(self.entries) < min_size) or (max_size is not None and max_size == 0):
+            self.stop_reason = "size"
             return None
 
         budget = ceil_div(prefill_token_budget, self.block_size) * self.block_size
@@ -143,6 +152,7 @@ class Queue:
                 total_tokens = prefill_tokens + decode_tokens + self.speculate
                 if prefill_tokens > budget or total_tokens > token_budget:
                     self.entries.appendleft((request_id, entry))
+                    self.stop_reason = "prefill" if prefill_tokens > budget else "kv"
                     break
             else:
                 prompt_ids = None if request.decoder_input_details else request.input_ids
@@ -150,6 +160,7 @@ class Queue:
                 allocation = self.allocator.allocate(tokens, prompt_ids)
                 if allocation is None:
                     self.entries.appendleft((request_id, entry))
+                    self.stop_reason = "kv"
                     break
                 max_blocks = max(max_blocks, len(allocation.blocks))
                 if allocation.prefix_len == request.input_length:
@@ -163,15 +174,18 @@ class Queue:
                     else:
                         self.entries.appendleft((request_id, entry))
                         allocation.free()
+                    self.stop_reason = "prefill" if self.entries else None
                     break
                 prefill_tokens += postfix_len
             picked.append((request_id, entry, allocation, None))
             if max_size is not None and len(picked) == max_size:
+                self.stop_reason = "size" if self.entries else None
                 break
 
         if not picked:
             return None
         if min_size is not None and len(picked) < min_size:
+            self.stop_reason = "size"
             for request_id, entry, allocation, _ in reversed(picked):
                 self.entries.appendleft((request_id, entry))
                 if allocation is not None:

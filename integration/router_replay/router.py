@@ -314,6 +314,7 @@ class Router:
     @property
     def stats(self) -> RouterStats:
         self._stats.queue_length = len(self._queue)
+        self._stats.queue_blocked_on_kv = bool(self._queue.entries) and self._queue.stop_reason == "kv"
         self._stats.requests_dropped_at_pop = self._queue.dropped
         return self._stats
 

@@ -8,7 +8,9 @@ non-chunking mode (separate prefill, then ``decode([running, new])``); chunked p
 ``max_prefill_tokens`` from Warmup, router ``chunk_len`` on the last request, server continuation, a
 long request joining with the router's leftover budget); prefix reuse after a request finished (no
 router hit, a router hit with ``cache_len``, and a router hit on blocks the shard already reclaimed);
-a physical pool small enough that requests are preempted by recompute or by swap.
+a physical pool small enough that requests are preempted by recompute or by swap. The preemption and
+prefix-reuse scenarios run again at block sizes 1 (stock TGI's flashinfer layout, a block per token)
+and 2.
 """
 
 from __future__ import annotations
@@ -132,11 +134,12 @@ def test_chunked_prefill_router_chunk_len_and_server_continuation(tiny_dir, hf_g
     driver.assert_idle()
 
 
-@pytest.mark.parametrize(("kind", "router_prefix_hit"), [
-    ("llama", "none"), ("qwen2", "none"), ("mistral", "none"), ("llama", "hit"), ("llama", "hit_but_evicted")])
-def test_prefix_reuse_after_finish(request, hf_greedy, kind, router_prefix_hit):
+@pytest.mark.parametrize(("kind", "router_prefix_hit", "block_size"), [
+    ("llama", "none", 8), ("qwen2", "none", 8), ("mistral", "none", 8), ("llama", "hit", 8),
+    ("llama", "hit_but_evicted", 8), ("llama", "none", 1), ("mistral", "hit", 1), ("llama", "hit", 2)])
+def test_prefix_reuse_after_finish(request, hf_greedy, kind, router_prefix_hit, block_size):
     tiny_dir = request.getfixturevalue(TINY_KIND_FIXTURES[kind])
-    engine = make_engine(tiny_dir, num_blocks=32)
+    engine = make_engine(tiny_dir, num_blocks=32 * 8 // block_size, block_size=block_size)
     blocks = RouterBlocks(engine)
     driver = RouterDriver(engine, blocks)
     text = make_text(30, 30)
@@ -181,6 +184,38 @@ def test_preemption_keeps_outputs_identical(tiny_dir, hf_greedy, mode):
     # older request crosses afterwards takes blocks from a younger one.
     batch = driver.prefill(BatchSpec(id=5, requests=tuple(requests)))
     assert engine.kv.num_free_blocks == 0
+    driver.drain(batch)
+    assert engine.stats.preemptions[mode] > 0, engine.stats.preemptions
+    if mode == "swap":
+        assert engine.stats.swap_bytes["in"] == engine.stats.swap_bytes["out"] > 0
+    expect_hf(engine, hf_greedy, tiny_dir, driver, requests)
+    driver.assert_idle()
+    assert engine.kv.num_swapped_blocks == 0
+
+
+@pytest.mark.parametrize("block_size", [1, 2])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_outputs_identical_at_small_block_sizes(tiny_dir, hf_greedy, mode, block_size):
+    # The same 64 physical tokens as above in 1- and 2-token pages (block 0 is scratch): four requests
+    # of ~12 + 20 tokens need ~128, so decoding must preempt. Block size 1 is stock TGI's flashinfer
+    # layout: a block per token, no partial last block, router slots == router block ids.
+    engine = make_engine(tiny_dir, num_blocks=64 // block_size + 1, block_size=block_size, preemption=mode,
+                         TGI_PAGED_OVERCOMMIT="3")
+    assert engine.block_size == block_size
+    result = router_warmup(engine, 64)
+    assert result.max_supported_total_tokens == 3 * 64
+    blocks = RouterBlocks(engine)
+    driver = RouterDriver(engine, blocks)
+    requests = [router_spec(engine, blocks, rid, make_text(rid, 3), 20) for rid in (40, 41, 42, 44)]
+    lengths = [len(prompt_ids(engine, r.text)) for r in requests]
+    assert all(9 <= n <= 16 for n in lengths)
+    for r, n in zip(requests, lengths):  # the router reserved prompt + 20 - 1 slots in whole blocks
+        assert len(r.slots) == n + 19 and len(r.blocks) == -(-(n + 19) // block_size)
+        if block_size == 1:
+            assert r.slots == r.blocks
+    batch = driver.prefill(BatchSpec(id=5, requests=tuple(requests)))
+    # Each prompt is backed by exactly ceil(n / block_size) physical blocks (lazy: not its reservation).
+    assert engine.kv.num_used_blocks == sum(-(-n // block_size) for n in lengths)
     driver.drain(batch)
     assert engine.stats.preemptions[mode] > 0, engine.stats.preemptions
     if mode == "swap":

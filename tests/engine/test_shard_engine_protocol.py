@@ -10,6 +10,7 @@ from tests.engine.conftest import (
     make_engine,
     make_text,
     probe,
+    prompt_ids,
     router_spec,
     router_warmup,
     spec,
@@ -183,4 +184,27 @@ def test_admission_brake_while_pool_is_short_or_requests_preempted(tiny_llama_di
             braked += waiting
         batch = driver.decode([batch])
     assert braked > 0
+    driver.assert_idle()
+
+
+def test_request_without_blocks_is_reported_waiting_then_runs(tiny_llama_dir):
+    """Two prompts that cannot both fit: the younger keeps its place without blocks (never taking the
+    older one's), the step record counts it as waiting for memory, and it runs once blocks free."""
+    engine = make_engine(tiny_llama_dir, num_blocks=9, block_size=8,  # 8 usable blocks = 64 slots
+                         TGI_PAGED_OVERCOMMIT="8")
+    router_warmup(engine, 64)
+    blocks = RouterBlocks(engine)
+    driver = RouterDriver(engine, blocks)
+
+    def text_of(rid: int) -> str:  # a prompt of 33..60 tokens: 5+ of the 8 blocks each
+        return next(t for n in range(4, 60) if 33 <= len(prompt_ids(engine, t := make_text(rid, n))) <= 60)
+
+    old, young = (router_spec(engine, blocks, rid, text_of(rid), 3) for rid in (1, 2))
+    batch = driver.prefill(BatchSpec(id=0, requests=(old, young)))
+    assert engine.requests[2].waiting_for_blocks and not engine.requests[1].waiting_for_blocks
+    assert engine.last_step.num_waiting == 1 and engine.last_step.num_preempted == 0
+    assert driver.generations[2] == [] and len(driver.generations[1]) == 1
+    driver.drain(batch)
+    assert engine.last_step.num_waiting == 0
+    assert len(driver.tokens[2]) == 3
     driver.assert_idle()

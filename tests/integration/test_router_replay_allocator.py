@@ -265,3 +265,22 @@ def test_pb_request_fields_from_queue():
     assert r.inputs == "xxxxx" and [c.text for c in r.input_chunks.chunks] == ["xxxxx"]
     assert r.parameters.grammar_type == pb.GRAMMAR_TYPE_REGEX and r.adapter_id == "dummy"
     assert r.parameters.seed == 3 and r.truncate == 100
+
+
+def test_queue_stop_reason_tells_memory_from_prefill_budget():
+    """``stop_reason`` (a benchmark aid, not stock behaviour) says why entries were left behind."""
+    q = _queue(max_batch_total_tokens=40)  # 10 blocks of 4
+    assert q.next_batch(None, None, 100, 400) is None and q.stop_reason is None  # empty queue
+    _push(q, 6)
+    _push(q, 6)
+    _push(q, 6)
+    entries, _ = q.next_batch(None, None, 100, 400)  # 3 blocks each: the fourth would not fit
+    assert list(entries) == [0, 1, 2] and q.stop_reason is None
+    _push(q, 6)
+    assert q.next_batch(None, None, 100, 400) is None and q.stop_reason == "kv"  # 1 free block
+    assert q.next_batch(None, None, 100, 0) is None and q.stop_reason == "kv"  # token budget spent
+    q2 = _queue()
+    _push(q2, 30)
+    assert q2.next_batch(None, None, 16, 400) is None and q2.stop_reason == "prefill"
+    assert q2.next_batch(None, None, 0, 400) is None and q2.stop_reason == "prefill"
+    assert q2.next_batch(2, None, 100, 400) is None and q2.stop_reason == "size"

@@ -48,6 +48,17 @@ def test_copy_blocks(copy, dtype, interleaved):
     assert_pools_equal(k_caches + v_caches, k_ref + v_ref)
 
 
+@pytest.mark.parametrize("copy", [_launch_copy_blocks, copy_blocks], ids=["triton", "torch"])
+@pytest.mark.parametrize("block_size", [1, 2])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["plain", "interleaved"])
+def test_copy_blocks_small_block_sizes(copy, block_size, interleaved):
+    k_caches, v_caches = random_pools(2, 10, torch.float16, interleaved=interleaved, block_shape=(block_size, 3, 80))
+    k_ref, v_ref = [c.clone() for c in k_caches], [c.clone() for c in v_caches]
+    copy(k_caches, v_caches, SRC, DST)
+    copy_blocks_reference(k_ref, v_ref, SRC, DST)
+    assert_pools_equal(k_caches + v_caches, k_ref + v_ref)
+
+
 def test_copy_blocks_rejects_scattered_blocks():
     k_caches, v_caches = random_pools(1, 10, torch.float16)
     transposed = [c.transpose(1, 2) for c in k_caches]  # block elements no longer contiguous
@@ -55,11 +66,13 @@ def test_copy_blocks_rejects_scattered_blocks():
         _launch_copy_blocks(transposed, transposed, SRC, DST)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e5m2], ids=str)
-def test_swap_blocks_between_cpu_pools(dtype):
+@pytest.mark.parametrize(
+    "dtype, block_size", [(torch.float16, 8), (torch.float8_e5m2, 8), (torch.float16, 1), (torch.float16, 2)], ids=str
+)
+def test_swap_blocks_between_cpu_pools(dtype, block_size):
     # Pool -> swap space and back, K and V of two layers in one call, int32 and int64 ids.
-    pool_k, pool_v = random_pools(2, 10, dtype)
-    swap_k, swap_v = random_pools(2, 6, dtype)
+    pool_k, pool_v = random_pools(2, 10, dtype, block_shape=(block_size, 3, 80))
+    swap_k, swap_v = random_pools(2, 6, dtype, block_shape=(block_size, 3, 80))
     src_ids, dst_ids = torch.tensor([7, 2, 4], dtype=torch.int32), torch.tensor([0, 5, 3])
     expected = [c.clone() for c in swap_k + swap_v]
     swap_blocks(pool_k + pool_v, swap_k + swap_v, src_ids, dst_ids)

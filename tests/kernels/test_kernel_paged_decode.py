@@ -17,6 +17,7 @@ from tgi_paged_kernels.reference import paged_decode_attention_reference
 from tgi_paged_kernels.testing import assert_attention_close, make_paged_kv
 
 ODD_LENGTHS = [1, 17, 97]
+BLOCK_SIZES = [1, 2, 4, 8, 16, 32]  # 1: token-granular pages (stock TGI's flashinfer layout)
 SPLITS = [1, 3]  # 1: single pass. 3: split-K; with 64-token slices a 97-token request leaves slice 3 empty.
 
 
@@ -53,12 +54,12 @@ def run_case(
 
 
 @pytest.mark.parametrize("num_splits", SPLITS)
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_odd_lengths_every_block_size(block_size, num_splits):
     run_case(ODD_LENGTHS, block_size=block_size, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_every_last_block_fill(block_size):
     # One request per fill level 1..block_size of its last block, spread over 1-3 blocks.
     seq_lens = [fill + block_size * (fill % 3) for fill in range(1, block_size + 1)]
@@ -123,6 +124,15 @@ def test_strided_inputs_and_out_buffer(num_splits):
         query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale=0.125
     )
     assert_attention_close(out, expected, torch.float16)
+
+
+@pytest.mark.parametrize("num_splits", SPLITS)
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_small_blocks_with_gqa_window_softcap_fp8_and_interleaved_pool(block_size, num_splits):
+    # Tiles of 64 keys span 32-64 physical blocks here: every key is its own block-table lookup.
+    run_case(ODD_LENGTHS, num_q_heads=9, num_kv_heads=3, block_size=block_size, kv_dtype=torch.float8_e4m3fn,
+             num_splits=num_splits, softcap=5.0, sliding_window=33, k_scale=0.5, v_scale=3.0,
+             interleaved=True)  # fmt: skip
 
 
 def test_many_splits_agree_with_single_pass():

@@ -16,6 +16,7 @@ from tgi_paged_kernels.reference import paged_prefill_attention_reference
 from tgi_paged_kernels.testing import assert_attention_close, make_paged_kv, query_start_loc
 
 MIXED_REQUESTS = [(1, 1), (17, 17), (5, 97), (0, 9), (40, 57)]
+BLOCK_SIZES = [1, 2, 4, 8, 16, 32]  # 1: token-granular pages (stock TGI's flashinfer layout)
 
 
 def run_case(
@@ -31,11 +32,12 @@ def run_case(
     sliding_window=None,
     k_scale=1.0,
     v_scale=1.0,
+    interleaved=False,
 ):
     query_lens, seq_lens = zip(*requests)
     kv = make_paged_kv(
         list(seq_lens), num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-        kv_dtype=kv_dtype or q_dtype, k_scale=k_scale, v_scale=v_scale,
+        kv_dtype=kv_dtype or q_dtype, k_scale=k_scale, v_scale=v_scale, interleaved=interleaved,
     )  # fmt: skip
     starts = query_start_loc(list(query_lens))
     query = torch.randn(sum(query_lens), num_q_heads, head_dim).to(q_dtype)
@@ -50,12 +52,12 @@ def run_case(
     assert_attention_close(out, expected, q_dtype)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_mixed_requests_every_block_size(block_size):
     run_case(block_size=block_size)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_every_last_block_fill(block_size):
     # Two new tokens per request, each request's pool ending at a different fill of its last block.
     run_case([(2, fill + block_size * (fill % 2)) for fill in range(1, block_size + 1)], head_dim=16,
@@ -96,6 +98,13 @@ def test_softcap_and_sliding_window(softcap, sliding_window):
     run_case(softcap=softcap, sliding_window=sliding_window)
 
 
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_small_blocks_with_gqa_window_softcap_fp8_and_interleaved_pool(block_size):
+    # Cached prefixes (5 new over 97, 40 over 57) read through one block-table entry per key.
+    run_case(num_q_heads=9, num_kv_heads=3, block_size=block_size, kv_dtype=torch.float8_e5m2, softcap=5.0,
+             sliding_window=33, k_scale=0.5, v_scale=3.0, interleaved=True)
+
+
 def test_strided_inputs_and_out_buffer():
     requests = [(17, 17), (5, 97)]
     kv = make_paged_kv([97, 17][::-1], num_kv_heads=3, head_dim=64, block_size=16, kv_dtype=torch.float16,
@@ -113,9 +122,10 @@ def test_strided_inputs_and_out_buffer():
     assert_attention_close(out, expected, torch.float16)
 
 
-def test_one_query_per_request_matches_decode():
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_one_query_per_request_matches_decode(block_size):
     # Layered check: prefill with q_len = 1 everywhere is decode.
-    kv = make_paged_kv([1, 17, 97], num_kv_heads=3, head_dim=64, block_size=16, kv_dtype=torch.float32)
+    kv = make_paged_kv([1, 17, 97], num_kv_heads=3, head_dim=64, block_size=block_size, kv_dtype=torch.float32)
     query = torch.randn(3, 9, 64)
     args = (query, kv.k_cache, kv.v_cache, kv.block_tables)
     prefill = _launch_paged_prefill(*args, query_start_loc([1, 1, 1]), kv.seq_lens, scale=0.125, sliding_window=20)

@@ -50,10 +50,26 @@ def test_every_cache_dtype(cache_dtype, store):
     check_against_reference(store, key, value, slots, (4, 16, 3, 80), cache_dtype, k_scale=0.5, v_scale=3.0)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_every_block_size(block_size):
-    key, value, slots = make_tokens(20, 3, block_size, 2, 64, torch.float16)
-    check_against_reference(_launch_store_kv, key, value, slots, (3, block_size, 2, 64), torch.float16)
+@pytest.mark.parametrize("store", [_launch_store_kv, store_kv], ids=["triton", "torch"])
+@pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16, 32])
+def test_every_block_size(block_size, store):
+    # Block size 1: slot == block id. The pool has 30 blocks' worth of slots at least for 20 tokens.
+    num_blocks = max(3, 30 // block_size)
+    key, value, slots = make_tokens(20, num_blocks, block_size, 2, 64, torch.float16)
+    check_against_reference(store, key, value, slots, (num_blocks, block_size, 2, 64), torch.float16)
+
+
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_small_blocks_interleaved_pool_fp8(block_size):
+    num_blocks = 40 // block_size
+    pool = torch.full((num_blocks, 2, block_size, 3, 80), float("nan")).to(torch.float8_e4m3fn)
+    k_cache, v_cache = pool[:, 0], pool[:, 1]
+    key, value, slots = make_tokens(17, num_blocks, block_size, 3, 80, torch.float16, scale=2.0)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    _launch_store_kv(key, value, k_cache, v_cache, slots, k_scale=0.5, v_scale=3.0)
+    store_kv_reference(key, value, k_ref, v_ref, slots, k_scale=0.5, v_scale=3.0)
+    assert_same_bits(k_cache, k_ref)
+    assert_same_bits(v_cache, v_ref)
 
 
 def test_interleaved_pool_and_fused_qkv_rows():

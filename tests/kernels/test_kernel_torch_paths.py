@@ -43,6 +43,24 @@ def test_decode_at_serving_shape():
     )
 
 
+def test_decode_and_prefill_at_serving_shape_with_token_pages():
+    # Block size 1 (stock TGI's flashinfer layout): one gathered block per key, ~1k-entry block tables.
+    requests = [(128, 128), (64, 700), (1, 1), (33, 257), (1, 1000)]  # (new tokens, tokens in pool)
+    kv = make_paged_kv([n for _, n in requests], **{**SERVING, "block_size": 1})
+    query = torch.randn(len(requests), 9, 64)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+    assert_attention_close(
+        paged_decode_attention(*args, scale=0.125), paged_decode_attention_reference(*args, scale=0.125), torch.float32
+    )
+    starts = query_start_loc([q for q, _ in requests])
+    query = torch.randn(int(starts[-1]), 9, 64)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, starts, kv.seq_lens)
+    assert_attention_close(
+        paged_prefill_attention(*args, scale=0.125), paged_prefill_attention_reference(*args, scale=0.125),
+        torch.float32,
+    )  # fmt: skip
+
+
 def test_prefill_at_serving_shape():
     requests = [(128, 128), (64, 700), (1, 1), (33, 257), (200, 1000)]  # (new tokens, tokens in pool)
     kv = make_paged_kv([n for _, n in requests], **SERVING)
@@ -88,14 +106,28 @@ def test_adversarial_grid(block_size, q_dtype, kv_dtype, softcap, sliding_window
     assert_attention_close(actual, expected, q_dtype)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=str)
-def test_store_then_decode_round_trip(cache_dtype):
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+@pytest.mark.parametrize(
+    "q_dtype, kv_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float8_e4m3fn)],
+    ids=["fp32", "fp16-e4m3"],
+)  # fmt: skip
+def test_adversarial_grid_small_blocks(block_size, q_dtype, kv_dtype):
+    # The grid's case with softcap and window at 1-, 2- and 4-token pages (one block-table entry per key at 1).
+    test_adversarial_grid(block_size, q_dtype, kv_dtype, softcap=5.0, sliding_window=33)
+
+
+@pytest.mark.parametrize(
+    "cache_dtype, block_size", [(torch.float32, 16), (torch.float8_e4m3fn, 16), (torch.float32, 1),
+                                (torch.float8_e4m3fn, 2)], ids=str,
+)  # fmt: skip
+def test_store_then_decode_round_trip(cache_dtype, block_size):
     # What the runner does each step: store the new token's K/V, then attend over the pool.
-    kv = make_paged_kv([5, 16, 40], **{**SERVING, "kv_dtype": cache_dtype})
+    kv = make_paged_kv([5, 16, 40], **{**SERVING, "kv_dtype": cache_dtype, "block_size": block_size})
     slots = torch.tensor([0, -1, 0])
     for b, seq_len in enumerate([5, 16, 40]):
         position = seq_len - 1  # overwrite each request's last position
-        slots[b] = kv.block_tables[b, position // 16] * 16 + position % 16 if b != 1 else -1
+        bs = block_size
+        slots[b] = kv.block_tables[b, position // bs] * bs + position % bs if b != 1 else -1
     key, value = torch.randn(3, 3, 64), torch.randn(3, 3, 64)
     k_ref, v_ref = kv.k_cache.clone(), kv.v_cache.clone()
     store_kv(key, value, kv.k_cache, kv.v_cache, slots)

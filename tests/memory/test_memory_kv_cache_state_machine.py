@@ -21,10 +21,6 @@ from memory_sim import KVSim
 from tgi_paged_backend.memory import KVCacheManager
 
 VOCAB = (0, 1)
-BS = 4
-NUM_BLOCKS = 13
-NUM_SWAP_BLOCKS = 6
-NUM_VIRTUAL_BLOCKS = 48
 U64_MAX = 2**64 - 1
 
 
@@ -39,13 +35,19 @@ class Req:
 
 
 class MemoryMachine(RuleBasedStateMachine):
+    # Pool geometry; subclasses below rerun the machine at other block sizes.
+    BS = 4
+    NUM_BLOCKS = 13
+    NUM_SWAP_BLOCKS = 6
+    NUM_VIRTUAL_BLOCKS = 48
+
     def __init__(self) -> None:
         super().__init__()
-        self.m = KVCacheManager(num_blocks=NUM_BLOCKS, block_size=BS, num_swap_blocks=NUM_SWAP_BLOCKS)
-        self.sim = KVSim(NUM_BLOCKS, BS, NUM_SWAP_BLOCKS)
+        self.m = KVCacheManager(num_blocks=self.NUM_BLOCKS, block_size=self.BS, num_swap_blocks=self.NUM_SWAP_BLOCKS)
+        self.sim = KVSim(self.NUM_BLOCKS, self.BS, self.NUM_SWAP_BLOCKS)
         self.reqs: dict[int, Req] = {}
         self.next_id = 0
-        self.virtual_free = list(range(NUM_VIRTUAL_BLOCKS - 1, 0, -1))  # the router's pool
+        self.virtual_free = list(range(self.NUM_VIRTUAL_BLOCKS - 1, 0, -1))  # the router's pool
 
     # ------------------------------------------------------------------------------- helpers
     def _ids(self, *states: str) -> list[int]:
@@ -88,7 +90,7 @@ class MemoryMachine(RuleBasedStateMachine):
         max_len = len(prompt) + max_new
         virtual: tuple[int, ...] = ()
         if router:
-            num = -(-max_len // BS)
+            num = -(-max_len // self.BS)
             if num > len(self.virtual_free):
                 return  # the router would not admit it
             virtual = tuple(self.virtual_free.pop() for _ in range(num))
@@ -178,30 +180,31 @@ class MemoryMachine(RuleBasedStateMachine):
     def books_balance_and_contents_are_intact(self) -> None:
         self.m.check_invariants()
         stats = self.m.stats()
-        assert stats.num_free_blocks + stats.num_used_blocks + stats.num_retained_blocks == NUM_BLOCKS - 1
+        assert stats.num_free_blocks + stats.num_used_blocks + stats.num_retained_blocks == self.NUM_BLOCKS - 1
         running = self._ids("running")
         if running:  # batched gathers agree with per-request slot mappings
             tables = self.m.block_tables(running)
             last = [self.reqs[rid].num_written - 1 for rid in running]
             slots = self.m.decode_slot_mapping(running, last)
             for i, (rid, pos) in enumerate(zip(running, last)):
-                assert slots[i] == tables[i, pos // BS] * BS + pos % BS
+                bs = self.BS
+                assert slots[i] == tables[i, pos // bs] * bs + pos % bs
                 assert slots[i] == self.m.slot_mapping([rid], [pos], [1])[0]
         for rid in running:
             req = self.reqs[rid]
             self.sim.assert_holds(self.m, rid, req.history, req.num_written)
             if req.virtual:
                 pos = np.arange(req.num_written)
-                router_slots = np.asarray(req.virtual, dtype=np.int64)[pos // BS] * BS + pos % BS
+                router_slots = np.asarray(req.virtual, dtype=np.int64)[pos // self.BS] * self.BS + pos % self.BS
                 np.testing.assert_array_equal(self.m.virtual_to_physical_slots(rid, router_slots),
                                               self.m.slot_mapping([rid], [0], [req.num_written]))
 
     def _assert_pool_drained(self, evict: bool) -> None:
         assert self.m.num_used_blocks == 0 and self.m.num_swapped_blocks == 0
-        assert self.m.num_free_blocks + self.m.num_retained_blocks == NUM_BLOCKS - 1
+        assert self.m.num_free_blocks + self.m.num_retained_blocks == self.NUM_BLOCKS - 1
         if evict:
             self.m.reset_prefix_cache()
-            assert self.m.num_free_blocks == NUM_BLOCKS - 1
+            assert self.m.num_free_blocks == self.NUM_BLOCKS - 1
         self.m.check_invariants()
 
     def teardown(self) -> None:
@@ -213,3 +216,32 @@ class MemoryMachine(RuleBasedStateMachine):
 MemoryMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
                                            derandomize=True)
 TestMemoryMachine = MemoryMachine.TestCase
+
+
+class MemoryMachineBlockSize1(MemoryMachine):
+    """Token-granular pages (stock TGI's flashinfer layout): no partial blocks, no copy-on-write,
+    every decode step maps a block. A pool of about the same token capacity as the one above."""
+
+    BS = 1
+    NUM_BLOCKS = 41
+    NUM_SWAP_BLOCKS = 20
+    NUM_VIRTUAL_BLOCKS = 160
+
+
+MemoryMachineBlockSize1.TestCase.settings = settings(max_examples=40, stateful_step_count=50, deadline=None,
+                                                     derandomize=True)
+TestMemoryMachineBlockSize1 = MemoryMachineBlockSize1.TestCase
+
+
+class MemoryMachineBlockSize2(MemoryMachine):
+    """The smallest block size with a partial last block (one-token copy-on-write)."""
+
+    BS = 2
+    NUM_BLOCKS = 23
+    NUM_SWAP_BLOCKS = 10
+    NUM_VIRTUAL_BLOCKS = 90
+
+
+MemoryMachineBlockSize2.TestCase.settings = settings(max_examples=25, stateful_step_count=50, deadline=None,
+                                                     derandomize=True)
+TestMemoryMachineBlockSize2 = MemoryMachineBlockSize2.TestCase

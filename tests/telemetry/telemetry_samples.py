@@ -43,6 +43,6 @@ def sample_steps() -> list[StepRecord]:
                    swap_out_bytes=8192, num_running=2, num_preempted=2, max_preempted_wait_s=0.0,
                    memory=memory_stats(num_used_blocks=80, num_free_blocks=12)),
         StepRecord(phase="decode", step_s=0.018, batch_size=4, tokens_computed=43, tokens_recomputed=40,
-                   swap_in_bytes=4096, resumed_wait_s=(2.0,), num_running=3, num_preempted=1,
+                   swap_in_bytes=4096, resumed_wait_s=(2.0,), num_running=3, num_waiting=1, num_preempted=1,
                    max_preempted_wait_s=2.5, memory=memory_stats()),
     ]

@@ -51,7 +51,7 @@ def test_recorded_steps_arrive_with_design_names_and_values(recorder: OtelRecord
     waste = {k: p.as_double for k, p in points_by(got["tgi_paged_kv_waste_ratio"], "kind").items()}
     assert waste == pytest.approx({"internal": 100 / 1200, "reservation": 0.7, "external": 0.0})
     requests = {k: p.as_int for k, p in points_by(got["tgi_paged_requests"], "state").items()}
-    assert requests == {"running": 3, "preempted": 1}
+    assert requests == {"running": 3, "preempted": 1, "waiting": 1}
     assert points_by(got["tgi_paged_preempted_max_wait_seconds"])[None].as_double == pytest.approx(2.5)
     assert points_by(got["tgi_paged_kv_pool_bytes"])[None].as_int == 50 * GiB
     assert points_by(got["tgi_paged_device_memory_bytes"])[None].as_int == 80 * GiB
@@ -64,6 +64,7 @@ def test_recorded_steps_arrive_with_design_names_and_values(recorder: OtelRecord
     assert {k: p.as_int for k, p in points_by(got["tgi_paged_swap_bytes_total"], "direction").items()} == {
         "out": 8192, "in": 4096}
     assert points_by(got["tgi_paged_recomputed_tokens_total"])[None].as_int == 40
+    assert points_by(got["tgi_paged_computed_tokens_total"])[None].as_int == 512 + 3 + 43
     assert points_by(got["tgi_paged_prefix_hit_tokens_total"])[None].as_int == 32
     assert points_by(got["tgi_paged_prefix_query_tokens_total"])[None].as_int == 96
 
@@ -94,7 +95,7 @@ def test_counters_accumulate_across_exports_and_memory_refresh(recorder: OtelRec
     assert points_by(got["tgi_paged_swap_bytes_total"], "direction")["out"].as_int == 2 * 8192
     assert points_by(got["tgi_paged_kv_usage_ratio"])[None].as_double == 0.0
     assert {k: p.as_int for k, p in points_by(got["tgi_paged_requests"], "state").items()} == {
-        "running": 0, "preempted": 0}
+        "running": 0, "preempted": 0, "waiting": 0}
 
 
 def test_idle_steps_do_not_skew_step_histograms(recorder: OtelRecorder, otlp_sink: OtlpSink) -> None:

@@ -17,10 +17,11 @@ from tgi_paged_backend.telemetry.step_record import MemoryBudget, PreemptionReco
 
 @dataclass
 class Req:
-    """The two RequestState fields the builder reads."""
+    """The RequestState fields the builder reads."""
 
     is_preempted: bool = False
     preempted_at: float | None = None
+    waiting_for_blocks: bool = False
 
 
 def _output(computed: int, recomputed: int = 0) -> SimpleNamespace:
@@ -45,14 +46,16 @@ def test_builder_reads_plan_output_and_memory() -> None:
                     resumed_wait_s=[1.25], num_new_blocks=2)
     builder = StepRecordBuilder(clock=lambda: 100.0)
     record = builder.build(plan=plan, out=_output(21, 4), memory=kv.stats(), step_s=0.03, swap_block_bytes=1000,
-                           requests=[Req(), Req(True, 97.0), Req(True, 99.5), Req(True, None)])
+                           requests=[Req(), Req(waiting_for_blocks=True), Req(True, 97.0), Req(True, 99.5),
+                                     Req(True, None)])
 
     assert record.phase == "prefill"  # one request computed 20 tokens
     assert (record.batch_size, record.tokens_computed, record.tokens_recomputed) == (2, 21, 4)
     assert (record.swap_out_bytes, record.swap_in_bytes, record.blocks_allocated) == (2000, 1000, 2)
     assert record.preemptions == (PreemptionRecord(mode="swap", victim_id=9, tokens_lost=32, estimated_cost_s=0.5),)
     assert record.resumed_wait_s == (1.25,)
-    assert (record.num_running, record.num_preempted, record.max_preempted_wait_s) == (1, 3, 3.0)
+    assert (record.num_running, record.num_preempted, record.max_preempted_wait_s) == (2, 3, 3.0)
+    assert record.num_waiting == 1  # blocked on KV blocks
     assert (record.prefix_query_tokens, record.prefix_hit_tokens) == (20, 0)
     assert record.memory.num_reserved_slots == 32
 

@@ -739,7 +739,7 @@ class Comparison:
 DEFAULT_OVERCOMMITS: tuple[float, ...] = (1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 MAX_RECOMPUTE_TAX = 0.10
 THROUGHPUT_TOLERANCE = 0.03
-WASTE_TOLERANCE = 0.05
+WASTE_TOLERANCE = 0.01
 
 
 def advise_overcommit(paged: dict[float, SimResult], *, max_recompute_tax: float = MAX_RECOMPUTE_TAX,

@@ -21,7 +21,10 @@ the waste gauges. Waste is reported as a share of the physical pool, time-averag
 live, in the allocator simulation's terms: internal (unfilled last-block slots), reservation (slots
 reserved but unwritten -- physical only under stock allocation, so for the stock-TGI mode this is
 what stock TGI would hold; for paged modes it is virtual and reported apart), external (free memory
-while requests wait in the queue or preempted).
+while a request waits *for memory*: preempted, blocked on KV blocks in the shard, or held in the
+router's queue by the KV budget -- its token budget spent or no blocks for the head). Free memory
+while requests queue only behind the router's prefill token budget (a compute limit: the pool fills
+as fast as prefill steps run) is reported apart as ``idle_queued``, not as waste.
 
 The shard modes import the repository's ``integration`` package (launcher spawn, router replay), which
 is not installed with the wheel: run from a checkout (``examples/bench_e2e.py`` puts the repository root
@@ -56,11 +59,12 @@ CONTIGUOUS = "contiguous"
 class E2EConfig:
     model_dir: Path
     trace: tuple[TraceRequest, ...]
-    num_blocks: int | None = 33
+    num_blocks: int | None = 513
     """``TGI_PAGED_NUM_BLOCKS``: physical blocks incl. the scratch block; the KV budget of every mode.
     ``None`` leaves the shard to size its pool from memory (shard modes only)."""
-    block_size: int = 16
-    overcommits: tuple[float, ...] = (2.0, 3.0, 4.0)
+    block_size: int = 1
+    """Of every shard mode. 1 (token pages) is stock TGI 3.x's default paging (flashinfer)."""
+    overcommits: tuple[float, ...] = (3.0, 4.0, 6.0, 8.0)
     max_input_tokens: int = 128
     max_batch_prefill_tokens: int = 256
     threads: int | None = 1
@@ -124,6 +128,8 @@ class ModeResult:
     waste_internal: float
     waste_reservation: float
     waste_external: float
+    idle_queued: float
+    """Free pool share while requests queued only behind the prefill budget (compute-bound, not waste)."""
     virtual_unbacked: float
     kv_used: float
     setup_s: float
@@ -323,7 +329,8 @@ def run_contiguous(cfg: E2EConfig, prompts: Sequence[str], *, log=print) -> Mode
         **_latency_figures(list(records.values())), peak_admitted=peak, peak_running=peak,
         mean_batch=float(np.mean(rows_per_step)), preemptions={"recompute": 0, "swap": 0}, recomputed_tokens=0,
         computed_tokens=computed, waste_internal=share["internal"], waste_reservation=share["reservation"],
-        waste_external=share["external"], virtual_unbacked=0.0, kv_used=share["used"], setup_s=setup_s,
+        waste_external=share["external"], idle_queued=0.0, virtual_unbacked=0.0, kv_used=share["used"],
+        setup_s=setup_s,
         pool_tokens=kv_tokens,
         notes=[f"rows x (longest prompt + {cap}) <= {kv_tokens} KV token slots per batch",
                f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; cpu probe {probe:.0f} ms before, "
@@ -381,7 +388,7 @@ async def _drive(router: Any, cfg: E2EConfig, prompts: Sequence[str], port: int)
     records = [RequestRecord(i, 0, r.output_tokens, r.arrival) for i, r in enumerate(cfg.trace)]
     live = {"submitted": 0, "done": 0}
     samples: dict[str, list[float]] = {k: [] for k in (
-        "t", "running", "preempted", "queued", "used_blocks", "free_blocks", "retained_blocks", "pool_tokens",
+        "t", "running", "preempted", "waiting", "queued", "queue_blocked_on_kv", "used_blocks", "free_blocks", "retained_blocks", "pool_tokens",
         "reserved_tokens", "internal_ratio", "reservation_ratio", "external_ratio")}
 
     async def one(rec: RequestRecord) -> None:
@@ -410,7 +417,10 @@ async def _drive(router: Any, cfg: E2EConfig, prompts: Sequence[str], port: int)
                 samples["t"].append(time.perf_counter() - t0)
                 samples["running"].append(_get(m, "tgi_paged_requests", state="running"))
                 samples["preempted"].append(_get(m, "tgi_paged_requests", state="preempted"))
-                samples["queued"].append(float(router.stats.queue_length))
+                samples["waiting"].append(_get(m, "tgi_paged_requests", state="waiting"))
+                stats = router.stats
+                samples["queued"].append(float(stats.queue_length))
+                samples["queue_blocked_on_kv"].append(float(stats.queue_blocked_on_kv))
                 for state in ("used", "free", "retained"):
                     samples[f"{state}_blocks"].append(_get(m, "tgi_paged_kv_blocks", state=state))
                 samples["pool_tokens"].append(_get(m, "tgi_paged_kv_physical_tokens"))
@@ -480,15 +490,18 @@ def _shard_result(cfg: E2EConfig, mode: str, overcommit: float, records: list[Re
 
     preemptions = {m: int(delta("tgi_paged_preemptions_total", mode=m)) for m in ("recompute", "swap")}
     recomputed = int(delta("tgi_paged_recomputed_tokens_total"))
+    computed_counter = int(delta("tgi_paged_computed_tokens_total"))
     batch_sum, batch_count = delta("tgi_paged_batch_size_sum"), delta("tgi_paged_batch_size_count")
     received = sum(len(r.token_times) for r in records)
-    computed = sum(r.input_length for r in records) + received + len(records) + recomputed
+    # The shard's own counter when it has one; else prompt + generated (+1 for the token a disconnect
+    # costs) + recomputed, counted client-side.
+    computed = computed_counter or sum(r.input_length for r in records) + received + len(records) + recomputed
     wall = max(t for r in records for t in r.token_times)
     useful = sum(r.output_tokens for r in records)
     # Waste from the gauges, in slots of the physical pool, averaged over samples with live work.
     bs = cfg.block_size
     pool_tokens = int(_get(after, "tgi_paged_kv_physical_tokens"))
-    acc = {"internal": [], "reservation": [], "external": [], "virtual": [], "used": []}
+    acc = {"internal": [], "reservation": [], "external": [], "idle_queued": [], "virtual": [], "used": []}
     gauges: dict[str, list[float]] = {"internal": [], "reservation": [], "external": []}
     for k in range(len(samples["t"])):
         running, preempted, queued = samples["running"][k], samples["preempted"][k], samples["queued"][k]
@@ -499,16 +512,18 @@ def _shard_result(cfg: E2EConfig, mode: str, overcommit: float, records: list[Re
         internal = samples["internal_ratio"][k] * used_slots
         reservation = samples["reservation_ratio"][k] * samples["reserved_tokens"][k]
         free_slots = (samples["free_blocks"][k] + samples["retained_blocks"][k]) * bs
-        waiting = queued > 0 or preempted > 0
+        memory_blocked = preempted > 0 or samples["waiting"][k] > 0 or samples["queue_blocked_on_kv"][k] > 0
         if mode == STOCK:
             # Stock TGI backs every reserved slot: idle memory is what no reservation holds.
+            idle = max(pool - samples["reserved_tokens"][k], 0) / pool
             acc["reservation"].append(reservation / pool)
-            acc["external"].append(max(pool - samples["reserved_tokens"][k], 0) / pool if waiting else 0.0)
             acc["virtual"].append(0.0)
         else:
+            idle = free_slots / pool
             acc["reservation"].append(0.0)
-            acc["external"].append(free_slots / pool if waiting else 0.0)
             acc["virtual"].append(reservation / pool)
+        acc["external"].append(idle if memory_blocked else 0.0)
+        acc["idle_queued"].append(idle if queued > 0 and not memory_blocked else 0.0)
         acc["internal"].append(internal / pool)
         acc["used"].append(max(used_slots - internal, 0) / pool)
         for kind in gauges:
@@ -525,9 +540,9 @@ def _shard_result(cfg: E2EConfig, mode: str, overcommit: float, records: list[Re
         peak_running=peak_running, mean_batch=batch_sum / batch_count if batch_count else 0.0,
         preemptions=preemptions, recomputed_tokens=recomputed, computed_tokens=int(computed),
         waste_internal=mean["internal"], waste_reservation=mean["reservation"], waste_external=mean["external"],
-        virtual_unbacked=mean["virtual"], kv_used=mean["used"], setup_s=setup_s, pool_tokens=pool_tokens,
+        idle_queued=mean["idle_queued"], virtual_unbacked=mean["virtual"], kv_used=mean["used"], setup_s=setup_s, pool_tokens=pool_tokens,
         shard_waste={k: float(np.mean(v)) if v else 0.0 for k, v in gauges.items()}, notes=notes,
-        samples={k: samples[k] for k in ("t", "running", "preempted", "queued")})
+        samples={k: samples[k] for k in ("t", "running", "preempted", "waiting", "queued", "queue_blocked_on_kv")})
 
 
 # ------------------------------------------------------------------------------------------- all
@@ -548,21 +563,26 @@ class E2EReport:
                 "elapsed_s": self.elapsed_s}
 
 
-def recommend(results: Sequence[ModeResult], *, max_recompute_tax: float = 0.10,
-              tolerance: float = 0.05) -> tuple[float | None, str]:
-    """The smallest measured overcommit within ``tolerance`` of the best paged tokens/s whose
-    recompute tax stays under ``max_recompute_tax``."""
+def recommend(results: Sequence[ModeResult], *, max_recompute_tax: float = 0.10, tolerance: float = 0.05,
+              waste_tolerance: float = 0.01) -> tuple[float | None, str]:
+    """The smallest measured overcommit within ``tolerance`` of the best paged tokens/s and within
+    ``waste_tolerance`` (absolute) of the lowest KV waste, among runs whose recompute tax stays under
+    ``max_recompute_tax`` (the same rule as the simulation's ``advise_overcommit``, with a wider
+    throughput tolerance for wall-clock noise)."""
     paged = [r for r in results if r.mode == "paged"]
     if not paged:
         return None, "no paged run"
     ok = [r for r in paged if r.recompute_tax <= max_recompute_tax] or paged
     best = max(r.tokens_per_s for r in ok)
-    chosen = min((r for r in ok if r.tokens_per_s >= (1 - tolerance) * best), key=lambda r: r.overcommit or 0)
-    others = ", ".join(f"{r.overcommit:g}: {r.tokens_per_s:.1f} tok/s, tax {100 * r.recompute_tax:.1f} %, "
-                       f"{sum(r.preemptions.values())} preemptions"
+    least_waste = min(r.waste_total for r in ok)
+    good = [r for r in ok if r.tokens_per_s >= (1 - tolerance) * best and r.waste_total <= least_waste + waste_tolerance]
+    chosen = min(good, key=lambda r: r.overcommit or 0) if good else max(ok, key=lambda r: r.tokens_per_s)
+    others = ", ".join(f"{r.overcommit:g}: {r.tokens_per_s:.1f} tok/s, waste {100 * r.waste_total:.1f} %, "
+                       f"tax {100 * r.recompute_tax:.1f} %, {sum(r.preemptions.values())} preemptions"
                        for r in sorted(paged, key=lambda r: r.overcommit or 0))
-    why = (f"smallest overcommit within {100 * tolerance:.0f} % of the best measured tokens/s with recompute tax "
-           f"<= {100 * max_recompute_tax:.0f} % ({others})")
+    why = (f"smallest overcommit within {100 * tolerance:.0f} % of the best measured tokens/s and "
+           f"{100 * waste_tolerance:.0f} point of the lowest waste, recompute tax <= {100 * max_recompute_tax:.0f} % "
+           f"({others})")
     return chosen.overcommit, why
 
 
@@ -623,6 +643,7 @@ def format_report(report: E2EReport) -> str:
         row("KV waste (pool share)", lambda r: pct(r.waste_total)),
         row("  internal/reserv./external", lambda r: f"{100 * r.waste_internal:.1f}/{100 * r.waste_reservation:.1f}/"
                                                      f"{100 * r.waste_external:.1f}"),
+        row("  idle, queued on prefill budget", lambda r: pct(r.idle_queued)),
         row("  virtual reserved, unbacked", lambda r: pct(r.virtual_unbacked)),
         row("KV holding tokens", lambda r: pct(r.kv_used)),
         row("shard gauges internal/extern.", lambda r: f"{100 * r.shard_waste['internal']:.1f}/"

@@ -32,6 +32,8 @@ from typing import Any
 
 from tgi_paged_backend.bench.allocator_sim import (
     DEFAULT_OVERCOMMITS,
+    THROUGHPUT_TOLERANCE,
+    WASTE_TOLERANCE,
     Comparison,
     SimConfig,
     StepCostModel,
@@ -364,8 +366,9 @@ def advice_reason(c: Comparison) -> str:
     best = c.best
     top = max(c.paged.values(), key=lambda r: r.tokens_per_s)
     least = min(c.paged.values(), key=lambda r: r.waste_total)
-    return (f"the smallest overcommit within 3 % of the best simulated throughput ({best.tokens_per_s:,.0f} vs "
-            f"{top.tokens_per_s:,.0f} tok/s at {top.overcommit:g}) and 5 points of the lowest KV waste "
+    return (f"the smallest overcommit within {100 * THROUGHPUT_TOLERANCE:g} % of the best simulated throughput "
+            f"({best.tokens_per_s:,.0f} vs {top.tokens_per_s:,.0f} tok/s at {top.overcommit:g}) and "
+            f"{100 * WASTE_TOLERANCE:g} point(s) of the lowest KV waste "
             f"({100 * best.waste_total:.1f} % vs {100 * least.waste_total:.1f} % at {least.overcommit:g}), recompute "
             f"tax {100 * best.recompute_tax:.1f} % ({best.preemptions_recompute} recompute / "
             f"{best.preemptions_swap} swap preemptions)")

@@ -53,6 +53,9 @@ class RequestState:
     """Accumulated prompt-token logprobs across chunks (only when requested and enabled)."""
     finish_reason: FinishReason | None = None
     recomputed_tokens: int = 0
+    waiting_for_blocks: bool = False
+    """The last step could not give it the KV blocks it needed (nothing left to preempt): it holds its
+    place in the batch and waits for memory. Set and cleared by the scheduler."""
     chunk_len_hint: int | None = None
     """The router's ``chunk_len`` for the first chunk, consumed once."""
     stop_state: object | None = None

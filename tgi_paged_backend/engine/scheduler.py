@@ -81,7 +81,9 @@ class Scheduler:
             if request.status is RequestStatus.PREEMPTED:  # resume: share what is still retained
                 request.num_computed = self.kv.match_prefix(request.id, request.all_ids).num_cached_tokens
             n = self._num_tokens(request, prefill_budget)
-            if n == 0 or not self._allocate(request, request.num_computed + n, victims_pool, plan):
+            request.waiting_for_blocks = n > 0 and not self._allocate(request, request.num_computed + n,
+                                                                       victims_pool, plan)
+            if n == 0 or request.waiting_for_blocks:
                 self._release_if_waiting(request)
                 continue
             if request.status is RequestStatus.PREEMPTED:

@@ -299,8 +299,9 @@ class PagedShardEngine:
 
     def _record_memory(self) -> None:
         num_preempted = sum(1 for r in self.requests.values() if r.is_preempted)
+        num_waiting = sum(1 for r in self.requests.values() if not r.is_preempted and r.waiting_for_blocks)
         self.recorder.record_memory(self.kv.stats(), num_running=len(self.requests) - num_preempted,
-                                    num_preempted=num_preempted)
+                                    num_preempted=num_preempted, num_waiting=num_waiting)
 
     def _liveness(self, batch: BatchSpec, start_ns: int) -> StepResult:
         """The router's health probe: one token on the scratch block, nothing kept."""

@@ -46,7 +46,7 @@ class StepRecordBuilder:
             if kind in swap:
                 swap[kind] += len(src) * swap_block_bytes
         now = self._clock()
-        num_running = num_preempted = 0
+        num_running = num_preempted = num_waiting = 0
         max_wait = 0.0
         for request in requests:
             if request.is_preempted:
@@ -55,6 +55,7 @@ class StepRecordBuilder:
                     max_wait = max(max_wait, now - request.preempted_at)
             else:
                 num_running += 1
+                num_waiting += request.waiting_for_blocks
         return StepRecord(
             phase=phase, step_s=max(step_s, 0.0), batch_size=batch_size,
             tokens_computed=out.num_computed_tokens, tokens_recomputed=out.num_recomputed_tokens,
@@ -66,6 +67,7 @@ class StepRecordBuilder:
             prefix_hit_tokens=self._delta_hit(memory.num_prefix_hit_tokens),
             prefix_query_tokens=self._delta_query(memory.num_prefix_query_tokens),
             resumed_wait_s=tuple(plan.resumed_wait_s), num_running=num_running, num_preempted=num_preempted,
+            num_waiting=num_waiting,
             max_preempted_wait_s=max(max_wait, 0.0), memory=memory)
 
     def _delta_hit(self, cumulative: int) -> int:

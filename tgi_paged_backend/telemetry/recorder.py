@@ -56,10 +56,11 @@ METRIC_NAMES: dict[str, str] = {
     "tgi_paged_activation_peak_bytes": "Profiled activation peak",
     "tgi_paged_kv_pool_bytes": "Physical KV pool size",
     "tgi_paged_swap_space_bytes": "CPU swap space for swapped-out KV blocks",
-    "tgi_paged_requests": "Live requests by state",
+    "tgi_paged_requests": "Live requests by state (running includes waiting: blocked on KV blocks at the last step)",
     "tgi_paged_preempted_max_wait_seconds": "Longest current wait among preempted requests",
     # preemption and prefix cache (counters, histogram)
     "tgi_paged_preemptions_total": "Requests preempted, by mode",
+    "tgi_paged_computed_tokens_total": "Tokens computed by forward steps (prompt, generated and recomputed)",
     "tgi_paged_recomputed_tokens_total": "Tokens computed again after recompute-mode preemption",
     "tgi_paged_swap_bytes_total": "Bytes copied between device and CPU swap, by direction",
     "tgi_paged_preempted_wait_seconds": "Time a resumed request spent preempted",
@@ -77,7 +78,7 @@ class MetricsRecorder(Protocol):
     def record_step(self, record: StepRecord) -> None: ...
 
     def record_memory(self, memory: MemoryStats, *, num_running: int, num_preempted: int,
-                      max_preempted_wait_s: float = 0.0) -> None:
+                      max_preempted_wait_s: float = 0.0, num_waiting: int = 0) -> None:
         """Refresh the pool gauges outside a step (after FilterBatch / ClearCache freed blocks)."""
 
     def record_budget(self, budget: MemoryBudget) -> None: ...
@@ -92,7 +93,7 @@ class NullRecorder:
         pass
 
     def record_memory(self, memory: MemoryStats, *, num_running: int, num_preempted: int,
-                      max_preempted_wait_s: float = 0.0) -> None:
+                      max_preempted_wait_s: float = 0.0, num_waiting: int = 0) -> None:
         pass
 
     def record_budget(self, budget: MemoryBudget) -> None:
@@ -114,9 +115,9 @@ class PreemptionLoggingRecorder:
         self.inner.record_step(record)
 
     def record_memory(self, memory: MemoryStats, *, num_running: int, num_preempted: int,
-                      max_preempted_wait_s: float = 0.0) -> None:
+                      max_preempted_wait_s: float = 0.0, num_waiting: int = 0) -> None:
         self.inner.record_memory(memory, num_running=num_running, num_preempted=num_preempted,
-                                 max_preempted_wait_s=max_preempted_wait_s)
+                                 max_preempted_wait_s=max_preempted_wait_s, num_waiting=num_waiting)
 
     def record_budget(self, budget: MemoryBudget) -> None:
         self.inner.record_budget(budget)
@@ -165,7 +166,7 @@ class OtelRecorder:
             readers.append(self.prometheus)
         self.provider = MeterProvider(resource=self.resource, metric_readers=readers, views=_views())
         self._memory: MemoryStats | None = None
-        self._requests = (0, 0, 0.0)
+        self._requests = (0, 0, 0.0, 0)
         self._budget: MemoryBudget | None = None
         self._closed = False
         self._create_instruments()
@@ -186,7 +187,8 @@ class OtelRecorder:
 
     def record_step(self, record: StepRecord) -> None:
         self._memory = record.memory
-        self._requests = (record.num_running, record.num_preempted, record.max_preempted_wait_s)
+        self._requests = (record.num_running, record.num_preempted, record.max_preempted_wait_s,
+                          record.num_waiting)
         if record.batch_size:
             self._step_seconds.record(record.step_s, self._phase_attrs[record.phase])
             self._batch_size.record(record.batch_size)
@@ -194,6 +196,8 @@ class OtelRecorder:
             self._preemptions.add(1, self._mode_attrs.get(event.mode) or {"mode": event.mode})
         for waited in record.resumed_wait_s:
             self._preempted_wait.record(waited)
+        if record.tokens_computed:
+            self._computed.add(record.tokens_computed)
         if record.tokens_recomputed:
             self._recomputed.add(record.tokens_recomputed)
         if record.swap_out_bytes:
@@ -206,9 +210,9 @@ class OtelRecorder:
             self._prefix_hit.add(record.prefix_hit_tokens)
 
     def record_memory(self, memory: MemoryStats, *, num_running: int, num_preempted: int,
-                      max_preempted_wait_s: float = 0.0) -> None:
+                      max_preempted_wait_s: float = 0.0, num_waiting: int = 0) -> None:
         self._memory = memory
-        self._requests = (num_running, num_preempted, max_preempted_wait_s)
+        self._requests = (num_running, num_preempted, max_preempted_wait_s, num_waiting)
 
     def record_budget(self, budget: MemoryBudget) -> None:
         self._budget = budget
@@ -255,6 +259,7 @@ class OtelRecorder:
             gauge(name, "By", self._budget_field(field))
 
         self._preemptions = counter("tgi_paged_preemptions_total", "{preemption}")
+        self._computed = counter("tgi_paged_computed_tokens_total", "{token}")
         self._recomputed = counter("tgi_paged_recomputed_tokens_total", "{token}")
         self._swap_bytes = counter("tgi_paged_swap_bytes_total", "By")
         self._prefix_hit = counter("tgi_paged_prefix_hit_tokens_total", "{token}")
@@ -267,7 +272,7 @@ class OtelRecorder:
             self._preemptions.add(0, attrs)
         for attrs in self._direction_attrs.values():
             self._swap_bytes.add(0, attrs)
-        for instrument in (self._recomputed, self._prefix_hit, self._prefix_query):
+        for instrument in (self._computed, self._recomputed, self._prefix_hit, self._prefix_query):
             instrument.add(0)
 
     def _pool(self, value):
@@ -293,8 +298,9 @@ class OtelRecorder:
                 Observation(m.external_waste_ratio, {"kind": "external"})]
 
     def _observe_requests(self, options: CallbackOptions) -> list[Observation]:
-        running, preempted, _ = self._requests
-        return [Observation(running, {"state": "running"}), Observation(preempted, {"state": "preempted"})]
+        running, preempted, _, waiting = self._requests
+        return [Observation(running, {"state": "running"}), Observation(preempted, {"state": "preempted"}),
+                Observation(waiting, {"state": "waiting"})]
 
     def _observe_max_wait(self, options: CallbackOptions) -> list[Observation]:
         return [Observation(self._requests[2])]

@@ -68,6 +68,9 @@ class StepRecord:
     """For each request resumed in this step: seconds it spent preempted."""
     num_running: int = 0
     """Live requests holding (or about to get) device blocks after the step, engine-wide."""
+    num_waiting: int = 0
+    """Of ``num_running``: requests the last step could not give the KV blocks they needed (they keep
+    their place and wait for memory), engine-wide."""
     num_preempted: int = 0
     """Live requests waiting preempted after the step, engine-wide."""
     max_preempted_wait_s: float = 0.0
@@ -80,7 +83,7 @@ class StepRecord:
             raise ValueError(f"phase={self.phase!r} is invalid: allowed {PHASES}")
         for name in ("step_s", "batch_size", "tokens_computed", "tokens_recomputed", "blocks_allocated",
                      "swap_out_bytes", "swap_in_bytes", "prefix_hit_tokens", "prefix_query_tokens",
-                     "num_running", "num_preempted", "max_preempted_wait_s"):
+                     "num_running", "num_waiting", "num_preempted", "max_preempted_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: allowed >= 0")
 
