@@ -68,7 +68,8 @@ CHECK_CASES = [  # overrides of the base case: fp16, D=128, block 16, 32/8 heads
     {"kv_dtype": torch.float8_e4m3fn}, {"q_dtype": torch.bfloat16, "kv_dtype": torch.float8_e5m2},
     {"kv_dtype": torch.float32},
     {"head_dim": 64}, {"head_dim": 80}, {"head_dim": 96}, {"head_dim": 256},
-    {"block_size": 8}, {"block_size": 32}, {"heads": (9, 3)}, {"heads": (8, 1)}, {"heads": (4, 4)},
+    {"block_size": 1}, {"block_size": 2}, {"block_size": 4}, {"block_size": 8}, {"block_size": 32},
+    {"heads": (9, 3)}, {"heads": (8, 1)}, {"heads": (4, 4)},
     {"softcap": 30.0}, {"sliding_window": 100}, {"softcap": 5.0, "sliding_window": 1000, "num_splits": 4},
     {"interleaved": True},
 ]  # fmt: skip

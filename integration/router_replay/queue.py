@@ -185,7 +185,7 @@ class Queue:
         if not picked:
             return None
         if min_size is not None and len(picked) < min_size:
-            self.stop_reason = "size"
+            self.stop_reason = self.stop_reason or "size"
             for request_id, entry, allocation, _ in reversed(picked):
                 self.entries.appendleft((request_id, entry))
                 if allocation is not None:

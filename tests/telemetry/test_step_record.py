@@ -23,6 +23,10 @@ class Req:
     preempted_at: float | None = None
     waiting_for_blocks: bool = False
 
+    @property
+    def is_waiting(self) -> bool:
+        return self.waiting_for_blocks
+
 
 def _output(computed: int, recomputed: int = 0) -> SimpleNamespace:
     """Stands in for ``engine.model_step.StepOutput`` (importing it loads torch + transformers: slow)."""
@@ -54,8 +58,8 @@ def test_builder_reads_plan_output_and_memory() -> None:
     assert (record.swap_out_bytes, record.swap_in_bytes, record.blocks_allocated) == (2000, 1000, 2)
     assert record.preemptions == (PreemptionRecord(mode="swap", victim_id=9, tokens_lost=32, estimated_cost_s=0.5),)
     assert record.resumed_wait_s == (1.25,)
-    assert (record.num_running, record.num_preempted, record.max_preempted_wait_s) == (2, 3, 3.0)
-    assert record.num_waiting == 1  # blocked on KV blocks
+    assert (record.num_running, record.num_preempted, record.max_preempted_wait_s) == (1, 3, 3.0)
+    assert record.num_waiting == 1  # blocked on KV blocks: not also running
     assert (record.prefix_query_tokens, record.prefix_hit_tokens) == (20, 0)
     assert record.memory.num_reserved_slots == 32
 

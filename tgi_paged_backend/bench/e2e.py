@@ -8,7 +8,8 @@
   driven by the v3 router replay. The router's virtual pool then equals the physical pool and it
   reserves ``prompt + max_new_tokens - 1`` per request, so admission is stock TGI's and nothing is
   ever preempted.
-- **paged**: the same shard with its defaults except the overcommit, once per overcommit value.
+- **paged**: the same shard with its defaults except the overcommit (once per value) and the block
+  size (``block_size``, the same for every shard mode; the bench's default is 1, stock TGI's own paging).
 
 Every mode gets ``(num_blocks - 1) x block_size`` token slots of KV (``TGI_PAGED_NUM_BLOCKS``, the
 scratch block excluded). Clients send ``max_new_tokens`` = the trace's cap with ``ignore_eos_token``,
@@ -24,7 +25,9 @@ what stock TGI would hold; for paged modes it is virtual and reported apart), ex
 while a request waits *for memory*: preempted, blocked on KV blocks in the shard, or held in the
 router's queue by the KV budget -- its token budget spent or no blocks for the head). Free memory
 while requests queue only behind the router's prefill token budget (a compute limit: the pool fills
-as fast as prefill steps run) is reported apart as ``idle_queued``, not as waste.
+as fast as prefill steps run) is reported apart as ``idle_queued``, not as waste. For the contiguous
+baseline every wait is a wait for memory (a static batch takes as many rows as fit and none can join
+it), so all its idle memory while requests wait is external.
 
 The shard modes import the repository's ``integration`` package (launcher spawn, router replay), which
 is not installed with the wheel: run from a checkout (``examples/bench_e2e.py`` puts the repository root
@@ -129,7 +132,8 @@ class ModeResult:
     waste_reservation: float
     waste_external: float
     idle_queued: float
-    """Free pool share while requests queued only behind the prefill budget (compute-bound, not waste)."""
+    """Free pool share while requests queued in the router but not on the KV budget (behind the prefill
+    budget, or arrived since its last admission attempt): compute-bound, not waste."""
     virtual_unbacked: float
     kv_used: float
     setup_s: float
@@ -388,7 +392,8 @@ async def _drive(router: Any, cfg: E2EConfig, prompts: Sequence[str], port: int)
     records = [RequestRecord(i, 0, r.output_tokens, r.arrival) for i, r in enumerate(cfg.trace)]
     live = {"submitted": 0, "done": 0}
     samples: dict[str, list[float]] = {k: [] for k in (
-        "t", "running", "preempted", "waiting", "queued", "queue_blocked_on_kv", "used_blocks", "free_blocks", "retained_blocks", "pool_tokens",
+        "t", "running", "preempted", "waiting", "queued", "queue_blocked_on_kv", "used_blocks", "free_blocks",
+        "retained_blocks", "pool_tokens",
         "reserved_tokens", "internal_ratio", "reservation_ratio", "external_ratio")}
 
     async def one(rec: RequestRecord) -> None:
@@ -540,7 +545,8 @@ def _shard_result(cfg: E2EConfig, mode: str, overcommit: float, records: list[Re
         peak_running=peak_running, mean_batch=batch_sum / batch_count if batch_count else 0.0,
         preemptions=preemptions, recomputed_tokens=recomputed, computed_tokens=int(computed),
         waste_internal=mean["internal"], waste_reservation=mean["reservation"], waste_external=mean["external"],
-        idle_queued=mean["idle_queued"], virtual_unbacked=mean["virtual"], kv_used=mean["used"], setup_s=setup_s, pool_tokens=pool_tokens,
+        idle_queued=mean["idle_queued"], virtual_unbacked=mean["virtual"], kv_used=mean["used"], setup_s=setup_s,
+        pool_tokens=pool_tokens,
         shard_waste={k: float(np.mean(v)) if v else 0.0 for k, v in gauges.items()}, notes=notes,
         samples={k: samples[k] for k in ("t", "running", "preempted", "waiting", "queued", "queue_blocked_on_kv")})
 
@@ -575,12 +581,14 @@ def recommend(results: Sequence[ModeResult], *, max_recompute_tax: float = 0.10,
     ok = [r for r in paged if r.recompute_tax <= max_recompute_tax] or paged
     best = max(r.tokens_per_s for r in ok)
     least_waste = min(r.waste_total for r in ok)
-    good = [r for r in ok if r.tokens_per_s >= (1 - tolerance) * best and r.waste_total <= least_waste + waste_tolerance]
+    good = [r for r in ok
+            if r.tokens_per_s >= (1 - tolerance) * best and r.waste_total <= least_waste + waste_tolerance]
     chosen = min(good, key=lambda r: r.overcommit or 0) if good else max(ok, key=lambda r: r.tokens_per_s)
+    rule = "" if good else "no run met both tolerances: the fastest; "
     others = ", ".join(f"{r.overcommit:g}: {r.tokens_per_s:.1f} tok/s, waste {100 * r.waste_total:.1f} %, "
                        f"tax {100 * r.recompute_tax:.1f} %, {sum(r.preemptions.values())} preemptions"
                        for r in sorted(paged, key=lambda r: r.overcommit or 0))
-    why = (f"smallest overcommit within {100 * tolerance:.0f} % of the best measured tokens/s and "
+    why = (f"{rule}smallest overcommit within {100 * tolerance:.0f} % of the best measured tokens/s and "
            f"{100 * waste_tolerance:.0f} point of the lowest waste, recompute tax <= {100 * max_recompute_tax:.0f} % "
            f"({others})")
     return chosen.overcommit, why
@@ -643,7 +651,7 @@ def format_report(report: E2EReport) -> str:
         row("KV waste (pool share)", lambda r: pct(r.waste_total)),
         row("  internal/reserv./external", lambda r: f"{100 * r.waste_internal:.1f}/{100 * r.waste_reservation:.1f}/"
                                                      f"{100 * r.waste_external:.1f}"),
-        row("  idle, queued on prefill budget", lambda r: pct(r.idle_queued)),
+        row("  idle, queue not KV-bound", lambda r: pct(r.idle_queued)),
         row("  virtual reserved, unbacked", lambda r: pct(r.virtual_unbacked)),
         row("KV holding tokens", lambda r: pct(r.kv_used)),
         row("shard gauges internal/extern.", lambda r: f"{100 * r.shard_waste['internal']:.1f}/"
@@ -675,7 +683,8 @@ def _targets(report: E2EReport) -> str:
     if chosen is None:
         return "targets: no paged run"
     which = "the default" if chosen.overcommit == DEFAULT_OVERCOMMIT else "recommended"
-    lines = [f"targets (paged oc {chosen.overcommit:g}, {which}):"]
+    block_size = report.config.get("block_size", "?")
+    lines = [f"targets (paged oc {chosen.overcommit:g}, {which}; block size {block_size} in every shard mode):"]
 
     def check(name: str, value: float, target: float, fmt: str, higher: bool = True) -> None:
         ok = value >= target if higher else value < target

@@ -89,6 +89,14 @@ class RequestState:
         return self.status in (RequestStatus.SWAPPED, RequestStatus.PREEMPTED)
 
     @property
+    def is_waiting(self) -> bool:
+        """Admitted but waiting for memory without having been preempted: the last step could not give
+        it KV blocks, or (a new request) it gave back its shared prefix blocks while waiting."""
+        if self.status is RequestStatus.PREEMPTED and self.num_preemptions == 0:
+            return True
+        return self.status is RequestStatus.RUNNING and self.waiting_for_blocks
+
+    @property
     def reserved_tokens(self) -> int:
         """Slots the router reserved (what stock TGI would have allocated)."""
         return len(self.spec.slots)

@@ -298,9 +298,9 @@ class PagedShardEngine:
         return out.generations, out.forward_ns, out.decode_ns
 
     def _record_memory(self) -> None:
-        num_preempted = sum(1 for r in self.requests.values() if r.is_preempted)
-        num_waiting = sum(1 for r in self.requests.values() if not r.is_preempted and r.waiting_for_blocks)
-        self.recorder.record_memory(self.kv.stats(), num_running=len(self.requests) - num_preempted,
+        num_waiting = sum(1 for r in self.requests.values() if r.is_waiting)
+        num_preempted = sum(1 for r in self.requests.values() if r.is_preempted and not r.is_waiting)
+        self.recorder.record_memory(self.kv.stats(), num_running=len(self.requests) - num_preempted - num_waiting,
                                     num_preempted=num_preempted, num_waiting=num_waiting)
 
     def _liveness(self, batch: BatchSpec, start_ns: int) -> StepResult:

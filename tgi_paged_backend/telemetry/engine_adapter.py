@@ -49,13 +49,14 @@ class StepRecordBuilder:
         num_running = num_preempted = num_waiting = 0
         max_wait = 0.0
         for request in requests:
-            if request.is_preempted:
+            if request.is_waiting:
+                num_waiting += 1
+            elif request.is_preempted:
                 num_preempted += 1
                 if request.preempted_at is not None:
                     max_wait = max(max_wait, now - request.preempted_at)
             else:
                 num_running += 1
-                num_waiting += request.waiting_for_blocks
         return StepRecord(
             phase=phase, step_s=max(step_s, 0.0), batch_size=batch_size,
             tokens_computed=out.num_computed_tokens, tokens_recomputed=out.num_recomputed_tokens,

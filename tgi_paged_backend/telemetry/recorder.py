@@ -56,7 +56,8 @@ METRIC_NAMES: dict[str, str] = {
     "tgi_paged_activation_peak_bytes": "Profiled activation peak",
     "tgi_paged_kv_pool_bytes": "Physical KV pool size",
     "tgi_paged_swap_space_bytes": "CPU swap space for swapped-out KV blocks",
-    "tgi_paged_requests": "Live requests by state (running includes waiting: blocked on KV blocks at the last step)",
+    "tgi_paged_requests": "Live requests by state (running: holding KV blocks; waiting: admitted, no blocks "
+                          "yet; preempted)",
     "tgi_paged_preempted_max_wait_seconds": "Longest current wait among preempted requests",
     # preemption and prefix cache (counters, histogram)
     "tgi_paged_preemptions_total": "Requests preempted, by mode",

@@ -67,10 +67,10 @@ class StepRecord:
     resumed_wait_s: tuple[float, ...] = ()
     """For each request resumed in this step: seconds it spent preempted."""
     num_running: int = 0
-    """Live requests holding (or about to get) device blocks after the step, engine-wide."""
+    """Live requests holding device blocks after the step (neither waiting nor preempted), engine-wide."""
     num_waiting: int = 0
-    """Of ``num_running``: requests the last step could not give the KV blocks they needed (they keep
-    their place and wait for memory), engine-wide."""
+    """Live requests waiting for memory without having been preempted (the step could not give them
+    the KV blocks they needed; they keep their place), engine-wide."""
     num_preempted: int = 0
     """Live requests waiting preempted after the step, engine-wide."""
     max_preempted_wait_s: float = 0.0
