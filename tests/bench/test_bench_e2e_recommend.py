@@ -22,6 +22,13 @@ def test_smallest_overcommit_near_best_throughput_and_lowest_waste():
     assert recommend([_run(3, 24.0, 0.11), _run(8, 24.0, 0.02)])[0] == 8
 
 
+def test_when_no_run_meets_both_waste_decides_then_throughput():
+    # 4 is fastest but wastes 4 points more; of 6 and 8 (both lean) 6 is faster
+    runs = [_run(3, 24.2, 0.112), _run(4, 26.9, 0.060), _run(6, 25.1, 0.018), _run(8, 23.0, 0.019)]
+    overcommit, why = recommend(runs)
+    assert overcommit == 6 and why.startswith("no run met both tolerances")
+
+
 def test_runs_over_the_recompute_tax_are_left_out_unless_all_are():
     heavy = _run(8, 30.0, 0.01, recomputed=200)  # tax 20 %
     assert recommend([_run(4, 24.0, 0.02), heavy])[0] == 4

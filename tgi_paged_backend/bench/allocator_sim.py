@@ -748,15 +748,19 @@ def advise_overcommit(paged: dict[float, SimResult], *, max_recompute_tax: float
 
     Among the runs with no failure and a recompute tax of at most ``max_recompute_tax`` (all runs if
     none qualifies): the smallest overcommit whose throughput is within ``tolerance`` of the best and
-    whose KV waste is within ``waste_tolerance`` (absolute) of the lowest. A smaller overcommit means
-    fewer preemptions and less exposure to long answers; a larger one buys nothing here.
+    whose KV waste is within ``waste_tolerance`` (absolute) of the lowest; when none is within both,
+    the fastest of those within the waste tolerance. A smaller overcommit means fewer preemptions and
+    less exposure to long answers; a larger one buys nothing here.
     """
     ok = {k: v for k, v in paged.items() if v.recompute_tax <= max_recompute_tax and v.failed == 0} or paged
     best = max(v.tokens_per_s for v in ok.values())
     least_waste = min(v.waste_total for v in ok.values())
     good = [k for k, v in ok.items()
             if v.tokens_per_s >= (1 - tolerance) * best and v.waste_total <= least_waste + waste_tolerance]
-    return min(good) if good else max(ok, key=lambda k: ok[k].tokens_per_s)
+    if good:
+        return min(good)
+    lean = [k for k, v in ok.items() if v.waste_total <= least_waste + waste_tolerance]
+    return max(lean, key=lambda k: ok[k].tokens_per_s)
 
 
 def compare(trace: Sequence[TraceRequest], cfg: SimConfig,

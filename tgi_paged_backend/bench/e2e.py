@@ -573,8 +573,9 @@ def recommend(results: Sequence[ModeResult], *, max_recompute_tax: float = 0.10,
               waste_tolerance: float = 0.01) -> tuple[float | None, str]:
     """The smallest measured overcommit within ``tolerance`` of the best paged tokens/s and within
     ``waste_tolerance`` (absolute) of the lowest KV waste, among runs whose recompute tax stays under
-    ``max_recompute_tax`` (the same rule as the simulation's ``advise_overcommit``, with a wider
-    throughput tolerance for wall-clock noise)."""
+    ``max_recompute_tax``; when none is within both, the fastest of those within the waste tolerance
+    (waste is steady run to run, wall-clock tokens/s is not). The simulation's ``advise_overcommit``
+    applies the same rule with a tighter throughput tolerance."""
     paged = [r for r in results if r.mode == "paged"]
     if not paged:
         return None, "no paged run"
@@ -583,8 +584,9 @@ def recommend(results: Sequence[ModeResult], *, max_recompute_tax: float = 0.10,
     least_waste = min(r.waste_total for r in ok)
     good = [r for r in ok
             if r.tokens_per_s >= (1 - tolerance) * best and r.waste_total <= least_waste + waste_tolerance]
-    chosen = min(good, key=lambda r: r.overcommit or 0) if good else max(ok, key=lambda r: r.tokens_per_s)
-    rule = "" if good else "no run met both tolerances: the fastest; "
+    lean = [r for r in ok if r.waste_total <= least_waste + waste_tolerance]
+    chosen = min(good, key=lambda r: r.overcommit or 0) if good else max(lean, key=lambda r: r.tokens_per_s)
+    rule = "" if good else "no run met both tolerances: the fastest within the waste tolerance; "
     others = ", ".join(f"{r.overcommit:g}: {r.tokens_per_s:.1f} tok/s, waste {100 * r.waste_total:.1f} %, "
                        f"tax {100 * r.recompute_tax:.1f} %, {sum(r.preemptions.values())} preemptions"
                        for r in sorted(paged, key=lambda r: r.overcommit or 0))

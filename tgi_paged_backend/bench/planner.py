@@ -366,7 +366,9 @@ def advice_reason(c: Comparison) -> str:
     best = c.best
     top = max(c.paged.values(), key=lambda r: r.tokens_per_s)
     least = min(c.paged.values(), key=lambda r: r.waste_total)
-    return (f"the smallest overcommit within {100 * THROUGHPUT_TOLERANCE:g} % of the best simulated throughput "
+    fallback = best.tokens_per_s < (1 - THROUGHPUT_TOLERANCE) * top.tokens_per_s
+    return (f"{'no run met both tolerances, so the fastest within the waste one; rule: ' if fallback else ''}"
+            f"the smallest overcommit within {100 * THROUGHPUT_TOLERANCE:g} % of the best simulated throughput "
             f"({best.tokens_per_s:,.0f} vs {top.tokens_per_s:,.0f} tok/s at {top.overcommit:g}) and "
             f"{100 * WASTE_TOLERANCE:g} point(s) of the lowest KV waste "
             f"({100 * best.waste_total:.1f} % vs {100 * least.waste_total:.1f} % at {least.overcommit:g}), recompute "
