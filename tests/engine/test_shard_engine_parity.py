@@ -170,35 +170,13 @@ def test_prefix_reuse_after_finish(request, hf_greedy, kind, router_prefix_hit, 
     driver.assert_idle()
 
 
+@pytest.mark.parametrize("block_size", [8, 1, 2])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_outputs_identical(tiny_dir, hf_greedy, mode):
-    # 9 physical blocks (8 usable = 64 tokens); four requests of ~12 + 20 tokens need 16 blocks.
-    engine = make_engine(tiny_dir, num_blocks=9, preemption=mode, TGI_PAGED_OVERCOMMIT="3")
-    result = router_warmup(engine, 64)
-    assert result.max_supported_total_tokens == 3 * 64
-    blocks = RouterBlocks(engine)
-    driver = RouterDriver(engine, blocks)
-    requests = [router_spec(engine, blocks, rid, make_text(rid, 3), 20) for rid in (40, 41, 42, 44)]
-    assert all(9 <= len(prompt_ids(engine, r.text)) <= 16 for r in requests)
-    # The four prompts (2 blocks each) fill the pool in the first step, so every block boundary an
-    # older request crosses afterwards takes blocks from a younger one.
-    batch = driver.prefill(BatchSpec(id=5, requests=tuple(requests)))
-    assert engine.kv.num_free_blocks == 0
-    driver.drain(batch)
-    assert engine.stats.preemptions[mode] > 0, engine.stats.preemptions
-    if mode == "swap":
-        assert engine.stats.swap_bytes["in"] == engine.stats.swap_bytes["out"] > 0
-    expect_hf(engine, hf_greedy, tiny_dir, driver, requests)
-    driver.assert_idle()
-    assert engine.kv.num_swapped_blocks == 0
-
-
-@pytest.mark.parametrize("block_size", [1, 2])
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_outputs_identical_at_small_block_sizes(tiny_dir, hf_greedy, mode, block_size):
-    # The same 64 physical tokens as above in 1- and 2-token pages (block 0 is scratch): four requests
-    # of ~12 + 20 tokens need ~128, so decoding must preempt. Block size 1 is stock TGI's flashinfer
-    # layout: a block per token, no partial last block, router slots == router block ids.
+def test_preemption_keeps_outputs_identical(tiny_dir, hf_greedy, mode, block_size):
+    # 64 physical tokens (block 0 is scratch); four requests of ~12 + 20 tokens need ~128, so decoding
+    # must preempt. At block size 8 the four prompts (2 blocks each) fill the pool in the first step, so
+    # every block boundary an older request crosses afterwards takes blocks from a younger one. Block
+    # size 1 is stock TGI's flashinfer layout: a block per token, router slots == router block ids.
     engine = make_engine(tiny_dir, num_blocks=64 // block_size + 1, block_size=block_size, preemption=mode,
                          TGI_PAGED_OVERCOMMIT="3")
     assert engine.block_size == block_size
@@ -214,8 +192,11 @@ def test_preemption_keeps_outputs_identical_at_small_block_sizes(tiny_dir, hf_gr
         if block_size == 1:
             assert r.slots == r.blocks
     batch = driver.prefill(BatchSpec(id=5, requests=tuple(requests)))
-    # Each prompt is backed by exactly ceil(n / block_size) physical blocks (lazy: not its reservation).
-    assert engine.kv.num_used_blocks == sum(-(-n // block_size) for n in lengths)
+    # Each prompt is backed by exactly ceil(n / block_size) physical blocks (lazy: not its reservation);
+    # the rest of the pool is free (none at block size 8).
+    used = sum(-(-n // block_size) for n in lengths)
+    assert engine.kv.num_used_blocks == used
+    assert engine.kv.num_free_blocks == 64 // block_size - used
     driver.drain(batch)
     assert engine.stats.preemptions[mode] > 0, engine.stats.preemptions
     if mode == "swap":

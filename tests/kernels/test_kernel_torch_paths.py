@@ -33,9 +33,10 @@ def test_reference_matches_sdpa_on_a_contiguous_sequence():
     torch.testing.assert_close(ours, sdpa, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_at_serving_shape():
+@pytest.mark.parametrize("block_size", [16, 1])  # 1: stock TGI's flashinfer layout, ~1k-entry block tables
+def test_decode_at_serving_shape(block_size):
     seq_lens = torch.randint(1, 1025, (32,)).tolist()
-    kv = make_paged_kv(seq_lens, **SERVING)
+    kv = make_paged_kv(seq_lens, **{**SERVING, "block_size": block_size})
     query = torch.randn(32, 9, 64)
     args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
     assert_attention_close(
@@ -43,27 +44,10 @@ def test_decode_at_serving_shape():
     )
 
 
-def test_decode_and_prefill_at_serving_shape_with_token_pages():
-    # Block size 1 (stock TGI's flashinfer layout): one gathered block per key, ~1k-entry block tables.
-    requests = [(128, 128), (64, 700), (1, 1), (33, 257), (1, 1000)]  # (new tokens, tokens in pool)
-    kv = make_paged_kv([n for _, n in requests], **{**SERVING, "block_size": 1})
-    query = torch.randn(len(requests), 9, 64)
-    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
-    assert_attention_close(
-        paged_decode_attention(*args, scale=0.125), paged_decode_attention_reference(*args, scale=0.125), torch.float32
-    )
-    starts = query_start_loc([q for q, _ in requests])
-    query = torch.randn(int(starts[-1]), 9, 64)
-    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, starts, kv.seq_lens)
-    assert_attention_close(
-        paged_prefill_attention(*args, scale=0.125), paged_prefill_attention_reference(*args, scale=0.125),
-        torch.float32,
-    )  # fmt: skip
-
-
-def test_prefill_at_serving_shape():
+@pytest.mark.parametrize("block_size", [16, 1])
+def test_prefill_at_serving_shape(block_size):
     requests = [(128, 128), (64, 700), (1, 1), (33, 257), (200, 1000)]  # (new tokens, tokens in pool)
-    kv = make_paged_kv([n for _, n in requests], **SERVING)
+    kv = make_paged_kv([n for _, n in requests], **{**SERVING, "block_size": block_size})
     starts = query_start_loc([q for q, _ in requests])
     query = torch.randn(int(starts[-1]), 9, 64)
     args = (query, kv.k_cache, kv.v_cache, kv.block_tables, starts, kv.seq_lens)
