@@ -45,7 +45,7 @@ from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
 from tgi_paged_backend.policy.admission import reported_batch_tokens, should_brake
 from tgi_paged_backend.policy.preemption_mode import RateCalibrator, choose_preemption_mode
 from tgi_paged_backend.runner.model_runner import ModelRunner
-from tgi_paged_backend.telemetry.engine_adapter import StepRecordBuilder
+from tgi_paged_backend.telemetry.engine_adapter import StepRecordBuilder, count_requests
 from tgi_paged_backend.telemetry.recorder import MetricsRecorder, build_recorder
 from tgi_paged_backend.telemetry.spans import annotate_step
 from tgi_paged_backend.telemetry.step_record import MemoryBudget, StepRecord
@@ -298,10 +298,9 @@ class PagedShardEngine:
         return out.generations, out.forward_ns, out.decode_ns
 
     def _record_memory(self) -> None:
-        num_waiting = sum(1 for r in self.requests.values() if r.is_waiting)
-        num_preempted = sum(1 for r in self.requests.values() if r.is_preempted and not r.is_waiting)
-        self.recorder.record_memory(self.kv.stats(), num_running=len(self.requests) - num_preempted - num_waiting,
-                                    num_preempted=num_preempted, num_waiting=num_waiting)
+        counts = count_requests(self.requests.values(), time.monotonic())
+        self.recorder.record_memory(self.kv.stats(), num_running=counts.running, num_preempted=counts.preempted,
+                                    num_waiting=counts.waiting)
 
     def _liveness(self, batch: BatchSpec, start_ns: int) -> StepResult:
         """The router's health probe: one token on the scratch block, nothing kept."""

@@ -8,18 +8,46 @@ reads:
   with kind ``out``/``in``/``cow``), ``resumed_wait_s``, ``num_new_blocks``
   (``engine.scheduler.StepPlan``);
 - ``out``: ``num_computed_tokens``, ``num_recomputed_tokens`` (``engine.model_step.StepOutput``);
-- ``requests``: the engine's live requests, each with ``is_preempted`` and ``preempted_at``
-  (a ``time.monotonic()`` stamp; ``engine.request_state.RequestState``).
+- ``requests``: the engine's live requests, each with ``is_waiting``, ``is_preempted`` and
+  ``preempted_at`` (a ``time.monotonic()`` stamp; ``engine.request_state.RequestState``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from tgi_paged_backend.memory.stats import MemoryStats
 from tgi_paged_backend.telemetry.step_record import Phase, PreemptionRecord, StepRecord
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCounts:
+    """Live requests by (disjoint) state, as the ``tgi_paged_requests`` gauge reports them."""
+
+    running: int
+    waiting: int
+    preempted: int
+    max_preempted_wait_s: float
+    """Longest current wait among the preempted ones (0 when none)."""
+
+
+def count_requests(requests: Iterable[Any], now: float) -> RequestCounts:
+    """Count ``requests`` as waiting (for memory, never preempted), preempted, or running."""
+    running = preempted = waiting = 0
+    max_wait = 0.0
+    for request in requests:
+        if request.is_waiting:
+            waiting += 1
+        elif request.is_preempted:
+            preempted += 1
+            if request.preempted_at is not None:
+                max_wait = max(max_wait, now - request.preempted_at)
+        else:
+            running += 1
+    return RequestCounts(running, waiting, preempted, max(max_wait, 0.0))
 
 
 class StepRecordBuilder:
@@ -45,18 +73,7 @@ class StepRecordBuilder:
         for kind, src, _dst in plan.copy_ops:
             if kind in swap:
                 swap[kind] += len(src) * swap_block_bytes
-        now = self._clock()
-        num_running = num_preempted = num_waiting = 0
-        max_wait = 0.0
-        for request in requests:
-            if request.is_waiting:
-                num_waiting += 1
-            elif request.is_preempted:
-                num_preempted += 1
-                if request.preempted_at is not None:
-                    max_wait = max(max_wait, now - request.preempted_at)
-            else:
-                num_running += 1
+        counts = count_requests(requests, self._clock())
         return StepRecord(
             phase=phase, step_s=max(step_s, 0.0), batch_size=batch_size,
             tokens_computed=out.num_computed_tokens, tokens_recomputed=out.num_recomputed_tokens,
@@ -67,9 +84,8 @@ class StepRecordBuilder:
             swap_out_bytes=swap["out"], swap_in_bytes=swap["in"],
             prefix_hit_tokens=self._delta_hit(memory.num_prefix_hit_tokens),
             prefix_query_tokens=self._delta_query(memory.num_prefix_query_tokens),
-            resumed_wait_s=tuple(plan.resumed_wait_s), num_running=num_running, num_preempted=num_preempted,
-            num_waiting=num_waiting,
-            max_preempted_wait_s=max(max_wait, 0.0), memory=memory)
+            resumed_wait_s=tuple(plan.resumed_wait_s), num_running=counts.running, num_preempted=counts.preempted,
+            num_waiting=counts.waiting, max_preempted_wait_s=counts.max_preempted_wait_s, memory=memory)
 
     def _delta_hit(self, cumulative: int) -> int:
         delta = cumulative - self._last_prefix_hit if cumulative >= self._last_prefix_hit else cumulative
