@@ -753,14 +753,20 @@ def advise_overcommit(paged: dict[float, SimResult], *, max_recompute_tax: float
     less exposure to long answers; a larger one buys nothing here.
     """
     ok = {k: v for k, v in paged.items() if v.recompute_tax <= max_recompute_tax and v.failed == 0} or paged
-    best = max(v.tokens_per_s for v in ok.values())
-    least_waste = min(v.waste_total for v in ok.values())
-    good = [k for k, v in ok.items()
-            if v.tokens_per_s >= (1 - tolerance) * best and v.waste_total <= least_waste + waste_tolerance]
-    if good:
-        return min(good)
-    lean = [k for k, v in ok.items() if v.waste_total <= least_waste + waste_tolerance]
-    return max(lean, key=lambda k: ok[k].tokens_per_s)
+    return pick_overcommit({k: (v.tokens_per_s, v.waste_total) for k, v in ok.items()}, tolerance=tolerance,
+                           waste_tolerance=waste_tolerance)
+
+
+def pick_overcommit(runs: dict[float, tuple[float, float]], *, tolerance: float, waste_tolerance: float) -> float:
+    """The overcommit rule on ``{overcommit: (tokens/s, waste share)}`` of the eligible runs (shared by
+    the simulation's advice and the end-to-end bench's recommendation): the smallest overcommit within
+    ``tolerance`` of the best tokens/s and ``waste_tolerance`` (absolute) of the lowest waste; when none
+    is within both, the fastest of those within the waste tolerance."""
+    best = max(tps for tps, _ in runs.values())
+    least_waste = min(waste for _, waste in runs.values())
+    lean = {k: tps for k, (tps, waste) in runs.items() if waste <= least_waste + waste_tolerance}
+    good = [k for k, tps in lean.items() if tps >= (1 - tolerance) * best]
+    return min(good) if good else max(lean, key=lean.__getitem__)
 
 
 def compare(trace: Sequence[TraceRequest], cfg: SimConfig,

@@ -52,7 +52,9 @@ from typing import Any
 
 import numpy as np
 
+from tgi_paged_backend.bench.allocator_sim import pick_overcommit
 from tgi_paged_backend.bench.workload import TraceRequest
+from tgi_paged_backend.config import DEFAULT_OVERCOMMIT
 
 STOCK = "stock-tgi"
 CONTIGUOUS = "contiguous"
@@ -580,13 +582,11 @@ def recommend(results: Sequence[ModeResult], *, max_recompute_tax: float = 0.10,
     if not paged:
         return None, "no paged run"
     ok = [r for r in paged if r.recompute_tax <= max_recompute_tax] or paged
-    best = max(r.tokens_per_s for r in ok)
-    least_waste = min(r.waste_total for r in ok)
-    good = [r for r in ok
-            if r.tokens_per_s >= (1 - tolerance) * best and r.waste_total <= least_waste + waste_tolerance]
-    lean = [r for r in ok if r.waste_total <= least_waste + waste_tolerance]
-    chosen = min(good, key=lambda r: r.overcommit or 0) if good else max(lean, key=lambda r: r.tokens_per_s)
-    rule = "" if good else "no run met both tolerances: the fastest within the waste tolerance; "
+    by_overcommit = {r.overcommit or 0.0: r for r in ok}
+    chosen = by_overcommit[pick_overcommit({k: (r.tokens_per_s, r.waste_total) for k, r in by_overcommit.items()},
+                                           tolerance=tolerance, waste_tolerance=waste_tolerance)]
+    fallback = chosen.tokens_per_s < (1 - tolerance) * max(r.tokens_per_s for r in ok)
+    rule = "no run met both tolerances: the fastest within the waste tolerance; " if fallback else ""
     others = ", ".join(f"{r.overcommit:g}: {r.tokens_per_s:.1f} tok/s, waste {100 * r.waste_total:.1f} %, "
                        f"tax {100 * r.recompute_tax:.1f} %, {sum(r.preemptions.values())} preemptions"
                        for r in sorted(paged, key=lambda r: r.overcommit or 0))
@@ -676,8 +676,6 @@ def _targets(report: E2EReport) -> str:
     res = report.results
     base = next((r for r in res if r.mode == CONTIGUOUS), None)
     stock = next((r for r in res if r.mode == STOCK), None)
-    from tgi_paged_backend.config import DEFAULT_OVERCOMMIT
-
     # The shard's default overcommit when it was measured (the backend "with its defaults"), else the
     # recommended one.
     paged = {r.overcommit: r for r in res if r.mode == "paged"}
