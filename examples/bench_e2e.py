@@ -2,7 +2,7 @@
 
 One seeded trace (default: 24 requests of the ``tiny`` workload -- prompts ~24 tokens, answers ~20
 tokens, ``max_new_tokens`` 96 as the client sets it -- all arriving at once) is served with the same
-physical KV bytes three ways (see ``tgi_paged_backend/bench/e2e.py``):
+physical KV bytes three ways (see ``integration/bench_e2e.py``):
 
 1. contiguous: HF transformers static padded batches over a max-length cache;
 2. stock-TGI mode: the real shard with ``TGI_PAGED_OVERCOMMIT=1`` behind the v3 router replay;
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tgi_paged_backend.bench.e2e import E2EConfig, format_report, run_all, write_outputs  # noqa: E402
+from integration.bench_e2e import E2EConfig, format_report, run_all, write_outputs  # noqa: E402
 from tgi_paged_backend.bench.workload import generate_trace, load_trace, save_trace  # noqa: E402
 
 

@@ -35,7 +35,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # The package is built from a copy: a build in the checkout would leave build/ and *.egg-info behind.
 SRC="$(mktemp -d /tmp/tgi-pins-src.XXXXXX)"
 trap 'rm -rf "$SRC" ${TMP:+"$TMP"}' EXIT
-cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/tgi_paged_backend" "$ROOT/kernels" "$SRC/"
+cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/tgi_paged_backend" "$ROOT/tgi_paged_kernels" "$SRC/"
 find "$SRC" -name __pycache__ -prune -exec rm -rf {} +
 
 case "$MODE" in
@@ -81,7 +81,7 @@ PY
 
 echo "== tests/server against the installed package"
 cd "$SRC"  # outside the checkout: `import tgi_paged_backend` must resolve to the installed copy
-rm -rf "$SRC/tgi_paged_backend" "$SRC/kernels" "$SRC/build"
+rm -rf "$SRC/tgi_paged_backend" "$SRC/tgi_paged_kernels" "$SRC/build"
 cp -r "$ROOT/tests" "$SRC/tests"
 "$VENV/bin/python" -c "import tgi_paged_backend; print('  imported from', tgi_paged_backend.__file__)"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" tests/server "$@"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tgi_paged_backend.bench.e2e import ModeResult, recommend
+from integration.bench_e2e import ModeResult, recommend
 
 
 def _run(overcommit: float, tokens_per_s: float, waste: float, recomputed: int = 0) -> ModeResult:

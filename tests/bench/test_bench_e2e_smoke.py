@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tgi_paged_backend.bench.e2e import (
+from integration.bench_e2e import (
     E2EConfig,
     E2EReport,
     build_prompts,

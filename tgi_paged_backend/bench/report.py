@@ -91,10 +91,13 @@ def overcommit_table(c: Comparison) -> str:
 
 # ------------------------------------------------------------------------------------------- plots
 def _pyplot():
-    import matplotlib
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # only the PNG plots need it; every text report works without
+        raise RuntimeError("PNG plots need matplotlib: pip install 'tgi-paged-backend[bench]'") from err
 
     return plt
 

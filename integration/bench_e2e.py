@@ -29,9 +29,9 @@ as fast as prefill steps run) is reported apart as ``idle_queued``, not as waste
 baseline every wait is a wait for memory (a static batch takes as many rows as fit and none can join
 it), so all its idle memory while requests wait is external.
 
-The shard modes import the repository's ``integration`` package (launcher spawn, router replay), which
-is not installed with the wheel: run from a checkout (``examples/bench_e2e.py`` puts the repository root
-on ``sys.path``; pytest does through ``pythonpath``).
+It lives in ``integration/`` beside the harness it drives (launcher spawn, router replay), which the
+wheel does not ship: run it from a checkout (``examples/bench_e2e.py``; pytest puts the repository
+root on ``sys.path`` through ``pythonpath``).
 """
 
 from __future__ import annotations
