@@ -22,13 +22,25 @@ timeout, or the ranks lost step -- and nothing can be repaired in place. The ran
 error, removes its socket and exits with :data:`EXIT_CODE`, so the launcher tears the deployment down
 instead of every rank hanging. During a graceful shutdown (:func:`mark_shutting_down`, called when the
 server got SIGTERM) peers going away is expected: the failure only raises :class:`PeerLostError`.
+
+Shutdown (:meth:`TensorParallelGroup.close`, also registered with :mod:`atexit`) stops and joins the
+heartbeat thread, then destroys the groups -- heartbeat, control, model: the reverse of their creation,
+on every rank -- and drops the store. The order matters. The groups' C++ threads (gloo's workers, which
+drop the last reference to a finished collective's tensors) and the heartbeat thread (inside a gloo
+all-reduce with the GIL released) must be gone before the interpreter finalizes: a thread that needs
+the GIL after finalization began is ended by CPython with ``pthread_exit``, whose unwinding through a
+``noexcept`` C++ destructor calls ``std::terminate`` ("terminate called without an active exception",
+SIGABRT). Joining first is what makes destroying safe: a gloo group's destructor waits for its
+collective in flight. Every wait is bounded by the collective timeout.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -44,8 +56,8 @@ STARTUP_TIMEOUT_S = 3600.0
 HEARTBEAT_INTERVAL_S = 1.0
 """Pause between two heartbeat all-reduces."""
 SHUTDOWN_GRACE_S = 5.0
-"""After a collective fails, how long to wait for this rank's own SIGTERM before calling it a crash
-(the launcher signals all shards within a fraction of a second; a peer may exit first)."""
+"""After a collective fails, how long to wait for this rank's own SIGTERM (or :meth:`close`) before calling
+it a crash (the launcher signals all shards within a fraction of a second; a peer may exit first)."""
 EXIT_CODE = 1
 """Exit status of a rank that lost its group."""
 
@@ -84,7 +96,8 @@ class TensorParallelGroup:
 
     def __init__(self, *, rank: int, world_size: int, device: torch.device, backend: str, timeout_s: float,
                  store: dist.Store | None, control_group: Any, heartbeat_group: Any, model_group: Any = None,
-                 socket_path: str | None = None, exit_fn: Callable[[int], Any] = os._exit) -> None:
+                 socket_path: str | None = None, exit_fn: Callable[[int], Any] = os._exit,
+                 owns_process_groups: bool = False) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -97,7 +110,10 @@ class TensorParallelGroup:
         self.socket_path = socket_path
         self._store = store
         self._exit_fn = exit_fn
+        self._owns_process_groups = owns_process_groups
+        """Whether :meth:`close` destroys the groups (those :meth:`initialize` created)."""
         self._closed = threading.Event()
+        self._close_lock = threading.Lock()
         self._heartbeat: threading.Thread | None = None
 
     @classmethod
@@ -123,9 +139,11 @@ class TensorParallelGroup:
         heartbeat = dist.new_group(backend="gloo", timeout=timeout)
         logger.info(f"Tensor parallel: rank {rank}/{world_size} joined ({backend}, collective timeout "
                     f"{server.dist_timeout_s:g} s)")
-        return cls(rank=rank, world_size=world_size, device=device, backend=backend,
-                   timeout_s=server.dist_timeout_s, store=store, control_group=control, heartbeat_group=heartbeat,
-                   socket_path=os.path.abspath(server.socket_path))
+        group = cls(rank=rank, world_size=world_size, device=device, backend=backend,
+                    timeout_s=server.dist_timeout_s, store=store, control_group=control, heartbeat_group=heartbeat,
+                    socket_path=os.path.abspath(server.socket_path), owns_process_groups=True)
+        atexit.register(group.close)  # any normal exit, also one that never reached close()
+        return group
 
     # -- collectives ----------------------------------------------------------------------------
 
@@ -181,7 +199,7 @@ class TensorParallelGroup:
                    f"died, stalled for more than TGI_PAGED_DIST_TIMEOUT_S={self.timeout_s:g} s, or the ranks "
                    "lost step; the group cannot recover")
         cause = err if isinstance(err, BaseException) else None
-        if self._closed.is_set() or _shutting_down.wait(SHUTDOWN_GRACE_S):
+        if self._leaving_anyway():
             raise PeerLostError(message + " (shutting down)") from cause
         logger.error(message + f": shard exiting with code {EXIT_CODE}")
         self._remove_socket()
@@ -193,11 +211,13 @@ class TensorParallelGroup:
         if self._heartbeat is not None:
             return
 
+        group = self.heartbeat_group
+
         def beat() -> None:
             t = torch.zeros(1, dtype=torch.int32)
             while not self._closed.is_set() and not _shutting_down.is_set():
                 try:
-                    dist.all_reduce(t, group=self.heartbeat_group)
+                    dist.all_reduce(t, group=group)
                 except Exception as err:  # noqa: BLE001
                     try:
                         self.fail("the heartbeat", err)
@@ -210,9 +230,59 @@ class TensorParallelGroup:
         self._heartbeat.start()
 
     def close(self) -> None:
-        """Stop the heartbeat. The process groups are left to process exit: destroying them while a peer
-        is gone can block."""
-        self._closed.set()
+        """Stop and join the heartbeat, then destroy the process groups (see "Shutdown" in the module
+        docstring). Idempotent; collectives fail afterwards."""
+        with self._close_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+        atexit.unregister(self.close)
+        if not self._join_heartbeat():
+            return
+        if self._owns_process_groups:
+            self._destroy_process_groups()
+
+    def _join_heartbeat(self) -> bool:
+        thread = self._heartbeat
+        if thread is None or thread is threading.current_thread():
+            return True
+        # Its all-reduce in flight ends within the collective timeout (a peer that closed its groups
+        # fails it at once), then fail() sees the group closed and returns.
+        limit_s = self.timeout_s + SHUTDOWN_GRACE_S
+        thread.join(limit_s)
+        if thread.is_alive():
+            logger.warning(f"tensor-parallel rank {self.rank}/{self.world_size}: the heartbeat did not stop "
+                           f"within {limit_s:g} s; leaving the process groups to process exit")
+            return False
+        return True
+
+    def _destroy_process_groups(self) -> None:
+        """Heartbeat, control, then the model group, then the store (its last users were the groups)."""
+        for what in ("heartbeat", "control", "model"):
+            self._destroy(what, f"{what}_group")
+        self._store = None  # on rank 0 this stops the store's server
+
+    def _destroy(self, what: str, attr: str) -> None:
+        """Destroy the group in ``attr`` (``None``: the default group). Its C++ threads are joined when
+        its last reference, ``group`` here, goes: on return."""
+        group = getattr(self, attr)
+        setattr(self, attr, None)
+        try:
+            if group is not None or dist.is_initialized():
+                dist.destroy_process_group(group)
+        except Exception as err:  # noqa: BLE001 - shutting down anyway
+            logger.warning(f"tensor-parallel rank {self.rank}/{self.world_size}: destroying the {what} group "
+                           f"failed: {type(err).__name__}: {err}")
+
+    def _leaving_anyway(self) -> bool:
+        """Whether this rank is closed or shutting down, waiting up to :data:`SHUTDOWN_GRACE_S` for it."""
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        while not (self._closed.is_set() or _shutting_down.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            _shutting_down.wait(min(left, 0.05))
+        return True
 
     def _remove_socket(self) -> None:
         path = self.socket_path

@@ -4,6 +4,8 @@ row-parallel layer, the failure rule, the per-step consistency check and the rep
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -139,6 +141,21 @@ def test_peers_leaving_during_shutdown_is_not_a_crash(group) -> None:
     with pytest.raises(PeerLostError, match="shutting down"):
         g.fail("the forward's all-reduce", RuntimeError("Connection reset by peer"))
     assert exits == [] and path.exists()
+
+
+def test_a_peer_leaving_just_before_this_rank_closes_is_not_a_crash(group, monkeypatch: pytest.MonkeyPatch) -> None:
+    g, exits, path = group
+    monkeypatch.setattr(distributed, "SHUTDOWN_GRACE_S", 10.0)
+    closer = threading.Timer(0.1, g.close)  # e.g. the peer closed its groups first: our heartbeat failed
+    closer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(PeerLostError, match="shutting down"):
+            g.fail("the heartbeat", RuntimeError("Connection closed by peer"))
+    finally:
+        closer.join()
+    assert exits == [] and path.exists() and time.monotonic() - start < 5
+    g.close()  # idempotent
 
 
 def test_calibrator_folds_in_the_agreed_measurement() -> None:
