@@ -23,7 +23,11 @@ from tgi_paged_backend.envs import build_config, read_env
         ("TGI_PAGED_NUM_BLOCKS", "many", ">= 2"),
         ("TGI_PAGED_WATERMARK", "-0.1", "[0, 1)"),
         ("TGI_BACKEND", "vllm", "paged or stock"),
-        ("PREFIX_CACHING", "maybe", "true/false"),
+        ("CUDA_MEMORY_FRACTION", "0", "(0, 1]"),
+        ("CUDA_MEMORY_FRACTION", "1.5", "(0, 1]"),
+        ("MAX_BATCH_SIZE", "-1", "an integer >= 0"),
+        ("MAX_TOTAL_TOKENS", "4k", "an integer >= 0"),
+        ("ROPE_SCALING", "yarn", "linear, dynamic"),
     ],
 )
 def test_bad_env_value_names_variable_value_and_allowed(name: str, value: str, allowed: str) -> None:
@@ -44,6 +48,55 @@ def test_defaults_and_launcher_variables() -> None:
     assert cfg.server.logger_level == "WARNING"
     assert cfg.server.max_batch_size == 8 and cfg.server.request_logprobs is True
     assert cfg.server.socket_path == "/tmp/s-0"
+
+
+@pytest.mark.parametrize(("value", "enabled"), [
+    (None, False), ("1", True), ("true", True), ("True", True), ("TRUE", True),
+    ("0", False), ("false", False), ("yes", False), ("on", False), (" 1", False), ("maybe", False), ("", False)])
+def test_prefix_caching_and_request_logprobs_parse_as_stock(value: str | None, enabled: bool) -> None:
+    """Stock ``models/globals.py``: ``value.lower() in {"1", "true"}``; nothing else enables, nothing fails."""
+    env = {} if value is None else {"PREFIX_CACHING": value, "REQUEST_LOGPROBS": value}
+    cfg = build_config({"model_id": "/m"}, env)
+    assert cfg.cache.prefix_caching is enabled and cfg.server.request_logprobs is enabled
+
+
+def test_cuda_memory_fraction_as_the_launcher_prints_it() -> None:
+    """The launcher writes its f32 with Rust's Display: 1.0 -> ``1``, 0.85 -> ``0.85``."""
+    assert build_config({"model_id": "/m"}, {"CUDA_MEMORY_FRACTION": "1"}).cache.cuda_memory_fraction == 1.0
+    cfg = build_config({"model_id": "/m"}, {"CUDA_MEMORY_FRACTION": "0.85", "TGI_PAGED_MEMORY_FRACTION": "0.9"})
+    assert cfg.cache.cuda_memory_fraction == 0.85 and cfg.cache.memory_fraction == pytest.approx(0.765)
+
+
+@pytest.mark.parametrize("value", ["0", "1", "18446744073709551615"])
+def test_max_batch_size_and_max_total_tokens_take_the_launchers_usize_range(value: str) -> None:
+    cfg = build_config({"model_id": "/m"}, {"MAX_BATCH_SIZE": value, "MAX_TOTAL_TOKENS": value})
+    assert cfg.server.max_batch_size == cfg.server.max_total_tokens == int(value)
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, (None, 1.0)),
+    ({"ROPE_SCALING": "linear", "ROPE_FACTOR": "2"}, ("linear", 2.0)),
+    ({"ROPE_SCALING": "dynamic", "ROPE_FACTOR": "1.5"}, ("dynamic", 1.5)),
+    ({"ROPE_SCALING": "dynamic"}, ("dynamic", 1.0)),  # the launcher's rule for --rope-scaling alone
+    ({"ROPE_FACTOR": "8"}, (None, 1.0)),  # stock reads ROPE_FACTOR only with ROPE_SCALING
+])
+def test_rope_scaling_and_factor(env: dict[str, str], expected: tuple) -> None:
+    model = build_config({"model_id": "/m"}, env).model
+    assert (model.rope_scaling, model.rope_factor) == expected
+
+
+@pytest.mark.parametrize("factor", ["0", "-2", "inf", "two"])
+def test_bad_rope_factor_names_the_variable(factor: str) -> None:
+    with pytest.raises(ConfigError, match=f"ROPE_FACTOR={factor!r} is invalid: allowed a finite number > 0"):
+        read_env({"ROPE_SCALING": "linear", "ROPE_FACTOR": factor})
+
+
+def test_lora_adapters_and_weights_cache_override_reach_the_model_config() -> None:
+    assert build_config({"model_id": "/m"}, {"LORA_ADAPTERS": ""}).model.lora_adapters is None  # stock: none
+    model = build_config({"model_id": "org/m"}, {"LORA_ADAPTERS": "org/a,b=/p@v2",
+                                                 "WEIGHTS_CACHE_OVERRIDE": "/repository"}).model
+    assert model.lora_adapters == "org/a,b=/p@v2" and model.weights_cache_override == "/repository"
+    assert build_config({"model_id": "/m", "lora_adapters": "x"}, {}).model.lora_adapters == "x"
 
 
 @pytest.mark.parametrize("value", ["0", "3", "7", "64"])

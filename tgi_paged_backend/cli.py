@@ -20,7 +20,7 @@ from typing import NoReturn, Optional
 import typer
 from loguru import logger as _logger
 
-from tgi_paged_backend import __version__, envs
+from tgi_paged_backend import __version__, envs, model_files
 from tgi_paged_backend.config import BackendConfig, ConfigError
 from tgi_paged_backend.logging_setup import setup_logging
 
@@ -67,7 +67,7 @@ def serve(
     otlp_service_name: str = typer.Option("text-generation-inference.server"),
     max_input_tokens: Optional[int] = typer.Option(None),
     merge_lora: bool = typer.Option(False, hidden=True, help="Accepted and ignored."),
-    lora_adapters: Optional[str] = typer.Option(None, hidden=True, help="Accepted and ignored."),
+    lora_adapters: Optional[str] = typer.Option(None, hidden=True, help="As LORA_ADAPTERS: refused."),
 ) -> None:
     """Load the model, then serve generate.v3 on unix://{uds_path}-{rank} until SIGTERM."""
     try:
@@ -86,16 +86,19 @@ def serve(
             "otlp_endpoint": otlp_endpoint,
             "otlp_service_name": otlp_service_name,
             "max_input_tokens": max_input_tokens,
+            "lora_adapters": lora_adapters,
         })
         _check_supported(config)
+        served = model_files.with_local_model(config)
     except ConfigError as err:
         _fail(str(err), json_output)
 
     setup_logging(config.server.logger_level, json_output, redirect_stdout=json_output)
     if ctx.args:
         logger.warning(f"Ignoring unknown arguments: {' '.join(ctx.args)}")
-    if lora_adapters:
-        logger.warning(f"LoRA adapters are not supported; ignoring --lora-adapters {lora_adapters}")
+    if served is not config:
+        logger.info(f"Loading {config.model.model_id} from {served.model.model_id}")
+        config = served
 
     try:
         engine_factory = _engine_factory()
@@ -141,6 +144,14 @@ def download_weights(
             logger.warning(f"{model_id} has no *.safetensors files; loading it will fail")
         logger.info(f"{model_id} is a local directory: nothing to download")
         return
+    try:
+        override = envs.read_env().weights_cache_override
+        if override is not None:  # as stock: the files are expected there, nothing is downloaded
+            path = model_files.override_dir(override, model_id)
+            logger.info(f"WEIGHTS_CACHE_OVERRIDE: {model_id} is served from {path}; nothing to download")
+            return
+    except ConfigError as err:
+        _fail(str(err), json_output)
     try:
         path = _snapshot_download(model_id, revision)
     except Exception as err:  # noqa: BLE001 - any hub/network failure: one clear line, exit 1
@@ -221,6 +232,11 @@ def _check_supported(config: BackendConfig) -> None:
         raise ConfigError(f"--speculate={model.speculate} is not supported: allowed 0")
     if model.dtype is not None and model.dtype not in SUPPORTED_DTYPES:
         raise ConfigError(f"--dtype={model.dtype!r} is invalid: allowed {', '.join(SUPPORTED_DTYPES)}")
+    if model.lora_adapters is not None:
+        raise ConfigError(f"LORA_ADAPTERS={model.lora_adapters!r} (launcher --lora-adapters) is not supported: "
+                          f"tgi-paged-backend serves the base model only, so every adapter request would "
+                          f"silently get the base model; allowed: unset. Remove --lora-adapters, or serve "
+                          f"adapters with TGI's own server (--backend stock)")
 
 
 def _engine_factory():

@@ -20,6 +20,8 @@ BLOCK_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 blocks cut the half-empty-last-block waste of short requests at a per-step bookkeeping cost (see
 ``examples/bench_bookkeeping.py``), 16 is the default."""
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3fn", "fp8_e5m2")
+ROPE_SCALINGS: tuple[str, ...] = ("linear", "dynamic")
+"""Allowed ``ROPE_SCALING``: the values of the launcher's ``--rope-scaling``."""
 DEFAULT_OVERCOMMIT = 6.0
 """Chosen in docs/performance.md. End to end (CPU), 6 and up let the physical pool, not the router's
 virtual budget, limit admission: KV waste falls from ~15 % at 3 to < 2 % with as many tokens/s or more.
@@ -40,6 +42,10 @@ class CacheConfig:
     """Tokens per KV block (one of ``BLOCK_SIZES``); also reported to the router in ``InfoResponse.block_size``."""
     memory_fraction: float = 0.90
     """Share of device memory for weights + activations + KV (0 < f <= 1)."""
+    cuda_memory_fraction: float = 1.0
+    """The launcher's ``CUDA_MEMORY_FRACTION``: on CUDA, the per-process cap set with
+    ``torch.cuda.set_per_process_memory_fraction`` as stock does (already folded into
+    :attr:`memory_fraction`)."""
     num_blocks: int | None = None
     """Cap on physical blocks (tests, benchmarks, capacity drills); ``None`` sizes from memory."""
     overcommit: float = DEFAULT_OVERCOMMIT
@@ -51,13 +57,16 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     """KV storage dtype: ``auto`` (model dtype), ``fp8_e4m3fn`` or ``fp8_e5m2``."""
     prefix_caching: bool = False
-    """Advertise ``use_prefix_caching`` to the router (from ``PREFIX_CACHING``)."""
+    """``PREFIX_CACHING``: advertise ``use_prefix_caching`` to the router and retain the full prompt
+    blocks of finished (and recompute-preempted) requests for reuse; off, nothing is retained."""
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:
             raise ConfigError(f"block_size={self.block_size} is invalid: allowed {BLOCK_SIZES}")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError(f"memory_fraction={self.memory_fraction} is invalid: allowed (0, 1]")
+        if not 0.0 < self.cuda_memory_fraction <= 1.0:
+            raise ConfigError(f"cuda_memory_fraction={self.cuda_memory_fraction} is invalid: allowed (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ConfigError(f"num_blocks={self.num_blocks} is invalid: allowed >= 2")
         if self.overcommit < 1.0:
@@ -106,6 +115,20 @@ class ModelConfig:
     """Speculative tokens per step; only 0 is implemented."""
     max_input_tokens: int | None = None
     """The launcher's ``--max-input-tokens``; echoed at Warmup."""
+    weights_cache_override: str | None = None
+    """``WEIGHTS_CACHE_OVERRIDE``: directory holding a hub model's files (``model_files.local_model_dir``)."""
+    rope_scaling: str | None = None
+    """``ROPE_SCALING`` (one of ``ROPE_SCALINGS``): replaces the model config's RoPE scaling, as stock."""
+    rope_factor: float = 1.0
+    """``ROPE_FACTOR``: the scaling factor that goes with :attr:`rope_scaling`."""
+    lora_adapters: str | None = None
+    """``LORA_ADAPTERS`` (or ``--lora-adapters``) as given; ``serve`` refuses to start when it is set."""
+
+    def __post_init__(self) -> None:
+        if self.rope_scaling is not None and self.rope_scaling not in ROPE_SCALINGS:
+            raise ConfigError(f"rope_scaling={self.rope_scaling!r} is invalid: allowed {ROPE_SCALINGS}")
+        if not 0.0 < self.rope_factor < float("inf"):
+            raise ConfigError(f"rope_factor={self.rope_factor} is invalid: allowed a finite number > 0")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,9 +154,11 @@ class ServerConfig:
     request_logprobs: bool = False
     """Honour ``prefill_logprobs`` (``REQUEST_LOGPROBS``)."""
     max_batch_size: int | None = None
-    """Launcher ``MAX_BATCH_SIZE``; echoed by Info when set."""
+    """Launcher ``MAX_BATCH_SIZE`` (``--max-batch-size``). Not used by the shard, as stock's CUDA
+    server: the router caps its batches."""
     max_total_tokens: int | None = None
-    """Launcher ``MAX_TOTAL_TOKENS``."""
+    """Launcher ``MAX_TOTAL_TOKENS`` (``--max-total-tokens``). Not used by the shard, as stock's CUDA
+    server: Warmup carries the value the router enforces."""
     dist_timeout_s: float = 30.0
     """Seconds a tensor-parallel collective may wait for the other ranks before the shard gives up and
     exits (``TGI_PAGED_DIST_TIMEOUT_S``); only used when ``world_size > 1``."""

@@ -18,6 +18,7 @@ from tgi_paged_backend.config import (
     BLOCK_SIZES,
     DEFAULT_OVERCOMMIT,
     PREEMPTION_MODES,
+    ROPE_SCALINGS,
     BackendConfig,
     CacheConfig,
     ConfigError,
@@ -48,6 +49,10 @@ class EnvSettings:
     max_batch_size: int | None
     max_total_tokens: int | None
     request_logprobs: bool
+    weights_cache_override: str | None
+    rope_scaling: str | None
+    rope_factor: float
+    lora_adapters: str | None
     rank: int
     world_size: int
     master_addr: str
@@ -73,29 +78,62 @@ def _parse(env: Mapping[str, str], name: str, default: T, convert: Callable[[str
     return value
 
 
-def _bool(raw: str) -> bool:
-    lowered = raw.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(raw)
+def _stock_flag(env: Mapping[str, str], name: str) -> bool:
+    """A flag parsed as the stock server parses ``PREFIX_CACHING`` and ``REQUEST_LOGPROBS``
+    (``models/globals.py``): ``1`` or ``true`` in any case, nothing else (no stripping), enables it;
+    any other value, or none, disables it. Never an error."""
+    return env.get(name, "0").lower() in ("1", "true")
+
+
+BACKENDS: tuple[str, ...] = ("paged", "stock")
+"""``TGI_BACKEND`` / the launcher wrapper's ``--backend``: this package or TGI's own server."""
+
+
+def parse_backend(raw: str, name: str = "TGI_BACKEND") -> str:
+    """``paged`` or ``stock`` (any case, surrounding blanks ignored); ``name`` is what the error names."""
+    value = raw.strip().lower()
+    if value not in BACKENDS:
+        raise _fail(name, raw, " or ".join(BACKENDS))
+    return value
+
+
+def read_backend(env: Mapping[str, str] | None = None) -> str:
+    """``TGI_BACKEND`` alone (the launcher wrapper needs nothing else); unset or empty is ``paged``."""
+    e = os.environ if env is None else env
+    raw = e.get("TGI_BACKEND")
+    return "paged" if raw is None or raw.strip() == "" else parse_backend(raw)
+
+
+def _rope(env: Mapping[str, str]) -> tuple[str | None, float]:
+    """``ROPE_SCALING`` / ``ROPE_FACTOR``, as the launcher sets them from ``--rope-scaling`` /
+    ``--rope-factor``: both or neither (a lone ``--rope-factor`` becomes ``linear``, a lone
+    ``--rope-scaling`` gets factor 1). The stock server reads ``ROPE_FACTOR`` only when
+    ``ROPE_SCALING`` is set; so does this one."""
+    scaling = _parse(env, "ROPE_SCALING", None, str, "one of " + ", ".join(ROPE_SCALINGS),
+                     lambda v: v in ROPE_SCALINGS)
+    if scaling is None:
+        return None, 1.0
+    factor = _parse(env, "ROPE_FACTOR", 1.0, float, "a finite number > 0",
+                    lambda v: 0.0 < v < float("inf"))
+    return scaling, factor
 
 
 def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
     """Parse and validate every knob. ``env`` defaults to ``os.environ``."""
     e = os.environ if env is None else env
+    rope_scaling, rope_factor = _rope(e)
+    lora = e.get("LORA_ADAPTERS")
     return EnvSettings(
         # TGI_BACKEND: `paged` (this package) or `stock` (TGI's own server, if installed).
-        backend=_parse(e, "TGI_BACKEND", "paged", str.lower, "paged or stock",
-                       lambda v: v in ("paged", "stock")),
+        backend=read_backend(e),
         # TGI_PAGED_BLOCK_SIZE: tokens per physical and virtual block.
         block_size=_parse(e, "TGI_PAGED_BLOCK_SIZE", 16, int, "one of " + ", ".join(map(str, BLOCK_SIZES)),
                           lambda v: v in BLOCK_SIZES),
         # TGI_PAGED_MEMORY_FRACTION: share of device memory for weights + activations + KV.
         memory_fraction=_parse(e, "TGI_PAGED_MEMORY_FRACTION", 0.90, float, "a number in (0, 1]",
                                lambda v: 0.0 < v <= 1.0),
-        # CUDA_MEMORY_FRACTION: the launcher's --cuda-memory-fraction, multiplies the above.
+        # CUDA_MEMORY_FRACTION: the launcher's --cuda-memory-fraction (default 1): the share of the
+        # device this process may use, as stock (torch's per-process cap; multiplies the above).
         cuda_memory_fraction=_parse(e, "CUDA_MEMORY_FRACTION", 1.0, float, "a number in (0, 1]",
                                     lambda v: 0.0 < v <= 1.0),
         # TGI_PAGED_NUM_BLOCKS: cap on physical blocks (tests, benchmarks, capacity drills).
@@ -116,14 +154,25 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         # TGI_PAGED_METRICS_PORT: Prometheus /metrics on 127.0.0.1:PORT.
         metrics_port=_parse(e, "TGI_PAGED_METRICS_PORT", None, int, "a port in 1..65535",
                             lambda v: 0 < v < 65536),
-        # PREFIX_CACHING: set by the launcher; advertised in Info.use_prefix_caching.
-        prefix_caching=_parse(e, "PREFIX_CACHING", False, _bool, "1/0/true/false"),
-        # MAX_BATCH_SIZE, MAX_TOTAL_TOKENS: set by the launcher when the user gives them.
-        max_batch_size=_parse(e, "MAX_BATCH_SIZE", None, int, "an integer >= 1", lambda v: v >= 1),
-        max_total_tokens=_parse(e, "MAX_TOTAL_TOKENS", None, int, "an integer >= 1",
-                                lambda v: v >= 1),
-        # REQUEST_LOGPROBS: launcher --enable-prefill-logprobs.
-        request_logprobs=_parse(e, "REQUEST_LOGPROBS", False, _bool, "1/0/true/false"),
+        # PREFIX_CACHING: set by the launcher (user env wins): advertised in Info.use_prefix_caching
+        # and, when off, no prefix blocks are retained either. Stock parsing.
+        prefix_caching=_stock_flag(e, "PREFIX_CACHING"),
+        # MAX_BATCH_SIZE, MAX_TOTAL_TOKENS: set by the launcher when the user gives them, as its
+        # `usize` values. Not used by the shard, as stock's CUDA server: the router caps its batches
+        # and Warmup carries max_total_tokens.
+        max_batch_size=_parse(e, "MAX_BATCH_SIZE", None, int, "an integer >= 0", lambda v: v >= 0),
+        max_total_tokens=_parse(e, "MAX_TOTAL_TOKENS", None, int, "an integer >= 0",
+                                lambda v: v >= 0),
+        # REQUEST_LOGPROBS: launcher --enable-prefill-logprobs. Stock parsing.
+        request_logprobs=_stock_flag(e, "REQUEST_LOGPROBS"),
+        # WEIGHTS_CACHE_OVERRIDE: launcher --weights-cache-override: a hub model's files are read
+        # from this directory instead of the hub cache (a local model directory wins, as stock).
+        weights_cache_override=_parse(e, "WEIGHTS_CACHE_OVERRIDE", None, str, "a directory"),
+        # ROPE_SCALING / ROPE_FACTOR: launcher --rope-scaling / --rope-factor.
+        rope_scaling=rope_scaling,
+        rope_factor=rope_factor,
+        # LORA_ADAPTERS: launcher --lora-adapters; empty means none, as stock. Refused by `serve`.
+        lora_adapters=lora if lora else None,
         # RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT: set by the launcher for each shard.
         rank=_parse(e, "RANK", 0, int, "an integer >= 0", lambda v: v >= 0),
         world_size=_parse(e, "WORLD_SIZE", 1, int, "an integer >= 1", lambda v: v >= 1),
@@ -173,10 +222,15 @@ def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             quantize=cli.get("quantize"),
             speculate=int(cli.get("speculate") or 0),
             max_input_tokens=cli.get("max_input_tokens"),
+            weights_cache_override=s.weights_cache_override,
+            rope_scaling=s.rope_scaling,
+            rope_factor=s.rope_factor,
+            lora_adapters=cli.get("lora_adapters") or s.lora_adapters,
         ),
         cache=CacheConfig(
             block_size=s.block_size,
             memory_fraction=s.memory_fraction * s.cuda_memory_fraction,
+            cuda_memory_fraction=s.cuda_memory_fraction,
             num_blocks=s.num_blocks,
             overcommit=s.overcommit,
             swap_space_bytes=int(s.swap_space_gb * 1024**3),

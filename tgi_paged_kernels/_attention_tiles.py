@@ -93,6 +93,17 @@ def _attend_kv_tiles(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _add_sink(acc, m_i, l_i, sink):
+    # Attention sinks (gpt-oss): one more score per row, ``sink`` [BLOCK_M] fp32 in natural-log units,
+    # with no value row: it joins the denominator only. Same rescaling as a key tile of one column.
+    # An empty key range (m_i == M_FLOOR) gives alpha = 0, l_i = 1, acc = 0: zeros, as the reference.
+    s = sink * LOG2E
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    return acc * alpha[:, None], m_new, l_i * alpha + tl.exp2(s - m_new)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launcher-side helpers
 # ---------------------------------------------------------------------------------------------

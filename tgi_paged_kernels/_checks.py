@@ -119,6 +119,7 @@ def check_attention(
     k_scale: float,
     v_scale: float,
     out: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> AttentionShape:
     """Checks common to decode and prefill; returns the call's dimensions."""
     cache = check_kv_cache(k_cache, v_cache)
@@ -139,12 +140,25 @@ def check_attention(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
     check_scales(k_scale, v_scale)
+    check_sinks(sinks, num_q_heads, query.device)
     if out is not None and (out.shape != query.shape or out.device != query.device or out.dtype not in QUERY_DTYPES):
         raise ValueError(
             f"out must be a float16/bfloat16/float32 tensor of shape {tuple(query.shape)} on {query.device}, got "
             f"{out.dtype} {tuple(out.shape)} on {out.device}"
         )
     return AttentionShape(cache=cache, num_rows=query.shape[0], num_q_heads=num_q_heads)
+
+
+def check_sinks(sinks: torch.Tensor | None, num_q_heads: int, device: torch.device) -> None:
+    """Attention sinks: ``None``, or one float logit per query head, contiguous, on the query's device."""
+    if sinks is None:
+        return
+    if (tuple(sinks.shape) != (num_q_heads,) or sinks.dtype not in QUERY_DTYPES or sinks.device != device
+            or not sinks.is_contiguous()):  # fmt: skip
+        raise ValueError(
+            f"sinks must be a contiguous float16/bfloat16/float32 tensor of shape ({num_q_heads},) (one logit per "
+            f"query head) on {device}, got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+        )
 
 
 def check_unit_inner_stride(**tensors: torch.Tensor) -> None:

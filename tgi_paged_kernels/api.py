@@ -59,6 +59,7 @@ def paged_decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over that request's K/V in the pool.
 
@@ -74,6 +75,9 @@ def paged_decode_attention(
     sliding_window : ``w`` attends to the last ``w`` positions only (key position > query position - w)
     k_scale, v_scale : fp8 scales, see the module docstring
     out : optional [num_requests, num_q_heads, head_dim] float output buffer
+    sinks : optional [num_q_heads] float, one learned logit per query head (gpt-oss attention sinks): it
+        joins each softmax denominator as a score without a value, so outputs shrink by
+        ``sum(exp(s)) / (sum(exp(s)) + exp(sink))``
 
     Returns
     -------
@@ -86,15 +90,17 @@ def paged_decode_attention(
         return _launch_paged_decode(
             query, k_cache, v_cache, block_tables, seq_lens,
             scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+            sinks=sinks,
         )  # fmt: skip
     check_attention(
         query, k_cache, v_cache, block_tables,
-        softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+        softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out, sinks=sinks,
     )  # fmt: skip
     check_index("seq_lens", seq_lens, (query.shape[0],), query.device)
     return torch_impl.paged_decode_attention_torch(
         query, k_cache, v_cache, block_tables, seq_lens,
         scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+        sinks=sinks,
     )  # fmt: skip
 
 
@@ -112,6 +118,7 @@ def paged_prefill_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of many requests' new tokens (packed) over their cached prefix and themselves.
 
@@ -127,7 +134,7 @@ def paged_prefill_attention(
     block_tables : int32 [num_requests, max_blocks]
     query_start_loc : int32 [num_requests + 1], rising from 0 to num_tokens
     seq_lens : int32 [num_requests], cached prefix + new tokens
-    scale, softcap, sliding_window, k_scale, v_scale, out : as for ``paged_decode_attention``
+    scale, softcap, sliding_window, k_scale, v_scale, out, sinks : as for ``paged_decode_attention``
 
     Returns
     -------
@@ -139,16 +146,18 @@ def paged_prefill_attention(
         return _launch_paged_prefill(
             query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
             scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+            sinks=sinks,
         )  # fmt: skip
     check_attention(
         query, k_cache, v_cache, block_tables,
-        softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+        softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out, sinks=sinks,
     )  # fmt: skip
     check_index("seq_lens", seq_lens, (block_tables.shape[0],), query.device)
     check_index("query_start_loc", query_start_loc, (block_tables.shape[0] + 1,), query.device)
     return torch_impl.paged_prefill_attention_torch(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+        sinks=sinks,
     )  # fmt: skip
 
 

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 
 from ._attention_tiles import (
+    LOG2E,
+    _add_sink,
     _attend_kv_tiles,
     dot_dtype_and_precision,
     head_dim_pad,
@@ -46,10 +48,11 @@ def _paged_decode_kernel(
     seq_lens_ptr,  #
     out_ptr, stride_ob, stride_oh, stride_od,  #
     part_out_ptr, part_lse_ptr,  # split-K only: [B, Hq, NUM_SPLITS, HEAD_DIM], [B, Hq, NUM_SPLITS] fp32
+    sinks_ptr,  # [Hq] sink logits (USE_SINKS); split-K adds them in the reduction instead
     sm_scale, v_scale, softcap, sliding_window, tokens_per_split,  #
     NUM_Q_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr,  #
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,  #
-    NUM_SPLITS: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,  #
+    NUM_SPLITS: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,  #
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
 ):
     request = tl.program_id(0)
@@ -86,7 +89,11 @@ def _paged_decode_kernel(
         BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, USE_SOFTCAP, USE_WINDOW, DOT_DTYPE, DOT_PRECISION,  #
     )
 
-    # -- epilogue: normalise (an empty range, l_i == 0, gives zeros) --------------------------------
+    # -- epilogue: the sink joins the denominator once (here, or in the reduction when split), then
+    # normalise (an empty range, l_i == 0, gives zeros) -----------------------------------------------
+    if USE_SINKS and NUM_SPLITS == 1:
+        sink = tl.load(sinks_ptr + q_head, mask=row_mask, other=0.0).to(tl.float32)
+        acc, m_i, l_i = _add_sink(acc, m_i, l_i, sink)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     result = acc * (v_scale / l_safe)[:, None]
     if NUM_SPLITS == 1:
@@ -103,8 +110,9 @@ def _paged_decode_kernel(
 def _paged_decode_reduce_kernel(
     part_out_ptr, part_lse_ptr,  # [B, Hq, NUM_SPLITS, HEAD_DIM], [B, Hq, NUM_SPLITS] fp32, contiguous
     out_ptr, stride_ob, stride_oh, stride_od,  #
+    sinks_ptr,  # [Hq] sink logits (USE_SINKS)
     NUM_Q_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,  #
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,  #
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_SINKS: tl.constexpr,  #
 ):
     request = tl.program_id(0)
     q_head = tl.program_id(1)
@@ -113,9 +121,13 @@ def _paged_decode_reduce_kernel(
     s_mask = offs_s < NUM_SPLITS
     part_row = (request * NUM_Q_HEADS + q_head) * NUM_SPLITS + offs_s
 
-    # -- weights: each split's share of the softmax mass, exp2(lse_s - max lse) ---------------------
+    # -- weights: each split's share of the softmax mass, exp2(lse_s - max lse); the sink (base 2,
+    # like lse) is one more share without a value -----------------------------------------------------
     lse = tl.load(part_lse_ptr + part_row, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, axis=0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + q_head).to(tl.float32) * LOG2E
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty: all weights 0
     weight = tl.exp2(lse - lse_max)
 
@@ -123,6 +135,8 @@ def _paged_decode_reduce_kernel(
     part_mask = s_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     part = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], mask=part_mask, other=0.0)
     total = tl.sum(weight, axis=0)
+    if USE_SINKS:
+        total += tl.exp2(sink - lse_max)
     result = tl.sum(weight[:, None] * part, axis=0) / tl.where(total > 0, total, 1.0)
     out_offs = request * stride_ob + q_head * stride_oh + offs_d * stride_od
     tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
@@ -190,6 +204,7 @@ def _launch_paged_decode(
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Check arguments and launch the Triton decode kernel(s), whatever the device.
 
@@ -199,7 +214,7 @@ def _launch_paged_decode(
     k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any cache dtype, head_dim
         contiguous (other strides free)
     block_tables : int32 [B, max_blocks], rows contiguous; seq_lens : int32 [B]
-    scale, softcap, sliding_window, k_scale, v_scale, out : as ``api.paged_decode_attention``
+    scale, softcap, sliding_window, k_scale, v_scale, out, sinks : as ``api.paged_decode_attention``
     num_splits : ``None`` chooses by shape (``choose_num_splits``); 1 forces the single pass; > 1
         forces split-K with that many slices (tests use this under ``TRITON_INTERPRET=1``)
 
@@ -209,7 +224,7 @@ def _launch_paged_decode(
     """
     shape = check_attention(
         query, k_cache, v_cache, block_tables,
-        softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+        softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out, sinks=sinks,
     )  # fmt: skip
     out = torch.empty_like(query) if out is None else out
     _check_decode(shape, query, k_cache, v_cache, block_tables, seq_lens, out)
@@ -237,18 +252,21 @@ def _launch_paged_decode(
         seq_lens,  #
         out, *out.stride(),  #
         part_out, part_lse,  #
+        out if sinks is None else sinks,  # any pointer when unused
         sm_scale, out_scale, softcap, sliding_window or 0, tokens_per_split,  #
         NUM_Q_HEADS=shape.num_q_heads, QUERIES_PER_KV=shape.queries_per_kv,  #
         BLOCK_M=max(16, next_power_of_2(shape.queries_per_kv)),  # 16: tl.dot's minimum rows
         BLOCK_SIZE=cache.block_size, BLOCK_N=block_n, HEAD_DIM=cache.head_dim, HEAD_DIM_PAD=dim_pad,  #
         NUM_SPLITS=num_splits, USE_SOFTCAP=softcap > 0, USE_WINDOW=sliding_window is not None,  #
+        USE_SINKS=sinks is not None,  #
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,  #
     )  # fmt: skip
     if num_splits > 1:
         _paged_decode_reduce_kernel[(batch, shape.num_q_heads)](
             part_out, part_lse,  #
             out, *out.stride(),  #
+            out if sinks is None else sinks,  #
             NUM_Q_HEADS=shape.num_q_heads, NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),  #
-            HEAD_DIM=cache.head_dim, HEAD_DIM_PAD=dim_pad,  #
+            HEAD_DIM=cache.head_dim, HEAD_DIM_PAD=dim_pad, USE_SINKS=sinks is not None,  #
         )  # fmt: skip
     return out

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ._attention_tiles import (
+    _add_sink,
     _attend_kv_tiles,
     dot_dtype_and_precision,
     head_dim_pad,
@@ -57,10 +58,11 @@ def _paged_prefill_kernel(
     block_tables_ptr, stride_btb,  #
     query_start_loc_ptr, seq_lens_ptr, num_requests,  #
     out_ptr, stride_ot, stride_oh, stride_od,  #
+    sinks_ptr,  # [Hq] sink logits (USE_SINKS)
     sm_scale, v_scale, softcap, sliding_window,  #
     QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, REQUESTS_PAD: tl.constexpr,  #
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,  #
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,  #
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,  #
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
 ):
     kv_head = tl.program_id(1)
@@ -100,7 +102,11 @@ def _paged_prefill_kernel(
         BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, USE_SOFTCAP, USE_WINDOW, DOT_DTYPE, DOT_PRECISION,  #
     )
 
-    # -- epilogue: normalise and store (every row sees at least itself, so l_i > 0) --------------------
+    # -- epilogue: the sink joins the denominator, then normalise and store (every row sees at least
+    # itself, so l_i > 0) ----------------------------------------------------------------------------------
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + q_head, mask=row_mask, other=0.0).to(tl.float32)
+        acc, m_i, l_i = _add_sink(acc, m_i, l_i, sink)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     result = acc * (v_scale / l_safe)[:, None]
     out_offs = (q_start + token)[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :] * stride_od
@@ -121,6 +127,7 @@ def _launch_paged_prefill(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Check arguments and launch the Triton prefill kernel, whatever the device.
 
@@ -131,7 +138,7 @@ def _launch_paged_prefill(
         contiguous (other strides free)
     block_tables : int32 [B, max_blocks], rows contiguous
     query_start_loc : int32 [B + 1]; seq_lens : int32 [B]
-    scale, softcap, sliding_window, k_scale, v_scale, out : as ``api.paged_prefill_attention``
+    scale, softcap, sliding_window, k_scale, v_scale, out, sinks : as ``api.paged_prefill_attention``
 
     Returns
     -------
@@ -139,7 +146,7 @@ def _launch_paged_prefill(
     """
     shape = check_attention(
         query, k_cache, v_cache, block_tables,
-        softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
+        softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out, sinks=sinks,
     )  # fmt: skip
     cache = shape.cache
     num_requests = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
@@ -167,10 +174,12 @@ def _launch_paged_prefill(
         block_tables, block_tables.stride(0),  #
         query_start_loc, seq_lens, num_requests,  #
         out, *out.stride(),  #
+        out if sinks is None else sinks,  # any pointer when unused
         sm_scale, out_scale, softcap, sliding_window or 0,  #
         QUERIES_PER_KV=shape.queries_per_kv, BLOCK_M=block_m, REQUESTS_PAD=next_power_of_2(num_requests),  #
         BLOCK_SIZE=cache.block_size, BLOCK_N=tile_rows(dim_pad, dot_dtype), HEAD_DIM=cache.head_dim,  #
         HEAD_DIM_PAD=dim_pad, USE_SOFTCAP=softcap > 0, USE_WINDOW=sliding_window is not None,  #
+        USE_SINKS=sinks is not None,  #
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,  #
     )  # fmt: skip
     return out

@@ -55,7 +55,7 @@ def gather_request_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_le
     return dequantize(cache[block_ids, positions % block_size], scale)
 
 
-def attend_one_request(q, k, v, q_positions, *, scale, softcap=0.0, sliding_window=None) -> torch.Tensor:
+def attend_one_request(q, k, v, q_positions, *, scale, softcap=0.0, sliding_window=None, sinks=None) -> torch.Tensor:
     """Causal attention of one request's queries over its keys, one query head at a time.
 
     Parameters
@@ -63,6 +63,9 @@ def attend_one_request(q, k, v, q_positions, *, scale, softcap=0.0, sliding_wind
     q : [num_queries, num_q_heads, head_dim] fp32
     k, v : [seq_len, num_kv_heads, head_dim] fp32, key position ``p`` at row ``p``
     q_positions : [num_queries] token position of each query
+
+    sinks : optional [num_q_heads], one learned logit per query head (gpt-oss attention sinks): it
+        joins each row's softmax as one more score, with no value, so it only adds to the denominator
 
     Query ``i`` sees key ``p`` when ``p <= q_positions[i]`` and, with a window ``w``,
     ``p > q_positions[i] - w``. Rows that see no key return zeros.
@@ -80,14 +83,18 @@ def attend_one_request(q, k, v, q_positions, *, scale, softcap=0.0, sliding_wind
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:  # one more column: the sink's logit, after capping and masking (as HF does)
+            scores = torch.cat([scores, sinks[q_head].float().expand(scores.shape[0], 1)], dim=-1)
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no visible key: all -inf -> NaN -> 0
+        if sinks is not None:
+            probs = probs[:, :-1]  # the sink takes its share of the mass and contributes no value
         out[:, q_head] = probs @ v[:, kv_head]
     return out
 
 
 def paged_decode_attention_reference(
     query, k_cache, v_cache, block_tables, seq_lens, *, scale, softcap=0.0, sliding_window=None, k_scale=1.0,
-    v_scale=1.0,
+    v_scale=1.0, sinks=None,
 ) -> torch.Tensor:
     """Decode: request ``b``'s single query sits at position ``seq_lens[b] - 1``. Returns fp32 on CPU."""
     query, k_cache, v_cache = query.float().cpu(), k_cache.cpu(), v_cache.cpu()
@@ -97,7 +104,8 @@ def paged_decode_attention_reference(
         v = gather_request_kv(v_cache, block_tables[b], seq_len, v_scale)
         q_positions = torch.tensor([seq_len - 1])
         out[b] = attend_one_request(
-            query[b : b + 1], k, v, q_positions, scale=scale, softcap=softcap, sliding_window=sliding_window
+            query[b : b + 1], k, v, q_positions, scale=scale, softcap=softcap, sliding_window=sliding_window,
+            sinks=None if sinks is None else sinks.cpu(),
         )[0]
     return out
 
@@ -115,6 +123,7 @@ def paged_prefill_attention_reference(
     sliding_window=None,
     k_scale=1.0,
     v_scale=1.0,
+    sinks=None,
 ) -> torch.Tensor:
     """Prefill/extend: request ``b``'s queries are rows ``query_start_loc[b]:query_start_loc[b+1]`` at
     positions ``seq_lens[b] - q_len .. seq_lens[b] - 1``. Returns fp32 on CPU."""
@@ -127,7 +136,8 @@ def paged_prefill_attention_reference(
         v = gather_request_kv(v_cache, block_tables[b], seq_len, v_scale)
         q_positions = torch.arange(seq_len - (end - start), seq_len)
         out[start:end] = attend_one_request(
-            query[start:end], k, v, q_positions, scale=scale, softcap=softcap, sliding_window=sliding_window
+            query[start:end], k, v, q_positions, scale=scale, softcap=softcap, sliding_window=sliding_window,
+            sinks=None if sinks is None else sinks.cpu(),
         )
     return out
 

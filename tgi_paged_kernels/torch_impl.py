@@ -33,14 +33,15 @@ def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float
     v_cache[block_ids, offsets] = quantize(value[keep], v_cache.dtype, v_scale)
 
 
-def _attend_per_kv_head(q, k, v, visible, *, scale: float, softcap: float) -> torch.Tensor:
+def _attend_per_kv_head(q, k, v, visible, *, scale: float, softcap: float, sinks=None) -> torch.Tensor:
     """Masked attention in fp32, one batched matmul pair per KV head.
 
     q: [batch, num_kv_heads, rows, head_dim], the rows of a KV head being its group's query heads
     (decode) or (query head, token) pairs (prefill); k, v: [batch, num_keys, num_kv_heads,
     head_dim], as gathered (the per-head slices are strided views: no copy, and no flops spent on
-    other heads' keys); visible: bool, broadcastable to [batch, rows, num_keys]. Returns
-    [batch, num_kv_heads, rows, head_dim]; rows that see no key give zeros.
+    other heads' keys); visible: bool, broadcastable to [batch, rows, num_keys]; sinks: optional
+    fp32 [num_kv_heads, rows], each row's sink logit (an extra softmax column without a value).
+    Returns [batch, num_kv_heads, rows, head_dim]; rows that see no key give zeros.
     """
     outputs = []
     for kv_head in range(k.shape[2]):
@@ -48,13 +49,19 @@ def _attend_per_kv_head(q, k, v, visible, *, scale: float, softcap: float) -> to
         if softcap > 0:
             scores = scores.div_(softcap).tanh_().mul_(softcap)
         scores = scores.masked_fill_(~visible, float("-inf"))
+        if sinks is not None:
+            sink_column = sinks[kv_head][None, :, None].expand(scores.shape[0], -1, 1)
+            scores = torch.cat([scores, sink_column], dim=-1)
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # all -inf row -> NaN -> 0
+        if sinks is not None:
+            probs = probs[..., :-1]  # the sink's share of the mass carries no value
         outputs.append(torch.bmm(probs, v[:, :, kv_head]))
     return torch.stack(outputs, dim=1)
 
 
 def paged_decode_attention_torch(
-    query, k_cache, v_cache, block_tables, seq_lens, *, scale, softcap, sliding_window, k_scale, v_scale, out
+    query, k_cache, v_cache, block_tables, seq_lens, *, scale, softcap, sliding_window, k_scale, v_scale, out,
+    sinks=None,
 ) -> torch.Tensor:
     """Decode for CPU tensors: one gather, masked batched attention; see ``api.paged_decode_attention``."""
     batch, num_q_heads, head_dim = query.shape
@@ -82,7 +89,8 @@ def paged_decode_attention_torch(
 
     # -- GQA: the queries_per_kv heads of a group are the "rows" of one KV head ---------------------
     q = query.float().reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    result = _attend_per_kv_head(q, k, v, visible[:, None, :], scale=scale, softcap=softcap)
+    rows_sinks = None if sinks is None else sinks.float().reshape(num_kv_heads, num_q_heads // num_kv_heads)
+    result = _attend_per_kv_head(q, k, v, visible[:, None, :], scale=scale, softcap=softcap, sinks=rows_sinks)
     return _write_out(result.reshape(batch, num_q_heads, head_dim), query, out)
 
 
@@ -100,6 +108,7 @@ def paged_prefill_attention_torch(
     k_scale,
     v_scale,
     out,
+    sinks=None,
 ) -> torch.Tensor:
     """Prefill/extend for CPU tensors, one request at a time; see ``api.paged_prefill_attention``."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -109,6 +118,7 @@ def paged_prefill_attention_torch(
     if starts[0] != 0 or starts[-1] != num_tokens or any(a > b for a, b in zip(starts, starts[1:])):
         raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {starts}")
     result = torch.zeros(query.shape, dtype=torch.float32)
+    group_sinks = None if sinks is None else sinks.float().reshape(num_kv_heads, queries_per_kv, 1)
     for b, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[b], starts[b + 1]
         num_queries = end - start
@@ -131,8 +141,9 @@ def paged_prefill_attention_torch(
         # -- rows of a KV head: (head in group, token) pairs, head-major ------------------------------
         q = query[start:end].float().reshape(num_queries, num_kv_heads, queries_per_kv, head_dim)
         q = q.permute(1, 2, 0, 3).reshape(1, num_kv_heads, queries_per_kv * num_queries, head_dim)
+        rows_sinks = None if sinks is None else group_sinks.expand(-1, -1, num_queries).reshape(num_kv_heads, -1)
         o = _attend_per_kv_head(q, k[None], v[None], visible.repeat(queries_per_kv, 1)[None], scale=scale,
-                                softcap=softcap)  # fmt: skip
+                                softcap=softcap, sinks=rows_sinks)  # fmt: skip
         o = o.reshape(num_kv_heads, queries_per_kv, num_queries, head_dim)
         result[start:end] = o.permute(2, 0, 1, 3).reshape(num_queries, num_q_heads, head_dim)
     return _write_out(result, query, out)

@@ -62,9 +62,12 @@ def tiny_dir(request) -> Path:
 
 def make_engine(model_dir: Path, *, num_blocks: int = 64, block_size: int = 8, preemption: str = "recompute",
                 swap_gb: float = 0.01, **env: str):
-    """Engine on ``model_dir`` with a capped physical pool (``num_blocks`` incl. the scratch block)."""
+    """Engine on ``model_dir`` with a capped physical pool (``num_blocks`` incl. the scratch block).
+
+    ``PREFIX_CACHING`` is on unless ``env`` says otherwise: the launcher's choice for these models."""
     settings = {"TGI_PAGED_NUM_BLOCKS": str(num_blocks), "TGI_PAGED_BLOCK_SIZE": str(block_size),
-                "TGI_PAGED_PREEMPTION": preemption, "TGI_PAGED_SWAP_SPACE_GB": str(swap_gb)}
+                "TGI_PAGED_PREEMPTION": preemption, "TGI_PAGED_SWAP_SPACE_GB": str(swap_gb),
+                "PREFIX_CACHING": "1"}
     settings.update({k: str(v) for k, v in env.items()})
     return build_engine(build_config({"model_id": str(model_dir)}, settings))
 

@@ -96,20 +96,36 @@ def write_tiny_model(kind: str, path: Path | str, *, seed: int = 0, vocab_size: 
 
     ``config_overrides`` go to the config (e.g. ``sliding_window=8``, ``num_hidden_layers=2``).
     """
+    return write_model_from_config(tiny_config(kind, vocab_size=vocab_size, **config_overrides), path, seed=seed)
+
+
+def write_model_from_config(config: transformers.PretrainedConfig, path: Path | str, *, seed: int = 0,
+                            param_std: dict[str, float] | None = None) -> Path:
+    """Write a random causal LM of ``config`` plus the tiny tokenizer to ``path`` (created).
+
+    Every weight is drawn from ``seed``: norm scales (and layernorm biases) ``1 + 0.1 N(0, 1)``, the rest
+    ``initializer_range N(0, 1)``, or ``param_std[suffix] N(0, 1)`` for names ending in a key of
+    ``param_std`` (weights whose effect a test must see, e.g. attention sinks).
+    """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(kind, vocab_size=vocab_size, **config_overrides)
+    std = getattr(config, "initializer_range", None) or getattr(config, "init_std", None) or 0.1
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config)
         # Re-draw every weight from the seed: init order inside transformers is version dependent.
         generator = torch.Generator().manual_seed(seed)
+        norm_scales = {f"{module_name}.weight" for module_name, module in model.named_modules()
+                       if "Norm" in type(module).__name__}  # LayerNorms named ln_1, ln_f, ...
         with torch.no_grad():
             for name, param in sorted(model.named_parameters()):
-                if name.endswith("norm.weight") or "layernorm" in name:
+                special = [s for suffix, s in (param_std or {}).items() if name.endswith(suffix)]
+                if special:
+                    param.copy_(special[0] * torch.randn(param.shape, generator=generator))
+                elif name.endswith("norm.weight") or "layernorm" in name or name in norm_scales:
                     param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
                 else:
-                    param.copy_(config.initializer_range * torch.randn(param.shape, generator=generator))
+                    param.copy_(std * torch.randn(param.shape, generator=generator))
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     model.save_pretrained(path)

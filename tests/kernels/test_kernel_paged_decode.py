@@ -36,6 +36,7 @@ def run_case(
     k_scale=1.0,
     v_scale=1.0,
     interleaved=False,
+    sinks=None,
 ):
     kv = make_paged_kv(
         seq_lens, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
@@ -43,7 +44,8 @@ def run_case(
     )  # fmt: skip
     query = torch.randn(len(seq_lens), num_q_heads, head_dim).to(q_dtype)
     kwargs = dict(
-        scale=head_dim**-0.5, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale
+        scale=head_dim**-0.5, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
+        sinks=sinks,
     )
     out = _launch_paged_decode(
         query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, num_splits=num_splits, **kwargs
@@ -106,6 +108,30 @@ def test_query_and_cache_dtypes_differ(q_dtype, kv_dtype):
 )
 def test_softcap_and_sliding_window(softcap, sliding_window, num_splits):
     run_case(ODD_LENGTHS, softcap=softcap, sliding_window=sliding_window, num_splits=num_splits)
+
+
+SINK_CASES = dict(small=[0.5, -1.0, 0.0], dominant=[12.0, 9.0, -30.0])  # dominant: the sink takes ~all mass
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 7])  # 7 slices of the 97-token request: most are empty
+@pytest.mark.parametrize("sink_values", list(SINK_CASES.values()), ids=list(SINK_CASES))
+@pytest.mark.parametrize("sliding_window", [None, 8], ids=["full", "window8"])
+def test_attention_sinks(sink_values, sliding_window, num_splits):
+    # gpt-oss: one logit per query head joins the softmax denominator, in the single pass's epilogue
+    # or once in the split-K reduction. 9 query heads over 3 KV heads: each group's rows get their own.
+    sinks = torch.tensor(sink_values * 3, dtype=torch.float32)
+    run_case(ODD_LENGTHS, num_q_heads=9, num_kv_heads=3, q_dtype=torch.float32, sinks=sinks,
+             sliding_window=sliding_window, num_splits=num_splits)  # fmt: skip
+
+
+def test_attention_sinks_change_the_output():
+    # The option is not a no-op: without the sinks the same case is far from the reference with them.
+    kv = make_paged_kv([17], num_kv_heads=1, head_dim=16, block_size=4, kv_dtype=torch.float32)
+    query, sinks = torch.randn(1, 2, 16), torch.tensor([3.0, 3.0])
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+    with_sinks = paged_decode_attention_reference(*args, scale=0.25, sinks=sinks)
+    plain = _launch_paged_decode(*args, scale=0.25)
+    assert (with_sinks - plain).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("num_splits", SPLITS)
@@ -175,3 +201,5 @@ def test_rejects_bad_arguments():
         _launch_paged_decode(torch.randn(1, 4, 64).half(), *args, scale=1.0, sliding_window=0)
     with pytest.raises(ValueError, match="k_scale"):
         _launch_paged_decode(torch.randn(1, 4, 64).half(), *args, scale=1.0, k_scale=torch.tensor(1.0))
+    with pytest.raises(ValueError, match="sinks"):
+        _launch_paged_decode(torch.randn(1, 4, 64).half(), *args, scale=1.0, sinks=torch.zeros(2))

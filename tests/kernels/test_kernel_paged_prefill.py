@@ -33,6 +33,7 @@ def run_case(
     k_scale=1.0,
     v_scale=1.0,
     interleaved=False,
+    sinks=None,
 ):
     query_lens, seq_lens = zip(*requests)
     kv = make_paged_kv(
@@ -42,7 +43,8 @@ def run_case(
     starts = query_start_loc(list(query_lens))
     query = torch.randn(sum(query_lens), num_q_heads, head_dim).to(q_dtype)
     kwargs = dict(
-        scale=head_dim**-0.5, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale
+        scale=head_dim**-0.5, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
+        sinks=sinks,
     )
     out = _launch_paged_prefill(query, kv.k_cache, kv.v_cache, kv.block_tables, starts, kv.seq_lens, **kwargs)
     expected = paged_prefill_attention_reference(
@@ -103,6 +105,16 @@ def test_small_blocks_with_gqa_window_softcap_fp8_and_interleaved_pool(block_siz
     # Cached prefixes (5 new over 97, 40 over 57) read through one block-table entry per key.
     run_case(num_q_heads=9, num_kv_heads=3, block_size=block_size, kv_dtype=torch.float8_e5m2, softcap=5.0,
              sliding_window=33, k_scale=0.5, v_scale=3.0, interleaved=True)
+
+
+@pytest.mark.parametrize("sink_values", [[0.5, -1.0, 0.0], [12.0, 9.0, -30.0]], ids=["small", "dominant"])
+@pytest.mark.parametrize("sliding_window, block_size", [(None, 16), (8, 16), (8, 1)], ids=["full", "window8",
+                                                                                         "window8-block1"])
+def test_attention_sinks(sink_values, sliding_window, block_size):
+    # gqa3: a 64-row tile holds 21 tokens x 3 heads plus one, so each row must pick its own head's sink.
+    sinks = torch.tensor(sink_values * 3, dtype=torch.float32)
+    run_case(num_q_heads=9, num_kv_heads=3, q_dtype=torch.float32, block_size=block_size, sinks=sinks,
+             sliding_window=sliding_window)
 
 
 def test_strided_inputs_and_out_buffer():

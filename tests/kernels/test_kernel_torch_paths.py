@@ -33,6 +33,21 @@ def test_reference_matches_sdpa_on_a_contiguous_sequence():
     torch.testing.assert_close(ours, sdpa, atol=1e-5, rtol=1e-5)
 
 
+def test_reference_sinks_match_the_gpt_oss_formula():
+    # transformers' gpt-oss eager attention: concatenate the sink logit as a last column, softmax,
+    # drop that column. Here on a contiguous sequence, with a window of 4 and GQA 3.
+    q, k, v = torch.randn(7, 9, 16), torch.randn(12, 3, 16), torch.randn(12, 3, 16)
+    sinks = torch.randn(9) * 3
+    ours = attend_one_request(q, k, v, torch.arange(5, 12), scale=0.25, sliding_window=4, sinks=sinks)
+    q_pos, k_pos = torch.arange(5, 12)[:, None], torch.arange(12)[None, :]
+    mask = torch.where((k_pos <= q_pos) & (k_pos > q_pos - 4), 0.0, float("-inf"))
+    k9, v9 = k.repeat_interleave(3, dim=1).transpose(0, 1), v.repeat_interleave(3, dim=1).transpose(0, 1)
+    logits = q.transpose(0, 1) @ k9.transpose(1, 2) * 0.25 + mask  # [heads, 7, 12]
+    combined = torch.cat([logits, sinks[:, None, None].expand(-1, 7, 1)], dim=-1)
+    probs = torch.softmax(combined - combined.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+    torch.testing.assert_close(ours, (probs @ v9).transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("block_size", [16, 1])  # 1: stock TGI's flashinfer layout, ~1k-entry block tables
 def test_decode_at_serving_shape(block_size):
     seq_lens = torch.randint(1, 1025, (32,)).tolist()
@@ -98,6 +113,29 @@ def test_adversarial_grid(block_size, q_dtype, kv_dtype, softcap, sliding_window
 def test_adversarial_grid_small_blocks(block_size, q_dtype, kv_dtype):
     # The grid's case with softcap and window at 1-, 2- and 4-token pages (one block-table entry per key at 1).
     test_adversarial_grid(block_size, q_dtype, kv_dtype, softcap=5.0, sliding_window=33)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize(
+    "q_dtype, kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                          (torch.float16, torch.float8_e4m3fn)], ids=["fp32", "bf16", "fp16-e4m3"],
+)  # fmt: skip
+@pytest.mark.parametrize("sliding_window", [None, 8], ids=["full", "window8"])
+def test_attention_sinks(block_size, q_dtype, kv_dtype, sliding_window):
+    # One sink logit per query head (gpt-oss), small and dominant ones, in decode and in prefill.
+    seq_lens = [1, 5, 17, 40]
+    kv = make_paged_kv(seq_lens, num_kv_heads=3, head_dim=16, block_size=block_size, kv_dtype=kv_dtype,
+                       k_scale=0.5, v_scale=2.0)  # fmt: skip
+    sinks = torch.tensor([0.5, -1.0, 0.0, 12.0, 9.0, -30.0, 2.0, 2.0, 2.0])
+    kwargs = dict(scale=0.25, sliding_window=sliding_window, k_scale=0.5, v_scale=2.0, sinks=sinks)
+    tables = (kv.k_cache, kv.v_cache, kv.block_tables)
+    query = torch.randn(len(seq_lens), 9, 16).to(q_dtype)
+    assert_attention_close(paged_decode_attention(query, *tables, kv.seq_lens, **kwargs),
+                           paged_decode_attention_reference(query, *tables, kv.seq_lens, **kwargs), q_dtype)
+    starts = query_start_loc([1, 3, 17, 6])
+    query = torch.randn(int(starts[-1]), 9, 16).to(q_dtype)
+    assert_attention_close(paged_prefill_attention(query, *tables, starts, kv.seq_lens, **kwargs),
+                           paged_prefill_attention_reference(query, *tables, starts, kv.seq_lens, **kwargs), q_dtype)
 
 
 @pytest.mark.parametrize(

@@ -72,7 +72,7 @@ def test_serve_until_sigterm_at_each_launcher_level(short_dir: Path) -> None:
     shards = {}
     for level in ("INFO", "WARN", "OFF"):
         uds = short_dir / f"tgs-{level}"
-        argv = serve_argv(uds, level, "--merge-lora", "--lora-adapters", "a,b", "--from-the-future",
+        argv = serve_argv(uds, level, "--merge-lora", "--from-the-future",
                           "--max-input-tokens", "100", "--revision", "main")
         proc = subprocess.Popen(argv, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         shards[level] = (proc, Path(f"{uds}-0"))
@@ -123,6 +123,11 @@ BAD_CONFIGS = [
     (("--kv-cache-dtype", "fp4"), {}, "kv_cache_dtype"),
     (("--logger-level", "LOUD"), {}, "--logger-level"),
     (("--sharded",), {}, "--sharded"),
+    # A user who asked for adapters must not silently get the base model (issue 16).
+    ((), {"LORA_ADAPTERS": "org/some-adapter"}, "LORA_ADAPTERS='org/some-adapter' (launcher --lora-adapters) is not"),
+    (("--lora-adapters", "a,b"), {}, "LORA_ADAPTERS='a,b'"),
+    ((), {"WEIGHTS_CACHE_OVERRIDE": "/nonexistent/repository"}, "WEIGHTS_CACHE_OVERRIDE='/nonexistent/repository'"),
+    ((), {"ROPE_SCALING": "yarn"}, "ROPE_SCALING='yarn' is invalid: allowed one of linear, dynamic"),
 ]
 
 
@@ -178,7 +183,26 @@ def test_download_weights_unreachable_hub_fails_clearly(short_dir: Path) -> None
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     errors = [text for level, text in launcher_lines(result.stdout) if level == "ERROR"]
-    assert len(errors) == 1 and "Could not download no-such-org/no-such-model" in errors[0]
+    assert len(errors) == 1 and "Could not download no-such-org/no-such-model (revision v1)" in errors[0]
+
+
+def test_download_weights_with_weights_cache_override_downloads_nothing(short_dir: Path) -> None:
+    repository = short_dir / "repository"
+    repository.mkdir()
+    (repository / "model.safetensors").write_bytes(b"")
+    (repository / "config.json").write_text("{}")
+    argv = cli("download-weights", "org/model", "--extension", ".safetensors", "--logger-level", "INFO",
+               "--json-output", "--merge-lora")
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(short_dir / "hf")}
+    result = subprocess.run(argv, env=cli_env(WEIGHTS_CACHE_OVERRIDE=str(repository), **offline),
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert any("nothing to download" in text for _, text in launcher_lines(result.stdout))
+    missing = subprocess.run(argv, env=cli_env(WEIGHTS_CACHE_OVERRIDE=str(short_dir / "nope"), **offline),
+                             capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 1
+    ((level, text),) = launcher_lines(missing.stdout)
+    assert level == "ERROR" and "WEIGHTS_CACHE_OVERRIDE=" in text and "not a directory" in text
 
 
 def test_stock_backend_execs_tgi_server_with_same_argv(short_dir: Path) -> None:

@@ -1,26 +1,40 @@
-"""The generated generate.v3 stubs: importable, wire-compatible with TGI's proto, usable on the TGI image's pins.
+"""The generated generate.v3 stubs: importable, identical in descriptor to TGI's proto, usable on the TGI image's pins.
 
-``EXPECTED`` restates TGI's ``proto/v3/generate.proto`` (commit db931fc) field by field:
-(name, number, type, label) where label is ``opt`` for proto3 ``optional``, ``rep`` for repeated
-and ``one:<oneof>`` for oneof members. Any drift in our .proto or in the generated files fails here.
+``TGI_DESCRIPTOR_SHA256`` is the SHA-256 of the ``FileDescriptorProto`` that protoc compiles from TGI's
+``proto/v3/generate.proto`` at commit ``TGI_COMMIT`` (file name ``generate.proto``, no source info,
+``json_name`` cleared as the Python gencode embeds it, deterministic serialization). It was computed once
+from TGI's file with the same steps as :func:`_compile`; TGI's file is not in this repository. Equal
+digests mean our stubs and TGI's ``text_generation_server.pb`` register the same bytes, so both import
+into one process without protobuf's "duplicate file name" error.
 
-``scripts/check_proto_pins.sh`` runs this file (and the RPC tests) under protobuf 5.29.4 / grpcio 1.71.0.
+``EXPECTED`` restates the schema field by field: (name, number, type, label) where label is ``opt`` for
+proto3 ``optional``, ``rep`` for repeated and ``one:<oneof>`` for oneof members, so a digest failure
+points at the field that drifted.
+
+``integration/tgi_pins/check.sh`` runs this file (with the rest of tests/server) on the TGI image's pins.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import re
 from pathlib import Path
 
 import pytest
-from google.protobuf import descriptor_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.descriptor import FieldDescriptor as F
+from google.protobuf.internal import api_implementation
 
 from tgi_paged_backend.server.pb import generate_pb2 as pb
 from tgi_paged_backend.server.pb import generate_pb2_grpc as pb_grpc
 
 PB_DIR = Path(pb.__file__).parent
+
+TGI_COMMIT = "db931fcf42da018a3657580c64bf2720f167f9ab"
+"""huggingface/text-generation-inference, 2026-01-08 (3.3.6-dev0); proto/v3/generate.proto last changed in 0c9b6cd."""
+TGI_DESCRIPTOR_SHA256 = "ca79a35742389d18e826a748f71da5dad7fde2c721064ef5d2bbf35898b795e5"
+"""sha256 of TGI's compiled generate.proto at ``TGI_COMMIT`` (see the module docstring)."""
 
 EXPECTED: dict[str, list[tuple[str, int, str, str]]] = {
     "HealthRequest": [], "HealthResponse": [], "InfoRequest": [], "ServiceDiscoveryRequest": [],
@@ -158,14 +172,60 @@ def test_generated_code_runs_on_tgi_image_pins() -> None:
     assert "from . import generate_pb2 as generate__pb2" in (PB_DIR / "generate_pb2_grpc.py").read_text()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("grpc_tools") is None, reason="grpcio-tools not installed")
-def test_generated_files_are_in_sync_with_the_proto(tmp_path: Path) -> None:
+def _compile(proto_dir: Path, out: Path) -> descriptor_pb2.FileDescriptorProto:
+    """protoc's FileDescriptorProto of ``proto_dir/generate.proto``: no source info, ``json_name`` cleared
+    (the Python gencode does not embed it)."""
     from grpc_tools import protoc
 
-    out = tmp_path / "set.pb"
-    assert protoc.main(["protoc", f"-I{PB_DIR}", f"--descriptor_set_out={out}", str(PB_DIR / "generate.proto")]) == 0
-    compiled = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
-    for message in compiled.message_type:  # the Python gencode does not embed json_name
+    assert protoc.main(["protoc", f"-I{proto_dir}", f"--descriptor_set_out={out}",
+                        str(proto_dir / "generate.proto")]) == 0
+    (compiled,) = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
+    for message in compiled.message_type:
         for f in message.field:
             f.ClearField("json_name")
-    assert compiled == _file_proto(), "generate_pb2.py is stale: run scripts/gen_proto.sh"
+    return compiled
+
+
+def _digest(proto: descriptor_pb2.FileDescriptorProto) -> str:
+    return hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()
+
+
+_needs_protoc = pytest.mark.skipif(importlib.util.find_spec("grpc_tools") is None,
+                                   reason="grpcio-tools not installed (the dev extra has it)")
+
+
+@_needs_protoc
+def test_compiled_proto_is_byte_identical_to_tgis(tmp_path: Path) -> None:
+    compiled = _compile(PB_DIR, tmp_path / "set.pb")
+    assert compiled.name == "generate.proto" and compiled.package == "generate.v3"
+    assert _digest(compiled) == TGI_DESCRIPTOR_SHA256, (
+        f"generate.proto no longer compiles to TGI's descriptor (commit {TGI_COMMIT}): keep TGI's file name, "
+        "package and the declaration order of messages, fields, enums and methods")
+
+
+def test_generated_stubs_register_tgis_exact_bytes() -> None:
+    """What the gencode hands the descriptor pool is what TGI's gencode hands it."""
+    assert hashlib.sha256(pb.DESCRIPTOR.serialized_pb).hexdigest() == TGI_DESCRIPTOR_SHA256, (
+        "generate_pb2.py does not embed TGI's descriptor: run scripts/gen_proto.sh")
+
+
+@pytest.mark.skipif(api_implementation.Type() == "python",
+                    reason="the pure-Python protobuf runtime does not refuse a conflicting file")
+def test_same_bytes_load_twice_in_one_pool_but_a_reordered_file_does_not() -> None:
+    """The mechanism the digest guards: the default (upb) runtime accepts a second registration of
+    ``generate.proto`` only when its bytes are identical (as when both our stubs and TGI's are imported)."""
+    pool = descriptor_pool.DescriptorPool()
+    pool.AddSerializedFile(pb.DESCRIPTOR.serialized_pb)
+    pool.AddSerializedFile(pb.DESCRIPTOR.serialized_pb)  # TGI's stubs, by the digest above
+    reordered = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)
+    request = next(m for m in reordered.message_type if m.name == "Request")
+    by_number = sorted(request.field, key=lambda f: f.number)  # the wire-compatible order we used to have
+    del request.field[:]
+    request.field.extend(by_number)
+    with pytest.raises(TypeError, match="duplicate file name generate.proto"):
+        pool.AddSerializedFile(reordered.SerializeToString())
+
+
+@_needs_protoc
+def test_generated_files_are_in_sync_with_the_proto(tmp_path: Path) -> None:
+    assert _compile(PB_DIR, tmp_path / "set.pb") == _file_proto(), "generate_pb2.py is stale: run scripts/gen_proto.sh"

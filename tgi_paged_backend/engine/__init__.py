@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from tgi_paged_backend.config import BackendConfig
     from tgi_paged_backend.engine.shard_engine import PagedShardEngine
 
@@ -22,9 +24,20 @@ def build_engine(config: BackendConfig) -> PagedShardEngine:
 
     device = torch.device(f"cuda:{config.server.rank % torch.cuda.device_count()}"
                           if torch.cuda.is_available() else "cpu")
+    cap_device_memory(device, config.cache.cuda_memory_fraction)
     if config.server.world_size > 1:  # --num-shard N: one tensor-parallel rank per process
         from tgi_paged_backend.engine.tp_engine import build_tensor_parallel_engine
 
         return build_tensor_parallel_engine(config, device)
     runner = ModelRunner(config.model, config.cache, device)
     return PagedShardEngine(config, runner)
+
+
+def cap_device_memory(device: torch.device, fraction: float) -> None:
+    """``CUDA_MEMORY_FRACTION`` as stock applies it (``utils/dist.py``): this process may allocate at most
+    ``fraction`` of the CUDA device (``torch.cuda.set_per_process_memory_fraction``). No-op on CPU and at 1."""
+    if device.type != "cuda" or fraction >= 1.0:
+        return
+    import torch
+
+    torch.cuda.set_per_process_memory_fraction(fraction, device)

@@ -54,6 +54,9 @@ class PagedAttentionMetadata:
         Per-layer pool tensors, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
     k_scale, v_scale : float
         Dequantization scales of fp8 KV (1.0 otherwise).
+    layer_calls : list[int], optional
+        Probe mode (start-up check, :mod:`.family_support`): each call appends its ``layer_idx``
+        here and returns zeros, touching no pool (``batch`` and the caches are then unused).
     """
 
     batch: Any  # ForwardBatch; typed loosely to keep this module free of runner imports
@@ -61,6 +64,7 @@ class PagedAttentionMetadata:
     v_caches: Sequence[torch.Tensor]
     k_scale: float = 1.0
     v_scale: float = 1.0
+    layer_calls: list[int] | None = None
 
 
 def paged_attention_forward(
@@ -73,6 +77,7 @@ def paged_attention_forward(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Store this layer's new K/V in the pool and attend over the paged K/V.
@@ -94,6 +99,9 @@ def paged_attention_forward(
         included); ``None`` or 0 for full attention.
     softcap : float, optional
         Attention logit soft-cap (Gemma 2).
+    s_aux : torch.Tensor, optional
+        ``[Hq]`` attention-sink logits (gpt-oss passes its ``sinks`` parameter under this name, as
+        transformers' flash-attention kernels take it): they join the softmax denominator.
     **kwargs
         Must contain :data:`METADATA_KWARG`; everything else is ignored.
 
@@ -111,6 +119,9 @@ def paged_attention_forward(
     if query.shape[0] != 1:
         raise ValueError(f"{ATTENTION_NAME} expects one packed sequence (batch dim 1), got {query.shape[0]}")
     layer_idx = module.layer_idx
+    if metadata.layer_calls is not None:  # probe: which layers reach us, nothing computed
+        metadata.layer_calls.append(int(layer_idx))
+        return query.new_zeros((1, query.shape[2], query.shape[1], value.shape[-1])), None
     k_cache, v_cache = metadata.k_caches[layer_idx], metadata.v_caches[layer_idx]
     batch = metadata.batch
 
@@ -128,6 +139,7 @@ def paged_attention_forward(
         sliding_window=int(sliding_window) if sliding_window else None,
         k_scale=metadata.k_scale,
         v_scale=metadata.v_scale,
+        sinks=None if s_aux is None else s_aux.detach().float().contiguous(),
     )
     if batch.is_decode:
         out = tgi_paged_kernels.paged_decode_attention(

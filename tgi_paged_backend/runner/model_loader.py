@@ -17,7 +17,9 @@ import transformers
 from packaging.version import Version
 
 from tgi_paged_backend.config import ModelConfig
+from tgi_paged_backend.runner import family_support
 from tgi_paged_backend.runner.attention import register_attention
+from tgi_paged_backend.runner.rope_scaling import apply_rope_scaling
 
 _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -98,6 +100,23 @@ def _model_dir(model_config: ModelConfig) -> Path:
     return path
 
 
+def _refuse_if(config: Any, reason: str | None) -> None:
+    if reason is not None:
+        raise ModelLoadError(family_support.refusal_message(config, reason))
+
+
+def _probe_attention(model: torch.nn.Module) -> None:
+    """Refuse the model unless a one-token forward reaches the paged attention once per layer."""
+    config = model.config
+    try:
+        calls = family_support.probe_layer_calls(model)
+    except Exception as err:  # noqa: BLE001 - any failure of foreign modeling code means "not served"
+        _refuse_if(config, f"a one-token probe forward through the paged attention failed "
+                           f"({type(err).__name__}: {err})")
+    num_layers = int(getattr(getattr(config, "text_config", None) or config, "num_hidden_layers"))
+    _refuse_if(config, family_support.check_attention_calls(num_layers, calls))
+
+
 def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedModel:
     """Load model, tokenizer and generation config from ``model_config.model_id`` (a local dir)."""
     check_supported(model_config)
@@ -105,18 +124,35 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
     path = _model_dir(model_config)
     dtype = resolve_dtype(model_config.dtype, device)
     attn_name = register_attention()
+    config = transformers.AutoConfig.from_pretrained(
+        path, trust_remote_code=model_config.trust_remote_code, local_files_only=True)
+    if model_config.rope_scaling is not None:  # ROPE_SCALING / ROPE_FACTOR replace the config's, as stock
+        apply_rope_scaling(config, model_config.rope_scaling, model_config.rope_factor)
+    _refuse_if(config, family_support.unsupported_reason(config))
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path,
-        attn_implementation=attn_name,
-        trust_remote_code=model_config.trust_remote_code,
-        use_safetensors=True,
-        local_files_only=True,
-        **{_DTYPE_KWARG: dtype},
-    )
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path,
+            **({} if model_config.rope_scaling is None else {"config": config}),
+            attn_implementation=attn_name,
+            trust_remote_code=model_config.trust_remote_code,
+            use_safetensors=True,
+            local_files_only=True,
+            **{_DTYPE_KWARG: dtype},
+        )
+    except KeyError as err:  # modeling code that looks attention classes up by implementation name
+        if err.args != (attn_name,):
+            raise
+        _refuse_if(config, f"its modeling code has no {attn_name!r} attention: it bypasses transformers' attention "
+                           "interface")
+    except ValueError as err:  # not a causal LM: AutoModelForCausalLM knows no class for this config
+        if "Unrecognized configuration class" not in str(err):
+            raise
+        _refuse_if(config, "it has no causal-LM class in transformers (AutoModelForCausalLM)")
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    _probe_attention(model)
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         path, trust_remote_code=model_config.trust_remote_code, local_files_only=True)

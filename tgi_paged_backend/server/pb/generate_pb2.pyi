@@ -101,7 +101,7 @@ class Input(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[InputChunk, _Mapping]]] = ...) -> None: ...
 
 class NextTokenChooserParameters(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty", "watermark", "frequency_penalty", "grammar", "grammar_type")
+    __slots__ = ("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty", "frequency_penalty", "watermark", "grammar", "grammar_type")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -109,8 +109,8 @@ class NextTokenChooserParameters(_message.Message):
     DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    WATERMARK_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    WATERMARK_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_TYPE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
@@ -120,11 +120,11 @@ class NextTokenChooserParameters(_message.Message):
     do_sample: bool
     seed: int
     repetition_penalty: float
-    watermark: bool
     frequency_penalty: float
+    watermark: bool
     grammar: str
     grammar_type: GrammarType
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: bool = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., watermark: bool = ..., frequency_penalty: _Optional[float] = ..., grammar: _Optional[str] = ..., grammar_type: _Optional[_Union[GrammarType, str]] = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: bool = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., watermark: bool = ..., grammar: _Optional[str] = ..., grammar_type: _Optional[_Union[GrammarType, str]] = ...) -> None: ...
 
 class StoppingCriteriaParameters(_message.Message):
     __slots__ = ("max_new_tokens", "stop_sequences", "ignore_eos_token")
@@ -137,15 +137,15 @@ class StoppingCriteriaParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: bool = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "inputs", "truncate", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "input_chunks", "blocks", "slots", "adapter_id", "cache_len", "add_special_tokens", "chunk_len")
+    __slots__ = ("id", "input_chunks", "inputs", "truncate", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "slots", "adapter_id", "cache_len", "add_special_tokens", "chunk_len")
     ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     STOPPING_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    INPUT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -153,20 +153,20 @@ class Request(_message.Message):
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_LEN_FIELD_NUMBER: _ClassVar[int]
     id: int
+    input_chunks: Input
     inputs: str
     truncate: int
     parameters: NextTokenChooserParameters
     stopping_parameters: StoppingCriteriaParameters
     prefill_logprobs: bool
     top_n_tokens: int
-    input_chunks: Input
     blocks: _containers.RepeatedScalarFieldContainer[int]
     slots: _containers.RepeatedScalarFieldContainer[int]
     adapter_id: str
     cache_len: int
     add_special_tokens: bool
     chunk_len: int
-    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., truncate: _Optional[int] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: bool = ..., top_n_tokens: _Optional[int] = ..., input_chunks: _Optional[_Union[Input, _Mapping]] = ..., blocks: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., add_special_tokens: bool = ..., chunk_len: _Optional[int] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., input_chunks: _Optional[_Union[Input, _Mapping]] = ..., inputs: _Optional[str] = ..., truncate: _Optional[int] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: bool = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., add_special_tokens: bool = ..., chunk_len: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests", "size", "max_tokens", "max_blocks")

@@ -1,0 +1,227 @@
+"""The family matrix: each family of :mod:`tests.helpers.family_models` served by the shard engine,
+driven as the v3 router drives it, compared with HF ``generate`` (greedy) token for token.
+
+Scenarios (:data:`SCENARIOS`), each on a fresh engine with router-style block reservations and the
+contract checks of ``RouterDriver`` after every RPC:
+
+- ``single``: one request;
+- ``mixed_batch``: three requests of different prompt lengths and budgets in one batch;
+- ``chunked_prefill``: a Warmup prefill budget of 16 tokens, a long prompt cut by the router's
+  ``chunk_len`` and continued by the shard;
+- ``preempt_recompute`` / ``preempt_swap``: a 32-token physical pool for three requests needing
+  about 60, so the youngest requests are preempted (and the test asserts they were).
+
+A family the backend refuses is expected to stop at start with a ``ModelLoadError`` naming its
+architecture. ``python -m tests.helpers.family_matrix --write docs/models.md`` runs the matrix
+and writes the table (:func:`render_markdown`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+
+from tests.engine.conftest import RouterBlocks, RouterDriver, make_engine, make_text, prompt_ids, router_spec, \
+    router_warmup  # fmt: skip
+from tests.helpers.family_models import FAMILIES, Family, family_config, is_available, write_family_model
+from tests.helpers.tiny_models import load_reference
+from tgi_paged_backend.engine.types import BatchSpec
+from tgi_paged_backend.runner.model_loader import ModelLoadError
+
+SCENARIOS: tuple[str, ...] = ("single", "mixed_batch", "chunked_prefill", "preempt_recompute", "preempt_swap")
+BLOCK_SIZE = 4
+
+REFUSED: dict[str, str] = {
+    "Falcon": "FALCON_ATTENTION_CLASSES",
+    "Bloom": "ALiBi",
+    "MPT": "ALiBi",
+    "DeepSeek-V2": "multi-head latent attention",
+    "DeepSeek-V3": "multi-head latent attention",
+}
+"""Families the backend refuses at start, and a phrase the refusal must contain."""
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model_dir: str) -> torch.nn.Module:
+    return load_reference(model_dir)
+
+
+@functools.lru_cache(maxsize=None)
+def hf_greedy(model_dir: str, ids: tuple[int, ...], max_new: int) -> list[int]:
+    """HF ``generate`` greedy, exactly ``max_new`` tokens (EOS ignored, as the requests do)."""
+    x = torch.tensor([list(ids)])
+    with torch.no_grad():
+        out = _reference(model_dir).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                                             min_new_tokens=max_new, do_sample=False)
+    return out[0, x.shape[1]:].tolist()
+
+
+@dataclass
+class ScenarioOutcome:
+    """What one scenario produced: per request, the engine's tokens and HF's."""
+
+    got: dict[int, list[int]] = field(default_factory=dict)
+    want: dict[int, list[int]] = field(default_factory=dict)
+    premise: bool = False
+    """Whether the scenario happened as meant (prompts chunked, requests preempted in that mode)."""
+
+    @property
+    def exact(self) -> bool:
+        return self.premise and bool(self.want) and self.got == self.want
+
+
+def _requests(engine, blocks, specs):
+    return [router_spec(engine, blocks, rid, make_text(rid, words), max_new, **kw) for rid, words, max_new, kw in specs]
+
+
+def run_scenario(model_dir: Path, scenario: str) -> ScenarioOutcome:
+    """Serve ``model_dir`` through a fresh engine in ``scenario`` and collect tokens and references."""
+    torch.manual_seed(0)
+    preemption = {"preempt_recompute": "recompute", "preempt_swap": "swap"}.get(scenario, "recompute")
+    num_blocks = 32 // BLOCK_SIZE + 1 if scenario.startswith("preempt") else 48  # + 1: the scratch block
+    engine = make_engine(model_dir, num_blocks=num_blocks, block_size=BLOCK_SIZE, preemption=preemption,
+                         TGI_PAGED_OVERCOMMIT="4")
+    if scenario == "chunked_prefill":
+        router_warmup(engine, 16)
+    elif scenario.startswith("preempt"):
+        router_warmup(engine, 32)
+    blocks = RouterBlocks(engine)
+    driver = RouterDriver(engine, blocks)
+    if scenario == "single":
+        requests = _requests(engine, blocks, [(1, 6, 8, {})])
+    elif scenario == "mixed_batch":
+        requests = _requests(engine, blocks, [(1, 2, 7, {}), (2, 9, 4, {}), (3, 5, 9, {})])
+    elif scenario == "chunked_prefill":
+        short = _requests(engine, blocks, [(1, 2, 6, {})])[0]
+        n_short = len(prompt_ids(engine, short.text))
+        requests = [short, *_requests(engine, blocks, [(2, 14, 5, {"chunk_len": 16 - n_short})])]
+    elif scenario.startswith("preempt"):
+        requests = _requests(engine, blocks, [(rid, 3, 12, {}) for rid in (1, 2, 3)])
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}: allowed {SCENARIOS}")
+    driver.run(BatchSpec(id=0, requests=tuple(requests)))
+    driver.assert_idle()
+    outcome = ScenarioOutcome(premise=True)
+    if scenario == "chunked_prefill":
+        outcome.premise = len(prompt_ids(engine, requests[1].text)) > 2 * 16  # three forwards or more
+    elif scenario.startswith("preempt"):
+        outcome.premise = engine.stats.preemptions[preemption] > 0
+    for r in requests:
+        ids = tuple(prompt_ids(engine, r.text, r.truncate, r.add_special_tokens))
+        outcome.got[r.id] = driver.tokens[r.id]
+        outcome.want[r.id] = hf_greedy(str(model_dir), ids, r.stopping.max_new_tokens)
+    return outcome
+
+
+@dataclass
+class FamilyResult:
+    """One row of ``docs/models.md``."""
+
+    family: Family
+    architecture: str
+    refusal: str | None = None
+    """The start-up error message when the backend refuses the family (or ``missing``)."""
+    exact: dict[str, bool] = field(default_factory=dict)
+    """Scenario -> token-exact against HF."""
+    seconds: float = 0.0
+
+
+def start_error(model_dir: Path) -> str | None:
+    """The start-up error of the engine on ``model_dir``, or ``None`` when it starts."""
+    try:
+        make_engine(model_dir, num_blocks=4, block_size=BLOCK_SIZE)
+    except ModelLoadError as err:
+        return str(err)
+    return None
+
+
+def run_family(family: Family, workdir: Path, scenarios: tuple[str, ...] = SCENARIOS) -> FamilyResult:
+    """Write ``family``'s tiny model under ``workdir``, then start it and run ``scenarios``."""
+    start = time.perf_counter()
+    if not is_available(family):
+        return FamilyResult(family, "-", refusal=f"missing: transformers {transformers.__version__} has no "
+                                                 f"{family.model_type!r}")
+    config = family_config(family)
+    result = FamilyResult(family, type(transformers.AutoModelForCausalLM.from_config(config)).__name__)
+    model_dir = write_family_model(family, workdir / family.name)
+    result.refusal = start_error(model_dir)
+    if result.refusal is None:
+        result.exact = {s: run_scenario(model_dir, s).exact for s in scenarios}
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _mark(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("yes" if ok else "**NO**")
+
+
+def render_markdown(results: list[FamilyResult]) -> str:
+    """``docs/models.md``: one row per family, served or refused with the reason."""
+    lines = [
+        "# Model families",
+        "",
+        "Generated by `.venv/bin/python -m tests.helpers.family_matrix --write docs/models.md` from the family",
+        "matrix (`tests/runner/test_family_matrix.py` runs the same scenarios in the suite). Each family is a",
+        "tiny random model (2 layers, hidden 64, the family's feature switched on: sliding windows of 8",
+        "tokens, soft-capping, MoE, MQA, partial rotary, learned positions, attention sinks) served by the",
+        "shard engine as the v3 router drives it, compared with HF `generate` (greedy) token for token.",
+        "*Single-shard exact*: one request, a mixed batch and chunked prefill. *Preemption exact*: a pool",
+        "small enough that requests are preempted, by recompute and by swap. *TP=2*: not run by the matrix",
+        "(`tests/distributed/` covers Llama, Qwen2 and Mistral over two gloo ranks). *Sliding-window block",
+        "reclaim*: blocks outside every layer's window are not given back yet (windowed families keep their",
+        f"whole history in the pool). transformers {transformers.__version__}.",
+        "",
+        "| family | architecture class | single-shard exact | preemption exact | TP=2 exact | sliding-window block "
+        "reclaim | notes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r.refusal is not None:
+            status = "refused" if not r.refusal.startswith("missing") else "missing"
+            reason = r.refusal.replace("|", "\\|")
+            lines.append(f"| {r.family.name} | {r.architecture} | {status} | {status} | {status} | n/a | "
+                         f"{r.family.feature}. **{status.capitalize()} at start:** {reason} |")
+            continue
+        single = all(r.exact.get(s, False) for s in ("single", "mixed_batch", "chunked_prefill"))
+        preempt = all(r.exact.get(s, False) for s in ("preempt_recompute", "preempt_swap"))
+        windowed = "no (not implemented)" if _has_window(r.family) else "n/a (no window)"
+        lines.append(f"| {r.family.name} | {r.architecture} | {_mark(single)} | {_mark(preempt)} | not run | "
+                     f"{windowed} | {r.family.feature} |")
+    return "\n".join(lines) + "\n"
+
+
+def _has_window(family: Family) -> bool:
+    return bool(family.overrides.get("sliding_window"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", type=Path, help="write the markdown table here (else print it)")
+    parser.add_argument("--family", action="append", help="only these families (repeatable)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    families = [f for f in FAMILIES if not args.family or f.name in args.family]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = []
+        for family in families:
+            results.append(run_family(family, Path(tmp)))
+            r = results[-1]
+            print(f"{family.name:12s} {r.seconds:5.1f}s {'refused' if r.refusal else r.exact}", flush=True)
+    text = render_markdown(results)
+    if args.write:
+        args.write.write_text(text)
+    else:
+        print(text)
+    failed = [r.family.name for r in results if r.refusal is None and not all(r.exact.values())]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
