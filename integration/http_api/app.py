@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from .chat import chat_completions, completions, tokenizer_chat_template
+from .chat import chat_completions, completions
 from .generation import ApiConfig, ApiContext, generate, until_disconnect
 from .metrics import CONTENT_TYPE, HttpMetrics
 from .schemas import (
@@ -45,6 +45,7 @@ from .schemas import (
     parse_body,
 )
 from .streaming import generate_stream_response
+from .tools import tokenizer_chat_template
 
 _AUTO = object()
 
@@ -52,8 +53,9 @@ _AUTO = object()
 def create_app(router: Any, config: ApiConfig, *, chat_template: Any = _AUTO) -> Starlette:
     """TGI's HTTP API over ``router`` (a connected ``integration.router_replay.Router``).
 
-    ``chat_template``: a callable ``messages -> prompt``; by default the router tokenizer's
-    ``apply_chat_template`` (requests get a 422 ``template_error`` when the tokenizer has none).
+    ``chat_template``: a callable ``(messages, tools=None) -> prompt`` with an optional ``uses_tools``
+    attribute (whether the template reads ``tools``; see :mod:`.tools`); by default the router
+    tokenizer's ``apply_chat_template`` (requests get a 422 ``template_error`` when it has none).
     """
     if chat_template is _AUTO:
         chat_template = tokenizer_chat_template(router.tokenizer)

@@ -68,7 +68,8 @@ class ApiContext:
     """An ``integration.router_replay.Router`` (anything with ``generate``, ``health``, ``info``, ``stats``)."""
     config: ApiConfig
     metrics: HttpMetrics
-    chat_template: Callable[[list[dict[str, str]]], str] | None = None
+    chat_template: Callable[..., str] | None = None
+    """``render(messages, tools=None) -> prompt`` (see :func:`.tools.tokenizer_chat_template`)."""
 
 
 def f32(value: float) -> float | None:

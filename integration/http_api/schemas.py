@@ -24,8 +24,10 @@ from integration.router_replay import (
     ClientVisibleError,
     GenerateParameters,
     RouterFatalError,
+    SchemaGrammar,
     ValidationError,
 )
+from integration.router_replay.grammar import serde_json_text
 
 U32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
 U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
@@ -91,9 +93,32 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class Grammar(_Model):
-    type: Literal["json", "json_object", "regex", "json_schema"]
-    value: Any = None
+class JsonGrammar(_Model):
+    """``GrammarType::Json`` (``json_object`` is its alias): a schema object, or a string holding one."""
+
+    type: Literal["json", "json_object"]
+    value: Any
+
+
+class RegexGrammar(_Model):
+    type: Literal["regex"]
+    value: str
+
+
+class JsonSchemaConfig(_Model):
+    name: Optional[str] = None
+    schema_: Any = Field(alias="schema")
+
+
+class JsonSchemaGrammar(_Model):
+    """``GrammarType::JsonSchema``: ``{"name": ..., "schema": ...}`` (other keys, e.g. ``strict``, ignored)."""
+
+    type: Literal["json_schema"]
+    value: JsonSchemaConfig
+
+
+Grammar = Annotated[Union[JsonGrammar, RegexGrammar, JsonSchemaGrammar], Field(discriminator="type")]
+"""The stock ``GrammarType`` (``{"type": ..., "value": ...}``; ``value`` is required for every type)."""
 
 
 class Parameters(_Model):
@@ -146,19 +171,75 @@ class ImageChunk(_Model):
     image_url: ImageUrl
 
 
+class FunctionDefinition(_Model):
+    description: Optional[str] = None
+    name: str
+    arguments: Any = Field(validation_alias=pydantic.AliasChoices("arguments", "parameters"))
+
+    def stock_json(self) -> dict[str, Any]:
+        """As the stock router serialises it: ``arguments`` (never ``parameters``) as a JSON string."""
+        return {"description": self.description, "name": self.name, "arguments": serde_json_text(self.arguments)}
+
+
+class Tool(_Model):
+    type: str
+    function: FunctionDefinition
+
+    def stock_json(self) -> dict[str, Any]:
+        return {"type": self.type, "function": self.function.stock_json()}
+
+
+class ToolCall(_Model):
+    id: str
+    type: str
+    function: FunctionDefinition
+
+    def stock_json(self) -> dict[str, Any]:
+        return {"id": self.id, "type": self.type, "function": self.function.stock_json()}
+
+
+_TOOL_CALLS = pydantic.TypeAdapter(list[ToolCall])
+
+
 class ChatMessage(_Model):
+    """The stock ``Message``: ``content`` (text or chunks) or else ``tool_calls`` (an untagged body)."""
+
     role: str
     content: Optional[Union[str, list[Union[TextChunk, ImageChunk]]]] = None
     tool_calls: Optional[list[Any]] = None
     name: Optional[str] = None
 
-    def text(self) -> str:
-        """The stock ``TextMessage`` conversion: chunks joined, images as ``![](url)``, tool calls as JSON."""
+    @pydantic.model_validator(mode="after")
+    def _body(self) -> "ChatMessage":
+        if self.content is None:  # stock reads tool_calls only when there is no usable content
+            if self.tool_calls is None:
+                raise ValueError("data did not match any variant of untagged enum MessageBody")
+            self.tool_calls = _TOOL_CALLS.validate_python(self.tool_calls, strict=True)
+        return self
+
+    @property
+    def calls(self) -> list[ToolCall] | None:
+        """The tool calls this message is made of (``None`` when it has content)."""
+        return self.tool_calls if self.content is None else None
+
+    def text(self, appended: str = "") -> str:
+        """The stock ``TextMessage`` conversion: chunks joined, images as ``![](url)``, tool calls as
+        the stock JSON; ``appended`` (the tool prompt) goes after the content of a content message."""
         if self.content is None:
-            return json.dumps(self.tool_calls or [], separators=(",", ":"))
+            return serde_json_text([call.stock_json() for call in self.tool_calls or []])
         if isinstance(self.content, str):
-            return self.content
-        return "".join(c.text if isinstance(c, TextChunk) else f"![]({c.image_url.url})" for c in self.content)
+            return self.content + appended
+        return "".join(c.text if isinstance(c, TextChunk) else f"![]({c.image_url.url})"
+                       for c in self.content) + appended
+
+
+class FunctionName(_Model):
+    name: str
+
+
+class TypedChoice(_Model):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class StreamOptions(_Model):
@@ -181,9 +262,11 @@ class ChatRequest(_Model):
     seed: Optional[U64] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    tools: Optional[list[Any]] = None
+    tools: Optional[list[Tool]] = None
     tool_prompt: Optional[str] = None
-    tool_choice: Optional[Any] = None
+    tool_choice: Optional[Union[str, TypedChoice]] = None
+    """``None``/absent = ``auto``; ``"none"``, ``"auto"``, ``"required"``, any other string = that tool's
+    name; ``{"type": "function", "function": {"name": ...}}``."""
     response_format: Optional[Grammar] = None
     stream_options: Optional[StreamOptions] = None
 
@@ -259,18 +342,16 @@ def check_stream(p: Parameters) -> None:
         raise validation_error("`decoder_input_details` == true is not supported when streaming tokens")
 
 
-def grammar_regex(grammar: Grammar | None) -> str | None:
-    """The regex sent to the shard. JSON schemas are compiled by the stock router (outlines-core),
-    which this stand-in does not replay: they are refused with a validation error."""
+def router_grammar(grammar: Any) -> str | SchemaGrammar | None:
+    """The router replay's grammar: a regex as is; schemas are validated and compiled by the replay's
+    validation (:mod:`integration.router_replay.grammar`), after the input checks, as stock does."""
     if grammar is None:
         return None
-    if grammar.type == "regex":
-        if not isinstance(grammar.value, str):
-            raise BodyError(422, "Failed to deserialize the JSON body into the target type: grammar.value: "
-                                 "a regex grammar needs a string value")
+    if isinstance(grammar, RegexGrammar):
         return grammar.value
-    raise validation_error("grammar is not valid: JSON-schema grammars need the stock router's schema "
-                           "compiler, which this HTTP stand-in does not include")
+    if isinstance(grammar, JsonSchemaGrammar):
+        return SchemaGrammar(grammar.value.schema_, kind="json_schema")
+    return SchemaGrammar(grammar.value, kind="json")
 
 
 def router_parameters(p: Parameters, *, add_special_tokens: bool, seed: int | None = None) -> GenerateParameters:
@@ -290,7 +371,7 @@ def router_parameters(p: Parameters, *, add_special_tokens: bool, seed: int | No
         decoder_input_details=p.decoder_input_details,
         top_n_tokens=p.top_n_tokens,
         watermark=p.watermark,
-        grammar=grammar_regex(p.grammar),
+        grammar=router_grammar(p.grammar),
         adapter_id=p.adapter_id,
         add_special_tokens=add_special_tokens,
     )

@@ -39,6 +39,7 @@ from .errors import (
     RouterStartupError,
     ValidationError,
 )
+from .grammar import SchemaGrammar
 from .info import RouterInfo, RouterStats
 from .radix import RadixAllocator
 from .router import Router
@@ -62,6 +63,7 @@ __all__ = [
     "RouterReplayError",
     "RouterStartupError",
     "RouterStats",
+    "SchemaGrammar",
     "SimpleAllocator",
     "StreamEvent",
     "Token",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .allocator import BlockAllocation
+from .grammar import SchemaGrammar
 
 FINISH_REASONS = {0: "length", 1: "eos_token", 2: "stop_sequence"}
 """``FinishReason`` enum values the stock router accepts, with its JSON names."""
@@ -34,8 +35,8 @@ class GenerateParameters:
     decoder_input_details: bool = False
     top_n_tokens: int | None = None
     watermark: bool = False
-    grammar: str | None = None
-    """A regex (the stock router compiles JSON schemas to a regex before it reaches the shard)."""
+    grammar: str | SchemaGrammar | None = None
+    """A regex, or a JSON-schema grammar that validation compiles to one (the shard only sees regexes)."""
     adapter_id: str | None = None
     add_special_tokens: bool = True
     ignore_eos_token: bool = False

@@ -4,7 +4,8 @@ Checks run in the stock order and raise ``ValidationError`` with the stock messa
 counts ``input_length`` with the model's tokenizer: ``min(len(ids), truncate)`` when the client gave
 ``truncate``, else ``len(ids)``; ``input_ids`` are the **last** ``input_length`` ids of the encoding
 (so a leading BOS is cut by left truncation). Each scheduled leg gets at most 1024 new tokens; the
-client's total (or ``max_total_tokens - input_length``) is kept for continuation legs.
+client's total (or ``max_total_tokens - input_length``) is kept for continuation legs. A JSON-schema
+grammar is checked and compiled to a regex last (:mod:`.grammar`), as stock does after tokenization.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from .datatypes import GenerateParameters, ValidRequest
 from .errors import ValidationError
+from .grammar import SchemaGrammar, grammar_regex
 
 DEFAULT_GENERATION_LENGTH = 1024
 
@@ -121,6 +123,9 @@ class Validator:
                 f"`inputs` must have less than {limits.max_input_tokens} tokens. Given: {input_length}"
             )
         input_ids = ids[len(ids) - input_length :] if input_length else []
+        grammar = params.grammar
+        if isinstance(grammar, SchemaGrammar):  # compiling a large schema takes a while: off the loop
+            grammar = await asyncio.to_thread(grammar_regex, grammar)
 
         return ValidRequest(
             inputs=inputs,
@@ -138,7 +143,7 @@ class Validator:
             repetition_penalty=repetition_penalty,
             frequency_penalty=frequency_penalty,
             watermark=params.watermark,
-            grammar=params.grammar,
+            grammar=grammar,
             max_new_tokens=max_new_tokens,
             max_total_new_tokens=max_total_new_tokens,
             stop_sequences=list(params.stop),

@@ -1,8 +1,11 @@
 """Bad input from the router: a clean ``InvalidRequestError`` / ``BatchNotFoundError``, nothing leaked.
 
-Each case runs while another batch is cached mid-generation (as it would be in production): after the
-error the running batch must finish with the same tokens as an undisturbed run, a fresh request must
-still be served, and the idle engine must hold no physical block (``kv.num_used_blocks == 0``).
+Each case runs while another batch is cached mid-generation (as it would be in production). A call
+that was not handed the running batch must leave it alone: it finishes with the same tokens as an
+undisturbed run. A call that was handed it (a Decode of it, a Prefill carrying it as ``cached_batch``)
+frees it, since the router fails every request it sent: nothing of it stays in the shard. Either way a
+fresh request is then served with the same tokens as on an untouched engine, and the idle engine holds
+no physical block (``kv.num_used_blocks == 0``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from tests.engine.conftest import RouterBlocks, RouterDriver, make_engine, make_
 from tgi_paged_backend.engine.types import (
     BatchNotFoundError,
     BatchSpec,
+    GrammarSpec,
     InvalidRequestError,
     SamplingParams,
 )
@@ -27,7 +31,9 @@ def baseline(tiny_llama_dir):
     """Tokens of the running requests when nothing goes wrong."""
     engine, driver, batch = start(tiny_llama_dir)
     driver.drain(batch)
-    return dict(driver.tokens)
+    fresh = RouterDriver(engine, RouterBlocks(engine))
+    fresh.run(BatchSpec(id=12, requests=(good(engine, fresh.blocks, 60),)))
+    return dict(driver.tokens), fresh.tokens[60]
 
 
 def start(model_dir):
@@ -50,6 +56,14 @@ def good(engine, blocks, rid=50):
 CASES = {
     "decode_unknown_batch": (BatchNotFoundError, lambda e, b, run: e.decode([run.id + 1000])),
     "decode_known_and_unknown_batch": (BatchNotFoundError, lambda e, b, run: e.decode([run.id, 777])),
+    "bad_request_in_prefill_with_cached_batch": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
+        id=11, requests=(good(e, b, 52), dataclasses.replace(good(e, b), text=""))), run.id)),
+    "bad_grammar_in_prefill_with_cached_batch": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
+        id=11, requests=(dataclasses.replace(good(e, b), sampling=SamplingParams(
+            grammar=GrammarSpec("regex", "(unclosed"))),)), run.id)),
+    "bad_json_schema": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
+        id=11, requests=(dataclasses.replace(good(e, b), sampling=SamplingParams(
+            grammar=GrammarSpec("json", '{"type": 5}'))),)), None)),
     "filter_unknown_batch": (BatchNotFoundError, lambda e, b, run: e.filter_batch(777, [1])),
     "prefill_unknown_cached_batch": (
         BatchNotFoundError, lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(good(e, b),)), 777)),
@@ -98,6 +112,11 @@ REGRESSIONS = {
 }
 
 
+# Calls handed the running batch: the router fails (and forgets) its requests, so the shard frees them.
+HANDS_RUNNING = {"decode_known_and_unknown_batch", "decode_same_batch_twice", "bad_request_in_prefill_with_cached_batch",
+                 "bad_grammar_in_prefill_with_cached_batch"}
+
+
 def short_slots(r):
     """The router reserved one slot less than the shard's prompt needs (tokenizers disagree)."""
     return dataclasses.replace(r, slots=r.slots[:-1])
@@ -110,30 +129,36 @@ def with_blocks(r, block: int, block_size: int, repeat: bool = False):
     return dataclasses.replace(r, blocks=blocks, slots=slots)
 
 
-def check_bad_call(model_dir, baseline, error, call) -> None:
+def check_bad_call(model_dir, baseline, error, call, hands_running: bool) -> None:
+    running_tokens, fresh_tokens = baseline
     engine, driver, running = start(model_dir)
     live_before = dict(engine.batches)
     with pytest.raises(error):
         call(engine, RouterBlocks(engine), running)
-    assert engine.batches == live_before, "a rejected call changed the cached batches"
-    assert sorted(engine.requests) == sorted(running.request_ids), "a rejected request was registered"
     engine.kv.check_invariants()
-    driver.drain(running)
-    assert driver.tokens == baseline, "the running batch was disturbed"
-    driver.assert_idle()
+    if hands_running:
+        assert engine.batches == {} and engine.requests == {}, "a failed call left requests the router failed"
+        assert engine.kv.num_used_blocks == 0 and engine.kv.num_swapped_blocks == 0
+    else:
+        assert engine.batches == live_before, "a rejected call changed the cached batches"
+        assert sorted(engine.requests) == sorted(running.request_ids), "a rejected request was registered"
+        driver.drain(running)
+        assert driver.tokens == running_tokens, "the running batch was disturbed"
+        driver.assert_idle()
     fresh = RouterDriver(engine, RouterBlocks(engine))
     fresh.run(BatchSpec(id=12, requests=(good(engine, fresh.blocks, 60),)))
     fresh.assert_idle()
+    assert fresh.tokens[60] == fresh_tokens
     assert engine.kv.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_input_is_rejected_without_side_effects(tiny_llama_dir, baseline, case):
     error, call = CASES[case]
-    check_bad_call(tiny_llama_dir, baseline, error, call)
+    check_bad_call(tiny_llama_dir, baseline, error, call, case in HANDS_RUNNING)
 
 
 @pytest.mark.parametrize("case", sorted(REGRESSIONS))
 def test_bad_input_regressions(tiny_llama_dir, baseline, case):
     error, call, _ = REGRESSIONS[case]
-    check_bad_call(tiny_llama_dir, baseline, error, call)
+    check_bad_call(tiny_llama_dir, baseline, error, call, case in HANDS_RUNNING)

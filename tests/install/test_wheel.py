@@ -1,5 +1,5 @@
 """The package stands alone: the wheel built from this checkout, installed (not editable) into a
-fresh venv and run from outside the checkout, starts both console scripts, imports every module it
+fresh venv and run from outside the checkout, starts its console scripts, imports every module it
 ships, plans from a preset, and never imports the repository's harness (``integration``, ``tests``,
 ``examples``).
 
@@ -91,3 +91,7 @@ def test_installed_wheel_runs_from_outside_the_checkout(installed, tmp_path: Pat
     plan = _run([str(venv / "bin" / "tgi-paged-backend"), "plan", "--model", "smollm2-135m", "--gpu", "cpu",
                  "--memory-gb", "1", "--requests", "20", "--overcommits", "2,6"], cwd=tmp_path, env=env).stdout
     assert "TGI_PAGED_OVERCOMMIT=" in plan
+    # The --backend wrapper: validates before it looks for the real launcher (none here).
+    wrapper = subprocess.run([str(venv / "bin" / "text-generation-launcher"), "--backend", "bogus"], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=60)
+    assert wrapper.returncode == 2 and "--backend" in wrapper.stderr, wrapper.stderr

@@ -160,8 +160,12 @@ def test_chat_without_template_and_tools():
         assert status == 422 and json.loads(payload) == {"error": "Template error: template not found",
                                                          "error_type": "template_error"}
         body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-        status, _, payload = call(s, "POST", "/v1/chat/completions", body)
-        assert status == 422 and json.loads(payload)["error_type"] == "tool_error"
+        status, _, payload = call(s, "POST", "/v1/chat/completions", body)  # stock: tools pass, then no template
+        assert status == 422 and json.loads(payload)["error_type"] == "template_error"
+        body["tool_choice"] = "g"
+        status, _, payload = call(s, "POST", "/v1/chat/completions", body)  # ... unless the choice is unknown
+        assert status == 422 and json.loads(payload) == {"error": "Tool error: Tool with name g not found",
+                                                         "error_type": "tool_error"}
 
 
 def test_completions(stack):

@@ -8,6 +8,7 @@ import socket
 import tempfile
 from urllib.parse import urlparse
 
+import jsonschema
 import pytest
 from huggingface_hub import InferenceClient
 
@@ -120,3 +121,38 @@ def test_chat_completion_with_the_clients_default_model(stack):
     out = InferenceClient(base_url=stack.base_url, timeout=120).chat_completion(
         [{"role": "user", "content": "hi"}], max_tokens=2)
     assert out.usage.completion_tokens >= 1
+
+
+# A schema a random model finishes quickly: every value is an enum, a boolean or a bounded array.
+PICK = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                                         "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                  "minItems": 1, "maxItems": 3}},
+        "required": ["ok", "color", "tags"], "additionalProperties": False}
+LAMP = {"type": "object", "properties": {"on": {"type": "boolean"}, "room": {"enum": ["hall", "den"]}},
+        "required": ["on", "room"]}
+
+
+def test_json_schema_and_tools_with_the_official_clients(stack):
+    """The clients' grammar parameters, unchanged: the stand-in compiles the schema (tool grammar
+    included) to a regex, the shard decodes under it, and the answers validate against the schema."""
+    client = InferenceClient(base_url=stack.base_url, timeout=300)
+    out = client.chat_completion([{"role": "user", "content": "pick a color"}], model="tgi", max_tokens=100,
+                                 temperature=0, response_format={"type": "json_schema",
+                                                                 "json_schema": {"name": "pick", "schema": PICK}})
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), PICK)
+
+    tools = [{"type": "function", "function": {"name": "lamp", "description": "Switch the lamp", "parameters": LAMP}}]
+    # tool_choice auto (the default): the lamp or no_tool; greedy, this tiny model calls the lamp
+    out = client.chat_completion([{"role": "user", "content": "turn on the lamp"}], model="tgi", max_tokens=100,
+                                 temperature=0, tools=tools, tool_prompt="Call a tool.")
+    [call] = out.choices[0].message.tool_calls
+    assert out.choices[0].message.content is None
+    assert (call.id, call.type, call.function.name) == ("0", "function", "lamp")
+    jsonschema.validate(json.loads(call.function.arguments), LAMP)
+
+    tg = pytest.importorskip("text_generation")
+    response = tg.Client(stack.base_url, timeout=300).generate(
+        "hello world", max_new_tokens=100, grammar=tg.types.Grammar(type=tg.types.GrammarType.Json, value=PICK))
+    assert response.details.finish_reason == tg.types.FinishReason.EndOfSequenceToken
+    jsonschema.validate(json.loads(response.generated_text), PICK)

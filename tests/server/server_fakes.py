@@ -104,6 +104,11 @@ class FakeEngine:
         self.batches[batch_id] = [r for r in self.batches[batch_id] if r.spec.id in keep]
         return self._cached(batch_id, self.batches[batch_id])
 
+    def release_batches(self, batch_ids: list[int]) -> None:
+        self._record("release_batches", list(batch_ids))
+        for batch_id in batch_ids:
+            self.batches.pop(batch_id, None)
+
     def clear_cache(self, batch_id: int | None) -> None:
         self._record("clear_cache", batch_id)
         if batch_id is None:

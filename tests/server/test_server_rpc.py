@@ -11,7 +11,7 @@ import grpc
 import pytest
 from server_fakes import FakeEngine, InProcessShard, make_config
 
-from tgi_paged_backend.engine.types import RequestSpec, SamplingParams, StoppingParams
+from tgi_paged_backend.engine.types import GrammarSpec, RequestSpec, SamplingParams, StoppingParams
 from tgi_paged_backend.server.pb import generate_pb2 as pb
 from tgi_paged_backend.server.pb import generate_pb2_grpc as pb_grpc
 
@@ -170,14 +170,42 @@ def test_zero_or_two_text_chunks_are_invalid_and_server_keeps_serving(stub, engi
     assert prefill(stub, 2, text_request(1, "fine", max_new_tokens=1)).generations[0].request_id == 1
 
 
+def test_grammars_reach_the_engine_as_regex_or_json(stub, engine) -> None:
+    regex, schema = text_request(1, "digits"), text_request(2, "json please")
+    regex.parameters.grammar, regex.parameters.grammar_type = "[0-9]+", pb.GRAMMAR_TYPE_REGEX
+    schema.parameters.grammar, schema.parameters.grammar_type = '{"type": "integer"}', pb.GRAMMAR_TYPE_JSON
+    prefill(stub, 1, regex, schema, text_request(3, "free"))
+    (call,) = engine.calls_named("prefill")
+    grammars = [r.sampling.grammar for r in call["batch"].requests]
+    assert grammars == [GrammarSpec("regex", "[0-9]+"), GrammarSpec("json", '{"type": "integer"}'), None]
+
+
+@pytest.mark.parametrize("text, kind", [("[a-z]+", pb.GRAMMAR_TYPE_NONE), ("", pb.GRAMMAR_TYPE_REGEX)])
+def test_grammar_text_and_type_that_disagree_fail_the_prefill_and_free_its_cached_batch(stub, engine, text,
+                                                                                         kind) -> None:
+    prefill(stub, 1, text_request(1, "running", max_new_tokens=3))
+    bad = text_request(2, "json please")
+    bad.parameters.grammar, bad.parameters.grammar_type = text, kind
+    code, details = status_of(lambda: prefill(stub, 2, bad, cached=1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "request 2: grammar" in details
+    # The router fails the cached batch's requests too (chunking): the shard lets them go.
+    assert engine.calls_named("release_batches") == [[1]] and 1 not in engine.batches
+    assert prefill(stub, 3, text_request(3, "fine", max_new_tokens=1)).generations
+
+
 def test_unsupported_request_features_are_invalid(stub) -> None:
-    grammar = text_request(1, "json please")
-    grammar.parameters.grammar = "[a-z]+"
-    grammar.parameters.grammar_type = pb.GRAMMAR_TYPE_REGEX
-    code, details = status_of(lambda: prefill(stub, 1, grammar))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "grammar" in details
     # Like stock TGI without adapters loaded, an adapter id is served by the base model.
     assert prefill(stub, 2, text_request(2, "lora", adapter_id="my-adapter", max_new_tokens=1)).generations
+
+
+def test_an_unknown_adapter_id_is_served_by_the_base_model() -> None:
+    """Stock maps an adapter id it did not load to index 0, the base model; so does this shard: the request
+    the engine gets is the one without ``adapter_id`` (and LORA_ADAPTERS itself is refused at start)."""
+    from tgi_paged_backend.server.convert import request_from_pb
+
+    base = request_from_pb(text_request(3, "same prompt", max_new_tokens=2))
+    assert request_from_pb(text_request(3, "same prompt", max_new_tokens=2, adapter_id="org/unknown")) == base
+    assert request_from_pb(text_request(3, "same prompt", max_new_tokens=2, adapter_id="")) == base
 
 
 # -- Prefill / Decode: outbound conversion ----------------------------------------------------

@@ -30,19 +30,24 @@ def sample_steps() -> list[StepRecord]:
     """A prefill, a decode that preempts two victims (one per mode), and a decode that resumes one.
 
     Totals: preemptions recompute=1 swap=1; recomputed tokens 40; swap out 8192 B, in 4096 B;
-    prefix hit/query 32/96; step phases prefill=1 decode=2; batch sizes 4, 3, 4; resumed waits [2.0].
+    prefix hit/query 32/96; step phases prefill=1 decode=2; batch sizes 4, 3, 4; resumed waits [2.0];
+    grammar compiles [0.2] with 1 cache hit; constrained rows 2 then 1; step anatomy (decode steps):
+    forward 0.010 + 0.012 s, schedule 0.002 + 0.003 s, sample 0.001 s each (prefill: forward 0.1 s).
     The last pool snapshot has usage 0.75.
     """
     return [
         StepRecord(phase="prefill", step_s=0.120, batch_size=4, tokens_computed=512, blocks_allocated=32,
-                   prefix_hit_tokens=32, prefix_query_tokens=96, num_running=4,
+                   prefix_hit_tokens=32, prefix_query_tokens=96, num_running=4, constrained_rows=2,
+                   grammar_compile_s=(0.2,), grammar_cache_hits=1, part_s=(("forward", 0.1), ("schedule", 0.02)),
                    memory=memory_stats(num_used_blocks=60, num_free_blocks=32)),
         StepRecord(phase="decode", step_s=0.015, batch_size=3, tokens_computed=3, blocks_allocated=1,
                    preemptions=(PreemptionRecord(mode="recompute", victim_id=11, tokens_lost=40, estimated_cost_s=0.02),
                                 PreemptionRecord(mode="swap", victim_id=12, tokens_lost=64, estimated_cost_s=0.004)),
                    swap_out_bytes=8192, num_running=2, num_preempted=2, max_preempted_wait_s=0.0,
+                   constrained_rows=1, part_s=(("forward", 0.010), ("schedule", 0.002), ("sample", 0.001)),
                    memory=memory_stats(num_used_blocks=80, num_free_blocks=12)),
         StepRecord(phase="decode", step_s=0.018, batch_size=4, tokens_computed=43, tokens_recomputed=40,
                    swap_in_bytes=4096, resumed_wait_s=(2.0,), num_running=3, num_waiting=1, num_preempted=1,
-                   max_preempted_wait_s=2.5, memory=memory_stats()),
+                   max_preempted_wait_s=2.5, part_s=(("forward", 0.012), ("schedule", 0.003), ("sample", 0.001)),
+                   memory=memory_stats()),
     ]

@@ -3,6 +3,11 @@
 Calls are serialised by the servicer (one at a time). Bad input raises
 :class:`~tgi_paged_backend.engine.types.InvalidRequestError` (or ``BatchNotFoundError``) before any
 state changes.
+
+Failure contract: a failed ``Prefill`` or ``Decode`` frees everything it was handed (the new batch and
+the cached batches), since the router fails all of their requests (it runs with chunking, so a failed
+Prefill fails the running batch too): none of them keeps a block, a swap slot, a prefix pin or a place
+among the preempted.
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ class ShardEngine(Protocol):
 
     def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatchInfo:
         """``FilterBatch``: keep only ``request_ids``; release everything else's memory."""
+        ...
+
+    def release_batches(self, batch_ids: list[int]) -> None:
+        """Free the requests of these cached batches after a call that failed before reaching the
+        engine (say, a Prefill whose new batch could not be converted); unknown ids are ignored."""
         ...
 
     def clear_cache(self, batch_id: int | None) -> None:

@@ -15,9 +15,11 @@ import numpy as np
 import torch
 
 from tgi_paged_backend.engine.detokenize import TokenDecoder
+from tgi_paged_backend.engine.grammar import apply_grammar_masks
 from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
 from tgi_paged_backend.engine.sampling import choose_next_tokens
 from tgi_paged_backend.engine.scheduler import StepPlan
+from tgi_paged_backend.engine.step_anatomy import StepTimer
 from tgi_paged_backend.engine.types import GeneratedText, Generation, Tokens
 from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
 from tgi_paged_backend.runner.input_batch import ForwardBatch
@@ -32,6 +34,8 @@ class StepOutput:
     num_recomputed_tokens: int
     forward_ns: int
     decode_ns: int
+    num_constrained_rows: int = 0
+    """Sampled rows masked by a grammar this step."""
 
 
 class ModelStep:
@@ -44,18 +48,27 @@ class ModelStep:
         self.decoder = decoder
         self.prefill_logprobs_enabled = prefill_logprobs_enabled
 
-    def run(self, plan: StepPlan) -> StepOutput:
+    def run(self, plan: StepPlan, timer: StepTimer | None = None) -> StepOutput:
+        """``timer`` (the engine's, for the step anatomy) gets the copy, prepare, forward,
+        bookkeeping, sample and detokenize laps."""
+        timer = timer if timer is not None else StepTimer()
         t0 = time.perf_counter_ns()
         self._apply_copies(plan)
+        if plan.copy_ops:
+            timer.device_lap("copy")
         if not plan.scheduled:
             return StepOutput([], [], 0, 0, time.perf_counter_ns() - t0, 0)
         batch, rows = self._build_batch(plan)
+        timer.lap("prepare")
         logits = self.runner.forward(batch)
+        timer.device_lap("forward")
         sampled, recomputed = self._advance(plan, rows, logits)
+        timer.lap("schedule")
         t1 = time.perf_counter_ns()
-        generations, finished = self._emit(sampled)
+        generations, finished = self._emit(sampled, timer)
         t2 = time.perf_counter_ns()
-        return StepOutput(generations, finished, plan.num_tokens, recomputed, t1 - t0, t2 - t1)
+        constrained = sum(1 for r, _ in sampled if r.grammar is not None)
+        return StepOutput(generations, finished, plan.num_tokens, recomputed, t1 - t0, t2 - t1, constrained)
 
     # -- phases ------------------------------------------------------------------------------
 
@@ -152,20 +165,25 @@ class ModelStep:
             values = lp.gather(1, tgt[:, None]).squeeze(1).tolist()
             r.prefill_logprobs.extend(v if math.isfinite(v) else -1e30 for v in values)
 
-    def _emit(self, sampled: list[tuple[RequestState, torch.Tensor]]):
+    def _emit(self, sampled: list[tuple[RequestState, torch.Tensor]], timer: StepTimer):
         if not sampled:
             return [], []
         logits = torch.stack([row for _, row in sampled])
         requests = [r for r, _ in sampled]
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        apply_grammar_masks(logits, constrained, [requests[i].grammar for i in constrained])  # before sampling
         params = [r.spec.sampling for r in requests]
         needs_history = [p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 for p in params]
         histories = [r.all_ids if need else [] for r, need in zip(requests, needs_history)]
         chosen = choose_next_tokens(logits, params, [len(r.output_ids) for r in requests],
                                     histories if any(needs_history) else None,
                                     [r.spec.top_n_tokens for r in requests])
+        timer.lap("sample")
         generations, finished = [], []
         for r, c in zip(requests, chosen):
             r.output_ids.append(c.id)
+            if r.grammar is not None:
+                r.grammar.advance(c.id)  # type: ignore[attr-defined]
             text = r.detok_state.step(c.id)  # type: ignore[union-attr]
             reason = r.stop_state(c.id, text)  # type: ignore[operator]
             tokens = Tokens(ids=[c.id], logprobs=[c.logprob], texts=[text],
@@ -189,6 +207,7 @@ class ModelStep:
                     seed=r.spec.sampling.seed if r.spec.sampling.is_sampling else None)
             generations.append(Generation(request_id=r.id, tokens=tokens, prefill_tokens=prefill,
                                           generated_text=generated, top_tokens=top))
+        timer.lap("detokenize")
         return generations, finished
 
     def _prefill_tokens(self, r: RequestState) -> Tokens:

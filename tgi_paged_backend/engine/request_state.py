@@ -62,6 +62,9 @@ class RequestState:
     """Stopping-criteria state (engine.stopping)."""
     detok_state: object | None = None
     """Incremental detokenizer state (engine.detokenize)."""
+    grammar: object | None = None
+    """The request's automaton (engine.grammar.GrammarState) when it has a grammar: advanced with every
+    generated token; preemption leaves it alone (swap and recompute keep ``output_ids``)."""
 
     @property
     def id(self) -> int:

@@ -22,8 +22,8 @@ it depends only on ``(seed, step, vocab size, device type)``, never on neighbour
 instead keeps one generator per request and re-seeds it whenever batches are concatenated, so its output
 depends on batching history; ours does not (and differs from stock's stream for the same seed).
 
-Not implemented: watermarking (``SamplingParams.watermark`` is accepted and ignored), grammars,
-speculation. Stock's penalties run over the batch-padded history (pad id 0 is penalised, the frequency
+Grammars are applied before this, as ``-inf`` masks on the constrained rows (``engine.grammar``).
+Not implemented: watermarking (``SamplingParams.watermark`` is accepted and ignored), speculation. Stock's penalties run over the batch-padded history (pad id 0 is penalised, the frequency
 divisor is the padded length); here each request only sees its own history.
 """
 

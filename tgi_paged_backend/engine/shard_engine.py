@@ -23,10 +23,12 @@ from tgi_paged_backend.config import BackendConfig
 from tgi_paged_backend.engine.capacity import Capacity, plan_capacity
 from tgi_paged_backend.engine.detokenize import TokenDecoder
 from tgi_paged_backend.engine.engine_stats import EngineStats
+from tgi_paged_backend.engine.grammar import GrammarCompiler, TokenVocabulary
 from tgi_paged_backend.engine.model_step import ModelStep
 from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
 from tgi_paged_backend.engine.sampling import validate_sampling_params
 from tgi_paged_backend.engine.scheduler import Scheduler
+from tgi_paged_backend.engine.step_anatomy import StepTimer, device_sync
 from tgi_paged_backend.engine.stopping import StoppingCriteria, eos_token_ids
 from tgi_paged_backend.engine.tokenize import PromptTokenizer
 from tgi_paged_backend.engine.types import (
@@ -71,9 +73,11 @@ class PagedShardEngine:
         self.recorder: MetricsRecorder = build_recorder(config.telemetry, config.server.rank)
         self.step_records = StepRecordBuilder()
         self.last_step: StepRecord | None = None
+        self._sync, self._telemetry_ns = device_sync(runner.device.type), 0  # step anatomy
         self.batches: dict[int, list[int]] = {}
         self.requests: dict[int, RequestState] = {}
         self._admitted = 0
+        self._grammar: GrammarCompiler | None = None
         # A small pool so the engine serves (and warms up) before Warmup sizes the real one.
         self._configure(self._plan(max_input_tokens=None, max_total_tokens=None, max_prefill_tokens=4096,
                                    max_blocks=BOOTSTRAP_BLOCKS))
@@ -100,7 +104,8 @@ class PagedShardEngine:
             swap_blocks = 0
         self.runner.allocate_swap_space(swap_blocks)
         self.kv = KVCacheManager(num_blocks=capacity.num_blocks, block_size=self.block_size,
-                                 num_swap_blocks=swap_blocks, enable_prefix_retention=True)
+                                 num_swap_blocks=swap_blocks,
+                                 enable_prefix_retention=self.config.cache.prefix_caching)  # PREFIX_CACHING
         self.scheduler = Scheduler(self.kv, max_batch_tokens=capacity.max_prefill_tokens,
                                    max_preemptions=self.config.preemption.max_preemptions_per_request,
                                    choose_mode=self._choose_mode,
@@ -194,15 +199,25 @@ class PagedShardEngine:
 
     def decode(self, batch_ids: list[int]) -> StepResult:
         start = time.perf_counter_ns()
-        if not batch_ids:
-            raise InvalidRequestError("Decode needs at least one batch")
-        if len(set(batch_ids)) != len(batch_ids):
-            raise InvalidRequestError(f"Decode lists a batch twice: {batch_ids}")
-        missing = [b for b in batch_ids if b not in self.batches]
-        if missing:
-            raise BatchNotFoundError(f"Batch ID {missing[0]} not found in cache.")
+        try:
+            if not batch_ids:
+                raise InvalidRequestError("Decode needs at least one batch")
+            if len(set(batch_ids)) != len(batch_ids):
+                raise InvalidRequestError(f"Decode lists a batch twice: {batch_ids}")
+            missing = [b for b in batch_ids if b not in self.batches]
+            if missing:
+                raise BatchNotFoundError(f"Batch ID {missing[0]} not found in cache.")
+        except (InvalidRequestError, BatchNotFoundError):
+            self.release_batches(batch_ids)  # the router fails every request it sent: none stays here
+            raise
         ids = [rid for b in batch_ids for rid in self.batches.pop(b)]
         return self._run(batch_ids[0], ids, start, None if len(batch_ids) == 1 else 0)
+
+    def release_batches(self, batch_ids: list[int]) -> None:
+        """Forget these cached batches and free their requests (the router has failed them)."""
+        for batch_id in batch_ids:
+            self._free(self.batches.pop(batch_id, []))
+        self._record_memory()
 
     def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatchInfo:
         if batch_id not in self.batches:
@@ -223,8 +238,18 @@ class PagedShardEngine:
         self._record_memory()
 
     def close(self) -> None:
-        """Flush telemetry (the last OTLP export, pending preemption summaries)."""
+        """Flush telemetry (the last OTLP export, pending preemption summaries); stop grammar compiles."""
+        if self._grammar is not None:
+            self._grammar.close()
         self.recorder.shutdown()
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Built at the first grammar request (the vocabulary scan costs a few hundred ms)."""
+        if self._grammar is None:
+            eos = self.runner.tokenizer.eos_token_id
+            self._grammar = GrammarCompiler(TokenVocabulary(self.runner.tokenizer, eos))
+        return self._grammar
 
     # -- internals --------------------------------------------------------------------------
 
@@ -235,20 +260,24 @@ class PagedShardEngine:
         for spec, prompt_ids in zip(batch.requests, prompts):
             validate_sampling_params(spec.sampling)
             validate_tokenized(spec, prompt_ids, block_size=self.block_size, max_input_tokens=max_input_tokens)
+        # Compiles start here (cached per regex); a grammar refused at once fails the call before
+        # anything is registered.
+        grammars = [self.grammar_compiler.start(spec.id, spec.sampling.grammar)
+                    if spec.sampling.grammar is not None else None for spec in batch.requests]
         registered: list[int] = []
         try:
-            for spec, prompt_ids in zip(batch.requests, prompts):
+            for spec, prompt_ids, grammar in zip(batch.requests, prompts, grammars):
                 registered.append(spec.id)
-                self._register(spec, prompt_ids)
+                self._register(spec, prompt_ids, grammar)
         except Exception:
             self._free(registered)
             raise
 
-    def _register(self, spec: RequestSpec, prompt_ids: list[int]) -> None:
+    def _register(self, spec: RequestSpec, prompt_ids: list[int], grammar: object | None) -> None:
         """Create the request state and its page map; share retained prefix blocks."""
         self._admitted += 1
         state = RequestState(spec=spec, prompt_ids=prompt_ids, admitted_seq=self._admitted,
-                             chunk_len_hint=spec.chunk_len)
+                             chunk_len_hint=spec.chunk_len, grammar=grammar)
         state.stop_state = StoppingCriteria(spec.stopping, self.eos_ids)
         state.detok_state = self.decoder.new_request(prompt_ids)
         self.kv.add_request(spec.id, spec.blocks)
@@ -279,11 +308,14 @@ class PagedShardEngine:
 
     def _step(self, ids: list[int]):
         t0 = time.perf_counter()
-        step = [self.requests[rid] for rid in ids]
-        in_step = set(ids)
+        timer = StepTimer(self._sync)
+        timer.add("telemetry", self._telemetry_ns)
+        step = self._without_compiling([self.requests[rid] for rid in ids])
+        in_step = {r.id for r in step}
         others = [r for rid, r in self.requests.items() if rid not in in_step]
         plan = self.scheduler.plan(step, others)
-        out = self.model_step.run(plan)
+        timer.lap("schedule")
+        out = self.model_step.run(plan, timer)
         step_s = time.perf_counter() - t0
         if not plan.scheduled:
             time.sleep(IDLE_WAIT_S)
@@ -291,11 +323,28 @@ class PagedShardEngine:
             self.calibrator.observe_prefill(out.num_computed_tokens, out.forward_ns / 1e9)
         self.stats.record_step(plan, out, swap_block_bytes=self.runner.block_bytes)
         self._free([r.id for r in out.finished])
+        timer.lap("schedule")
+        t_telemetry = time.perf_counter_ns()
         self.last_step = self.step_records.build(
-            plan=plan, out=out, memory=self.kv.stats(), step_s=step_s,
-            swap_block_bytes=self.runner.block_bytes, requests=self.requests.values())
+            plan=plan, out=out, memory=self.kv.stats(), step_s=step_s, swap_block_bytes=self.runner.block_bytes,
+            requests=self.requests.values(), grammar=self._grammar, part_s=timer.seconds())
         self.recorder.record_step(self.last_step)
+        self._telemetry_ns = time.perf_counter_ns() - t_telemetry
         return out.generations, out.forward_ns, out.decode_ns
+
+    def _without_compiling(self, step: list[RequestState]) -> list[RequestState]:
+        """``step`` less the requests whose grammar is still compiling: those wait in the batch (as
+        others of this step), holding nothing new and yielding no token, while the rest step."""
+        constrained = [r for r in step if r.grammar is not None]
+        if not constrained:
+            return step
+        ready = self._agree_ready([r.grammar.ready for r in constrained])  # type: ignore[union-attr]
+        compiling = {r.id for r, ok in zip(constrained, ready) if not ok}
+        return [r for r in step if r.id not in compiling]
+
+    def _agree_ready(self, flags: list[bool]) -> list[bool]:
+        """Which grammars every rank has compiled (one rank: this one's view)."""
+        return flags
 
     def _record_memory(self) -> None:
         counts = count_requests(self.requests.values(), time.monotonic())

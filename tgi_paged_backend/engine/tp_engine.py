@@ -10,7 +10,9 @@ What is measured is agreed on over the control group:
 - the prefill rate behind the swap-vs-recompute choice: the slowest rank's step time
   (:class:`SyncedRateCalibrator`);
 - sampling needs nothing: the logits are identical after the all-reduce and the seeds come from the
-  router.
+  router;
+- which grammars have compiled (each rank compiles on its own thread): a constrained request steps
+  once every rank has its automaton.
 
 Every step starts with one small all-gather of ``[batch tag, state digest]``: the batch tag catches
 RPCs that reached the ranks in a different order (the router's ``/health`` liveness Prefill runs
@@ -108,6 +110,11 @@ class TensorParallelShardEngine(PagedShardEngine):
     def _step(self, ids: list[int]):
         self._check_step(ids)
         return super()._step(ids)
+
+    def _agree_ready(self, flags: list[bool]) -> list[bool]:
+        """A grammar counts as compiled once every rank has it (compile times differ per rank)."""
+        gathered = self.group.all_gather_ints([int(f) for f in flags], "agreeing on compiled grammars")
+        return [all(rank[i] for rank in gathered) for i in range(len(flags))]
 
     def _check_step(self, ids: list[int]) -> None:
         """All-gather ``[batch tag, state digest]``; fail the call on a tag mismatch, exit on divergence."""

@@ -21,6 +21,16 @@ class FinishReason(enum.IntEnum):
     STOP_SEQUENCE = 2
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """``NextTokenChooserParameters.grammar``: a regex (``GRAMMAR_TYPE_REGEX``, what the stock router
+    sends) or a JSON schema (``GRAMMAR_TYPE_JSON``, older routers)."""
+
+    kind: str
+    """``"regex"`` or ``"json"``."""
+    value: str
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """``NextTokenChooserParameters`` (router defaults)."""
@@ -34,6 +44,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     watermark: bool = False
+    grammar: GrammarSpec | None = None
 
     @property
     def is_sampling(self) -> bool:

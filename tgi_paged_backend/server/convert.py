@@ -1,7 +1,7 @@
 """``generate.v3`` protobuf messages <-> the engine's boundary dataclasses.
 
 Inbound functions raise :class:`InvalidRequestError` for shapes the engine cannot serve (no text
-chunk, two text chunks, grammar); nothing else here knows about gRPC.
+chunk, two text chunks, a grammar whose text and type disagree); nothing else here knows about gRPC.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from tgi_paged_backend.engine.types import (
     BatchSpec,
     CachedBatchInfo,
     Generation,
+    GrammarSpec,
     InfoResult,
     InvalidRequestError,
     RequestSpec,
@@ -48,8 +49,6 @@ def request_text(request: pb.Request) -> str:
 
 def request_from_pb(request: pb.Request) -> RequestSpec:
     params = request.parameters
-    if params.grammar:
-        raise InvalidRequestError(f"request {request.id}: grammar-constrained decoding is not supported")
     # adapter_id: like stock TGI without LoRA adapters loaded, serve the base model. The router
     # forwards chat's `model` field here (huggingface_hub sends "dummy" by default).
     stopping = request.stopping_parameters
@@ -68,6 +67,7 @@ def request_from_pb(request: pb.Request) -> RequestSpec:
             repetition_penalty=params.repetition_penalty,
             frequency_penalty=params.frequency_penalty,
             watermark=params.watermark,
+            grammar=_grammar_from_pb(request.id, params),
         ),
         stopping=StoppingParams(
             max_new_tokens=stopping.max_new_tokens,
@@ -81,6 +81,20 @@ def request_from_pb(request: pb.Request) -> RequestSpec:
         cache_len=request.cache_len,
         chunk_len=request.chunk_len if request.HasField("chunk_len") else None,
     )
+
+
+_GRAMMAR_KINDS = {pb.GRAMMAR_TYPE_REGEX: "regex", pb.GRAMMAR_TYPE_JSON: "json"}
+
+
+def _grammar_from_pb(request_id: int, params: pb.NextTokenChooserParameters) -> GrammarSpec | None:
+    """``None`` without a grammar; a grammar whose text and type disagree is refused, never guessed."""
+    if params.grammar_type == pb.GRAMMAR_TYPE_NONE and not params.grammar:
+        return None
+    kind = _GRAMMAR_KINDS.get(params.grammar_type)
+    if kind is None or not params.grammar:
+        raise InvalidRequestError(f"request {request_id}: grammar {params.grammar[:80]!r} with grammar_type "
+                                  f"{params.grammar_type} (expected REGEX or JSON with a non-empty grammar)")
+    return GrammarSpec(kind=kind, value=params.grammar)
 
 
 def batch_from_pb(batch: pb.Batch) -> BatchSpec:

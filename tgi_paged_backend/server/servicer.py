@@ -95,8 +95,14 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         def work() -> pb.PrefillResponse:
             start = time.perf_counter_ns()
-            batch = convert.batch_from_pb(request.batch)
             cached_batch_id = request.cached_batch.id if request.HasField("cached_batch") else None
+            try:
+                batch = convert.batch_from_pb(request.batch)
+            except InvalidRequestError:
+                # The router fails the cached batch's requests too: they must not stay here.
+                if cached_batch_id is not None:
+                    self._engine.release_batches([cached_batch_id])
+                raise
             result = self._engine.prefill(batch, cached_batch_id)
             return convert.step_result_to_pb(result, pb.PrefillResponse, time.perf_counter_ns() - start)
         return await self._call(context, "Prefill", work)

@@ -61,11 +61,14 @@ class StepRecordBuilder:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._last_prefix_hit = 0
+        self._last_grammar_hits = 0
         self._last_prefix_query = 0
 
     def build(self, *, plan: Any, out: Any, memory: MemoryStats, step_s: float, swap_block_bytes: int,
-              requests: Iterable[Any], phase: Phase | None = None) -> StepRecord:
-        """Record one step; ``phase=None`` infers it (prefill when any request computed > 1 token)."""
+              requests: Iterable[Any], phase: Phase | None = None, grammar: Any = None,
+              part_s: tuple[tuple[str, float], ...] = ()) -> StepRecord:
+        """Record one step; ``phase=None`` infers it (prefill when any request computed > 1 token);
+        ``grammar``: the engine's grammar compiler once it has one; ``part_s``: the step anatomy."""
         batch_size = len(plan.scheduled)
         if phase is None:
             phase = "prefill" if out.num_computed_tokens > batch_size else "decode"
@@ -74,6 +77,8 @@ class StepRecordBuilder:
             if kind in swap:
                 swap[kind] += len(src) * swap_block_bytes
         counts = count_requests(requests, self._clock())
+        compile_s, hits = ((), 0) if grammar is None else (grammar.take_compile_seconds(),
+                                                            self._delta_grammar_hits(grammar.cache_hits))
         return StepRecord(
             phase=phase, step_s=max(step_s, 0.0), batch_size=batch_size,
             tokens_computed=out.num_computed_tokens, tokens_recomputed=out.num_recomputed_tokens,
@@ -85,7 +90,13 @@ class StepRecordBuilder:
             prefix_hit_tokens=self._delta_hit(memory.num_prefix_hit_tokens),
             prefix_query_tokens=self._delta_query(memory.num_prefix_query_tokens),
             resumed_wait_s=tuple(plan.resumed_wait_s), num_running=counts.running, num_preempted=counts.preempted,
-            num_waiting=counts.waiting, max_preempted_wait_s=counts.max_preempted_wait_s, memory=memory)
+            num_waiting=counts.waiting, max_preempted_wait_s=counts.max_preempted_wait_s,
+            constrained_rows=getattr(out, "num_constrained_rows", 0), grammar_compile_s=compile_s,
+            grammar_cache_hits=hits, part_s=part_s, memory=memory)
+
+    def _delta_grammar_hits(self, cumulative: int) -> int:
+        delta, self._last_grammar_hits = cumulative - self._last_grammar_hits, cumulative
+        return delta
 
     def _delta_hit(self, cumulative: int) -> int:
         delta = cumulative - self._last_prefix_hit if cumulative >= self._last_prefix_hit else cumulative

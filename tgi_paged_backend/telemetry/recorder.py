@@ -32,6 +32,7 @@ from tgi_paged_backend.telemetry.resource import shard_attributes, shard_resourc
 from tgi_paged_backend.telemetry.step_record import (
     PHASES,
     PREEMPTION_MODES,
+    STEP_PARTS,
     SWAP_DIRECTIONS,
     MemoryBudget,
     StepRecord,
@@ -40,8 +41,11 @@ from tgi_paged_backend.telemetry.step_record import (
 METER_NAME = "tgi_paged_backend"
 
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STEP_PART_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                             1.0, 2.5, 5.0)
 WAIT_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+COMPILE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 METRIC_NAMES: dict[str, str] = {
     # pool (gauges)
@@ -69,7 +73,13 @@ METRIC_NAMES: dict[str, str] = {
     "tgi_paged_prefix_query_tokens_total": "Prompt tokens looked up in the prefix cache",
     # steps (histograms)
     "tgi_paged_step_seconds": "Engine step wall time, by phase (steps that computed nothing excluded)",
+    "tgi_paged_step_part_seconds": "Engine step wall time by phase and part (schedule, copy, prepare, forward, "
+                                   "sample, detokenize, telemetry; steps that computed nothing excluded)",
     "tgi_paged_batch_size": "Requests computed per step (steps that computed nothing excluded)",
+    # structured output
+    "tgi_paged_grammar_compile_seconds": "Time to compile one grammar (regex automaton over the vocabulary)",
+    "tgi_paged_grammar_cache_hits_total": "Grammar requests whose automaton was already compiled (or compiling)",
+    "tgi_paged_constrained_rows": "Grammar-constrained rows sampled per step (steps with none excluded)",
 }
 
 
@@ -192,6 +202,9 @@ class OtelRecorder:
                           record.num_waiting)
         if record.batch_size:
             self._step_seconds.record(record.step_s, self._phase_attrs[record.phase])
+            part_attrs = self._part_attrs[record.phase]
+            for part, seconds in record.part_s:
+                self._step_part_seconds.record(seconds, part_attrs[part])
             self._batch_size.record(record.batch_size)
         for event in record.preemptions:
             self._preemptions.add(1, self._mode_attrs.get(event.mode) or {"mode": event.mode})
@@ -209,6 +222,12 @@ class OtelRecorder:
             self._prefix_query.add(record.prefix_query_tokens)
         if record.prefix_hit_tokens:
             self._prefix_hit.add(record.prefix_hit_tokens)
+        for seconds in record.grammar_compile_s:
+            self._grammar_compile.record(seconds)
+        if record.grammar_cache_hits:
+            self._grammar_hits.add(record.grammar_cache_hits)
+        if record.constrained_rows:
+            self._constrained_rows.record(record.constrained_rows)
 
     def record_memory(self, memory: MemoryStats, *, num_running: int, num_preempted: int,
                       max_preempted_wait_s: float = 0.0, num_waiting: int = 0) -> None:
@@ -233,6 +252,7 @@ class OtelRecorder:
     def _create_instruments(self) -> None:
         meter = self.provider.get_meter(METER_NAME)
         self._phase_attrs = {p: {"phase": p} for p in PHASES}
+        self._part_attrs = {p: {part: {"phase": p, "part": part} for part in STEP_PARTS} for p in PHASES}
         self._mode_attrs = {m: {"mode": m} for m in PREEMPTION_MODES}
         self._direction_attrs = {d: {"direction": d} for d in SWAP_DIRECTIONS}
 
@@ -267,7 +287,11 @@ class OtelRecorder:
         self._prefix_query = counter("tgi_paged_prefix_query_tokens_total", "{token}")
         self._preempted_wait = histogram("tgi_paged_preempted_wait_seconds", "s")
         self._step_seconds = histogram("tgi_paged_step_seconds", "s")
+        self._step_part_seconds = histogram("tgi_paged_step_part_seconds", "s")
         self._batch_size = histogram("tgi_paged_batch_size", "{request}")
+        self._grammar_compile = histogram("tgi_paged_grammar_compile_seconds", "s")
+        self._grammar_hits = counter("tgi_paged_grammar_cache_hits_total", "{request}")
+        self._constrained_rows = histogram("tgi_paged_constrained_rows", "{request}")
         # Zero-valued series for every label value, so rate() and dashboards see them from the start.
         for attrs in self._mode_attrs.values():
             self._preemptions.add(0, attrs)
@@ -317,5 +341,8 @@ def _views() -> list[View]:
     def buckets(name: str, bounds: tuple[float, ...]) -> View:
         return View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(boundaries=bounds))
     return [buckets("tgi_paged_step_seconds", STEP_SECONDS_BUCKETS),
+            buckets("tgi_paged_step_part_seconds", STEP_PART_SECONDS_BUCKETS),
             buckets("tgi_paged_preempted_wait_seconds", WAIT_SECONDS_BUCKETS),
-            buckets("tgi_paged_batch_size", BATCH_SIZE_BUCKETS)]
+            buckets("tgi_paged_batch_size", BATCH_SIZE_BUCKETS),
+            buckets("tgi_paged_grammar_compile_seconds", COMPILE_SECONDS_BUCKETS),
+            buckets("tgi_paged_constrained_rows", BATCH_SIZE_BUCKETS)]

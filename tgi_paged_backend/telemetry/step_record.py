@@ -16,6 +16,14 @@ Phase = Literal["prefill", "decode"]
 PHASES: tuple[str, ...] = ("prefill", "decode")
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
 SWAP_DIRECTIONS: tuple[str, ...] = ("out", "in")
+STEP_PARTS: tuple[str, ...] = ("schedule", "copy", "prepare", "forward", "sample", "detokenize", "telemetry")
+"""Where a step's wall time goes (``tgi_paged_step_part_seconds{part}``): ``schedule`` (planning,
+admission, preemption choice and the bookkeeping after the forward: computed-token accounting,
+stats, freeing finished requests), ``copy`` (swap and copy-on-write block copies), ``prepare``
+(input tensors: ids, positions, slots, block tables), ``forward`` (the model; synchronised on CUDA),
+``sample`` (grammar masks, penalties, token choice), ``detokenize`` (incremental text, stop checks,
+``Generation`` records), ``telemetry`` (building and recording the *previous* step's record: a step
+cannot time its own report)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,12 +83,23 @@ class StepRecord:
     """Live requests waiting preempted after the step, engine-wide."""
     max_preempted_wait_s: float = 0.0
     """Longest current wait among requests still preempted after the step (0 when none)."""
+    constrained_rows: int = 0
+    """Sampled rows masked by a grammar in this step."""
+    grammar_compile_s: tuple[float, ...] = ()
+    """Durations of the grammar compiles that finished since the previous record."""
+    grammar_cache_hits: int = 0
+    """Grammar requests admitted since the previous record whose regex was already compiled."""
+    part_s: tuple[tuple[str, float], ...] = ()
+    """Step anatomy: ``(part, seconds)`` for parts of :data:`STEP_PARTS` (empty: not timed)."""
     memory: MemoryStats
     """Pool occupancy and waste right after the step."""
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
             raise ValueError(f"phase={self.phase!r} is invalid: allowed {PHASES}")
+        for part, seconds in self.part_s:
+            if part not in STEP_PARTS or seconds < 0:
+                raise ValueError(f"step part {part!r}={seconds} is invalid: allowed {STEP_PARTS}, >= 0 s")
         for name in ("step_s", "batch_size", "tokens_computed", "tokens_recomputed", "blocks_allocated",
                      "swap_out_bytes", "swap_in_bytes", "prefix_hit_tokens", "prefix_query_tokens",
                      "num_running", "num_waiting", "num_preempted", "max_preempted_wait_s"):

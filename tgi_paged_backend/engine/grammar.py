@@ -1,0 +1,242 @@
+"""Grammar-constrained decoding: regex automata from ``outlines-core``, applied as logits masks.
+
+The stock router sends ``NextTokenChooserParameters.grammar`` with ``GRAMMAR_TYPE_REGEX`` (it has
+already turned a JSON schema into a regex with outlines-core); older routers send the schema itself
+with ``GRAMMAR_TYPE_JSON``, converted here the same way.
+
+- :class:`TokenVocabulary`: the tokenizer's tokens as raw bytes (byte-level BPE and sentencepiece
+  spellings undone), special tokens other than EOS left out, built once per engine.
+- :class:`GrammarCompiler`: one ``outlines_core.Index`` per distinct regex, compiled in a worker
+  process (outlines-core holds the GIL while it builds) and kept in a bounded LRU cache, so a large
+  schema delays only its own request.
+- :class:`GrammarState`: one request's automaton (an ``outlines_core.Guide``), owned by its
+  ``RequestState``: preemption does not touch it (swap and recompute keep the generated tokens and
+  so the automaton's position), it advances once per generated token.
+- :func:`apply_grammar_masks`: one batched ``masked_fill`` over the constrained rows of a step.
+
+EOS is allowed exactly where the automaton accepts (the index lists it in final states); a request
+whose ``max_new_tokens`` comes first ends with ``length``, as stock does.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
+from functools import lru_cache
+
+import outlines_core
+import torch
+
+from tgi_paged_backend.engine.grammar_worker import compile_index
+from tgi_paged_backend.engine.types import GrammarSpec, InvalidRequestError
+
+EARLY_ERROR_WAIT_S = 0.05
+"""How long admission waits on a new regex's compile: enough for a syntax error to surface (parsing is
+microseconds), far less than building a large automaton, which goes on in the background."""
+WORKER_START_TIMEOUT_S = 60.0
+"""The first grammar request waits (once) for the compile process to start."""
+DEFAULT_CACHE_SIZE = 64
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table, inverted: printable stand-in character -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def _decoder_kinds(tokenizer) -> set[str]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return set()
+    found: set[str] = set()
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            if "type" in node:
+                found.add(node["type"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(backend.to_str()).get("decoder"))
+    return found
+
+
+def token_bytes(tokenizer) -> dict[int, bytes]:
+    """Raw bytes of every non-special token (byte-level BPE: GPT-2's stand-in characters mapped back;
+    sentencepiece: ``▁`` is a space and ``<0xNN>`` one byte)."""
+    kinds = _decoder_kinds(tokenizer)
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    added = {i for i in getattr(tokenizer, "added_tokens_decoder", {})}
+    table = _byte_level_decoder()
+    out: dict[int, bytes] = {}
+    for token, token_id in tokenizer.get_vocab().items():
+        if token_id in special:
+            continue
+        if token_id in added:
+            out[token_id] = token.encode()
+        elif "ByteLevel" in kinds and all(ch in table for ch in token):
+            out[token_id] = bytes(table[ch] for ch in token)
+        elif "ByteFallback" in kinds and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            out[token_id] = bytes([int(token[3:5], 16)])
+        else:
+            out[token_id] = token.replace("\u2581", " ").encode()
+    return out
+
+
+class TokenVocabulary:
+    """The tokenizer's vocabulary as outlines-core sees it (built once; a few hundred ms for 50k tokens)."""
+
+    def __init__(self, tokenizer, eos_token_id: int) -> None:
+        by_bytes: dict[bytes, list[int]] = {}
+        for token_id, raw in token_bytes(tokenizer).items():
+            if raw and token_id != eos_token_id:
+                by_bytes.setdefault(raw, []).append(token_id)
+        self.eos_token_id = eos_token_id
+        self.vocabulary = outlines_core.Vocabulary(eos_token_id, by_bytes)
+
+
+def grammar_regex(spec: GrammarSpec) -> str:
+    """The regex to compile: the router's regex as is, a JSON schema converted as the stock router does."""
+    if spec.kind == "regex":
+        return spec.value
+    try:
+        return outlines_core.json_schema.build_regex_from_schema(spec.value)
+    except (ValueError, TypeError) as err:
+        raise InvalidRequestError(f"invalid JSON schema: {err}") from err
+
+
+class GrammarCompiler:
+    """Regex -> ``Future[outlines_core.Index]``, LRU-bounded. A thread waits on each compile, which runs
+    in one worker process (spawned at the first compile; restarted if it dies)."""
+
+    def __init__(self, vocabulary: TokenVocabulary, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self.vocabulary = vocabulary
+        self.cache_size = cache_size
+        self.cache_hits = 0
+        """Requests whose regex was compiled (or compiling) already."""
+        self._compile_s: list[float] = []
+        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tgi-grammar")
+        self._process = self._start_process()
+        self._started = self._process.submit(compile_index, vocabulary.vocabulary, "warm")
+
+    def _start_process(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+
+    def submit(self, regex: str) -> Future:
+        with self._lock:
+            future = self._cache.get(regex)
+            if future is not None and not (future.done() and future.exception() is not None):
+                self._cache.move_to_end(regex)
+                self.cache_hits += 1
+                return future
+            future = self._executor.submit(self._compile, regex)
+            self._cache[regex] = future
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            return future
+
+    def _compile(self, regex: str):
+        start = time.perf_counter()
+        try:
+            try:
+                return self._process.submit(compile_index, self.vocabulary.vocabulary, regex).result()
+            except BrokenProcessPool:
+                self._process = self._start_process()  # the worker died (killed, out of memory): restart it
+                raise
+        finally:
+            with self._lock:
+                self._compile_s.append(time.perf_counter() - start)
+
+    def take_compile_seconds(self) -> tuple[float, ...]:
+        """Durations of the compiles finished since the last call (for the telemetry histogram)."""
+        with self._lock:
+            done, self._compile_s = tuple(self._compile_s), []
+        return done
+
+    def start(self, request_id: int, spec: GrammarSpec) -> GrammarState:
+        """A request's automaton; raises :class:`InvalidRequestError` naming the request when the
+        grammar is rejected at once (bad schema, regex syntax). A large regex compiles on."""
+        try:
+            future = self.submit(grammar_regex(spec))
+        except InvalidRequestError as err:
+            raise InvalidRequestError(f"request {request_id}: {err}") from err
+        self._started.result(timeout=WORKER_START_TIMEOUT_S)  # instant once the process is up
+        try:
+            future.result(timeout=EARLY_ERROR_WAIT_S)
+        except FutureTimeout:
+            pass
+        except Exception as err:  # noqa: BLE001 - outlines-core raises ValueError for bad regexes
+            raise InvalidRequestError(f"request {request_id}: invalid grammar regex: {err}") from err
+        return GrammarState(request_id, future)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._process.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarState:
+    """One request's position in its automaton."""
+
+    __slots__ = ("request_id", "_future", "_guide")
+
+    def __init__(self, request_id: int, future: Future) -> None:
+        self.request_id = request_id
+        self._future = future
+        self._guide: outlines_core.Guide | None = None
+
+    @property
+    def ready(self) -> bool:
+        """The index is built (or failed: :meth:`guide` then raises)."""
+        return self._guide is not None or self._future.done()
+
+    def guide(self) -> outlines_core.Guide:
+        if self._guide is None:
+            try:
+                self._guide = outlines_core.Guide(self._future.result())
+            except Exception as err:  # noqa: BLE001 - a late compile failure (automaton too large)
+                raise InvalidRequestError(f"request {self.request_id}: grammar failed to compile: {err}") from err
+        return self._guide
+
+    def advance(self, token_id: int) -> None:
+        guide = self.guide()
+        if not guide.is_finished():
+            guide.advance(token_id)
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: Sequence[int], states: Sequence[GrammarState]) -> torch.Tensor:
+    """``logits`` with every token the automaton forbids set to ``-inf`` in the constrained ``rows``
+    (in place when possible; other rows untouched). Columns past the tokenizer (padded lm_head) are
+    always forbidden in constrained rows."""
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    words = (vocab + 31) // 32
+    bits = torch.zeros((len(rows), words), dtype=torch.int32)
+    for j, state in enumerate(states):
+        state.guide().write_mask_into(bits[j].data_ptr(), words, 4)
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(rows), words * 32)[:, :vocab]
+    index = torch.tensor(list(rows), dtype=torch.int64, device=logits.device)
+    sub = logits.index_select(0, index).masked_fill(~allowed.to(logits.device), -torch.inf)
+    logits.index_copy_(0, index, sub)
+    return logits
