@@ -8,11 +8,13 @@ and a failing model step that must release everything it was handed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
 
 import jsonschema
+import outlines_core
 import pytest
 
 from tests.engine.conftest import RouterBlocks, RouterDriver, make_engine, make_text, prompt_ids, router_spec, router_warmup
@@ -178,3 +180,51 @@ def test_smollm2_answers_in_schema_and_regex(smollm2_dir):
     for rid in (1, 2):
         assert driver.final[rid].generated_text.finish_reason is FinishReason.EOS_TOKEN
     driver.assert_idle()
+
+
+def test_a_request_that_ignores_eos_goes_on_from_an_accepting_state(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, num_blocks=64)
+    blocks = RouterBlocks(engine)
+    driver = RouterDriver(engine, blocks)
+    digits = GrammarSpec("regex", "[0-9]{1,3}")
+    r = router_spec(engine, blocks, 70, make_text(70, 3), 12, ignore_eos=True, sampling=SamplingParams(grammar=digits))
+    driver.run(BatchSpec(id=8, requests=(r,)))
+    assert driver.final[70].generated_text.finish_reason is FinishReason.LENGTH  # never stopped by the mask
+    eos = engine.runner.tokenizer.eos_token_id
+    text = engine.runner.tokenizer.decode([t for t in driver.tokens[70] if t != eos])
+    assert eos in driver.tokens[70] and re.fullmatch("[0-9]{1,3}", text), text
+    driver.assert_idle()
+
+
+SAMPLING_MODES = {
+    60: SamplingParams(do_sample=True, seed=1),
+    61: SamplingParams(temperature=1.7, top_k=20, seed=2),
+    62: SamplingParams(top_p=0.8, typical_p=0.9, seed=3),
+    63: SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, temperature=0.7, seed=4),
+}
+
+
+def test_every_sampling_mode_stays_inside_the_automaton(tiny_llama_dir, reference):
+    """Masks come before penalties and warpers: every sampled token is one the automaton allows,
+    finished answers validate, and seeded runs repeat."""
+    runs = []
+    for _ in range(2):
+        engine = make_engine(tiny_llama_dir, num_blocks=64)
+        blocks = RouterBlocks(engine)
+        driver = RouterDriver(engine, blocks)
+        requests = [dataclasses.replace(constrained(engine, blocks, rid, "small", 40),
+                                        sampling=dataclasses.replace(params, grammar=GRAMMARS["small"]))
+                    for rid, params in SAMPLING_MODES.items()]
+        driver.run(BatchSpec(id=7, requests=tuple(requests)))
+        for r in requests:
+            guide = outlines_core.Guide(reference.index(GRAMMARS["small"]))
+            for token in driver.tokens[r.id]:
+                assert token in guide.get_tokens(), f"request {r.id} sampled a forbidden token"
+                if token != engine.runner.tokenizer.eos_token_id:
+                    guide.advance(token)
+            final = driver.final[r.id].generated_text
+            if final.finish_reason is FinishReason.EOS_TOKEN:
+                jsonschema.validate(json.loads(final.text), json.loads(SMALL))
+        driver.assert_idle()
+        runs.append(dict(driver.tokens))
+    assert runs[0] == runs[1]

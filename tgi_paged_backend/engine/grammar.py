@@ -187,7 +187,7 @@ class GrammarCompiler:
             pass
         except Exception as err:  # noqa: BLE001 - outlines-core raises ValueError for bad regexes
             raise InvalidRequestError(f"request {request_id}: invalid grammar regex: {err}") from err
-        return GrammarState(request_id, future)
+        return GrammarState(request_id, future, self.vocabulary.eos_token_id)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -197,12 +197,13 @@ class GrammarCompiler:
 class GrammarState:
     """One request's position in its automaton."""
 
-    __slots__ = ("request_id", "_future", "_guide")
+    __slots__ = ("request_id", "_future", "_guide", "_eos_token_id")
 
-    def __init__(self, request_id: int, future: Future) -> None:
+    def __init__(self, request_id: int, future: Future, eos_token_id: int) -> None:
         self.request_id = request_id
         self._future = future
         self._guide: outlines_core.Guide | None = None
+        self._eos_token_id = eos_token_id
 
     @property
     def ready(self) -> bool:
@@ -218,9 +219,11 @@ class GrammarState:
         return self._guide
 
     def advance(self, token_id: int) -> None:
-        guide = self.guide()
-        if not guide.is_finished():
-            guide.advance(token_id)
+        """Move past ``token_id``. EOS leaves the automaton where it is: it is only ever allowed where the
+        automaton accepts, and a request that ignores EOS goes on from there. (``Guide.is_finished`` is
+        true in every accepting state, where more tokens may still follow: it is no reason to stop.)"""
+        if token_id != self._eos_token_id:
+            self.guide().advance(token_id)
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: Sequence[int], states: Sequence[GrammarState]) -> torch.Tensor:
