@@ -31,6 +31,7 @@ import transformers
 from tests.engine.conftest import RouterBlocks, RouterDriver, make_engine, make_text, prompt_ids, router_spec, \
     router_warmup  # fmt: skip
 from tests.helpers.family_models import FAMILIES, Family, family_config, is_available, write_family_model
+from tests.helpers.family_tp import TpOutcome, run_tp, tp_families
 from tests.helpers.tiny_models import load_reference
 from tgi_paged_backend.engine.types import BatchSpec
 from tgi_paged_backend.runner.model_loader import ModelLoadError
@@ -162,8 +163,19 @@ def _mark(ok: bool | None) -> str:
     return "n/a" if ok is None else ("yes" if ok else "**NO**")
 
 
-def render_markdown(results: list[FamilyResult]) -> str:
+def _tp_mark(outcome: TpOutcome | None) -> str:
+    if outcome is None:
+        return "not run"
+    if outcome.refusal is not None:
+        reason = outcome.refusal.removeprefix("tensor parallelism").lstrip(": ").split(";")[0].split(": use")[0]
+        reason = reason.replace("|", "\\|")
+        return f"refused ({reason})"
+    return _mark(outcome.exact)
+
+
+def render_markdown(results: list[FamilyResult], tp: dict[str, TpOutcome] | None = None) -> str:
     """``docs/models.md``: one row per family, served or refused with the reason."""
+    tp = tp or {}
     lines = [
         "# Model families",
         "",
@@ -173,8 +185,9 @@ def render_markdown(results: list[FamilyResult]) -> str:
         "tokens, soft-capping, MoE, MQA, partial rotary, learned positions, attention sinks) served by the",
         "shard engine as the v3 router drives it, compared with HF `generate` (greedy) token for token.",
         "*Single-shard exact*: one request, a mixed batch and chunked prefill. *Preemption exact*: a pool",
-        "small enough that requests are preempted, by recompute and by swap. *TP=2*: not run by the matrix",
-        "(`tests/distributed/` covers Llama, Qwen2 and Mistral over two gloo ranks). *Sliding-window block",
+        "small enough that requests are preempted, by recompute and by swap. *TP=2*: two gloo ranks, greedy",
+        "through their paged pools against HF (`tests/distributed/test_tp_families.py`); a layout the",
+        "Megatron slicing cannot shard is refused at start with the reason. *Sliding-window block",
         "reclaim*: blocks outside every layer's window are not given back yet (windowed families keep their",
         f"whole history in the pool). transformers {transformers.__version__}.",
         "",
@@ -192,7 +205,8 @@ def render_markdown(results: list[FamilyResult]) -> str:
         single = all(r.exact.get(s, False) for s in ("single", "mixed_batch", "chunked_prefill"))
         preempt = all(r.exact.get(s, False) for s in ("preempt_recompute", "preempt_swap"))
         windowed = "no (not implemented)" if _has_window(r.family) else "n/a (no window)"
-        lines.append(f"| {r.family.name} | {r.architecture} | {_mark(single)} | {_mark(preempt)} | not run | "
+        lines.append(f"| {r.family.name} | {r.architecture} | {_mark(single)} | {_mark(preempt)} | "
+                     f"{_tp_mark(tp.get(r.family.name))} | "
                      f"{windowed} | {r.family.feature} |")
     return "\n".join(lines) + "\n"
 
@@ -214,12 +228,14 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_family(family, Path(tmp)))
             r = results[-1]
             print(f"{family.name:12s} {r.seconds:5.1f}s {'refused' if r.refusal else r.exact}", flush=True)
-    text = render_markdown(results)
+        tp = run_tp([f for f in tp_families() if f in families], Path(tmp))
+    text = render_markdown(results, tp)
     if args.write:
         args.write.write_text(text)
     else:
         print(text)
     failed = [r.family.name for r in results if r.refusal is None and not all(r.exact.values())]
+    failed += [name for name, o in tp.items() if o.exact is False]
     return 1 if failed else 0
 
 

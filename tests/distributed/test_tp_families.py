@@ -1,0 +1,22 @@
+"""Every served family at tensor parallel 2 (gloo): token-exact with HF, or refused with the reason
+(``tests/helpers/family_tp.py``; ``docs/models.md`` shows the same column)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.helpers.family_tp import run_tp, tp_families
+
+MUST_SERVE = {"Llama", "Llama-3.1", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Gemma3"}
+"""The layouts the slicing supports (separate q/k/v/o and gate/up/down projections)."""
+
+
+def test_every_family_is_exact_or_refused_at_tensor_parallel_two(tmp_path: Path) -> None:
+    outcomes = run_tp(tp_families(), tmp_path)
+    for name, outcome in outcomes.items():
+        if outcome.refusal is not None:
+            assert name not in MUST_SERVE, f"{name} refused: {outcome.refusal}"
+            assert "tensor parallelism" in outcome.refusal or "divisible" in outcome.refusal, outcome.refusal
+        else:
+            assert outcome.exact, f"{name}: tokens differ from HF at TP=2"
+    assert MUST_SERVE <= {n for n, o in outcomes.items() if o.exact}
