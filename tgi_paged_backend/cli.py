@@ -23,6 +23,8 @@ from loguru import logger as _logger
 from tgi_paged_backend import __version__, envs, model_files
 from tgi_paged_backend.config import BackendConfig, ConfigError
 from tgi_paged_backend.logging_setup import setup_logging
+from tgi_paged_backend.runner.quant.methods import SUPPORTED_QUANTIZE
+from tgi_paged_backend.runner.quant.methods import refusal as quantize_refusal
 
 # Bound as ours: under `python -m tgi_paged_backend.cli` the module is named `__main__`.
 logger = _logger.bind(own=True)
@@ -58,7 +60,7 @@ def serve(
     json_output: bool = typer.Option(False, help="One JSON object per log line on stdout."),
     trust_remote_code: bool = typer.Option(False),
     sharded: bool = typer.Option(False),
-    quantize: Optional[str] = typer.Option(None, help="Not supported (refused)."),
+    quantize: Optional[str] = typer.Option(None, help="fp8 or compressed-tensors (others are refused)."),
     speculate: Optional[int] = typer.Option(None, help="Only 0 is supported."),
     dtype: Optional[str] = typer.Option(None, help="float16, bfloat16 or float32."),
     kv_cache_dtype: Optional[str] = typer.Option(None, help="fp8_e4m3fn or fp8_e5m2."),
@@ -184,6 +186,7 @@ def plan(
     block_size: int = typer.Option(16, help="TGI_PAGED_BLOCK_SIZE: 1, 2, 4, 8, 16 or 32."),
     dtype: Optional[str] = typer.Option(None, help="float16, bfloat16 or float32 (default as the shard)."),
     kv_dtype: str = typer.Option("auto", help="auto, fp8_e4m3fn or fp8_e5m2."),
+    quantize: Optional[str] = typer.Option(None, help="fp8 or compressed-tensors: 1 byte per linear weight."),
     trace: Optional[str] = typer.Option(None, help="JSONL trace (prompt_tokens, output_tokens, arrival)."),
     workload: str = typer.Option("sharegpt", help="Generator when no --trace: sharegpt, alpaca or tiny."),
     requests: int = typer.Option(300, help="Generated requests."),
@@ -206,7 +209,8 @@ def plan(
                                 block_size=block_size, dtype=dtype, kv_dtype=kv_dtype, trace_path=trace,
                                 workload=workload, requests=requests, arrival=arrival, rate=rate,
                                 max_new_tokens=max_new_tokens, seed=seed, max_prefill_tokens=max_prefill_tokens,
-                                num_blocks=num_blocks, kv_budget_bytes=kv_budget_bytes, overcommits=ocs)
+                                num_blocks=num_blocks, kv_budget_bytes=kv_budget_bytes, overcommits=ocs,
+                                quantize=quantize)
     except (ValueError, KeyError, OSError) as err:  # ConfigError is a ValueError
         typer.echo(f"plan: {err}", err=True)
         raise typer.Exit(2) from None
@@ -225,9 +229,8 @@ def plan(
 def _check_supported(config: BackendConfig) -> None:
     """Refuse launcher options the engine does not implement, naming the option and the way out."""
     model = config.model
-    if model.quantize is not None:
-        raise ConfigError(f"--quantize={model.quantize!r} is not supported by tgi-paged-backend (unquantized "
-                          f"models only); set TGI_BACKEND=stock to use TGI's own server")
+    if model.quantize is not None and model.quantize not in SUPPORTED_QUANTIZE:
+        raise ConfigError(quantize_refusal(model.quantize))
     if model.speculate > 0:
         raise ConfigError(f"--speculate={model.speculate} is not supported: allowed 0")
     if model.dtype is not None and model.dtype not in SUPPORTED_DTYPES:

@@ -8,6 +8,8 @@ Public functions (``api``), each with a Triton path for CUDA tensors and a plain
 - ``paged_prefill_attention``: packed variable-length causal prefill over a cached prefix
 - ``copy_blocks``: copy-on-write of whole blocks inside the pool, all layers
 - ``swap_blocks``: whole blocks between the pool and the CPU swap space, all layers
+- ``fp8_linear`` (module ``fp8_linear``): weight-only FP8 linear, a dequantize-GEMM over float8 e4m3
+  weights with per-output-channel scales (``--quantize``); its CPU path dequantizes on the fly
 
 Files: one kernel family per module (``kv_store``, ``paged_decode``, ``paged_prefill``,
 ``block_copy``; shared inner loop in ``_attention_tiles``), each a ``_<name>_kernel`` plus a
@@ -20,5 +22,7 @@ request's physical blocks in token order; *pool* = all physical blocks of one la
 """
 
 from .api import copy_blocks, paged_decode_attention, paged_prefill_attention, store_kv, swap_blocks
+from .fp8_linear import fp8_linear
 
-__all__ = ["copy_blocks", "paged_decode_attention", "paged_prefill_attention", "store_kv", "swap_blocks"]
+__all__ = ["copy_blocks", "fp8_linear", "paged_decode_attention", "paged_prefill_attention", "store_kv",
+           "swap_blocks"]

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ._attention_tiles import dot_dtype_and_precision
 from ._checks import QUERY_DTYPES, cdiv
 
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
@@ -89,7 +90,7 @@ def _fp8_linear_kernel(
     scale_ptr, bias_ptr,  #
     y_ptr, stride_ym, stride_yn,  #
     M, N, K,  #
-    HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,  #
+    HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  #
 ):
     pid_m = tl.program_id(0)
@@ -104,12 +105,12 @@ def _fp8_linear_kernel(
         kk = k0 + offs_k
         mask_k = kk < K
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(DOT_DTYPE)
         # [BLOCK_K, BLOCK_N] tile of q^T; padding bytes are 0 = +0.0
         bits = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + kk[:, None] * stride_wk,
                        mask=mask_n[None, :] & mask_k[:, None], other=0)
-        w = _decode_e4m3(bits.to(tl.int32)).to(x.dtype)
-        acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
+        w = _decode_e4m3(bits.to(tl.int32)).to(DOT_DTYPE)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -131,6 +132,8 @@ def _launch_fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     block_m = 16 if M <= 16 else 64  # decode batches are a few rows: do not pad them to 64
     block_n, block_k = 64, 64
     w_bits = qweight.view(torch.uint8)
+    dot_dtype, dot_precision = dot_dtype_and_precision(x, FP8_WEIGHT_DTYPE)  # the activation dtype (fp32 for
+    # bf16 under the interpreter, whose tl.dot cannot multiply bf16)
     grid = (cdiv(M, block_m), cdiv(N, block_n))
     _fp8_linear_kernel[grid](
         x2, x2.stride(0), x2.stride(1),
@@ -138,7 +141,7 @@ def _launch_fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
         scale, bias if bias is not None else scale,
         y, y.stride(0), y.stride(1),
         M, N, K,
-        HAS_BIAS=bias is not None, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        HAS_BIAS=bias is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return y.reshape(*lead, N)

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 from tests.helpers.paged_driver import greedy_paged  # noqa: E402
 from tgi_paged_backend.config import CacheConfig, ModelConfig, ServerConfig  # noqa: E402
 from tgi_paged_backend.distributed import TensorParallelGroup  # noqa: E402
+from tgi_paged_backend.runner.model_loader import ModelLoadError  # noqa: E402
 from tgi_paged_backend.runner.tensor_parallel import TensorParallelRunner  # noqa: E402
 
 
@@ -30,6 +31,9 @@ def main() -> None:
     parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     parser.add_argument("--max-new", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--quantize", default=None, help="--quantize of every model (fp8, compressed-tensors)")
+    parser.add_argument("--allow-refusal", action="store_true",
+                        help="record a model the slicing refuses (ModelLoadError) instead of failing")
     parser.add_argument("models", nargs="+")
     args = parser.parse_args()
 
@@ -39,7 +43,14 @@ def main() -> None:
     prompts = json.loads(args.prompts)
     result: dict[str, dict] = {}
     for model in args.models:
-        runner = TensorParallelRunner(ModelConfig(model_id=model), CacheConfig(block_size=8), "cpu", group)
+        try:  # a refusal comes before any collective, the same on every rank
+            runner = TensorParallelRunner(ModelConfig(model_id=model, quantize=args.quantize),
+                                          CacheConfig(block_size=8), "cpu", group)
+        except ModelLoadError as err:
+            if not args.allow_refusal:
+                raise
+            result[model] = {"refused": str(err)}
+            continue
         tokens = greedy_paged(runner, prompts, args.max_new, seed=args.rank)
         sizes = [runner.block_bytes, runner.spec.num_q_heads, runner.spec.num_kv_heads, runner.weights_bytes]
         result[model] = {"tokens": tokens, "sizes": group.all_gather_ints(sizes, "test")}

@@ -39,6 +39,7 @@ from tgi_paged_backend.bench.allocator_sim import (
     StepCostModel,
     compare,
 )
+from tgi_paged_backend.bench.weights import weight_bytes
 from tgi_paged_backend.bench.workload import TraceRequest, summarize
 
 GiB = 1024**3
@@ -195,6 +196,8 @@ class PlanInputs:
     swap_space_gib: float = 4.0
     preemption: str = "auto"
     overcommits: Sequence[float] = DEFAULT_OVERCOMMITS
+    quantize: str | None = None
+    """``--quantize`` (``fp8``, ``compressed-tensors``): weights as :mod:`~tgi_paged_backend.bench.weights` sizes them."""
     kv_budget_bytes: int | None = None
     """Skip the memory arithmetic and use this KV budget (what the shard's runner would report)."""
 
@@ -285,7 +288,7 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
     facts = load_model_facts(inputs.model, dtype)
     spec = facts.spec
     itemsize = torch.empty((), dtype=dtype).element_size()
-    weights = facts.num_params * itemsize
+    weights = weight_bytes(spec, facts.num_params, itemsize, inputs.quantize)
     bytes_per_token = spec.kv_bytes_per_token(kv_dtype)
     block_bytes = spec.kv_bytes_per_block(inputs.block_size, kv_dtype)
     activation = activation_peak_bytes(spec, dtype, max(inputs.max_prefill_tokens, 1))
@@ -336,7 +339,7 @@ def format_plan(plan: Plan) -> str:
         f"model        {plan.facts.name}: {s.model_type}, {s.num_layers} layers, {s.num_kv_heads} KV heads x "
         f"{s.head_dim}, {plan.facts.num_params / 1e9:.3f} B params "
         f"({'counted' if plan.facts.params_exact else 'estimated'}), weights {fmt_bytes(plan.weights_bytes)} "
-        f"({plan.dtype_name})",
+        f"({plan.dtype_name}{f', --quantize {plan.inputs.quantize}' if plan.inputs.quantize else ''})",
         f"device       {plan.device.name}"
         + (f", {fmt_bytes(plan.device_bytes)} x {plan.inputs.memory_fraction:g}" if plan.device_bytes else "")
         + f"; activation peak (prefill {plan.capacity.max_prefill_tokens} tokens) {fmt_bytes(plan.activation_bytes)}",
@@ -380,7 +383,7 @@ def plan_from_args(*, model: str, gpu: str, memory_gb: float | None, memory_frac
                    dtype: str | None, kv_dtype: str, trace_path: str | None, workload: str, requests: int,
                    arrival: str, rate: float | None, max_new_tokens: int | None, seed: int,
                    max_prefill_tokens: int, num_blocks: int | None, kv_budget_bytes: int | None,
-                   overcommits: Sequence[float]) -> Plan:
+                   overcommits: Sequence[float], quantize: str | None = None) -> Plan:
     """What ``tgi-paged-backend plan`` calls."""
     from tgi_paged_backend.bench.workload import generate_trace, load_trace
 
@@ -392,5 +395,5 @@ def plan_from_args(*, model: str, gpu: str, memory_gb: float | None, memory_frac
     inputs = PlanInputs(model=model, device=gpu, memory_gib=memory_gb, memory_fraction=memory_fraction,
                         block_size=block_size, dtype=dtype, kv_cache_dtype=kv_dtype,
                         max_prefill_tokens=max_prefill_tokens, num_blocks_cap=num_blocks,
-                        kv_budget_bytes=kv_budget_bytes, overcommits=tuple(overcommits))
+                        kv_budget_bytes=kv_budget_bytes, overcommits=tuple(overcommits), quantize=quantize)
     return make_plan(inputs, trace)

@@ -8,17 +8,20 @@ Phi-3, Gemma). Only safetensors weights from a local directory are read; nothing
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from loguru import logger
 from packaging.version import Version
 
 from tgi_paged_backend.config import ModelConfig
 from tgi_paged_backend.runner import family_support
 from tgi_paged_backend.runner.attention import register_attention
+from tgi_paged_backend.runner.quant.methods import SUPPORTED_QUANTIZE, QuantizationError, check_quantize, refusal
 from tgi_paged_backend.runner.rope_scaling import apply_rope_scaling
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -74,11 +77,8 @@ def eos_token_ids(generation_config: Any, tokenizer: Any) -> tuple[int, ...]:
 
 def check_supported(model_config: ModelConfig) -> None:
     """Reject options this backend does not implement, naming the launcher flag."""
-    if model_config.quantize:
-        raise ModelLoadError(
-            f"--quantize {model_config.quantize} is not supported by the paged backend; "
-            "serve unquantized safetensors weights (or use TGI_BACKEND=stock)"
-        )
+    if model_config.quantize is not None and model_config.quantize not in SUPPORTED_QUANTIZE:
+        raise ModelLoadError(refusal(model_config.quantize))
     if model_config.speculate:
         raise ModelLoadError(
             f"--speculate {model_config.speculate} is not supported by the paged backend; remove it "
@@ -117,6 +117,43 @@ def _probe_attention(model: torch.nn.Module) -> None:
     _refuse_if(config, family_support.check_attention_calls(num_layers, calls))
 
 
+def _resolve_quantization(model_config: ModelConfig, config: Any) -> str | None:
+    """The format to load (``None``: unquantized); a compressed-tensors scheme is validated and its
+    ``quantization_config`` taken off ``config`` so transformers loads the module tree plainly."""
+    try:
+        method = check_quantize(model_config.quantize, config)
+        if method == "compressed-tensors":
+            from tgi_paged_backend.runner.quant.compressed_tensors import parse_scheme
+
+            scheme = parse_scheme(config.quantization_config)
+            if scheme.dynamic_activations:
+                logger.info("compressed-tensors: dynamic fp8 input activations are served weight-only (W8A16)")
+            del config.quantization_config
+    except QuantizationError as err:
+        raise ModelLoadError(str(err)) from None
+    return method
+
+
+def _quantize(model: torch.nn.Module, method: str | None, path: Path) -> None:
+    """Swap in the quantized linears (on the CPU copy, before it moves to the device)."""
+    if method is None:
+        return
+    from tgi_paged_backend.runner.quant.apply import load_compressed_fp8, quantize_model_fp8
+
+    before = resident_bytes(model)
+    try:
+        count = quantize_model_fp8(model) if method == "fp8" else load_compressed_fp8(model, path)
+    except QuantizationError as err:
+        raise ModelLoadError(str(err)) from None
+    logger.info("--quantize {}: {} linears in fp8 e4m3 (per-channel scales); weights {:.1f} -> {:.1f} MiB",
+                method, count, before / 2**20, resident_bytes(model) / 2**20)
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer: what the weights take where they are (fp8 bytes included)."""
+    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+
+
 def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedModel:
     """Load model, tokenizer and generation config from ``model_config.model_id`` (a local dir)."""
     check_supported(model_config)
@@ -129,11 +166,12 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
     if model_config.rope_scaling is not None:  # ROPE_SCALING / ROPE_FACTOR replace the config's, as stock
         apply_rope_scaling(config, model_config.rope_scaling, model_config.rope_factor)
     _refuse_if(config, family_support.unsupported_reason(config))
+    method = _resolve_quantization(model_config, config)
 
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path,
-            **({} if model_config.rope_scaling is None else {"config": config}),
+            **({} if model_config.rope_scaling is None and method is None else {"config": config}),
             attn_implementation=attn_name,
             trust_remote_code=model_config.trust_remote_code,
             use_safetensors=True,
@@ -149,6 +187,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
         if "Unrecognized configuration class" not in str(err):
             raise
         _refuse_if(config, "it has no causal-LM class in transformers (AutoModelForCausalLM)")
+    _quantize(model, method, path)
     model.to(device)
     model.eval()
     model.requires_grad_(False)

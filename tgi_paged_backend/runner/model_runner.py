@@ -12,7 +12,6 @@ Pool layout, per layer: ``k_caches[i]`` and ``v_caches[i]``, each
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import time
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ import tgi_paged_kernels
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
-from tgi_paged_backend.runner.model_loader import LoadedModel, load_model
+from tgi_paged_backend.runner.model_loader import LoadedModel, load_model, resident_bytes
 from tgi_paged_backend.runner.model_spec import ModelSpec, resolve_kv_dtype
 
 CPU_KV_BUDGET_CAP_BYTES = 4 * 1024**3
@@ -77,8 +76,7 @@ class ModelRunner:
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-        self.weights_bytes = sum(t.numel() * t.element_size()
-                                 for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+        self.weights_bytes = resident_bytes(self.model)
         self.activation_peak_bytes: int | None = None
         """Set by :meth:`profile_prefill`; used by :meth:`available_kv_bytes`."""
         self.k_caches: list[torch.Tensor] = []

@@ -18,6 +18,11 @@ heads unchanged; our paged attention sees ``Hq/N`` query and ``Hkv/N`` KV heads 
 :class:`~tgi_paged_backend.runner.model_spec.ModelSpec`). Supported: layers with separate
 ``q/k/v/o_proj`` and ``gate/up/down_proj`` (Llama, Mistral, Qwen2/3, Gemma 1/2/3); fused projections
 (Phi-3) and MoE layers are refused with a clear error, as are head or MLP sizes not divisible by N.
+
+Quantized models (``--quantize fp8``, compressed-tensors FP8) are quantized on the full CPU copy first,
+then sliced the same way: column-parallel ``Fp8Linear`` keep their rows of the fp8 weight with those
+rows' scales; row-parallel ones (:class:`RowParallelFp8Linear`) keep their input columns with every
+row's full scale, so each rank computes with exactly the unsharded model's quantized weights.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model_loader import LoadedModel, ModelLoadError, load_model, resolve_dtype
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.model_spec import ModelSpec
+from tgi_paged_backend.runner.quant.linear import Fp8Linear
 
 if TYPE_CHECKING:
     from tgi_paged_backend.distributed import TensorParallelGroup
@@ -73,6 +79,32 @@ def check_divisible(spec: ModelSpec, world_size: int) -> None:
             "--num-shard that divides them, or --num-shard 1")
 
 
+class RowParallelFp8Linear(nn.Module):
+    """:class:`RowParallelLinear` for an :class:`Fp8Linear` quantized before sharding: this rank's input
+    columns of the fp8 weight with the full-row scales, so every rank uses the unsharded model's scales."""
+
+    def __init__(self, linear: Fp8Linear, rank: int, world_size: int, all_reduce: AllReduce) -> None:
+        super().__init__()
+        if linear.in_features % world_size:
+            raise ModelLoadError(f"row-parallel linear: in_features={linear.in_features} not divisible by "
+                                 f"{world_size}")
+        width = linear.in_features // world_size
+        self.local = linear.input_slice(slice(rank * width, (rank + 1) * width))
+        self.in_features, self.out_features = width, linear.out_features
+        self.bias = (None if linear.bias is None
+                     else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
+        self._all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._all_reduce(self.local(x))
+        return out if self.bias is None else out + self.bias
+
+
+def _row_parallel(linear: nn.Module, rank: int, world_size: int, all_reduce: AllReduce) -> nn.Module:
+    cls = RowParallelFp8Linear if isinstance(linear, Fp8Linear) else RowParallelLinear
+    return cls(linear, rank, world_size, all_reduce)
+
+
 class RowParallelLinear(nn.Module):
     """``y = all_reduce(x_local @ W_local^T) + b``: the input features are split over the ranks."""
 
@@ -98,25 +130,38 @@ class RowParallelLinear(nn.Module):
         return f"in_features={self.in_features} (local), out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _shard_columns(linear: nn.Linear, rank: int, world_size: int, what: str) -> None:
-    """Keep this rank's contiguous slice of the output features (weight rows and bias)."""
+def _shard_columns(linear: nn.Module, rank: int, world_size: int, what: str) -> nn.Module:
+    """This rank's contiguous slice of the output features (weight rows, their fp8 scales, bias)."""
     if linear.out_features % world_size:
         raise ModelLoadError(f"{what}: out_features={linear.out_features} not divisible by {world_size}")
     width = linear.out_features // world_size
     rows = slice(rank * width, (rank + 1) * width)
+    if isinstance(linear, Fp8Linear):
+        return linear.output_slice(rows)
     linear.weight = nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
     if linear.bias is not None:
         linear.bias = nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
     linear.out_features = width
+    return linear
 
 
-def _linear(module: nn.Module, name: str, where: str) -> nn.Linear:
+def _linear(module: nn.Module, name: str, where: str) -> nn.Module:
     layer = getattr(module, name, None)
-    if not isinstance(layer, nn.Linear):
+    if not isinstance(layer, (nn.Linear, Fp8Linear)):
         raise ModelLoadError(f"tensor parallelism needs separate q/k/v/o and gate/up/down projections; "
                              f"{where} has no nn.Linear {name!r} (fused projections such as Phi-3's qkv_proj, "
                              "and MoE layers, are not supported): use --num-shard 1")
     return layer
+
+
+def _refuse_cross_head_norms(attn: nn.Module, head_dim: int, where: str) -> None:
+    """q/k norms over all heads at once (OLMo2) cannot run on a head shard; per-head ones (Qwen3) can."""
+    for name in ("q_norm", "k_norm"):
+        weight = getattr(getattr(attn, name, None), "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.numel() != head_dim:
+            raise ModelLoadError(f"tensor parallelism: {where}.{name} normalizes across all heads ({weight.numel()} "
+                                 f"features, head_dim {head_dim}), which a shard of the heads cannot compute: "
+                                 "use --num-shard 1")
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -138,9 +183,11 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int,
         head_dim = getattr(attn, "head_dim", spec.head_dim)
         if head_dim != spec.head_dim:
             raise ModelLoadError(f"tensor parallelism: {where} has head_dim={head_dim}, expected {spec.head_dim}")
+        _refuse_cross_head_norms(attn, head_dim, f"{where}.self_attn")
         for name in ("q_proj", "k_proj", "v_proj"):
-            _shard_columns(_linear(attn, name, f"{where}.self_attn"), rank, world_size, f"{where}.self_attn.{name}")
-        attn.o_proj = RowParallelLinear(_linear(attn, "o_proj", f"{where}.self_attn"), rank, world_size, all_reduce)
+            setattr(attn, name, _shard_columns(_linear(attn, name, f"{where}.self_attn"), rank, world_size,
+                                               f"{where}.self_attn.{name}"))
+        attn.o_proj = _row_parallel(_linear(attn, "o_proj", f"{where}.self_attn"), rank, world_size, all_reduce)
         # Some versions/families keep head counts on the module; the forward reshapes with -1, but
         # keep them truthful for anything that reads them.
         for attr, local in (("num_heads", q_local), ("num_attention_heads", q_local),
@@ -148,8 +195,9 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int,
             if isinstance(getattr(attn, attr, None), int):
                 setattr(attn, attr, local)
         for name in ("gate_proj", "up_proj"):
-            _shard_columns(_linear(mlp, name, f"{where}.mlp"), rank, world_size, f"{where}.mlp.{name}")
-        mlp.down_proj = RowParallelLinear(_linear(mlp, "down_proj", f"{where}.mlp"), rank, world_size, all_reduce)
+            setattr(mlp, name, _shard_columns(_linear(mlp, name, f"{where}.mlp"), rank, world_size,
+                                              f"{where}.mlp.{name}"))
+        mlp.down_proj = _row_parallel(_linear(mlp, "down_proj", f"{where}.mlp"), rank, world_size, all_reduce)
         if isinstance(getattr(mlp, "intermediate_size", None), int):
             mlp.intermediate_size = spec.intermediate_size // world_size
     return ShardLayout(rank=rank, world_size=world_size, num_q_heads=q_local, num_kv_heads=kv_local,

@@ -1,0 +1,42 @@
+"""``tgi-paged-backend plan --quantize``: the planner's weight bytes are what a quantized shard holds,
+and the CUDA KV pool grows by exactly the bytes saved."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from tgi_paged_backend.cli import tools_app
+from tgi_paged_backend.config import CacheConfig, ModelConfig
+from tgi_paged_backend.runner.model_runner import ModelRunner
+
+
+def _plan(args: list[str], out: Path) -> dict:
+    result = CliRunner().invoke(tools_app, ["plan", *args, "--workload", "tiny", "--requests", "20",
+                                            "--overcommits", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+def test_weights_match_the_quantized_runner_and_the_pool_gains_them(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    common = ["--model", str(tiny_llama_dir), "--gpu", "L4", "--dtype", "float32"]
+    plain = _plan(common, tmp_path / "plain.json")
+    fp8 = _plan([*common, "--quantize", "fp8"], tmp_path / "fp8.json")
+    runners = [ModelRunner(ModelConfig(model_id=str(tiny_llama_dir), quantize=q, dtype="float32"), CacheConfig(),
+                           "cpu") for q in (None, "fp8")]
+    # The planner counts the safetensors parameters (the runner also counts the rotary inv_freq buffers):
+    # what quantization saves is the same to the byte.
+    saved = plain["weights_bytes"] - fp8["weights_bytes"]
+    assert saved == runners[0].weights_bytes - runners[1].weights_bytes > 0
+    assert fp8["kv_budget_bytes"] - plain["kv_budget_bytes"] == saved
+
+
+def test_preset_llama_3_8b_fp8_is_about_half_and_gptq_is_refused(tmp_path: Path) -> None:
+    plain = _plan(["--model", "llama-3-8b", "--gpu", "H100"], tmp_path / "a.json")
+    fp8 = _plan(["--model", "llama-3-8b", "--gpu", "H100", "--quantize", "compressed-tensors"], tmp_path / "b.json")
+    assert 0.5 < fp8["weights_bytes"] / plain["weights_bytes"] < 0.6  # embeddings and head stay fp16
+    assert fp8["num_blocks"] > plain["num_blocks"]
+    result = CliRunner().invoke(tools_app, ["plan", "--model", "llama-3-8b", "--quantize", "gptq"])
+    assert result.exit_code == 2 and "--quantize gptq is not supported" in result.output

@@ -1,0 +1,12 @@
+"""Quantized weights: which ``--quantize`` values are served, and how each format is loaded.
+
+- :mod:`.methods`: the supported ``--quantize`` values, the refusal for the others, and the check that
+  the flag agrees with ``quantization_config.quant_method`` in ``config.json`` (torch-free, so the CLI
+  can refuse before importing torch).
+- :mod:`.fp8`: the float8 e4m3 per-output-channel quantizer (load-time ``--quantize fp8`` and the
+  tests' checkpoint writer).
+- :mod:`.linear`: :class:`~.linear.Fp8Linear`, the module that replaces ``nn.Linear``
+  (kernels: :mod:`tgi_paged_kernels.fp8_linear`).
+- :mod:`.apply`: put the quantized linears into a loaded model, for each format.
+- :mod:`.compressed_tensors`: read and validate a compressed-tensors FP8 checkpoint's scheme.
+"""
