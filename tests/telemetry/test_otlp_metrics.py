@@ -78,6 +78,13 @@ def test_recorded_steps_arrive_with_design_names_and_values(recorder: OtelRecord
     wait = points_by(got["tgi_paged_preempted_wait_seconds"])[None]
     assert (wait.count, wait.sum) == (1, pytest.approx(2.0))
     assert got["tgi_paged_step_seconds"].unit == "s"
+    parts = {(a["phase"], a["part"]): p for p in got["tgi_paged_step_part_seconds"].histogram.data_points
+             for a in [{kv.key: kv.value.string_value for kv in p.attributes}]}
+    assert set(parts) == {("prefill", "forward"), ("prefill", "schedule"), ("decode", "forward"),
+                          ("decode", "schedule"), ("decode", "sample")}
+    assert (parts[("decode", "forward")].count, parts[("decode", "forward")].sum) == (2, pytest.approx(0.022))
+    assert parts[("decode", "sample")].sum == pytest.approx(0.002)
+    assert list(parts[("decode", "sample")].explicit_bounds)[:2] == [0.0001, 0.00025]
 
 
 def test_counters_accumulate_across_exports_and_memory_refresh(recorder: OtelRecorder, otlp_sink: OtlpSink) -> None:
@@ -105,6 +112,7 @@ def test_idle_steps_do_not_skew_step_histograms(recorder: OtelRecorder, otlp_sin
     assert otlp_sink.wait_for(lambda: bool(otlp_sink.metric_requests))
     got = otlp_sink.latest_metrics()
     assert "tgi_paged_step_seconds" not in got and "tgi_paged_batch_size" not in got
+    assert "tgi_paged_step_part_seconds" not in got
     assert points_by(got["tgi_paged_kv_usage_ratio"])[None].as_double == pytest.approx(0.60)
 
 

@@ -83,6 +83,12 @@ def test_records_reject_impossible_values() -> None:
         StepRecord(phase="warmup", step_s=0.1, batch_size=1, tokens_computed=1, memory=memory_stats())
     with pytest.raises(ValueError, match="step_s"):
         StepRecord(phase="decode", step_s=-1.0, batch_size=1, tokens_computed=1, memory=memory_stats())
+    with pytest.raises(ValueError, match="step part 'lunch'"):
+        StepRecord(phase="decode", step_s=0.1, batch_size=1, tokens_computed=1, part_s=(("lunch", 0.1),),
+                   memory=memory_stats())
+    with pytest.raises(ValueError, match="step part 'forward'"):
+        StepRecord(phase="decode", step_s=0.1, batch_size=1, tokens_computed=1, part_s=(("forward", -0.1),),
+                   memory=memory_stats())
     with pytest.raises(ValueError, match="mode"):
         PreemptionRecord(mode="drop", victim_id=1, tokens_lost=1, estimated_cost_s=0.0)
     with pytest.raises(ValueError, match="pool_bytes"):

@@ -1,0 +1,155 @@
+"""This shard on the peer job: spawned exactly as the TGI launcher does, driven by the v3 router replay.
+
+One shard process serves every run of the job (burst, then Poisson). Clients send ``max_new_tokens``
+= the trace's cap with ``ignore_eos_token`` and disconnect after ``output_tokens`` tokens (as in
+``integration/bench_e2e.py``). Around each run the shard's Prometheus endpoint is scraped for the step
+anatomy (``tgi_paged_step_part_seconds{phase="decode"}``, mean per decode step) and, every second,
+for running requests and used blocks: the mean decode batch and context that the bare forward is
+measured at. Peak memory is the shard process's ``VmHWM``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from integration.bench_e2e import _free_port, _get, scrape
+from integration.peers.jobs import EngineResult
+from tgi_paged_backend.telemetry.step_record import STEP_PARTS
+
+
+def shard_env(job: dict[str, Any], metrics_port: int) -> dict[str, str]:
+    bs = int(job["block_size"])
+    return {"TGI_PAGED_BLOCK_SIZE": str(bs), "TGI_PAGED_NUM_BLOCKS": str(job["kv_tokens"] // bs + 1),
+            "TGI_PAGED_METRICS_PORT": str(metrics_port), "PREFIX_CACHING": "0",
+            "OMP_NUM_THREADS": str(job["threads"]),
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+
+
+def _vm_hwm(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+async def _drive(router: Any, requests: list[dict], prompts: list[str], port: int, *, block_size: int,
+                 max_new_tokens: int) -> tuple[list[dict], dict]:
+    from integration.router_replay import GenerateParameters, TokenEvent
+
+    t0 = time.perf_counter()
+    results = [{"tokens": [], "arrival": r["arrival"], "token_times": []} for r in requests]
+    samples: dict[str, list[float]] = {"running": [], "used_tokens": []}
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(max(0.0, requests[i]["arrival"] - (time.perf_counter() - t0)))
+        params = GenerateParameters(max_new_tokens=max_new_tokens, ignore_eos_token=True)
+        stream = await router.generate(prompts[i], params)
+        try:
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    results[i]["tokens"].append(event.id)
+                    results[i]["token_times"].append(time.perf_counter() - t0)
+                    if len(results[i]["tokens"]) >= requests[i]["output_tokens"]:
+                        break
+        finally:
+            await stream.aclose()
+
+    async def sampler() -> None:
+        while True:
+            try:
+                m = await asyncio.to_thread(scrape, port)
+            except OSError:
+                m = None
+            if m is not None:
+                running = _get(m, "tgi_paged_requests", state="running")
+                if running > 0:
+                    samples["running"].append(running)
+                    samples["used_tokens"].append(_get(m, "tgi_paged_kv_blocks", state="used") * block_size)
+            await asyncio.sleep(1.0)  # light: the router replay shares the CPU with the shard
+
+    task = asyncio.create_task(sampler())
+    try:
+        await asyncio.gather(*(one(i) for i in range(len(requests))))
+    finally:
+        task.cancel()
+    return results, samples
+
+
+def anatomy(before: dict, after: dict) -> tuple[dict[str, float], int]:
+    """Mean seconds per decode step by part over the run, and the number of decode steps."""
+    def delta(name: str, **labels: str) -> float:
+        return _get(after, name, **labels) - _get(before, name, **labels)
+
+    steps = int(delta("tgi_paged_step_seconds_count", phase="decode"))
+    parts = {p: delta("tgi_paged_step_part_seconds_sum", phase="decode", part=p) / steps if steps else 0.0
+             for p in STEP_PARTS}
+    parts["step"] = delta("tgi_paged_step_seconds_sum", phase="decode") / steps if steps else 0.0
+    return parts, steps
+
+
+def run_shard(job: dict[str, Any], prompts: list[str], *, max_batch_prefill_tokens: int, ready_timeout_s: float = 300,
+              log=print) -> tuple[EngineResult, dict[str, list[dict]], dict[str, float]]:
+    """``(result shell, raw runs, decode shape {"batch", "context"} of the burst run)``."""
+    from integration.launcher_spawn import LaunchedShards, LauncherOptions
+    from integration.router_replay import Router
+
+    port = _free_port()
+    max_input = job["max_model_len"] - job["max_new_tokens"]
+    result = EngineResult(engine=f"this shard (launcher spawn + router replay, block {job['block_size']})")
+    with tempfile.TemporaryDirectory(prefix="tgi-peers-") as tmp:
+        opts = LauncherOptions(uds_path=str(Path(tmp) / "shard"), log_level="INFO", env=shard_env(job, port),
+                               max_input_tokens=max_input, max_total_tokens=job["max_model_len"])
+        t_setup = time.perf_counter()
+        with LaunchedShards(job["model_dir"], opts, ready_timeout=ready_timeout_s) as shards:
+
+            async def scenario():
+                router = await Router.connect(opts.uds_path, job["model_dir"], max_input_tokens=max_input,
+                                              max_total_tokens=job["max_model_len"],
+                                              max_batch_prefill_tokens=max_batch_prefill_tokens)
+                try:
+                    warm = await router.generate("warm up", _params(2))
+                    await warm.collect()
+                    result.setup_s = time.perf_counter() - t_setup
+                    runs, shapes = {}, {}
+                    for name, requests in job["runs"].items():
+                        before = await asyncio.to_thread(scrape, port)
+                        runs[name], samples = await _drive(router, requests, prompts, port,
+                                                           block_size=job["block_size"],
+                                                           max_new_tokens=job["max_new_tokens"])
+                        await asyncio.sleep(0.3)
+                        after = await asyncio.to_thread(scrape, port)
+                        parts, steps = anatomy(before, after)
+                        if name == "burst":
+                            result.anatomy = parts
+                            n = max(1, len(samples["running"]))
+                            batch = sum(samples["running"]) / n
+                            ctx = sum(u / r for u, r in zip(samples["used_tokens"], samples["running"])) / n
+                            shapes = {"batch": max(1, round(batch)), "context": max(1, round(ctx)),
+                                      "decode_steps": steps}
+                        tokens = sum(len(r["tokens"]) for r in runs[name])
+                        log(f"  shard {name}: {tokens} tokens, {steps} decode steps")
+                    return runs, shapes
+                finally:
+                    await router.close(raise_fatal=False)
+
+            runs, shapes = asyncio.run(scenario())
+            result.peak_rss_bytes = _vm_hwm(shards.pid(0))
+            info = next((r.text for r in shards.logs if "warmup:" in r.text), "")
+    result.notes.append(f"{job['threads']} threads (OMP_NUM_THREADS), max_batch_prefill_tokens "
+                        f"{max_batch_prefill_tokens}; {info.strip()}")
+    return result, runs, shapes
+
+
+def _params(n: int):
+    from integration.router_replay import GenerateParameters
+
+    return GenerateParameters(max_new_tokens=n, ignore_eos_token=True)
