@@ -6,9 +6,9 @@ with ``GRAMMAR_TYPE_JSON``, converted here the same way.
 
 - :class:`TokenVocabulary`: the tokenizer's tokens as raw bytes (byte-level BPE and sentencepiece
   spellings undone), special tokens other than EOS left out, built once per engine.
-- :class:`GrammarCompiler`: one ``outlines_core.Index`` per distinct regex, compiled in a worker
-  process (outlines-core holds the GIL while it builds) and kept in a bounded LRU cache, so a large
-  schema delays only its own request.
+- :class:`GrammarCompiler`: one ``outlines_core.Index`` per distinct regex, compiled in a child
+  process (:class:`CompileProcess`; outlines-core holds the GIL while it builds) and kept in a bounded
+  LRU cache, so a large schema delays only its own request.
 - :class:`GrammarState`: one request's automaton (an ``outlines_core.Guide``), owned by its
   ``RequestState``: preemption does not touch it (swap and recompute keep the generated tokens and
   so the automaton's position), it advances once per generated token.
@@ -21,21 +21,23 @@ whose ``max_new_tokens`` comes first ends with ``length``, as stock does.
 from __future__ import annotations
 
 import json
-import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from functools import lru_cache
 
 import numpy as np
 import outlines_core
 import torch
 
-from tgi_paged_backend.engine.grammar_worker import compile_index
 from tgi_paged_backend.engine.types import GrammarSpec, InvalidRequestError
 
 EARLY_ERROR_WAIT_S = 0.05
@@ -124,9 +126,46 @@ def grammar_regex(spec: GrammarSpec) -> str:
         raise InvalidRequestError(f"invalid JSON schema: {err}") from err
 
 
+class CompileProcess:
+    """The child interpreter that builds indexes (``engine.grammar_worker``); used from one thread."""
+
+    def __init__(self, vocabulary: outlines_core.Vocabulary) -> None:
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        self._proc = subprocess.Popen([sys.executable, "-m", "tgi_paged_backend.engine.grammar_worker"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._call("vocabulary", vocabulary)
+
+    def _call(self, kind: str, payload):
+        try:
+            pickle.dump((kind, payload), self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self._proc.stdin.flush()
+            status, value = pickle.load(self._proc.stdout)
+        except (OSError, EOFError, pickle.UnpicklingError) as err:
+            raise RuntimeError(f"the grammar compile process died (exit {self._proc.poll()})") from err
+        if status != "ok":
+            raise ValueError(value)
+        return value
+
+    def compile(self, regex: str) -> outlines_core.Index:
+        return self._call("compile", regex)
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def close(self) -> None:
+        if self._proc.stdin:
+            self._proc.stdin.close()  # EOF: the child returns
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+
+
 class GrammarCompiler:
-    """Regex -> ``Future[outlines_core.Index]``, LRU-bounded. A thread waits on each compile, which runs
-    in one worker process (spawned at the first compile; restarted if it dies)."""
+    """Regex -> ``Future[outlines_core.Index]``, LRU-bounded. One thread feeds the compiles, in order,
+    to one :class:`CompileProcess` (started with the compiler; restarted if it dies)."""
 
     def __init__(self, vocabulary: TokenVocabulary, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         self.vocabulary = vocabulary
@@ -137,11 +176,13 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tgi-grammar")
-        self._process = self._start_process()
-        self._started = self._process.submit(compile_index, vocabulary.vocabulary, "warm")
+        self._process: CompileProcess | None = None
+        self._started = self._executor.submit(self._ensure_process)
 
-    def _start_process(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    def _ensure_process(self) -> CompileProcess:
+        if self._process is None or not self._process.alive:
+            self._process = CompileProcess(self.vocabulary.vocabulary)
+        return self._process
 
     def submit(self, regex: str) -> Future:
         with self._lock:
@@ -159,11 +200,7 @@ class GrammarCompiler:
     def _compile(self, regex: str):
         start = time.perf_counter()
         try:
-            try:
-                return self._process.submit(compile_index, self.vocabulary.vocabulary, regex).result()
-            except BrokenProcessPool:
-                self._process = self._start_process()  # the worker died (killed, out of memory): restart it
-                raise
+            return self._ensure_process().compile(regex)
         finally:
             with self._lock:
                 self._compile_s.append(time.perf_counter() - start)
@@ -192,7 +229,8 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._process.shutdown(wait=False, cancel_futures=True)
+        if self._process is not None:
+            self._process.close()  # a compile still running in it fails its request
 
 
 class GrammarState:
