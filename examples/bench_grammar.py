@@ -109,7 +109,8 @@ def compile_stall(engine, n: int, steps: int) -> dict[str, float]:
             break
         result = engine.decode([result.batch.id])
     engine.clear_cache(None)
-    return {"median_step_s": statistics.median(base), "max_gap_during_compile_s": max(gaps),
+    return {"median_step_s": statistics.median(base), "admit_step_s": gaps[0],
+            "max_decode_during_compile_s": max(gaps[1:], default=0.0),
             "ttft_new_schema_s": first_token_s, "ttft_cached_schema_s": cached_s}
 
 
@@ -131,8 +132,10 @@ def main() -> None:
     stall = compile_stall(engine, args.requests, args.steps)
     print(f"new large schema arriving while {args.requests - 1} requests decode")
     print(f"  others' median step         {stall['median_step_s'] * 1e3:7.1f} ms")
-    print(f"  others' longest step during its compile {stall['max_gap_during_compile_s'] * 1e3:7.1f} ms"
-          f"   x{stall['max_gap_during_compile_s'] / stall['median_step_s']:.2f} the median")
+    print(f"  the Prefill that admits it     {stall['admit_step_s'] * 1e3:7.1f} ms"
+          f"   x{stall['admit_step_s'] / stall['median_step_s']:.2f} the median (its prompt, the early-error wait)")
+    print(f"  others' longest decode step during its compile {stall['max_decode_during_compile_s'] * 1e3:7.1f} ms"
+          f"   x{stall['max_decode_during_compile_s'] / stall['median_step_s']:.2f} the median")
     print(f"  its first token: new schema {stall['ttft_new_schema_s']:.2f} s, cached {stall['ttft_cached_schema_s']:.2f} s")
     engine.close()
 

@@ -10,10 +10,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,14 +18,13 @@ from torch import nn
 
 from tests.helpers.paged_driver import greedy_hf
 from tests.helpers.quant_models import dequantized_reference, write_compressed_fp8
-from tests.helpers.shard_driving import free_port
+from tests.helpers.tp_spawn import run_tp_workers
 from tests.helpers.tiny_models import EOS_ID, PAD_ID
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.quant.linear import Fp8Linear
 from tgi_paged_backend.runner.tensor_parallel import RowParallelFp8Linear
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_NEW = 12
 
 
@@ -55,22 +50,9 @@ def test_two_rank_runner_matches_the_dequantized_model(tiny_model_factory, tmp_p
     prompts = [rng.integers(4, 320, n).tolist() for n in (5, 17, 33)]
     results = {}
     for quantize, models in (("fp8", [llama, qwen2]), ("compressed-tensors", [ct])):
-        out = tmp_path / f"{quantize}.json"
-        port = free_port()
-        procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed.tp_worker", "--rank", str(rank),
-                                   "--world-size", "2", "--port", str(port), "--prompts", json.dumps(prompts),
-                                   "--max-new", str(MAX_NEW), "--out", str(out), "--quantize", quantize,
-                                   *map(str, models)],
-                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-                 for rank in range(2)]
-        try:
-            logs = [p.communicate(timeout=150)[0] for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-        assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
-        results.update({(quantize, m): r for m, r in zip(models, json.loads(out.read_text()).values())})
+        result = run_tp_workers(models, prompts, MAX_NEW, tmp_path / f"{quantize}.json",
+                                extra_args=["--quantize", quantize])
+        results.update({(quantize, m): r for m, r in zip(models, result.values())})
 
     for (quantize, model), got in results.items():
         src = llama if model == ct else model

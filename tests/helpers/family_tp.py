@@ -7,10 +7,6 @@ why, on both ranks alike; it is reported as refused, never served wrong.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,10 +14,9 @@ import numpy as np
 
 from tests.helpers.family_models import FAMILIES, Family, is_available, write_family_model
 from tests.helpers.paged_driver import greedy_hf
-from tests.helpers.shard_driving import free_port
 from tests.helpers.tiny_models import EOS_ID, PAD_ID, load_reference
+from tests.helpers.tp_spawn import run_tp_workers
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_NEW = 8
 START_REFUSED = {"Falcon", "Bloom", "MPT", "DeepSeek-V2", "DeepSeek-V3"}
 """Refused by the backend at start whatever the shard count (see ``family_matrix.REFUSED``)."""
@@ -43,23 +38,8 @@ def run_tp(families: list[Family], workdir: Path, timeout_s: float = 600) -> dic
     """Serve every family on two ranks in one spawn; compare with HF."""
     models = {f.name: write_family_model(f, workdir / f.name) for f in families}
     prompts = [np.random.default_rng(7).integers(4, 320, n).tolist() for n in (5, 19)]
-    out = workdir / "tp_result.json"
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed.tp_worker", "--rank", str(rank),
-                               "--world-size", "2", "--port", str(port), "--prompts", json.dumps(prompts),
-                               "--max-new", str(MAX_NEW), "--out", str(out), "--allow-refusal",
-                               *map(str, models.values())],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-             for rank in range(2)]
-    try:
-        logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    if [p.returncode for p in procs] != [0, 0]:
-        raise AssertionError("tensor-parallel ranks failed:\n" + "\n".join(log[-3000:] for log in logs))
-    result = json.loads(out.read_text())
+    result = run_tp_workers(list(models.values()), prompts, MAX_NEW, workdir / "tp_result.json",
+                            extra_args=["--allow-refusal"], timeout_s=timeout_s)
     outcomes = {}
     for family in families:
         got = result[str(models[family.name])]
