@@ -8,7 +8,8 @@ Public functions (``api``), each with a Triton path for CUDA tensors and a plain
 - ``paged_prefill_attention``: packed variable-length causal prefill over a cached prefix
 - ``copy_blocks``: copy-on-write of whole blocks inside the pool, all layers
 - ``swap_blocks``: whole blocks between the pool and the CPU swap space, all layers
-- ``fp8_linear`` (module ``fp8_linear``): weight-only FP8 linear, a dequantize-GEMM over float8 e4m3
+- ``fp8_linear`` (module ``fp8_gemm``; no submodule is named like a public function, since importing it
+  would replace the function on the package): weight-only FP8 linear, a dequantize-GEMM over float8 e4m3
   weights with per-output-channel scales (``--quantize``); its CPU path dequantizes on the fly
 
 Files: one kernel family per module (``kv_store``, ``paged_decode``, ``paged_prefill``,
@@ -21,8 +22,7 @@ Words as in the package glossary: *slot* = ``block_id * block_size + offset``; *
 request's physical blocks in token order; *pool* = all physical blocks of one layer.
 """
 
-from .api import copy_blocks, paged_decode_attention, paged_prefill_attention, store_kv, swap_blocks
-from .fp8_linear import fp8_linear
+from .api import copy_blocks, fp8_linear, paged_decode_attention, paged_prefill_attention, store_kv, swap_blocks
 
 __all__ = ["copy_blocks", "fp8_linear", "paged_decode_attention", "paged_prefill_attention", "store_kv",
            "swap_blocks"]

@@ -24,6 +24,7 @@ import torch
 from . import torch_impl
 from ._checks import check_attention, check_index, check_kv_cache, check_store
 from .block_copy import check_block_pairs, swap_blocks_torch
+from .fp8_gemm import fp8_linear  # noqa: F401 - public here like the others (Triton on CUDA, torch elsewhere)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tgi_paged_backend.runner.quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8_per_channel
-from tgi_paged_kernels.fp8_linear import dequantize_fp8
+from tgi_paged_kernels.fp8_gemm import dequantize_fp8
 
 STRATEGIES = ("channel", "tensor")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tgi_paged_backend.runner.quant.fp8 import quantize_fp8_per_channel
-from tgi_paged_kernels.fp8_linear import (
+from tgi_paged_kernels.fp8_gemm import (
     _launch_fp8_linear,
     dequantize_fp8,
     fp8_linear,

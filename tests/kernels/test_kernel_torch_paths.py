@@ -179,8 +179,8 @@ def test_public_names_are_the_functions_after_every_submodule_import():
 
     import tgi_paged_kernels
 
-    for module in ("api", "block_copy", "kv_store", "paged_decode", "paged_prefill", "reference", "testing",
-                   "torch_impl"):  # fmt: skip
+    for module in ("api", "block_copy", "fp8_gemm", "kv_store", "paged_decode", "paged_prefill", "reference",
+                   "testing", "torch_impl"):  # fmt: skip
         importlib.import_module(f"tgi_paged_kernels.{module}")
     for name in tgi_paged_kernels.__all__:
         assert getattr(tgi_paged_kernels, name) is getattr(tgi_paged_kernels.api, name)

@@ -6,7 +6,7 @@
 - :mod:`.fp8`: the float8 e4m3 per-output-channel quantizer (load-time ``--quantize fp8`` and the
   tests' checkpoint writer).
 - :mod:`.linear`: :class:`~.linear.Fp8Linear`, the module that replaces ``nn.Linear``
-  (kernels: :mod:`tgi_paged_kernels.fp8_linear`).
+  (kernels: :mod:`tgi_paged_kernels.fp8_gemm`).
 - :mod:`.apply`: put the quantized linears into a loaded model, for each format.
 - :mod:`.compressed_tensors`: read and validate a compressed-tensors FP8 checkpoint's scheme.
 """

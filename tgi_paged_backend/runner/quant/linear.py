@@ -3,7 +3,7 @@
 The fp8 weight and its scales are buffers (``qweight`` ``[N, K]`` float8_e4m3fn, ``weight_scale``
 ``[N]`` float32), so ``model.to(device)`` moves them and the runner's weights-bytes sum counts what is
 actually resident: 1 byte per weight plus 4 bytes per output channel. The forward is
-:func:`tgi_paged_kernels.fp8_linear.fp8_linear` (Triton dequantize-GEMM on CUDA; on CPU the layer's
+:func:`tgi_paged_kernels.fp8_gemm.fp8_linear` (Triton dequantize-GEMM on CUDA; on CPU the layer's
 weight is dequantized on the fly into the activation dtype, used and freed).
 """
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tgi_paged_backend.runner.quant.fp8 import quantize_fp8_per_channel
-from tgi_paged_kernels.fp8_linear import dequantize_fp8, fp8_linear
+from tgi_paged_kernels.fp8_gemm import dequantize_fp8, fp8_linear
 
 
 class Fp8Linear(nn.Module):
