@@ -184,7 +184,7 @@ class PagedShardEngine:
             # The router fails every request of this call, the cached batch's too, but only clears
             # the new batch id: release the cached batch here (stock has popped it already).
             if cached_batch_id is not None:
-                self._free(self.batches.pop(cached_batch_id))
+                self.release_batches([cached_batch_id])
             raise
         new_ids = [r.id for r in batch.requests]
         concat_ns = None
