@@ -60,7 +60,7 @@ def serve(
     json_output: bool = typer.Option(False, help="One JSON object per log line on stdout."),
     trust_remote_code: bool = typer.Option(False),
     sharded: bool = typer.Option(False),
-    quantize: Optional[str] = typer.Option(None, help="fp8 or compressed-tensors (others are refused)."),
+    quantize: Optional[str] = typer.Option(None, help="fp8, compressed-tensors, gptq or awq (others are refused)."),
     speculate: Optional[int] = typer.Option(None, help="Only 0 is supported."),
     dtype: Optional[str] = typer.Option(None, help="float16, bfloat16 or float32."),
     kv_cache_dtype: Optional[str] = typer.Option(None, help="fp8_e4m3fn or fp8_e5m2."),
@@ -186,7 +186,11 @@ def plan(
     block_size: int = typer.Option(16, help="TGI_PAGED_BLOCK_SIZE: 1, 2, 4, 8, 16 or 32."),
     dtype: Optional[str] = typer.Option(None, help="float16, bfloat16 or float32 (default as the shard)."),
     kv_dtype: str = typer.Option("auto", help="auto, fp8_e4m3fn or fp8_e5m2."),
-    quantize: Optional[str] = typer.Option(None, help="fp8 or compressed-tensors: 1 byte per linear weight."),
+    quantize: Optional[str] = typer.Option(None, help="fp8, compressed-tensors (FP8: 1 byte per linear weight), "
+                                                      "gptq or awq (--bits/--group-size)."),
+    bits: Optional[int] = typer.Option(None, help="Int checkpoints: code bits, 4 or 8 (default 4); with "
+                                                  "--quantize compressed-tensors, means pack-quantized."),
+    group_size: Optional[int] = typer.Option(None, help="Int checkpoints: group size, -1 per channel (default 128)."),
     trace: Optional[str] = typer.Option(None, help="JSONL trace (prompt_tokens, output_tokens, arrival)."),
     workload: str = typer.Option("sharegpt", help="Generator when no --trace: sharegpt, alpaca or tiny."),
     requests: int = typer.Option(300, help="Generated requests."),
@@ -210,7 +214,7 @@ def plan(
                                 workload=workload, requests=requests, arrival=arrival, rate=rate,
                                 max_new_tokens=max_new_tokens, seed=seed, max_prefill_tokens=max_prefill_tokens,
                                 num_blocks=num_blocks, kv_budget_bytes=kv_budget_bytes, overcommits=ocs,
-                                quantize=quantize)
+                                quantize=quantize, bits=bits, group_size=group_size)
     except (ValueError, KeyError, OSError) as err:  # ConfigError is a ValueError
         typer.echo(f"plan: {err}", err=True)
         raise typer.Exit(2) from None

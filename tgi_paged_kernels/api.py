@@ -24,7 +24,9 @@ import torch
 from . import torch_impl
 from ._checks import check_attention, check_index, check_kv_cache, check_store
 from .block_copy import check_block_pairs, swap_blocks_torch
+from .cpu_attention import DecodeGather, plan_decode_gather  # noqa: F401 - public: the CPU decode's per-step plan
 from .fp8_gemm import fp8_linear  # noqa: F401 - public here like the others (Triton on CUDA, torch elsewhere)
+from .int_gemm import int_linear  # noqa: F401 - likewise: int4/int8 group-quantized weights
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -61,6 +63,7 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    gather: DecodeGather | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over that request's K/V in the pool.
 
@@ -79,6 +82,8 @@ def paged_decode_attention(
     sinks : optional [num_q_heads] float, one learned logit per query head (gpt-oss attention sinks): it
         joins each softmax denominator as a score without a value, so outputs shrink by
         ``sum(exp(s)) / (sum(exp(s)) + exp(sink))``
+    gather : CPU only, optional: the step's :func:`plan_decode_gather` for these block tables, lengths and
+        window, shared by every layer of the step (built per call when omitted); ignored on CUDA
 
     Returns
     -------
@@ -101,7 +106,7 @@ def paged_decode_attention(
     return torch_impl.paged_decode_attention_torch(
         query, k_cache, v_cache, block_tables, seq_lens,
         scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
-        sinks=sinks,
+        sinks=sinks, gather=gather,
     )  # fmt: skip
 
 

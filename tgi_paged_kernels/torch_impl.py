@@ -19,18 +19,26 @@ from __future__ import annotations
 import torch
 
 from ._checks import cdiv
+from .cpu_attention import DecodeGather, cdiv_tensor, decode_attention_sdpa, plan_decode_gather, prefill_attention_sdpa
 from .reference import dequantize, quantize
 
 
 def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float, v_scale: float) -> None:
     """Scatter token ``i``'s K/V into slot ``slot_mapping[i]``; negative slots are skipped."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    block_size = k_cache.shape[1]
-    block_ids, offsets = slots // block_size, slots % block_size
-    # Advanced-index assignment also works on non-contiguous cache views.
-    k_cache[block_ids, offsets] = quantize(key[keep], k_cache.dtype, k_scale)
-    v_cache[block_ids, offsets] = quantize(value[keep], v_cache.dtype, v_scale)
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    for cache, rows, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        rows = quantize(rows, cache.dtype, scale)
+        if cache.is_contiguous():  # one row copy per token into the flat [slots, heads, head_dim] view
+            flat = cache.view(-1, *cache.shape[2:])
+            if cache.element_size() == 1:  # fp8: index_copy_ has no fp8 kernel; bytes are bytes
+                flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+            flat.index_copy_(0, slots, rows)
+        else:  # advanced-index assignment also works on non-contiguous cache views
+            block_size = cache.shape[1]
+            cache[slots // block_size, slots % block_size] = rows
 
 
 def _attend_per_kv_head(q, k, v, visible, *, scale: float, softcap: float, sinks=None) -> torch.Tensor:
@@ -61,9 +69,29 @@ def _attend_per_kv_head(q, k, v, visible, *, scale: float, softcap: float, sinks
 
 def paged_decode_attention_torch(
     query, k_cache, v_cache, block_tables, seq_lens, *, scale, softcap, sliding_window, k_scale, v_scale, out,
+    sinks=None, gather: DecodeGather | None = None,
+) -> torch.Tensor:
+    """Decode for CPU tensors; see ``api.paged_decode_attention``.
+
+    Without soft-capping or sinks: SDPA over the step's gather plan (``gather``, built here when not
+    given). Otherwise one gather and a masked matmul pair per KV head."""
+    if softcap == 0 and sinks is None:
+        if gather is None:
+            gather = plan_decode_gather(block_tables, seq_lens, k_cache.shape[1], sliding_window)
+        elif gather.num_requests != query.shape[0]:
+            raise ValueError(f"gather plan for {gather.num_requests} requests, the query has {query.shape[0]}")
+        result = decode_attention_sdpa(query, k_cache, v_cache, gather, scale=scale, k_scale=k_scale, v_scale=v_scale)
+        return _write_out(result, query, out)
+    return decode_per_kv_head(query, k_cache, v_cache, block_tables, seq_lens, scale=scale, softcap=softcap,
+                              sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out, sinks=sinks)
+
+
+def decode_per_kv_head(
+    query, k_cache, v_cache, block_tables, seq_lens, *, scale, softcap, sliding_window, k_scale, v_scale, out,
     sinks=None,
 ) -> torch.Tensor:
-    """Decode for CPU tensors: one gather, masked batched attention; see ``api.paged_decode_attention``."""
+    """Decode with a masked matmul pair per KV head (soft-capping and sinks; also any call, for the
+    CPU attention benchmark's comparison): one gather per call, nothing shared between layers."""
     batch, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     seq_lens = seq_lens.long()
@@ -128,6 +156,16 @@ def paged_prefill_attention_torch(
             raise ValueError(
                 f"request {b}: seq_len {seq_len} must cover its {num_queries} queries and fit its block table"
             )
+        if softcap == 0 and sinks is None:  # common case: SDPA over the keys some query sees
+            first = seq_len - num_queries
+            lo = 0 if sliding_window is None else max(0, first - sliding_window + 1)
+            positions = torch.arange(lo, seq_len)
+            block_ids = block_tables[b, positions // block_size].long()
+            k = dequantize(k_cache[block_ids, positions % block_size], k_scale)
+            v = dequantize(v_cache[block_ids, positions % block_size], v_scale)
+            result[start:end] = prefill_attention_sdpa(query[start:end], k, v, torch.arange(first, seq_len), positions,
+                                                       scale=scale, sliding_window=sliding_window)
+            continue
         # -- this request's K/V, positions 0 .. seq_len-1 only: nothing to mask out in V ----------
         positions = torch.arange(seq_len)
         block_ids = block_tables[b, positions // block_size].long()
@@ -147,11 +185,6 @@ def paged_prefill_attention_torch(
         o = o.reshape(num_kv_heads, queries_per_kv, num_queries, head_dim)
         result[start:end] = o.permute(2, 0, 1, 3).reshape(num_queries, num_q_heads, head_dim)
     return _write_out(result, query, out)
-
-
-def cdiv_tensor(a: torch.Tensor, b: int) -> torch.Tensor:
-    """Elementwise ceiling division of a non-negative integer tensor."""
-    return (a + b - 1) // b
 
 
 def _write_out(result: torch.Tensor, query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -33,10 +33,28 @@ def test_weights_match_the_quantized_runner_and_the_pool_gains_them(tiny_llama_d
     assert fp8["kv_budget_bytes"] - plain["kv_budget_bytes"] == saved
 
 
-def test_preset_llama_3_8b_fp8_is_about_half_and_gptq_is_refused(tmp_path: Path) -> None:
+def test_int_weights_match_the_gptq_runner(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from tests.helpers.int_checkpoints import write_int_checkpoint
+
+    common = ["--model", str(tiny_llama_dir), "--gpu", "L4", "--dtype", "float32"]
+    plain = _plan(common, tmp_path / "plain.json")
+    for quantize, fmt, bits, group in (("gptq", "gptq", 4, 32), ("compressed-tensors", "pack-quantized", 8, -1)):
+        planned = _plan([*common, "--quantize", quantize, "--bits", str(bits), "--group-size", str(group)],
+                        tmp_path / f"{quantize}.json")
+        ckpt = write_int_checkpoint(tiny_llama_dir, tmp_path / fmt, fmt, bits=bits, group_size=group)
+        runners = [ModelRunner(ModelConfig(model_id=str(m), quantize=q, dtype="float32"), CacheConfig(), "cpu")
+                   for m, q in ((tiny_llama_dir, None), (ckpt.path, quantize))]
+        saved = plain["weights_bytes"] - planned["weights_bytes"]
+        assert saved == runners[0].weights_bytes - runners[1].weights_bytes > 0
+        assert planned["kv_budget_bytes"] - plain["kv_budget_bytes"] == saved
+
+
+def test_preset_llama_3_8b_fp8_is_about_half_int4_a_third_and_eetq_is_refused(tmp_path: Path) -> None:
     plain = _plan(["--model", "llama-3-8b", "--gpu", "H100"], tmp_path / "a.json")
     fp8 = _plan(["--model", "llama-3-8b", "--gpu", "H100", "--quantize", "compressed-tensors"], tmp_path / "b.json")
     assert 0.5 < fp8["weights_bytes"] / plain["weights_bytes"] < 0.6  # embeddings and head stay fp16
     assert fp8["num_blocks"] > plain["num_blocks"]
-    result = CliRunner().invoke(tools_app, ["plan", "--model", "llama-3-8b", "--quantize", "gptq"])
-    assert result.exit_code == 2 and "--quantize gptq is not supported" in result.output
+    gptq = _plan(["--model", "llama-3-8b", "--gpu", "H100", "--quantize", "gptq"], tmp_path / "c.json")
+    assert 0.3 < gptq["weights_bytes"] / plain["weights_bytes"] < 0.4  # int4 g128; embeddings + head (2 GB) fp16
+    result = CliRunner().invoke(tools_app, ["plan", "--model", "llama-3-8b", "--quantize", "eetq"])
+    assert result.exit_code == 2 and "--quantize eetq is not supported" in result.output

@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     parser.add_argument("--max-new", type=int, required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--quantize", default=None, help="--quantize of every model (fp8, compressed-tensors)")
+    parser.add_argument("--quantize", default=None, help="--quantize of every model (fp8, compressed-tensors, gptq, awq)")
     parser.add_argument("--allow-refusal", action="store_true",
                         help="record a model the slicing refuses (ModelLoadError) instead of failing")
     parser.add_argument("models", nargs="+")

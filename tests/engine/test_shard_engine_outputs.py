@@ -319,3 +319,28 @@ def test_prefill_logprobs_survive_recompute_preemption_mid_prefill(tiny_llama_di
     assert preempted_while_prefilling
     ids = prompt_ids(engine, text)
     check_prefill_tokens(driver, engine, 2, ids, hf_prompt_logprobs(hf_greedy, tiny_llama_dir, ids))
+
+
+def test_prefill_logprobs_never_come_from_another_requests_blocks_at_resume(tiny_llama_dir, hf_greedy):
+    # A prompt-logprobs request preempted mid-prefill resumes after a request with the same prompt
+    # finished: that one's retained blocks cover positions this request never computed (no logits),
+    # so it must recompute its prompt itself -- admission and resume follow the same rule.
+    # (With the resume matching as admission did not, 19 of its 58 prompt logprobs came back NaN.)
+    engine = make_engine(tiny_llama_dir, num_blocks=17, preemption="recompute", REQUEST_LOGPROBS="1")
+    router_warmup(engine, 16)
+    driver = RouterDriver(engine)
+    text = make_text(82, 18)
+    donor = spec(1, text, 6)  # same prompt, no logprobs: finishes while the young one waits
+    old = spec(2, make_text(83, 20), 40)  # grows into the young request's blocks
+    young = spec(3, text, 2, prefill_logprobs=True, chunk_len=5)
+    batch = driver.prefill(BatchSpec(id=0, requests=(donor, old, young)))
+    preempted_while_prefilling = resumed_after_donor = False
+    while batch is not None:
+        batch = driver.decode([batch])
+        state = engine.requests.get(3)
+        if state is not None and not driver.tokens[3] and state.is_preempted:
+            preempted_while_prefilling = True
+            resumed_after_donor = 1 not in engine.requests
+    assert preempted_while_prefilling and resumed_after_donor
+    ids = prompt_ids(engine, text)
+    check_prefill_tokens(driver, engine, 3, ids, hf_prompt_logprobs(hf_greedy, tiny_llama_dir, ids))

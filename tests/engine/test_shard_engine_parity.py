@@ -125,7 +125,9 @@ def test_chunked_prefill_router_chunk_len_and_server_continuation(tiny_dir, hf_g
     later = router_spec(engine, blocks, 22, later_text, 6, chunk_len=budget - batch.current_tokens)
     batch = step(batch, BatchSpec(id=4, requests=(later,)))
     joined = len(driver.results) - 1
-    assert batch.id == 3 and engine.requests[22].num_computed == later.chunk_len and not driver.tokens[22]
+    # (Mistral: 21's prompt blocks behind the window are already retained, so a BOS copy-on-write may hit.)
+    cached = engine.requests[22].num_cached_prompt
+    assert batch.id == 3 and engine.requests[22].num_computed == later.chunk_len + cached and not driver.tokens[22]
     while batch is not None:
         batch = step(batch)
     first = next(i for i, res in enumerate(driver.results) if 22 in {g.request_id for g in res.generations})
@@ -197,10 +199,13 @@ def test_preemption_keeps_outputs_identical(tiny_dir, hf_greedy, mode, block_siz
     used = sum(-(-n // block_size) for n in lengths)
     assert engine.kv.num_used_blocks == used
     assert engine.kv.num_free_blocks == 64 // block_size - used
+    default_copy_rate = engine.calibrator.copy_bytes_per_s
     driver.drain(batch)
     assert engine.stats.preemptions[mode] > 0, engine.stats.preemptions
     if mode == "swap":
         assert engine.stats.swap_bytes["in"] == engine.stats.swap_bytes["out"] > 0
+        # the swap-vs-recompute cost model learns the measured copy rate from production swaps
+        assert engine.calibrator.copy_bytes_per_s != default_copy_rate
     expect_hf(engine, hf_greedy, tiny_dir, driver, requests)
     driver.assert_idle()
     assert engine.kv.num_swapped_blocks == 0

@@ -1,9 +1,11 @@
 """Quantized models through the shard engine: greedy tokens equal the dequantized HF model's over a batch
 that is preempted (recompute and swap), and Warmup reports the quantized weight bytes.
 
-Formats: ``--quantize fp8`` on each tiny family (load-time quantization) and compressed-tensors FP8
-checkpoints written by our quantizer (per-channel scales; per-tensor with dynamic activations). The
-reference is HF ``generate`` on the same architecture whose quantized linears hold ``q * scale``.
+Formats: ``--quantize fp8`` on each tiny family (load-time quantization), compressed-tensors FP8
+checkpoints written by our quantizer (per-channel scales; per-tensor with dynamic activations), and
+int checkpoints written by ``tests/helpers/int_checkpoints.py`` (GPTQ int4 act-order, GPTQ int8, AWQ
+int4, compressed-tensors pack-quantized int4). The reference is HF ``generate`` on the same
+architecture whose quantized linears hold the dequantized weights.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tests.engine.conftest import (
     router_spec,
     router_warmup,
 )
+from tests.helpers.int_checkpoints import int_reference, write_int_checkpoint
 from tests.helpers.quant_models import dequantized_reference, write_compressed_fp8
 from tgi_paged_backend.engine import build_engine
 from tgi_paged_backend.engine.types import BatchSpec, FinishReason
@@ -71,9 +74,27 @@ def test_compressed_tensors_is_token_exact_under_preemption(tiny_llama_dir, tmp_
     run_preempted_batch(engine, dequantized_reference(tiny_llama_dir, strategy), mode)
 
 
-def test_warmup_reports_the_quantized_weight_bytes(tiny_llama_dir):
+INT_CASES = [  # (format, --quantize, writer options, preemption)
+    ("gptq", "gptq", dict(bits=4, group_size=16, desc_act=True), "recompute"),
+    ("gptq", "gptq", dict(bits=8, group_size=32, sym=True), "swap"),
+    ("awq", "awq", dict(group_size=32), "swap"),
+    ("pack-quantized", "compressed-tensors", dict(bits=4, group_size=32, sym=False), "recompute"),
+]
+
+
+@pytest.mark.parametrize("fmt, quantize, options, mode", INT_CASES)
+def test_int_checkpoints_are_token_exact_under_preemption(tiny_llama_dir, tmp_path, fmt, quantize, options, mode):
+    ckpt = write_int_checkpoint(tiny_llama_dir, tmp_path / fmt, fmt, **options)
+    engine = make_quantized_engine(ckpt.path, quantize, mode=mode)
+    run_preempted_batch(engine, int_reference(tiny_llama_dir, ckpt), mode)
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "gptq"])
+def test_warmup_reports_the_quantized_weight_bytes(tiny_llama_dir, tmp_path, quantize):
     budgets = []
-    engine = make_quantized_engine(tiny_llama_dir, "fp8", mode="recompute")
+    model_dir = (tiny_llama_dir if quantize == "fp8"
+                 else write_int_checkpoint(tiny_llama_dir, tmp_path / "gptq", "gptq").path)
+    engine = make_quantized_engine(model_dir, quantize, mode="recompute")
     engine.recorder.record_budget = budgets.append  # what feeds tgi_paged_weights_bytes
     router_warmup(engine, 64)
     (budget,) = budgets

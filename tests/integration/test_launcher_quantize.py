@@ -30,7 +30,7 @@ def test_quant_method_becomes_the_flag_and_only_served_ones_pass(tmp_path, metho
         _check_supported(config)
     else:
         with pytest.raises(ConfigError, match=f"--quantize {method} is not supported by tgi-paged-backend: "
-                                              "supported fp8, compressed-tensors"):
+                                              "supported fp8, compressed-tensors, gptq, awq"):
             _check_supported(config)
 
 

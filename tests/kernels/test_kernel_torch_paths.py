@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tgi_paged_kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from tgi_paged_kernels import paged_decode_attention, paged_prefill_attention, plan_decode_gather, store_kv
 from tgi_paged_kernels.reference import (
     attend_one_request,
     paged_decode_attention_reference,
@@ -162,6 +162,30 @@ def test_store_then_decode_round_trip(cache_dtype, block_size):
     assert_attention_close(actual, expected, torch.float32)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_one_decode_plan_serves_every_layer_of_a_step(sliding_window):
+    # The runner builds the gather plan once per step and hands it to each layer: every layer's
+    # result (its own pool and dtype, NaN in unowned slots; same block tables, as in one step)
+    # equals the call that plans itself.
+    seq_lens = [1, 9, 16, 17, 40]
+    plan = None
+    for kv_dtype in (torch.float32, torch.float8_e4m3fn, torch.float32):
+        kv = make_paged_kv(seq_lens, num_kv_heads=2, head_dim=16, block_size=8, kv_dtype=kv_dtype,
+                           k_scale=0.5, v_scale=2.0, generator=torch.Generator().manual_seed(0))  # fmt: skip
+        if plan is None:
+            plan = plan_decode_gather(kv.block_tables, kv.seq_lens, 8, sliding_window)
+        query = torch.randn(len(seq_lens), 6, 16)
+        args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+        kwargs = dict(scale=0.25, sliding_window=sliding_window, k_scale=0.5, v_scale=2.0)
+        shared = paged_decode_attention(*args, gather=plan, **kwargs)
+        assert torch.isfinite(shared).all()
+        torch.testing.assert_close(shared, paged_decode_attention(*args, **kwargs), atol=0, rtol=0)
+        assert_attention_close(shared, paged_decode_attention_reference(*args, **kwargs), torch.float32)
+    with pytest.raises(ValueError, match="gather plan for 5 requests"):
+        paged_decode_attention(query[:2], kv.k_cache, kv.v_cache, kv.block_tables[:2], kv.seq_lens[:2], scale=0.25,
+                               gather=plan)  # fmt: skip
+
+
 def test_cpu_paths_check_values():
     kv = make_paged_kv([5, 20], num_kv_heads=1, head_dim=16, block_size=8, kv_dtype=torch.float32)
     query = torch.randn(2, 1, 16)
@@ -179,8 +203,8 @@ def test_public_names_are_the_functions_after_every_submodule_import():
 
     import tgi_paged_kernels
 
-    for module in ("api", "block_copy", "fp8_gemm", "kv_store", "paged_decode", "paged_prefill", "reference",
-                   "testing", "torch_impl"):  # fmt: skip
+    for module in ("api", "block_copy", "cpu_attention", "fp8_gemm", "int_gemm", "kv_store", "paged_decode",
+                   "paged_prefill", "reference", "testing", "torch_impl"):  # fmt: skip
         importlib.import_module(f"tgi_paged_kernels.{module}")
     for name in tgi_paged_kernels.__all__:
         assert getattr(tgi_paged_kernels, name) is getattr(tgi_paged_kernels.api, name)

@@ -54,15 +54,16 @@ class KVSim:
         slots = manager.slot_mapping([request_id], [start], [end - start])
         self.device.reshape(-1)[slots] = content_codes(history)[start:end]
 
-    def read(self, manager: KVCacheManager, request_id: int, num_tokens: int) -> np.ndarray:
-        if num_tokens == 0:
+    def read(self, manager: KVCacheManager, request_id: int, num_tokens: int, start: int = 0) -> np.ndarray:
+        if num_tokens <= start:
             return np.empty(0, dtype=np.int64)
-        slots = manager.slot_mapping([request_id], [0], [num_tokens])
+        slots = manager.slot_mapping([request_id], [start], [num_tokens - start])
         return self.device.reshape(-1)[slots]
 
     def assert_holds(self, manager: KVCacheManager, request_id: int, history: Sequence[int],
-                     num_tokens: int) -> None:
-        """The first ``num_tokens`` positions of the request read back as its history."""
-        got = self.read(manager, request_id, num_tokens)
-        want = content_codes(history)[:num_tokens]
+                     num_tokens: int, start: int = 0) -> None:
+        """Positions ``[start, num_tokens)`` of the request read back as its history (``start`` > 0:
+        the sliding window of the latest query, the blocks before it may be holes)."""
+        got = self.read(manager, request_id, num_tokens, start)
+        want = content_codes(history)[start:num_tokens]
         assert np.array_equal(got, want), f"request {request_id}: K/V content differs from its history"

@@ -6,6 +6,10 @@ cleared, preempted (swap or recompute) and resumed. After every step the manager
 hold and every running request must read back exactly its own history through the slot mapping
 (``memory_sim.KVSim`` executes the copy plans in issue order). When all requests have ended the pool
 must be free or retained, and fully free once retained blocks are evicted.
+
+The windowed machines run the same lifecycles with sliding-window reclaim: every running request
+reads back exactly the positions its latest query's window covers, holds no more blocks than its
+last step reads, and the pool books stay exact (no block leaked, holes never hold one).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from memory_sim import KVSim
 
 from tgi_paged_backend.memory import KVCacheManager
+from tgi_paged_backend.memory.window_reclaim import first_visible_position, max_resident_blocks
 
 VOCAB = (0, 1)
 U64_MAX = 2**64 - 1
@@ -32,6 +37,8 @@ class Req:
     state: str = "dropped"  # running | waiting (matched, allocation pending) | swapped | dropped
     num_cached: int = 0
     num_written: int = 0
+    last_step: int = 0
+    """Tokens the latest allocation covered (for the resident-block bound of a windowed manager)."""
 
 
 class MemoryMachine(RuleBasedStateMachine):
@@ -40,16 +47,23 @@ class MemoryMachine(RuleBasedStateMachine):
     NUM_BLOCKS = 13
     NUM_SWAP_BLOCKS = 6
     NUM_VIRTUAL_BLOCKS = 48
+    WINDOW: int | None = None
+    """Sliding-window reclaim of the manager (``None``: off)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.m = KVCacheManager(num_blocks=self.NUM_BLOCKS, block_size=self.BS, num_swap_blocks=self.NUM_SWAP_BLOCKS)
+        self.m = KVCacheManager(num_blocks=self.NUM_BLOCKS, block_size=self.BS, num_swap_blocks=self.NUM_SWAP_BLOCKS,
+                                reclaim_window=self.WINDOW)
         self.sim = KVSim(self.NUM_BLOCKS, self.BS, self.NUM_SWAP_BLOCKS)
         self.reqs: dict[int, Req] = {}
         self.next_id = 0
         self.virtual_free = list(range(self.NUM_VIRTUAL_BLOCKS - 1, 0, -1))  # the router's pool
 
     # ------------------------------------------------------------------------------- helpers
+    def _visible_from(self, first_query: int) -> int:
+        """First position a query at ``first_query`` reads (0 without a window)."""
+        return 0 if self.WINDOW is None else first_visible_position(first_query, self.WINDOW)
+
     def _ids(self, *states: str) -> list[int]:
         return sorted(rid for rid, r in self.reqs.items() if r.state in states)
 
@@ -72,10 +86,11 @@ class MemoryMachine(RuleBasedStateMachine):
             return
         self.sim.apply_allocation(allocation)
         # Whatever the cache supplied (shared or copied) is exactly this request's prefix.
-        self.sim.assert_holds(self.m, rid, req.history, req.num_cached)
+        self.sim.assert_holds(self.m, rid, req.history, req.num_cached, start=self._visible_from(req.num_cached))
         self.sim.write(self.m, rid, req.history, req.num_cached, len(req.history))
         self.m.commit_tokens(rid, req.history)
         req.state, req.num_written = "running", len(req.history)
+        req.last_step = len(req.history) - req.num_cached
 
     def _finish(self, rid: int) -> None:
         self.m.free(rid)
@@ -83,7 +98,7 @@ class MemoryMachine(RuleBasedStateMachine):
 
     # --------------------------------------------------------------------------------- rules
     @rule(prompt=st.lists(st.sampled_from(VOCAB), min_size=1, max_size=14),
-          max_new=st.integers(1, 8), router=st.booleans(), huge_id=st.booleans())
+          max_new=st.integers(1, 20), router=st.booleans(), huge_id=st.booleans())
     def admit(self, prompt: list[int], max_new: int, router: bool, huge_id: bool) -> None:
         rid = U64_MAX - 1 - self.next_id if huge_id else self.next_id
         self.next_id += 1
@@ -112,7 +127,7 @@ class MemoryMachine(RuleBasedStateMachine):
         req.history.append(token)
         self.sim.write(self.m, rid, req.history, len(req.history) - 1, len(req.history))
         self.m.commit_tokens(rid, req.history)
-        req.num_written = len(req.history)
+        req.num_written, req.last_step = len(req.history), 1
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
@@ -142,7 +157,7 @@ class MemoryMachine(RuleBasedStateMachine):
             plan = self.m.swap_out(rid)
             assert (plan is not None) == possible
             if plan is not None:
-                event("swapped out")
+                event("swapped out" if not self.m.stats().num_hole_blocks else "swapped out, holes kept")
                 self.sim.apply_swap(plan)
                 req.state = "swapped"
                 return
@@ -181,6 +196,10 @@ class MemoryMachine(RuleBasedStateMachine):
         self.m.check_invariants()
         stats = self.m.stats()
         assert stats.num_free_blocks + stats.num_used_blocks + stats.num_retained_blocks == self.NUM_BLOCKS - 1
+        if self.WINDOW is None:
+            assert stats.num_hole_blocks == 0 and stats.num_reclaimed_blocks_total == 0
+        elif stats.num_hole_blocks:
+            event("blocks behind the window given back")
         running = self._ids("running")
         if running:  # batched gathers agree with per-request slot mappings
             tables = self.m.block_tables(running)
@@ -192,7 +211,11 @@ class MemoryMachine(RuleBasedStateMachine):
                 assert slots[i] == self.m.slot_mapping([rid], [pos], [1])[0]
         for rid in running:
             req = self.reqs[rid]
-            self.sim.assert_holds(self.m, rid, req.history, req.num_written)
+            self.sim.assert_holds(self.m, rid, req.history, req.num_written,
+                                  start=self._visible_from(req.num_written - 1))
+            if self.WINDOW is not None:
+                held = self.m.request_memory(rid).num_blocks
+                assert held <= max_resident_blocks(self.WINDOW, self.BS, req.last_step), (rid, held)
             if req.virtual:
                 pos = np.arange(req.num_written)
                 router_slots = np.asarray(req.virtual, dtype=np.int64)[pos // self.BS] * self.BS + pos % self.BS
@@ -245,3 +268,29 @@ class MemoryMachineBlockSize2(MemoryMachine):
 MemoryMachineBlockSize2.TestCase.settings = settings(max_examples=25, stateful_step_count=50, deadline=None,
                                                      derandomize=True)
 TestMemoryMachineBlockSize2 = MemoryMachineBlockSize2.TestCase
+
+
+class WindowedMemoryMachine(MemoryMachine):
+    """Sliding-window reclaim with a window that is not a multiple of the block size."""
+
+    WINDOW = 6
+
+
+WindowedMemoryMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
+                                                   derandomize=True)
+TestWindowedMemoryMachine = WindowedMemoryMachine.TestCase
+
+
+class WindowedMemoryMachineBlockSize1(MemoryMachine):
+    """Token-granular pages under a 3-token window: a block leaves at almost every step."""
+
+    BS = 1
+    NUM_BLOCKS = 41
+    NUM_SWAP_BLOCKS = 20
+    NUM_VIRTUAL_BLOCKS = 160
+    WINDOW = 3
+
+
+WindowedMemoryMachineBlockSize1.TestCase.settings = settings(max_examples=30, stateful_step_count=50,
+                                                             deadline=None, derandomize=True)
+TestWindowedMemoryMachineBlockSize1 = WindowedMemoryMachineBlockSize1.TestCase

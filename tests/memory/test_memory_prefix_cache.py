@@ -122,3 +122,26 @@ def test_null_cache_never_matches_or_registers() -> None:
     assert cache.register(A + B, blocks, 8) == 0
     assert cache.match(A + B + [1]) == PrefixHit()
     cache.check_invariants()
+
+
+def test_extend_goes_on_past_holes_from_the_cursor_and_stops_behind_an_evicted_entry() -> None:
+    from tgi_paged_backend.memory.prefix_cache import CHAIN_START
+
+    pool, cache = make_cache()
+    blocks = pool.allocate(3)
+    assert blocks is not None
+    cursor, num_new = cache.extend(A + B, blocks, 8, CHAIN_START)  # blocks 1, 2 while C is written
+    assert (cursor.num_blocks, num_new) == (2, 2)
+    # Blocks 1 and 2 left the window: scratch in their place; the chain goes on from the cursor.
+    cursor, num_new = cache.extend(A + B + C, [0, 0, blocks[2]], 12, cursor)
+    assert (cursor.num_blocks, num_new) == (3, 1)
+    assert cache.register(A + B + C, [0, 0, blocks[2]], 12) == 0  # from the root: stops at the hole
+    for block_id in reversed(blocks):
+        pool.decref(block_id, retain=True)
+    assert cache.match(A + B + C + [99]) == PrefixHit(tuple(blocks), None, 0)  # verified from the root
+    cache.check_invariants()
+    # Once the chain's last entry is evicted, nothing after it can be reached: extend does nothing.
+    assert pool.allocate(pool.num_free_blocks + 3) is not None  # every free block, and evicts all three
+    assert not cache.is_registered(blocks[2])
+    assert cache.extend(A + B + C + A, [0, 0, 0, 5], 16, cursor) == (cursor, 0)
+    cache.check_invariants()

@@ -2,7 +2,8 @@
 served token-exact against HF ``generate`` or refused at start with a message naming its
 architecture (``tests/helpers/family_matrix.py`` has the scenarios; ``docs/models.md`` is its
 table, checked against the matrix here). A few families also run with the Triton kernels
-(interpreted) in place of the CPU attention paths.
+(interpreted) in place of the CPU attention paths. Sliding-window block reclaim is on exactly for the
+families whose every layer's attention call carries the window (checked against the modeling code).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import transformers
 
 from tests.helpers.family_matrix import REFUSED, SCENARIOS, run_scenario, start_error
 from tests.helpers.family_models import FAMILIES, FAMILY_BY_NAME, family_config, is_available, write_family_model
+from tests.helpers.triton_serving import LAUNCHERS, route_to_triton
+from tgi_paged_backend.memory.window_reclaim import reclaim_window
+from tgi_paged_backend.runner.model_spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 AVAILABLE = [f.name for f in FAMILIES if is_available(f)]
@@ -58,6 +62,9 @@ def test_served_family_is_token_exact(name, scenario, family_dir):
     outcome = run_scenario(family_dir(name), scenario)
     assert outcome.premise, f"{scenario} did not happen as meant (no chunking / no preemption)"
     assert outcome.got == outcome.want
+    assert outcome.reclaim_window == _spec(name).reclaim_window
+    if outcome.reclaim_window is not None and scenario.startswith("preempt"):
+        assert outcome.num_reclaimed_blocks > 0  # ~20-token histories under a window of 8
     if scenario == "mixed_batch":  # the reference is not degenerate: distinct, varied generations
         assert len({tuple(t) for t in outcome.want.values()}) == len(outcome.want)
         assert len({t for tokens in outcome.want.values() for t in tokens}) >= 3
@@ -83,6 +90,12 @@ def test_models_doc_agrees_with_the_matrix():
             assert cells[2] == "refused" and re.search(r"Refused at start:.*" + re.escape(REFUSED[name]), cells[6])
         elif name in AVAILABLE:
             assert cells[2:4] == ["yes", "yes"], cells
+            if _spec(name).reclaim_window is not None:
+                assert cells[5].startswith("yes: "), cells
+            elif _spec(name).sliding_window is not None:
+                assert cells[5].startswith("0 ("), cells
+            else:
+                assert cells[5] == "n/a (no window)", cells
     assert (ROOT / "README.md").read_text().count("docs/models.md") >= 1
 
 
@@ -91,22 +104,44 @@ def test_triton_kernels_inside_the_model(name, family_dir, monkeypatch):
     # The code path that serves on CUDA, run end to end in the model under TRITON_INTERPRET=1 (set
     # by the root conftest): store, prefill and decode through the Triton launchers instead of the
     # CPU paths. Soft-capping + alternating windows; MQA; sinks + alternating windows (and GQA).
-    import tgi_paged_kernels
-    from tgi_paged_kernels.kv_store import _launch_store_kv
-    from tgi_paged_kernels.paged_decode import _launch_paged_decode
-    from tgi_paged_kernels.paged_prefill import _launch_paged_prefill
-
-    calls = []
-
-    def counted(launch):
-        def run(*args, **kwargs):
-            calls.append(launch.__name__)
-            return launch(*args, **kwargs)
-        return run
-
-    for public, launch in (("store_kv", _launch_store_kv), ("paged_decode_attention", _launch_paged_decode),
-                           ("paged_prefill_attention", _launch_paged_prefill)):
-        monkeypatch.setattr(tgi_paged_kernels, public, counted(launch))
+    calls = route_to_triton(monkeypatch)
     outcome = run_scenario(family_dir(name), "mixed_batch")
-    assert {"_launch_store_kv", "_launch_paged_decode", "_launch_paged_prefill"} <= set(calls)
+    assert set(LAUNCHERS) <= set(calls)
     assert outcome.premise and outcome.got == outcome.want
+
+
+def _spec(name: str) -> ModelSpec:
+    return ModelSpec.from_hf_config(family_config(FAMILY_BY_NAME[name]), torch.float32)
+
+
+def _layer_windows(config) -> list[int | None]:
+    """The ``sliding_window`` each layer's attention call passes, from a one-token forward through a
+    recording attention function (the modeling code's own word, not the config's)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    seen: dict[int, int | None] = {}
+
+    def record(module, query, key, value, attention_mask, sliding_window=None, **kwargs):
+        seen[int(module.layer_idx)] = int(sliding_window) if sliding_window else None
+        return query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1])), None
+
+    AttentionInterface.register("record_window", record)
+    AttentionMaskInterface.register("record_window", lambda *args, **kwargs: None)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="record_window")
+    token = torch.zeros((1, 1), dtype=torch.int64)
+    with torch.no_grad():
+        model(input_ids=token, position_ids=token, use_cache=False)
+    return [seen[i] for i in sorted(seen)]
+
+
+@pytest.mark.parametrize("name", [n for n in SERVED if FAMILY_BY_NAME[n].overrides.get("sliding_window")])
+def test_reclaim_window_agrees_with_what_every_layer_passes(name):
+    # Reclaim gives blocks back behind the window: it must be on only if every layer really uses that
+    # window (else a full layer would read holes), and on wherever it can be (else memory is lost).
+    config = family_config(FAMILY_BY_NAME[name])
+    windows = _layer_windows(config)
+    assert len(windows) == config.num_hidden_layers
+    spec = _spec(name)
+    assert spec.reclaim_window == reclaim_window(spec.sliding_window, windows), windows

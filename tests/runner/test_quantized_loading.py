@@ -125,7 +125,8 @@ def test_kv_budget_on_cuda_grows_by_the_bytes_saved(monkeypatch, checkpoints):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda qc: qc.update(format="pack-quantized"), "format='pack-quantized' \\(int4/int8 packed weights\\)"),
+    (lambda qc: qc.update(format="int-quantized"), "format='int-quantized'"),
+    (lambda qc: qc.update(format="pack-quantized"), "config_groups.group_0.weights num_bits=8 type='float'"),
     (lambda qc: qc["config_groups"]["group_0"]["weights"].update(strategy="group", group_size=128),
      "strategy='group'"),
     (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int"), "num_bits=4 type='int'"),
@@ -147,7 +148,9 @@ def test_unsupported_compressed_tensors_schemes_are_refused(edit, message, check
     ("fp8", "ct", "already quantized .*--quantize compressed-tensors"),
     (None, "ct", "no --quantize was given; pass --quantize compressed-tensors"),
     ("compressed-tensors", "src", "needs a checkpoint whose config.json has quantization_config.quant_method"),
-    ("gptq", "src", "--quantize gptq is not supported by tgi-paged-backend: supported fp8, compressed-tensors"),
+    ("eetq", "src", "--quantize eetq is not supported by tgi-paged-backend: supported fp8, compressed-tensors, gptq, "
+                    "awq"),
+    ("gptq", "src", "needs a checkpoint whose config.json has quantization_config.quant_method='gptq'"),
     ("bitsandbytes-nf4", "src", "--quantize bitsandbytes-nf4 is not supported"),
 ])
 def test_flag_and_checkpoint_must_agree(quantize, on, message, checkpoints):
@@ -157,11 +160,11 @@ def test_flag_and_checkpoint_must_agree(quantize, on, message, checkpoints):
 
 
 def test_quantized_config_of_another_method_names_the_flag(checkpoints, tmp_path):
-    model_dir = write_compressed_fp8(checkpoints["src"], tmp_path / "awq")
+    model_dir = write_compressed_fp8(checkpoints["src"], tmp_path / "eetq")
     config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "eetq", "weights": "int8"}
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="pass --quantize awq .*--quantize awq is not supported"):
+    with pytest.raises(ModelLoadError, match="pass --quantize eetq .*--quantize eetq is not supported"):
         load_model(ModelConfig(model_id=str(model_dir)), "cpu")
 
 

@@ -117,7 +117,8 @@ BAD_CONFIGS = [
     ((), {"TGI_PAGED_PREEMPTION": "sometimes"}, "TGI_PAGED_PREEMPTION"),
     ((), {"CUDA_MEMORY_FRACTION": "2"}, "CUDA_MEMORY_FRACTION"),
     ((), {"TGI_BACKEND": "fast"}, "TGI_BACKEND"),
-    (("--quantize", "gptq"), {}, "--quantize gptq is not supported by tgi-paged-backend: supported fp8, compressed-tensors"),
+    (("--quantize", "eetq"), {}, "--quantize eetq is not supported by tgi-paged-backend: supported fp8, "
+                                  "compressed-tensors, gptq, awq"),
     (("--quantize", "exl2"), {}, "--quantize exl2 is not supported"),
     (("--speculate", "2"), {}, "--speculate"),
     (("--dtype", "int8"), {}, "--dtype"),

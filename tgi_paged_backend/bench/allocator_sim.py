@@ -51,6 +51,7 @@ import numpy as np
 
 from tgi_paged_backend.bench.workload import TraceRequest
 from tgi_paged_backend.memory import KVCacheManager
+from tgi_paged_backend.memory.window_reclaim import max_request_blocks
 from tgi_paged_backend.policy.admission import should_brake
 from tgi_paged_backend.policy.preemption_mode import RateCalibrator, choose_preemption_mode
 from tgi_paged_backend.policy.victims import VictimCandidate, victim_order
@@ -119,6 +120,8 @@ class SimConfig:
     """Bytes of one block (swap cost); 0 makes swaps free in time."""
     max_preemptions: int = 8
     prefix_retention: bool = True
+    reclaim_window: int | None = None
+    """Paged only: the model's window when every layer is windowed (blocks behind it are given back)."""
     cost: StepCostModel = field(default_factory=StepCostModel.unit)
 
     def __post_init__(self) -> None:
@@ -304,7 +307,8 @@ class PagedAllocator(_Allocator):
         super().__init__(cfg)
         self.kv = KVCacheManager(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                                  num_swap_blocks=cfg.num_swap_blocks if cfg.preemption != "recompute" else 0,
-                                 enable_prefix_retention=cfg.prefix_retention)
+                                 enable_prefix_retention=cfg.prefix_retention,
+                                 reclaim_window=cfg.reclaim_window)
         # The router's pool: floor(advertised / block_size) blocks, block 0 never handed out.
         advertised = int(cfg.kv_tokens * cfg.overcommit) // cfg.block_size * cfg.block_size
         self.virtual_free = advertised // cfg.block_size - 1
@@ -321,7 +325,8 @@ class PagedAllocator(_Allocator):
     def never_fits(self, r: _Req) -> bool:
         # A reservation bigger than the router's pool, or a request longer than the physical pool.
         return (self.blocks(r) > self.virtual_total
-                or -(-r.req.total_tokens // self.bs) > self.cfg.usable_blocks)
+                or max_request_blocks(r.req.total_tokens, self.bs, self.cfg.reclaim_window,
+                                      r.req.total_tokens) > self.cfg.usable_blocks)
 
     def braking(self, live: Sequence[_Req]) -> bool:
         waiting = sum(1 for r in live if r.state in (DROPPED, SWAPPED))
@@ -354,7 +359,8 @@ class PagedAllocator(_Allocator):
         return self.kv.num_available_blocks * self.bs
 
     def waste(self, live: Sequence[_Req]) -> tuple[int, int]:
-        internal = self.kv.num_used_blocks * self.bs - sum(r.resident for r in live)
+        holes = self.kv.stats().num_hole_blocks if self.cfg.reclaim_window is not None else 0
+        internal = (self.kv.num_used_blocks + holes) * self.bs - sum(r.resident for r in live)
         return max(internal, 0), 0
 
     def virtual_unbacked_slots(self, live: Sequence[_Req]) -> int:

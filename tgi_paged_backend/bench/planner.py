@@ -197,7 +197,10 @@ class PlanInputs:
     preemption: str = "auto"
     overcommits: Sequence[float] = DEFAULT_OVERCOMMITS
     quantize: str | None = None
-    """``--quantize`` (``fp8``, ``compressed-tensors``): weights as :mod:`~tgi_paged_backend.bench.weights` sizes them."""
+    """``--quantize`` (``fp8``, ``compressed-tensors``, ``gptq``, ``awq``): weights as
+    :mod:`~tgi_paged_backend.bench.weights` sizes them."""
+    int_layout: Any = None
+    """:class:`~tgi_paged_backend.bench.weights.IntLayout` (bits, group size) of an int checkpoint."""
     kv_budget_bytes: int | None = None
     """Skip the memory arithmetic and use this KV budget (what the shard's runner would report)."""
 
@@ -288,7 +291,7 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
     facts = load_model_facts(inputs.model, dtype)
     spec = facts.spec
     itemsize = torch.empty((), dtype=dtype).element_size()
-    weights = weight_bytes(spec, facts.num_params, itemsize, inputs.quantize)
+    weights = weight_bytes(spec, facts.num_params, itemsize, inputs.quantize, inputs.int_layout)
     bytes_per_token = spec.kv_bytes_per_token(kv_dtype)
     block_bytes = spec.kv_bytes_per_block(inputs.block_size, kv_dtype)
     activation = activation_peak_bytes(spec, dtype, max(inputs.max_prefill_tokens, 1))
@@ -314,13 +317,13 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
                              num_blocks_cap=inputs.num_blocks_cap, overcommit=overcommit,
                              max_position_embeddings=spec.max_position_embeddings,
                              max_input_tokens=inputs.max_input_tokens, max_total_tokens=inputs.max_total_tokens,
-                             max_prefill_tokens=inputs.max_prefill_tokens)
+                             max_prefill_tokens=inputs.max_prefill_tokens, reclaim_window=spec.reclaim_window)
 
     base = capacity(1.0)  # raises ConfigError with the shard's message when nothing fits
     sim_cfg = SimConfig(num_blocks=base.num_blocks, block_size=inputs.block_size,
                         max_prefill_tokens=base.max_prefill_tokens, preemption=inputs.preemption,
                         num_swap_blocks=int(inputs.swap_space_gib * GiB) // block_bytes if block_bytes else 0,
-                        block_bytes=block_bytes,
+                        block_bytes=block_bytes, reclaim_window=spec.reclaim_window,
                         cost=cost_model(device, weights, bytes_per_token, facts.num_params))
     comparison = compare(trace, sim_cfg, inputs.overcommits)
     return Plan(inputs=inputs, device=device, facts=facts, dtype_name=str(dtype).removeprefix("torch."),
@@ -383,9 +386,15 @@ def plan_from_args(*, model: str, gpu: str, memory_gb: float | None, memory_frac
                    dtype: str | None, kv_dtype: str, trace_path: str | None, workload: str, requests: int,
                    arrival: str, rate: float | None, max_new_tokens: int | None, seed: int,
                    max_prefill_tokens: int, num_blocks: int | None, kv_budget_bytes: int | None,
-                   overcommits: Sequence[float], quantize: str | None = None) -> Plan:
+                   overcommits: Sequence[float], quantize: str | None = None, bits: int | None = None,
+                   group_size: int | None = None) -> Plan:
     """What ``tgi-paged-backend plan`` calls."""
+    from tgi_paged_backend.bench.weights import IntLayout
     from tgi_paged_backend.bench.workload import generate_trace, load_trace
+
+    int_layout = None
+    if bits is not None or group_size is not None:
+        int_layout = IntLayout(bits=bits or 4, group_size=group_size or 128)
 
     if trace_path:
         trace = load_trace(trace_path, default_max_new_tokens=max_new_tokens or 1024)
@@ -395,5 +404,6 @@ def plan_from_args(*, model: str, gpu: str, memory_gb: float | None, memory_frac
     inputs = PlanInputs(model=model, device=gpu, memory_gib=memory_gb, memory_fraction=memory_fraction,
                         block_size=block_size, dtype=dtype, kv_cache_dtype=kv_dtype,
                         max_prefill_tokens=max_prefill_tokens, num_blocks_cap=num_blocks,
-                        kv_budget_bytes=kv_budget_bytes, overcommits=tuple(overcommits), quantize=quantize)
+                        kv_budget_bytes=kv_budget_bytes, overcommits=tuple(overcommits), quantize=quantize,
+                        int_layout=int_layout)
     return make_plan(inputs, trace)

@@ -36,28 +36,34 @@ class StepOutput:
     decode_ns: int
     num_constrained_rows: int = 0
     """Sampled rows masked by a grammar this step."""
+    num_swapped_blocks: int = 0
+    """Blocks swapped out or in before the forward (copy-on-write copies not counted)."""
+    copy_ns: int = 0
+    """Time of this step's block copies (after a device sync on CUDA): with the swapped blocks, a
+    measured swap rate for the preemption cost model."""
 
 
 class ModelStep:
     """Turns a plan into generations. Owns no request state; mutates the planned requests."""
 
-    def __init__(self, runner: ModelRunner, kv: KVCacheManager, decoder: TokenDecoder, *,
-                 prefill_logprobs_enabled: bool) -> None:
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, decoder: TokenDecoder) -> None:
         self.runner = runner
         self.kv = kv
         self.decoder = decoder
-        self.prefill_logprobs_enabled = prefill_logprobs_enabled
 
     def run(self, plan: StepPlan, timer: StepTimer | None = None) -> StepOutput:
         """``timer`` (the engine's, for the step anatomy) gets the copy, prepare, forward,
         bookkeeping, sample and detokenize laps."""
         timer = timer if timer is not None else StepTimer()
-        t0 = time.perf_counter_ns()
+        t_copy = time.perf_counter_ns()
         self._apply_copies(plan)
         if plan.copy_ops:
             timer.device_lap("copy")
+        t0 = time.perf_counter_ns()
+        copies = dict(num_swapped_blocks=sum(len(src) for kind, src, _ in plan.copy_ops if kind != "cow"),
+                      copy_ns=t0 - t_copy)
         if not plan.scheduled:
-            return StepOutput([], [], 0, 0, time.perf_counter_ns() - t0, 0)
+            return StepOutput([], [], 0, 0, 0, 0, **copies)
         batch, rows = self._build_batch(plan)
         timer.lap("prepare")
         logits = self.runner.forward(batch)
@@ -68,7 +74,7 @@ class ModelStep:
         generations, finished = self._emit(sampled, timer)
         t2 = time.perf_counter_ns()
         constrained = sum(1 for r, _ in sampled if r.grammar is not None)
-        return StepOutput(generations, finished, plan.num_tokens, recomputed, t1 - t0, t2 - t1, constrained)
+        return StepOutput(generations, finished, plan.num_tokens, recomputed, t1 - t0, t2 - t1, constrained, **copies)
 
     # -- phases ------------------------------------------------------------------------------
 
@@ -81,9 +87,9 @@ class ModelStep:
             else:
                 self.runner.copy_blocks(src, dst)
 
-    def _wants_prompt_logprobs(self, r: RequestState) -> bool:
-        return (self.prefill_logprobs_enabled and r.spec.prefill_logprobs and not r.prefill_done
-                and r.num_computed < len(r.prompt_ids))
+    @staticmethod
+    def _wants_prompt_logprobs(r: RequestState) -> bool:
+        return r.wants_prompt_logprobs and not r.prefill_done and r.num_computed < len(r.prompt_ids)
 
     def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple[int, int, bool]]]:
         """Packed inputs; ``rows[i]`` = (first logits row, number of rows, rows are prompt logprobs)
@@ -141,11 +147,11 @@ class ModelStep:
             if r.prefill_done:
                 recomputed += max(0, min(end, r.num_tokens - 1) - start)
             if start < num_prompt:
-                self.kv.commit_tokens(r.id, r.prompt_ids[:min(end, num_prompt)])
-            r.num_computed = end
-            r.chunk_len_hint = None
-            if end == r.num_tokens:
-                r.prefill_done = True
+                self.kv.commit_tokens(r.id, r.prompt_ids[start:min(end, num_prompt)], start)
+            if end > num_prompt:  # generated tokens join the history retention registers, as prompts do
+                gen_start = max(start, num_prompt)
+                self.kv.commit_tokens(r.id, r.output_ids[gen_start - num_prompt:end - num_prompt], gen_start)
+            if r.advance(n):
                 sampled.append((r, logits[first + count - 1]))
         return sampled, recomputed
 
@@ -194,7 +200,7 @@ class ModelStep:
                               texts=self.decoder.token_texts(c.top_ids),
                               is_special=self.decoder.is_special_many(c.top_ids))]
             prefill = None
-            if len(r.output_ids) == 1 and self.prefill_logprobs_enabled and r.spec.prefill_logprobs:
+            if len(r.output_ids) == 1 and r.wants_prompt_logprobs:
                 prefill = self._prefill_tokens(r)
             generated = None
             if reason is not None:

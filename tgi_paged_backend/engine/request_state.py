@@ -12,6 +12,10 @@ Token regions of one request (``all_ids = prompt_ids + output_ids``)::
 A step computes ``all_ids[num_computed : num_computed + n]``; when that reaches the end of
 ``all_ids`` the logits of its last position give the next token. Decode is the ``n == 1`` case;
 chunked prefill, the first prefill and recompute after preemption are all the same operation.
+
+Progress has one owner: ``num_computed`` (and ``num_cached_prompt``, ``prefill_done``) change only
+through the methods here -- :meth:`start_from_cache` (admission and resume), :meth:`advance` (a
+computed step), :meth:`drop_computed` and the ``mark_*`` transitions.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ class RequestState:
     """The original prompt has been fully computed once (recompute does not reset it)."""
     prefill_logprobs: list[float] = field(default_factory=list)
     """Accumulated prompt-token logprobs across chunks (only when requested and enabled)."""
+    wants_prompt_logprobs: bool = False
+    """Prompt logprobs were asked for and are served (``REQUEST_LOGPROBS``): until its prefill is done
+    the request computes every prompt position itself (a cached position has no logits)."""
     finish_reason: FinishReason | None = None
     recomputed_tokens: int = 0
     waiting_for_blocks: bool = False
@@ -82,6 +89,34 @@ class RequestState:
     def num_remaining(self) -> int:
         """Tokens to compute before this request yields its next token."""
         return self.num_tokens - self.num_computed
+
+    @property
+    def may_reuse_prefix(self) -> bool:
+        """Whether retained K/V may stand in for positions not computed yet (admission or resume)."""
+        return self.prefill_done or not self.wants_prompt_logprobs
+
+    def start_from_cache(self, num_cached: int) -> None:
+        """The first ``num_cached`` positions' K/V came from retained blocks (admission or resume)."""
+        assert self.num_computed == 0, f"request {self.id} already computed {self.num_computed} positions"
+        assert num_cached == 0 or self.may_reuse_prefix, f"request {self.id} must compute its prompt itself"
+        self.num_computed = num_cached
+        if not self.prefill_done:
+            self.num_cached_prompt = min(num_cached, len(self.prompt_ids))
+
+    def advance(self, num_tokens: int) -> bool:
+        """``num_tokens`` more positions were computed this step; True when the request yields a token."""
+        self.num_computed += num_tokens
+        assert self.num_computed <= self.num_tokens, f"request {self.id} computed past its history"
+        self.chunk_len_hint = None
+        if self.num_computed == self.num_tokens:
+            self.prefill_done = True
+            return True
+        return False
+
+    def drop_computed(self) -> None:
+        """A waiting recompute-preempted request gave back the prefix it had matched again."""
+        assert self.status is RequestStatus.PREEMPTED
+        self.num_computed = 0
 
     @property
     def is_prefilling(self) -> bool:

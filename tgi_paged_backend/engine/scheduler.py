@@ -79,7 +79,7 @@ class Scheduler:
             if request.status is RequestStatus.SWAPPED and not self._swap_in(request, victims_pool, plan):
                 continue
             if request.status is RequestStatus.PREEMPTED:  # resume: share what is still retained
-                request.num_computed = self.kv.match_prefix(request.id, request.all_ids).num_cached_tokens
+                reuse_cached_prefix(self.kv, request)
             n = self._num_tokens(request, prefill_budget)
             request.waiting_for_blocks = n > 0 and not self._allocate(request, request.num_computed + n,
                                                                        victims_pool, plan)
@@ -126,7 +126,7 @@ class Scheduler:
         starve. It is matched against the retained prefix again when it next runs."""
         if request.status is RequestStatus.PREEMPTED:
             self.kv.preempt_recompute(request.id)
-            request.num_computed = 0
+            request.drop_computed()
         elif (request.status is RequestStatus.RUNNING and not request.prefill_done
               and 0 < request.num_computed == request.num_cached_prompt):
             self.kv.preempt_recompute(request.id)
@@ -183,6 +183,17 @@ class Scheduler:
             self.kv.preempt_recompute(victim.id)
             victim.mark_preempted(RequestStatus.PREEMPTED)
         plan.preemptions.append(PreemptionEvent(victim.id, mode, num_tokens, cost))
+
+
+def reuse_cached_prefix(kv: KVCacheManager, request: RequestState) -> int:
+    """The one prefix match, at admission and at a recompute resume: share the retained blocks that
+    hold the request's leading tokens and start computing after them. A request that must compute its
+    prompt itself (prompt logprobs, prefill not done) shares nothing. Returns the cached tokens."""
+    if not request.may_reuse_prefix:
+        return 0
+    num_cached = kv.match_prefix(request.id, request.all_ids).num_cached_tokens
+    request.start_from_cache(num_cached)
+    return num_cached
 
 
 def _preempted(plan: StepPlan) -> set[int]:

@@ -27,7 +27,7 @@ from tgi_paged_backend.engine.grammar import GrammarCompiler, TokenVocabulary
 from tgi_paged_backend.engine.model_step import ModelStep
 from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
 from tgi_paged_backend.engine.sampling import validate_sampling_params
-from tgi_paged_backend.engine.scheduler import Scheduler
+from tgi_paged_backend.engine.scheduler import Scheduler, reuse_cached_prefix
 from tgi_paged_backend.engine.step_anatomy import StepTimer, device_sync
 from tgi_paged_backend.engine.stopping import StoppingCriteria, eos_token_ids
 from tgi_paged_backend.engine.tokenize import PromptTokenizer
@@ -94,7 +94,7 @@ class PagedShardEngine:
             num_blocks_cap=min(caps) if caps else None,
             overcommit=cache.overcommit, max_position_embeddings=self.runner.spec.max_position_embeddings,
             max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
-            max_prefill_tokens=max_prefill_tokens)
+            max_prefill_tokens=max_prefill_tokens, reclaim_window=self.runner.spec.reclaim_window)
 
     def _configure(self, capacity: Capacity) -> None:
         self.capacity = capacity
@@ -105,13 +105,13 @@ class PagedShardEngine:
         self.runner.allocate_swap_space(swap_blocks)
         self.kv = KVCacheManager(num_blocks=capacity.num_blocks, block_size=self.block_size,
                                  num_swap_blocks=swap_blocks,
-                                 enable_prefix_retention=self.config.cache.prefix_caching)  # PREFIX_CACHING
+                                 enable_prefix_retention=self.config.cache.prefix_caching,  # PREFIX_CACHING
+                                 reclaim_window=self.runner.spec.reclaim_window)
         self.scheduler = Scheduler(self.kv, max_batch_tokens=capacity.max_prefill_tokens,
                                    max_preemptions=self.config.preemption.max_preemptions_per_request,
                                    choose_mode=self._choose_mode,
                                    cost_aware=self.config.preemption.cost_aware_victims)
-        self.model_step = ModelStep(self.runner, self.kv, self.decoder,
-                                    prefill_logprobs_enabled=self.config.server.request_logprobs)
+        self.model_step = ModelStep(self.runner, self.kv, self.decoder)
 
     def _choose_mode(self, victim: RequestState, swap_has_room: bool) -> tuple[str, float]:
         decision = choose_preemption_mode(
@@ -277,16 +277,13 @@ class PagedShardEngine:
         """Create the request state and its page map; share retained prefix blocks."""
         self._admitted += 1
         state = RequestState(spec=spec, prompt_ids=prompt_ids, admitted_seq=self._admitted,
-                             chunk_len_hint=spec.chunk_len, grammar=grammar)
+                             chunk_len_hint=spec.chunk_len, grammar=grammar,
+                             wants_prompt_logprobs=spec.prefill_logprobs and self.config.server.request_logprobs)
         state.stop_state = StoppingCriteria(spec.stopping, self.eos_ids)
         state.detok_state = self.decoder.new_request(prompt_ids)
         self.kv.add_request(spec.id, spec.blocks)
         self.requests[spec.id] = state
-        # Prompt logprobs need every prompt position computed (the router sends cache_len=0).
-        if not (spec.prefill_logprobs and self.config.server.request_logprobs):
-            match = self.kv.match_prefix(spec.id, prompt_ids)
-            state.num_computed = state.num_cached_prompt = match.num_cached_tokens
-            self.stats.prefix_hit_tokens += match.num_cached_tokens
+        self.stats.prefix_hit_tokens += reuse_cached_prefix(self.kv, state)
         self.stats.prefix_query_tokens += len(prompt_ids)
 
     def _run(self, batch_id: int, ids: list[int], start_ns: int, concat_ns: int | None) -> StepResult:
@@ -321,6 +318,8 @@ class PagedShardEngine:
             time.sleep(IDLE_WAIT_S)
         elif out.num_computed_tokens > len(plan.scheduled):  # depends on the plan only (same on every rank)
             self.calibrator.observe_prefill(out.num_computed_tokens, out.forward_ns / 1e9)
+        if out.num_swapped_blocks:  # measured swap rate (the plan decides: same on every rank)
+            self.calibrator.observe_copy(out.num_swapped_blocks * self.runner.block_bytes, out.copy_ns / 1e9)
         self.stats.record_step(plan, out, swap_block_bytes=self.runner.block_bytes)
         self._free([r.id for r in out.finished])
         timer.lap("schedule")

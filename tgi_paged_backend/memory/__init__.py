@@ -8,7 +8,9 @@ modules are its parts:
 - ``swap_space``: CPU block ids for swapped-out requests.
 - ``page_map``: one request's token positions -> physical blocks.
 - ``block_table``: persistent ``int32`` block-table rows; slot mappings as numpy gathers.
+- ``window_reclaim``: sliding-window block reclaim (which blocks no query reads any more).
 - ``stats``: occupancy and waste accounting.
+- ``invariants``: the books checked against each other (tests).
 - ``types``: the result objects handed to the engine and the runner.
 """
 

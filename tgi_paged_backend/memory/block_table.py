@@ -69,6 +69,10 @@ class BlockTableArray:
         self.table[row, start:end] = block_ids
         self.lengths[row] = end
 
+    def unmap(self, row: int, start: int, end: int) -> None:
+        """Point columns ``[start, end)`` of the row at the scratch block (holes; the length stays)."""
+        self.table[row, start:end] = SCRATCH_BLOCK
+
     def clear(self, row: int) -> None:
         """Unmap every block of the row."""
         self.table[row, :self.lengths[row]] = SCRATCH_BLOCK

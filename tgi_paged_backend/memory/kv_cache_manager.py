@@ -8,19 +8,25 @@ Retention: when a request frees (or is preempted for recompute), its full commit
 prompt *and* generated tokens, since a chat follow-up re-sends both -- are registered in the prefix
 cache and become retained (reclaimable, LRU, last block evicted first). Swapping out does not
 register anything. The runner must follow the copy ordering rule of :mod:`.types`.
+
+Sliding-window reclaim (``reclaim_window``, set when every attention layer is windowed): each
+:meth:`allocate` first gives back the request's blocks that no query of the step reads
+(:mod:`.window_reclaim`); their entries become scratch-mapped holes. Full committed blocks are
+registered just before they go (so they are retained, and the chain goes on past the holes from
+``PageMap.chain``). Holes are never swapped or matched; a recompute preemption starts afresh.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 
 from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.block_table import BlockTableArray
+from tgi_paged_backend.memory.invariants import check_manager_invariants
 from tgi_paged_backend.memory.page_map import PageMap
-from tgi_paged_backend.memory.prefix_cache import NullPrefixCache, PrefixCache
+from tgi_paged_backend.memory.prefix_cache import CHAIN_START, NullPrefixCache, PrefixCache
 from tgi_paged_backend.memory.stats import MemoryStats, stranded_blocks, summarize_waste
 from tgi_paged_backend.memory.swap_space import SwapSpace
 from tgi_paged_backend.memory.types import (
@@ -33,6 +39,7 @@ from tgi_paged_backend.memory.types import (
     RequestMemory,
     SwapPlan,
 )
+from tgi_paged_backend.memory.window_reclaim import num_blocks_outside_window, release_blocks_outside_window
 
 
 class KVCacheManager:
@@ -43,13 +50,19 @@ class KVCacheManager:
         block_size: Tokens per block.
         num_swap_blocks: CPU swap blocks (0 disables swapping).
         enable_prefix_retention: Keep full blocks of finished requests for content-verified reuse.
+        reclaim_window: The sliding window of *every* attention layer, in tokens; blocks wholly
+            behind it are given back as decoding moves on. ``None``: keep the whole history.
     """
 
     def __init__(self, *, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
-                 enable_prefix_retention: bool = True) -> None:
+                 enable_prefix_retention: bool = True, reclaim_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} is invalid: allowed >= 1")
+        if reclaim_window is not None and reclaim_window < 1:
+            raise ValueError(f"reclaim_window={reclaim_window} is invalid: allowed >= 1 or None")
         self.block_size = block_size
+        self.reclaim_window = reclaim_window
+        self._num_reclaimed_total = 0
         self._pool = BlockPool(num_blocks)
         cache_type = PrefixCache if enable_prefix_retention else NullPrefixCache
         self._prefix: PrefixCache | NullPrefixCache = cache_type(self._pool, block_size)
@@ -106,7 +119,10 @@ class KVCacheManager:
     def allocate(self, request_id: int, num_tokens: int) -> Allocation | None:
         """Back token positions ``[0, num_tokens)`` with physical blocks, all or nothing.
 
-        Retained blocks are reclaimed (LRU) before giving up.
+        Retained blocks are reclaimed (LRU) before giving up. With a reclaim window, the blocks no
+        query of this step reads are given back first: the step's first query is the first position
+        not asked for before (positions are written in order), so the engine needs no extra call.
+        That release stands even when the allocation then fails (no later step reads them either).
 
         Returns:
             The new blocks and pending copy-on-write copies, or ``None`` when the pool is exhausted.
@@ -115,6 +131,10 @@ class KVCacheManager:
             ValueError: ``num_tokens`` exceeds the router's reservation for this request.
         """
         req = self._requests[request_id]
+        if self.reclaim_window is not None and (end := self._num_outside_window(req, num_tokens)) > req.num_holes:
+            self._register(req)  # what leaves is retained, and the chain stays whole
+            self._num_reclaimed_total += release_blocks_outside_window(
+                req, end, pool=self._pool, table=self._table, is_registered=self._prefix.is_registered)
         num_have = len(req.blocks)
         num_want = -(-num_tokens // self.block_size)
         if num_want <= num_have:
@@ -140,20 +160,33 @@ class KVCacheManager:
         return Allocation(tuple(new), copies)
 
     def blocks_needed(self, request_id: int, num_tokens: int) -> int:
-        """Physical blocks :meth:`allocate` would take for ``num_tokens`` (0 if already backed)."""
-        return self._requests[request_id].num_fresh_blocks(-(-num_tokens // self.block_size))
-
-    def commit_tokens(self, request_id: int, token_ids: Sequence[int]) -> None:
-        """Record that K/V of ``token_ids`` (the full history, positions ``0..len-1``) is written."""
+        """Available blocks :meth:`allocate` would draw for ``num_tokens`` (0 if already backed): the
+        fresh blocks, less those its window reclaim gives back to the available blocks first."""
         req = self._requests[request_id]
-        num = len(token_ids)
+        fresh = req.num_fresh_blocks(-(-num_tokens // self.block_size))
+        if self.reclaim_window is None or fresh == 0:
+            return fresh
+        returned = sum(1 for b in req.blocks[req.num_holes:self._num_outside_window(req, num_tokens)]
+                       if b != SCRATCH_BLOCK and self._pool.refcount(b) == 1)
+        return max(fresh - returned, 0)
+
+    def commit_tokens(self, request_id: int, token_ids: Sequence[int], start: int = 0) -> None:
+        """Record that K/V of positions ``[0, start + len(token_ids))`` is written, ``token_ids`` being
+        the tokens at ``start..`` (positions before ``start`` are already known: committed or matched).
+
+        Prompt and generated tokens alike: full blocks of either are what retention registers."""
+        req = self._requests[request_id]
+        num = start + len(token_ids)
         if num > len(req.blocks) * self.block_size:
             raise ValueError(f"request {request_id}: {num} tokens committed but only "
                              f"{len(req.blocks) * self.block_size} positions are backed")
         have = len(req.token_ids)
+        if start > have:
+            raise ValueError(f"request {request_id}: tokens from position {start} committed, "
+                             f"but only {have} are known")
         if num > have:
-            assert have == 0 or int(token_ids[have - 1]) == req.token_ids[have - 1], "history rewritten"
-            req.token_ids.extend(int(t) for t in token_ids[have:])
+            assert have == start or int(token_ids[have - start - 1]) == req.token_ids[have - 1], "history rewritten"
+            req.token_ids.extend(int(t) for t in token_ids[have - start:])
         req.num_committed = num
 
     def free(self, request_id: int) -> None:
@@ -176,7 +209,8 @@ class KVCacheManager:
         assert req.swapped is None, f"request {request_id} is swapped out"
         lost = req.num_committed
         self._release_device_blocks(req, register=True)
-        req.num_committed = req.num_allocated_tokens = 0
+        req.num_committed = req.num_allocated_tokens = req.num_holes = 0
+        req.chain = CHAIN_START
         return lost
 
     def can_swap_out(self, request_id: int) -> bool:
@@ -210,9 +244,9 @@ class KVCacheManager:
         src = req.swapped
         self._swap.free(src)
         req.swapped = None
-        mapped = req.extension(dst, req.num_swapped_positions)
-        req.blocks = mapped
-        self._table.append(req.row, mapped)
+        req.blocks = [SCRATCH_BLOCK] * req.num_holes  # holes were not swapped: they come back as holes
+        req.blocks.extend(req.extension(dst, req.num_swapped_positions))
+        self._table.append(req.row, req.blocks)
         return SwapPlan(request_id, "in", tuple(src), tuple(dst))
 
     # ------------------------------------------------------------------------ runner metadata
@@ -323,9 +357,25 @@ class KVCacheManager:
             reservation_waste_slots=waste.reservation_slots,
             external_waste_blocks=stranded_blocks(self.num_available_blocks, num_pending_blocks),
             num_prefix_query_tokens=self._num_prefix_query_tokens,
-            num_prefix_hit_tokens=self._num_prefix_hit_tokens)
+            num_prefix_hit_tokens=self._num_prefix_hit_tokens,
+            num_hole_blocks=waste.num_hole_blocks, num_reclaimed_blocks_total=self._num_reclaimed_total)
 
     # ------------------------------------------------------------------------------ internals
+    def _num_outside_window(self, req: PageMap, num_tokens: int) -> int:
+        """Leading page-map blocks no query of a step ending at ``num_tokens`` reads; the step's
+        first query is the position after what the request asked for before."""
+        assert self.reclaim_window is not None
+        first_query = min(req.num_allocated_tokens, num_tokens - 1)
+        return min(num_blocks_outside_window(first_query, self.reclaim_window, self.block_size),
+                   len(req.blocks))
+
+    def _register(self, req: PageMap) -> None:
+        """Register the full committed blocks: from the root, or past the holes from where the chain
+        ended (it cannot restart behind them)."""
+        num_written = min(req.num_committed, len(req.blocks) * self.block_size)
+        start = req.chain if req.num_holes else CHAIN_START
+        req.chain = self._prefix.extend(req.token_ids, req.blocks, num_written, start)[0]
+
     def _release_cow_source(self, req: PageMap) -> None:
         assert req.cow_src is not None
         self._pool.decref(req.cow_src, retain=self._prefix.is_registered(req.cow_src))
@@ -340,8 +390,7 @@ class KVCacheManager:
         if req.cow_src is not None:
             self._release_cow_source(req)
         if register:
-            num_written = min(req.num_committed, len(req.blocks) * self.block_size)
-            self._prefix.register(req.token_ids, req.blocks, num_written)
+            self._register(req)
         is_registered = self._prefix.is_registered
         for block_id in reversed(req.blocks):
             if block_id != SCRATCH_BLOCK:
@@ -352,35 +401,6 @@ class KVCacheManager:
     # ------------------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
         """Pool, prefix cache, swap space and every page map agree; refcount == number of holders."""
-        self._pool.check_invariants()
-        self._prefix.check_invariants()
-        self._swap.check_invariants()
-        self._table.check_free_rows()
-        assert self._table.num_live_rows == len(self._requests)
-        holders: Counter[int] = Counter()
-        num_swapped = 0
-        rows: set[int] = set()
-        for request_id, req in self._requests.items():
-            assert req.row not in rows, "two requests share a block-table row"
-            rows.add(req.row)
-            self._table.check_row(req.row, req.blocks)
-            assert req.num_committed <= len(req.token_ids)
-            if req.virtual_blocks:
-                assert len(req.blocks) <= len(req.virtual_blocks)
-            if req.swapped is not None:
-                assert not req.blocks and req.cow_src is None
-                num_swapped += len(req.swapped)
-                continue
-            assert req.num_committed <= len(req.blocks) * self.block_size + req.num_cow_tokens
-            for index, block_id in enumerate(req.blocks):
-                if block_id == SCRATCH_BLOCK:
-                    assert req.virtual_blocks[index] == SCRATCH_BLOCK, f"request {request_id}: stray scratch"
-                else:
-                    holders[block_id] += 1
-            if req.cow_src is not None:
-                holders[req.cow_src] += 1
-        for block_id in range(1, self._pool.num_blocks):
-            assert self._pool.refcount(block_id) == holders[block_id], (
-                f"block {block_id}: refcount {self._pool.refcount(block_id)} != {holders[block_id]} holders")
-        assert num_swapped == self._swap.num_used_blocks
-
+        check_manager_invariants(pool=self._pool, prefix=self._prefix, swap=self._swap, table=self._table,
+                                 requests=self._requests, block_size=self.block_size,
+                                 window=self.reclaim_window)

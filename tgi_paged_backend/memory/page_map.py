@@ -6,6 +6,11 @@ blocks are always mapped as a prefix of the page map (lazily, as positions are w
     positions:  0 ...... num_committed ...... len(blocks) * bs .......... len(virtual_blocks) * bs
     blocks:     [ shared | own, written | own, allocated ahead ] [ router reservation: costs nothing ]
 
+With a sliding-window model (:mod:`.window_reclaim`) the leading ``num_holes`` entries are *holes*:
+blocks wholly outside every layer's window, given back to the pool and mapped to the scratch block::
+
+    blocks:     [ holes (scratch) | inside the window: written | allocated ahead ]
+
 ``virtual_blocks`` are the router's addresses (empty for self-managed requests); router virtual block
 0 (the liveness probe's) always maps to the scratch block and is never backed by the pool.
 """
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tgi_paged_backend.memory.prefix_cache import CHAIN_START, ChainCursor
 from tgi_paged_backend.memory.types import SCRATCH_BLOCK
 
 
@@ -45,6 +51,10 @@ class PageMap:
     """Length of ``blocks`` at swap-out (scratch entries included)."""
     has_scratch: bool = False
     """Some virtual block is 0 (the liveness probe's): it maps to the scratch block."""
+    num_holes: int = 0
+    """Leading entries given back because they fell outside the sliding window (scratch now)."""
+    chain: ChainCursor = CHAIN_START
+    """How far the blocks are registered for prefix reuse (the chain goes on past holes from here)."""
     _virtual_lookup: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod
@@ -57,7 +67,7 @@ class PageMap:
         """Mapped blocks that come from the pool (scratch excluded)."""
         if self.has_scratch:
             return sum(1 for b in self.blocks if b != SCRATCH_BLOCK)
-        return len(self.blocks)
+        return len(self.blocks) - self.num_holes if self.blocks else 0
 
     @property
     def max_mappable_blocks(self) -> int | None:

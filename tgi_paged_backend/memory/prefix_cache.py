@@ -78,6 +78,21 @@ class PrefixHit:
 _NO_HIT = PrefixHit()
 
 
+@dataclass(frozen=True, slots=True)
+class ChainCursor:
+    """How far one request's blocks are registered: the chain's next block index and the identity
+    of the entry before it. Lets a request whose leading blocks were given back (sliding-window
+    holes) go on registering the blocks after them under the same verified chain."""
+
+    num_blocks: int = 0
+    parent_hash: int = ROOT_HASH
+    parent_serial: int = _ROOT_SERIAL
+
+
+CHAIN_START = ChainCursor()
+"""Nothing registered yet: the chain starts at the root."""
+
+
 class PrefixCache:
     """Registry of full blocks by content, layered over a :class:`BlockPool`.
 
@@ -147,10 +162,22 @@ class PrefixCache:
         Returns:
             How many blocks were newly registered.
         """
+        return self.extend(token_ids, block_ids, num_tokens, CHAIN_START)[1]
+
+    def extend(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int,
+               cursor: ChainCursor) -> tuple[ChainCursor, int]:
+        """:meth:`register` from ``cursor`` on (blocks before it are not looked at, and may be holes).
+
+        Returns:
+            Where the chain now ends, and how many blocks were newly registered.
+        """
         bs = self.block_size
-        parent_hash, parent_serial = ROOT_HASH, _ROOT_SERIAL
+        parent_hash, parent_serial = cursor.parent_hash, cursor.parent_serial
+        if parent_serial != _ROOT_SERIAL and parent_serial not in self._by_serial:
+            return cursor, 0  # the chain's last entry was evicted: nothing after it could be matched
         num_new = 0
-        for index in range(min(num_tokens // bs, len(block_ids))):
+        index, stop = cursor.num_blocks, min(num_tokens // bs, len(block_ids))
+        while index < stop:
             block_id = block_ids[index]
             if block_id == SCRATCH_BLOCK:
                 break
@@ -167,7 +194,8 @@ class PrefixCache:
             elif entry.parent_serial != parent_serial or entry.token_ids != chunk:
                 break  # live collision: keep the existing entry, stop the chain here
             parent_hash, parent_serial = key, entry.serial
-        return num_new
+            index += 1
+        return ChainCursor(index, parent_hash, parent_serial), num_new
 
     def forget_block(self, block_id: int) -> None:
         """Drop the entry of an evicted block (the pool's ``on_evict`` hook)."""
@@ -234,6 +262,10 @@ class NullPrefixCache:
 
     def register(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> int:
         return 0
+
+    def extend(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int,
+               cursor: ChainCursor) -> tuple[ChainCursor, int]:
+        return cursor, 0
 
     def forget_block(self, block_id: int) -> None:
         raise AssertionError("nothing is retained without prefix retention")

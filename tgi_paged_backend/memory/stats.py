@@ -10,6 +10,10 @@ Waste comes in three kinds (``tgi_paged_kv_waste_ratio{kind}``):
 - **external**: free (or reclaimable) blocks stranded because the head-of-line pending allocation
   needs more than are available. Paging makes every free block usable by any request, so this is 0
   unless memory is actually short; it is measured anyway.
+
+Holes (blocks given back behind a sliding window, :mod:`.window_reclaim`) are no waste of any kind:
+they hold nothing and cost nothing. They are counted apart (``num_hole_blocks`` now,
+``num_reclaimed_blocks_total`` since start): what stock TGI would still hold for those positions.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class MemoryStats:
     num_swapped_requests: int
     num_written_tokens: int
     """Token positions written or being written (committed, or backed on the engine's request),
-    summed over requests resident on the device."""
+    summed over requests resident on the device; positions in holes are not counted."""
     num_reserved_slots: int
     """Slots of all router (virtual) blocks of live requests."""
     internal_waste_slots: int
@@ -45,6 +49,10 @@ class MemoryStats:
     """Cumulative prompt tokens looked up in the prefix cache."""
     num_prefix_hit_tokens: int
     """Cumulative prompt tokens served from the prefix cache (shared or copied)."""
+    num_hole_blocks: int = 0
+    """Page-map blocks of live requests given back behind the sliding window (holes)."""
+    num_reclaimed_blocks_total: int = 0
+    """Cumulative blocks given back to the pool by sliding-window reclaim."""
 
     @property
     def usage_ratio(self) -> float:
@@ -68,20 +76,21 @@ class MemoryStats:
 
 
 def request_waste(*, num_written_tokens: int, num_mapped_blocks: int, num_reserved_blocks: int,
-                  block_size: int) -> tuple[int, int]:
+                  block_size: int, num_hole_blocks: int = 0) -> tuple[int, int]:
     """Internal and reservation waste (in slots) of one request.
 
     Args:
-        num_written_tokens: Tokens whose K/V is written.
+        num_written_tokens: Tokens whose K/V is written and still held (holes excluded).
         num_mapped_blocks: Blocks backing the request (physical, or CPU while swapped out).
         num_reserved_blocks: Router virtual blocks (0 for self-managed requests).
         block_size: Tokens per block.
+        num_hole_blocks: Leading blocks given back behind the sliding window: neither kind of waste.
 
     Returns:
         ``(internal_slots, reservation_slots)``.
     """
     internal = max(num_mapped_blocks * block_size - num_written_tokens, 0)
-    reservation = max(num_reserved_blocks - num_mapped_blocks, 0) * block_size
+    reservation = max(num_reserved_blocks - num_mapped_blocks - num_hole_blocks, 0) * block_size
     return internal, reservation
 
 
@@ -99,11 +108,12 @@ class WasteSummary:
     num_written_tokens: int
     num_reserved_slots: int
     num_swapped_requests: int
+    num_hole_blocks: int = 0
 
 
 def summarize_waste(page_maps: Iterable[PageMap], block_size: int) -> WasteSummary:
     """Sum :func:`request_waste` over live requests; swapped-out ones hold nothing on the device."""
-    internal = reservation = written = reserved = swapped = 0
+    internal = reservation = written = reserved = swapped = holes = 0
     for pm in page_maps:
         num_reserved = len(pm.virtual_blocks)
         reserved += num_reserved * block_size
@@ -111,10 +121,13 @@ def summarize_waste(page_maps: Iterable[PageMap], block_size: int) -> WasteSumma
             swapped += 1
             num_written, num_mapped = 0, 0
         else:
-            num_written, num_mapped = max(pm.num_committed, pm.num_allocated_tokens), len(pm.blocks)
+            num_written = max(pm.num_committed, pm.num_allocated_tokens) - pm.num_holes * block_size
+            num_mapped = len(pm.blocks) - pm.num_holes
         written += num_written
+        holes += pm.num_holes
         slots = request_waste(num_written_tokens=num_written, num_mapped_blocks=num_mapped,
-                              num_reserved_blocks=num_reserved, block_size=block_size)
+                              num_reserved_blocks=num_reserved, block_size=block_size,
+                              num_hole_blocks=pm.num_holes)
         internal += slots[0]
         reservation += slots[1]
-    return WasteSummary(internal, reservation, written, reserved, swapped)
+    return WasteSummary(internal, reservation, written, reserved, swapped, holes)

@@ -19,7 +19,7 @@ runner a ``[1, 1, 1, 1]`` stand-in that those versions pass through untouched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Sequence
 
@@ -57,6 +57,9 @@ class PagedAttentionMetadata:
     layer_calls : list[int], optional
         Probe mode (start-up check, :mod:`.family_support`): each call appends its ``layer_idx``
         here and returns zeros, touching no pool (``batch`` and the caches are then unused).
+    decode_gathers : dict
+        CPU decode only: the step's gather plan per sliding window (``None``: full attention), built
+        by the first layer that needs it and shared by the others (:meth:`decode_gather`).
     """
 
     batch: Any  # ForwardBatch; typed loosely to keep this module free of runner imports
@@ -65,6 +68,18 @@ class PagedAttentionMetadata:
     k_scale: float = 1.0
     v_scale: float = 1.0
     layer_calls: list[int] | None = None
+    decode_gathers: dict[int | None, Any] = field(default_factory=dict)
+
+    def decode_gather(self, block_size: int, sliding_window: int | None) -> Any:
+        """The step's CPU decode plan for this window (``None`` on CUDA, where kernels need none)."""
+        if self.batch.block_tables.is_cuda:
+            return None
+        plan = self.decode_gathers.get(sliding_window)
+        if plan is None:
+            plan = tgi_paged_kernels.plan_decode_gather(self.batch.block_tables, self.batch.seq_lens, block_size,
+                                                        sliding_window)
+            self.decode_gathers[sliding_window] = plan
+        return plan
 
 
 def paged_attention_forward(
@@ -142,8 +157,10 @@ def paged_attention_forward(
         sinks=None if s_aux is None else s_aux.detach().float().contiguous(),
     )
     if batch.is_decode:
+        plain = not common["softcap"] and common["sinks"] is None  # what the CPU SDPA path serves
+        gather = metadata.decode_gather(k_cache.shape[1], common["sliding_window"]) if plain else None
         out = tgi_paged_kernels.paged_decode_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, **common)
+            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, gather=gather, **common)
     else:
         out = tgi_paged_kernels.paged_prefill_attention(
             q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, **common)

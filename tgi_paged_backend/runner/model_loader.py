@@ -117,36 +117,43 @@ def _probe_attention(model: torch.nn.Module) -> None:
     _refuse_if(config, family_support.check_attention_calls(num_layers, calls))
 
 
-def _resolve_quantization(model_config: ModelConfig, config: Any) -> str | None:
-    """The format to load (``None``: unquantized); a compressed-tensors scheme is validated and its
-    ``quantization_config`` taken off ``config`` so transformers loads the module tree plainly."""
+def _resolve_quantization(model_config: ModelConfig, config: Any) -> tuple[str | None, Any]:
+    """The format to load (``None``: unquantized) and its validated scheme; a pre-quantized checkpoint's
+    ``quantization_config`` is taken off ``config`` so transformers loads the module tree plainly (no
+    transformers quantizer or quantization package is needed; the files are read by :mod:`.quant.apply`)."""
+    scheme = None
     try:
         method = check_quantize(model_config.quantize, config)
         if method == "compressed-tensors":
             from tgi_paged_backend.runner.quant.compressed_tensors import parse_scheme
 
             scheme = parse_scheme(config.quantization_config)
-            if scheme.dynamic_activations:
+            if getattr(scheme, "dynamic_activations", False):
                 logger.info("compressed-tensors: dynamic fp8 input activations are served weight-only (W8A16)")
+        elif method in ("gptq", "awq"):
+            from tgi_paged_backend.runner.quant.gptq_awq import parse_config
+
+            scheme = parse_config(config.quantization_config)
+        if method not in (None, "fp8"):
             del config.quantization_config
     except QuantizationError as err:
         raise ModelLoadError(str(err)) from None
-    return method
+    return method, scheme
 
 
-def _quantize(model: torch.nn.Module, method: str | None, path: Path) -> None:
+def _quantize(model: torch.nn.Module, method: str | None, scheme: Any, path: Path) -> None:
     """Swap in the quantized linears (on the CPU copy, before it moves to the device)."""
     if method is None:
         return
-    from tgi_paged_backend.runner.quant.apply import load_compressed_fp8, quantize_model_fp8
+    from tgi_paged_backend.runner.quant.apply import load_quantized
 
     before = resident_bytes(model)
     try:
-        count = quantize_model_fp8(model) if method == "fp8" else load_compressed_fp8(model, path)
+        count, what = load_quantized(model, method, scheme, path)
     except QuantizationError as err:
         raise ModelLoadError(str(err)) from None
-    logger.info("--quantize {}: {} linears in fp8 e4m3 (per-channel scales); weights {:.1f} -> {:.1f} MiB",
-                method, count, before / 2**20, resident_bytes(model) / 2**20)
+    logger.info("--quantize {}: {} linears in {}; weights {:.1f} -> {:.1f} MiB",
+                method, count, what, before / 2**20, resident_bytes(model) / 2**20)
 
 
 def resident_bytes(model: torch.nn.Module) -> int:
@@ -166,7 +173,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
     if model_config.rope_scaling is not None:  # ROPE_SCALING / ROPE_FACTOR replace the config's, as stock
         apply_rope_scaling(config, model_config.rope_scaling, model_config.rope_factor)
     _refuse_if(config, family_support.unsupported_reason(config))
-    method = _resolve_quantization(model_config, config)
+    method, scheme = _resolve_quantization(model_config, config)
 
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -187,7 +194,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
         if "Unrecognized configuration class" not in str(err):
             raise
         _refuse_if(config, "it has no causal-LM class in transformers (AutoModelForCausalLM)")
-    _quantize(model, method, path)
+    _quantize(model, method, scheme, path)
     model.to(device)
     model.eval()
     model.requires_grad_(False)

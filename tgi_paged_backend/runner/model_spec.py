@@ -47,6 +47,27 @@ def _sliding_window(config: Any) -> int | None:
     return int(window)
 
 
+EVERY_LAYER_WINDOWED = frozenset({"mistral", "mixtral", "phi3", "starcoder2"})
+"""Model types without ``layer_types`` whose every attention layer passes ``config.sliding_window``
+(checked against the modeling code by ``tests/runner/test_family_matrix.py``)."""
+
+
+def _reclaim_window(config: Any) -> int | None:
+    """The window of *every* attention layer, or ``None`` when some layer reads the whole history.
+
+    Blocks behind it are given back to the pool (``KVCacheManager(reclaim_window=...)``), so this
+    errs on ``None``: per-layer ``layer_types`` decide when present, otherwise only the model types
+    of :data:`EVERY_LAYER_WINDOWED`.
+    """
+    window = _sliding_window(config)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if all(t == "sliding_attention" for t in layer_types) else None
+    return window if str(config.model_type) in EVERY_LAYER_WINDOWED else None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
     """Sizes of a decoder-only causal LM, as the KV pool and the attention kernels see them."""
@@ -71,6 +92,8 @@ class ModelSpec:
     """Longest sequence the model was configured for."""
     sliding_window: int | None
     """Attention window in tokens when any layer uses one, else ``None``."""
+    reclaim_window: int | None = None
+    """The window when every attention layer uses it (blocks behind it can be given back), else ``None``."""
     softcap: float
     """Attention logit soft-cap (Gemma 2); ``0.0`` means none."""
     dtype: torch.dtype
@@ -103,6 +126,7 @@ class ModelSpec:
             vocab_size=int(config.vocab_size),
             max_position_embeddings=int(getattr(config, "max_position_embeddings", 0) or 0),
             sliding_window=_sliding_window(config),
+            reclaim_window=_reclaim_window(config),
             softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
             dtype=dtype,
         )

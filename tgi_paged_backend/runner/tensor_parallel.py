@@ -19,10 +19,12 @@ heads unchanged; our paged attention sees ``Hq/N`` query and ``Hkv/N`` KV heads 
 ``q/k/v/o_proj`` and ``gate/up/down_proj`` (Llama, Mistral, Qwen2/3, Gemma 1/2/3); fused projections
 (Phi-3) and MoE layers are refused with a clear error, as are head or MLP sizes not divisible by N.
 
-Quantized models (``--quantize fp8``, compressed-tensors FP8) are quantized on the full CPU copy first,
-then sliced the same way: column-parallel ``Fp8Linear`` keep their rows of the fp8 weight with those
-rows' scales; row-parallel ones (:class:`RowParallelFp8Linear`) keep their input columns with every
-row's full scale, so each rank computes with exactly the unsharded model's quantized weights.
+Quantized models (``--quantize fp8``, compressed-tensors, GPTQ, AWQ) are quantized or decoded on the
+full CPU copy first, then sliced the same way: column-parallel ``Fp8Linear``/``IntLinear`` keep their
+rows (codes, scales, zero points); row-parallel ones (:class:`RowParallelQuantLinear`) keep their input
+columns: fp8 with every row's full scale, int with those columns' ``g_idx`` and the groups they use
+(only its own groups when the slice is on group boundaries; with GPTQ act-order, whichever groups its
+columns belong to). Each rank thus computes with exactly the unsharded model's quantized weights.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model_loader import LoadedModel, ModelLoadError, load_model, resolve_dtype
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.model_spec import ModelSpec
-from tgi_paged_backend.runner.quant.linear import Fp8Linear
+from tgi_paged_backend.runner.quant.linear import QUANTIZED_LINEARS
 
 if TYPE_CHECKING:
     from tgi_paged_backend.distributed import TensorParallelGroup
@@ -79,17 +81,21 @@ def check_divisible(spec: ModelSpec, world_size: int) -> None:
             "--num-shard that divides them, or --num-shard 1")
 
 
-class RowParallelFp8Linear(nn.Module):
-    """:class:`RowParallelLinear` for an :class:`Fp8Linear` quantized before sharding: this rank's input
-    columns of the fp8 weight with the full-row scales, so every rank uses the unsharded model's scales."""
+class RowParallelQuantLinear(nn.Module):
+    """:class:`RowParallelLinear` for an ``Fp8Linear``/``IntLinear`` quantized before sharding: this rank's
+    ``input_slice`` of it (fp8: the full-row scales; int: its columns' groups), so every rank uses the
+    unsharded model's scales and zero points."""
 
-    def __init__(self, linear: Fp8Linear, rank: int, world_size: int, all_reduce: AllReduce) -> None:
+    def __init__(self, linear: nn.Module, rank: int, world_size: int, all_reduce: AllReduce) -> None:
         super().__init__()
         if linear.in_features % world_size:
             raise ModelLoadError(f"row-parallel linear: in_features={linear.in_features} not divisible by "
                                  f"{world_size}")
         width = linear.in_features // world_size
-        self.local = linear.input_slice(slice(rank * width, (rank + 1) * width))
+        try:
+            self.local = linear.input_slice(slice(rank * width, (rank + 1) * width))
+        except ValueError as err:
+            raise ModelLoadError(f"row-parallel linear: {err}") from None
         self.in_features, self.out_features = width, linear.out_features
         self.bias = (None if linear.bias is None
                      else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
@@ -100,8 +106,12 @@ class RowParallelFp8Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+RowParallelFp8Linear = RowParallelQuantLinear
+"""The name this class had when only fp8 was served."""
+
+
 def _row_parallel(linear: nn.Module, rank: int, world_size: int, all_reduce: AllReduce) -> nn.Module:
-    cls = RowParallelFp8Linear if isinstance(linear, Fp8Linear) else RowParallelLinear
+    cls = RowParallelQuantLinear if isinstance(linear, QUANTIZED_LINEARS) else RowParallelLinear
     return cls(linear, rank, world_size, all_reduce)
 
 
@@ -131,12 +141,12 @@ class RowParallelLinear(nn.Module):
 
 
 def _shard_columns(linear: nn.Module, rank: int, world_size: int, what: str) -> nn.Module:
-    """This rank's contiguous slice of the output features (weight rows, their fp8 scales, bias)."""
+    """This rank's contiguous slice of the output features (weight rows, their scales/zeros, bias)."""
     if linear.out_features % world_size:
         raise ModelLoadError(f"{what}: out_features={linear.out_features} not divisible by {world_size}")
     width = linear.out_features // world_size
     rows = slice(rank * width, (rank + 1) * width)
-    if isinstance(linear, Fp8Linear):
+    if isinstance(linear, QUANTIZED_LINEARS):
         return linear.output_slice(rows)
     linear.weight = nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
     if linear.bias is not None:
@@ -147,7 +157,7 @@ def _shard_columns(linear: nn.Module, rank: int, world_size: int, what: str) -> 
 
 def _linear(module: nn.Module, name: str, where: str) -> nn.Module:
     layer = getattr(module, name, None)
-    if not isinstance(layer, (nn.Linear, Fp8Linear)):
+    if not isinstance(layer, (nn.Linear, *QUANTIZED_LINEARS)):
         raise ModelLoadError(f"tensor parallelism needs separate q/k/v/o and gate/up/down projections; "
                              f"{where} has no nn.Linear {name!r} (fused projections such as Phi-3's qkv_proj, "
                              "and MoE layers, are not supported): use --num-shard 1")

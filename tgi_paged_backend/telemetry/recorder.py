@@ -53,6 +53,8 @@ METRIC_NAMES: dict[str, str] = {
     "tgi_paged_kv_usage_ratio": "Used physical blocks over usable physical blocks",
     "tgi_paged_kv_physical_tokens": "Token capacity of the physical KV pool",
     "tgi_paged_kv_virtual_reserved_tokens": "Slots the router reserved for live requests",
+    "tgi_paged_kv_window_reclaimed_blocks": "Blocks of live requests given back behind the sliding window "
+                                            "(holes: stock TGI would still hold them)",
     "tgi_paged_kv_waste_ratio": "KV waste by kind (internal: unfilled last-block slots; reservation: "
                                 "reserved but unbacked slots; external: stranded free blocks)",
     "tgi_paged_device_memory_bytes": "Total device memory",
@@ -269,6 +271,7 @@ class OtelRecorder:
         gauge("tgi_paged_kv_usage_ratio", "1", self._pool(lambda m: m.usage_ratio))
         gauge("tgi_paged_kv_physical_tokens", "{token}", self._pool(lambda m: m.num_total_blocks * m.block_size))
         gauge("tgi_paged_kv_virtual_reserved_tokens", "{token}", self._pool(lambda m: m.num_reserved_slots))
+        gauge("tgi_paged_kv_window_reclaimed_blocks", "{block}", self._pool(lambda m: m.num_hole_blocks))
         gauge("tgi_paged_kv_waste_ratio", "1", self._observe_waste)
         gauge("tgi_paged_requests", "{request}", self._observe_requests)
         gauge("tgi_paged_preempted_max_wait_seconds", "s", self._observe_max_wait)

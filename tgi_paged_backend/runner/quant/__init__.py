@@ -5,8 +5,11 @@
   can refuse before importing torch).
 - :mod:`.fp8`: the float8 e4m3 per-output-channel quantizer (load-time ``--quantize fp8`` and the
   tests' checkpoint writer).
-- :mod:`.linear`: :class:`~.linear.Fp8Linear`, the module that replaces ``nn.Linear``
-  (kernels: :mod:`tgi_paged_kernels.fp8_gemm`).
+- :mod:`.linear`: :class:`~.linear.Fp8Linear` and :class:`~.linear.IntLinear`, the modules that
+  replace ``nn.Linear`` (kernels: :mod:`tgi_paged_kernels.fp8_gemm`, :mod:`tgi_paged_kernels.int_gemm`).
 - :mod:`.apply`: put the quantized linears into a loaded model, for each format.
-- :mod:`.compressed_tensors`: read and validate a compressed-tensors FP8 checkpoint's scheme.
+- :mod:`.compressed_tensors`: read and validate a compressed-tensors checkpoint's scheme (FP8, or
+  ``pack-quantized`` int4/int8).
+- :mod:`.int_codes`: the one decoded form of int weights (codes, per-group scales and zeros, ``g_idx``).
+- :mod:`.gptq_awq`: GPTQ and AWQ configs and packed tensors; :mod:`.pack_quantized`: compressed-tensors'.
 """

@@ -1,4 +1,5 @@
-"""Put quantized linears into a loaded model: load-time ``fp8``, and compressed-tensors FP8 checkpoints.
+"""Put quantized linears into a loaded model: load-time ``fp8``, compressed-tensors FP8 checkpoints, and
+int4/int8 checkpoints (GPTQ, AWQ, compressed-tensors ``pack-quantized``).
 
 Both run on the CPU copy that ``load_model`` builds before ``model.to(device)``, one module at a time,
 so the device only ever holds the quantized weights. Embeddings, norms and the output head stay in
@@ -7,6 +8,7 @@ the model dtype (as in TGI, vLLM and llm-compressor's default ``ignore: ["lm_hea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,7 +16,8 @@ from safetensors import safe_open
 from torch import nn
 
 from tgi_paged_backend.runner.quant.fp8 import FP8_DTYPE
-from tgi_paged_backend.runner.quant.linear import Fp8Linear
+from tgi_paged_backend.runner.quant.int_codes import IntCodes, check_codes
+from tgi_paged_backend.runner.quant.linear import Fp8Linear, IntLinear
 from tgi_paged_backend.runner.quant.methods import QuantizationError
 
 SCALE_SUFFIX = ".weight_scale"
@@ -73,3 +76,72 @@ def load_compressed_fp8(model: nn.Module, model_dir: Path) -> int:
         raise QuantizationError(f"{model_dir}: no *{SCALE_SUFFIX} tensor in the safetensors files: not an FP8 "
                                 "compressed-tensors checkpoint")
     return count
+
+
+IntDecoder = Callable[[str, dict[str, torch.Tensor], int, int], IntCodes]
+"""``(module name, its tensors by suffix, out_features, in_features) -> IntCodes``."""
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor (a module's tensors may sit in different shards)."""
+    where: dict[str, Path] = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            where.update((key, file) for key in f.keys())
+    return where
+
+
+def load_int_linears(model: nn.Module, model_dir: Path, marker: str, suffixes: tuple[str, ...],
+                     decode: IntDecoder, what: str) -> int:
+    """Replace each linear ``name`` that has a ``name.<marker>`` tensor by an :class:`IntLinear` holding the
+    file's codes, decoded from its ``name.<suffix>`` tensors by ``decode``."""
+    where = _tensor_files(model_dir)
+    names = sorted(key[: -len(marker) - 1] for key in where if key.endswith(f".{marker}"))
+    for name in names:
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            raise QuantizationError(f"{name}.{marker}: the model has no module {name!r}") from None
+        if not isinstance(linear, nn.Linear):
+            raise QuantizationError(f"{name}.{marker}: {name} is a {type(linear).__name__}, not a Linear")
+        tensors = {}
+        for suffix in suffixes:
+            file = where.get(f"{name}.{suffix}")
+            if file is not None:
+                with safe_open(str(file), framework="pt") as f:
+                    tensors[suffix] = f.get_tensor(f"{name}.{suffix}")
+        codes = decode(name, tensors, linear.out_features, linear.in_features)
+        check_codes(name, codes, linear.out_features, linear.in_features)
+        _set_submodule(model, name, IntLinear.from_codes(codes, linear.bias))
+        del linear
+    if not names:
+        raise QuantizationError(f"{model_dir}: no *.{marker} tensor in the safetensors files: not a {what} "
+                                "checkpoint")
+    return len(names)
+
+
+def load_quantized(model: nn.Module, method: str, scheme: object, model_dir: Path) -> tuple[int, str]:
+    """Swap in the quantized linears of ``method`` (``scheme`` as the config parser returned it);
+    return how many and what they hold (for the log)."""
+    from tgi_paged_backend.runner.quant import gptq_awq
+    from tgi_paged_backend.runner.quant.compressed_tensors import CompressedIntScheme
+    from tgi_paged_backend.runner.quant.pack_quantized import TENSOR_SUFFIXES, decode_pack_quantized
+
+    if method == "fp8":
+        return quantize_model_fp8(model), "fp8 e4m3 (per-channel scales)"
+    if isinstance(scheme, gptq_awq.GptqAwqScheme):
+        def decode(name, tensors, n, k):
+            return gptq_awq.decode(name, tensors, scheme, n, k)
+
+        groups = "per channel" if scheme.group_size == -1 else f"groups of {scheme.group_size}"
+        count = load_int_linears(model, model_dir, "qweight", gptq_awq.TENSOR_SUFFIXES, decode, scheme.method)
+        return count, f"int{scheme.bits} ({scheme.method}, {groups}{', act-order' if scheme.desc_act else ''})"
+    if isinstance(scheme, CompressedIntScheme):
+        def decode(name, tensors, n, k):
+            return decode_pack_quantized(name, tensors, scheme.bits, scheme.group_size, scheme.symmetric, n, k)
+
+        count = load_int_linears(model, model_dir, "weight_packed", TENSOR_SUFFIXES, decode,
+                                 "pack-quantized compressed-tensors")
+        groups = "per channel" if scheme.group_size is None else f"groups of {scheme.group_size}"
+        return count, f"int{scheme.bits} (compressed-tensors pack-quantized, {groups})"
+    return load_compressed_fp8(model, model_dir), "fp8 e4m3 (compressed-tensors)"

@@ -1,10 +1,15 @@
-"""``Fp8Linear``: a drop-in for ``nn.Linear`` whose weight is float8 e4m3 with per-output-channel scales.
+"""Drop-ins for ``nn.Linear``: ``Fp8Linear`` (float8 e4m3 weights, per-output-channel scales) and
+``IntLinear`` (int4/int8 codes with per-group scales and zero points: GPTQ, AWQ, compressed-tensors).
 
 The fp8 weight and its scales are buffers (``qweight`` ``[N, K]`` float8_e4m3fn, ``weight_scale``
 ``[N]`` float32), so ``model.to(device)`` moves them and the runner's weights-bytes sum counts what is
 actually resident: 1 byte per weight plus 4 bytes per output channel. The forward is
 :func:`tgi_paged_kernels.fp8_gemm.fp8_linear` (Triton dequantize-GEMM on CUDA; on CPU the layer's
 weight is dequantized on the fly into the activation dtype, used and freed).
+
+``IntLinear`` holds the layout of :mod:`tgi_paged_kernels.int_gemm`: uint8 codes (two per byte for
+int4: ``N * K / 2`` bytes), float32 ``scales`` and uint8 ``zeros`` ``[N, G]`` (5 bytes per group of
+each output channel) and int32 ``g_idx`` ``[K]`` (4 bytes per input column).
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import torch
 from torch import nn
 
 from tgi_paged_backend.runner.quant.fp8 import quantize_fp8_per_channel
+from tgi_paged_backend.runner.quant.int_codes import IntCodes
 from tgi_paged_kernels.fp8_gemm import dequantize_fp8, fp8_linear
+from tgi_paged_kernels.int_gemm import check_int_linear, dequantize_int, int_linear, pack_codes, unpack_codes
 
 
 class Fp8Linear(nn.Module):
@@ -54,3 +61,64 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 "fp8_e4m3")
+
+
+class IntLinear(nn.Module):
+    """``y = x @ W^T + bias`` with ``W[n, k] = (code[n, k] - zeros[n, g]) * scales[n, g]``, ``g = g_idx[k]``."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor,
+                 bits: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.bits = int(bits)
+        self.out_features, self.in_features = int(qweight.shape[0]), int(g_idx.shape[0])
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.to(torch.float32).contiguous())
+        self.register_buffer("zeros", zeros.contiguous())
+        self.register_buffer("g_idx", g_idx.to(torch.int32).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        probe = torch.empty(0, self.in_features, dtype=torch.float32, device=qweight.device)
+        check_int_linear(probe, self.qweight, self.scales, self.zeros, self.g_idx, self.bias, self.bits)
+
+    @classmethod
+    def from_codes(cls, codes: IntCodes, bias: torch.Tensor | None) -> "IntLinear":
+        """Pack decoded codes (:mod:`.int_codes`) into the resident layout; the bias stays in its dtype."""
+        return cls(pack_codes(codes.codes, codes.bits), codes.scales, codes.zeros, codes.g_idx, codes.bits, bias)
+
+    def codes(self) -> torch.Tensor:
+        """``[N, K]`` uint8 codes, unpacked."""
+        return unpack_codes(self.qweight, self.bits)
+
+    def output_slice(self, rows: slice) -> "IntLinear":
+        """Column-parallel shard: output channels ``rows`` (their codes, scales, zeros and bias)."""
+        return IntLinear(self.qweight[rows].clone(), self.scales[rows].clone(), self.zeros[rows].clone(),
+                         self.g_idx.clone(), self.bits, None if self.bias is None else self.bias.detach()[rows].clone())
+
+    def input_slice(self, cols: slice) -> "IntLinear":
+        """Row-parallel shard without bias: input features ``cols`` with their ``g_idx``, and the groups
+        those columns use (``g_idx`` rebased on the first one kept). With ``k // group_size`` groups and
+        a slice on group boundaries each rank keeps only its own groups; with act-order every group a
+        column of the slice belongs to is kept, so any ``g_idx`` is served exactly."""
+        start, stop, _ = cols.indices(self.in_features)
+        if self.bits == 4 and (start % 2 or stop % 2):
+            raise ValueError(f"int4 input slice [{start}, {stop}) must start and end on an even column")
+        g_idx = self.g_idx[start:stop]
+        lo, hi = int(g_idx.min()), int(g_idx.max()) + 1
+        per_byte = 2 if self.bits == 4 else 1
+        return IntLinear(self.qweight[:, start // per_byte:stop // per_byte].contiguous(),
+                         self.scales[:, lo:hi].contiguous(), self.zeros[:, lo:hi].contiguous(),
+                         (g_idx - lo).contiguous(), self.bits, None)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight a reference ``nn.Linear`` must hold to compute exactly what this module does on CPU."""
+        return dequantize_int(self.qweight, self.scales, self.zeros, self.g_idx, self.bits, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int_linear(x, self.qweight, self.scales, self.zeros, self.g_idx, self.bits, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"int{self.bits}, groups={self.scales.shape[1]}")
+
+
+QUANTIZED_LINEARS = (Fp8Linear, IntLinear)
+"""Module types that replace ``nn.Linear`` under ``--quantize`` (all support output/input slicing)."""

@@ -6,7 +6,14 @@ Torch-free: the CLI refuses an unsupported ``--quantize`` before anything heavy 
     An fp16/bf16/fp32 checkpoint quantized at load time to float8 e4m3, one scale per output channel.
 ``compressed-tensors``
     A checkpoint written by llm-compressor / compressed-tensors with FP8 weights
-    (``weight`` float8_e4m3fn + ``weight_scale``, channel or tensor strategy), served weight-only.
+    (``weight`` float8_e4m3fn + ``weight_scale``, channel or tensor strategy) or packed int4/int8
+    weights (``pack-quantized``, group or channel strategy), served weight-only.
+``gptq``
+    An AutoGPTQ / GPTQModel checkpoint (``checkpoint_format: gptq``), bits 4 or 8, with or without
+    act-order; also an AWQ checkpoint (TGI converts AWQ to GPTQ for ``--quantize gptq``; here both
+    load into the same int layout).
+``awq``
+    An AutoAWQ GEMM checkpoint (bits 4, zero points).
 
 Everything else the TGI launcher can send is refused with :func:`refusal`.
 """
@@ -16,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-SUPPORTED_QUANTIZE: tuple[str, ...] = ("fp8", "compressed-tensors")
+SUPPORTED_QUANTIZE: tuple[str, ...] = ("fp8", "compressed-tensors", "gptq", "awq")
 """``--quantize`` values this backend serves."""
 
 
@@ -28,7 +35,8 @@ def refusal(quantize: str) -> str:
     """The one-line refusal for an unsupported ``--quantize`` value."""
     return (f"--quantize {quantize} is not supported by tgi-paged-backend: supported "
             f"{', '.join(SUPPORTED_QUANTIZE)} (fp8: an fp16/bf16/fp32 checkpoint quantized at load time; "
-            "compressed-tensors: FP8 weight checkpoints); serve unquantized weights, or set TGI_BACKEND=stock "
+            "compressed-tensors: FP8 or pack-quantized int4/int8 weight checkpoints; gptq: GPTQ int4/int8 "
+            "checkpoints; awq: AWQ GEMM int4 checkpoints); serve unquantized weights, or set TGI_BACKEND=stock "
             "to use TGI's own server")
 
 
@@ -65,6 +73,8 @@ def check_quantize(quantize: str | None, hf_config: Mapping[str, Any] | Any) -> 
                 f"quantized (quantization_config.quant_method={method!r}); pre-quantized FP8 checkpoints are served "
                 "in the compressed-tensors format (--quantize compressed-tensors)")
         return "fp8"
+    if quantize == "gptq" and method == "awq":  # as TGI, which converts AWQ to its GPTQ kernels' packing
+        return "awq"
     if method != quantize:
         raise QuantizationError(
             f"--quantize {quantize} needs a checkpoint whose config.json has quantization_config.quant_method="
