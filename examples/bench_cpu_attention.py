@@ -6,8 +6,8 @@ SmolLM2-135M's attention (9 query heads, 3 KV heads, head_dim 64, fp32), block 1
 random context lengths up to ``--context``. One "step" = ``--layers`` calls of decode attention,
 each on its own layer pool, as the model does. Prints ms per step for:
 
-- ``per KV head``: the masked matmul pair per KV head with its own gather per call (the CPU path
-  before the per-step plan; still the path for soft-capping and sinks);
+- ``per KV head``: the masked matmul pair per KV head (the path for soft-capping and sinks), over a
+  gather planned in every call;
 - ``SDPA, plan per call``: ``scaled_dot_product_attention`` over a gather planned in every call;
 - ``SDPA, one plan per step``: what serving does (``plan_decode_gather`` once, shared by the layers);
 
@@ -59,8 +59,8 @@ def main() -> None:
 
     def per_kv_head():
         for kv in layers:
-            decode_per_kv_head(query, kv.k_cache, kv.v_cache, tables, lens, scale=scale, softcap=0.0,
-                               sliding_window=None, k_scale=1.0, v_scale=1.0, out=None)  # fmt: skip
+            decode_per_kv_head(query, kv.k_cache, kv.v_cache, plan_decode_gather(tables, lens, 16, None), scale=scale,
+                               softcap=0.0, k_scale=1.0, v_scale=1.0)  # fmt: skip
 
     def sdpa_plan_per_call():
         for kv in layers:
@@ -78,7 +78,7 @@ def main() -> None:
             gather_decode_kv(kv.k_cache, plan, 1.0)
             gather_decode_kv(kv.v_cache, plan, 1.0)
 
-    rows = [("per KV head (own gather per call)", per_kv_head), ("SDPA, plan per call", sdpa_plan_per_call),
+    rows = [("per KV head, plan per call", per_kv_head), ("SDPA, plan per call", sdpa_plan_per_call),
             ("SDPA, one plan per step (serving)", sdpa_plan_per_step), ("gathers alone (K and V)", gathers_only)]
     print(f"decode attention, {args.layers} layers x batch {args.batch}, contexts {min(seq_lens)}-{max(seq_lens)}, "
           f"9/3 heads x 64, fp32, block 16, {args.threads} threads; best of {args.repeats}")

@@ -1,15 +1,14 @@
 """Plain-torch implementations behind the public functions for CPU tensors.
 
-These serve small models on CPU (tests, the demo: SmolLM2-135M, batch 32, contexts up to ~1k), so
-decode is vectorised across the batch: gather every request's blocks through the block table into
-one padded ``[batch, max_len, num_kv_heads, head_dim]`` tensor, mask, and do one batched matmul
-pair per KV head for the whole batch (no loop over requests). Measured at the serving shape on a
-loaded 2-core machine, one thread: ~65 ms per layer call, of which ~25 ms is the gather itself.
-Prefill loops over requests (each request is already a large matmul).
+These serve small models on CPU (tests, the demo: SmolLM2-135M, batch 32, contexts up to ~1k).
+Decode is vectorised across the batch over the step's gather plan (:mod:`.cpu_attention`: every
+request's blocks gathered into one padded batch tensor, rows the query must not see zeroed), then one
+SDPA call, or a masked matmul pair per KV head for soft-capping and sinks. Prefill loops over requests
+(each request is already a large matmul).
 
-Unused slots of the pool may hold anything, NaN included (pools come from ``torch.empty``). Padded
-positions are therefore masked in the scores *and* zeroed in V: ``0 * NaN`` is NaN, so a zero
-probability alone would not hide them.
+Unused slots of the pool may hold anything, NaN included (pools come from ``torch.empty``). Rows a
+query must not see are therefore masked in the scores *and* zeroed in the gathered K/V: ``0 * NaN``
+is NaN, so a zero probability alone would not hide them.
 
 Arguments are checked by the public functions in ``api``; only value-dependent checks live here.
 """
@@ -18,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import cdiv
-from .cpu_attention import DecodeGather, cdiv_tensor, decode_attention_sdpa, plan_decode_gather, prefill_attention_sdpa
+from .cpu_attention import (DecodeGather, decode_attention_sdpa, gather_decode_kv, plan_decode_gather,
+                            prefill_attention_sdpa)
 from .reference import dequantize, quantize
 
 
@@ -71,55 +70,34 @@ def paged_decode_attention_torch(
     query, k_cache, v_cache, block_tables, seq_lens, *, scale, softcap, sliding_window, k_scale, v_scale, out,
     sinks=None, gather: DecodeGather | None = None,
 ) -> torch.Tensor:
-    """Decode for CPU tensors; see ``api.paged_decode_attention``.
-
-    Without soft-capping or sinks: SDPA over the step's gather plan (``gather``, built here when not
-    given). Otherwise one gather and a masked matmul pair per KV head."""
+    """Decode for CPU tensors over the step's gather plan (``gather``, built here when not given); see
+    ``api.paged_decode_attention``. SDPA without soft-capping or sinks, else a masked matmul pair per
+    KV head."""
+    if gather is None:
+        gather = plan_decode_gather(block_tables, seq_lens, k_cache.shape[1], sliding_window)
+    elif gather.num_requests != query.shape[0]:
+        raise ValueError(f"gather plan for {gather.num_requests} requests, the query has {query.shape[0]}")
     if softcap == 0 and sinks is None:
-        if gather is None:
-            gather = plan_decode_gather(block_tables, seq_lens, k_cache.shape[1], sliding_window)
-        elif gather.num_requests != query.shape[0]:
-            raise ValueError(f"gather plan for {gather.num_requests} requests, the query has {query.shape[0]}")
         result = decode_attention_sdpa(query, k_cache, v_cache, gather, scale=scale, k_scale=k_scale, v_scale=v_scale)
-        return _write_out(result, query, out)
-    return decode_per_kv_head(query, k_cache, v_cache, block_tables, seq_lens, scale=scale, softcap=softcap,
-                              sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out, sinks=sinks)
+    else:
+        result = decode_per_kv_head(query, k_cache, v_cache, gather, scale=scale, softcap=softcap, k_scale=k_scale,
+                                    v_scale=v_scale, sinks=sinks)
+    return _write_out(result, query, out)
 
 
-def decode_per_kv_head(
-    query, k_cache, v_cache, block_tables, seq_lens, *, scale, softcap, sliding_window, k_scale, v_scale, out,
-    sinks=None,
-) -> torch.Tensor:
-    """Decode with a masked matmul pair per KV head (soft-capping and sinks; also any call, for the
-    CPU attention benchmark's comparison): one gather per call, nothing shared between layers."""
+def decode_per_kv_head(query, k_cache, v_cache, gather: DecodeGather, *, scale, softcap, k_scale, v_scale,
+                       sinks=None) -> torch.Tensor:
+    """fp32 decode with a masked matmul pair per KV head (the soft-capping and sinks path), over the
+    same gathered K/V (hidden rows zeroed) and mask as the SDPA path."""
     batch, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    seq_lens = seq_lens.long()
-    max_len = int(seq_lens.max()) if batch else 0
-    num_blocks = cdiv(max_len, block_size)
-    if num_blocks > block_tables.shape[1]:
-        raise ValueError(f"seq_lens up to {max_len} need {num_blocks} blocks, block_tables has {block_tables.shape[1]}")
-
-    # -- gather: [batch, num_blocks * block_size, num_kv_heads, head_dim]; table entries past a
-    # request's last block may be garbage, so point them at block 0 (masked below) ---------------
-    used = torch.arange(num_blocks)[None, :] < cdiv_tensor(seq_lens, block_size)[:, None]
-    table = torch.where(used, block_tables[:, :num_blocks].long(), 0)
-    k = dequantize(k_cache[table], k_scale).flatten(1, 2)
-    v = dequantize(v_cache[table], v_scale).flatten(1, 2)
-
-    # -- which positions the single query (at seq_len - 1) sees; zero V past seq_len (may be NaN) --
-    positions = torch.arange(num_blocks * block_size)
-    owned = positions[None, :] < seq_lens[:, None]
-    v[~owned] = 0.0  # v is the gathered copy, never the pool; cost ~ number of padded positions
-    visible = owned
-    if sliding_window is not None:
-        visible = visible & (positions[None, :] > seq_lens[:, None] - 1 - sliding_window)
-
+    num_kv_heads = k_cache.shape[2]
+    k = gather_decode_kv(k_cache, gather, k_scale).transpose(1, 2)  # [batch, positions, kv_heads, head_dim]
+    v = gather_decode_kv(v_cache, gather, v_scale).transpose(1, 2)
     # -- GQA: the queries_per_kv heads of a group are the "rows" of one KV head ---------------------
     q = query.float().reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     rows_sinks = None if sinks is None else sinks.float().reshape(num_kv_heads, num_q_heads // num_kv_heads)
-    result = _attend_per_kv_head(q, k, v, visible[:, None, :], scale=scale, softcap=softcap, sinks=rows_sinks)
-    return _write_out(result.reshape(batch, num_q_heads, head_dim), query, out)
+    result = _attend_per_kv_head(q, k, v, gather.visible[:, 0], scale=scale, softcap=softcap, sinks=rows_sinks)
+    return result.reshape(batch, num_q_heads, head_dim)
 
 
 def paged_prefill_attention_torch(

@@ -162,8 +162,9 @@ def test_store_then_decode_round_trip(cache_dtype, block_size):
     assert_attention_close(actual, expected, torch.float32)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["sdpa", "per-kv-head"])
 @pytest.mark.parametrize("sliding_window", [None, 7])
-def test_one_decode_plan_serves_every_layer_of_a_step(sliding_window):
+def test_one_decode_plan_serves_every_layer_of_a_step(sliding_window, softcap):
     # The runner builds the gather plan once per step and hands it to each layer: every layer's
     # result (its own pool and dtype, NaN in unowned slots; same block tables, as in one step)
     # equals the call that plans itself.
@@ -176,7 +177,7 @@ def test_one_decode_plan_serves_every_layer_of_a_step(sliding_window):
             plan = plan_decode_gather(kv.block_tables, kv.seq_lens, 8, sliding_window)
         query = torch.randn(len(seq_lens), 6, 16)
         args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
-        kwargs = dict(scale=0.25, sliding_window=sliding_window, k_scale=0.5, v_scale=2.0)
+        kwargs = dict(scale=0.25, softcap=softcap, sliding_window=sliding_window, k_scale=0.5, v_scale=2.0)
         shared = paged_decode_attention(*args, gather=plan, **kwargs)
         assert torch.isfinite(shared).all()
         torch.testing.assert_close(shared, paged_decode_attention(*args, **kwargs), atol=0, rtol=0)

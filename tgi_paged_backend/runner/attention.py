@@ -157,8 +157,7 @@ def paged_attention_forward(
         sinks=None if s_aux is None else s_aux.detach().float().contiguous(),
     )
     if batch.is_decode:
-        plain = not common["softcap"] and common["sinks"] is None  # what the CPU SDPA path serves
-        gather = metadata.decode_gather(k_cache.shape[1], common["sliding_window"]) if plain else None
+        gather = metadata.decode_gather(k_cache.shape[1], common["sliding_window"])
         out = tgi_paged_kernels.paged_decode_attention(
             q, k_cache, v_cache, batch.block_tables, batch.seq_lens, gather=gather, **common)
     else:
