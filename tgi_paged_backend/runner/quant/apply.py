@@ -28,6 +28,17 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
+def _linear_for(model: nn.Module, name: str, key: str) -> nn.Linear:
+    """The ``nn.Linear`` called ``name`` that checkpoint tensor ``key`` belongs to (refused otherwise)."""
+    try:
+        linear = model.get_submodule(name)
+    except AttributeError:
+        raise QuantizationError(f"{key}: the model has no module {name!r}") from None
+    if not isinstance(linear, nn.Linear):
+        raise QuantizationError(f"{key}: {name} is a {type(linear).__name__}, not a Linear")
+    return linear
+
+
 def quantize_model_fp8(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` but the output head by an :class:`Fp8Linear`; return how many."""
     head = model.get_output_embeddings()
@@ -59,12 +70,7 @@ def load_compressed_fp8(model: nn.Module, model_dir: Path) -> int:
                 if not key.endswith(SCALE_SUFFIX):
                     continue
                 name = key[: -len(SCALE_SUFFIX)]
-                try:
-                    linear = model.get_submodule(name)
-                except AttributeError:
-                    raise QuantizationError(f"{key}: the model has no module {name!r}") from None
-                if not isinstance(linear, nn.Linear):
-                    raise QuantizationError(f"{key}: {name} is a {type(linear).__name__}, not a Linear")
+                linear = _linear_for(model, name, key)
                 qweight = f.get_tensor(f"{name}.weight")
                 if qweight.dtype != FP8_DTYPE or tuple(qweight.shape) != (linear.out_features, linear.in_features):
                     raise QuantizationError(f"{name}.weight is {qweight.dtype} {tuple(qweight.shape)}: expected "
@@ -98,12 +104,7 @@ def load_int_linears(model: nn.Module, model_dir: Path, marker: str, suffixes: t
     where = _tensor_files(model_dir)
     names = sorted(key[: -len(marker) - 1] for key in where if key.endswith(f".{marker}"))
     for name in names:
-        try:
-            linear = model.get_submodule(name)
-        except AttributeError:
-            raise QuantizationError(f"{name}.{marker}: the model has no module {name!r}") from None
-        if not isinstance(linear, nn.Linear):
-            raise QuantizationError(f"{name}.{marker}: {name} is a {type(linear).__name__}, not a Linear")
+        linear = _linear_for(model, name, f"{name}.{marker}")
         tensors = {}
         for suffix in suffixes:
             file = where.get(f"{name}.{suffix}")
