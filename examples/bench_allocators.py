@@ -60,11 +60,22 @@ def main() -> None:
     results = {}
     for workload in args.workloads:
         t1 = time.perf_counter()
-        trace = generate_trace(workload, args.requests, arrival=args.arrival, rate=args.rate,
-                               max_new_tokens=args.max_new_tokens, seed=args.seed)
+        trace = generate_trace(
+            workload,
+            args.requests,
+            arrival=args.arrival,
+            rate=args.rate,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+        )
         save_trace(out / f"trace_{workload}.jsonl", trace)
-        inputs = PlanInputs(model=args.model, device=args.gpu, memory_fraction=args.memory_fraction,
-                            block_size=args.block_size, overcommits=tuple(args.overcommits))
+        inputs = PlanInputs(
+            model=args.model,
+            device=args.gpu,
+            memory_fraction=args.memory_fraction,
+            block_size=args.block_size,
+            overcommits=tuple(args.overcommits),
+        )
         plan = make_plan(inputs, trace)
         comparison, unit = plan.comparison, "s"
         if args.unit_cost:
@@ -77,11 +88,19 @@ def main() -> None:
             print(overcommit_table(comparison))
         else:
             print(format_plan(plan))
-        png = plot_comparison(comparison, out / f"allocators_{workload}.png", time_unit=unit,
-                              title=f"{workload}: {args.requests} requests, {args.model} on {args.gpu}, "
-                                    f"{plan.num_blocks} blocks x {args.block_size}")
-        results[workload] = {"plan": plan.to_dict(), "comparison": comparison.to_dict(series=False),
-                             "plot": str(png), "seconds": time.perf_counter() - t1}
+        png = plot_comparison(
+            comparison,
+            out / f"allocators_{workload}.png",
+            time_unit=unit,
+            title=f"{workload}: {args.requests} requests, {args.model} on {args.gpu}, "
+            f"{plan.num_blocks} blocks x {args.block_size}",
+        )
+        results[workload] = {
+            "plan": plan.to_dict(),
+            "comparison": comparison.to_dict(series=False),
+            "plot": str(png),
+            "seconds": time.perf_counter() - t1,
+        }
         print(f"\n(plot: {png}; {time.perf_counter() - t1:.1f} s)\n")
     (out / "allocators.json").write_text(json.dumps(results, indent=2, default=str))
     print(f"wrote {out / 'allocators.json'} in {time.perf_counter() - t0:.1f} s")

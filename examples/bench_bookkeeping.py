@@ -29,8 +29,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="context length at the start of decode")
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--aligned", action="store_true",
-                        help="all requests cross a block boundary on the same step (worst case)")
+    parser.add_argument(
+        "--aligned", action="store_true", help="all requests cross a block boundary on the same step (worst case)"
+    )
     args = parser.parse_args()
 
     bs, num_requests = args.block_size, args.requests
@@ -61,11 +62,15 @@ def main() -> None:
     kv.check_invariants()
 
     ms = sorted(t / 1e6 for t in step_ns)
-    print(f"config: requests={num_requests} context={args.tokens} (+{args.steps} decode steps) "
-          f"block_size={bs} blocks/request~{tables.shape[1]} aligned={args.aligned}")
-    print(f"decode-step bookkeeping (allocate x{num_requests} + decode_slot_mapping + block_tables): "
-          f"median {statistics.median(ms):.3f} ms, p90 {ms[int(0.9 * len(ms))]:.3f} ms, "
-          f"max {ms[-1]:.3f} ms over {len(ms)} steps")
+    print(
+        f"config: requests={num_requests} context={args.tokens} (+{args.steps} decode steps) "
+        f"block_size={bs} blocks/request~{tables.shape[1]} aligned={args.aligned}"
+    )
+    print(
+        f"decode-step bookkeeping (allocate x{num_requests} + decode_slot_mapping + block_tables): "
+        f"median {statistics.median(ms):.3f} ms, p90 {ms[int(0.9 * len(ms))]:.3f} ms, "
+        f"max {ms[-1]:.3f} ms over {len(ms)} steps"
+    )
 
 
 if __name__ == "__main__":

@@ -78,10 +78,16 @@ def main() -> None:
             gather_decode_kv(kv.k_cache, plan, 1.0)
             gather_decode_kv(kv.v_cache, plan, 1.0)
 
-    rows = [("per KV head, plan per call", per_kv_head), ("SDPA, plan per call", sdpa_plan_per_call),
-            ("SDPA, one plan per step (serving)", sdpa_plan_per_step), ("gathers alone (K and V)", gathers_only)]
-    print(f"decode attention, {args.layers} layers x batch {args.batch}, contexts {min(seq_lens)}-{max(seq_lens)}, "
-          f"9/3 heads x 64, fp32, block 16, {args.threads} threads; best of {args.repeats}")
+    rows = [
+        ("per KV head, plan per call", per_kv_head),
+        ("SDPA, plan per call", sdpa_plan_per_call),
+        ("SDPA, one plan per step (serving)", sdpa_plan_per_step),
+        ("gathers alone (K and V)", gathers_only),
+    ]
+    print(
+        f"decode attention, {args.layers} layers x batch {args.batch}, contexts {min(seq_lens)}-{max(seq_lens)}, "
+        f"9/3 heads x 64, fp32, block 16, {args.threads} threads; best of {args.repeats}"
+    )
     base = None
     for label, fn in rows:
         ms = best_ms(fn, args.repeats)

@@ -48,15 +48,23 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-tokens", type=int, default=512,
-                        help="KV token slots of every mode (TGI_PAGED_NUM_BLOCKS = kv_tokens / block_size + scratch)")
+    parser.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=512,
+        help="KV token slots of every mode (TGI_PAGED_NUM_BLOCKS = kv_tokens / block_size + scratch)",
+    )
     parser.add_argument("--num-blocks", type=int, default=None, help="TGI_PAGED_NUM_BLOCKS (incl. scratch) instead")
     parser.add_argument("--block-size", type=int, default=1)
     parser.add_argument("--overcommits", type=float, nargs="+", default=[3.0, 4.0, 6.0, 8.0])
     parser.add_argument("--max-input-tokens", type=int, default=128)
     parser.add_argument("--max-batch-prefill-tokens", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads per mode (0: torch's default); 1 keeps a shared 2-core box stable")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per mode (0: torch's default); 1 keeps a shared 2-core box stable",
+    )
     parser.add_argument("--skip-contiguous", action="store_true")
     parser.add_argument("--skip-stock", action="store_true")
     parser.add_argument("--out", default="out/bench")
@@ -72,15 +80,30 @@ def main() -> None:
     if args.trace:
         trace = load_trace(args.trace, default_max_new_tokens=args.max_new_tokens or 96)
     else:
-        trace = generate_trace(args.workload, args.requests, arrival=args.arrival, rate=args.rate,
-                               max_new_tokens=args.max_new_tokens, seed=args.seed)
+        trace = generate_trace(
+            args.workload,
+            args.requests,
+            arrival=args.arrival,
+            rate=args.rate,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+        )
     out = Path(args.out)
     save_trace(out / "e2e_trace.jsonl", trace)
     num_blocks = args.num_blocks or -(-args.kv_tokens // args.block_size) + 1
-    cfg = E2EConfig(model_dir=model_dir, trace=tuple(trace), num_blocks=num_blocks, block_size=args.block_size,
-                    overcommits=tuple(args.overcommits), max_input_tokens=args.max_input_tokens,
-                    max_batch_prefill_tokens=args.max_batch_prefill_tokens, threads=args.threads or None,
-                    run_contiguous=not args.skip_contiguous, run_stock=not args.skip_stock, seed=args.seed)
+    cfg = E2EConfig(
+        model_dir=model_dir,
+        trace=tuple(trace),
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        overcommits=tuple(args.overcommits),
+        max_input_tokens=args.max_input_tokens,
+        max_batch_prefill_tokens=args.max_batch_prefill_tokens,
+        threads=args.threads or None,
+        run_contiguous=not args.skip_contiguous,
+        run_stock=not args.skip_stock,
+        seed=args.seed,
+    )
     report = run_all(cfg)
     print()
     print(format_report(report))

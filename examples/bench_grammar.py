@@ -38,9 +38,20 @@ from tgi_paged_backend.engine.types import (  # noqa: E402
 )
 from tgi_paged_backend.envs import build_config  # noqa: E402
 
-SCHEMA = GrammarSpec("json", json.dumps({"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},
-    "required": ["name", "age"]}))
+SCHEMA = GrammarSpec(
+    "json",
+    json.dumps(
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "age": {"type": "integer"},
+                "tags": {"type": "array", "items": {"type": "string"}},
+            },
+            "required": ["name", "age"],
+        }
+    ),
+)
 
 
 def large_schema(seed: int) -> GrammarSpec:
@@ -50,9 +61,13 @@ def large_schema(seed: int) -> GrammarSpec:
 
 
 def request(rid: int, max_new: int, grammar: GrammarSpec | None = None) -> RequestSpec:
-    return RequestSpec(id=rid, text=f"Request {rid}: describe a person as JSON.", truncate=1024,
-                       sampling=SamplingParams(grammar=grammar),
-                       stopping=StoppingParams(max_new_tokens=max_new, ignore_eos_token=True))
+    return RequestSpec(
+        id=rid,
+        text=f"Request {rid}: describe a person as JSON.",
+        truncate=1024,
+        sampling=SamplingParams(grammar=grammar),
+        stopping=StoppingParams(max_new_tokens=max_new, ignore_eos_token=True),
+    )
 
 
 def decode_times(engine, batch, steps: int) -> tuple[list[float], object]:
@@ -71,8 +86,7 @@ def mask_cost(engine, n: int, steps: int) -> dict[int, float]:
         reqs = [request(1000 * constrained + i, steps + 4, SCHEMA if i < constrained else None) for i in range(n)]
         result = engine.prefill(BatchSpec(id=constrained + 1, requests=tuple(reqs)), None)
         batch = result.batch
-        while any(engine.requests[r.id].grammar is not None and not engine.requests[r.id].grammar.ready
-                  for r in reqs):
+        while any(engine.requests[r.id].grammar is not None and not engine.requests[r.id].grammar.ready for r in reqs):
             batch = engine.decode([batch.id]).batch  # let the schema compile (first run only)
         times, batch = decode_times(engine, batch, steps)
         medians[constrained] = statistics.median(times)
@@ -109,9 +123,13 @@ def compile_stall(engine, n: int, steps: int) -> dict[str, float]:
             break
         result = engine.decode([result.batch.id])
     engine.clear_cache(None)
-    return {"median_step_s": statistics.median(base), "admit_step_s": gaps[0],
-            "max_decode_during_compile_s": max(gaps[1:], default=0.0),
-            "ttft_new_schema_s": first_token_s, "ttft_cached_schema_s": cached_s}
+    return {
+        "median_step_s": statistics.median(base),
+        "admit_step_s": gaps[0],
+        "max_decode_during_compile_s": max(gaps[1:], default=0.0),
+        "ttft_new_schema_s": first_token_s,
+        "ttft_cached_schema_s": cached_s,
+    }
 
 
 def main() -> None:
@@ -132,11 +150,17 @@ def main() -> None:
     stall = compile_stall(engine, args.requests, args.steps)
     print(f"new large schema arriving while {args.requests - 1} requests decode")
     print(f"  others' median step         {stall['median_step_s'] * 1e3:7.1f} ms")
-    print(f"  the Prefill that admits it     {stall['admit_step_s'] * 1e3:7.1f} ms"
-          f"   x{stall['admit_step_s'] / stall['median_step_s']:.2f} the median (its prompt, the early-error wait)")
-    print(f"  others' longest decode step during its compile {stall['max_decode_during_compile_s'] * 1e3:7.1f} ms"
-          f"   x{stall['max_decode_during_compile_s'] / stall['median_step_s']:.2f} the median")
-    print(f"  its first token: new schema {stall['ttft_new_schema_s']:.2f} s, cached {stall['ttft_cached_schema_s']:.2f} s")
+    print(
+        f"  the Prefill that admits it     {stall['admit_step_s'] * 1e3:7.1f} ms"
+        f"   x{stall['admit_step_s'] / stall['median_step_s']:.2f} the median (its prompt, the early-error wait)"
+    )
+    print(
+        f"  others' longest decode step during its compile {stall['max_decode_during_compile_s'] * 1e3:7.1f} ms"
+        f"   x{stall['max_decode_during_compile_s'] / stall['median_step_s']:.2f} the median"
+    )
+    print(
+        f"  its first token: new schema {stall['ttft_new_schema_s']:.2f} s, cached {stall['ttft_cached_schema_s']:.2f} s"
+    )
     engine.close()
 
 

@@ -52,8 +52,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16, help="this shard's block (transformers' page) size")
     parser.add_argument("--max-batch-tokens", type=int, default=1024, help="prefill tokens per step, every engine")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--engines", nargs="+", default=["shard", "vllm", "transformers"],
-                        choices=["shard", "vllm", "transformers"])
+    parser.add_argument(
+        "--engines", nargs="+", default=["shard", "vllm", "transformers"], choices=["shard", "vllm", "transformers"]
+    )
     parser.add_argument("--vllm-python", default=str(DEFAULT_PEERS / "vllm" / "bin" / "python"))
     parser.add_argument("--out", default="out/bench")
     args = parser.parse_args()
@@ -65,10 +66,19 @@ def main() -> None:
         from integration.smollm2 import ensure_smollm2
 
         model_dir = ensure_smollm2()
-    cfg = PeersConfig(model_dir=model_dir, requests=args.requests, rate=args.rate, threads=args.threads,
-                      kv_tokens=args.kv_tokens, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
-                      seed=args.seed, engines=tuple(args.engines), vllm_python=Path(args.vllm_python),
-                      cache_dir=Path(args.out))
+    cfg = PeersConfig(
+        model_dir=model_dir,
+        requests=args.requests,
+        rate=args.rate,
+        threads=args.threads,
+        kv_tokens=args.kv_tokens,
+        block_size=args.block_size,
+        max_batch_tokens=args.max_batch_tokens,
+        seed=args.seed,
+        engines=tuple(args.engines),
+        vllm_python=Path(args.vllm_python),
+        cache_dir=Path(args.out),
+    )
     report = run_all(cfg)
     print()
     print(format_report(report))

@@ -51,11 +51,18 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--step-time", action="store_true",
-                        help="also time one CPU decode step of 8 requests (fp8 dequantizes every linear on the fly)")
+    parser.add_argument(
+        "--step-time",
+        action="store_true",
+        help="also time one CPU decode step of 8 requests (fp8 dequantizes every linear on the fly)",
+    )
     parser.add_argument("--int", action="store_true", help="also GPTQ int4, AWQ int4, compressed-tensors int8")
-    parser.add_argument("--group-size", type=int, default=64, help="groups of the int4 checkpoints (must divide "
-                                                                    "every linear's in_features)")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=64,
+        help="groups of the int4 checkpoints (must divide every linear's in_features)",
+    )
     args = parser.parse_args()
 
     from loguru import logger
@@ -76,31 +83,43 @@ def main() -> None:
         from tests.helpers.int_checkpoints import write_int_checkpoint
 
         g = args.group_size
-        for name, fmt, options in ((f"gptq int4 g{g}", "gptq", dict(bits=4, group_size=g, sym=True)),
-                                   (f"awq int4 g{g}", "awq", dict(group_size=g)),
-                                   ("ct int8 channel", "pack-quantized", dict(bits=8, group_size=-1, sym=True))):
-            cases.append((name, str(write_int_checkpoint(Path(args.model), Path(tmp.name) / fmt, fmt,
-                                                         **options).path), fmt))
+        for name, fmt, options in (
+            (f"gptq int4 g{g}", "gptq", dict(bits=4, group_size=g, sym=True)),
+            (f"awq int4 g{g}", "awq", dict(group_size=g)),
+            ("ct int8 channel", "pack-quantized", dict(bits=8, group_size=-1, sym=True)),
+        ):
+            cases.append(
+                (name, str(write_int_checkpoint(Path(args.model), Path(tmp.name) / fmt, fmt, **options).path), fmt)
+            )
     flags = {None: None, "gptq": "gptq", "awq": "awq", "pack-quantized": "compressed-tensors"}
     rows = {}
     for name, model_dir, fmt in cases:
         quantize = "fp8" if name == "fp8" else flags[fmt]
-        runner = ModelRunner(ModelConfig(model_id=model_dir, quantize=quantize, dtype=args.dtype),
-                             CacheConfig(block_size=args.block_size), "cpu")
+        runner = ModelRunner(
+            ModelConfig(model_id=model_dir, quantize=quantize, dtype=args.dtype),
+            CacheConfig(block_size=args.block_size),
+            "cpu",
+        )
         rows[name] = (runner.weights_bytes, runner.block_bytes)
         if args.step_time:
-            print(f"--quantize {quantize or 'none'} ({name}): CPU decode step of 8 requests "
-                  f"{decode_step_ms(runner):.1f} ms")
+            print(
+                f"--quantize {quantize or 'none'} ({name}): CPU decode step of 8 requests "
+                f"{decode_step_ms(runner):.1f} ms"
+            )
         del runner
     tmp.cleanup()
     plain, block_bytes = rows["none"]
-    print(f"model {Path(args.model).name}, dtype {args.dtype}, block of {args.block_size} tokens = "
-          f"{block_bytes:,} bytes of KV")
+    print(
+        f"model {Path(args.model).name}, dtype {args.dtype}, block of {args.block_size} tokens = "
+        f"{block_bytes:,} bytes of KV"
+    )
     print(f"{'weights':<18}{'weights bytes':>16}{'MiB':>10}{'vs unquantized':>16}{'KV blocks gained':>18}")
     for name, (weights, _) in rows.items():
         gained = (plain - weights) // block_bytes
-        print(f"{name:<18}{weights:>16,}{weights / 2**20:>10.1f}{weights / plain:>15.1%}"
-              f"{f'+{gained:,}' if name != 'none' else '':>18}")
+        print(
+            f"{name:<18}{weights:>16,}{weights / 2**20:>10.1f}{weights / plain:>15.1%}"
+            f"{f'+{gained:,}' if name != 'none' else '':>18}"
+        )
 
 
 if __name__ == "__main__":

@@ -152,10 +152,10 @@ def run_stock(workload: list[Request], num_blocks: int, block_size: int, seed: i
 class PagedSim:
     """This backend: overcommitted virtual pool, lazy physical blocks, brake and preemption."""
 
-    def __init__(self, num_blocks: int, block_size: int, overcommit: float, num_swap_blocks: int,
-                 watermark: float, seed: int) -> None:
-        self.kv = KVCacheManager(num_blocks=num_blocks + 1, block_size=block_size,
-                                 num_swap_blocks=num_swap_blocks)
+    def __init__(
+        self, num_blocks: int, block_size: int, overcommit: float, num_swap_blocks: int, watermark: float, seed: int
+    ) -> None:
+        self.kv = KVCacheManager(num_blocks=num_blocks + 1, block_size=block_size, num_swap_blocks=num_swap_blocks)
         self.router = RouterPool(int(num_blocks * overcommit) + 1, block_size)
         self.watermark = watermark
         self.calibrator = RateCalibrator()
@@ -178,17 +178,24 @@ class PagedSim:
 
     def _preempt(self, victim: Request) -> None:
         memory = self.kv.request_memory(victim.id)
-        decision = choose_preemption_mode("auto", num_tokens_to_reprefill=len(victim.history),
-                                          num_swap_bytes=memory.num_blocks * BLOCK_BYTES,
-                                          swap_has_room=self.kv.can_swap_out(victim.id),
-                                          calibrator=self.calibrator)
+        decision = choose_preemption_mode(
+            "auto",
+            num_tokens_to_reprefill=len(victim.history),
+            num_swap_bytes=memory.num_blocks * BLOCK_BYTES,
+            swap_has_room=self.kv.can_swap_out(victim.id),
+            calibrator=self.calibrator,
+        )
         if decision.mode == "swap" and (plan := self.kv.swap_out(victim.id)) is not None:
             victim.state = "swapped"
             self.tally.swapped_blocks += plan.num_blocks
         else:
-            decision = choose_preemption_mode("recompute", num_tokens_to_reprefill=len(victim.history),
-                                              num_swap_bytes=0, swap_has_room=False,
-                                              calibrator=self.calibrator)
+            decision = choose_preemption_mode(
+                "recompute",
+                num_tokens_to_reprefill=len(victim.history),
+                num_swap_bytes=0,
+                swap_has_room=False,
+                calibrator=self.calibrator,
+            )
             self.tally.recomputed_tokens += self.kv.preempt_recompute(victim.id)
             victim.state = "dropped"
         victim.num_preemptions += 1
@@ -196,9 +203,11 @@ class PagedSim:
 
     def _make_room(self, needy: Request) -> bool:
         """Preempt one running request admitted after ``needy`` (policy order)."""
-        candidates = [VictimCandidate(v.id, v.seq, v.num_preemptions,
-                                      self.kv.request_memory(v.id).num_exclusive_blocks)
-                      for v in self.live if v.state == "running" and v.seq > needy.seq]
+        candidates = [
+            VictimCandidate(v.id, v.seq, v.num_preemptions, self.kv.request_memory(v.id).num_exclusive_blocks)
+            for v in self.live
+            if v.state == "running" and v.seq > needy.seq
+        ]
         order = victim_order(candidates, max_preemptions=8)
         if not order:
             return False
@@ -250,10 +259,8 @@ class PagedSim:
         self.tally.steps += 1
 
 
-def run_paged(workload: list[Request], num_blocks: int, block_size: int, overcommit: float,
-              seed: int) -> Tally:
-    sim = PagedSim(num_blocks, block_size, overcommit, num_swap_blocks=num_blocks // 4,
-                   watermark=0.01, seed=seed)
+def run_paged(workload: list[Request], num_blocks: int, block_size: int, overcommit: float, seed: int) -> Tally:
+    sim = PagedSim(num_blocks, block_size, overcommit, num_swap_blocks=num_blocks // 4, watermark=0.01, seed=seed)
     queue = deque(workload)
     while queue or sim.live:
         sim.step(queue)
@@ -261,8 +268,9 @@ def run_paged(workload: list[Request], num_blocks: int, block_size: int, overcom
     return sim.tally
 
 
-def report(workload: list[Request], num_blocks: int, block_size: int, overcommit: float,
-           stock: Tally, paged: Tally) -> None:
+def report(
+    workload: list[Request], num_blocks: int, block_size: int, overcommit: float, stock: Tally, paged: Tally
+) -> None:
     slots = num_blocks * block_size
     worst = np.mean([-(-r.reservation_tokens // block_size) for r in workload])
 
@@ -270,24 +278,25 @@ def report(workload: list[Request], num_blocks: int, block_size: int, overcommit
         return f"{100 * np.mean(values) / denominator:5.1f} %"
 
     rows = [
-        ("physical blocks used (mean / peak)",
-         lambda t: f"{np.mean(t.used):6.0f} / {max(t.used)}"),
+        ("physical blocks used (mean / peak)", lambda t: f"{np.mean(t.used):6.0f} / {max(t.used)}"),
         ("waste: internal (last-block tails)", lambda t: pct(t.internal, slots)),
         ("waste: reservation held physically", lambda t: pct(t.reserved_physical, slots)),
         ("reservation that is virtual only", lambda t: pct(t.reserved_virtual, slots)),
         ("waste: external (stranded blocks)", lambda t: pct(t.external, num_blocks)),
-        ("running requests (mean / peak)",
-         lambda t: f"{np.mean(t.running):6.1f} / {max(t.running)}"),
-        ("preemptions (recompute / swap)",
-         lambda t: f"{t.preemptions['recompute']} / {t.preemptions['swap']}"),
+        ("running requests (mean / peak)", lambda t: f"{np.mean(t.running):6.1f} / {max(t.running)}"),
+        ("preemptions (recompute / swap)", lambda t: f"{t.preemptions['recompute']} / {t.preemptions['swap']}"),
         ("recomputed tokens / swapped blocks", lambda t: f"{t.recomputed_tokens} / {t.swapped_blocks}"),
         ("steps to drain the burst", lambda t: str(t.steps)),
     ]
-    print(f"workload: {len(workload)} requests, prompts 32-512 tokens, max_new_tokens 512, "
-          f"real outputs mean {np.mean([r.output_len for r in workload]):.0f} tokens")
-    print(f"pool: {num_blocks} physical blocks x {block_size} tokens; worst-case reservation "
-          f"{worst:.1f} blocks/request -> at most {num_blocks / worst:.1f} concurrent under stock TGI; "
-          f"paged overcommit {overcommit:g}x")
+    print(
+        f"workload: {len(workload)} requests, prompts 32-512 tokens, max_new_tokens 512, "
+        f"real outputs mean {np.mean([r.output_len for r in workload]):.0f} tokens"
+    )
+    print(
+        f"pool: {num_blocks} physical blocks x {block_size} tokens; worst-case reservation "
+        f"{worst:.1f} blocks/request -> at most {num_blocks / worst:.1f} concurrent under stock TGI; "
+        f"paged overcommit {overcommit:g}x"
+    )
     print("(waste in % of pool slots, time-averaged over steps)\n")
     print(f"{'':38s}{'stock TGI':>18s}{'paged':>18s}")
     for label, fmt in rows:
@@ -304,10 +313,8 @@ def main() -> None:
     args = parser.parse_args()
     t0 = time.perf_counter()
     stock = run_stock(make_workload(args.requests, args.seed), args.blocks, args.block_size, args.seed)
-    paged = run_paged(make_workload(args.requests, args.seed), args.blocks, args.block_size,
-                      args.overcommit, args.seed)
-    report(make_workload(args.requests, args.seed), args.blocks, args.block_size, args.overcommit,
-           stock, paged)
+    paged = run_paged(make_workload(args.requests, args.seed), args.blocks, args.block_size, args.overcommit, args.seed)
+    report(make_workload(args.requests, args.seed), args.blocks, args.block_size, args.overcommit, stock, paged)
     print(f"\n(simulated in {time.perf_counter() - t0:.1f} s)")
 
 

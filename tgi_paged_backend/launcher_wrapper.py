@@ -68,7 +68,7 @@ def split_backend(argv: Sequence[str]) -> tuple[str | None, list[str]]:
                 value = argv[i + 1]
                 i += 1
             else:
-                value = arg[len(FLAG) + 1:]
+                value = arg[len(FLAG) + 1 :]
         else:
             rest.append(arg)
         i += 1
@@ -114,8 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     search_path = text_env.get("PATH", os.defpath)
     real = find_real_launcher(search_path, sys.argv[0] if sys.argv else None)
     if real is None:
-        print(f"{LAUNCHER}: error: TGI's own {LAUNCHER} is not on PATH after this wrapper "
-              f"({sys.argv[0]}); PATH={search_path}", file=sys.stderr)
+        print(
+            f"{LAUNCHER}: error: TGI's own {LAUNCHER} is not on PATH after this wrapper "
+            f"({sys.argv[0]}); PATH={search_path}",
+            file=sys.stderr,
+        )
         return EXIT_NOT_FOUND
     environ[b"TGI_BACKEND"] = backend.encode()
     if _wants_help(rest):

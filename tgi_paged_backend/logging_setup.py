@@ -49,8 +49,9 @@ def normalize_level(level: str) -> str:
     return LOGGER_LEVELS[upper]
 
 
-def setup_logging(level: str = "INFO", json_output: bool = False, *, stream: TextIO | None = None,
-                  redirect_stdout: bool = False) -> None:
+def setup_logging(
+    level: str = "INFO", json_output: bool = False, *, stream: TextIO | None = None, redirect_stdout: bool = False
+) -> None:
     """Replace every loguru sink by one that writes to ``stream`` (default: stdout).
 
     ``level`` may be a launcher name (``WARN``, ``OFF``). ``redirect_stdout`` (the CLI sets it in
@@ -62,11 +63,25 @@ def setup_logging(level: str = "INFO", json_output: bool = False, *, stream: Tex
     logger.remove()
     if level != "OFF":
         if json_output:
-            logger.add(_JsonSink(out), level=level, filter=_is_ours, format="{message}",
-                       backtrace=True, diagnose=False, catch=True)
+            logger.add(
+                _JsonSink(out),
+                level=level,
+                filter=_is_ours,
+                format="{message}",
+                backtrace=True,
+                diagnose=False,
+                catch=True,
+            )
         else:
-            logger.add(out, level=level, filter=_is_ours, backtrace=True, diagnose=False, catch=True,
-                       format="{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <8} | {name}:{line} - {message}")
+            logger.add(
+                out,
+                level=level,
+                filter=_is_ours,
+                backtrace=True,
+                diagnose=False,
+                catch=True,
+                format="{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <8} | {name}:{line} - {message}",
+            )
     _route_stdlib_logging()
     if json_output and redirect_stdout and _real_stdout is None:
         _real_stdout = sys.stdout

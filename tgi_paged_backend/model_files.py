@@ -55,8 +55,10 @@ def override_dir(raw: str, model_id: str) -> Path:
     if not any(override.glob("*.safetensors")):
         raise ConfigError(f"WEIGHTS_CACHE_OVERRIDE={raw!r} is invalid: no *.safetensors in it; allowed {allowed}")
     if not (override / "config.json").is_file():
-        raise ConfigError(f"WEIGHTS_CACHE_OVERRIDE={raw!r} is invalid: no config.json in it (this backend reads "
-                          f"config, tokenizer and weights from that one directory); allowed {allowed}")
+        raise ConfigError(
+            f"WEIGHTS_CACHE_OVERRIDE={raw!r} is invalid: no config.json in it (this backend reads "
+            f"config, tokenizer and weights from that one directory); allowed {allowed}"
+        )
     return override
 
 

@@ -27,8 +27,24 @@ Words as in the package glossary: *slot* = ``block_id * block_size + offset``; *
 request's physical blocks in token order; *pool* = all physical blocks of one layer.
 """
 
-from .api import (copy_blocks, fp8_linear, int_linear, paged_decode_attention, paged_prefill_attention,
-                  plan_decode_gather, store_kv, swap_blocks)
+from .api import (
+    copy_blocks,
+    fp8_linear,
+    int_linear,
+    paged_decode_attention,
+    paged_prefill_attention,
+    plan_decode_gather,
+    store_kv,
+    swap_blocks,
+)
 
-__all__ = ["copy_blocks", "fp8_linear", "int_linear", "paged_decode_attention", "paged_prefill_attention",
-           "plan_decode_gather", "store_kv", "swap_blocks"]
+__all__ = [
+    "copy_blocks",
+    "fp8_linear",
+    "int_linear",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "plan_decode_gather",
+    "store_kv",
+    "swap_blocks",
+]

@@ -42,16 +42,31 @@ def _tanh(x):
 
 @triton.jit
 def _attend_kv_tiles(
-    q, q_pos,  # [BLOCK_M, HEAD_DIM_PAD] in DOT_DTYPE; [BLOCK_M] int32 token position of each row
-    kv_lo, kv_hi,  # visit key positions kv_lo <= p < kv_hi (all < seq_len)
+    q,
+    q_pos,  # [BLOCK_M, HEAD_DIM_PAD] in DOT_DTYPE; [BLOCK_M] int32 token position of each row
+    kv_lo,
+    kv_hi,  # visit key positions kv_lo <= p < kv_hi (all < seq_len)
     block_table_ptr,  # this request's row of the block table
-    k_head_ptr, stride_kb, stride_ks, stride_kd,  # K pool, already offset to this KV head
-    v_head_ptr, stride_vb, stride_vs, stride_vd,  # V pool, already offset to this KV head
-    sm_scale, softcap, sliding_window,  # sm_scale includes k_scale
-    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,  #
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,  #
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,  #
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
+    k_head_ptr,
+    stride_kb,
+    stride_ks,
+    stride_kd,  # K pool, already offset to this KV head
+    v_head_ptr,
+    stride_vb,
+    stride_vs,
+    stride_vd,  # V pool, already offset to this KV head
+    sm_scale,
+    softcap,
+    sliding_window,  # sm_scale includes k_scale
+    BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,  #
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  #
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,  #
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  #
 ):
     # Returns the softmax state after the range: unnormalised output acc [BLOCK_M, HEAD_DIM_PAD],
     # row maximum m_i and denominator l_i [BLOCK_M], all fp32, scores in log2 units.

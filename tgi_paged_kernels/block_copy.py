@@ -27,10 +27,14 @@ MAX_CHUNK = 4096  # elements per program: 8 KiB of fp16, enough to keep a copy p
 
 @triton.jit
 def _copy_blocks_kernel(
-    k_cache_ptr, stride_kb,  # stride between blocks; a block's elements are contiguous
-    v_cache_ptr, stride_vb,  #
-    src_ptr, dst_ptr,  # [num_pairs] block ids
-    BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr,  #
+    k_cache_ptr,
+    stride_kb,  # stride between blocks; a block's elements are contiguous
+    v_cache_ptr,
+    stride_vb,  #
+    src_ptr,
+    dst_ptr,  # [num_pairs] block ids
+    BLOCK_NUMEL: tl.constexpr,
+    CHUNK: tl.constexpr,  #
 ):
     pair = tl.program_id(0)
     chunk = tl.program_id(1)

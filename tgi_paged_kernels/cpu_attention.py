@@ -49,8 +49,9 @@ class DecodeGather:
         return self.num_blocks * self.block_size
 
 
-def plan_decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                       sliding_window: int | None) -> DecodeGather:
+def plan_decode_gather(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sliding_window: int | None
+) -> DecodeGather:
     """The gather plan of a decode step (the query of request b is at position ``seq_lens[b] - 1``)."""
     num_requests = int(seq_lens.shape[0])
     lens = seq_lens.long()
@@ -65,8 +66,14 @@ def plan_decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, block
     if sliding_window is not None:
         visible &= positions > lens[:, None] - 1 - sliding_window
     hidden_rows = (~visible).reshape(-1).nonzero().squeeze(1)
-    return DecodeGather(block_ids=block_ids, hidden_rows=hidden_rows, visible=visible[:, None, None, :],
-                        num_requests=num_requests, block_size=block_size, num_blocks=num_blocks)
+    return DecodeGather(
+        block_ids=block_ids,
+        hidden_rows=hidden_rows,
+        visible=visible[:, None, None, :],
+        num_requests=num_requests,
+        block_size=block_size,
+        num_blocks=num_blocks,
+    )
 
 
 def gather_decode_kv(cache: torch.Tensor, gather: DecodeGather, scale: float) -> torch.Tensor:
@@ -81,19 +88,36 @@ def gather_decode_kv(cache: torch.Tensor, gather: DecodeGather, scale: float) ->
     return rows.view(gather.num_requests, gather.num_positions, num_kv_heads, head_dim).transpose(1, 2)
 
 
-def decode_attention_sdpa(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: DecodeGather,
-                          *, scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
+def decode_attention_sdpa(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    gather: DecodeGather,
+    *,
+    scale: float,
+    k_scale: float,
+    v_scale: float,
+) -> torch.Tensor:
     """fp32 ``[num_requests, num_q_heads, head_dim]``: each request's one query over its gathered K/V."""
     k = gather_decode_kv(k_cache, gather, k_scale)
     v = gather_decode_kv(v_cache, gather, v_scale)
     q = query.float()[:, :, None, :]  # [B, Hq, 1, D]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=gather.visible, scale=scale,
-                                         enable_gqa=k.shape[1] != q.shape[1])
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=gather.visible, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
     return out[:, :, 0, :]
 
 
-def prefill_attention_sdpa(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                           k_positions: torch.Tensor, *, scale: float, sliding_window: int | None) -> torch.Tensor:
+def prefill_attention_sdpa(
+    query: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
     """fp32 ``[num_queries, num_q_heads, head_dim]`` of one request's queries over its K/V.
 
     ``k``, ``v``: fp32 ``[num_keys, num_kv_heads, head_dim]`` at ``k_positions`` (every one owned and

@@ -55,15 +55,17 @@ def dequantize_fp8(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     return (qweight.to(torch.float32) * scale.to(torch.float32).unsqueeze(1)).to(dtype)
 
 
-def fp8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """The specification: everything in fp32, result in fp32."""
     check_fp8_linear(x, qweight, scale, bias)
     return F.linear(x.float(), dequantize_fp8(qweight, scale, torch.float32), None if bias is None else bias.float())
 
 
-def fp8_linear_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear_torch(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """CPU path: dequantize this layer's weight to ``x.dtype`` (transient), then ``F.linear``."""
     check_fp8_linear(x, qweight, scale, bias)
     return F.linear(x, dequantize_fp8(qweight, scale, x.dtype), bias)
@@ -85,13 +87,26 @@ def _decode_e4m3(bits):
 
 @triton.jit
 def _fp8_linear_kernel(
-    x_ptr, stride_xm, stride_xk,  #
-    w_ptr, stride_wn, stride_wk,  #
-    scale_ptr, bias_ptr,  #
-    y_ptr, stride_ym, stride_yn,  #
-    M, N, K,  #
-    HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  #
+    x_ptr,
+    stride_xm,
+    stride_xk,  #
+    w_ptr,
+    stride_wn,
+    stride_wk,  #
+    scale_ptr,
+    bias_ptr,  #
+    y_ptr,
+    stride_ym,
+    stride_yn,  #
+    M,
+    N,
+    K,  #
+    HAS_BIAS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  #
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  #
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -104,22 +119,32 @@ def _fp8_linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         mask_k = kk < K
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(DOT_DTYPE)
+        x = tl.load(
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :] * stride_xk,
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        ).to(DOT_DTYPE)
         # [BLOCK_K, BLOCK_N] tile of q^T; padding bytes are 0 = +0.0
-        bits = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + kk[:, None] * stride_wk,
-                       mask=mask_n[None, :] & mask_k[:, None], other=0)
+        bits = tl.load(
+            w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + kk[:, None] * stride_wk,
+            mask=mask_n[None, :] & mask_k[:, None],
+            other=0,
+        )
         w = _decode_e4m3(bits.to(tl.int32)).to(DOT_DTYPE)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn,
-             acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
-def _launch_fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
+def _launch_fp8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Triton dequantize-GEMM; ``x`` is ``[..., K]``, the result ``[..., N]`` in ``x.dtype``."""
     check_fp8_linear(x, qweight, scale, bias)
     lead = x.shape[:-1]
@@ -136,19 +161,33 @@ def _launch_fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     # bf16 under the interpreter, whose tl.dot cannot multiply bf16)
     grid = (cdiv(M, block_m), cdiv(N, block_n))
     _fp8_linear_kernel[grid](
-        x2, x2.stride(0), x2.stride(1),
-        w_bits, w_bits.stride(0), w_bits.stride(1),
-        scale, bias if bias is not None else scale,
-        y, y.stride(0), y.stride(1),
-        M, N, K,
-        HAS_BIAS=bias is not None, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x2,
+        x2.stride(0),
+        x2.stride(1),
+        w_bits,
+        w_bits.stride(0),
+        w_bits.stride(1),
+        scale,
+        bias if bias is not None else scale,
+        y,
+        y.stride(0),
+        y.stride(1),
+        M,
+        N,
+        K,
+        HAS_BIAS=bias is not None,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=dot_precision,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
     return y.reshape(*lead, N)
 
 
-def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x @ (q * s)^T + b``: Triton on CUDA tensors, :func:`fp8_linear_torch` anywhere else."""
     if x.device.type == "cuda":
         return _launch_fp8_linear(x, qweight, scale, bias)

@@ -43,8 +43,15 @@ def packed_columns(in_features: int, bits: int) -> int:
     return in_features // 2 if bits == 4 else in_features
 
 
-def check_int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                     g_idx: torch.Tensor, bias: torch.Tensor | None, bits: int) -> None:
+def check_int_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor,
+    bias: torch.Tensor | None,
+    bits: int,
+) -> None:
     """Raise ``ValueError`` naming the argument unless shapes, dtypes and devices fit."""
     if bits not in INT_BITS:
         raise ValueError(f"bits={bits} is invalid: allowed {INT_BITS}")
@@ -67,8 +74,9 @@ def check_int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
     devices = {t.device for t in (x, qweight, scales, zeros, g_idx, bias) if t is not None}
     if len(devices) != 1:
-        raise ValueError(f"x, qweight, scales, zeros, g_idx and bias must be on one device, got "
-                         f"{sorted(map(str, devices))}")
+        raise ValueError(
+            f"x, qweight, scales, zeros, g_idx and bias must be on one device, got {sorted(map(str, devices))}"
+        )
 
 
 def unpack_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
@@ -96,8 +104,9 @@ def _contiguous_groups(g_idx: torch.Tensor, groups: int) -> bool:
     return bool(torch.equal(g_idx, expected))
 
 
-def dequantize_int(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor,
-                   bits: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_int(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
     """``(code - zero) * scale`` of every weight's group, in fp32, rounded once to ``dtype``.
 
     Codes and zeros are small integers, so ``code - zero`` is exact in fp32 and the product is the one
@@ -122,16 +131,30 @@ def dequantize_int(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return weight.to(dtype)
 
 
-def int_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                         g_idx: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int_linear_reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor,
+    bits: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The specification: everything in fp32, result in fp32."""
     check_int_linear(x, qweight, scales, zeros, g_idx, bias, bits)
     weight = dequantize_int(qweight, scales, zeros, g_idx, bits, torch.float32)
     return F.linear(x.float(), weight, None if bias is None else bias.float())
 
 
-def int_linear_torch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                     g_idx: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int_linear_torch(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor,
+    bits: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """CPU path: dequantize this layer's weight to ``x.dtype`` (transient), then ``F.linear``."""
     check_int_linear(x, qweight, scales, zeros, g_idx, bias, bits)
     return F.linear(x, dequantize_int(qweight, scales, zeros, g_idx, bits, x.dtype), bias)
@@ -150,15 +173,32 @@ def _round_to(w, W_DTYPE: tl.constexpr):
 
 @triton.jit
 def _int_linear_kernel(
-    x_ptr, stride_xm, stride_xk,  #
-    w_ptr, stride_wn, stride_wk,  #
-    s_ptr, z_ptr, stride_sn, stride_sg,  #
-    g_ptr, bias_ptr,  #
-    y_ptr, stride_ym, stride_yn,  #
-    M, N, K,  #
-    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, W_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,  #
+    x_ptr,
+    stride_xm,
+    stride_xk,  #
+    w_ptr,
+    stride_wn,
+    stride_wk,  #
+    s_ptr,
+    z_ptr,
+    stride_sn,
+    stride_sg,  #
+    g_ptr,
+    bias_ptr,  #
+    y_ptr,
+    stride_ym,
+    stride_yn,  #
+    M,
+    N,
+    K,  #
+    BITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    W_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  #
     DOT_PRECISION: tl.constexpr,  #
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  #
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  #
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -172,8 +212,11 @@ def _int_linear_kernel(
         kk = k0 + offs_k
         mask_k = kk < K
         mask_w = mask_n[None, :] & mask_k[:, None]
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(DOT_DTYPE)
+        x = tl.load(
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :] * stride_xk,
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        ).to(DOT_DTYPE)
         row = offs_n[None, :].to(tl.int64)
         if BITS == 4:  # [BLOCK_K, BLOCK_N] tile of W^T: byte k // 2, nibble k % 2
             packed = tl.load(w_ptr + row * stride_wn + (kk // 2)[:, None] * stride_wk, mask=mask_w, other=0)
@@ -189,12 +232,22 @@ def _int_linear_kernel(
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn,
-             acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
-def _launch_int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                       g_idx: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _launch_int_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor,
+    bits: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Triton dequantize-GEMM; ``x`` is ``[..., K]``, the result ``[..., N]`` in ``x.dtype``."""
     check_int_linear(x, qweight, scales, zeros, g_idx, bias, bits)
     lead = x.shape[:-1]
@@ -211,21 +264,45 @@ def _launch_int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     dot_dtype, dot_precision = dot_dtype_and_precision(x, x.dtype)
     grid = (cdiv(M, block_m), cdiv(N, block_n))
     _int_linear_kernel[grid](
-        x2, x2.stride(0), x2.stride(1),
-        qweight, qweight.stride(0), qweight.stride(1),
-        scales, zeros, scales.stride(0), scales.stride(1),
-        g_idx, bias if bias is not None else scales,
-        y, y.stride(0), y.stride(1),
-        M, N, K,
-        BITS=bits, HAS_BIAS=bias is not None, W_DTYPE=_TL_DTYPES[x.dtype], DOT_DTYPE=dot_dtype,
+        x2,
+        x2.stride(0),
+        x2.stride(1),
+        qweight,
+        qweight.stride(0),
+        qweight.stride(1),
+        scales,
+        zeros,
+        scales.stride(0),
+        scales.stride(1),
+        g_idx,
+        bias if bias is not None else scales,
+        y,
+        y.stride(0),
+        y.stride(1),
+        M,
+        N,
+        K,
+        BITS=bits,
+        HAS_BIAS=bias is not None,
+        W_DTYPE=_TL_DTYPES[x.dtype],
+        DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
     return y.reshape(*lead, N)
 
 
-def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               g_idx: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor,
+    bits: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x @ W^T + b`` over int codes: Triton on CUDA tensors, :func:`int_linear_torch` anywhere else."""
     if x.device.type == "cuda":
         return _launch_int_linear(x, qweight, scales, zeros, g_idx, bits, bias)

@@ -42,16 +42,36 @@ def _round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.conste
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, stride_kt, stride_kh, stride_kd,  #
-    value_ptr, stride_vt, stride_vh, stride_vd,  #
-    k_cache_ptr, stride_kcb, stride_kcs, stride_kch, stride_kcd,  #
-    v_cache_ptr, stride_vcb, stride_vcs, stride_vch, stride_vcd,  #
+    key_ptr,
+    stride_kt,
+    stride_kh,
+    stride_kd,  #
+    value_ptr,
+    stride_vt,
+    stride_vh,
+    stride_vd,  #
+    k_cache_ptr,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,  #
+    v_cache_ptr,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,  #
     slot_mapping_ptr,  #
-    k_scale, v_scale, fp8_max,  #
-    NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,  #
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,  #
-    BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr,  #
-    FP8_MANTISSA_BITS: tl.constexpr, FP8_MIN_NORMAL_EXP: tl.constexpr,  #
+    k_scale,
+    v_scale,
+    fp8_max,  #
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,  #
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  #
+    BLOCK_SIZE: tl.constexpr,
+    IS_FP8: tl.constexpr,  #
+    FP8_MANTISSA_BITS: tl.constexpr,
+    FP8_MIN_NORMAL_EXP: tl.constexpr,  #
 ):
     token = tl.program_id(0)
     head_block = tl.program_id(1)

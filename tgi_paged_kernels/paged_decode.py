@@ -41,19 +41,48 @@ PROGRAMS_PER_SM = 2  # split until about two programs per SM are in flight, so o
 
 @triton.jit
 def _paged_decode_kernel(
-    query_ptr, stride_qb, stride_qh, stride_qd,  #
-    k_cache_ptr, stride_kb, stride_ks, stride_kh, stride_kd,  #
-    v_cache_ptr, stride_vb, stride_vs, stride_vh, stride_vd,  #
-    block_tables_ptr, stride_btb,  #
+    query_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qd,  #
+    k_cache_ptr,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,  #
+    v_cache_ptr,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,  #
+    block_tables_ptr,
+    stride_btb,  #
     seq_lens_ptr,  #
-    out_ptr, stride_ob, stride_oh, stride_od,  #
-    part_out_ptr, part_lse_ptr,  # split-K only: [B, Hq, NUM_SPLITS, HEAD_DIM], [B, Hq, NUM_SPLITS] fp32
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    stride_od,  #
+    part_out_ptr,
+    part_lse_ptr,  # split-K only: [B, Hq, NUM_SPLITS, HEAD_DIM], [B, Hq, NUM_SPLITS] fp32
     sinks_ptr,  # [Hq] sink logits (USE_SINKS); split-K adds them in the reduction instead
-    sm_scale, v_scale, softcap, sliding_window, tokens_per_split,  #
-    NUM_Q_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr,  #
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,  #
-    NUM_SPLITS: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,  #
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
+    sm_scale,
+    v_scale,
+    softcap,
+    sliding_window,
+    tokens_per_split,  #
+    NUM_Q_HEADS: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr,  #
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  #
+    NUM_SPLITS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,  #
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  #
 ):
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -81,12 +110,31 @@ def _paged_decode_kernel(
 
     # -- online softmax over the key tiles ----------------------------------------------------------
     acc, m_i, l_i = _attend_kv_tiles(
-        q, q_pos, kv_lo, kv_hi,  #
+        q,
+        q_pos,
+        kv_lo,
+        kv_hi,  #
         block_tables_ptr + request.to(tl.int64) * stride_btb,  #
-        k_cache_ptr + kv_head * stride_kh, stride_kb, stride_ks, stride_kd,  #
-        v_cache_ptr + kv_head * stride_vh, stride_vb, stride_vs, stride_vd,  #
-        sm_scale, softcap, sliding_window,  #
-        BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, USE_SOFTCAP, USE_WINDOW, DOT_DTYPE, DOT_PRECISION,  #
+        k_cache_ptr + kv_head * stride_kh,
+        stride_kb,
+        stride_ks,
+        stride_kd,  #
+        v_cache_ptr + kv_head * stride_vh,
+        stride_vb,
+        stride_vs,
+        stride_vd,  #
+        sm_scale,
+        softcap,
+        sliding_window,  #
+        BLOCK_M,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        USE_SOFTCAP,
+        USE_WINDOW,
+        DOT_DTYPE,
+        DOT_PRECISION,  #
     )
 
     # -- epilogue: the sink joins the denominator once (here, or in the reduction when split), then
@@ -108,11 +156,19 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _paged_decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr,  # [B, Hq, NUM_SPLITS, HEAD_DIM], [B, Hq, NUM_SPLITS] fp32, contiguous
-    out_ptr, stride_ob, stride_oh, stride_od,  #
+    part_out_ptr,
+    part_lse_ptr,  # [B, Hq, NUM_SPLITS, HEAD_DIM], [B, Hq, NUM_SPLITS] fp32, contiguous
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    stride_od,  #
     sinks_ptr,  # [Hq] sink logits (USE_SINKS)
-    NUM_Q_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,  #
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_SINKS: tl.constexpr,  #
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  #
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    USE_SINKS: tl.constexpr,  #
 ):
     request = tl.program_id(0)
     q_head = tl.program_id(1)
@@ -171,7 +227,11 @@ def _check_decode(shape: AttentionShape, query, k_cache, v_cache, block_tables, 
 
 
 def _split_plan(
-    num_splits: int | None, shape: AttentionShape, table_width: int, sliding_window: int | None, block_n: int,
+    num_splits: int | None,
+    shape: AttentionShape,
+    table_width: int,
+    sliding_window: int | None,
+    block_n: int,
     device: torch.device,
 ) -> tuple[int, int]:
     """(number of slices, tokens per slice) for a decode call; ``num_splits`` None: by shape."""

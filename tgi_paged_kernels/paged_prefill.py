@@ -52,18 +52,46 @@ def _locate_tile(tile, query_start_loc_ptr, num_requests, QUERIES_PER_KV: tl.con
 
 @triton.jit
 def _paged_prefill_kernel(
-    query_ptr, stride_qt, stride_qh, stride_qd,  #
-    k_cache_ptr, stride_kb, stride_ks, stride_kh, stride_kd,  #
-    v_cache_ptr, stride_vb, stride_vs, stride_vh, stride_vd,  #
-    block_tables_ptr, stride_btb,  #
-    query_start_loc_ptr, seq_lens_ptr, num_requests,  #
-    out_ptr, stride_ot, stride_oh, stride_od,  #
+    query_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qd,  #
+    k_cache_ptr,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,  #
+    v_cache_ptr,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,  #
+    block_tables_ptr,
+    stride_btb,  #
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    num_requests,  #
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    stride_od,  #
     sinks_ptr,  # [Hq] sink logits (USE_SINKS)
-    sm_scale, v_scale, softcap, sliding_window,  #
-    QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, REQUESTS_PAD: tl.constexpr,  #
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,  #
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,  #
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
+    sm_scale,
+    v_scale,
+    softcap,
+    sliding_window,  #
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    REQUESTS_PAD: tl.constexpr,  #
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  #
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,  #
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  #
 ):
     kv_head = tl.program_id(1)
     request, q_start, q_len, row_start = _locate_tile(
@@ -94,12 +122,31 @@ def _paged_prefill_kernel(
 
     # -- online softmax over the key tiles -----------------------------------------------------------
     acc, m_i, l_i = _attend_kv_tiles(
-        q, q_pos, kv_lo, kv_hi,  #
+        q,
+        q_pos,
+        kv_lo,
+        kv_hi,  #
         block_tables_ptr + request.to(tl.int64) * stride_btb,  #
-        k_cache_ptr + kv_head * stride_kh, stride_kb, stride_ks, stride_kd,  #
-        v_cache_ptr + kv_head * stride_vh, stride_vb, stride_vs, stride_vd,  #
-        sm_scale, softcap, sliding_window,  #
-        BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, USE_SOFTCAP, USE_WINDOW, DOT_DTYPE, DOT_PRECISION,  #
+        k_cache_ptr + kv_head * stride_kh,
+        stride_kb,
+        stride_ks,
+        stride_kd,  #
+        v_cache_ptr + kv_head * stride_vh,
+        stride_vb,
+        stride_vs,
+        stride_vd,  #
+        sm_scale,
+        softcap,
+        sliding_window,  #
+        BLOCK_M,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        USE_SOFTCAP,
+        USE_WINDOW,
+        DOT_DTYPE,
+        DOT_PRECISION,  #
     )
 
     # -- epilogue: the sink joins the denominator, then normalise and store (every row sees at least

@@ -93,8 +93,18 @@ def attend_one_request(q, k, v, q_positions, *, scale, softcap=0.0, sliding_wind
 
 
 def paged_decode_attention_reference(
-    query, k_cache, v_cache, block_tables, seq_lens, *, scale, softcap=0.0, sliding_window=None, k_scale=1.0,
-    v_scale=1.0, sinks=None,
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    softcap=0.0,
+    sliding_window=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    sinks=None,
 ) -> torch.Tensor:
     """Decode: request ``b``'s single query sits at position ``seq_lens[b] - 1``. Returns fp32 on CPU."""
     query, k_cache, v_cache = query.float().cpu(), k_cache.cpu(), v_cache.cpu()
@@ -104,7 +114,13 @@ def paged_decode_attention_reference(
         v = gather_request_kv(v_cache, block_tables[b], seq_len, v_scale)
         q_positions = torch.tensor([seq_len - 1])
         out[b] = attend_one_request(
-            query[b : b + 1], k, v, q_positions, scale=scale, softcap=softcap, sliding_window=sliding_window,
+            query[b : b + 1],
+            k,
+            v,
+            q_positions,
+            scale=scale,
+            softcap=softcap,
+            sliding_window=sliding_window,
             sinks=None if sinks is None else sinks.cpu(),
         )[0]
     return out
@@ -136,7 +152,13 @@ def paged_prefill_attention_reference(
         v = gather_request_kv(v_cache, block_tables[b], seq_len, v_scale)
         q_positions = torch.arange(seq_len - (end - start), seq_len)
         out[start:end] = attend_one_request(
-            query[start:end], k, v, q_positions, scale=scale, softcap=softcap, sliding_window=sliding_window,
+            query[start:end],
+            k,
+            v,
+            q_positions,
+            scale=scale,
+            softcap=softcap,
+            sliding_window=sliding_window,
             sinks=None if sinks is None else sinks.cpu(),
         )
     return out

@@ -17,8 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_attention import (DecodeGather, decode_attention_sdpa, gather_decode_kv, plan_decode_gather,
-                            prefill_attention_sdpa)
+from .cpu_attention import (
+    DecodeGather,
+    decode_attention_sdpa,
+    gather_decode_kv,
+    plan_decode_gather,
+    prefill_attention_sdpa,
+)
 from .reference import dequantize, quantize
 
 
@@ -67,8 +72,20 @@ def _attend_per_kv_head(q, k, v, visible, *, scale: float, softcap: float, sinks
 
 
 def paged_decode_attention_torch(
-    query, k_cache, v_cache, block_tables, seq_lens, *, scale, softcap, sliding_window, k_scale, v_scale, out,
-    sinks=None, gather: DecodeGather | None = None,
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    softcap,
+    sliding_window,
+    k_scale,
+    v_scale,
+    out,
+    sinks=None,
+    gather: DecodeGather | None = None,
 ) -> torch.Tensor:
     """Decode for CPU tensors over the step's gather plan (``gather``, built here when not given); see
     ``api.paged_decode_attention``. SDPA without soft-capping or sinks, else a masked matmul pair per
@@ -80,13 +97,15 @@ def paged_decode_attention_torch(
     if softcap == 0 and sinks is None:
         result = decode_attention_sdpa(query, k_cache, v_cache, gather, scale=scale, k_scale=k_scale, v_scale=v_scale)
     else:
-        result = decode_per_kv_head(query, k_cache, v_cache, gather, scale=scale, softcap=softcap, k_scale=k_scale,
-                                    v_scale=v_scale, sinks=sinks)
+        result = decode_per_kv_head(
+            query, k_cache, v_cache, gather, scale=scale, softcap=softcap, k_scale=k_scale, v_scale=v_scale, sinks=sinks
+        )
     return _write_out(result, query, out)
 
 
-def decode_per_kv_head(query, k_cache, v_cache, gather: DecodeGather, *, scale, softcap, k_scale, v_scale,
-                       sinks=None) -> torch.Tensor:
+def decode_per_kv_head(
+    query, k_cache, v_cache, gather: DecodeGather, *, scale, softcap, k_scale, v_scale, sinks=None
+) -> torch.Tensor:
     """fp32 decode with a masked matmul pair per KV head (the soft-capping and sinks path), over the
     same gathered K/V (hidden rows zeroed) and mask as the SDPA path."""
     batch, num_q_heads, head_dim = query.shape
@@ -141,8 +160,15 @@ def paged_prefill_attention_torch(
             block_ids = block_tables[b, positions // block_size].long()
             k = dequantize(k_cache[block_ids, positions % block_size], k_scale)
             v = dequantize(v_cache[block_ids, positions % block_size], v_scale)
-            result[start:end] = prefill_attention_sdpa(query[start:end], k, v, torch.arange(first, seq_len), positions,
-                                                       scale=scale, sliding_window=sliding_window)
+            result[start:end] = prefill_attention_sdpa(
+                query[start:end],
+                k,
+                v,
+                torch.arange(first, seq_len),
+                positions,
+                scale=scale,
+                sliding_window=sliding_window,
+            )
             continue
         # -- this request's K/V, positions 0 .. seq_len-1 only: nothing to mask out in V ----------
         positions = torch.arange(seq_len)

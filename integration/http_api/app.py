@@ -59,8 +59,9 @@ def create_app(router: Any, config: ApiConfig, *, chat_template: Any = _AUTO) ->
     """
     if chat_template is _AUTO:
         chat_template = tokenizer_chat_template(router.tokenizer)
-    metrics = HttpMetrics(router, max_input_tokens=router.info.max_input_tokens,
-                          max_total_tokens=router.info.max_total_tokens)
+    metrics = HttpMetrics(
+        router, max_input_tokens=router.info.max_input_tokens, max_total_tokens=router.info.max_total_tokens
+    )
     ctx = ApiContext(router=router, config=config, metrics=metrics, chat_template=chat_template)
 
     def post(model: type, handler: Callable[[Request, Any, float], Awaitable[Response]]):
@@ -73,6 +74,7 @@ def create_app(router: Any, config: ApiConfig, *, chat_template: Any = _AUTO) ->
                 return PlainTextResponse(err.message, status_code=err.status)
             except ApiError as err:
                 return JSONResponse(err.body(), status_code=err.status)
+
         return endpoint
 
     async def compat(request: Request, req: CompatGenerateRequest, start: float) -> Response:

@@ -60,8 +60,9 @@ def _adapter(model: str | None) -> str | None:
     return None if model in (None, "tgi") else model
 
 
-def chat_to_generate(ctx: ApiContext, chat: ChatRequest, *,
-                     without_tools: bool = False) -> tuple[GenerateRequest, bool]:
+def chat_to_generate(
+    ctx: ApiContext, chat: ChatRequest, *, without_tools: bool = False
+) -> tuple[GenerateRequest, bool]:
     """The stock ``try_into_generate``: the generate request and whether it uses tools.
 
     ``without_tools``: the ``no_tool`` retry (``tools`` and ``response_format`` dropped).
@@ -78,9 +79,16 @@ def chat_to_generate(ctx: ApiContext, chat: ChatRequest, *,
     params = Parameters(
         temperature=temperature,
         repetition_penalty=None if chat.presence_penalty is None else chat.presence_penalty + 2.0,
-        frequency_penalty=chat.frequency_penalty, top_p=chat.top_p, do_sample=do_sample,
-        max_new_tokens=chat.max_tokens, stop=list(chat.stop or []), details=True, seed=chat.seed,
-        top_n_tokens=chat.top_logprobs, grammar=grammar, adapter_id=_adapter(chat.model),
+        frequency_penalty=chat.frequency_penalty,
+        top_p=chat.top_p,
+        do_sample=do_sample,
+        max_new_tokens=chat.max_tokens,
+        stop=list(chat.stop or []),
+        details=True,
+        seed=chat.seed,
+        top_n_tokens=chat.top_logprobs,
+        grammar=grammar,
+        adapter_id=_adapter(chat.model),
     )
     return GenerateRequest(inputs=inputs, parameters=params), offered is not None
 
@@ -90,8 +98,13 @@ def _logprobs(tokens: list[Token], top_tokens: list[tuple[Token, ...]]) -> dict[
     content = []
     for i, token in enumerate(tokens):
         tops = top_tokens[i] if i < len(top_tokens) else ()
-        content.append({"token": token.text, "logprob": f32(token.logprob),
-                        "top_logprobs": [{"token": t.text, "logprob": f32(t.logprob)} for t in tops]})
+        content.append(
+            {
+                "token": token.text,
+                "logprob": f32(token.logprob),
+                "top_logprobs": [{"token": t.text, "logprob": f32(t.logprob)} for t in tops],
+            }
+        )
     return {"content": content}
 
 
@@ -99,8 +112,9 @@ def _finish(reason: str) -> str:
     return "stop" if reason == "eos_token" else reason
 
 
-async def chat_completions(ctx: ApiContext, chat: ChatRequest,
-                           start: float) -> tuple[dict[str, Any], dict] | SSEResponse:
+async def chat_completions(
+    ctx: ApiContext, chat: ChatRequest, start: float
+) -> tuple[dict[str, Any], dict] | SSEResponse:
     """Non-stream: ``(body, headers)``; stream: an :class:`SSEResponse`. Raises :class:`ApiError`."""
     ctx.metrics.request()
     try:
@@ -128,12 +142,24 @@ async def chat_completions(ctx: ApiContext, chat: ChatRequest,
             message["content"] = again.body["generated_text"]
             headers, prompt_tokens = again.headers, again.collected.final.input_length
     body = {
-        "object": "chat.completion", "id": "", "created": _now(), "model": model, "system_fingerprint": fingerprint,
-        "choices": [{"index": 0, "message": message,
-                     "logprobs": _logprobs(c.tokens, c.top_tokens) if chat.logprobs else None,
-                     "finish_reason": _finish(final.finish_reason)}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": final.generated_tokens,
-                  "total_tokens": prompt_tokens + final.generated_tokens},
+        "object": "chat.completion",
+        "id": "",
+        "created": _now(),
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": _logprobs(c.tokens, c.top_tokens) if chat.logprobs else None,
+                "finish_reason": _finish(final.finish_reason),
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": final.generated_tokens,
+            "total_tokens": prompt_tokens + final.generated_tokens,
+        },
     }
     return body, headers
 
@@ -143,23 +169,50 @@ def _openai_error(item: dict[str, Any]) -> bytes:
 
 
 def _token_logprobs(text: str, token: dict[str, Any], top: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"content": [{"token": text, "logprob": token["logprob"],
-                         "top_logprobs": [{"token": t["text"], "logprob": t["logprob"]} for t in top]}]}
+    return {
+        "content": [
+            {
+                "token": text,
+                "logprob": token["logprob"],
+                "top_logprobs": [{"token": t["text"], "logprob": t["logprob"]} for t in top],
+            }
+        ]
+    }
 
 
-async def _chat_chunks(ctx: ApiContext, chat: ChatRequest, req: GenerateRequest, using_tools: bool, model: str,
-                       logprobs: bool, include_usage: bool, start: float) -> AsyncIterator[bytes]:
+async def _chat_chunks(
+    ctx: ApiContext,
+    chat: ChatRequest,
+    req: GenerateRequest,
+    using_tools: bool,
+    model: str,
+    logprobs: bool,
+    include_usage: bool,
+    start: float,
+) -> AsyncIterator[bytes]:
     fingerprint = ctx.config.system_fingerprint
     call_id = next_tool_call_id(chat.messages)
     tools = ToolCallStream() if using_tools else None
     events = stream_events(ctx, req, add_special_tokens=False, start=start)
 
     def chunk(delta: dict[str, Any], text: str, item: dict[str, Any], details: dict[str, Any] | None) -> bytes:
-        choice = {"index": 0, "delta": delta,
-                  "logprobs": _token_logprobs(text, item["token"], item.get("top_tokens", [])) if logprobs else None,
-                  "finish_reason": _finish(details["finish_reason"]) if details else None}
-        return sse({"object": "chat.completion.chunk", "id": "", "created": _now(), "model": model,
-                    "system_fingerprint": fingerprint, "choices": [choice], "usage": None})
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": _token_logprobs(text, item["token"], item.get("top_tokens", [])) if logprobs else None,
+            "finish_reason": _finish(details["finish_reason"]) if details else None,
+        }
+        return sse(
+            {
+                "object": "chat.completion.chunk",
+                "id": "",
+                "created": _now(),
+                "model": model,
+                "system_fingerprint": fingerprint,
+                "choices": [choice],
+                "usage": None,
+            }
+        )
 
     try:
         while True:
@@ -181,10 +234,22 @@ async def _chat_chunks(ctx: ApiContext, chat: ChatRequest, req: GenerateRequest,
                         text, name = out
                         yield chunk(tool_delta(call_id, text, name, token["special"]), text, item, details)
                 if include_usage and details:
-                    usage = {"prompt_tokens": details["input_length"], "completion_tokens": details["generated_tokens"],
-                             "total_tokens": details["input_length"] + details["generated_tokens"]}
-                    yield sse({"object": "chat.completion.chunk", "id": "", "created": _now(), "model": model,
-                               "system_fingerprint": fingerprint, "choices": [], "usage": usage})
+                    usage = {
+                        "prompt_tokens": details["input_length"],
+                        "completion_tokens": details["generated_tokens"],
+                        "total_tokens": details["input_length"] + details["generated_tokens"],
+                    }
+                    yield sse(
+                        {
+                            "object": "chat.completion.chunk",
+                            "id": "",
+                            "created": _now(),
+                            "model": model,
+                            "system_fingerprint": fingerprint,
+                            "choices": [],
+                            "usage": usage,
+                        }
+                    )
             if not retry:
                 break
             await events.aclose()  # the router drops the tool request
@@ -200,23 +265,45 @@ async def _chat_chunks(ctx: ApiContext, chat: ChatRequest, req: GenerateRequest,
 
 def _completion_requests(ctx: ApiContext, req: CompletionRequest) -> list[GenerateRequest]:
     if req.suffix is not None:
-        raise ApiError(422, "Suffix is not supported and can be achieved by preprocessing the prompt.",
-                       "suffix not supported", "validation")
+        raise ApiError(
+            422,
+            "Suffix is not supported and can be achieved by preprocessing the prompt.",
+            "suffix not supported",
+            "validation",
+        )
     prompts = req.prompts()
     if len(prompts) > ctx.config.max_client_batch_size:
-        raise ApiError(422, "Number of prompts exceeds the maximum allowed batch size of "
-                            f"{ctx.config.max_client_batch_size}", "batch size exceeded", "validation")
+        raise ApiError(
+            422,
+            f"Number of prompts exceeds the maximum allowed batch size of {ctx.config.max_client_batch_size}",
+            "batch size exceeded",
+            "validation",
+        )
     do_sample, temperature = _sampling(req.temperature)
-    return [GenerateRequest(inputs=prompt, parameters=Parameters(
-        temperature=temperature, repetition_penalty=req.repetition_penalty,
-        frequency_penalty=req.frequency_penalty, top_p=req.top_p, do_sample=do_sample,
-        max_new_tokens=req.max_tokens, stop=list(req.stop or []), details=True,
-        decoder_input_details=not req.stream, seed=req.seed, adapter_id=_adapter(req.model)))
-        for prompt in prompts]
+    return [
+        GenerateRequest(
+            inputs=prompt,
+            parameters=Parameters(
+                temperature=temperature,
+                repetition_penalty=req.repetition_penalty,
+                frequency_penalty=req.frequency_penalty,
+                top_p=req.top_p,
+                do_sample=do_sample,
+                max_new_tokens=req.max_tokens,
+                stop=list(req.stop or []),
+                details=True,
+                decoder_input_details=not req.stream,
+                seed=req.seed,
+                adapter_id=_adapter(req.model),
+            ),
+        )
+        for prompt in prompts
+    ]
 
 
-async def completions(ctx: ApiContext, req: CompletionRequest,
-                      start: float) -> tuple[dict[str, Any], dict] | SSEResponse:
+async def completions(
+    ctx: ApiContext, req: CompletionRequest, start: float
+) -> tuple[dict[str, Any], dict] | SSEResponse:
     ctx.metrics.request()
     try:
         requests = _completion_requests(ctx, req)
@@ -224,8 +311,10 @@ async def completions(ctx: ApiContext, req: CompletionRequest,
         raise counted(ctx, err) from None
     fingerprint, model = ctx.config.system_fingerprint, ctx.config.model_id
     if req.stream:
-        headers = {"x-compute-type": ctx.config.compute_type,
-                   "x-compute-characters": str(sum(len(r.inputs) for r in requests))}
+        headers = {
+            "x-compute-type": ctx.config.compute_type,
+            "x-compute-characters": str(sum(len(r.inputs) for r in requests)),
+        }
         return SSEResponse(with_keepalive(_completion_chunks(ctx, requests, start), ctx.config.keep_alive_s), headers)
     results = await asyncio.gather(*(generate(ctx, r, start=start) for r in requests))
     choices, prompt_tokens, completion_tokens = [], 0, 0
@@ -233,12 +322,27 @@ async def completions(ctx: ApiContext, req: CompletionRequest,
         final = result.collected.final
         prompt_tokens += final.input_length
         completion_tokens += final.generated_tokens
-        choices.append({"index": index, "text": result.body["generated_text"], "logprobs": None,
-                        "finish_reason": _finish(final.finish_reason)})
-    body = {"object": "text_completion", "id": "", "created": _now(), "model": model,
-            "system_fingerprint": fingerprint, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+        choices.append(
+            {
+                "index": index,
+                "text": result.body["generated_text"],
+                "logprobs": None,
+                "finish_reason": _finish(final.finish_reason),
+            }
+        )
+    body = {
+        "object": "text_completion",
+        "id": "",
+        "created": _now(),
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
     headers = dict(results[0].headers) if results else {}
     return body, headers
 
@@ -257,16 +361,31 @@ async def _completion_chunks(ctx: ApiContext, requests: list[GenerateRequest], s
                 details = item.get("details")
                 text = item["token"]["text"]
                 if details:
-                    usage = {"prompt_tokens": details["input_length"], "completion_tokens": details["generated_tokens"],
-                             "total_tokens": details["input_length"] + details["generated_tokens"]}
-                    event = {"object": "text_completion", "id": "", "created": _now(), "model": model,
-                             "system_fingerprint": fingerprint,
-                             "choices": [{"index": index, "text": text, "logprobs": None,
-                                          "finish_reason": details["finish_reason"]}], "usage": usage}
+                    usage = {
+                        "prompt_tokens": details["input_length"],
+                        "completion_tokens": details["generated_tokens"],
+                        "total_tokens": details["input_length"] + details["generated_tokens"],
+                    }
+                    event = {
+                        "object": "text_completion",
+                        "id": "",
+                        "created": _now(),
+                        "model": model,
+                        "system_fingerprint": fingerprint,
+                        "choices": [
+                            {"index": index, "text": text, "logprobs": None, "finish_reason": details["finish_reason"]}
+                        ],
+                        "usage": usage,
+                    }
                 else:
-                    event = {"object": "text_completion", "id": "", "created": _now(),
-                             "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": ""}],
-                             "model": model, "system_fingerprint": fingerprint}
+                    event = {
+                        "object": "text_completion",
+                        "id": "",
+                        "created": _now(),
+                        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": ""}],
+                        "model": model,
+                        "system_fingerprint": fingerprint,
+                    }
                 await queue.put(f"data:{dumps(event)}\n\n".encode())
         finally:
             await queue.put(None)

@@ -29,8 +29,9 @@ class ChatCharTokenizer(CharTokenizer):
 
     chat_template = "<role>content"
 
-    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = False,
-                            add_generation_prompt: bool = False, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], tokenize: bool = False, add_generation_prompt: bool = False, **kwargs: Any
+    ) -> str:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
@@ -66,17 +67,28 @@ class FakeHttpStack:
 
 
 @contextlib.contextmanager
-def fake_http_stack(config: FakeShardConfig | None = None, *, world_size: int = 1, tokenizer: Any = None,
-                    api_config: ApiConfig | None = None, router_kwargs: dict[str, Any] | None = None,
-                    app_kwargs: dict[str, Any] | None = None) -> Iterator[FakeHttpStack]:
+def fake_http_stack(
+    config: FakeShardConfig | None = None,
+    *,
+    world_size: int = 1,
+    tokenizer: Any = None,
+    api_config: ApiConfig | None = None,
+    router_kwargs: dict[str, Any] | None = None,
+    app_kwargs: dict[str, Any] | None = None,
+) -> Iterator[FakeHttpStack]:
     tokenizer = tokenizer if tokenizer is not None else ChatCharTokenizer()
     with BackgroundLoop() as loop:
         shards_cm = fake_shards(config, world_size=world_size, tokenizer=tokenizer)
         shards = loop.run(shards_cm.__aenter__())
         try:
-            stack = HttpStack(shards[0].uds_base_path, tokenizer, loop=loop,
-                              config=api_config or ApiConfig(model_id="fake/model"),
-                              router_kwargs=router_kwargs, app_kwargs=app_kwargs)
+            stack = HttpStack(
+                shards[0].uds_base_path,
+                tokenizer,
+                loop=loop,
+                config=api_config or ApiConfig(model_id="fake/model"),
+                router_kwargs=router_kwargs,
+                app_kwargs=app_kwargs,
+            )
             with stack:
                 fake = FakeHttpStack(stack, shards, loop)
                 try:

@@ -174,11 +174,12 @@ async def _best_of(ctx: ApiContext, inputs: str, params: GenerateParameters, n: 
         value = _mean_logprob(result)
         if value > best_value:
             best, best_value = i, value
-    return [results[best], *results[:best], *results[best + 1:]]
+    return [results[best], *results[:best], *results[best + 1 :]]
 
 
-def details_json(c: Collected, *, with_top_tokens: bool, prompt: str | None = None,
-                 best_of: list[Collected] | None = None) -> dict[str, Any]:
+def details_json(
+    c: Collected, *, with_top_tokens: bool, prompt: str | None = None, best_of: list[Collected] | None = None
+) -> dict[str, Any]:
     final = c.final
     out: dict[str, Any] = {
         "finish_reason": final.finish_reason,
@@ -189,10 +190,15 @@ def details_json(c: Collected, *, with_top_tokens: bool, prompt: str | None = No
     }
     if best_of is not None:
         out["best_of_sequences"] = [
-            {"generated_text": (prompt or "") + o.final.generated_text, "finish_reason": o.final.finish_reason,
-             "generated_tokens": o.final.generated_tokens, "seed": o.final.seed,
-             "prefill": [prefill_json(t) for t in o.prefill], "tokens": [token_json(t) for t in o.tokens],
-             **({"top_tokens": [[token_json(t) for t in tt] for tt in o.top_tokens]} if with_top_tokens else {})}
+            {
+                "generated_text": (prompt or "") + o.final.generated_text,
+                "finish_reason": o.final.finish_reason,
+                "generated_tokens": o.final.generated_tokens,
+                "seed": o.final.seed,
+                "prefill": [prefill_json(t) for t in o.prefill],
+                "tokens": [token_json(t) for t in o.tokens],
+                **({"top_tokens": [[token_json(t) for t in tt] for tt in o.top_tokens]} if with_top_tokens else {}),
+            }
             for o in best_of
         ]
     if with_top_tokens:
@@ -207,8 +213,9 @@ class GenerateResult:
     collected: Collected
 
 
-async def generate(ctx: ApiContext, req: GenerateRequest, *, add_special_tokens: bool = True,
-                   start: float | None = None) -> GenerateResult:
+async def generate(
+    ctx: ApiContext, req: GenerateRequest, *, add_special_tokens: bool = True, start: float | None = None
+) -> GenerateResult:
     """The stock ``generate_internal``: one request (or ``best_of``), details, headers and metrics."""
     start = time.monotonic() if start is None else start
     ctx.metrics.request()
@@ -230,9 +237,15 @@ async def generate(ctx: ApiContext, req: GenerateRequest, *, add_special_tokens:
         body["details"] = details_json(best, with_top_tokens=bool(p.top_n_tokens), prompt=prompt, best_of=others)
     now = time.monotonic()
     headers = timing_headers(ctx, start=start, now=now, final=final, characters=len(req.inputs))
-    ctx.metrics.success(total_s=now - start, validation_s=final.queued - start, queue_s=final.start - final.queued,
-                        inference_s=now - final.start, generated_tokens=final.generated_tokens,
-                        input_length=final.input_length, max_new_tokens=p.max_new_tokens)
+    ctx.metrics.success(
+        total_s=now - start,
+        validation_s=final.queued - start,
+        queue_s=final.start - final.queued,
+        inference_s=now - final.start,
+        generated_tokens=final.generated_tokens,
+        input_length=final.input_length,
+        max_new_tokens=p.max_new_tokens,
+    )
     return GenerateResult(body, headers, best)
 
 

@@ -104,8 +104,13 @@ class HttpMetrics:
         total_buckets = [max_total_tokens / 100 * (i + 1) for i in range(100)]
         self._histograms: dict[str, _Histogram] = {
             name: _Histogram(DURATION_BUCKETS)
-            for name in ("tgi_request_duration", "tgi_request_validation_duration", "tgi_request_queue_duration",
-                         "tgi_request_inference_duration", "tgi_request_mean_time_per_token_duration")
+            for name in (
+                "tgi_request_duration",
+                "tgi_request_validation_duration",
+                "tgi_request_queue_duration",
+                "tgi_request_inference_duration",
+                "tgi_request_mean_time_per_token_duration",
+            )
         }
         self._histograms["tgi_request_input_length"] = _Histogram(input_buckets)
         self._histograms["tgi_request_generated_tokens"] = _Histogram(total_buckets)
@@ -120,17 +125,29 @@ class HttpMetrics:
         with self._lock:
             self._failures[reason] = self._failures.get(reason, 0) + 1
 
-    def success(self, *, total_s: float, validation_s: float, queue_s: float, inference_s: float,
-                generated_tokens: int, input_length: int, max_new_tokens: int | None) -> None:
+    def success(
+        self,
+        *,
+        total_s: float,
+        validation_s: float,
+        queue_s: float,
+        inference_s: float,
+        generated_tokens: int,
+        input_length: int,
+        max_new_tokens: int | None,
+    ) -> None:
         per_token = inference_s / generated_tokens if generated_tokens else 0.0
         with self._lock:
             self._counters["tgi_request_success"] += 1
-            for name, value in (("tgi_request_duration", total_s), ("tgi_request_validation_duration", validation_s),
-                                ("tgi_request_queue_duration", queue_s),
-                                ("tgi_request_inference_duration", inference_s),
-                                ("tgi_request_mean_time_per_token_duration", per_token),
-                                ("tgi_request_generated_tokens", generated_tokens),
-                                ("tgi_request_input_length", input_length)):
+            for name, value in (
+                ("tgi_request_duration", total_s),
+                ("tgi_request_validation_duration", validation_s),
+                ("tgi_request_queue_duration", queue_s),
+                ("tgi_request_inference_duration", inference_s),
+                ("tgi_request_mean_time_per_token_duration", per_token),
+                ("tgi_request_generated_tokens", generated_tokens),
+                ("tgi_request_input_length", input_length),
+            ):
                 self._histograms[name].observe(max(value, 0.0))
             if max_new_tokens is not None:
                 self._histograms["tgi_request_max_new_tokens"].observe(max_new_tokens)
@@ -160,17 +177,22 @@ class HttpMetrics:
             family("tgi_request_failure", "counter", [({"err": k}, v) for k, v in sorted(failures.items())])
 
         stats, info = self._router.stats, self._router.info
-        in_loop = (stats.requests_scheduled - stats.requests_finished - stats.requests_failed
-                   - stats.requests_dropped - stats.requests_dropped_at_pop - stats.requests_incomplete
-                   - stats.queue_length)
+        in_loop = (
+            stats.requests_scheduled
+            - stats.requests_finished
+            - stats.requests_failed
+            - stats.requests_dropped
+            - stats.requests_dropped_at_pop
+            - stats.requests_incomplete
+            - stats.queue_length
+        )
         family("tgi_queue_size", "gauge", [({}, stats.queue_length)])
         family("tgi_batch_current_size", "gauge", [({}, max(in_loop, 0))])
         family("tgi_batch_max_total_tokens", "gauge", [({}, info.max_batch_total_tokens)])
         calls = {"prefill": stats.prefill_calls, "decode": stats.decode_calls}
         failed = {"prefill": stats.prefill_failures, "decode": stats.decode_failures}
         family("tgi_batch_inference_count", "counter", [({"method": m}, v) for m, v in calls.items()])
-        family("tgi_batch_inference_success", "counter",
-               [({"method": m}, calls[m] - failed[m]) for m in calls])
+        family("tgi_batch_inference_success", "counter", [({"method": m}, calls[m] - failed[m]) for m in calls])
         family("tgi_batch_inference_failure", "counter", [({"method": m}, v) for m, v in failed.items()])
         if stats.batch_concat:
             family("tgi_batch_concat", "counter", [({"reason": k}, v) for k, v in sorted(stats.batch_concat.items())])

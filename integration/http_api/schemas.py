@@ -59,8 +59,12 @@ class BodyError(Exception):
         self.message = message
 
 
-_METRIC_BY_TYPE = {"validation": "validation", "overloaded": "overloaded", "generation": "generation",
-                   "incomplete_generation": "incomplete"}
+_METRIC_BY_TYPE = {
+    "validation": "validation",
+    "overloaded": "overloaded",
+    "generation": "generation",
+    "incomplete_generation": "incomplete",
+}
 
 
 def api_error(err: BaseException) -> ApiError:
@@ -229,8 +233,9 @@ class ChatMessage(_Model):
             return serde_json_text([call.stock_json() for call in self.tool_calls or []])
         if isinstance(self.content, str):
             return self.content + appended
-        return "".join(c.text if isinstance(c, TextChunk) else f"![]({c.image_url.url})"
-                       for c in self.content) + appended
+        return (
+            "".join(c.text if isinstance(c, TextChunk) else f"![]({c.image_url.url})" for c in self.content) + appended
+        )
 
 
 class FunctionName(_Model):
@@ -253,8 +258,9 @@ class ChatRequest(_Model):
     logit_bias: Optional[Any] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[U32] = None
-    max_tokens: Optional[U32] = Field(default=None, validation_alias=pydantic.AliasChoices(
-        "max_tokens", "max_completion_tokens"))
+    max_tokens: Optional[U32] = Field(
+        default=None, validation_alias=pydantic.AliasChoices("max_tokens", "max_completion_tokens")
+    )
     n: Optional[U32] = None
     presence_penalty: Optional[float] = None
     stop: Optional[list[str]] = None
@@ -307,8 +313,9 @@ def parse_body(raw: bytes, content_type: str | None, model: type[BaseModel]) -> 
     except pydantic.ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise BodyError(422, f"Failed to deserialize the JSON body into the target type: {where}: "
-                             f"{first['msg']}") from None
+        raise BodyError(
+            422, f"Failed to deserialize the JSON body into the target type: {where}: {first['msg']}"
+        ) from None
 
 
 # -- TGI rules on top of the router's validation --------------------------------------------------

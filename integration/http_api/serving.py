@@ -25,10 +25,18 @@ T = TypeVar("T")
 
 
 class UvicornServer:
-    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 grace_s: float = 2.0) -> None:
-        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
-                                     timeout_graceful_shutdown=grace_s, access_log=False)
+    def __init__(
+        self, app: Any, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", grace_s: float = 2.0
+    ) -> None:
+        self.config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            lifespan="off",
+            timeout_graceful_shutdown=grace_s,
+            access_log=False,
+        )
         self.server = uvicorn.Server(self.config)
         self._task: asyncio.Task | None = None
 
@@ -103,9 +111,17 @@ class HttpStack:
     ``loop``: share an existing :class:`BackgroundLoop` (e.g. one that also runs fake shards).
     """
 
-    def __init__(self, uds_base_path: str, tokenizer: Any, *, config: ApiConfig | None = None,
-                 loop: BackgroundLoop | None = None, router_kwargs: dict[str, Any] | None = None,
-                 app_kwargs: dict[str, Any] | None = None, port: int = 0) -> None:
+    def __init__(
+        self,
+        uds_base_path: str,
+        tokenizer: Any,
+        *,
+        config: ApiConfig | None = None,
+        loop: BackgroundLoop | None = None,
+        router_kwargs: dict[str, Any] | None = None,
+        app_kwargs: dict[str, Any] | None = None,
+        port: int = 0,
+    ) -> None:
         self.uds_base_path = uds_base_path
         self.tokenizer = tokenizer
         self.config = config or ApiConfig(model_id=tokenizer if isinstance(tokenizer, str) else "tgi")

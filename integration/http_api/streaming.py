@@ -105,8 +105,9 @@ class _Raised:
         self.err = err
 
 
-async def stream_events(ctx: ApiContext, req: GenerateRequest, *, add_special_tokens: bool = True,
-                        start: float | None = None) -> AsyncIterator[dict[str, Any]]:
+async def stream_events(
+    ctx: ApiContext, req: GenerateRequest, *, add_special_tokens: bool = True, start: float | None = None
+) -> AsyncIterator[dict[str, Any]]:
     """The stock ``generate_stream_internal``: ``StreamResponse`` dicts, or one error dict (then stop).
 
     Error dicts carry ``error``/``error_type``; callers frame them (TGI or OpenAI shape).
@@ -137,14 +138,26 @@ async def stream_events(ctx: ApiContext, req: GenerateRequest, *, add_special_to
                 item["top_tokens"] = [token_json(t) for t in event.top_tokens]
             if isinstance(event, FinalEvent):
                 now = time.monotonic()
-                ctx.metrics.success(total_s=now - start, validation_s=event.queued - start,
-                                    queue_s=event.start - event.queued, inference_s=now - event.start,
-                                    generated_tokens=event.generated_tokens, input_length=event.input_length,
-                                    max_new_tokens=p.max_new_tokens)
+                ctx.metrics.success(
+                    total_s=now - start,
+                    validation_s=event.queued - start,
+                    queue_s=event.start - event.queued,
+                    inference_s=now - event.start,
+                    generated_tokens=event.generated_tokens,
+                    input_length=event.input_length,
+                    max_new_tokens=p.max_new_tokens,
+                )
                 item["generated_text"] = (prompt or "") + event.generated_text
-                item["details"] = ({"finish_reason": event.finish_reason, "generated_tokens": event.generated_tokens,
-                                    "seed": event.seed, "input_length": event.input_length}
-                                   if p.details else None)
+                item["details"] = (
+                    {
+                        "finish_reason": event.finish_reason,
+                        "generated_tokens": event.generated_tokens,
+                        "seed": event.seed,
+                        "input_length": event.input_length,
+                    }
+                    if p.details
+                    else None
+                )
                 yield item
                 return
             item["generated_text"] = None

@@ -127,8 +127,13 @@ def parse_output(generated_text: str) -> list[dict[str, Any]] | None:
         else:
             if name == NO_TOOL_NAME:
                 return None
-            return [{"id": "0", "type": "function",
-                     "function": {"description": None, "name": name, "arguments": serde_json_text(arguments)}}]
+            return [
+                {
+                    "id": "0",
+                    "type": "function",
+                    "function": {"description": None, "name": name, "arguments": serde_json_text(arguments)},
+                }
+            ]
     raise tool_error(f"Failed to parse generated text: {detail} {rust_debug(generated_text)}")
 
 
@@ -191,5 +196,9 @@ def tool_delta(call_id: str, arguments: str, name: str | None, special: bool) ->
     """A streamed tool-call delta (a special token sends an empty content delta instead)."""
     if special:
         return {"role": "assistant", "content": ""}
-    return {"role": "assistant", "tool_calls": [{"index": 0, "id": call_id, "type": "function",
-                                                 "function": {"name": name, "arguments": arguments}}]}
+    return {
+        "role": "assistant",
+        "tool_calls": [
+            {"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        ],
+    }

@@ -33,9 +33,12 @@ DEFAULT_TOOL_PROMPT = (
     "arguments that best answers the given prompt. Respond in the format {name: function name, parameters: "
     "dictionary of argument name and its value}.Do not use variables.\n"
 )
-NO_TOOL = Tool(type="function", function=FunctionDefinition(
-    name="no_tool", description="Open ended response with no specific tool selected",
-    arguments={"type": "object"}))
+NO_TOOL = Tool(
+    type="function",
+    function=FunctionDefinition(
+        name="no_tool", description="Open ended response with no specific tool selected", arguments={"type": "object"}
+    ),
+)
 """Added under ``tool_choice: auto``: the model may answer without a tool (then the router answers again
 without tools)."""
 
@@ -75,8 +78,10 @@ def tool_schema(tools: list[Tool]) -> dict[str, Any]:
         params["properties"] = properties
         params["required"] = required
         functions[func.name] = params
-    return {"$functions": functions,
-            "properties": {"function": {"anyOf": [{"$ref": f"#/$functions/{t.function.name}"} for t in tools]}}}
+    return {
+        "$functions": functions,
+        "properties": {"function": {"anyOf": [{"$ref": f"#/$functions/{t.function.name}"} for t in tools]}},
+    }
 
 
 def tool_grammar(tools: list[Tool]) -> JsonGrammar:
@@ -138,8 +143,9 @@ def tokenizer_chat_template(tokenizer: Any) -> Renderer:
     return render
 
 
-def render_chat(render: Renderer | None, messages: list[ChatMessage], tools: list[Tool] | None,
-                tool_prompt: str | None) -> str:
+def render_chat(
+    render: Renderer | None, messages: list[ChatMessage], tools: list[Tool] | None, tool_prompt: str | None
+) -> str:
     """The prompt: messages flattened to text, the tool prompt appended to the last content message."""
     if render is None:
         raise template_error("template not found")

@@ -38,9 +38,15 @@ def reference(job) -> dict:
         for r in job["runs"]["burst"]:
             n = r["output_tokens"]
             ids = torch.tensor([r["prompt_ids"]])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=0)
-            out.append(gen[0, ids.shape[1]:].tolist())
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            out.append(gen[0, ids.shape[1] :].tolist())
     return {"tokens": out}
 
 
@@ -76,8 +82,9 @@ def cb(job) -> dict:
         return {"skipped": f"transformers {transformers.__version__}: no init_continuous_batching"}
     page = int(job["block_size"])
     gen_cfg = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=128)
-    cb_cfg = ContinuousBatchingConfig(page_size=page, num_blocks=max(1, job["kv_tokens"] // page),
-                                      max_batch_tokens=job["max_batch_tokens"])
+    cb_cfg = ContinuousBatchingConfig(
+        page_size=page, num_blocks=max(1, job["kv_tokens"] // page), max_batch_tokens=job["max_batch_tokens"]
+    )
     manager = model.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
     manager.start()
     runs = {}
@@ -93,9 +100,15 @@ def cb(job) -> dict:
                 runs[name] = _serve_cb(manager, requests)
     finally:
         manager.stop(block=True, timeout=10)
-    return {"engine": f"transformers {transformers.__version__} continuous batching (page {page})", "runs": runs,
-            "setup_s": setup_s, "notes": [f"ContinuousBatchingManager, {job['kv_tokens'] // page} pages x {page}, "
-                                          f"max_batch_tokens {job['max_batch_tokens']}"]}
+    return {
+        "engine": f"transformers {transformers.__version__} continuous batching (page {page})",
+        "runs": runs,
+        "setup_s": setup_s,
+        "notes": [
+            f"ContinuousBatchingManager, {job['kv_tokens'] // page} pages x {page}, "
+            f"max_batch_tokens {job['max_batch_tokens']}"
+        ],
+    }
 
 
 def _serve_cb(manager, requests: list[dict]) -> list[dict]:
@@ -108,9 +121,13 @@ def _serve_cb(manager, requests: list[dict]) -> list[dict]:
         if wait > 0:
             _drain(manager, ids, results, t0, wait)
             time.sleep(max(0.0, requests[i]["arrival"] - (time.perf_counter() - t0)))  # nothing live to drain
-        rid = manager.add_request(requests[i]["prompt_ids"], request_id=f"r{i}",
-                                  max_new_tokens=requests[i]["output_tokens"], record_timestamps=True,
-                                  eos_token_id=-1)
+        rid = manager.add_request(
+            requests[i]["prompt_ids"],
+            request_id=f"r{i}",
+            max_new_tokens=requests[i]["output_tokens"],
+            record_timestamps=True,
+            eos_token_id=-1,
+        )
         ids[rid] = i
     _drain(manager, ids, results, t0, None)
     return results

@@ -34,8 +34,9 @@ def peer_traces(num_requests: int, rate: float, seed: int = 0) -> dict[str, list
     burst = generate_trace(PEERS_WORKLOAD, num_requests, arrival="burst", seed=seed)
     poisson = generate_trace(PEERS_WORKLOAD, num_requests, arrival="poisson", rate=rate, seed=seed)
     # Same seed, same draw order: lengths agree; only the arrivals differ.
-    poisson = [TraceRequest(b.prompt_tokens, b.output_tokens, p.arrival, b.max_new_tokens)
-               for b, p in zip(burst, poisson)]
+    poisson = [
+        TraceRequest(b.prompt_tokens, b.output_tokens, p.arrival, b.max_new_tokens) for b, p in zip(burst, poisson)
+    ]
     return {"burst": burst, "poisson": poisson}
 
 
@@ -44,19 +45,39 @@ def prompt_ids(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
     return [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
 
 
-def build_job(*, model_dir: Path, traces: dict[str, list[TraceRequest]], ids: list[list[int]], threads: int,
-              kv_tokens: int, block_size: int, max_batch_tokens: int, max_model_len: int) -> dict[str, Any]:
-    runs = {name: [{"prompt_ids": ids[i], "output_tokens": r.output_tokens, "arrival": r.arrival}
-                   for i, r in enumerate(trace)]
-            for name, trace in traces.items()}
+def build_job(
+    *,
+    model_dir: Path,
+    traces: dict[str, list[TraceRequest]],
+    ids: list[list[int]],
+    threads: int,
+    kv_tokens: int,
+    block_size: int,
+    max_batch_tokens: int,
+    max_model_len: int,
+) -> dict[str, Any]:
+    runs = {
+        name: [
+            {"prompt_ids": ids[i], "output_tokens": r.output_tokens, "arrival": r.arrival} for i, r in enumerate(trace)
+        ]
+        for name, trace in traces.items()
+    }
     max_new = max(r.max_new_tokens for trace in traces.values() for r in trace)
-    return {"model_dir": str(model_dir), "threads": threads, "max_new_tokens": max_new, "kv_tokens": kv_tokens,
-            "block_size": block_size,
-            "max_batch_tokens": max_batch_tokens, "max_model_len": max_model_len, "runs": runs}
+    return {
+        "model_dir": str(model_dir),
+        "threads": threads,
+        "max_new_tokens": max_new,
+        "kv_tokens": kv_tokens,
+        "block_size": block_size,
+        "max_batch_tokens": max_batch_tokens,
+        "max_model_len": max_model_len,
+        "runs": runs,
+    }
 
 
-def run_worker(python: str, module_file: Path, job: dict[str, Any], mode: str, *, env: dict[str, str],
-               timeout_s: float, log=print) -> dict[str, Any]:
+def run_worker(
+    python: str, module_file: Path, job: dict[str, Any], mode: str, *, env: dict[str, str], timeout_s: float, log=print
+) -> dict[str, Any]:
     """Run ``python module_file mode job.json out.json`` and read its answer (raises with its stderr tail)."""
     import tempfile
 
@@ -64,8 +85,13 @@ def run_worker(python: str, module_file: Path, job: dict[str, Any], mode: str, *
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_path.write_text(json.dumps(job))
         t0 = time.perf_counter()
-        proc = subprocess.run([python, str(module_file), mode, str(job_path), str(out_path)], env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            [python, str(module_file), mode, str(job_path), str(out_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if proc.returncode != 0 or not out_path.exists():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-25:])
             raise RuntimeError(f"{module_file.name} {mode} exited {proc.returncode}:\n{tail}")
@@ -98,20 +124,22 @@ class RunFigures:
     first_mismatch: str = ""
 
 
-def figures(requests: Sequence[dict[str, Any]], trace: Sequence[TraceRequest],
-            reference: Sequence[Sequence[int]] | None = None) -> RunFigures:
+def figures(
+    requests: Sequence[dict[str, Any]], trace: Sequence[TraceRequest], reference: Sequence[Sequence[int]] | None = None
+) -> RunFigures:
     """Useful tokens (each request's ``output_tokens``) over first arrival -> last token."""
     ttft = [r["token_times"][0] - r["arrival"] for r in requests if r["token_times"]]
     itl = [b - a for r in requests for a, b in zip(r["token_times"], r["token_times"][1:])]
     last = max((r["token_times"][-1] for r in requests if r["token_times"]), default=math.nan)
     wall = last - min(t.arrival for t in trace)
     useful = sum(t.output_tokens for t in trace)
-    out = RunFigures(useful / wall if wall > 0 else math.nan, _pct(ttft, 50), _pct(ttft, 99), _pct(itl, 50),
-                     _pct(itl, 99), wall)
+    out = RunFigures(
+        useful / wall if wall > 0 else math.nan, _pct(ttft, 50), _pct(ttft, 99), _pct(itl, 50), _pct(itl, 99), wall
+    )
     if reference is not None:
         out.compared, out.matched = len(requests), 0
         for i, (r, ref) in enumerate(zip(requests, reference)):
-            got = list(r["tokens"])[:len(ref)]
+            got = list(r["tokens"])[: len(ref)]
             if got == list(ref):
                 out.matched += 1
             elif not out.first_mismatch:

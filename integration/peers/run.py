@@ -64,8 +64,16 @@ def run_all(cfg: PeersConfig, *, log=print) -> dict[str, Any]:
     ids = prompt_ids(tok, prompts)
     max_new = max(r.max_new_tokens for r in burst)
     max_model_len = max(256, max(len(i) for i in ids)) + max_new
-    job = build_job(model_dir=cfg.model_dir, traces=traces, ids=ids, threads=cfg.threads, kv_tokens=cfg.kv_tokens,
-                    block_size=cfg.block_size, max_batch_tokens=cfg.max_batch_tokens, max_model_len=max_model_len)
+    job = build_job(
+        model_dir=cfg.model_dir,
+        traces=traces,
+        ids=ids,
+        threads=cfg.threads,
+        kv_tokens=cfg.kv_tokens,
+        block_size=cfg.block_size,
+        max_batch_tokens=cfg.max_batch_tokens,
+        max_model_len=max_model_len,
+    )
     env = python_env(cfg.threads)
     load = (os.getloadavg()[0], cpu_probe_ms())
     reference = _reference(cfg, job, env, log)
@@ -76,8 +84,10 @@ def run_all(cfg: PeersConfig, *, log=print) -> dict[str, Any]:
         for name, requests in runs.items():
             result.runs[name] = figures(requests, traces[name], reference)
         # The machine is shared: the load during each engine's slot, so uneven load shows.
-        result.notes.append(f"load average {slot['load']:.1f} -> {os.getloadavg()[0]:.1f}, cpu probe "
-                            f"{slot['probe']:.0f} -> {cpu_probe_ms():.0f} ms")
+        result.notes.append(
+            f"load average {slot['load']:.1f} -> {os.getloadavg()[0]:.1f}, cpu probe "
+            f"{slot['probe']:.0f} -> {cpu_probe_ms():.0f} ms"
+        )
         results.append(result)
 
     def start_slot() -> None:
@@ -95,50 +105,99 @@ def run_all(cfg: PeersConfig, *, log=print) -> dict[str, Any]:
         except Exception as err:  # report-only: show the reason, go on with the others
             results.append(EngineResult(engine="this shard", skipped=f"{type(err).__name__}: {err}"))
     log(f"bare forward ({shape['batch']} rows x {shape['context']} tokens) ...")
-    bare = run_worker(this_python(), HERE / "hf_worker.py", {**job, "bare": shape}, "bare", env=env,
-                      timeout_s=cfg.worker_timeout_s, log=log)
+    bare = run_worker(
+        this_python(),
+        HERE / "hf_worker.py",
+        {**job, "bare": shape},
+        "bare",
+        env=env,
+        timeout_s=cfg.worker_timeout_s,
+        log=log,
+    )
     if "vllm" in cfg.engines:
         log("vLLM CPU build ...")
         start_slot()
-        add(*_worker_engine("vllm", cfg.vllm_python, "vllm_worker.py", "serve", job, env, cfg, log,
-                            missing="no peer venv: run scripts/build_peer_venvs.sh"))
+        add(
+            *_worker_engine(
+                "vllm",
+                cfg.vllm_python,
+                "vllm_worker.py",
+                "serve",
+                job,
+                env,
+                cfg,
+                log,
+                missing="no peer venv: run scripts/build_peer_venvs.sh",
+            )
+        )
     if "transformers" in cfg.engines:
         log("transformers continuous batching ...")
         start_slot()
-        add(*_worker_engine("transformers continuous batching", Path(this_python()), "hf_worker.py", "cb", job, env,
-                            cfg, log, missing=""))
-    config = {"requests": cfg.requests, "rate": cfg.rate, "threads": cfg.threads, "kv_tokens": cfg.kv_tokens,
-              "block_size": cfg.block_size, "max_batch_tokens": cfg.max_batch_tokens, "model": cfg.model_dir.name,
-              "prompt_min": min(len(i) for i in ids), "prompt_max": max(len(i) for i in ids),
-              "prompt_mean": float(np.mean([len(i) for i in ids])),
-              "output_min": min(r.output_tokens for r in burst), "output_max": max(r.output_tokens for r in burst),
-              "output_mean": float(np.mean([r.output_tokens for r in burst])),
-              "useful_tokens": sum(r.output_tokens for r in burst)}
-    machine = (f"{os.cpu_count()} CPUs; load average {load[0]:.1f} -> {os.getloadavg()[0]:.1f}; cpu probe "
-               f"{load[1]:.0f} ms before, {cpu_probe_ms():.0f} ms after (fixed single-thread matmul loop; higher = busier)")
-    return {"config": config, "results": results, "bare": bare, "shape": shape, "machine": machine,
-            "elapsed_s": time.perf_counter() - t0}
+        add(
+            *_worker_engine(
+                "transformers continuous batching",
+                Path(this_python()),
+                "hf_worker.py",
+                "cb",
+                job,
+                env,
+                cfg,
+                log,
+                missing="",
+            )
+        )
+    config = {
+        "requests": cfg.requests,
+        "rate": cfg.rate,
+        "threads": cfg.threads,
+        "kv_tokens": cfg.kv_tokens,
+        "block_size": cfg.block_size,
+        "max_batch_tokens": cfg.max_batch_tokens,
+        "model": cfg.model_dir.name,
+        "prompt_min": min(len(i) for i in ids),
+        "prompt_max": max(len(i) for i in ids),
+        "prompt_mean": float(np.mean([len(i) for i in ids])),
+        "output_min": min(r.output_tokens for r in burst),
+        "output_max": max(r.output_tokens for r in burst),
+        "output_mean": float(np.mean([r.output_tokens for r in burst])),
+        "useful_tokens": sum(r.output_tokens for r in burst),
+    }
+    machine = (
+        f"{os.cpu_count()} CPUs; load average {load[0]:.1f} -> {os.getloadavg()[0]:.1f}; cpu probe "
+        f"{load[1]:.0f} ms before, {cpu_probe_ms():.0f} ms after (fixed single-thread matmul loop; higher = busier)"
+    )
+    return {
+        "config": config,
+        "results": results,
+        "bare": bare,
+        "shape": shape,
+        "machine": machine,
+        "elapsed_s": time.perf_counter() - t0,
+    }
 
 
 def _reference(cfg: PeersConfig, job: dict, env: dict, log) -> list[list[int]]:
     """HF greedy tokens, cached in ``cfg.cache_dir`` by the job's prompts, lengths, model and threads
     (one request at a time: minutes on 2 busy cores, and the same for every run of the same trace)."""
-    key_src = json.dumps([str(cfg.model_dir), job["threads"],
-                          [(r["prompt_ids"], r["output_tokens"]) for r in job["runs"]["burst"]]])
+    key_src = json.dumps(
+        [str(cfg.model_dir), job["threads"], [(r["prompt_ids"], r["output_tokens"]) for r in job["runs"]["burst"]]]
+    )
     path = cfg.cache_dir / f"peers_reference_{hashlib.sha256(key_src.encode()).hexdigest()[:16]}.json"
     if path.exists():
         log(f"HF greedy reference: cached ({path})")
         return json.loads(path.read_text())["tokens"]
     log("HF greedy reference ...")
-    tokens = run_worker(this_python(), HERE / "hf_worker.py", job, "reference", env=env,
-                        timeout_s=cfg.worker_timeout_s, log=log)["tokens"]
+    tokens = run_worker(
+        this_python(), HERE / "hf_worker.py", job, "reference", env=env, timeout_s=cfg.worker_timeout_s, log=log
+    )["tokens"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"tokens": tokens}))
     return tokens
 
 
-def _worker_engine(label: str, python: Path, worker: str, mode: str, job: dict, env: dict, cfg: PeersConfig,
-                   log, *, missing: str) -> tuple[EngineResult, dict[str, list[dict]]]:
+def _worker_engine(
+    label: str, python: Path, worker: str, mode: str, job: dict, env: dict, cfg: PeersConfig, log, *, missing: str
+) -> tuple[EngineResult, dict[str, list[dict]]]:
     """``(result, raw runs)``; a skipped result (with the reason) and no runs when it could not run."""
     if not python.exists():
         return EngineResult(engine=label, skipped=missing or f"{python} not found"), {}
@@ -148,5 +207,6 @@ def _worker_engine(label: str, python: Path, worker: str, mode: str, job: dict, 
         return EngineResult(engine=label, skipped=f"{type(err).__name__}: {str(err)[-600:]}"), {}
     if "skipped" in out:
         return EngineResult(engine=label, skipped=out["skipped"]), {}
-    return EngineResult(engine=out["engine"], peak_rss_bytes=out["peak_rss_bytes"], setup_s=out["setup_s"],
-                        notes=out.get("notes", [])), out["runs"]
+    return EngineResult(
+        engine=out["engine"], peak_rss_bytes=out["peak_rss_bytes"], setup_s=out["setup_s"], notes=out.get("notes", [])
+    ), out["runs"]

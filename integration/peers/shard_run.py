@@ -25,10 +25,14 @@ from tgi_paged_backend.telemetry.step_record import STEP_PARTS
 
 def shard_env(job: dict[str, Any], metrics_port: int) -> dict[str, str]:
     bs = int(job["block_size"])
-    return {"TGI_PAGED_BLOCK_SIZE": str(bs), "TGI_PAGED_NUM_BLOCKS": str(job["kv_tokens"] // bs + 1),
-            "TGI_PAGED_METRICS_PORT": str(metrics_port), "PREFIX_CACHING": "0",
-            "OMP_NUM_THREADS": str(job["threads"]),
-            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    return {
+        "TGI_PAGED_BLOCK_SIZE": str(bs),
+        "TGI_PAGED_NUM_BLOCKS": str(job["kv_tokens"] // bs + 1),
+        "TGI_PAGED_METRICS_PORT": str(metrics_port),
+        "PREFIX_CACHING": "0",
+        "OMP_NUM_THREADS": str(job["threads"]),
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    }
 
 
 def _vm_hwm(pid: int) -> int:
@@ -41,8 +45,9 @@ def _vm_hwm(pid: int) -> int:
     return 0
 
 
-async def _drive(router: Any, requests: list[dict], prompts: list[str], port: int, *, block_size: int,
-                 max_new_tokens: int) -> tuple[list[dict], dict]:
+async def _drive(
+    router: Any, requests: list[dict], prompts: list[str], port: int, *, block_size: int, max_new_tokens: int
+) -> tuple[list[dict], dict]:
     from integration.router_replay import GenerateParameters, TokenEvent
 
     t0 = time.perf_counter()
@@ -86,18 +91,22 @@ async def _drive(router: Any, requests: list[dict], prompts: list[str], port: in
 
 def anatomy(before: dict, after: dict) -> tuple[dict[str, float], int]:
     """Mean seconds per decode step by part over the run, and the number of decode steps."""
+
     def delta(name: str, **labels: str) -> float:
         return _get(after, name, **labels) - _get(before, name, **labels)
 
     steps = int(delta("tgi_paged_step_seconds_count", phase="decode"))
-    parts = {p: delta("tgi_paged_step_part_seconds_sum", phase="decode", part=p) / steps if steps else 0.0
-             for p in STEP_PARTS}
+    parts = {
+        p: delta("tgi_paged_step_part_seconds_sum", phase="decode", part=p) / steps if steps else 0.0
+        for p in STEP_PARTS
+    }
     parts["step"] = delta("tgi_paged_step_seconds_sum", phase="decode") / steps if steps else 0.0
     return parts, steps
 
 
-def run_shard(job: dict[str, Any], prompts: list[str], *, max_batch_prefill_tokens: int, ready_timeout_s: float = 300,
-              log=print) -> tuple[EngineResult, dict[str, list[dict]], dict[str, float]]:
+def run_shard(
+    job: dict[str, Any], prompts: list[str], *, max_batch_prefill_tokens: int, ready_timeout_s: float = 300, log=print
+) -> tuple[EngineResult, dict[str, list[dict]], dict[str, float]]:
     """``(result shell, raw runs, decode shape {"batch", "context"} of the burst run)``."""
     from integration.launcher_spawn import LaunchedShards, LauncherOptions
     from integration.router_replay import Router
@@ -106,15 +115,24 @@ def run_shard(job: dict[str, Any], prompts: list[str], *, max_batch_prefill_toke
     max_input = job["max_model_len"] - job["max_new_tokens"]
     result = EngineResult(engine=f"this shard (launcher spawn + router replay, block {job['block_size']})")
     with tempfile.TemporaryDirectory(prefix="tgi-peers-") as tmp:
-        opts = LauncherOptions(uds_path=str(Path(tmp) / "shard"), log_level="INFO", env=shard_env(job, port),
-                               max_input_tokens=max_input, max_total_tokens=job["max_model_len"])
+        opts = LauncherOptions(
+            uds_path=str(Path(tmp) / "shard"),
+            log_level="INFO",
+            env=shard_env(job, port),
+            max_input_tokens=max_input,
+            max_total_tokens=job["max_model_len"],
+        )
         t_setup = time.perf_counter()
         with LaunchedShards(job["model_dir"], opts, ready_timeout=ready_timeout_s) as shards:
 
             async def scenario():
-                router = await Router.connect(opts.uds_path, job["model_dir"], max_input_tokens=max_input,
-                                              max_total_tokens=job["max_model_len"],
-                                              max_batch_prefill_tokens=max_batch_prefill_tokens)
+                router = await Router.connect(
+                    opts.uds_path,
+                    job["model_dir"],
+                    max_input_tokens=max_input,
+                    max_total_tokens=job["max_model_len"],
+                    max_batch_prefill_tokens=max_batch_prefill_tokens,
+                )
                 try:
                     warm = await router.generate("warm up", _params(2))
                     await warm.collect()
@@ -122,9 +140,14 @@ def run_shard(job: dict[str, Any], prompts: list[str], *, max_batch_prefill_toke
                     runs, shapes = {}, {}
                     for name, requests in job["runs"].items():
                         before = await asyncio.to_thread(scrape, port)
-                        runs[name], samples = await _drive(router, requests, prompts, port,
-                                                           block_size=job["block_size"],
-                                                           max_new_tokens=job["max_new_tokens"])
+                        runs[name], samples = await _drive(
+                            router,
+                            requests,
+                            prompts,
+                            port,
+                            block_size=job["block_size"],
+                            max_new_tokens=job["max_new_tokens"],
+                        )
                         await asyncio.sleep(0.3)
                         after = await asyncio.to_thread(scrape, port)
                         parts, steps = anatomy(before, after)
@@ -133,8 +156,11 @@ def run_shard(job: dict[str, Any], prompts: list[str], *, max_batch_prefill_toke
                             n = max(1, len(samples["running"]))
                             batch = sum(samples["running"]) / n
                             ctx = sum(u / r for u, r in zip(samples["used_tokens"], samples["running"])) / n
-                            shapes = {"batch": max(1, round(batch)), "context": max(1, round(ctx)),
-                                      "decode_steps": steps}
+                            shapes = {
+                                "batch": max(1, round(batch)),
+                                "context": max(1, round(ctx)),
+                                "decode_steps": steps,
+                            }
                         tokens = sum(len(r["tokens"]) for r in runs[name])
                         log(f"  shard {name}: {tokens} tokens, {steps} decode steps")
                     return runs, shapes
@@ -144,8 +170,10 @@ def run_shard(job: dict[str, Any], prompts: list[str], *, max_batch_prefill_toke
             runs, shapes = asyncio.run(scenario())
             result.peak_rss_bytes = _vm_hwm(shards.pid(0))
             info = next((r.text for r in shards.logs if "warmup:" in r.text), "")
-    result.notes.append(f"{job['threads']} threads (OMP_NUM_THREADS), max_batch_prefill_tokens "
-                        f"{max_batch_prefill_tokens}; {info.strip()}")
+    result.notes.append(
+        f"{job['threads']} threads (OMP_NUM_THREADS), max_batch_prefill_tokens "
+        f"{max_batch_prefill_tokens}; {info.strip()}"
+    )
     return result, runs, shapes
 
 

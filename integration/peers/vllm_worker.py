@@ -33,20 +33,35 @@ def main(job_path: str, out_path: str) -> None:
     torch.set_num_threads(threads)
     t_setup = time.perf_counter()
     block = 32
-    llm = LLM(model=job["model_dir"], dtype="float32", enforce_eager=True, seed=0, block_size=block,
-              num_gpu_blocks_override=max(1, job["kv_tokens"] // block), max_model_len=job["max_model_len"],
-              max_num_batched_tokens=max(job["max_batch_tokens"], job["max_model_len"]), max_num_seqs=256)
+    llm = LLM(
+        model=job["model_dir"],
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        block_size=block,
+        num_gpu_blocks_override=max(1, job["kv_tokens"] // block),
+        max_model_len=job["max_model_len"],
+        max_num_batched_tokens=max(job["max_batch_tokens"], job["max_model_len"]),
+        max_num_seqs=256,
+    )
     engine = llm.llm_engine
     setup_s = time.perf_counter() - t_setup
     # warm-up request, not timed
-    llm.generate([{"prompt_token_ids": job["runs"]["burst"][0]["prompt_ids"][:8]}],
-                 SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": job["runs"]["burst"][0]["prompt_ids"][:8]}],
+        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
     runs = {}
     for name, requests in job["runs"].items():
         runs[name] = serve(engine, SamplingParams, requests)
-    out = {"engine": f"vllm {vllm.__version__} (CPU, eager, block {block})", "runs": runs,
-           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "setup_s": setup_s,
-           "notes": [f"torch {torch.__version__}, {threads} threads, {job['kv_tokens'] // block} KV blocks x {block}"]}
+    out = {
+        "engine": f"vllm {vllm.__version__} (CPU, eager, block {block})",
+        "runs": runs,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "setup_s": setup_s,
+        "notes": [f"torch {torch.__version__}, {threads} threads, {job['kv_tokens'] // block} KV blocks x {block}"],
+    }
     json.dump(out, open(out_path, "w"))
 
 

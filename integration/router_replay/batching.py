@@ -81,9 +81,7 @@ def _equal_lengths(tokens: pb.Tokens, with_special: bool = True) -> bool:
 
 
 class Batcher:
-    def __init__(
-        self, client: ShardedClient, queue: Queue, config: BatchingConfig, stats: RouterStats
-    ) -> None:
+    def __init__(self, client: ShardedClient, queue: Queue, config: BatchingConfig, stats: RouterStats) -> None:
         self.client = client
         self.queue = queue
         self.config = config
@@ -131,9 +129,7 @@ class Batcher:
                             if waiting_tokens >= cfg.max_waiting_tokens
                             else int(_f32(_f32(cached.size) * _f32(cfg.waiting_served_ratio)) // 1)
                         )
-                        max_size = (
-                            max(0, cfg.max_batch_size - cached.size) if cfg.max_batch_size is not None else None
-                        )
+                        max_size = max(0, cfg.max_batch_size - cached.size) if cfg.max_batch_size is not None else None
                         prefill_budget = cfg.max_batch_prefill_tokens
                     picked = self.queue.next_batch(min_size, max_size, prefill_budget, token_budget)
                     if picked is not None:

@@ -116,9 +116,7 @@ def build_warmup_request(
         n_tokens += truncate
         if max_batch_size is not None and len(requests) == max_batch_size:
             break
-    batch = pb.Batch(
-        id=0, requests=requests, size=len(requests), max_tokens=max_input_tokens or 0, max_blocks=0
-    )
+    batch = pb.Batch(id=0, requests=requests, size=len(requests), max_tokens=max_input_tokens or 0, max_blocks=0)
     request = pb.WarmupRequest(batch=batch, max_prefill_tokens=max_prefill_tokens)
     if max_input_tokens is not None:
         request.max_input_tokens = max_input_tokens
@@ -149,9 +147,7 @@ def build_liveness_batch() -> pb.Batch:
             grammar="",
             grammar_type=pb.GRAMMAR_TYPE_NONE,
         ),
-        stopping_parameters=pb.StoppingCriteriaParameters(
-            max_new_tokens=1, stop_sequences=[], ignore_eos_token=False
-        ),
+        stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=1, stop_sequences=[], ignore_eos_token=False),
         top_n_tokens=0,
         blocks=[0],
         slots=[0],
@@ -251,9 +247,7 @@ class ShardedClient:
 
     async def _fan_out(self, method: str, request: Any) -> list[Any]:
         self.calls.append((method, request))
-        return list(
-            await asyncio.gather(*(c.call(method, request) for c in self.clients), return_exceptions=True)
-        )
+        return list(await asyncio.gather(*(c.call(method, request) for c in self.clients), return_exceptions=True))
 
     async def _last(self, method: str, request: Any) -> Any:
         results = await self._fan_out(method, request)

@@ -367,8 +367,9 @@ async def fake_shards(
     directory = tempfile.mkdtemp(prefix="rr", dir="/tmp")  # unix socket paths must stay short
     base = os.path.join(directory, "tgs")
     shards = [
-        FakeShard(base, config or FakeShardConfig(), rank=rank, world_size=world_size,
-                  tokenizer=tokenizer or CharTokenizer())  # fmt: skip
+        FakeShard(
+            base, config or FakeShardConfig(), rank=rank, world_size=world_size, tokenizer=tokenizer or CharTokenizer()
+        )  # fmt: skip
         for rank in range(world_size)
     ]
     try:

@@ -95,8 +95,11 @@ def serde_json_text(value: Any) -> str:
     if isinstance(value, float) and math.isfinite(value):
         return _float_text(value)
     if isinstance(value, dict):
-        return "{" + ",".join(f"{json.dumps(str(k), ensure_ascii=False)}:{serde_json_text(v)}"
-                              for k, v in value.items()) + "}"
+        return (
+            "{"
+            + ",".join(f"{json.dumps(str(k), ensure_ascii=False)}:{serde_json_text(v)}" for k, v in value.items())
+            + "}"
+        )
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(serde_json_text(v) for v in value) + "]"
     return json.dumps(value, ensure_ascii=False)
@@ -148,7 +151,7 @@ def serde_parse_error(text: str, err: ValueError) -> str:
     """``serde_json``'s message for a text Python's ``json`` refused (wording mapped, position kept)."""
     if not isinstance(err, json.JSONDecodeError):
         return f"{err} at {_line_column(text, len(text))}"
-    if not text[err.pos:].strip() or err.msg.startswith("Unterminated string"):
+    if not text[err.pos :].strip() or err.msg.startswith("Unterminated string"):
         return f"EOF while parsing {_open_construct(text)} at {_line_column(text, len(text))}"
     message = next((serde for py, serde in _SERDE_MESSAGES if err.msg.startswith(py)), err.msg)
     if message == "expected `,` or `}`" and _open_construct(text[: err.pos]) == "a list":

@@ -94,9 +94,7 @@ class Router:
         self.tokenizer = tokenizer
         self.strict = strict
         self._stats = RouterStats()
-        self._validator = Validator(
-            tokenizer, ValidationLimits(info.max_input_tokens, info.max_total_tokens)
-        )
+        self._validator = Validator(tokenizer, ValidationLimits(info.max_input_tokens, info.max_total_tokens))
         self._queue = Queue(
             requires_padding=info.requires_padding,
             block_size=info.block_size,
@@ -351,4 +349,3 @@ class Router:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close(raise_fatal=exc[0] is None)
-

@@ -112,14 +112,38 @@ def test_first_fit_merges_holes() -> None:
 
 def test_advice_prefers_the_smallest_overcommit_that_loses_nothing() -> None:
     def fake(oc: float, tps: float, waste: float, tax: float = 0.0) -> SimResult:
-        return SimResult(allocator="paged", overcommit=oc, num_requests=1, finished=1, failed=0, steps=1,
-                         sim_time_s=1, generated_tokens=1, tokens_per_s=tps, requests_per_s=1, mean_running=1,
-                         peak_running=1, mean_admitted=1, peak_admitted=1, mean_queued=0, peak_queued=0,
-                         waste_internal=0, waste_reservation=0, waste_external=waste, kv_used=0.5,
-                         virtual_unbacked=0, fragmentation_steps=0, admit_refusals=0, preemptions_recompute=0,
-                         preemptions_swap=0,
-                         recomputed_tokens=int(100 * tax), computed_tokens=100, ttft_p50_s=0, ttft_p99_s=0,
-                         latency_mean_s=0)
+        return SimResult(
+            allocator="paged",
+            overcommit=oc,
+            num_requests=1,
+            finished=1,
+            failed=0,
+            steps=1,
+            sim_time_s=1,
+            generated_tokens=1,
+            tokens_per_s=tps,
+            requests_per_s=1,
+            mean_running=1,
+            peak_running=1,
+            mean_admitted=1,
+            peak_admitted=1,
+            mean_queued=0,
+            peak_queued=0,
+            waste_internal=0,
+            waste_reservation=0,
+            waste_external=waste,
+            kv_used=0.5,
+            virtual_unbacked=0,
+            fragmentation_steps=0,
+            admit_refusals=0,
+            preemptions_recompute=0,
+            preemptions_swap=0,
+            recomputed_tokens=int(100 * tax),
+            computed_tokens=100,
+            ttft_p50_s=0,
+            ttft_p99_s=0,
+            latency_mean_s=0,
+        )
 
     runs = {2.0: fake(2, 80, 0.3), 3.0: fake(3, 99, 0.04), 4.0: fake(4, 100, 0.02), 6.0: fake(6, 101, 0.01, 0.3)}
     # 6 is fastest but pays a 30 % recompute tax; 3 is fast enough but wastes 2 points more than 4

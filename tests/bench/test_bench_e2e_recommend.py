@@ -7,11 +7,31 @@ from integration.bench_e2e import ModeResult, recommend
 
 def _run(overcommit: float, tokens_per_s: float, waste: float, recomputed: int = 0) -> ModeResult:
     return ModeResult(
-        mode="paged", overcommit=overcommit, wall_s=10.0, useful_tokens=100, tokens_per_s=tokens_per_s,
-        requests_per_s=1.0, ttft_p50_s=1.0, ttft_p99_s=2.0, itl_p50_s=0.1, itl_p99_s=0.2, peak_admitted=4,
-        peak_running=4, mean_batch=3.0, preemptions={"recompute": 0, "swap": 0}, recomputed_tokens=recomputed,
-        computed_tokens=1000, waste_internal=0.0, waste_reservation=0.0, waste_external=waste, idle_queued=0.0,
-        virtual_unbacked=0.0, kv_used=0.5, setup_s=1.0, pool_tokens=512)
+        mode="paged",
+        overcommit=overcommit,
+        wall_s=10.0,
+        useful_tokens=100,
+        tokens_per_s=tokens_per_s,
+        requests_per_s=1.0,
+        ttft_p50_s=1.0,
+        ttft_p99_s=2.0,
+        itl_p50_s=0.1,
+        itl_p99_s=0.2,
+        peak_admitted=4,
+        peak_running=4,
+        mean_batch=3.0,
+        preemptions={"recompute": 0, "swap": 0},
+        recomputed_tokens=recomputed,
+        computed_tokens=1000,
+        waste_internal=0.0,
+        waste_reservation=0.0,
+        waste_external=waste,
+        idle_queued=0.0,
+        virtual_unbacked=0.0,
+        kv_used=0.5,
+        setup_s=1.0,
+        pool_tokens=512,
+    )
 
 
 def test_smallest_overcommit_near_best_throughput_and_lowest_waste():

@@ -35,8 +35,10 @@ def test_traces_share_lengths_and_respect_the_bounds() -> None:
 
 def test_figures_time_tokens_and_compare_with_the_reference() -> None:
     trace = [TraceRequest(10, 3, 0.0, 8), TraceRequest(10, 2, 1.0, 8)]
-    runs = [{"tokens": [5, 6, 7], "arrival": 0.0, "token_times": [0.5, 1.0, 2.0]},
-            {"tokens": [9, 4], "arrival": 1.0, "token_times": [1.25, 1.5]}]
+    runs = [
+        {"tokens": [5, 6, 7], "arrival": 0.0, "token_times": [0.5, 1.0, 2.0]},
+        {"tokens": [9, 4], "arrival": 1.0, "token_times": [1.25, 1.5]},
+    ]
     fig = figures(runs, trace, reference=[[5, 6, 7], [9, 8]])
     assert fig.tokens_per_s == pytest.approx(5 / 2.0) and fig.wall_s == pytest.approx(2.0)
     assert fig.ttft_p50_s == pytest.approx((0.5 + 0.25) / 2)
@@ -47,16 +49,40 @@ def test_figures_time_tokens_and_compare_with_the_reference() -> None:
 def test_report_lists_engines_skips_and_the_anatomy_beside_the_bare_forward() -> None:
     trace = [TraceRequest(10, 2, 0.0, 8)]
     run = figures([{"tokens": [1, 2], "arrival": 0.0, "token_times": [0.1, 0.2]}], trace, reference=[[1, 2]])
-    shard = EngineResult(engine="this shard (test)", runs={"burst": run, "poisson": run}, peak_rss_bytes=2**30,
-                         anatomy={**dict.fromkeys(STEP_PARTS, 0.001), "forward": 0.093, "step": 0.099})
+    shard = EngineResult(
+        engine="this shard (test)",
+        runs={"burst": run, "poisson": run},
+        peak_rss_bytes=2**30,
+        anatomy={**dict.fromkeys(STEP_PARTS, 0.001), "forward": 0.093, "step": 0.099},
+    )
     vllm = EngineResult(engine="vllm 0.0 (test)", runs={"burst": run, "poisson": run})
     skipped = EngineResult(engine="transformers continuous batching", skipped="no init_continuous_batching")
-    config = {"requests": 1, "rate": 1.0, "threads": 2, "kv_tokens": 64, "block_size": 16, "max_batch_tokens": 64,
-              "model": "m", "prompt_min": 10, "prompt_max": 10, "prompt_mean": 10.0, "output_min": 2,
-              "output_max": 2, "output_mean": 2.0, "useful_tokens": 2}
-    text = format_report({"config": config, "results": [shard, vllm, skipped], "machine": "test box",
-                          "bare": {"batch": 1, "context": 11, "forward_s": 0.090, "min_s": 0.089},
-                          "shape": {"batch": 1, "context": 11, "decode_steps": 1}, "elapsed_s": 1.0})
+    config = {
+        "requests": 1,
+        "rate": 1.0,
+        "threads": 2,
+        "kv_tokens": 64,
+        "block_size": 16,
+        "max_batch_tokens": 64,
+        "model": "m",
+        "prompt_min": 10,
+        "prompt_max": 10,
+        "prompt_mean": 10.0,
+        "output_min": 2,
+        "output_max": 2,
+        "output_mean": 2.0,
+        "useful_tokens": 2,
+    }
+    text = format_report(
+        {
+            "config": config,
+            "results": [shard, vllm, skipped],
+            "machine": "test box",
+            "bare": {"batch": 1, "context": 11, "forward_s": 0.090, "min_s": 0.089},
+            "shape": {"batch": 1, "context": 11, "decode_steps": 1},
+            "elapsed_s": 1.0,
+        }
+    )
     assert "this shard (test)" in text and "vllm 0.0 (test)" in text and "1/1 identical" in text
     assert "transformers continuous batching: skipped: no init_continuous_batching" in text
     for part in STEP_PARTS:
@@ -68,7 +94,10 @@ def test_report_lists_engines_skips_and_the_anatomy_beside_the_bare_forward() ->
 
 def test_vllm_worker_needs_only_the_stdlib_and_vllm() -> None:
     tree = ast.parse((PEERS / "vllm_worker.py").read_text())
-    roots = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
-             for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-             for a in (n.names if isinstance(n, ast.Import) else [n])}
+    roots = {
+        (n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        for a in (n.names if isinstance(n, ast.Import) else [n])
+    }
     assert roots <= {"__future__", "json", "os", "resource", "sys", "time", "torch", "vllm"}, roots

@@ -14,8 +14,9 @@ from tgi_paged_backend.runner.model_runner import ModelRunner
 
 
 def _plan(args: list[str], out: Path) -> dict:
-    result = CliRunner().invoke(tools_app, ["plan", *args, "--workload", "tiny", "--requests", "20",
-                                            "--overcommits", "2", "--json", str(out)])
+    result = CliRunner().invoke(
+        tools_app, ["plan", *args, "--workload", "tiny", "--requests", "20", "--overcommits", "2", "--json", str(out)]
+    )
     assert result.exit_code == 0, result.output
     return json.loads(out.read_text())
 
@@ -24,8 +25,10 @@ def test_weights_match_the_quantized_runner_and_the_pool_gains_them(tiny_llama_d
     common = ["--model", str(tiny_llama_dir), "--gpu", "L4", "--dtype", "float32"]
     plain = _plan(common, tmp_path / "plain.json")
     fp8 = _plan([*common, "--quantize", "fp8"], tmp_path / "fp8.json")
-    runners = [ModelRunner(ModelConfig(model_id=str(tiny_llama_dir), quantize=q, dtype="float32"), CacheConfig(),
-                           "cpu") for q in (None, "fp8")]
+    runners = [
+        ModelRunner(ModelConfig(model_id=str(tiny_llama_dir), quantize=q, dtype="float32"), CacheConfig(), "cpu")
+        for q in (None, "fp8")
+    ]
     # The planner counts the safetensors parameters (the runner also counts the rotary inv_freq buffers):
     # what quantization saves is the same to the byte.
     saved = plain["weights_bytes"] - fp8["weights_bytes"]
@@ -39,11 +42,15 @@ def test_int_weights_match_the_gptq_runner(tiny_llama_dir: Path, tmp_path: Path)
     common = ["--model", str(tiny_llama_dir), "--gpu", "L4", "--dtype", "float32"]
     plain = _plan(common, tmp_path / "plain.json")
     for quantize, fmt, bits, group in (("gptq", "gptq", 4, 32), ("compressed-tensors", "pack-quantized", 8, -1)):
-        planned = _plan([*common, "--quantize", quantize, "--bits", str(bits), "--group-size", str(group)],
-                        tmp_path / f"{quantize}.json")
+        planned = _plan(
+            [*common, "--quantize", quantize, "--bits", str(bits), "--group-size", str(group)],
+            tmp_path / f"{quantize}.json",
+        )
         ckpt = write_int_checkpoint(tiny_llama_dir, tmp_path / fmt, fmt, bits=bits, group_size=group)
-        runners = [ModelRunner(ModelConfig(model_id=str(m), quantize=q, dtype="float32"), CacheConfig(), "cpu")
-                   for m, q in ((tiny_llama_dir, None), (ckpt.path, quantize))]
+        runners = [
+            ModelRunner(ModelConfig(model_id=str(m), quantize=q, dtype="float32"), CacheConfig(), "cpu")
+            for m, q in ((tiny_llama_dir, None), (ckpt.path, quantize))
+        ]
         saved = plain["weights_bytes"] - planned["weights_bytes"]
         assert saved == runners[0].weights_bytes - runners[1].weights_bytes > 0
         assert planned["kv_budget_bytes"] - plain["kv_budget_bytes"] == saved

@@ -34,8 +34,14 @@ def runner(tiny_llama_dir: Path):
 
 @pytest.fixture(scope="module")
 def tiny_plan(tiny_llama_dir: Path):
-    inputs = PlanInputs(model=str(tiny_llama_dir), device="cpu", kv_budget_bytes=3_000_000, block_size=16,
-                        max_prefill_tokens=512, overcommits=(1.5, 3.0))
+    inputs = PlanInputs(
+        model=str(tiny_llama_dir),
+        device="cpu",
+        kv_budget_bytes=3_000_000,
+        block_size=16,
+        max_prefill_tokens=512,
+        overcommits=(1.5, 3.0),
+    )
     return make_plan(inputs, SMALL_TRACE)
 
 
@@ -49,10 +55,17 @@ def test_block_bytes_weights_and_activations_are_the_runners(tiny_plan, runner, 
 
 
 def test_pool_is_plan_capacity_of_the_budget(tiny_plan) -> None:
-    cap = plan_capacity(available_kv_bytes=3_000_000, block_bytes=tiny_plan.block_bytes, block_size=16,
-                        num_blocks_cap=None, overcommit=tiny_plan.advised_overcommit,
-                        max_position_embeddings=tiny_plan.facts.spec.max_position_embeddings,
-                        max_input_tokens=None, max_total_tokens=None, max_prefill_tokens=512)
+    cap = plan_capacity(
+        available_kv_bytes=3_000_000,
+        block_bytes=tiny_plan.block_bytes,
+        block_size=16,
+        num_blocks_cap=None,
+        overcommit=tiny_plan.advised_overcommit,
+        max_position_embeddings=tiny_plan.facts.spec.max_position_embeddings,
+        max_input_tokens=None,
+        max_total_tokens=None,
+        max_prefill_tokens=512,
+    )
     assert tiny_plan.num_blocks == cap.num_blocks == 3_000_000 // tiny_plan.block_bytes
     assert tiny_plan.physical_tokens == (cap.num_blocks - 1) * 16
     assert tiny_plan.capacity.max_supported_total_tokens == cap.max_supported_total_tokens
@@ -83,8 +96,9 @@ def test_presets_and_gpu_arithmetic() -> None:
     expected = int(0.9 * 80 * 1024**3 - plan.weights_bytes - plan.activation_bytes)
     assert plan.kv_budget_bytes == expected
     assert plan.num_blocks == expected // plan.block_bytes
-    fp8 = make_plan(PlanInputs(model="llama-3-8b", device="H100", kv_cache_dtype="fp8_e4m3fn", overcommits=(2.0,)),
-                    SMALL_TRACE[:10])
+    fp8 = make_plan(
+        PlanInputs(model="llama-3-8b", device="H100", kv_cache_dtype="fp8_e4m3fn", overcommits=(2.0,)), SMALL_TRACE[:10]
+    )
     assert fp8.bytes_per_token == plan.bytes_per_token // 2
 
 
@@ -94,5 +108,7 @@ def test_refusals_name_the_knob() -> None:
     with pytest.raises(ValueError, match="not a preset"):
         make_plan(PlanInputs(model="/nonexistent/model"), SMALL_TRACE[:3])
     with pytest.raises(ConfigError, match="TGI_PAGED_NUM_BLOCKS"):
-        make_plan(PlanInputs(model="llama-3-8b", device="A10G", kv_budget_bytes=10 * 2**20, max_total_tokens=4096),
-                  SMALL_TRACE[:3])
+        make_plan(
+            PlanInputs(model="llama-3-8b", device="A10G", kv_budget_bytes=10 * 2**20, max_total_tokens=4096),
+            SMALL_TRACE[:3],
+        )

@@ -22,10 +22,12 @@ def test_reclaim_bounds_each_request_by_its_window_and_chunk() -> None:
 
 
 def test_mixed_layers_reclaim_nothing_and_hybrid_pools_are_reported_apart() -> None:
-    all_windowed = compare_reclaim("w", [8, 8], num_requests=2, prompt_tokens=8, output_tokens=56, block_size=4,
-                                   max_prefill_tokens=8)
-    mixed = compare_reclaim("m", [8, None], num_requests=2, prompt_tokens=8, output_tokens=56, block_size=4,
-                            max_prefill_tokens=8)
+    all_windowed = compare_reclaim(
+        "w", [8, 8], num_requests=2, prompt_tokens=8, output_tokens=56, block_size=4, max_prefill_tokens=8
+    )
+    mixed = compare_reclaim(
+        "m", [8, None], num_requests=2, prompt_tokens=8, output_tokens=56, block_size=4, max_prefill_tokens=8
+    )
     assert all_windowed.with_reclaim.window == 8 and all_windowed.ratio > 2
     assert mixed.with_reclaim.window is None and mixed.ratio == 1.0 and mixed.saving == 0.0
     assert mixed.hybrid_saving == pytest.approx(0.5 * (1 - 3 / 16))

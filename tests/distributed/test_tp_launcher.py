@@ -39,8 +39,14 @@ STEP_LOG = re.compile(r"tensor parallel step (\d+): batch ([0-9a-f]{16}) state (
 # 12 blocks x 8 tokens = 88 usable physical tokens per rank; six requests reserve ~6 x 40 virtual tokens.
 # One torch thread per shard: on a small, busy CI box spinning OpenMP threads of several processes
 # otherwise slow every step (and every collective) down by an order of magnitude.
-POOL_ENV = {"TGI_PAGED_NUM_BLOCKS": "12", "TGI_PAGED_BLOCK_SIZE": "8", "TGI_PAGED_OVERCOMMIT": "4",
-            "TGI_PAGED_SWAP_SPACE_GB": "0.01", "PREFIX_CACHING": "0", "OMP_NUM_THREADS": "1"}
+POOL_ENV = {
+    "TGI_PAGED_NUM_BLOCKS": "12",
+    "TGI_PAGED_BLOCK_SIZE": "8",
+    "TGI_PAGED_OVERCOMMIT": "4",
+    "TGI_PAGED_SWAP_SPACE_GB": "0.01",
+    "PREFIX_CACHING": "0",
+    "OMP_NUM_THREADS": "1",
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +56,17 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def options(tmp_path: Path, num_shard: int, log_level: str = "INFO", **env: str) -> LauncherOptions:
-    return LauncherOptions(num_shard=num_shard, uds_path=str(tmp_path / f"shard{num_shard}"), log_level=log_level,
-                           master_addr="127.0.0.1", master_port=free_port(), env={**POOL_ENV, **env},
-                           max_input_tokens=64, max_total_tokens=88, graceful_termination_timeout=20)
+    return LauncherOptions(
+        num_shard=num_shard,
+        uds_path=str(tmp_path / f"shard{num_shard}"),
+        log_level=log_level,
+        master_addr="127.0.0.1",
+        master_port=free_port(),
+        env={**POOL_ENV, **env},
+        max_input_tokens=64,
+        max_total_tokens=88,
+        graceful_termination_timeout=20,
+    )
 
 
 def texts(logs: list[LogRecord], rank: int) -> list[str]:
@@ -99,10 +113,10 @@ def serve_and_generate(model: Path, opts: LauncherOptions) -> tuple[list[list[in
 
 
 def test_two_ranks_match_one_rank_and_hf_under_preemption(tiny_llama: Path, tmp_path: Path) -> None:
-    single, _, _, single_liveness = serve_and_generate(
-        tiny_llama, options(tmp_path, 1, TGI_PAGED_PREEMPTION="auto"))
+    single, _, _, single_liveness = serve_and_generate(tiny_llama, options(tmp_path, 1, TGI_PAGED_PREEMPTION="auto"))
     sharded, logs, info, liveness = serve_and_generate(
-        tiny_llama, options(tmp_path, 2, "DEBUG", TGI_PAGED_PREEMPTION="auto"))
+        tiny_llama, options(tmp_path, 2, "DEBUG", TGI_PAGED_PREEMPTION="auto")
+    )
 
     assert sharded == single == hf_greedy(tiny_llama, PROMPTS, MAX_NEW)
     assert info["peak"] >= 4  # more concurrency than the physical pool holds under worst-case reservations
@@ -142,6 +156,7 @@ def test_killing_rank_1_makes_rank_0_exit_with_a_clear_error(tiny_llama: Path, t
     opts = options(tmp_path, 2, TGI_PAGED_PREEMPTION="recompute", TGI_PAGED_DIST_TIMEOUT_S="10")
 
     with LaunchedShards(str(tiny_llama), opts, ready_timeout=120) as shards:
+
         async def scenario() -> str:
             router = await Router.connect(opts.uds_path, str(tiny_llama), max_batch_prefill_tokens=64, strict=False)
             try:
@@ -149,8 +164,7 @@ def test_killing_rank_1_makes_rank_0_exit_with_a_clear_error(tiny_llama: Path, t
                 if when == "idle":
                     os.kill(shards.pid(1), signal.SIGKILL)
                     return "killed while idle"
-                stream = await router.generate("a", GenerateParameters(max_new_tokens=60,
-                                                                              ignore_eos_token=True))
+                stream = await router.generate("a", GenerateParameters(max_new_tokens=60, ignore_eos_token=True))
                 seen = 0
                 try:
                     async for _ in stream:
@@ -170,7 +184,8 @@ def test_killing_rank_1_makes_rank_0_exit_with_a_clear_error(tiny_llama: Path, t
     assert codes[1] == -signal.SIGKILL
     assert codes[0] == 1, (outcome, shards.stderr[0][-2000:])
     errors = [r.text for r in shards.logs if r.rank == 0 and r.level == "ERROR"]
-    assert any(re.search(r"tensor-parallel rank 0/2: .* failed .*peer rank died.*exiting with code 1", t, re.S)
-               for t in errors), (outcome, errors)
+    assert any(
+        re.search(r"tensor-parallel rank 0/2: .* failed .*peer rank died.*exiting with code 1", t, re.S) for t in errors
+    ), (outcome, errors)
     assert waited < 45, outcome
     assert not os.path.exists(shards.socket_paths[0])

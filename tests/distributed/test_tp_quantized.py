@@ -58,8 +58,9 @@ def test_two_rank_runner_matches_the_dequantized_model(tiny_model_factory, tmp_p
     prompts = [rng.integers(4, 320, n).tolist() for n in (5, 17, 33)]
     results = {}
     for quantize, models in (("fp8", [llama, qwen2]), ("compressed-tensors", [ct])):
-        result = run_tp_workers(models, prompts, MAX_NEW, tmp_path / f"{quantize}.json",
-                                extra_args=["--quantize", quantize])
+        result = run_tp_workers(
+            models, prompts, MAX_NEW, tmp_path / f"{quantize}.json", extra_args=["--quantize", quantize]
+        )
         results.update({(quantize, m): r for m, r in zip(models, result.values())})
 
     for (quantize, model), got in results.items():
@@ -76,8 +77,9 @@ def _int_linear(g_idx: torch.Tensor, groups: int, bits: int = 4) -> IntLinear:
     n, k = 6, g_idx.numel()
     codes = torch.randint(0, 1 << bits, (n, k), generator=gen).to(torch.uint8)
     zeros = torch.randint(0, 1 << bits, (n, groups), generator=gen).to(torch.uint8)
-    return IntLinear(pack_codes(codes, bits), torch.rand(n, groups, generator=gen), zeros, g_idx, bits,
-                     torch.randn(n, generator=gen))
+    return IntLinear(
+        pack_codes(codes, bits), torch.rand(n, groups, generator=gen), zeros, g_idx, bits, torch.randn(n, generator=gen)
+    )
 
 
 def test_int_slices_reassemble_the_unsharded_layer() -> None:
@@ -106,21 +108,32 @@ def test_int_slices_reassemble_the_unsharded_layer() -> None:
 
 def test_two_rank_runner_matches_the_dequantized_int_models(tiny_model_factory, tmp_path: Path) -> None:
     llama, qwen2 = tiny_model_factory("llama"), tiny_model_factory("qwen2")
-    ckpts = {"gptq": [write_int_checkpoint(llama, tmp_path / "gptq", "gptq", bits=4, group_size=16, desc_act=True),
-                      write_int_checkpoint(qwen2, tmp_path / "awq", "awq", group_size=32)],
-             "compressed-tensors": [write_int_checkpoint(qwen2, tmp_path / "ct", "pack-quantized", bits=8,
-                                                         group_size=32, sym=False)]}
+    ckpts = {
+        "gptq": [
+            write_int_checkpoint(llama, tmp_path / "gptq", "gptq", bits=4, group_size=16, desc_act=True),
+            write_int_checkpoint(qwen2, tmp_path / "awq", "awq", group_size=32),
+        ],
+        "compressed-tensors": [
+            write_int_checkpoint(qwen2, tmp_path / "ct", "pack-quantized", bits=8, group_size=32, sym=False)
+        ],
+    }
     sources = {tmp_path / "gptq": llama, tmp_path / "awq": qwen2, tmp_path / "ct": qwen2}
     rng = np.random.default_rng(8)
     prompts = [rng.integers(4, 320, n).tolist() for n in (6, 21)]
     for quantize, models in ckpts.items():
-        result = run_tp_workers([c.path for c in models], prompts, MAX_NEW, tmp_path / f"{quantize}.json",
-                                extra_args=["--quantize", quantize])
+        result = run_tp_workers(
+            [c.path for c in models],
+            prompts,
+            MAX_NEW,
+            tmp_path / f"{quantize}.json",
+            extra_args=["--quantize", quantize],
+        )
         for ckpt, got in zip(models, result.values()):
             reference = int_reference(sources[ckpt.path], ckpt)
             assert got["tokens"] == greedy_hf(reference, prompts, MAX_NEW, [EOS_ID], PAD_ID), ckpt.path
-            single = ModelRunner(ModelConfig(model_id=str(ckpt.path), quantize=quantize), CacheConfig(block_size=8),
-                                 "cpu")
+            single = ModelRunner(
+                ModelConfig(model_id=str(ckpt.path), quantize=quantize), CacheConfig(block_size=8), "cpu"
+            )
             code_bytes = sum(m.qweight.numel() for m in single.model.modules() if isinstance(m, IntLinear))
             for _, _, _, weights in got["sizes"]:
                 assert single.weights_bytes - weights >= code_bytes // 2

@@ -18,8 +18,9 @@ from tgi_paged_backend.runner.model_runner import ModelRunner
 MAX_NEW = 12
 
 
-def test_two_rank_runner_matches_hf_for_llama_qwen2_mistral(tiny_model_factory: Callable[..., Path],
-                                                            tmp_path: Path) -> None:
+def test_two_rank_runner_matches_hf_for_llama_qwen2_mistral(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
     models = [tiny_model_factory(kind) for kind in TINY_KINDS]  # llama, qwen2 (q/k/v biases), mistral (window)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(4, 320, n).tolist() for n in (5, 17, 33)]

@@ -25,9 +25,15 @@ BURNERS = 1
 def test_two_ranks_start_and_shut_down_cleanly_many_times_under_cpu_load() -> None:
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(BURNERS)]
     try:
-        rounds = subprocess.Popen([sys.executable, "-m", "tests.distributed.tp_shutdown_worker", str(ROUNDS)],
-                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        rounds = subprocess.Popen(
+            [sys.executable, "-m", "tests.distributed.tp_shutdown_worker", str(ROUNDS)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            start_new_session=True,
+        )
         try:
             out, err = rounds.communicate(timeout=300)  # the worker kills a round's ranks after 60 s
         finally:

@@ -53,9 +53,20 @@ def test_dist_timeout_knob() -> None:
 
 
 def _spec(q: int, kv: int, inter: int = 128) -> ModelSpec:
-    return ModelSpec(model_type="llama", num_layers=2, num_q_heads=q, num_kv_heads=kv, head_dim=16, hidden_size=64,
-                     intermediate_size=inter, vocab_size=512, max_position_embeddings=512, sliding_window=None,
-                     softcap=0.0, dtype=torch.float32)
+    return ModelSpec(
+        model_type="llama",
+        num_layers=2,
+        num_q_heads=q,
+        num_kv_heads=kv,
+        head_dim=16,
+        hidden_size=64,
+        intermediate_size=inter,
+        vocab_size=512,
+        max_position_embeddings=512,
+        sliding_window=None,
+        softcap=0.0,
+        dtype=torch.float32,
+    )
 
 
 def test_head_counts_must_divide_by_the_number_of_shards() -> None:
@@ -120,9 +131,18 @@ def group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     path = tmp_path / "s-0"
     sock = socket.socket(socket.AF_UNIX)
     sock.bind(str(path))
-    g = TensorParallelGroup(rank=0, world_size=2, device=torch.device("cpu"), backend="gloo", timeout_s=3,
-                            store=None, control_group=None, heartbeat_group=None, socket_path=str(path),
-                            exit_fn=exits.append)
+    g = TensorParallelGroup(
+        rank=0,
+        world_size=2,
+        device=torch.device("cpu"),
+        backend="gloo",
+        timeout_s=3,
+        store=None,
+        control_group=None,
+        heartbeat_group=None,
+        socket_path=str(path),
+        exit_fn=exits.append,
+    )
     yield g, exits, path
     sock.close()
     distributed._shutting_down.clear()
@@ -196,8 +216,9 @@ def test_step_check_treats_state_divergence_as_fatal() -> None:
 
 
 def test_only_rank_0_reports_generations() -> None:
-    result = StepResult(generations=[object()], batch=CachedBatchInfo(id=1, request_ids=[7], max_tokens=8,
-                                                                       current_tokens=1))  # type: ignore[list-item]
+    result = StepResult(
+        generations=[object()], batch=CachedBatchInfo(id=1, request_ids=[7], max_tokens=8, current_tokens=1)
+    )  # type: ignore[list-item]
     assert _engine(0, [])._reported(result) is result
     other = _engine(1, [])._reported(result)
     assert other.generations == [] and other.batch == result.batch
@@ -211,8 +232,11 @@ def _digest_of(last_token: int = 7, blocks: tuple[int, ...] = (3, 4)) -> int:
     engine.kv = KVCacheManager(num_blocks=16, block_size=8)
     engine.kv.add_request(2**64 - 1, blocks)  # the liveness id does not fit int64: digests must not care
     engine.kv.allocate(2**64 - 1, 12)
-    engine.requests = {2**64 - 1: SimpleNamespace(status=RequestStatus.RUNNING, num_computed=12,
-                                                   output_ids=[5, last_token], num_preemptions=0)}
+    engine.requests = {
+        2**64 - 1: SimpleNamespace(
+            status=RequestStatus.RUNNING, num_computed=12, output_ids=[5, last_token], num_preemptions=0
+        )
+    }
     engine.batches = {0: [2**64 - 1]}
     return engine.state_digest()
 

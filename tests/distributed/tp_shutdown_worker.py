@@ -71,8 +71,9 @@ def free_port() -> int:
 
 def run_rank(rank: int, port: int, round_: int) -> None:
     atexit.register(check_only_the_main_thread_is_left)  # before initialize(): runs after the group's hook
-    server = ServerConfig(rank=rank, world_size=WORLD_SIZE, master_addr="127.0.0.1", master_port=port,
-                          dist_timeout_s=20)
+    server = ServerConfig(
+        rank=rank, world_size=WORLD_SIZE, master_addr="127.0.0.1", master_port=port, dist_timeout_s=20
+    )
     group = TensorParallelGroup.initialize(server, torch.device("cpu"), startup_timeout_s=ROUND_TIMEOUT_S)
     group.start_heartbeat(interval_s=0.001)
     t = torch.ones(256)

@@ -31,21 +31,28 @@ def main() -> None:
     parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     parser.add_argument("--max-new", type=int, required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--quantize", default=None, help="--quantize of every model (fp8, compressed-tensors, gptq, awq)")
-    parser.add_argument("--allow-refusal", action="store_true",
-                        help="record a model the slicing refuses (ModelLoadError) instead of failing")
+    parser.add_argument(
+        "--quantize", default=None, help="--quantize of every model (fp8, compressed-tensors, gptq, awq)"
+    )
+    parser.add_argument(
+        "--allow-refusal",
+        action="store_true",
+        help="record a model the slicing refuses (ModelLoadError) instead of failing",
+    )
     parser.add_argument("models", nargs="+")
     args = parser.parse_args()
 
-    server = ServerConfig(rank=args.rank, world_size=args.world_size, master_addr="127.0.0.1",
-                          master_port=args.port, dist_timeout_s=60)
+    server = ServerConfig(
+        rank=args.rank, world_size=args.world_size, master_addr="127.0.0.1", master_port=args.port, dist_timeout_s=60
+    )
     group = TensorParallelGroup.initialize(server, torch.device("cpu"), startup_timeout_s=120)
     prompts = json.loads(args.prompts)
     result: dict[str, dict] = {}
     for model in args.models:
         try:  # a refusal comes before any collective, the same on every rank
-            runner = TensorParallelRunner(ModelConfig(model_id=model, quantize=args.quantize),
-                                          CacheConfig(block_size=8), "cpu", group)
+            runner = TensorParallelRunner(
+                ModelConfig(model_id=model, quantize=args.quantize), CacheConfig(block_size=8), "cpu", group
+            )
         except ModelLoadError as err:
             if not args.allow_refusal:
                 raise

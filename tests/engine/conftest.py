@@ -60,20 +60,36 @@ def tiny_dir(request) -> Path:
 # ------------------------------------------------------------------------------------ engine
 
 
-def make_engine(model_dir: Path, *, num_blocks: int = 64, block_size: int = 8, preemption: str = "recompute",
-                swap_gb: float = 0.01, **env: str):
+def make_engine(
+    model_dir: Path,
+    *,
+    num_blocks: int = 64,
+    block_size: int = 8,
+    preemption: str = "recompute",
+    swap_gb: float = 0.01,
+    **env: str,
+):
     """Engine on ``model_dir`` with a capped physical pool (``num_blocks`` incl. the scratch block).
 
     ``PREFIX_CACHING`` is on unless ``env`` says otherwise: the launcher's choice for these models."""
-    settings = {"TGI_PAGED_NUM_BLOCKS": str(num_blocks), "TGI_PAGED_BLOCK_SIZE": str(block_size),
-                "TGI_PAGED_PREEMPTION": preemption, "TGI_PAGED_SWAP_SPACE_GB": str(swap_gb),
-                "PREFIX_CACHING": "1"}
+    settings = {
+        "TGI_PAGED_NUM_BLOCKS": str(num_blocks),
+        "TGI_PAGED_BLOCK_SIZE": str(block_size),
+        "TGI_PAGED_PREEMPTION": preemption,
+        "TGI_PAGED_SWAP_SPACE_GB": str(swap_gb),
+        "PREFIX_CACHING": "1",
+    }
     settings.update({k: str(v) for k, v in env.items()})
     return build_engine(build_config({"model_id": str(model_dir)}, settings))
 
 
-def warmup_batch(max_prefill_tokens: int, *, max_input_tokens: int | None = None,
-                 max_total_tokens: int | None = None, max_batch_size: int | None = None) -> BatchSpec:
+def warmup_batch(
+    max_prefill_tokens: int,
+    *,
+    max_input_tokens: int | None = None,
+    max_total_tokens: int | None = None,
+    max_batch_size: int | None = None,
+) -> BatchSpec:
     """The router's warmup batch (``grpc_client.rs::warmup``), image chunk already dropped."""
     requests = []
     n_tokens = 0
@@ -82,24 +98,54 @@ def warmup_batch(max_prefill_tokens: int, *, max_input_tokens: int | None = None
         if max_input_tokens is not None:
             truncate = min(truncate, max_input_tokens)
         max_new = max_total_tokens - truncate if max_total_tokens is not None else 1
-        requests.append(RequestSpec(
-            id=0, text="_test " * truncate, truncate=truncate, add_special_tokens=True,
-            sampling=SamplingParams(temperature=0.9, top_k=10, top_p=0.9, typical_p=0.9, do_sample=False,
-                                    seed=0, repetition_penalty=1.2, frequency_penalty=0.1, watermark=True),
-            stopping=StoppingParams(max_new_tokens=max_new, ignore_eos_token=True),
-            prefill_logprobs=True, top_n_tokens=20))
+        requests.append(
+            RequestSpec(
+                id=0,
+                text="_test " * truncate,
+                truncate=truncate,
+                add_special_tokens=True,
+                sampling=SamplingParams(
+                    temperature=0.9,
+                    top_k=10,
+                    top_p=0.9,
+                    typical_p=0.9,
+                    do_sample=False,
+                    seed=0,
+                    repetition_penalty=1.2,
+                    frequency_penalty=0.1,
+                    watermark=True,
+                ),
+                stopping=StoppingParams(max_new_tokens=max_new, ignore_eos_token=True),
+                prefill_logprobs=True,
+                top_n_tokens=20,
+            )
+        )
         n_tokens += truncate
         if max_batch_size is not None and len(requests) == max_batch_size:
             break
     return BatchSpec(id=0, requests=tuple(requests), max_tokens=max_input_tokens or 0)
 
 
-def router_warmup(engine, max_prefill_tokens: int, *, max_input_tokens: int | None = None,
-                  max_total_tokens: int | None = None, max_batch_size: int | None = None):
-    batch = warmup_batch(max_prefill_tokens, max_input_tokens=max_input_tokens,
-                         max_total_tokens=max_total_tokens, max_batch_size=max_batch_size)
-    return engine.warmup(batch, max_input_tokens=max_input_tokens, max_prefill_tokens=max_prefill_tokens,
-                         max_total_tokens=max_total_tokens)
+def router_warmup(
+    engine,
+    max_prefill_tokens: int,
+    *,
+    max_input_tokens: int | None = None,
+    max_total_tokens: int | None = None,
+    max_batch_size: int | None = None,
+):
+    batch = warmup_batch(
+        max_prefill_tokens,
+        max_input_tokens=max_input_tokens,
+        max_total_tokens=max_total_tokens,
+        max_batch_size=max_batch_size,
+    )
+    return engine.warmup(
+        batch,
+        max_input_tokens=max_input_tokens,
+        max_prefill_tokens=max_prefill_tokens,
+        max_total_tokens=max_total_tokens,
+    )
 
 
 def prompt_ids(engine, text: str, truncate: int = 10_000, add_special_tokens: bool = True) -> list[int]:
@@ -114,13 +160,19 @@ def make_text(seed: int, num_words: int) -> str:
     return " ".join(rng.choice(words) for _ in range(num_words))
 
 
-def spec(rid: int, text: str, max_new: int = 8, *, ignore_eos: bool = True, truncate: int = 10_000,
-         **kw) -> RequestSpec:
+def spec(
+    rid: int, text: str, max_new: int = 8, *, ignore_eos: bool = True, truncate: int = 10_000, **kw
+) -> RequestSpec:
     """A shard-managed request (no router blocks)."""
-    return RequestSpec(id=rid, text=text, truncate=truncate,
-                       stopping=StoppingParams(max_new_tokens=max_new, ignore_eos_token=ignore_eos,
-                                               stop_sequences=tuple(kw.pop("stop_sequences", ()))),
-                       **kw)
+    return RequestSpec(
+        id=rid,
+        text=text,
+        truncate=truncate,
+        stopping=StoppingParams(
+            max_new_tokens=max_new, ignore_eos_token=ignore_eos, stop_sequences=tuple(kw.pop("stop_sequences", ()))
+        ),
+        **kw,
+    )
 
 
 # ------------------------------------------------------------------------------------ router
@@ -138,8 +190,8 @@ class RouterBlocks:
         need = -(-num_tokens // self.block_size)
         if need > len(self.free):
             return None
-        blocks = self.free[len(self.free) - need:]
-        del self.free[len(self.free) - need:]
+        blocks = self.free[len(self.free) - need :]
+        del self.free[len(self.free) - need :]
         slots = [b * self.block_size + o for b in blocks for o in range(self.block_size)][:num_tokens]
         return tuple(blocks), tuple(slots)
 
@@ -147,18 +199,35 @@ class RouterBlocks:
         self.free.extend(blocks)
 
 
-def router_spec(engine, blocks: RouterBlocks, rid: int, text: str, max_new: int = 8, *,
-                truncate: int = 10_000, add_special_tokens: bool = True, ignore_eos: bool = True,
-                **kw) -> RequestSpec:
+def router_spec(
+    engine,
+    blocks: RouterBlocks,
+    rid: int,
+    text: str,
+    max_new: int = 8,
+    *,
+    truncate: int = 10_000,
+    add_special_tokens: bool = True,
+    ignore_eos: bool = True,
+    **kw,
+) -> RequestSpec:
     """A request with router-style reservations: ``len(slots) = prompt + max_new - 1``."""
     n = len(prompt_ids(engine, text, truncate, add_special_tokens))
     got = blocks.allocate(n + max_new - 1)
     assert got is not None, "router virtual pool exhausted"
     b, s = got
-    return RequestSpec(id=rid, text=text, truncate=truncate, add_special_tokens=add_special_tokens,
-                       stopping=StoppingParams(max_new_tokens=max_new, ignore_eos_token=ignore_eos,
-                                               stop_sequences=tuple(kw.pop("stop_sequences", ()))),
-                       blocks=b, slots=s, **kw)
+    return RequestSpec(
+        id=rid,
+        text=text,
+        truncate=truncate,
+        add_special_tokens=add_special_tokens,
+        stopping=StoppingParams(
+            max_new_tokens=max_new, ignore_eos_token=ignore_eos, stop_sequences=tuple(kw.pop("stop_sequences", ()))
+        ),
+        blocks=b,
+        slots=s,
+        **kw,
+    )
 
 
 class RouterDriver:
@@ -236,7 +305,8 @@ class RouterDriver:
             if g.generated_text is None:
                 if self.check_preempted and rid in engine.requests:
                     assert engine.requests[rid].status is RequestStatus.RUNNING, (
-                        f"request {rid} got a token but is {engine.requests[rid].status}")
+                        f"request {rid} got a token but is {engine.requests[rid].status}"
+                    )
                 continue
             gt = g.generated_text
             assert gt.generated_tokens == len(self.tokens[rid]) >= 1
@@ -255,7 +325,8 @@ class RouterDriver:
         assert batch.size == len(batch.request_ids) == len(set(batch.request_ids))
         for rid in batch.request_ids:
             assert rid not in self.final or self.final[rid] in [g for g in result.generations], (
-                f"finished request {rid} still listed in a later CachedBatch")
+                f"finished request {rid} still listed in a later CachedBatch"
+            )
         kept = [rid for rid in batch.request_ids if rid in self.entries]
         if len(kept) == batch.size:
             return batch
@@ -278,9 +349,22 @@ class RouterDriver:
 # ------------------------------------------------------------------------------------ liveness
 
 
-LIVENESS = BatchSpec(id=U64_MAX, requests=(RequestSpec(
-    id=U64_MAX, text="liveness", truncate=1, add_special_tokens=False, blocks=(0,), slots=(0,),
-    stopping=StoppingParams(max_new_tokens=1)),), max_tokens=2, max_blocks=1)
+LIVENESS = BatchSpec(
+    id=U64_MAX,
+    requests=(
+        RequestSpec(
+            id=U64_MAX,
+            text="liveness",
+            truncate=1,
+            add_special_tokens=False,
+            blocks=(0,),
+            slots=(0,),
+            stopping=StoppingParams(max_new_tokens=1),
+        ),
+    ),
+    max_tokens=2,
+    max_blocks=1,
+)
 
 
 def probe(engine) -> None:
@@ -319,7 +403,7 @@ def hf_greedy():
                 kwargs["min_new_tokens"] = n
             with torch.no_grad():
                 out = ref.generate(x, **kwargs)
-            cache[key] = out[0, x.shape[1]:].tolist()
+            cache[key] = out[0, x.shape[1] :].tolist()
         return cache[key]
 
     run.models = models  # type: ignore[attr-defined]

@@ -49,10 +49,16 @@ class ConstrainedReference:
     def __call__(self, prompt_ids: list[int], grammar: GrammarSpec | None, max_new_tokens: int) -> list[int]:
         x = torch.tensor([prompt_ids])
         processors = transformers.LogitsProcessorList(
-            [] if grammar is None else [GuideLogitsProcessor(self.index(grammar), len(prompt_ids))])
+            [] if grammar is None else [GuideLogitsProcessor(self.index(grammar), len(prompt_ids))]
+        )
         with torch.no_grad():
-            out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                      do_sample=False, logits_processor=processors,
-                                      eos_token_id=self.tokenizer.eos_token_id,
-                                      pad_token_id=self.tokenizer.eos_token_id)
-        return out[0, len(prompt_ids):].tolist()
+            out = self.model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                logits_processor=processors,
+                eos_token_id=self.tokenizer.eos_token_id,
+                pad_token_id=self.tokenizer.eos_token_id,
+            )
+        return out[0, len(prompt_ids) :].tolist()

@@ -40,7 +40,7 @@ def stock_decode_token(tok, all_ids, prefix, read):
     prefix_text = tok.decode(all_ids[prefix:read], skip_special_tokens=False)
     new_text = tok.decode(all_ids[prefix:], skip_special_tokens=False)
     if len(new_text) > len(prefix_text) and not new_text.endswith(FFFD):
-        return new_text[len(prefix_text):], read, len(all_ids)
+        return new_text[len(prefix_text) :], read, len(all_ids)
     return "", prefix, read
 
 
@@ -95,7 +95,7 @@ def test_final_text_keeps_leading_space_like_streaming(tok, dec):
     # stock: decode([last prompt id] + generated) minus the decoded first token
     anchor = prompt[-1:]
     head = tok.decode(anchor, skip_special_tokens=True)
-    expected = tok.decode(anchor + gen, skip_special_tokens=True)[len(head):]
+    expected = tok.decode(anchor + gen, skip_special_tokens=True)[len(head) :]
     assert r.final_text() == expected
 
 

@@ -37,11 +37,14 @@ def sentencepiece_like_tokenizer() -> transformers.PreTrainedTokenizerFast:
     tok.normalizer = normalizers.Replace(" ", "\u2581")
     tok.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                                unk_token="<unk>")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
-@pytest.mark.parametrize("make", [make_tiny_tokenizer, sentencepiece_like_tokenizer], ids=["byte_level", "sentencepiece"])
+@pytest.mark.parametrize(
+    "make", [make_tiny_tokenizer, sentencepiece_like_tokenizer], ids=["byte_level", "sentencepiece"]
+)
 def test_token_bytes_spell_the_text_back(make):
     tokenizer = make()
     table = token_bytes(tokenizer)

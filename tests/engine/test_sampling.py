@@ -64,9 +64,13 @@ def test_greedy_ignores_seed_and_step():
 def test_input_logits_are_not_modified():
     logits = torch.tensor([[1.0, 2.0, -3.0, 0.5], [0.0, 1.0, 2.0, 3.0]])
     before = logits.clone()
-    choose_next_tokens(logits, [SP(repetition_penalty=1.5, temperature=0.5, top_k=2),
-                                SP(frequency_penalty=0.7, top_p=0.5, typical_p=0.9)],
-                       [0, 0], [[0, 1], [3, 3]], top_n=[2, 2])
+    choose_next_tokens(
+        logits,
+        [SP(repetition_penalty=1.5, temperature=0.5, top_k=2), SP(frequency_penalty=0.7, top_p=0.5, typical_p=0.9)],
+        [0, 0],
+        [[0, 1], [3, 3]],
+        top_n=[2, 2],
+    )
     assert torch.equal(logits, before)
 
 
@@ -122,8 +126,7 @@ def test_padded_tensor_histories_match_lists():
     torch.manual_seed(1)
     logits = torch.randn(3, 11)
     hists = [[1, 2, 2, 5], [0], [10, 10, 3]]
-    params = [SP(repetition_penalty=1.3, frequency_penalty=0.4), SP(repetition_penalty=0.7),
-              SP(frequency_penalty=-0.5)]
+    params = [SP(repetition_penalty=1.3, frequency_penalty=0.4), SP(repetition_penalty=0.7), SP(frequency_penalty=-0.5)]
     a = process_logits(logits, params, hists)
     padded = torch.full((3, 4), 7, dtype=torch.int64)  # junk beyond each length must be ignored
     for i, h in enumerate(hists):
@@ -183,8 +186,7 @@ def test_typical_p_hand_computed():
     shifted = [abs(-v - ent) for v in lp]
     order = sorted(range(4), key=lambda i: shifted[i])
     assert order[:2] == [1, 2]  # token 1 is the most "typical", then the argmax
-    out = process_logits(torch.tensor([xs, xs, xs]),
-                         [SP(typical_p=0.2), SP(typical_p=0.5), SP(typical_p=0.99)])
+    out = process_logits(torch.tensor([xs, xs, xs]), [SP(typical_p=0.2), SP(typical_p=0.5), SP(typical_p=0.99)])
     # cum probs in typical order: .232 (tok 1), .862 (tok 2), ...
     assert_row(row(out, 0), [NEG, 2.0, NEG, NEG])  # the argmax itself is filtered
     assert_row(row(out, 1), [NEG, 2.0, 3.0, NEG])
@@ -193,8 +195,7 @@ def test_typical_p_hand_computed():
 
 def test_warpers_only_touch_their_rows():
     xs = [1.0, 2.0, 3.0, 0.5]
-    out = process_logits(torch.tensor([xs] * 4),
-                         [SP(), SP(top_k=1), SP(top_p=0.5), SP(typical_p=0.2)])
+    out = process_logits(torch.tensor([xs] * 4), [SP(), SP(top_k=1), SP(top_p=0.5), SP(typical_p=0.2)])
     assert_row(row(out, 0), xs)
 
 
@@ -281,8 +282,12 @@ def test_seeded_sampling_independent_of_batch_composition_and_position():
     alone = []
     for step in range(25):
         alone.append(choose_next_tokens(target_logits[None], [target], [step], [hist], top_n=[2])[0])
-    neighbours = [SP(), SP(do_sample=True, seed=1), SP(top_k=3, seed=2, repetition_penalty=1.2),
-                  SP(do_sample=True, seed=987654321)]  # same seed, different params
+    neighbours = [
+        SP(),
+        SP(do_sample=True, seed=1),
+        SP(top_k=3, seed=2, repetition_penalty=1.2),
+        SP(do_sample=True, seed=987654321),
+    ]  # same seed, different params
     for pos in range(4):
         batched = []
         for step in range(25):
@@ -361,10 +366,20 @@ def test_watermark_flag_is_accepted_and_ignored():
 # ------------------------------------------------------------------------------------------ validation
 
 
-@pytest.mark.parametrize("bad", [
-    SP(temperature=0.0), SP(temperature=-1.0), SP(top_k=-1), SP(top_p=0.0), SP(top_p=1.5),
-    SP(typical_p=0.0), SP(repetition_penalty=0.0), SP(frequency_penalty=math.nan), SP(seed=2**64),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        SP(temperature=0.0),
+        SP(temperature=-1.0),
+        SP(top_k=-1),
+        SP(top_p=0.0),
+        SP(top_p=1.5),
+        SP(typical_p=0.0),
+        SP(repetition_penalty=0.0),
+        SP(frequency_penalty=math.nan),
+        SP(seed=2**64),
+    ],
+)
 def test_validate_rejects(bad):
     with pytest.raises(InvalidRequestError):
         validate_sampling_params(bad)
@@ -372,5 +387,15 @@ def test_validate_rejects(bad):
 
 def test_validate_accepts_router_defaults_and_u64_seed():
     validate_sampling_params(SP())
-    validate_sampling_params(SP(seed=2**64 - 1, temperature=0.1, top_k=5, top_p=0.9, typical_p=0.5,
-                                repetition_penalty=1.2, frequency_penalty=-2.0, do_sample=True))
+    validate_sampling_params(
+        SP(
+            seed=2**64 - 1,
+            temperature=0.1,
+            top_k=5,
+            top_p=0.9,
+            typical_p=0.5,
+            repetition_penalty=1.2,
+            frequency_penalty=-2.0,
+            do_sample=True,
+        )
+    )

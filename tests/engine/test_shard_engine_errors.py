@@ -56,65 +56,142 @@ def good(engine, blocks, rid=50):
 CASES = {
     "decode_unknown_batch": (BatchNotFoundError, lambda e, b, run: e.decode([run.id + 1000])),
     "decode_known_and_unknown_batch": (BatchNotFoundError, lambda e, b, run: e.decode([run.id, 777])),
-    "bad_request_in_prefill_with_cached_batch": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
-        id=11, requests=(good(e, b, 52), dataclasses.replace(good(e, b), text=""))), run.id)),
-    "bad_grammar_in_prefill_with_cached_batch": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
-        id=11, requests=(dataclasses.replace(good(e, b), sampling=SamplingParams(
-            grammar=GrammarSpec("regex", "(unclosed"))),)), run.id)),
-    "bad_json_schema": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
-        id=11, requests=(dataclasses.replace(good(e, b), sampling=SamplingParams(
-            grammar=GrammarSpec("json", '{"type": 5}'))),)), None)),
+    "bad_request_in_prefill_with_cached_batch": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(
+            BatchSpec(id=11, requests=(good(e, b, 52), dataclasses.replace(good(e, b), text=""))), run.id
+        ),
+    ),
+    "bad_grammar_in_prefill_with_cached_batch": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(
+            BatchSpec(
+                id=11,
+                requests=(
+                    dataclasses.replace(good(e, b), sampling=SamplingParams(grammar=GrammarSpec("regex", "(unclosed"))),
+                ),
+            ),
+            run.id,
+        ),
+    ),
+    "bad_json_schema": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(
+            BatchSpec(
+                id=11,
+                requests=(
+                    dataclasses.replace(
+                        good(e, b), sampling=SamplingParams(grammar=GrammarSpec("json", '{"type": 5}'))
+                    ),
+                ),
+            ),
+            None,
+        ),
+    ),
     "filter_unknown_batch": (BatchNotFoundError, lambda e, b, run: e.filter_batch(777, [1])),
     "prefill_unknown_cached_batch": (
-        BatchNotFoundError, lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(good(e, b),)), 777)),
+        BatchNotFoundError,
+        lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(good(e, b),)), 777),
+    ),
     "empty_batch": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(id=11, requests=()), None)),
     "decode_no_batches": (InvalidRequestError, lambda e, b, run: e.decode([])),
-    "slots_too_short": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(
-        short_slots(good(e, b)),)), None)),
-    "block_outside_advertised_range": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
-        id=11, requests=(with_blocks(good(e, b), e.num_virtual_blocks, e.block_size),)), None)),
-    "negative_block": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
-        id=11, requests=(with_blocks(good(e, b), -1, e.block_size),)), None)),
-    "empty_text": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
-        id=11, requests=(good(e, b, 52), dataclasses.replace(good(e, b), text=""))), None)),
-    "duplicate_ids_in_batch": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
-        id=11, requests=(good(e, b), good(e, b))), None)),
-    "request_id_already_live": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
-        id=11, requests=(good(e, b, 52), good(e, b, run.request_ids[0]))), None)),
-    "chunk_len_zero": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
-        id=11, requests=(dataclasses.replace(good(e, b), chunk_len=0),)), None)),
-    "prompt_longer_than_max_input_tokens": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
-        id=11, requests=(spec(50, make_text(93, 30), 4, truncate=MAX_INPUT + 20),)), None)),
-    "cache_len_equals_prompt": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
-        id=11, requests=(dataclasses.replace(good(e, b), cache_len=len(e.prompt_tokenizer.encode(
-            make_text(92, 3), 10_000))),)), None)),
-    "temperature_zero": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
-        id=11, requests=(dataclasses.replace(good(e, b), sampling=SamplingParams(temperature=0.0)),)), None)),
-    "top_p_above_one": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
-        id=11, requests=(dataclasses.replace(good(e, b), sampling=SamplingParams(top_p=1.5)),)), None)),
-    "max_new_tokens_zero": (InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(
-        id=11, requests=(spec(50, "Hello", 0),)), None)),
+    "slots_too_short": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(short_slots(good(e, b)),)), None),
+    ),
+    "block_outside_advertised_range": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(
+            BatchSpec(id=11, requests=(with_blocks(good(e, b), e.num_virtual_blocks, e.block_size),)), None
+        ),
+    ),
+    "negative_block": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(with_blocks(good(e, b), -1, e.block_size),)), None),
+    ),
+    "empty_text": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(
+            BatchSpec(id=11, requests=(good(e, b, 52), dataclasses.replace(good(e, b), text=""))), None
+        ),
+    ),
+    "duplicate_ids_in_batch": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(good(e, b), good(e, b))), None),
+    ),
+    "request_id_already_live": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(good(e, b, 52), good(e, b, run.request_ids[0]))), None),
+    ),
+    "chunk_len_zero": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(dataclasses.replace(good(e, b), chunk_len=0),)), None),
+    ),
+    "prompt_longer_than_max_input_tokens": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(
+            BatchSpec(id=11, requests=(spec(50, make_text(93, 30), 4, truncate=MAX_INPUT + 20),)), None
+        ),
+    ),
+    "cache_len_equals_prompt": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(
+            BatchSpec(
+                id=11,
+                requests=(
+                    dataclasses.replace(good(e, b), cache_len=len(e.prompt_tokenizer.encode(make_text(92, 3), 10_000))),
+                ),
+            ),
+            None,
+        ),
+    ),
+    "temperature_zero": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(
+            BatchSpec(id=11, requests=(dataclasses.replace(good(e, b), sampling=SamplingParams(temperature=0.0)),)),
+            None,
+        ),
+    ),
+    "top_p_above_one": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(
+            BatchSpec(id=11, requests=(dataclasses.replace(good(e, b), sampling=SamplingParams(top_p=1.5)),)), None
+        ),
+    ),
+    "max_new_tokens_zero": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(spec(50, "Hello", 0),)), None),
+    ),
 }
 
 # Regressions: each once left requests behind that no batch owned (fixed in the engine).
 REGRESSIONS = {
     "decode_same_batch_twice": (
-        InvalidRequestError, lambda e, b, run: e.decode([run.id, run.id]),
+        InvalidRequestError,
+        lambda e, b, run: e.decode([run.id, run.id]),
         "BUG shard_engine.decode: duplicate ids pass the `missing` check, the second "
         "self.batches.pop(b) raises a bare KeyError after the batch was already popped, and its requests "
-        "are orphaned (in self.requests, in no batch: clear_cache(None) cannot free them either)"),
+        "are orphaned (in self.requests, in no batch: clear_cache(None) cannot free them either)",
+    ),
     "duplicate_virtual_blocks": (
-        InvalidRequestError, lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(
-            good(e, b, 52), with_blocks(good(e, b), 7, e.block_size, repeat=True))), None),
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(
+            BatchSpec(id=11, requests=(good(e, b, 52), with_blocks(good(e, b), 7, e.block_size, repeat=True))), None
+        ),
         "BUG validation.validate_request_spec does not reject repeated virtual blocks; "
         "KVCacheManager.add_request raises ValueError inside shard_engine._add_requests' registration "
-        "loop, after the earlier requests of the batch were registered: they leak (no batch owns them)"),
+        "loop, after the earlier requests of the batch were registered: they leak (no batch owns them)",
+    ),
 }
 
 
 # Calls handed the running batch: the router fails (and forgets) its requests, so the shard frees them.
-HANDS_RUNNING = {"decode_known_and_unknown_batch", "decode_same_batch_twice", "bad_request_in_prefill_with_cached_batch",
-                 "bad_grammar_in_prefill_with_cached_batch"}
+HANDS_RUNNING = {
+    "decode_known_and_unknown_batch",
+    "decode_same_batch_twice",
+    "bad_request_in_prefill_with_cached_batch",
+    "bad_grammar_in_prefill_with_cached_batch",
+}
 
 
 def short_slots(r):
@@ -125,7 +202,7 @@ def short_slots(r):
 def with_blocks(r, block: int, block_size: int, repeat: bool = False):
     """``r`` with its first virtual block replaced (or every block, ``repeat``), slots to match."""
     blocks = (block,) * len(r.blocks) if repeat else (block,) + r.blocks[1:]
-    slots = tuple(b * block_size + o for b in blocks for o in range(block_size))[:len(r.slots)]
+    slots = tuple(b * block_size + o for b in blocks for o in range(block_size))[: len(r.slots)]
     return dataclasses.replace(r, blocks=blocks, slots=slots)
 
 

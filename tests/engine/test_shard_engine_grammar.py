@@ -17,31 +17,50 @@ import jsonschema
 import outlines_core
 import pytest
 
-from tests.engine.conftest import RouterBlocks, RouterDriver, make_engine, make_text, prompt_ids, router_spec, router_warmup
+from tests.engine.conftest import (
+    RouterBlocks,
+    RouterDriver,
+    make_engine,
+    make_text,
+    prompt_ids,
+    router_spec,
+    router_warmup,
+)
 from tests.engine.grammar_reference import ConstrainedReference
 from tests.helpers.tiny_models import load_reference
 from tgi_paged_backend.engine.grammar import grammar_regex
 from tgi_paged_backend.engine.types import BatchSpec, FinishReason, GrammarSpec, SamplingParams
 
-PERSON = json.dumps({
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer"},
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
-        "pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "number"}},
-                "required": ["kind"]},
-    },
-    "required": ["name", "pet"],
-})
-SMALL = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
-                    "required": ["ok", "color"]})
+PERSON = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer"},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+            "pet": {
+                "type": "object",
+                "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "number"}},
+                "required": ["kind"],
+            },
+        },
+        "required": ["name", "pet"],
+    }
+)
+SMALL = json.dumps(
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
+        "required": ["ok", "color"],
+    }
+)
 GRAMMARS = {
     "person": GrammarSpec("json", PERSON),
     "small": GrammarSpec("json", SMALL),
     "date": GrammarSpec("regex", r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"),
-    "enum_array": GrammarSpec("json", json.dumps({"type": "array", "items": {"enum": ["x", "yy"]},
-                                                  "minItems": 1, "maxItems": 3})),
+    "enum_array": GrammarSpec(
+        "json", json.dumps({"type": "array", "items": {"enum": ["x", "yy"]}, "minItems": 1, "maxItems": 3})
+    ),
 }
 
 
@@ -74,9 +93,13 @@ def test_mixed_batch_matches_the_reference(tiny_llama_dir, reference):
     engine = make_engine(tiny_llama_dir, num_blocks=64)
     blocks = RouterBlocks(engine)
     driver = RouterDriver(engine, blocks)
-    requests = [constrained(engine, blocks, 1, "person", 40), constrained(engine, blocks, 2, None, 10),
-                constrained(engine, blocks, 3, "date", 16), constrained(engine, blocks, 4, "small", 40),
-                constrained(engine, blocks, 5, "enum_array", 20)]
+    requests = [
+        constrained(engine, blocks, 1, "person", 40),
+        constrained(engine, blocks, 2, None, 10),
+        constrained(engine, blocks, 3, "date", 16),
+        constrained(engine, blocks, 4, "small", 40),
+        constrained(engine, blocks, 5, "enum_array", 20),
+    ]
     driver.run(BatchSpec(id=1, requests=tuple(requests)))
     check_against_reference(engine, driver, reference, requests)
     finals = {rid: g.generated_text for rid, g in driver.final.items()}
@@ -97,8 +120,12 @@ def test_preemption_keeps_the_automaton_and_the_tokens(tiny_llama_dir, reference
     router_warmup(engine, 64)
     blocks = RouterBlocks(engine)
     driver = RouterDriver(engine, blocks)
-    requests = [constrained(engine, blocks, 20, "person", 30, 3), constrained(engine, blocks, 21, None, 24, 3),
-                constrained(engine, blocks, 22, "small", 24, 3), constrained(engine, blocks, 23, "date", 16, 3)]
+    requests = [
+        constrained(engine, blocks, 20, "person", 30, 3),
+        constrained(engine, blocks, 21, None, 24, 3),
+        constrained(engine, blocks, 22, "small", 24, 3),
+        constrained(engine, blocks, 23, "date", 16, 3),
+    ]
     driver.run(BatchSpec(id=3, requests=tuple(requests)))
     assert engine.stats.preemptions[mode] > 0, engine.stats.preemptions
     check_against_reference(engine, driver, reference, requests)
@@ -165,16 +192,28 @@ def test_smollm2_answers_in_schema_and_regex(smollm2_dir):
     reference = ConstrainedReference(load_reference(smollm2_dir), engine.runner.tokenizer)
     blocks = RouterBlocks(engine)
     driver = RouterDriver(engine, blocks)
-    pet = json.dumps({"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 12}, "species": {"enum": ["cat", "dog", "bird"]},
-        "age": {"type": "integer"}, "weight_kg": {"type": "number"},
-        "toys": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 2}},
-        "required": ["name", "species", "age"]})
-    prompts = {1: ("Describe a pet cat as JSON: ", GrammarSpec("json", pet)),
-               2: ("The date of the moon landing, as YYYY-MM-DD: ", GrammarSpec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}")),
-               3: ("The capital of France is", None)}
-    requests = [router_spec(engine, blocks, rid, text, 80, ignore_eos=False, sampling=SamplingParams(grammar=grammar))
-                for rid, (text, grammar) in prompts.items()]
+    pet = json.dumps(
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 12},
+                "species": {"enum": ["cat", "dog", "bird"]},
+                "age": {"type": "integer"},
+                "weight_kg": {"type": "number"},
+                "toys": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 2},
+            },
+            "required": ["name", "species", "age"],
+        }
+    )
+    prompts = {
+        1: ("Describe a pet cat as JSON: ", GrammarSpec("json", pet)),
+        2: ("The date of the moon landing, as YYYY-MM-DD: ", GrammarSpec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}")),
+        3: ("The capital of France is", None),
+    }
+    requests = [
+        router_spec(engine, blocks, rid, text, 80, ignore_eos=False, sampling=SamplingParams(grammar=grammar))
+        for rid, (text, grammar) in prompts.items()
+    ]
     driver.run(BatchSpec(id=1, requests=tuple(requests)))
     check_against_reference(engine, driver, reference, requests)
     for rid in (1, 2):
@@ -212,9 +251,13 @@ def test_every_sampling_mode_stays_inside_the_automaton(tiny_llama_dir, referenc
         engine = make_engine(tiny_llama_dir, num_blocks=64)
         blocks = RouterBlocks(engine)
         driver = RouterDriver(engine, blocks)
-        requests = [dataclasses.replace(constrained(engine, blocks, rid, "small", 40),
-                                        sampling=dataclasses.replace(params, grammar=GRAMMARS["small"]))
-                    for rid, params in SAMPLING_MODES.items()]
+        requests = [
+            dataclasses.replace(
+                constrained(engine, blocks, rid, "small", 40),
+                sampling=dataclasses.replace(params, grammar=GRAMMARS["small"]),
+            )
+            for rid, params in SAMPLING_MODES.items()
+        ]
         driver.run(BatchSpec(id=7, requests=tuple(requests)))
         for r in requests:
             guide = outlines_core.Guide(reference.index(GRAMMARS["small"]))

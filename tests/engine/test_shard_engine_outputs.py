@@ -92,8 +92,10 @@ def test_greedy_requests_have_no_seed_and_warpers_mean_sampling(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, num_blocks=32)
     driver = RouterDriver(engine)
     text = make_text(55, 6)
-    requests = (spec(1, text, 4, sampling=SamplingParams(seed=5)),
-                spec(2, text, 4, sampling=SamplingParams(seed=5, temperature=0.7)))  # do_sample off
+    requests = (
+        spec(1, text, 4, sampling=SamplingParams(seed=5)),
+        spec(2, text, 4, sampling=SamplingParams(seed=5, temperature=0.7)),
+    )  # do_sample off
     driver.run(BatchSpec(id=0, requests=requests))
     assert driver.final[1].generated_text.seed is None
     assert driver.final[2].generated_text.seed == 5
@@ -137,8 +139,14 @@ def eos_llama(tiny_llama_dir, tmp_path_factory, hf_greedy):
         hf_greedy(tiny_llama_dir, ids, 1)
         ref = hf_greedy.models[str(tiny_llama_dir)]
     with torch.no_grad():
-        out = ref.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
-                           output_logits=True, return_dict_in_generate=True)
+        out = ref.generate(
+            torch.tensor([ids]),
+            max_new_tokens=6,
+            do_sample=False,
+            min_new_tokens=6,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     step = next(k for k in range(3, 6) if out.logits[k][0].max() > 0 and int(out.logits[k][0].argmax()) != EOS_ID)
     token = int(out.logits[step][0].argmax())
     path = tmp_path_factory.mktemp("eos-llama")
@@ -157,8 +165,9 @@ def test_eos_stops_with_eos_token_like_hf(eos_llama, hf_greedy):
     want = hf_greedy(model_dir, ids, 12, stop_at_eos=True)
     assert want[-1] == EOS_ID and len(want) < 12, "fixture must make greedy decoding hit EOS"
     driver = RouterDriver(engine)
-    driver.run(BatchSpec(id=0, requests=(spec(1, text, 12, ignore_eos=False),
-                                         spec(2, make_text(61, 3), 12, ignore_eos=False))))
+    driver.run(
+        BatchSpec(id=0, requests=(spec(1, text, 12, ignore_eos=False), spec(2, make_text(61, 3), 12, ignore_eos=False)))
+    )
     assert driver.tokens[1] == want
     final = driver.final[1]
     assert final.generated_text.finish_reason is FinishReason.EOS_TOKEN
@@ -173,9 +182,10 @@ def test_eos_ignored_and_length_wins_over_eos(eos_llama, hf_greedy):
     engine = make_engine(model_dir, num_blocks=16)
     want = hf_greedy(model_dir, prompt_ids(engine, text), 12, stop_at_eos=True)
     driver = RouterDriver(engine)
-    driver.run(BatchSpec(id=0, requests=(spec(1, text, 12, ignore_eos=True),
-                                         spec(2, text, len(want), ignore_eos=False))))
-    assert driver.tokens[1][:len(want)] == want and len(driver.tokens[1]) == 12
+    driver.run(
+        BatchSpec(id=0, requests=(spec(1, text, 12, ignore_eos=True), spec(2, text, len(want), ignore_eos=False)))
+    )
+    assert driver.tokens[1][: len(want)] == want and len(driver.tokens[1]) == 12
     assert driver.final[1].generated_text.finish_reason is FinishReason.LENGTH
     assert driver.tokens[2] == want  # the last token is EOS, but max_new_tokens is checked first
     assert driver.final[2].generated_text.finish_reason is FinishReason.LENGTH
@@ -184,8 +194,8 @@ def test_eos_ignored_and_length_wins_over_eos(eos_llama, hf_greedy):
 def find_stop(texts: list[str]) -> tuple[str, int] | None:
     """A stop string the running output first ends with after token ``k`` (k >= 2), and ``k``."""
     for k in range(2, len(texts) - 1):
-        full = "".join(texts[:k + 1])
-        earlier = ["".join(texts[:j + 1]) for j in range(k)]
+        full = "".join(texts[: k + 1])
+        earlier = ["".join(texts[: j + 1]) for j in range(k)]
         for width in range(2, len(full) + 1):
             cand = full[-width:]
             if cand.strip() and not any(e.endswith((cand, cand + "\n")) for e in earlier):
@@ -206,7 +216,7 @@ def test_stop_sequence_stops_and_is_included(tiny_llama_dir):
     stop, k = found
     driver = RouterDriver(engine)
     driver.run(BatchSpec(id=1, requests=(spec(2, text, 12, stop_sequences=("zzz-never", stop)),)))
-    assert driver.tokens[2] == free.tokens[1][:k + 1]
+    assert driver.tokens[2] == free.tokens[1][: k + 1]
     final = driver.final[2].generated_text
     assert final.finish_reason is FinishReason.STOP_SEQUENCE and final.generated_tokens == k + 1
     assert final.text.endswith(stop)
@@ -227,9 +237,15 @@ def test_top_n_tokens_are_the_n_best_highest_first(tiny_llama_dir, hf_greedy):
         hf_greedy(tiny_llama_dir, ids, 1)
         ref = hf_greedy.models[str(tiny_llama_dir)]
     with torch.no_grad():
-        out = ref.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, min_new_tokens=4,
-                           output_logits=True, return_dict_in_generate=True)
-    assert driver.tokens[1] == out.sequences[0, len(ids):].tolist()
+        out = ref.generate(
+            torch.tensor([ids]),
+            max_new_tokens=4,
+            do_sample=False,
+            min_new_tokens=4,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert driver.tokens[1] == out.sequences[0, len(ids) :].tolist()
     for step, g in enumerate(driver.generations[1]):
         (top,) = g.top_tokens
         assert len(top.ids) == len(top.logprobs) == len(top.texts) == len(top.is_special) == 5
@@ -273,8 +289,11 @@ def test_prefill_logprobs_match_hf_log_softmax(tiny_qwen2_dir, hf_greedy, chunke
         router_warmup(engine, 16)  # prompts of ~40-60 tokens then take 3-4 forwards
     driver = RouterDriver(engine)
     texts = [make_text(70, 14), make_text(71, 20), make_text(72, 5)]
-    requests = (spec(1, texts[0], 3, prefill_logprobs=True), spec(2, texts[1], 3, prefill_logprobs=True),
-                spec(3, texts[2], 3))
+    requests = (
+        spec(1, texts[0], 3, prefill_logprobs=True),
+        spec(2, texts[1], 3, prefill_logprobs=True),
+        spec(3, texts[2], 3),
+    )
     driver.run(BatchSpec(id=0, requests=requests))
     if chunked:
         assert not driver.results[0].generations or 2 not in {g.request_id for g in driver.results[0].generations}

@@ -52,8 +52,10 @@ def test_mixed_batch_with_router_reservations(tiny_dir, hf_greedy):
     engine = make_engine(tiny_dir, num_blocks=40)
     blocks = RouterBlocks(engine)
     driver = RouterDriver(engine, blocks)
-    requests = [router_spec(engine, blocks, rid, make_text(rid, words), max_new)
-                for rid, words, max_new in ((1, 3, 9), (2, 22, 6), (3, 11, 12), (4, 1, 4))]
+    requests = [
+        router_spec(engine, blocks, rid, make_text(rid, words), max_new)
+        for rid, words, max_new in ((1, 3, 9), (2, 22, 6), (3, 11, 12), (4, 1, 4))
+    ]
     lengths = {len(prompt_ids(engine, r.text)) for r in requests}
     assert len(lengths) == 4, "prompts must differ in length"
     driver.run(BatchSpec(id=7, requests=tuple(requests)))
@@ -67,14 +69,15 @@ def test_batch_joins_mid_flight(tiny_dir, hf_greedy, mode):
     engine = make_engine(tiny_dir, num_blocks=40)
     blocks = RouterBlocks(engine)
     driver = RouterDriver(engine, blocks)
-    first = [router_spec(engine, blocks, 10, make_text(10, 12), 12),
-             router_spec(engine, blocks, 11, make_text(11, 4), 10)]
+    first = [
+        router_spec(engine, blocks, 10, make_text(10, 12), 12),
+        router_spec(engine, blocks, 11, make_text(11, 4), 10),
+    ]
     running = driver.prefill(BatchSpec(id=0, requests=tuple(first)))
     for _ in range(3):
         running = driver.decode([running])
     assert set(running.request_ids) == {10, 11}
-    late = [router_spec(engine, blocks, 12, make_text(12, 17), 8),
-            router_spec(engine, blocks, 13, make_text(13, 6), 5)]
+    late = [router_spec(engine, blocks, 12, make_text(12, 17), 8), router_spec(engine, blocks, 13, make_text(13, 6), 5)]
     new = BatchSpec(id=1, requests=tuple(late))
     if mode == "chunking":
         running = driver.prefill(new, cached=running)
@@ -113,8 +116,9 @@ def test_chunked_prefill_router_chunk_len_and_server_continuation(tiny_dir, hf_g
     def step(batch, new=None):
         before = {rid: engine.requests[rid].num_computed for rid in batch.request_ids}
         batch = driver.prefill(new, cached=batch) if new else driver.decode([batch])
-        assert sum(engine.requests[rid].num_computed - n for rid, n in before.items()
-                   if rid in engine.requests) <= budget
+        assert (
+            sum(engine.requests[rid].num_computed - n for rid, n in before.items() if rid in engine.requests) <= budget
+        )
         return batch
 
     while not driver.tokens[21]:  # server-side continuation
@@ -136,9 +140,19 @@ def test_chunked_prefill_router_chunk_len_and_server_continuation(tiny_dir, hf_g
     driver.assert_idle()
 
 
-@pytest.mark.parametrize(("kind", "router_prefix_hit", "block_size"), [
-    ("llama", "none", 8), ("qwen2", "none", 8), ("mistral", "none", 8), ("llama", "hit", 8),
-    ("llama", "hit_but_evicted", 8), ("llama", "none", 1), ("mistral", "hit", 1), ("llama", "hit", 2)])
+@pytest.mark.parametrize(
+    ("kind", "router_prefix_hit", "block_size"),
+    [
+        ("llama", "none", 8),
+        ("qwen2", "none", 8),
+        ("mistral", "none", 8),
+        ("llama", "hit", 8),
+        ("llama", "hit_but_evicted", 8),
+        ("llama", "none", 1),
+        ("mistral", "hit", 1),
+        ("llama", "hit", 2),
+    ],
+)
 def test_prefix_reuse_after_finish(request, hf_greedy, kind, router_prefix_hit, block_size):
     tiny_dir = request.getfixturevalue(TINY_KIND_FIXTURES[kind])
     engine = make_engine(tiny_dir, num_blocks=32 * 8 // block_size, block_size=block_size)
@@ -158,7 +172,7 @@ def test_prefix_reuse_after_finish(request, hf_greedy, kind, router_prefix_hit, 
         blocks.free = [b for b in blocks.free if b not in prefix]
         fresh, _ = blocks.allocate(n + 6 - 1 - k * engine.block_size)
         all_blocks = prefix + fresh
-        slots = tuple(b * engine.block_size + o for b in all_blocks for o in range(engine.block_size))[:n + 5]
+        slots = tuple(b * engine.block_size + o for b in all_blocks for o in range(engine.block_size))[: n + 5]
         second = spec(2, text, 6, blocks=all_blocks, slots=slots, cache_len=k * engine.block_size)
     else:
         second = router_spec(engine, blocks, 2, text, 6)
@@ -179,8 +193,9 @@ def test_preemption_keeps_outputs_identical(tiny_dir, hf_greedy, mode, block_siz
     # must preempt. At block size 8 the four prompts (2 blocks each) fill the pool in the first step, so
     # every block boundary an older request crosses afterwards takes blocks from a younger one. Block
     # size 1 is stock TGI's flashinfer layout: a block per token, router slots == router block ids.
-    engine = make_engine(tiny_dir, num_blocks=64 // block_size + 1, block_size=block_size, preemption=mode,
-                         TGI_PAGED_OVERCOMMIT="3")
+    engine = make_engine(
+        tiny_dir, num_blocks=64 // block_size + 1, block_size=block_size, preemption=mode, TGI_PAGED_OVERCOMMIT="3"
+    )
     assert engine.block_size == block_size
     result = router_warmup(engine, 64)
     assert result.max_supported_total_tokens == 3 * 64

@@ -44,8 +44,7 @@ def test_filter_batch_keeps_exactly_the_given_ids_and_frees_the_rest(tiny_llama_
     assert info.id == batch.id and info.request_ids == kept
     assert set(engine.requests) == set(kept) and all(rid not in engine.kv for rid in drop)
     if preemption == "swap":
-        assert engine.kv.num_swapped_blocks == sum(
-            len(engine.kv._requests[rid].swapped or ()) for rid in kept)
+        assert engine.kv.num_swapped_blocks == sum(len(engine.kv._requests[rid].swapped or ()) for rid in kept)
     assert engine.filter_batch(batch.id, kept).request_ids == kept  # same membership: unchanged
     driver.drain(info)
     driver.assert_idle()
@@ -60,8 +59,15 @@ def test_clear_cache_unknown_one_and_all(tiny_llama_dir):
     blocks = RouterBlocks(engine)
     driver = RouterDriver(engine, blocks)
     a = driver.prefill(BatchSpec(id=1, requests=(router_spec(engine, blocks, 1, make_text(1, 5), 9),)))
-    b = driver.prefill(BatchSpec(id=2, requests=(router_spec(engine, blocks, 2, make_text(2, 5), 9),
-                                                 router_spec(engine, blocks, 3, make_text(3, 2), 9))))
+    b = driver.prefill(
+        BatchSpec(
+            id=2,
+            requests=(
+                router_spec(engine, blocks, 2, make_text(2, 5), 9),
+                router_spec(engine, blocks, 3, make_text(3, 2), 9),
+            ),
+        )
+    )
     c = driver.prefill(BatchSpec(id=3, requests=(router_spec(engine, blocks, 4, make_text(4, 9), 9),)))
     used = engine.kv.num_used_blocks
     engine.clear_cache(12345)  # unknown: silent
@@ -190,8 +196,12 @@ def test_admission_brake_while_pool_is_short_or_requests_preempted(tiny_llama_di
 def test_request_without_blocks_is_reported_waiting_then_runs(tiny_llama_dir):
     """Two prompts that cannot both fit: the younger keeps its place without blocks (never taking the
     older one's), the step record counts it as waiting for memory, and it runs once blocks free."""
-    engine = make_engine(tiny_llama_dir, num_blocks=9, block_size=8,  # 8 usable blocks = 64 slots
-                         TGI_PAGED_OVERCOMMIT="8")
+    engine = make_engine(
+        tiny_llama_dir,
+        num_blocks=9,
+        block_size=8,  # 8 usable blocks = 64 slots
+        TGI_PAGED_OVERCOMMIT="8",
+    )
     router_warmup(engine, 64)
     blocks = RouterBlocks(engine)
     driver = RouterDriver(engine, blocks)

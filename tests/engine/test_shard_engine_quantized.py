@@ -30,18 +30,22 @@ from tgi_paged_backend.envs import build_config
 
 
 def make_quantized_engine(model_dir, quantize: str, *, mode: str, block_size: int = 8):
-    settings = {"TGI_PAGED_NUM_BLOCKS": str(64 // block_size + 1), "TGI_PAGED_BLOCK_SIZE": str(block_size),
-                "TGI_PAGED_PREEMPTION": mode, "TGI_PAGED_SWAP_SPACE_GB": "0.01", "PREFIX_CACHING": "1",
-                "TGI_PAGED_OVERCOMMIT": "3"}
+    settings = {
+        "TGI_PAGED_NUM_BLOCKS": str(64 // block_size + 1),
+        "TGI_PAGED_BLOCK_SIZE": str(block_size),
+        "TGI_PAGED_PREEMPTION": mode,
+        "TGI_PAGED_SWAP_SPACE_GB": "0.01",
+        "PREFIX_CACHING": "1",
+        "TGI_PAGED_OVERCOMMIT": "3",
+    }
     return build_engine(build_config({"model_id": str(model_dir), "quantize": quantize}, settings))
 
 
 def reference_tokens(model, ids: list[int], n: int) -> list[int]:
     x = torch.tensor([ids])
     with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False)
-    return out[0, x.shape[1]:].tolist()
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, x.shape[1] :].tolist()
 
 
 def run_preempted_batch(engine, reference, mode: str) -> None:
@@ -92,8 +96,9 @@ def test_int_checkpoints_are_token_exact_under_preemption(tiny_llama_dir, tmp_pa
 @pytest.mark.parametrize("quantize", ["fp8", "gptq"])
 def test_warmup_reports_the_quantized_weight_bytes(tiny_llama_dir, tmp_path, quantize):
     budgets = []
-    model_dir = (tiny_llama_dir if quantize == "fp8"
-                 else write_int_checkpoint(tiny_llama_dir, tmp_path / "gptq", "gptq").path)
+    model_dir = (
+        tiny_llama_dir if quantize == "fp8" else write_int_checkpoint(tiny_llama_dir, tmp_path / "gptq", "gptq").path
+    )
     engine = make_quantized_engine(model_dir, quantize, mode="recompute")
     engine.recorder.record_budget = budgets.append  # what feeds tgi_paged_weights_bytes
     router_warmup(engine, 64)

@@ -20,8 +20,10 @@ from tgi_paged_backend.envs import build_config
 from tgi_paged_backend.model_files import with_local_model
 
 
-@pytest.mark.parametrize(("value", "enabled"), [("true", True), ("TRUE", True), ("1", True), ("0", False),
-                                                ("false", False), ("yes", False), (" true", False)])
+@pytest.mark.parametrize(
+    ("value", "enabled"),
+    [("true", True), ("TRUE", True), ("1", True), ("0", False), ("false", False), ("yes", False), (" true", False)],
+)
 def test_prefix_caching_decides_retention_as_stock_parses_it(tiny_llama_dir, value, enabled) -> None:
     engine = make_engine(tiny_llama_dir, num_blocks=32, PREFIX_CACHING=value)
     assert engine.info().use_prefix_caching is enabled
@@ -57,8 +59,12 @@ def test_rope_scaling_is_token_exact_with_hf_on_the_same_config_change(tmp_path,
 
 
 def test_weights_cache_override_serves_a_hub_id_from_that_directory(tiny_qwen2_dir, hf_greedy) -> None:
-    env = {"TGI_PAGED_NUM_BLOCKS": "32", "TGI_PAGED_BLOCK_SIZE": "8", "TGI_PAGED_SWAP_SPACE_GB": "0.01",
-           "WEIGHTS_CACHE_OVERRIDE": str(tiny_qwen2_dir)}
+    env = {
+        "TGI_PAGED_NUM_BLOCKS": "32",
+        "TGI_PAGED_BLOCK_SIZE": "8",
+        "TGI_PAGED_SWAP_SPACE_GB": "0.01",
+        "WEIGHTS_CACHE_OVERRIDE": str(tiny_qwen2_dir),
+    }
     config = with_local_model(build_config({"model_id": "some-org/not-downloaded"}, env))
     assert config.model.model_id == str(tiny_qwen2_dir)
     engine = build_engine(config)

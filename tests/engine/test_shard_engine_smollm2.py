@@ -15,13 +15,16 @@ def test_smollm2_greedy_under_preemption_matches_hf(smollm2_dir, hf_greedy):
     # 9 physical blocks of 8 (64 tokens): the three requests need ~110 token slots together.
     engine = make_engine(smollm2_dir, num_blocks=9, preemption="auto", swap_gb=0.05)
     tokenizer = engine.runner.tokenizer
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                         tokenize=False, add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
     prompts = [("The capital of Germany is", True), ("def fibonacci(n):", True), (chat, False)]
     blocks = RouterBlocks(engine)
     driver = RouterDriver(engine, blocks)
-    requests = [router_spec(engine, blocks, i, text, MAX_NEW, add_special_tokens=special, ignore_eos=False)
-                for i, (text, special) in enumerate(prompts)]
+    requests = [
+        router_spec(engine, blocks, i, text, MAX_NEW, add_special_tokens=special, ignore_eos=False)
+        for i, (text, special) in enumerate(prompts)
+    ]
     lengths = [len(prompt_ids(engine, r.text, r.truncate, r.add_special_tokens)) for r in requests]
     assert sum(lengths) + 3 * MAX_NEW > 64 and max(lengths) + MAX_NEW <= 64, lengths
     batch = driver.prefill(BatchSpec(id=0, requests=tuple(requests[:2])))

@@ -37,12 +37,24 @@ def workload(seed: int) -> list[tuple[int, RequestSpec]]:
     step = 0
     for i in range(NUM_REQUESTS):
         step += rng.choice((0, 0, 1, 2, 4))
-        sampling = SamplingParams(do_sample=True, temperature=0.8, top_k=20, seed=rng.randrange(2**64)) \
-            if i % 5 == 3 else SamplingParams()
-        out.append((step, RequestSpec(
-            id=100 + i, text=make_text(seed * 1000 + i, rng.randint(1, 12)), truncate=10_000,
-            sampling=sampling, top_n_tokens=2 if i % 7 == 0 else 0,
-            stopping=StoppingParams(max_new_tokens=rng.randint(1, 24), ignore_eos_token=i % 4 != 0))))
+        sampling = (
+            SamplingParams(do_sample=True, temperature=0.8, top_k=20, seed=rng.randrange(2**64))
+            if i % 5 == 3
+            else SamplingParams()
+        )
+        out.append(
+            (
+                step,
+                RequestSpec(
+                    id=100 + i,
+                    text=make_text(seed * 1000 + i, rng.randint(1, 12)),
+                    truncate=10_000,
+                    sampling=sampling,
+                    top_n_tokens=2 if i % 7 == 0 else 0,
+                    stopping=StoppingParams(max_new_tokens=rng.randint(1, 24), ignore_eos_token=i % 4 != 0),
+                ),
+            )
+        )
     return out
 
 
@@ -116,8 +128,12 @@ def test_long_mixed_run_leaks_nothing(tiny_llama_dir, hf_greedy, preemption, sty
         final = driver.final[r.id].generated_text
         if r.sampling.is_sampling:
             continue
-        want = hf_greedy(tiny_llama_dir, prompt_ids(engine, r.text), r.stopping.max_new_tokens,
-                         stop_at_eos=not r.stopping.ignore_eos_token)
+        want = hf_greedy(
+            tiny_llama_dir,
+            prompt_ids(engine, r.text),
+            r.stopping.max_new_tokens,
+            stop_at_eos=not r.stopping.ignore_eos_token,
+        )
         assert driver.tokens[r.id] == want, f"request {r.id}"
         if final.finish_reason is FinishReason.EOS_TOKEN:
             assert not r.stopping.ignore_eos_token
@@ -139,6 +155,9 @@ def test_heavily_preempted_requests_do_not_deadlock(tiny_llama_dir, preemption):
         batch = driver.decode([batch])
         idle = 0 if driver.results[-1].generations else idle + 1
         assert idle < 100, "no request made progress for 100 Decodes: deadlock " + repr(
-            {rid: (r.status.value, r.num_preemptions, engine.kv.request_memory(rid).num_blocks)
-             for rid, r in engine.requests.items()})
+            {
+                rid: (r.status.value, r.num_preemptions, engine.kv.request_memory(rid).num_blocks)
+                for rid, r in engine.requests.items()
+            }
+        )
     driver.assert_idle()

@@ -28,9 +28,18 @@ def windowed_mistral_dir(tiny_model_factory):
 
 def test_warmup_needs_only_the_window_of_one_request():
     def plan(window):
-        return plan_capacity(available_kv_bytes=10**9, block_bytes=1000, block_size=BLOCK_SIZE, num_blocks_cap=9,
-                             overcommit=4, max_position_embeddings=512, max_input_tokens=None,
-                             max_total_tokens=64, max_prefill_tokens=PREFILL, reclaim_window=window)
+        return plan_capacity(
+            available_kv_bytes=10**9,
+            block_bytes=1000,
+            block_size=BLOCK_SIZE,
+            num_blocks_cap=9,
+            overcommit=4,
+            max_position_embeddings=512,
+            max_input_tokens=None,
+            max_total_tokens=64,
+            max_prefill_tokens=PREFILL,
+            reclaim_window=window,
+        )
 
     with pytest.raises(ConfigError, match="needs 17 KV blocks"):
         plan(None)  # 64 tokens = 16 blocks + scratch > 9
@@ -39,9 +48,11 @@ def test_warmup_needs_only_the_window_of_one_request():
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_generation_far_past_the_window_is_exact_on_a_pool_smaller_than_one_history(
-        windowed_mistral_dir, hf_greedy, mode):
-    engine = make_engine(windowed_mistral_dir, num_blocks=9, block_size=BLOCK_SIZE, preemption=mode,
-                         TGI_PAGED_OVERCOMMIT="8")
+    windowed_mistral_dir, hf_greedy, mode
+):
+    engine = make_engine(
+        windowed_mistral_dir, num_blocks=9, block_size=BLOCK_SIZE, preemption=mode, TGI_PAGED_OVERCOMMIT="8"
+    )
     assert engine.kv.reclaim_window == WINDOW
     assert engine.info().window_size is None  # the router keeps reserving whole histories
     router_warmup(engine, PREFILL, max_total_tokens=64)

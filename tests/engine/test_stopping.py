@@ -13,8 +13,9 @@ EOS = 2
 
 
 def crit(max_new_tokens=100, stop=(), ignore_eos=False, eos=(EOS,)):
-    return StoppingCriteria(StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=tuple(stop),
-                                           ignore_eos_token=ignore_eos), eos)
+    return StoppingCriteria(
+        StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=tuple(stop), ignore_eos_token=ignore_eos), eos
+    )
 
 
 def run(c, tokens):

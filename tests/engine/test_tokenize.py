@@ -58,7 +58,7 @@ def test_truncation_keeps_the_last_tokens_and_bos_like_stock(tok, pt):
         assert len(ids) == min(n, len(full))
         if n < len(full):
             # HF truncates before adding BOS: BOS survives, the text keeps its last n-1 tokens
-            assert ids == [tok.bos_token_id] + (content[-(n - 1):] if n > 1 else [])
+            assert ids == [tok.bos_token_id] + (content[-(n - 1) :] if n > 1 else [])
 
 
 def test_truncation_without_special_tokens_is_plain_last_n(tok, pt):
@@ -84,8 +84,7 @@ def test_batch_helper_mixed_flags_and_limits_preserve_order(tok, pt):
     flags = [True, True, False, True, False]
     got = pt.encode_batch(texts, truncs, flags)
     assert got == [stock(tok, t, n, f) for t, n, f in zip(texts, truncs, flags)]
-    reqs = [SimpleNamespace(text=t, truncate=n, add_special_tokens=f)
-            for t, n, f in zip(texts, truncs, flags)]
+    reqs = [SimpleNamespace(text=t, truncate=n, add_special_tokens=f) for t, n, f in zip(texts, truncs, flags)]
     assert pt.encode_requests(reqs) == got
     assert pt.encode_batch(texts, truncs, True) == pt.encode_batch(texts, truncs, [True] * 5)
 
@@ -93,7 +92,8 @@ def test_batch_helper_mixed_flags_and_limits_preserve_order(tok, pt):
 def test_never_more_than_truncate_even_when_hf_skips_truncation(tok):
     t2 = make_tiny_tokenizer()
     t2.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)])
+        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
     p = PromptTokenizer(t2)
     assert p.encode(TEXT, truncate=2) == stock(t2, TEXT, 2) == [1, 2]
     assert p.encode(TEXT, truncate=3)[0] == 1 and p.encode(TEXT, truncate=3)[-1] == 2
@@ -120,8 +120,11 @@ def test_concurrent_use_is_consistent(tok, pt):
 
 def test_tiny_tokenizer_is_deterministic_across_processes():
     root = Path(__file__).resolve().parents[2]
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
-            "from tests.helpers.tiny_tokenizer import tiny_tokenizer_json as j; sys.stdout.write(j())")
-    out = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True,
-                         check=True, timeout=120).stdout
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); "
+        "from tests.helpers.tiny_tokenizer import tiny_tokenizer_json as j; sys.stdout.write(j())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(root)], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
     assert out == tiny_tokenizer_json()

@@ -30,8 +30,11 @@ from safetensors.torch import load_file, save_file
 
 def decompress_compressed_tensors(checkpoint: str) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        checkpoint, dtype=torch.float32, local_files_only=True,
-        quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
+        checkpoint,
+        dtype=torch.float32,
+        local_files_only=True,
+        quantization_config=transformers.CompressedTensorsConfig(run_compressed=False),
+    )
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if any(v.dtype in (torch.float8_e4m3fn, torch.int32) for v in state.values()):
         raise SystemExit("compressed-tensors left weights compressed")
@@ -69,8 +72,9 @@ def _agree_with_autoawq(checkpoint: str, converter, out: dict) -> None:
     raw = load_file(str(Path(checkpoint) / "model.safetensors"))
     for key, weight in out.items():
         name = key.removesuffix(".weight")
-        theirs = packing.dequantize_gemm(raw[f"{name}.qweight"], raw[f"{name}.qzeros"], raw[f"{name}.scales"],
-                                         converter.bits, converter.group_size)
+        theirs = packing.dequantize_gemm(
+            raw[f"{name}.qweight"], raw[f"{name}.qzeros"], raw[f"{name}.scales"], converter.bits, converter.group_size
+        )
         if not torch.equal(theirs.t().contiguous(), weight):
             raise SystemExit(f"AutoAWQ and compressed-tensors disagree on {name}")
     print(f"AutoAWQ ({path}) agrees on {len(out)} linears")
@@ -80,8 +84,10 @@ def main(checkpoint: str, out: str) -> None:
     qc = json.loads((Path(checkpoint) / "config.json").read_text())["quantization_config"]
     state = decompress_awq(checkpoint) if qc["quant_method"] == "awq" else decompress_compressed_tensors(checkpoint)
     save_file(state, out)
-    print(f"compressed-tensors {compressed_tensors.__version__}, transformers {transformers.__version__}: "
-          f"{len(state)} tensors ({qc['quant_method']})")
+    print(
+        f"compressed-tensors {compressed_tensors.__version__}, transformers {transformers.__version__}: "
+        f"{len(state)} tensors ({qc['quant_method']})"
+    )
 
 
 if __name__ == "__main__":

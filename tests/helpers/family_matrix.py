@@ -64,9 +64,10 @@ def hf_greedy(model_dir: str, ids: tuple[int, ...], max_new: int) -> list[int]:
     """HF ``generate`` greedy, exactly ``max_new`` tokens (EOS ignored, as the requests do)."""
     x = torch.tensor([list(ids)])
     with torch.no_grad():
-        out = _reference(model_dir).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                                             min_new_tokens=max_new, do_sample=False)
-    return out[0, x.shape[1]:].tolist()
+        out = _reference(model_dir).generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False
+        )
+    return out[0, x.shape[1] :].tolist()
 
 
 @dataclass
@@ -96,8 +97,9 @@ def run_scenario(model_dir: Path, scenario: str) -> ScenarioOutcome:
     torch.manual_seed(0)
     preemption = {"preempt_recompute": "recompute", "preempt_swap": "swap"}.get(scenario, "recompute")
     num_blocks = 32 // BLOCK_SIZE + 1 if scenario.startswith("preempt") else 48  # + 1: the scratch block
-    engine = make_engine(model_dir, num_blocks=num_blocks, block_size=BLOCK_SIZE, preemption=preemption,
-                         TGI_PAGED_OVERCOMMIT="4")
+    engine = make_engine(
+        model_dir, num_blocks=num_blocks, block_size=BLOCK_SIZE, preemption=preemption, TGI_PAGED_OVERCOMMIT="4"
+    )
     if scenario == "chunked_prefill":
         router_warmup(engine, 16)
     elif scenario.startswith("preempt"):
@@ -118,8 +120,11 @@ def run_scenario(model_dir: Path, scenario: str) -> ScenarioOutcome:
         raise ValueError(f"unknown scenario {scenario!r}: allowed {SCENARIOS}")
     driver.run(BatchSpec(id=0, requests=tuple(requests)))
     driver.assert_idle()
-    outcome = ScenarioOutcome(premise=True, reclaim_window=engine.kv.reclaim_window,
-                              num_reclaimed_blocks=engine.kv.stats().num_reclaimed_blocks_total)
+    outcome = ScenarioOutcome(
+        premise=True,
+        reclaim_window=engine.kv.reclaim_window,
+        num_reclaimed_blocks=engine.kv.stats().num_reclaimed_blocks_total,
+    )
     if scenario == "chunked_prefill":
         outcome.premise = len(prompt_ids(engine, requests[1].text)) > 2 * 16  # three forwards or more
     elif scenario.startswith("preempt"):
@@ -160,8 +165,9 @@ def run_family(family: Family, workdir: Path, scenarios: tuple[str, ...] = SCENA
     """Write ``family``'s tiny model under ``workdir``, then start it and run ``scenarios``."""
     start = time.perf_counter()
     if not is_available(family):
-        return FamilyResult(family, "-", refusal=f"missing: transformers {transformers.__version__} has no "
-                                                 f"{family.model_type!r}")
+        return FamilyResult(
+            family, "-", refusal=f"missing: transformers {transformers.__version__} has no {family.model_type!r}"
+        )
     config = family_config(family)
     result = FamilyResult(family, type(transformers.AutoModelForCausalLM.from_config(config)).__name__)
     model_dir = write_family_model(family, workdir / family.name)
@@ -190,8 +196,9 @@ def _tp_mark(outcome: TpOutcome | None) -> str:
     return _mark(outcome.exact)
 
 
-def render_markdown(results: list[FamilyResult], tp: dict[str, TpOutcome] | None = None,
-                    reclaim_table: str | None = None) -> str:
+def render_markdown(
+    results: list[FamilyResult], tp: dict[str, TpOutcome] | None = None, reclaim_table: str | None = None
+) -> str:
     """``docs/models.md``: one row per family, served or refused with the reason, then the
     sliding-window figure (``reclaim_table``, from :func:`long_run_table`) when given."""
     tp = tp or {}
@@ -221,15 +228,19 @@ def render_markdown(results: list[FamilyResult], tp: dict[str, TpOutcome] | None
         if r.refusal is not None:
             status = "refused" if not r.refusal.startswith("missing") else "missing"
             reason = r.refusal.replace("|", "\\|")
-            lines.append(f"| {r.family.name} | {r.architecture} | {status} | {status} | {status} | n/a | "
-                         f"{r.family.feature}. **{status.capitalize()} at start:** {reason} |")
+            lines.append(
+                f"| {r.family.name} | {r.architecture} | {status} | {status} | {status} | n/a | "
+                f"{r.family.feature}. **{status.capitalize()} at start:** {reason} |"
+            )
             continue
         single = all(r.exact.get(s, False) for s in ("single", "mixed_batch", "chunked_prefill"))
         preempt = all(r.exact.get(s, False) for s in ("preempt_recompute", "preempt_swap"))
         windowed = _reclaim_mark(r)
-        lines.append(f"| {r.family.name} | {r.architecture} | {_mark(single)} | {_mark(preempt)} | "
-                     f"{_tp_mark(tp.get(r.family.name))} | "
-                     f"{windowed} | {r.family.feature} |")
+        lines.append(
+            f"| {r.family.name} | {r.architecture} | {_mark(single)} | {_mark(preempt)} | "
+            f"{_tp_mark(tp.get(r.family.name))} | "
+            f"{windowed} | {r.family.feature} |"
+        )
     if reclaim_table is not None:
         lines += ["", *RECLAIM_SECTION, "", reclaim_table]
     return "\n".join(lines) + "\n"

@@ -38,8 +38,14 @@ def run_tp(families: list[Family], workdir: Path, timeout_s: float = 600) -> dic
     """Serve every family on two ranks in one spawn; compare with HF."""
     models = {f.name: write_family_model(f, workdir / f.name) for f in families}
     prompts = [np.random.default_rng(7).integers(4, 320, n).tolist() for n in (5, 19)]
-    result = run_tp_workers(list(models.values()), prompts, MAX_NEW, workdir / "tp_result.json",
-                            extra_args=["--allow-refusal"], timeout_s=timeout_s)
+    result = run_tp_workers(
+        list(models.values()),
+        prompts,
+        MAX_NEW,
+        workdir / "tp_result.json",
+        extra_args=["--allow-refusal"],
+        timeout_s=timeout_s,
+    )
     outcomes = {}
     for family in families:
         got = result[str(models[family.name])]

@@ -29,8 +29,7 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     def make(kind: str, seed: int = 0, **config_overrides: Any) -> Path:
         key = (kind, seed, tuple(sorted(config_overrides.items())))
         if key not in made:
-            made[key] = write_tiny_model(kind, tmp_path_factory.mktemp(f"tiny-{kind}"), seed=seed,
-                                         **config_overrides)
+            made[key] = write_tiny_model(kind, tmp_path_factory.mktemp(f"tiny-{kind}"), seed=seed, **config_overrides)
         return made[key]
 
     return make

@@ -39,8 +39,9 @@ class IntCheckpoint:
     g_idx: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def quantize_groups(weight: torch.Tensor, bits: int, g_idx: torch.Tensor, groups: int, sym: bool,
-                    scale_dtype: torch.dtype):
+def quantize_groups(
+    weight: torch.Tensor, bits: int, g_idx: torch.Tensor, groups: int, sym: bool, scale_dtype: torch.dtype
+):
     """Min-max quantization per (output channel, group): unsigned codes, zeros and scales (``scale_dtype``)."""
     w = weight.detach().float()
     maxq = (1 << bits) - 1
@@ -87,30 +88,77 @@ def _copy_dir(src: Path, dst: Path) -> None:
 
 def gptq_config(bits: int, group_size: int, desc_act: bool, sym: bool) -> dict:
     """The ``quantization_config`` GPTQModel writes into ``config.json`` (v1 ``gptq`` format)."""
-    return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
-            "damp_percent": 0.01, "true_sequential": True, "static_groups": False, "lm_head": False,
-            "checkpoint_format": "gptq", "meta": {"quantizer": ["tests.helpers.int_checkpoints"]}}
+    return {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group_size,
+        "desc_act": desc_act,
+        "sym": sym,
+        "damp_percent": 0.01,
+        "true_sequential": True,
+        "static_groups": False,
+        "lm_head": False,
+        "checkpoint_format": "gptq",
+        "meta": {"quantizer": ["tests.helpers.int_checkpoints"]},
+    }
 
 
 def awq_config(group_size: int) -> dict:
     """The ``quantization_config`` AutoAWQ writes for GEMM checkpoints."""
-    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
-            "modules_to_not_convert": None}
+    return {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
 
 
 def pack_quantized_config(bits: int, group_size: int | None, sym: bool) -> dict:
     """The ``quantization_config`` llm-compressor writes for W4A16 / W8A16 (``pack-quantized``)."""
-    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "channel" if group_size is None
-               else "group", "group_size": group_size, "dynamic": False, "actorder": None, "observer": "minmax",
-               "block_structure": None}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-            "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None,
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                          "output_activations": None, "format": "pack-quantized"}}}
+    weights = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": sym,
+        "strategy": "channel" if group_size is None else "group",
+        "group_size": group_size,
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+        "block_structure": None,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "global_compression_ratio": None,
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": "pack-quantized",
+            }
+        },
+    }
 
 
-def write_int_checkpoint(src: Path, dst: Path, fmt: str, *, bits: int = 4, group_size: int = 32, sym: bool = False,
-                         desc_act: bool = False, seed: int = 0) -> IntCheckpoint:
+def write_int_checkpoint(
+    src: Path,
+    dst: Path,
+    fmt: str,
+    *,
+    bits: int = 4,
+    group_size: int = 32,
+    sym: bool = False,
+    desc_act: bool = False,
+    seed: int = 0,
+) -> IntCheckpoint:
     """Copy ``src`` (a tiny model dir) to ``dst`` as a ``fmt`` (``gptq``, ``awq``, ``pack-quantized``) int
     checkpoint; ``group_size`` -1 is one group per channel (``channel`` strategy for pack-quantized)."""
     _copy_dir(src, dst)
@@ -122,8 +170,11 @@ def write_int_checkpoint(src: Path, dst: Path, fmt: str, *, bits: int = 4, group
         weight = tensors.pop(f"{name}.weight")
         n, k = weight.shape
         groups = 1 if group_size == -1 else k // group_size
-        g_idx = (torch.zeros(k, dtype=torch.int32) if group_size == -1
-                 else (torch.arange(k, dtype=torch.int32) // group_size).to(torch.int32))
+        g_idx = (
+            torch.zeros(k, dtype=torch.int32)
+            if group_size == -1
+            else (torch.arange(k, dtype=torch.int32) // group_size).to(torch.int32)
+        )
         if desc_act:  # act-order: column perm[i] is the i-th quantized, in group i // group_size
             perm = torch.randperm(k, generator=gen)
             g_idx = torch.empty(k, dtype=torch.int32)
@@ -152,8 +203,12 @@ def write_int_checkpoint(src: Path, dst: Path, fmt: str, *, bits: int = 4, group
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = (
-        gptq_config(bits, group_size, desc_act, sym) if fmt == "gptq" else awq_config(group_size) if fmt == "awq"
-        else pack_quantized_config(bits, None if group_size == -1 else group_size, sym))
+        gptq_config(bits, group_size, desc_act, sym)
+        if fmt == "gptq"
+        else awq_config(group_size)
+        if fmt == "awq"
+        else pack_quantized_config(bits, None if group_size == -1 else group_size, sym)
+    )
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return ckpt
 

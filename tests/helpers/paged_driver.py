@@ -35,7 +35,7 @@ class DriverRequest:
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[len(self.prompt):]
+        return self.tokens[len(self.prompt) :]
 
 
 class PagedDriver:
@@ -107,7 +107,7 @@ class PagedDriver:
             return any(not r.done for r in self.requests)
         chunks = []
         for request in active:
-            pending = request.tokens[request.num_computed:]
+            pending = request.tokens[request.num_computed :]
             if chunk_size is not None:
                 pending = pending[:chunk_size]
             needed = -(-(request.num_computed + len(pending)) // self.block_size)
@@ -130,8 +130,14 @@ class PagedDriver:
                 request.block_table = []
         return True
 
-    def run(self, max_new_tokens: int, *, chunk_size: int | None = None,
-            hook: Callable[[PagedDriver], None] | None = None, max_steps: int = 10_000) -> list[list[int]]:
+    def run(
+        self,
+        max_new_tokens: int,
+        *,
+        chunk_size: int | None = None,
+        hook: Callable[[PagedDriver], None] | None = None,
+        max_steps: int = 10_000,
+    ) -> list[list[int]]:
         """Step until every request is done; ``hook(driver)`` runs before each step."""
         for _ in range(max_steps):
             if hook is not None:
@@ -141,10 +147,17 @@ class PagedDriver:
         return [r.generated for r in self.requests]
 
 
-def greedy_paged(runner: ModelRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                 num_blocks: int = 128, seed: int = 0, chunk_size: int | None = None,
-                 arrival_steps: Sequence[int] | None = None,
-                 hook: Callable[[PagedDriver], None] | None = None) -> list[list[int]]:
+def greedy_paged(
+    runner: ModelRunner,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    num_blocks: int = 128,
+    seed: int = 0,
+    chunk_size: int | None = None,
+    arrival_steps: Sequence[int] | None = None,
+    hook: Callable[[PagedDriver], None] | None = None,
+) -> list[list[int]]:
     """Greedy generations of ``prompts`` through ``runner`` (see :class:`PagedDriver`)."""
     driver = PagedDriver(runner, num_blocks, seed)
     for i, prompt in enumerate(prompts):
@@ -152,8 +165,13 @@ def greedy_paged(runner: ModelRunner, prompts: Sequence[Sequence[int]], max_new_
     return driver.run(max_new_tokens, chunk_size=chunk_size, hook=hook)
 
 
-def greedy_hf(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-              eos_token_ids: Sequence[int], pad_token_id: int | None = None) -> list[list[int]]:
+def greedy_hf(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int | None = None,
+) -> list[list[int]]:
     """Reference: ``model.generate(do_sample=False)`` one prompt at a time (no padding involved)."""
     outputs = []
     for prompt in prompts:
@@ -168,12 +186,13 @@ def greedy_hf(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_
                 eos_token_id=list(eos_token_ids),
                 pad_token_id=pad_token_id if pad_token_id is not None else eos_token_ids[0],
             )
-        outputs.append(out[0, input_ids.shape[1]:].tolist())
+        outputs.append(out[0, input_ids.shape[1] :].tolist())
     return outputs
 
 
-def greedy_hf_full_recompute(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                             eos_token_ids: Sequence[int]) -> list[list[int]]:
+def greedy_hf_full_recompute(
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_ids: Sequence[int]
+) -> list[list[int]]:
     """Reference without any KV cache: a full forward over the whole sequence for every token.
 
     Independent of the HF cache classes (transformers 4.51's Gemma 2 ``HybridCache`` decodes
@@ -188,5 +207,5 @@ def greedy_hf_full_recompute(model: torch.nn.Module, prompts: Sequence[Sequence[
                 tokens.append(int(torch.argmax(logits)))
                 if tokens[-1] in eos_token_ids:
                     break
-        outputs.append(tokens[len(prompt):])
+        outputs.append(tokens[len(prompt) :])
     return outputs

@@ -46,16 +46,37 @@ def linear_names(model_dir: Path) -> list[str]:
 
 def quantization_config(strategy: str, dynamic_activations: bool = False) -> dict:
     """The ``quantization_config`` llm-compressor writes for FP8 (``FP8_DYNAMIC`` with activations)."""
-    acts = ({"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
-            if dynamic_activations else None)
+    acts = (
+        {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+        if dynamic_activations
+        else None
+    )
     return {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None,
-        "config_groups": {"group_0": {
-            "targets": ["Linear"], "input_activations": acts, "output_activations": None,
-            "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
-                        "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax"},
-        }},
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "global_compression_ratio": None,
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "input_activations": acts,
+                "output_activations": None,
+                "weights": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": strategy,
+                    "symmetric": True,
+                    "dynamic": False,
+                    "group_size": None,
+                    "block_structure": None,
+                    "actorder": None,
+                    "observer": "minmax",
+                },
+            }
+        },
     }
 
 

@@ -29,7 +29,7 @@ def hf_greedy(model_dir: Path, prompts: list[str], max_new: int) -> list[list[in
     for text in prompts:
         ids = tok(text, return_tensors="pt").input_ids
         gen = ref.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
-        out.append(gen[0, ids.shape[1]:].tolist())
+        out.append(gen[0, ids.shape[1] :].tolist())
     return out
 
 

@@ -57,8 +57,15 @@ _PER_KIND: dict[str, dict[str, Any]] = {
     "qwen2": dict(rope_theta=1000000.0, tie_word_embeddings=False),  # Qwen2: q/k/v biases
     "mistral": dict(sliding_window=24, rope_theta=10000.0, tie_word_embeddings=False),
     "phi3": dict(sliding_window=20, rope_theta=10000.0, tie_word_embeddings=False),
-    "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, attn_logit_softcapping=2.0,
-                   final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", rope_theta=10000.0),
+    "gemma2": dict(
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=8,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh",
+        rope_theta=10000.0,
+    ),
 }
 
 
@@ -85,13 +92,16 @@ def make_tiny_tokenizer(vocab_size: int = 320) -> transformers.PreTrainedTokeniz
     )
     tok.train_from_iterator(list(TINY_CORPUS), trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)])
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
+    )
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
 
 
-def write_tiny_model(kind: str, path: Path | str, *, seed: int = 0, vocab_size: int = 512,
-                     **config_overrides: Any) -> Path:
+def write_tiny_model(
+    kind: str, path: Path | str, *, seed: int = 0, vocab_size: int = 512, **config_overrides: Any
+) -> Path:
     """Write a tiny random ``kind`` model plus tokenizer to ``path`` (created) and return it.
 
     ``config_overrides`` go to the config (e.g. ``sliding_window=8``, ``num_hidden_layers=2``).
@@ -99,8 +109,9 @@ def write_tiny_model(kind: str, path: Path | str, *, seed: int = 0, vocab_size: 
     return write_model_from_config(tiny_config(kind, vocab_size=vocab_size, **config_overrides), path, seed=seed)
 
 
-def write_model_from_config(config: transformers.PretrainedConfig, path: Path | str, *, seed: int = 0,
-                            param_std: dict[str, float] | None = None) -> Path:
+def write_model_from_config(
+    config: transformers.PretrainedConfig, path: Path | str, *, seed: int = 0, param_std: dict[str, float] | None = None
+) -> Path:
     """Write a random causal LM of ``config`` plus the tiny tokenizer to ``path`` (created).
 
     Every weight is drawn from ``seed``: norm scales (and layernorm biases) ``1 + 0.1 N(0, 1)``, the rest
@@ -115,8 +126,9 @@ def write_model_from_config(config: transformers.PretrainedConfig, path: Path | 
         model = transformers.AutoModelForCausalLM.from_config(config)
         # Re-draw every weight from the seed: init order inside transformers is version dependent.
         generator = torch.Generator().manual_seed(seed)
-        norm_scales = {f"{module_name}.weight" for module_name, module in model.named_modules()
-                       if "Norm" in type(module).__name__}  # LayerNorms named ln_1, ln_f, ...
+        norm_scales = {
+            f"{module_name}.weight" for module_name, module in model.named_modules() if "Norm" in type(module).__name__
+        }  # LayerNorms named ln_1, ln_f, ...
         with torch.no_grad():
             for name, param in sorted(model.named_parameters()):
                 special = [s for suffix, s in (param_std or {}).items() if name.endswith(suffix)]
@@ -127,7 +139,8 @@ def write_model_from_config(config: transformers.PretrainedConfig, path: Path | 
                 else:
                     param.copy_(std * torch.randn(param.shape, generator=generator))
     model.generation_config = transformers.GenerationConfig(
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
+    )
     model.save_pretrained(path)
     make_tiny_tokenizer().save_pretrained(path)
     return path
@@ -136,5 +149,6 @@ def write_model_from_config(config: transformers.PretrainedConfig, path: Path | 
 def load_reference(path: Path | str, attn_implementation: str = "eager") -> Any:
     """Load ``path`` as a plain HF model (float32, CPU, eval) to compare against."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation=attn_implementation, local_files_only=True)
+        path, attn_implementation=attn_implementation, local_files_only=True
+    )
     return model.float().eval()

@@ -15,16 +15,46 @@ from tests.helpers.shard_driving import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_tp_workers(models: Sequence[Path | str], prompts: list[list[int]], max_new: int, out: Path, *,
-                   extra_args: Sequence[str] = (), timeout_s: float = 150) -> dict:
+def run_tp_workers(
+    models: Sequence[Path | str],
+    prompts: list[list[int]],
+    max_new: int,
+    out: Path,
+    *,
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 150,
+) -> dict:
     """Rank 0's JSON result (``{model: {"tokens", "sizes"} | {"refused"}}``); both ranks must exit 0."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed.tp_worker", "--rank", str(rank),
-                               "--world-size", "2", "--port", str(port), "--prompts", json.dumps(prompts),
-                               "--max-new", str(max_new), "--out", str(out), *extra_args, *map(str, models)],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-             for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.distributed.tp_worker",
+                "--rank",
+                str(rank),
+                "--world-size",
+                "2",
+                "--port",
+                str(port),
+                "--prompts",
+                json.dumps(prompts),
+                "--max-new",
+                str(max_new),
+                "--out",
+                str(out),
+                *extra_args,
+                *map(str, models),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for rank in range(2)
+    ]
     try:
         logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
     finally:

@@ -23,8 +23,11 @@ def route_to_triton(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     from tgi_paged_kernels.paged_prefill import _launch_paged_prefill
 
     calls: list[str] = []
-    for public, launch in (("store_kv", _launch_store_kv), ("paged_decode_attention", _launch_paged_decode),
-                           ("paged_prefill_attention", _launch_paged_prefill)):
+    for public, launch in (
+        ("store_kv", _launch_store_kv),
+        ("paged_decode_attention", _launch_paged_decode),
+        ("paged_prefill_attention", _launch_paged_prefill),
+    ):
         accepted = set(inspect.signature(launch).parameters)
 
         def run(*args, _launch=launch, _accepted=accepted, **kwargs):

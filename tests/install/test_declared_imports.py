@@ -30,12 +30,17 @@ SCOPES = {
     "tests": ("serve", "dev", "tgi-client"),
 }
 # Modules that files under a folder import in another environment than this one, and why.
-OTHER_ENVIRONMENTS = {"integration/peers/": ({"vllm"}, "runs with the vLLM peer venv's python (scripts/build_peer_venvs.sh)")}
+OTHER_ENVIRONMENTS = {
+    "integration/peers/": ({"vllm"}, "runs with the vLLM peer venv's python (scripts/build_peer_venvs.sh)")
+}
 # source text -> distributions it needs at run time without importing them by name.
 IMPLICIT = {"gguf_file=": ("gguf", "accelerate")}
 # Local module names: every .py file and folder of the checkout (tests import siblings and folders).
-LOCAL = {p.stem for p in ROOT.rglob("*")
-         if not any(part.startswith(".") for part in p.relative_to(ROOT).parts) and (p.is_dir() or p.suffix == ".py")}
+LOCAL = {
+    p.stem
+    for p in ROOT.rglob("*")
+    if not any(part.startswith(".") for part in p.relative_to(ROOT).parts) and (p.is_dir() or p.suffix == ".py")
+}
 
 
 def _optional_nodes(tree: ast.AST) -> set[int]:
@@ -82,8 +87,9 @@ def providing_distributions(module: str) -> set[str]:
         return {canonicalize_name(top)}
     if len(candidates) > 1 and rest:
         sub = f"{top}/{rest.split('.')[0]}"
-        narrowed = {d for d in candidates
-                    if any(str(f).startswith((sub + "/", sub + ".")) for f in distribution(d).files or [])}
+        narrowed = {
+            d for d in candidates if any(str(f).startswith((sub + "/", sub + ".")) for f in distribution(d).files or [])
+        }
         candidates = narrowed or candidates
     return candidates
 
@@ -97,8 +103,13 @@ def test_every_third_party_import_is_declared(scope: str) -> None:
     allowed = declared(*SCOPES[scope])
     undeclared = {}
     for path in _files(scope):
-        elsewhere = set().union(*(mods for folder, (mods, _) in OTHER_ENVIRONMENTS.items()
-                                  if str(path.relative_to(ROOT)).startswith(folder)))
+        elsewhere = set().union(
+            *(
+                mods
+                for folder, (mods, _) in OTHER_ENVIRONMENTS.items()
+                if str(path.relative_to(ROOT)).startswith(folder)
+            )
+        )
         for module in third_party_imports(path):
             if module.split(".")[0] in elsewhere:
                 continue

@@ -30,9 +30,25 @@ def test_installer_matches_wheel_tags_to_this_python() -> None:
 def test_cpu_mode_serves_token_identical_to_hf() -> None:
     bin_dir = os.path.dirname(sys.executable)  # text-generation-server, as the launcher finds it
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "integration.gpu_check", "--cpu", "--requests", "4",
-                           "--max-new-tokens", "8", "--budget-s", "150"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "integration.gpu_check",
+            "--cpu",
+            "--requests",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--budget-s",
+            "150",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "wave 1: 4/4 sequences identical to HF" in out and "wave 2: 4/4 sequences identical to HF" in out, out

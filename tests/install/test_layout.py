@@ -54,6 +54,5 @@ def test_transformers_imports_with_the_repository_root_first_on_sys_path(tmp_pat
     """What bit once: a root `kernels/` folder shadowed the PyPI `kernels` that transformers probes."""
     code = "import transformers; from transformers import LlamaConfig; LlamaConfig(); print('ok')"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

@@ -56,8 +56,11 @@ def _built_from_lock() -> bool:
     return _installed_version("torch") == pins["torch"]
 
 
-@pytest.mark.skipif(not _built_from_lock(), reason="this environment was not built by scripts/setup.sh "
-                    "(its torch is not the locked CPU build): CUDA users install open ranges")
+@pytest.mark.skipif(
+    not _built_from_lock(),
+    reason="this environment was not built by scripts/setup.sh "
+    "(its torch is not the locked CPU build): CUDA users install open ranges",
+)
 def test_environment_equals_the_lock_and_the_lock_is_closed() -> None:
     """Every locked package is installed at its pin, and each one's own requirements are locked."""
     pins = read_pins(LOCK)

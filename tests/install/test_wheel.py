@@ -49,15 +49,47 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dic
     """(wheel, venv, env) with the wheel installed into a fresh venv."""
     work = tmp_path_factory.mktemp("wheel")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-          "-w", str(work / "dist"), str(ROOT)], cwd=work, env=env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(work / "dist"),
+            str(ROOT),
+        ],
+        cwd=work,
+        env=env,
+    )
     wheel = next((work / "dist").glob("tgi_paged_backend-*.whl"))
     venv = work / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=work, env=env)
-    _run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-deps",
-          str(wheel)], cwd=work, env=env)
-    site = Path(_run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                     cwd=work, env=env).stdout.strip())
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "-q",
+            "--no-deps",
+            str(wheel),
+        ],
+        cwd=work,
+        env=env,
+    )
+    site = Path(
+        _run(
+            [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            cwd=work,
+            env=env,
+        ).stdout.strip()
+    )
     (site / "_dependencies_from_test_env.pth").write_text(sysconfig.get_path("purelib") + "\n")
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     return wheel, venv, env
@@ -74,9 +106,13 @@ def test_wheel_ships_only_the_package(installed) -> None:
             if name.endswith(".py"):
                 tree = ast.parse(archive.read(name))
                 for node in ast.walk(tree):
-                    mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
-                            else [])
+                    mods = (
+                        [a.name for a in node.names]
+                        if isinstance(node, ast.Import)
+                        else [node.module]
+                        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                        else []
+                    )
                     bad = {m.split(".")[0] for m in mods} & HARNESS
                     assert not bad, f"{name} imports {bad}"
 
@@ -88,10 +124,32 @@ def test_installed_wheel_runs_from_outside_the_checkout(installed, tmp_path: Pat
     assert count > 40  # every module of both packages, not an empty walk
     assert "serve" in _run([str(venv / "bin" / "text-generation-server"), "--help"], cwd=tmp_path, env=env).stdout
     assert "--gpu" in _run([str(venv / "bin" / "tgi-paged-backend"), "plan", "--help"], cwd=tmp_path, env=env).stdout
-    plan = _run([str(venv / "bin" / "tgi-paged-backend"), "plan", "--model", "smollm2-135m", "--gpu", "cpu",
-                 "--memory-gb", "1", "--requests", "20", "--overcommits", "2,6"], cwd=tmp_path, env=env).stdout
+    plan = _run(
+        [
+            str(venv / "bin" / "tgi-paged-backend"),
+            "plan",
+            "--model",
+            "smollm2-135m",
+            "--gpu",
+            "cpu",
+            "--memory-gb",
+            "1",
+            "--requests",
+            "20",
+            "--overcommits",
+            "2,6",
+        ],
+        cwd=tmp_path,
+        env=env,
+    ).stdout
     assert "TGI_PAGED_OVERCOMMIT=" in plan
     # The --backend wrapper: validates before it looks for the real launcher (none here).
-    wrapper = subprocess.run([str(venv / "bin" / "text-generation-launcher"), "--backend", "bogus"], cwd=tmp_path,
-                             env=env, capture_output=True, text=True, timeout=60)
+    wrapper = subprocess.run(
+        [str(venv / "bin" / "text-generation-launcher"), "--backend", "bogus"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert wrapper.returncode == 2 and "--backend" in wrapper.stderr, wrapper.stderr

@@ -126,8 +126,9 @@ def test_tg_overloaded_and_generation_errors(tg):
         assert result["r"].generated_text == "abc"
 
         s.shards[0].fail_next["Prefill"] = "CUDA out of memory (drill)"
-        with pytest.raises(tg.errors.GenerationError,
-                           match="Request failed during generation: Server error: CUDA out of memory"):
+        with pytest.raises(
+            tg.errors.GenerationError, match="Request failed during generation: Server error: CUDA out of memory"
+        ):
             client.generate("c", max_new_tokens=3)
 
 
@@ -152,8 +153,9 @@ def test_hub_text_generation(stack):
     assert [t.text for t in out.details.tokens] == ["a", "b", "c"]
     streamed = list(client.text_generation("hello", max_new_tokens=3, stream=True))
     assert streamed == ["a", "b", "c"]
-    detailed = list(client.text_generation("hello", max_new_tokens=3, stream=True, details=True,
-                                           return_full_text=False))
+    detailed = list(
+        client.text_generation("hello", max_new_tokens=3, stream=True, details=True, return_full_text=False)
+    )
     assert detailed[-1].generated_text == "abc" and detailed[-1].details.generated_tokens == 3
 
 
@@ -175,8 +177,15 @@ def test_hub_chat_completion(stack):
 
 def test_hub_chat_completion_stream(stack):
     client = InferenceClient(base_url=stack.base_url)
-    chunks = list(client.chat_completion([{"role": "user", "content": "hi"}], max_tokens=20, stream=True,
-                                         stream_options={"include_usage": True}, model="tgi"))
+    chunks = list(
+        client.chat_completion(
+            [{"role": "user", "content": "hi"}],
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+            model="tgi",
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "abcdef"  # the EOS token (special) streams as ""
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -186,8 +195,9 @@ def test_hub_chat_completion_stream(stack):
 
 def test_hub_chat_completion_logprobs(stack):
     client = InferenceClient(base_url=stack.base_url)
-    out = client.chat_completion([{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True, top_logprobs=1,
-                                 model="tgi")
+    out = client.chat_completion(
+        [{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True, top_logprobs=1, model="tgi"
+    )
     content = out.choices[0].logprobs.content
     assert [c.token for c in content] == ["a", "b"] and content[0].logprob == -0.5
 

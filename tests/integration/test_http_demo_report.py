@@ -14,8 +14,10 @@ from integration.serve_demo import (
 )
 
 WARMUP = "warmup: 24 physical blocks x 16 tokens = 368 tokens; advertising 1104 (overcommit 3.0)"
-PRESSURE = ("KV pool pressure: 3 preemption(s) in the last 0.2s (recompute=3), 120 tokens moved off the device; "
-            "7 since start (recompute=5, swap=2)")
+PRESSURE = (
+    "KV pool pressure: 3 preemption(s) in the last 0.2s (recompute=3), 120 tokens moved off the device; "
+    "7 since start (recompute=5, swap=2)"
+)
 METRICS = """# HELP tgi_paged_kv_blocks Physical KV blocks by state
 # TYPE tgi_paged_kv_blocks gauge
 tgi_paged_kv_blocks{state="free"} 3.0
@@ -45,10 +47,17 @@ def test_plain_log_lines_only():
 
 
 def test_json_summary_line():
-    summary = {"event": "kv_memory", "block_size": 16, "blocks_total": 23, "blocks_used_peak": 23,
-               "waste_slots": {"internal": 40, "reservation": 900, "external": 0},
-               "preemptions": {"recompute": 6, "swap": 0}, "tokens_computed": 900, "tokens_recomputed": 120,
-               "running_peak": 6}
+    summary = {
+        "event": "kv_memory",
+        "block_size": 16,
+        "blocks_total": 23,
+        "blocks_used_peak": 23,
+        "waste_slots": {"internal": 40, "reservation": 900, "external": 0},
+        "preemptions": {"recompute": 6, "swap": 0},
+        "tokens_computed": 900,
+        "tokens_recomputed": 120,
+        "running_peak": 6,
+    }
     report = fetch_shard_memory_report([WARMUP, "kv memory " + json.dumps(summary)])
     assert report.blocks_used_peak == 23 and report.tokens_recomputed == 120 and report.waste_unit == "slots"
     assert not report.missing
@@ -63,8 +72,15 @@ def test_metrics_poller_values():
     assert report.blocks_used_peak == 22 and report.running_peak == 6
     assert report.waste == {"internal": 0.1, "reservation": 0.5, "external": 0.0}
     assert report.preemptions == {"recompute": 4, "swap": 1} and report.tokens_recomputed == 210
-    text = format_report(report, requests=8, admitted_peak=8, prompt_lengths=[42] * 8, max_new_tokens=48,
-                         generated_tokens=384, elapsed_s=10.0)
+    text = format_report(
+        report,
+        requests=8,
+        admitted_peak=8,
+        prompt_lengths=[42] * 8,
+        max_new_tokens=48,
+        generated_tokens=384,
+        elapsed_s=10.0,
+    )
     assert "stock TGI worst-case reservation on the same pool: 4 (= 368 // (42 + 48))" in text
     assert "preemptions by mode: recompute=4, swap=1" in text
     assert "recompute tax: 210 tokens recomputed" in text

@@ -18,8 +18,11 @@ from integration.router_replay.grammar import grammar_regex, serde_json_text
 from tests.integration.test_http_protocol import call
 from tgi_paged_backend.server.pb import generate_pb2 as pb
 
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
-          "required": ["ok", "color"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
+    "required": ["ok", "color"],
+}
 REGEX = build_regex_from_schema(json.dumps(SCHEMA))
 
 
@@ -64,7 +67,8 @@ def test_validation_compiles_schemas_after_the_input_checks():
         from integration.router_replay.fake_shard import CharTokenizer
 
         return await Validator(CharTokenizer(), ValidationLimits(max_input_tokens=8, max_total_tokens=16)).validate(
-            "hello", params)
+            "hello", params
+        )
 
     assert asyncio.run(validate(GenerateParameters(max_new_tokens=2, grammar=SchemaGrammar(SCHEMA)))).grammar == REGEX
     bad = SchemaGrammar({"type": "foo", "properties": {}})
@@ -77,13 +81,16 @@ def test_validation_compiles_schemas_after_the_input_checks():
 # -- /generate ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("grammar", [
-    {"type": "json", "value": SCHEMA},
-    {"type": "json_object", "value": SCHEMA},
-    {"type": "json", "value": json.dumps(SCHEMA)},
-    {"type": "json_schema", "value": {"name": "answer", "strict": True, "schema": SCHEMA}},
-    {"type": "json_schema", "value": {"schema": SCHEMA}},
-])
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        {"type": "json", "value": SCHEMA},
+        {"type": "json_object", "value": SCHEMA},
+        {"type": "json", "value": json.dumps(SCHEMA)},
+        {"type": "json_schema", "value": {"name": "answer", "strict": True, "schema": SCHEMA}},
+        {"type": "json_schema", "value": {"schema": SCHEMA}},
+    ],
+)
 def test_generate_sends_the_compiled_regex(stack, grammar):
     status, _ = generate(stack, grammar)
     request = last_request(stack)
@@ -96,23 +103,34 @@ def test_regex_grammar_is_sent_as_is(stack):
     assert last_request(stack).parameters.grammar == "(yes|no)"
 
 
-@pytest.mark.parametrize("grammar, detail", [
-    ({"type": "json", "value": 3}, "grammar is not supported"),
-    ({"type": "json", "value": None}, "grammar is not supported"),
-    ({"type": "json", "value": "not json"}, "grammar is not valid: expected value at line 1 column 1"),
-    ({"type": "json", "value": '{"properties": {'},
-     "grammar is not valid: EOF while parsing an object at line 1 column 16"),
-    ({"type": "json", "value": "{} x"}, "grammar is not valid: trailing characters at line 1 column 4"),
-    ({"type": "json", "value": "[1]"}, 'grammar is not valid: [1] is not of types "boolean", "object"'),
-    ({"type": "json", "value": {"type": "foo", "properties": {}}},
-     "grammar is not valid: \"foo\" is not valid under any of the schemas listed in the 'anyOf' keyword"),
-    ({"type": "json", "value": {"properties": {"a": {"minLength": -1}}}},
-     "grammar is not valid: -1 is less than the minimum of 0"),
-    ({"type": "json", "value": {"properties": 3}}, 'grammar is not valid: 3 is not of type "object"'),
-    ({"type": "json", "value": {"type": "object"}}, "grammar is not valid: Grammar must have a 'properties' field"),
-    ({"type": "json_schema", "value": {"name": "x", "schema": {"type": "object"}}},
-     "grammar is not valid: Grammar must have a 'properties' field"),
-])
+@pytest.mark.parametrize(
+    "grammar, detail",
+    [
+        ({"type": "json", "value": 3}, "grammar is not supported"),
+        ({"type": "json", "value": None}, "grammar is not supported"),
+        ({"type": "json", "value": "not json"}, "grammar is not valid: expected value at line 1 column 1"),
+        (
+            {"type": "json", "value": '{"properties": {'},
+            "grammar is not valid: EOF while parsing an object at line 1 column 16",
+        ),
+        ({"type": "json", "value": "{} x"}, "grammar is not valid: trailing characters at line 1 column 4"),
+        ({"type": "json", "value": "[1]"}, 'grammar is not valid: [1] is not of types "boolean", "object"'),
+        (
+            {"type": "json", "value": {"type": "foo", "properties": {}}},
+            "grammar is not valid: \"foo\" is not valid under any of the schemas listed in the 'anyOf' keyword",
+        ),
+        (
+            {"type": "json", "value": {"properties": {"a": {"minLength": -1}}}},
+            "grammar is not valid: -1 is less than the minimum of 0",
+        ),
+        ({"type": "json", "value": {"properties": 3}}, 'grammar is not valid: 3 is not of type "object"'),
+        ({"type": "json", "value": {"type": "object"}}, "grammar is not valid: Grammar must have a 'properties' field"),
+        (
+            {"type": "json_schema", "value": {"name": "x", "schema": {"type": "object"}}},
+            "grammar is not valid: Grammar must have a 'properties' field",
+        ),
+    ],
+)
 def test_invalid_grammars_get_the_stock_422(stack, grammar, detail):
     status, payload = generate(stack, grammar)
     assert (status, json.loads(payload)) == (422, invalid(detail))
@@ -135,12 +153,25 @@ def test_grammar_error_comes_after_the_other_checks_and_streams_as_an_event(stac
     body = {"inputs": "hi", "parameters": {"max_new_tokens": 2, "grammar": bad}}
     status, _, stream = call(stack, "POST", "/generate_stream", body)
     assert status == 200
-    assert stream == b"data:" + json.dumps(invalid("grammar is not valid: Grammar must have a 'properties' field"),
-                                           separators=(",", ":")).encode() + b"\n\n"
+    assert (
+        stream
+        == b"data:"
+        + json.dumps(
+            invalid("grammar is not valid: Grammar must have a 'properties' field"), separators=(",", ":")
+        ).encode()
+        + b"\n\n"
+    )
 
 
-@pytest.mark.parametrize("grammar", [{"type": "json"}, {"type": "text", "value": "x"}, {"type": "regex", "value": {}},
-                                     {"type": "json_schema", "value": {"name": "x"}}])
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        {"type": "json"},
+        {"type": "text", "value": "x"},
+        {"type": "regex", "value": {}},
+        {"type": "json_schema", "value": {"name": "x"}},
+    ],
+)
 def test_malformed_grammar_bodies_are_422_plain_text(stack, grammar):
     status, headers, payload = call(stack, "POST", "/generate", {"inputs": "hi", "parameters": {"grammar": grammar}})
     assert status == 422 and payload.startswith(b"Failed to deserialize the JSON body into the target type: ")
@@ -170,13 +201,18 @@ def test_inference_client_text_generation_grammar(stack):
 def test_chat_response_format_forms(stack):
     client = InferenceClient(base_url=stack.base_url)
     messages = [{"role": "user", "content": "hi"}]
-    for response_format in ({"type": "json", "value": SCHEMA},
-                            {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}):
+    for response_format in (
+        {"type": "json", "value": SCHEMA},
+        {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
+    ):
         # the client turns OpenAI's json_schema form into TGI's {"type": "json_object", "value": schema}
         client.chat_completion(messages, max_tokens=2, response_format=response_format)
         assert last_request(stack).parameters.grammar == REGEX
-    body = {"messages": messages, "max_tokens": 2,
-            "response_format": {"type": "json_schema", "value": {"name": "a", "schema": SCHEMA}}}
+    body = {
+        "messages": messages,
+        "max_tokens": 2,
+        "response_format": {"type": "json_schema", "value": {"name": "a", "schema": SCHEMA}},
+    }
     assert call(stack, "POST", "/v1/chat/completions", body)[0] == 200
     assert last_request(stack).parameters.grammar == REGEX
 
@@ -192,5 +228,7 @@ def test_chat_response_format_errors(stack):
     assert first == {"error": {"message": expected["error"], "http_status_code": 422}}
     body = {"messages": messages, "tools": [], "response_format": {"type": "json", "value": SCHEMA}}
     status, _, payload = call(stack, "POST", "/v1/chat/completions", body)
-    assert (status, json.loads(payload)) == (422, {"error": "Tool error: Grammar and tools are mutually exclusive",
-                                                   "error_type": "tool_error"})
+    assert (status, json.loads(payload)) == (
+        422,
+        {"error": "Tool error: Grammar and tools are mutually exclusive", "error_type": "tool_error"},
+    )

@@ -20,8 +20,9 @@ def stack():
         yield s
 
 
-def call(stack, method: str, path: str, body=None, *, content_type: str | None = "application/json",
-         raw: bytes | None = None):
+def call(
+    stack, method: str, path: str, body=None, *, content_type: str | None = "application/json", raw: bytes | None = None
+):
     url = urlparse(stack.base_url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
     headers = {} if content_type is None else {"Content-Type": content_type}
@@ -44,8 +45,14 @@ def test_compat_is_a_list_and_generate_an_object(stack):
     assert status == 200 and body == b'{"generated_text":"ab"}'
     assert headers["x-generated-tokens"] == "2" and headers["x-prompt-tokens"] == "3"
     assert headers["x-compute-characters"] == "2" and headers["x-compute-type"] == "gpu+optimized"
-    for name in ("x-compute-time", "x-total-time", "x-validation-time", "x-queue-time", "x-inference-time",
-                 "x-time-per-token"):
+    for name in (
+        "x-compute-time",
+        "x-total-time",
+        "x-validation-time",
+        "x-queue-time",
+        "x-inference-time",
+        "x-time-per-token",
+    ):
         assert name in headers
 
 
@@ -63,8 +70,11 @@ def test_generate_stream_bytes(stack):
 
 
 def test_compat_stream_and_top_tokens(stack):
-    body = {"inputs": "hi", "stream": True, "parameters": {"max_new_tokens": 1, "top_n_tokens": 1,
-                                                           "return_full_text": False}}
+    body = {
+        "inputs": "hi",
+        "stream": True,
+        "parameters": {"max_new_tokens": 1, "top_n_tokens": 1, "return_full_text": False},
+    }
     status, _, payload = call(stack, "POST", "/", body)
     event = json.loads(payload.decode().removeprefix("data:"))
     assert status == 200 and list(event) == ["index", "token", "top_tokens", "generated_text", "details"]
@@ -72,28 +82,42 @@ def test_compat_stream_and_top_tokens(stack):
     assert event["generated_text"] == "a"
 
 
-@pytest.mark.parametrize("parameters, message", [
-    ({"best_of": 2}, "`best_of` != 1 is not supported when streaming tokens"),
-    ({"decoder_input_details": True}, "`decoder_input_details` == true is not supported when streaming tokens"),
-    ({"max_new_tokens": 5000}, "`inputs` tokens + `max_new_tokens` must be <= 1024. Given: 3 `inputs` tokens "
-                               "and 1024 `max_new_tokens`"),
-])
+@pytest.mark.parametrize(
+    "parameters, message",
+    [
+        ({"best_of": 2}, "`best_of` != 1 is not supported when streaming tokens"),
+        ({"decoder_input_details": True}, "`decoder_input_details` == true is not supported when streaming tokens"),
+        (
+            {"max_new_tokens": 5000},
+            "`inputs` tokens + `max_new_tokens` must be <= 1024. Given: 3 `inputs` tokens and 1024 `max_new_tokens`",
+        ),
+    ],
+)
 def test_stream_errors_are_200_with_one_event(stack, parameters, message):
     status, _, payload = call(stack, "POST", "/generate_stream", {"inputs": "hi", "parameters": parameters})
     assert status == 200
-    assert payload == b"data:" + json.dumps({"error": f"Input validation error: {message}",
-                                             "error_type": "validation"}, separators=(",", ":")).encode() + b"\n\n"
+    assert (
+        payload
+        == b"data:"
+        + json.dumps(
+            {"error": f"Input validation error: {message}", "error_type": "validation"}, separators=(",", ":")
+        ).encode()
+        + b"\n\n"
+    )
 
 
-@pytest.mark.parametrize("parameters, message", [
-    ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),
-    ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
-    ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
-    ({"top_p": 1.0}, "`top_p` must be > 0.0 and < 1.0"),
-    ({"temperature": 0}, "`temperature` must be strictly positive"),
-    ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
-    ({"truncate": 5000}, "`truncate` must be strictly positive and less than 1023. Given: 5000"),
-])
+@pytest.mark.parametrize(
+    "parameters, message",
+    [
+        ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),
+        ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
+        ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
+        ({"top_p": 1.0}, "`top_p` must be > 0.0 and < 1.0"),
+        ({"temperature": 0}, "`temperature` must be strictly positive"),
+        ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
+        ({"truncate": 5000}, "`truncate` must be strictly positive and less than 1023. Given: 5000"),
+    ],
+)
 def test_validation_errors(stack, parameters, message):
     status, _, body = call(stack, "POST", "/generate", {"inputs": "hi", "parameters": parameters})
     assert status == 422
@@ -130,8 +154,9 @@ def test_chat_stream_bytes_and_terminator(stack):
     assert events[0].startswith(b'data:{"object":"chat.completion.chunk","id":"","created":')
     assert events[-2:] == [b"data: [DONE]", b""]  # see integration/http_api/chat.py: space kept for huggingface_hub
     chunk = json.loads(events[0].removeprefix(b"data:"))
-    assert chunk["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": "a"}, "logprobs": None,
-                                 "finish_reason": "length"}]
+    assert chunk["choices"] == [
+        {"index": 0, "delta": {"role": "assistant", "content": "a"}, "logprobs": None, "finish_reason": "length"}
+    ]
     assert chunk["usage"] is None and chunk["model"] == "fake/model"
 
 
@@ -146,8 +171,11 @@ def test_chat_stream_error_is_openai_shaped(stack):
 
 
 def test_chat_continues_a_trailing_assistant_message(stack):
-    body = {"model": "tgi", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}],
-            "max_tokens": 1}
+    body = {
+        "model": "tgi",
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}],
+        "max_tokens": 1,
+    }
     status, _, _ = call(stack, "POST", "/v1/chat/completions", body)
     assert status == 200
     assert prefill_requests(stack)[-1].inputs == "<user>hi<assistant>Sure"
@@ -157,15 +185,19 @@ def test_chat_without_template_and_tools():
     with fake_http_stack(tokenizer=CharTokenizer()) as s:
         body = {"messages": [{"role": "user", "content": "hi"}]}
         status, _, payload = call(s, "POST", "/v1/chat/completions", body)
-        assert status == 422 and json.loads(payload) == {"error": "Template error: template not found",
-                                                         "error_type": "template_error"}
+        assert status == 422 and json.loads(payload) == {
+            "error": "Template error: template not found",
+            "error_type": "template_error",
+        }
         body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         status, _, payload = call(s, "POST", "/v1/chat/completions", body)  # stock: tools pass, then no template
         assert status == 422 and json.loads(payload)["error_type"] == "template_error"
         body["tool_choice"] = "g"
         status, _, payload = call(s, "POST", "/v1/chat/completions", body)  # ... unless the choice is unknown
-        assert status == 422 and json.loads(payload) == {"error": "Tool error: Tool with name g not found",
-                                                         "error_type": "tool_error"}
+        assert status == 422 and json.loads(payload) == {
+            "error": "Tool error: Tool with name g not found",
+            "error_type": "tool_error",
+        }
 
 
 def test_completions(stack):
@@ -188,13 +220,28 @@ def test_completions(stack):
 def test_info_models_health(stack):
     status, _, body = call(stack, "GET", "/info")
     info = json.loads(body)
-    assert list(info) == ["model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of",
-                          "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers",
-                          "max_client_batch_size", "router", "version", "sha", "docker_label"]
+    assert list(info) == [
+        "model_id",
+        "model_sha",
+        "model_pipeline_tag",
+        "max_concurrent_requests",
+        "max_best_of",
+        "max_stop_sequences",
+        "max_input_tokens",
+        "max_total_tokens",
+        "validation_workers",
+        "max_client_batch_size",
+        "router",
+        "version",
+        "sha",
+        "docker_label",
+    ]
     assert info["max_input_tokens"] == 1023 and info["router"] == "text-generation-router"
     status, _, body = call(stack, "GET", "/v1/models")
-    assert json.loads(body) == {"object": "list", "data": [{"id": "fake/model", "object": "model", "created": 0,
-                                                            "owned_by": "fake/model"}]}
+    assert json.loads(body) == {
+        "object": "list",
+        "data": [{"id": "fake/model", "object": "model", "created": 0, "owned_by": "fake/model"}],
+    }
     for path in ("/health", "/ping", "/"):
         assert call(stack, "GET", path)[::2] == (200, b"")
     assert "Health" in stack.shards[0].methods()
@@ -206,10 +253,18 @@ def test_metrics(stack):
     status, headers, body = call(stack, "GET", "/metrics")
     text = body.decode()
     assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
-    for series in ("tgi_request_count ", "tgi_request_success ", 'tgi_request_failure{err="validation"} ',
-                   "tgi_queue_size 0", "tgi_batch_current_size 0", "tgi_batch_max_total_tokens 4096",
-                   'tgi_batch_inference_count{method="prefill"} ', 'tgi_request_duration_bucket{le="+Inf"} ',
-                   "tgi_request_generated_tokens_count ", "tgi_request_input_length_sum "):
+    for series in (
+        "tgi_request_count ",
+        "tgi_request_success ",
+        'tgi_request_failure{err="validation"} ',
+        "tgi_queue_size 0",
+        "tgi_batch_current_size 0",
+        "tgi_batch_max_total_tokens 4096",
+        'tgi_batch_inference_count{method="prefill"} ',
+        'tgi_request_duration_bucket{le="+Inf"} ',
+        "tgi_request_generated_tokens_count ",
+        "tgi_request_input_length_sum ",
+    ):
         assert series in text, series
     assert "tgi_request_count_total" not in text and "_created" not in text  # stock exporter naming
 
@@ -227,8 +282,12 @@ def test_keep_alive_comment_while_the_shard_is_silent():
         s.set_gate("Decode", open=False)
         url = urlparse(s.base_url)
         conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
-        conn.request("POST", "/generate_stream", body=json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 2}}),
-                     headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/generate_stream",
+            body=json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 2}}),
+            headers={"Content-Type": "application/json"},
+        )
         response = conn.getresponse()
         buf = b""
         while b":\n\n" not in buf.split(b"\n\n", 1)[-1]:

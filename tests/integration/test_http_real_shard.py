@@ -16,8 +16,10 @@ from integration.http_api import HttpStack
 from integration.launcher_spawn import LaunchedShards, LauncherOptions
 from tests.helpers.tiny_models import write_tiny_model
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +33,9 @@ def stack(tmp_path_factory):
     tokenizer.chat_template = CHAT_TEMPLATE  # the tiny tokenizer has none
     tokenizer.save_pretrained(model)
     uds = tempfile.mkdtemp(prefix="h", dir="/tmp") + "/tgs"
-    opts = LauncherOptions(uds_path=uds, env={"TGI_PAGED_NUM_BLOCKS": "64", "PREFIX_CACHING": "0"},
-                           enable_prefill_logprobs=True)  # REQUEST_LOGPROBS=1: decoder_input_details works
+    opts = LauncherOptions(
+        uds_path=uds, env={"TGI_PAGED_NUM_BLOCKS": "64", "PREFIX_CACHING": "0"}, enable_prefill_logprobs=True
+    )  # REQUEST_LOGPROBS=1: decoder_input_details works
     with LaunchedShards(str(model), opts, ready_timeout=300) as shards:
         with HttpStack(uds, str(model), router_kwargs={"max_batch_prefill_tokens": 256}) as s:
             s.shards = shards
@@ -56,17 +59,25 @@ def test_text_generation_greedy_stream_and_stop(stack):
     first = client.text_generation("hello world", max_new_tokens=8, details=True, return_full_text=False)
     again = client.text_generation("hello world", max_new_tokens=8, details=True, return_full_text=False)
     assert first.generated_text == again.generated_text and first.details.generated_tokens >= 1
-    streamed = list(client.text_generation("hello world", max_new_tokens=8, stream=True, details=True,
-                                           return_full_text=False))
+    streamed = list(
+        client.text_generation("hello world", max_new_tokens=8, stream=True, details=True, return_full_text=False)
+    )
     assert [e.token.id for e in streamed] == [t.id for t in first.details.tokens]
     assert streamed[-1].generated_text == first.generated_text
     texts = [t.text for t in first.details.tokens]
-    index = next((i for i in range(1, len(texts)) if texts[i].strip() and texts[i].isprintable()
-                  and texts[i] not in "".join(texts[:i])), None)
+    index = next(
+        (
+            i
+            for i in range(1, len(texts))
+            if texts[i].strip() and texts[i].isprintable() and texts[i] not in "".join(texts[:i])
+        ),
+        None,
+    )
     if index is None:
         pytest.skip(f"no usable stop sequence in {texts!r}")
-    stopped = client.text_generation("hello world", max_new_tokens=8, details=True, return_full_text=False,
-                                     stop=[texts[index]])
+    stopped = client.text_generation(
+        "hello world", max_new_tokens=8, details=True, return_full_text=False, stop=[texts[index]]
+    )
     assert stopped.details.finish_reason == "stop_sequence"
     assert stopped.details.generated_tokens == index + 1
 
@@ -89,8 +100,10 @@ def test_disconnect_mid_stream_then_keep_serving(stack):
     def start(prompt: str) -> socket.socket:
         body = json.dumps({"inputs": prompt, "parameters": {"max_new_tokens": 60}}).encode()
         sock = socket.create_connection((url.hostname, url.port), timeout=60)
-        sock.sendall(b"POST /generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         return sock
 
     def read(sock: socket.socket, until: bytes) -> bytes:
@@ -113,39 +126,63 @@ def test_disconnect_mid_stream_then_keep_serving(stack):
     assert "FilterBatch" in methods or "ClearCache" in methods[4:], methods[-20:]
     assert stack.router.stats.requests_dropped >= 1
     client = InferenceClient(base_url=stack.base_url, timeout=120)
-    assert client.text_generation("still here", max_new_tokens=2, details=True,
-                                  return_full_text=False).details.generated_tokens >= 1
+    assert (
+        client.text_generation(
+            "still here", max_new_tokens=2, details=True, return_full_text=False
+        ).details.generated_tokens
+        >= 1
+    )
 
 
 def test_chat_completion_with_the_clients_default_model(stack):
     out = InferenceClient(base_url=stack.base_url, timeout=120).chat_completion(
-        [{"role": "user", "content": "hi"}], max_tokens=2)
+        [{"role": "user", "content": "hi"}], max_tokens=2
+    )
     assert out.usage.completion_tokens >= 1
 
 
 # A schema a random model finishes quickly: every value is an enum, a boolean or a bounded array.
-PICK = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
-                                         "tags": {"type": "array", "items": {"enum": ["a", "b"]},
-                                                  "minItems": 1, "maxItems": 3}},
-        "required": ["ok", "color", "tags"], "additionalProperties": False}
-LAMP = {"type": "object", "properties": {"on": {"type": "boolean"}, "room": {"enum": ["hall", "den"]}},
-        "required": ["on", "room"]}
+PICK = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["ok", "color", "tags"],
+    "additionalProperties": False,
+}
+LAMP = {
+    "type": "object",
+    "properties": {"on": {"type": "boolean"}, "room": {"enum": ["hall", "den"]}},
+    "required": ["on", "room"],
+}
 
 
 def test_json_schema_and_tools_with_the_official_clients(stack):
     """The clients' grammar parameters, unchanged: the stand-in compiles the schema (tool grammar
     included) to a regex, the shard decodes under it, and the answers validate against the schema."""
     client = InferenceClient(base_url=stack.base_url, timeout=300)
-    out = client.chat_completion([{"role": "user", "content": "pick a color"}], model="tgi", max_tokens=100,
-                                 temperature=0, response_format={"type": "json_schema",
-                                                                 "json_schema": {"name": "pick", "schema": PICK}})
+    out = client.chat_completion(
+        [{"role": "user", "content": "pick a color"}],
+        model="tgi",
+        max_tokens=100,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": PICK}},
+    )
     assert out.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(out.choices[0].message.content), PICK)
 
     tools = [{"type": "function", "function": {"name": "lamp", "description": "Switch the lamp", "parameters": LAMP}}]
     # tool_choice auto (the default): the lamp or no_tool; greedy, this tiny model calls the lamp
-    out = client.chat_completion([{"role": "user", "content": "turn on the lamp"}], model="tgi", max_tokens=100,
-                                 temperature=0, tools=tools, tool_prompt="Call a tool.")
+    out = client.chat_completion(
+        [{"role": "user", "content": "turn on the lamp"}],
+        model="tgi",
+        max_tokens=100,
+        temperature=0,
+        tools=tools,
+        tool_prompt="Call a tool.",
+    )
     [call] = out.choices[0].message.tool_calls
     assert out.choices[0].message.content is None
     assert (call.id, call.type, call.function.name) == ("0", "function", "lamp")
@@ -153,6 +190,7 @@ def test_json_schema_and_tools_with_the_official_clients(stack):
 
     tg = pytest.importorskip("text_generation")
     response = tg.Client(stack.base_url, timeout=300).generate(
-        "hello world", max_new_tokens=100, grammar=tg.types.Grammar(type=tg.types.GrammarType.Json, value=PICK))
+        "hello world", max_new_tokens=100, grammar=tg.types.Grammar(type=tg.types.GrammarType.Json, value=PICK)
+    )
     assert response.details.finish_reason == tg.types.FinishReason.EndOfSequenceToken
     jsonschema.validate(json.loads(response.generated_text), PICK)

@@ -30,8 +30,11 @@ def open_stream(base_url: str, path: str, body: dict) -> socket.socket:
     url = urlparse(base_url)
     sock = socket.create_connection((url.hostname, url.port), timeout=10)
     data = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
@@ -52,8 +55,12 @@ def test_client_disconnect_mid_stream_filters_the_batch():
         leaver = open_stream(s.base_url, "/generate_stream", {"inputs": "leave", "parameters": {"max_new_tokens": 200}})
         wait_for(lambda: "Prefill" in shard.methods())
         result = {}
-        stayer = threading.Thread(target=lambda: result.setdefault("text", InferenceClient(base_url=s.base_url)
-                                  .text_generation("stay", max_new_tokens=30, return_full_text=False)))
+        stayer = threading.Thread(
+            target=lambda: result.setdefault(
+                "text",
+                InferenceClient(base_url=s.base_url).text_generation("stay", max_new_tokens=30, return_full_text=False),
+            )
+        )
         stayer.start()
         wait_for(lambda: s.router.stats.requests_scheduled == 2)
         s.set_gate("Prefill", open=True)  # both get prefilled, then the Decode of both is held
@@ -73,8 +80,10 @@ def test_client_disconnect_mid_stream_filters_the_batch():
         leaver_id = next(r.id for r in prefilled if r.inputs == "leave")
         assert leaver_id not in kept
         # the shard keeps serving
-        assert InferenceClient(base_url=s.base_url).text_generation("again", max_new_tokens=2,
-                                                                    return_full_text=False) == "ab"
+        assert (
+            InferenceClient(base_url=s.base_url).text_generation("again", max_new_tokens=2, return_full_text=False)
+            == "ab"
+        )
 
 
 def test_client_disconnect_while_waiting_non_stream():
@@ -87,8 +96,9 @@ def test_client_disconnect_while_waiting_non_stream():
         s.set_gate("Decode", open=True)
         wait_for(lambda: s.router.stats.requests_dropped + s.router.stats.requests_finished >= 1)
         assert s.router.stats.requests_dropped == 1
-        assert InferenceClient(base_url=s.base_url).text_generation("x", max_new_tokens=1,
-                                                                    return_full_text=False) == "a"
+        assert (
+            InferenceClient(base_url=s.base_url).text_generation("x", max_new_tokens=1, return_full_text=False) == "a"
+        )
 
 
 def test_max_new_tokens_above_the_limit_is_422():
@@ -103,6 +113,7 @@ def test_max_new_tokens_above_the_limit_is_422():
 
 def test_100_concurrent_streams_complete():
     with fake_http_stack(FakeShardConfig(max_supported_total_tokens=16384)) as s:
+
         async def one(client: AsyncInferenceClient, i: int) -> str:
             tokens = [t async for t in await client.text_generation(f"req {i}", max_new_tokens=12, stream=True)]
             return "".join(tokens)

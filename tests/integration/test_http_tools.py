@@ -20,14 +20,23 @@ from integration.router_replay.fake_shard import FakeShardConfig
 from tests.integration.scripted_answers import ScriptedAnswers
 from tests.integration.test_http_protocol import call
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-                   "required": ["city"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 CLOCK = {"type": "function", "function": {"name": "clock", "arguments": {"type": "object"}}}
 TOOLS = [WEATHER, CLOCK]
 MESSAGES = [{"role": "user", "content": "hi"}]
-CALL_PIECES = ['{"function": {"_name": "get_weather",', ' "city": "Paris', '", "unit": "c"', '}}']
+CALL_PIECES = ['{"function": {"_name": "get_weather",', ' "city": "Paris', '", "unit": "c"', "}}"]
 CALL_ARGUMENTS = '{"city":"Paris","unit":"c"}'
 
 
@@ -71,17 +80,39 @@ def test_tool_schema_is_the_stock_one():
     schema = tool_schema(chosen_tools(tools, None))
     assert schema == {
         "$functions": {
-            "get_weather": {"description": "Get the weather", "additionalProperties": False,
-                            "properties": {"_name": {"type": "string", "const": "get_weather"},
-                                           "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-                            "required": ["_name", "city"]},
-            "clock": {"description": "", "additionalProperties": False,
-                      "properties": {"_name": {"type": "string", "const": "clock"}}, "required": ["_name"]},
-            "no_tool": {"description": "Open ended response with no specific tool selected",
-                        "additionalProperties": False,
-                        "properties": {"_name": {"type": "string", "const": "no_tool"}}, "required": ["_name"]}},
-        "properties": {"function": {"anyOf": [{"$ref": "#/$functions/get_weather"}, {"$ref": "#/$functions/clock"},
-                                              {"$ref": "#/$functions/no_tool"}]}}}
+            "get_weather": {
+                "description": "Get the weather",
+                "additionalProperties": False,
+                "properties": {
+                    "_name": {"type": "string", "const": "get_weather"},
+                    "city": {"type": "string"},
+                    "unit": {"enum": ["c", "f"]},
+                },
+                "required": ["_name", "city"],
+            },
+            "clock": {
+                "description": "",
+                "additionalProperties": False,
+                "properties": {"_name": {"type": "string", "const": "clock"}},
+                "required": ["_name"],
+            },
+            "no_tool": {
+                "description": "Open ended response with no specific tool selected",
+                "additionalProperties": False,
+                "properties": {"_name": {"type": "string", "const": "no_tool"}},
+                "required": ["_name"],
+            },
+        },
+        "properties": {
+            "function": {
+                "anyOf": [
+                    {"$ref": "#/$functions/get_weather"},
+                    {"$ref": "#/$functions/clock"},
+                    {"$ref": "#/$functions/no_tool"},
+                ]
+            }
+        },
+    }
     regex = build_regex_from_schema(json.dumps(schema))
     assert re.fullmatch(regex, '{"function": {"_name": "get_weather", "city": "Paris", "unit": "c"}}')
     assert re.fullmatch(regex, '{"function": {"_name": "no_tool"}}')
@@ -95,8 +126,12 @@ def test_tool_choice_selects_the_tools():
     assert names(chosen_tools(tools, "required")) == ["get_weather", "clock"]
     assert names(chosen_tools(tools, "clock")) == ["clock"]
     assert chosen_tools(tools, "none") is None and chosen_tools([], "required") is None
-    quirky = Tool.model_validate({"type": "function", "function": {"name": "t", "parameters": {
-        "properties": {}, "additionalProperties": "true"}}})  # stock reads the flag as the *string* "true"
+    quirky = Tool.model_validate(
+        {
+            "type": "function",
+            "function": {"name": "t", "parameters": {"properties": {}, "additionalProperties": "true"}},
+        }
+    )  # stock reads the flag as the *string* "true"
     assert tool_schema([quirky])["$functions"]["t"]["additionalProperties"] is True
 
 
@@ -139,11 +174,17 @@ def test_template_that_reads_tools_gets_them_and_only_the_prompt():
     assert seen["tools"] == [tools[0].stock_json()]
 
 
-@pytest.mark.parametrize("body, error", [
-    ({"tool_choice": "nope"}, "Tool error: Tool with name nope not found"),
-    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "Tool error: Tool with name nope not found"),
-    ({"response_format": {"type": "regex", "value": "a"}}, "Tool error: Grammar and tools are mutually exclusive"),
-])
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        ({"tool_choice": "nope"}, "Tool error: Tool with name nope not found"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "Tool error: Tool with name nope not found",
+        ),
+        ({"response_format": {"type": "regex", "value": "a"}}, "Tool error: Grammar and tools are mutually exclusive"),
+    ],
+)
 def test_tool_errors_are_422(stack, body, error):
     status, out = chat(stack, tools=TOOLS, **body)
     assert (status, out) == (422, {"error": error, "error_type": "tool_error"})
@@ -162,9 +203,16 @@ def test_tool_call_answer(stack, script):
     script(CALL_PIECES)
     status, out = chat(stack, tools=TOOLS, max_tokens=20)
     assert status == 200
-    assert out["choices"][0]["message"] == {"role": "assistant", "tool_calls": [
-        {"id": "0", "type": "function",
-         "function": {"description": None, "name": "get_weather", "arguments": CALL_ARGUMENTS}}]}
+    assert out["choices"][0]["message"] == {
+        "role": "assistant",
+        "tool_calls": [
+            {
+                "id": "0",
+                "type": "function",
+                "function": {"description": None, "name": "get_weather", "arguments": CALL_ARGUMENTS},
+            }
+        ],
+    }
     assert out["choices"][0]["finish_reason"] == "stop"
     assert out["usage"]["completion_tokens"] == len(CALL_PIECES) + 1
 
@@ -177,8 +225,11 @@ def test_no_tool_asks_again_without_tools(stack, script):
     assert retry.inputs == "<user>hi<assistant>" and retry.parameters.grammar == ""
     assert out["choices"][0]["message"] == {"role": "assistant", "content": "abcde"}
     # stock: the retry's text and prompt length, the first answer's finish reason and token count
-    assert out["usage"] == {"prompt_tokens": len(retry.inputs), "completion_tokens": 3,
-                            "total_tokens": len(retry.inputs) + 3}
+    assert out["usage"] == {
+        "prompt_tokens": len(retry.inputs),
+        "completion_tokens": 3,
+        "total_tokens": len(retry.inputs) + 3,
+    }
     assert out["choices"][0]["finish_reason"] == "stop"
 
 
@@ -188,8 +239,9 @@ def test_unparsable_answer_is_a_tool_error(stack, script):
     text = "".join(CALL_PIECES[:2])
     quoted = '"' + text.replace('"', '\\"') + '"'  # Rust's {:?}
     assert (status, out["error_type"]) == (422, "tool_error")
-    assert out["error"] == ("Tool error: Failed to parse generated text: EOF while parsing a string at line 1 "
-                            f"column {len(text)} {quoted}")
+    assert out["error"] == (
+        f"Tool error: Failed to parse generated text: EOF while parsing a string at line 1 column {len(text)} {quoted}"
+    )
     with pytest.raises(Exception, match=r"missing field `function` at line 1 column 2 \"\{\}\""):
         parse_output("{}")
 
@@ -201,7 +253,11 @@ def test_streamed_tool_call(stack, script):
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
     calls = [d["tool_calls"][0] for d in deltas]
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-        ("get_weather", "{"), (None, ' "city": "Paris'), (None, '", "unit": "c"'), (None, "}")]
+        ("get_weather", "{"),
+        (None, ' "city": "Paris'),
+        (None, '", "unit": "c"'),
+        (None, "}"),
+    ]
     assert all(c["id"] == "0" and c["index"] == 0 and c["type"] == "function" for c in calls)
     assert json.loads("".join(c["function"]["arguments"] for c in calls)) == json.loads(CALL_ARGUMENTS)
     # the final EOS token is swallowed with its finish_reason (stock); the usage chunk still comes
@@ -226,10 +282,16 @@ def test_stream_state_machine_and_call_ids():
     assert stream.push("}}  ") == ("}", None)  # whole call: trailing whitespace and one brace cut
     assert stream.push("</s>") is None  # buffering again: the end of the stream is swallowed
     assert ToolCallStream().push('{"function": {"_name": "no_tool"') is NO_TOOL
-    history = [ChatMessage.model_validate(m) for m in (
-        {"role": "assistant", "tool_calls": [{"id": "4", "type": "function",
-                                              "function": {"name": "clock", "arguments": "{}"}}]},
-        {"role": "tool", "content": "12:00"})]
+    history = [
+        ChatMessage.model_validate(m)
+        for m in (
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "4", "type": "function", "function": {"name": "clock", "arguments": "{}"}}],
+            },
+            {"role": "tool", "content": "12:00"},
+        )
+    ]
     assert next_tool_call_id([]) == "0" and next_tool_call_id(history) == "5"
     history[0].tool_calls[0].id = "call_x"
     assert re.fullmatch(r"[0-9a-f-]{36}", next_tool_call_id(history))
@@ -237,16 +299,24 @@ def test_stream_state_machine_and_call_ids():
 
 def test_tool_call_history_is_rendered_as_stock_json(stack, script):
     script(CALL_PIECES)
-    messages = [*MESSAGES, {"role": "assistant", "tool_calls": [
-        {"id": "0", "type": "function", "function": {"name": "clock", "arguments": "{}"}}]},
-        {"role": "tool", "content": "12:00"}]
+    messages = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "0", "type": "function", "function": {"name": "clock", "arguments": "{}"}}],
+        },
+        {"role": "tool", "content": "12:00"},
+    ]
     status, payload = chat(stack, messages=messages, tools=TOOLS, max_tokens=20, stream=True)
     inputs = prefills(stack)[-1].inputs
-    assert inputs.startswith('<user>hi<assistant>[{"id":"0","type":"function","function":'
-                             '{"description":null,"name":"clock","arguments":"\\"{}\\""}}]<tool>12:00\n---\n')
+    assert inputs.startswith(
+        '<user>hi<assistant>[{"id":"0","type":"function","function":'
+        '{"description":null,"name":"clock","arguments":"\\"{}\\""}}]<tool>12:00\n---\n'
+    )
     assert sse_events(payload)[0]["choices"][0]["delta"]["tool_calls"][0]["id"] == "1"
-    status, _, payload = call(stack, "POST", "/v1/chat/completions",
-                              {"messages": [{"role": "assistant", "content": None}]})
+    status, _, payload = call(
+        stack, "POST", "/v1/chat/completions", {"messages": [{"role": "assistant", "content": None}]}
+    )
     assert status == 422  # neither content nor tool_calls
 
 
@@ -260,7 +330,10 @@ def test_inference_client_tools(stack, script):
     [tool_call] = out.choices[0].message.tool_calls
     assert out.choices[0].message.content is None
     assert (tool_call.id, tool_call.function.name, json.loads(tool_call.function.arguments)) == (
-        "0", "get_weather", {"city": "Paris", "unit": "c"})
+        "0",
+        "get_weather",
+        {"city": "Paris", "unit": "c"},
+    )
     chunks = list(client.chat_completion(MESSAGES, tools=TOOLS, max_tokens=20, stream=True))
     name = "".join(c.choices[0].delta.tool_calls[0].function.name or "" for c in chunks)
     arguments = "".join(c.choices[0].delta.tool_calls[0].function.arguments for c in chunks)

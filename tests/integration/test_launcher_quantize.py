@@ -19,8 +19,9 @@ from tgi_paged_backend.runner.quant.methods import SUPPORTED_QUANTIZE
 
 @pytest.mark.parametrize("method", QUANTIZATIONS)
 def test_quant_method_becomes_the_flag_and_only_served_ones_pass(tmp_path, method):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama",
-                                                      "quantization_config": {"quant_method": method}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "quantization_config": {"quant_method": method}})
+    )
     quantize = effective_quantize(str(tmp_path), LauncherOptions())
     assert quantize == method
     argv = serve_argv(str(tmp_path), LauncherOptions(), quantize)
@@ -29,8 +30,11 @@ def test_quant_method_becomes_the_flag_and_only_served_ones_pass(tmp_path, metho
     if method in SUPPORTED_QUANTIZE:
         _check_supported(config)
     else:
-        with pytest.raises(ConfigError, match=f"--quantize {method} is not supported by tgi-paged-backend: "
-                                              "supported fp8, compressed-tensors, gptq, awq"):
+        with pytest.raises(
+            ConfigError,
+            match=f"--quantize {method} is not supported by tgi-paged-backend: "
+            "supported fp8, compressed-tensors, gptq, awq",
+        ):
             _check_supported(config)
 
 

@@ -25,7 +25,7 @@ from integration.launcher_spawn import (
     rust_f32,
 )
 
-STUB = r'''#!{python}
+STUB = r"""#!{python}
 import json, os, signal, socket, stat, sys, time
 
 env = dict(os.environ)
@@ -67,7 +67,7 @@ server.listen(1)
 log("ready", "SUCCESS")
 while True:
     time.sleep(0.05)
-'''
+"""
 
 
 @pytest.fixture()

@@ -69,13 +69,22 @@ class Setup:
             script.write_text(text)
             script.chmod(0o755)
         # A controlled environment (no locale variables: the C locale, where Python coerces LC_CTYPE).
-        self.env = {"PATH": os.pathsep.join([str(self.wrapper_bin), str(self.real_bin), "/usr/bin", "/bin"]),
-                    "PYTHONPATH": str(ROOT), "STANDIN_RECORD": str(self.record), "HF_TOKEN": "hf_x y=z",
-                    "LOG_LEVEL": "info"}
+        self.env = {
+            "PATH": os.pathsep.join([str(self.wrapper_bin), str(self.real_bin), "/usr/bin", "/bin"]),
+            "PYTHONPATH": str(ROOT),
+            "STANDIN_RECORD": str(self.record),
+            "HF_TOKEN": "hf_x y=z",
+            "LOG_LEVEL": "info",
+        }
 
     def run(self, *args: str, **env: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(self.wrapper_bin / "text-generation-launcher"), *args],
-                              env={**self.env, **env}, capture_output=True, text=True, timeout=30)
+        return subprocess.run(
+            [str(self.wrapper_bin / "text-generation-launcher"), *args],
+            env={**self.env, **env},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
 
     def records(self) -> list[dict]:
         if not self.record.exists():
@@ -92,8 +101,15 @@ def setup(tmp_path: Path) -> Setup:
     return Setup(tmp_path)
 
 
-LAUNCH_ARGS = ["--model-id", "HuggingFaceTB/SmolLM2-135M-Instruct", "--num-shard", "1",
-               "--otlp-service-name", "a name with spaces", "--max-total-tokens=4096"]
+LAUNCH_ARGS = [
+    "--model-id",
+    "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "--num-shard",
+    "1",
+    "--otlp-service-name",
+    "a name with spaces",
+    "--max-total-tokens=4096",
+]
 
 
 @pytest.mark.parametrize("flag", [["--backend", "paged"], ["--backend=paged"]], ids=["space", "equals"])
@@ -112,8 +128,15 @@ def test_flag_wins_over_tgi_backend(setup: Setup) -> None:
     assert setup.launched()["env"]["TGI_BACKEND"] == "stock"
 
 
-@pytest.mark.parametrize(("env", "exported"), [({}, "paged"), ({"TGI_BACKEND": "stock"}, "stock"),
-                                               ({"TGI_BACKEND": " Stock "}, "stock"), ({"TGI_BACKEND": ""}, "paged")])
+@pytest.mark.parametrize(
+    ("env", "exported"),
+    [
+        ({}, "paged"),
+        ({"TGI_BACKEND": "stock"}, "stock"),
+        ({"TGI_BACKEND": " Stock "}, "stock"),
+        ({"TGI_BACKEND": ""}, "paged"),
+    ],
+)
 def test_without_the_flag_tgi_backend_decides(setup: Setup, env, exported) -> None:
     result = setup.run(*LAUNCH_ARGS, **env)
     assert result.returncode == 0, result.stderr
@@ -121,13 +144,16 @@ def test_without_the_flag_tgi_backend_decides(setup: Setup, env, exported) -> No
     assert setup.launched()["env"]["TGI_BACKEND"] == exported
 
 
-@pytest.mark.parametrize(("args", "env", "named"), [
-    (["--backend", "vllm"], {}, "--backend='vllm' is invalid: allowed paged or stock"),
-    (["--backend="], {}, "--backend='' is invalid: allowed paged or stock"),
-    (["--backend"], {}, "--backend needs a value: allowed paged or stock"),
-    (["--backend", "paged", "--backend=stock"], {}, "--backend was given more than once: allowed once"),
-    ([], {"TGI_BACKEND": "fast"}, "TGI_BACKEND='fast' is invalid: allowed paged or stock"),
-])
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        (["--backend", "vllm"], {}, "--backend='vllm' is invalid: allowed paged or stock"),
+        (["--backend="], {}, "--backend='' is invalid: allowed paged or stock"),
+        (["--backend"], {}, "--backend needs a value: allowed paged or stock"),
+        (["--backend", "paged", "--backend=stock"], {}, "--backend was given more than once: allowed once"),
+        ([], {"TGI_BACKEND": "fast"}, "TGI_BACKEND='fast' is invalid: allowed paged or stock"),
+    ],
+)
 def test_bad_choice_exits_2_with_one_clear_line_and_never_launches(setup: Setup, args, env, named) -> None:
     result = setup.run(*LAUNCH_ARGS, *args, **env)
     assert result.returncode == 2
@@ -147,9 +173,13 @@ def test_exit_code_is_the_launchers(setup: Setup, code: int) -> None:
 
 def test_launcher_replaces_the_wrapper_and_gets_its_signals(setup: Setup) -> None:
     """exec, not a child: same pid, so SIGTERM from docker reaches the launcher, whose exit code is the result."""
-    proc = subprocess.Popen([str(setup.wrapper_bin / "text-generation-launcher"), "--backend", "stock",
-                             *LAUNCH_ARGS], env={**setup.env, "STANDIN_WAIT": "1", "STANDIN_EXIT_ON_SIGNAL": "7"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(setup.wrapper_bin / "text-generation-launcher"), "--backend", "stock", *LAUNCH_ARGS],
+        env={**setup.env, "STANDIN_WAIT": "1", "STANDIN_EXIT_ON_SIGNAL": "7"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 20
         while not any("argv" in r for r in setup.records()):

@@ -174,9 +174,7 @@ def test_missing_generation_is_tolerated():
 def test_leg_cap_continues_under_a_new_request_id():
     async def body():
         async with fake_shards(FakeShardConfig(max_supported_total_tokens=8192)) as (shard,):
-            router = await Router.connect(
-                shard.uds_base_path, CharTokenizer(), **LEG_LIMITS
-            )
+            router = await Router.connect(shard.uds_base_path, CharTokenizer(), **LEG_LIMITS)
             prompt = "p" * 9  # 10 tokens with BOS; no max_new_tokens -> 1090 in total
             stream = await router.generate(prompt, GenerateParameters())
             events = await stream.collect()
@@ -199,9 +197,7 @@ def test_leg_cap_continues_under_a_new_request_id():
 def test_leg_revalidation_failure_returns_accumulated_result():
     async def body():
         async with fake_shards(FakeShardConfig(max_supported_total_tokens=8192)) as (shard,):
-            router = await Router.connect(
-                shard.uds_base_path, CharTokenizer(), **LEG_LIMITS
-            )
+            router = await Router.connect(shard.uds_base_path, CharTokenizer(), **LEG_LIMITS)
             stream = await router.generate("q" * 9, GenerateParameters(max_new_tokens=1100))
             final = (await stream.collect())[-1]
             assert final.generated_tokens == 1024 and len(stream.request_ids) == 1

@@ -38,17 +38,25 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_launcher_spawn_router_replay_greedy_with_preemption(tiny_llama: Path, tmp_path: Path,
-                                                            preemption: str) -> None:
+def test_launcher_spawn_router_replay_greedy_with_preemption(tiny_llama: Path, tmp_path: Path, preemption: str) -> None:
     # 4x overload: 9 blocks x 8 tokens = 64 usable physical tokens (block 0 is scratch) for eight
     # requests of ~45 tokens each (~360 tokens); the router's virtual pool is 4 x 64.
     metrics_port = free_port()
     opts = LauncherOptions(
-        uds_path=str(tmp_path / "shard"), log_level="INFO",
-        env={"TGI_PAGED_NUM_BLOCKS": "9", "TGI_PAGED_BLOCK_SIZE": "8", "TGI_PAGED_OVERCOMMIT": "4",
-             "TGI_PAGED_PREEMPTION": preemption, "TGI_PAGED_SWAP_SPACE_GB": "0.01", "PREFIX_CACHING": "0",
-             "TGI_PAGED_METRICS_PORT": str(metrics_port)},
-        max_input_tokens=32, max_total_tokens=64)
+        uds_path=str(tmp_path / "shard"),
+        log_level="INFO",
+        env={
+            "TGI_PAGED_NUM_BLOCKS": "9",
+            "TGI_PAGED_BLOCK_SIZE": "8",
+            "TGI_PAGED_OVERCOMMIT": "4",
+            "TGI_PAGED_PREEMPTION": preemption,
+            "TGI_PAGED_SWAP_SPACE_GB": "0.01",
+            "PREFIX_CACHING": "0",
+            "TGI_PAGED_METRICS_PORT": str(metrics_port),
+        },
+        max_input_tokens=32,
+        max_total_tokens=64,
+    )
 
     async def scenario() -> tuple[list[list[int]], dict]:
         router = await Router.connect(opts.uds_path, str(tiny_llama), max_batch_prefill_tokens=64)

@@ -20,19 +20,32 @@ from tests.helpers.tiny_models import write_tiny_model
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model_runner import ModelRunner
 
-PROMPTS = ["hello world this is a test", "the quick brown fox jumps over the lazy dog",
-           "one two three four five six seven", "paged attention splits the cache into blocks"]
+PROMPTS = [
+    "hello world this is a test",
+    "the quick brown fox jumps over the lazy dog",
+    "one two three four five six seven",
+    "paged attention splits the cache into blocks",
+]
 MAX_NEW = 24
 
 
 def test_launcher_derived_compressed_tensors_serves_token_exact(tmp_path: Path) -> None:
     src = write_tiny_model("llama", tmp_path / "src", seed=3)
     ckpt = write_compressed_fp8(src, tmp_path / "ckpt", "channel")
-    opts = LauncherOptions(uds_path=str(tmp_path / "shard"), log_level="INFO",
-                           env={"TGI_PAGED_NUM_BLOCKS": "9", "TGI_PAGED_BLOCK_SIZE": "8", "TGI_PAGED_OVERCOMMIT": "4",
-                                "TGI_PAGED_PREEMPTION": "recompute", "PREFIX_CACHING": "0",
-                                "TGI_PAGED_METRICS_PORT": str(metrics_port := free_port())},
-                           max_input_tokens=32, max_total_tokens=64)
+    opts = LauncherOptions(
+        uds_path=str(tmp_path / "shard"),
+        log_level="INFO",
+        env={
+            "TGI_PAGED_NUM_BLOCKS": "9",
+            "TGI_PAGED_BLOCK_SIZE": "8",
+            "TGI_PAGED_OVERCOMMIT": "4",
+            "TGI_PAGED_PREEMPTION": "recompute",
+            "PREFIX_CACHING": "0",
+            "TGI_PAGED_METRICS_PORT": str(metrics_port := free_port()),
+        },
+        max_input_tokens=32,
+        max_total_tokens=64,
+    )
     assert opts.quantize is None and effective_quantize(str(ckpt), opts) == "compressed-tensors"
 
     async def scenario() -> list[list[int]]:
@@ -48,13 +61,15 @@ def test_launcher_derived_compressed_tensors_serves_token_exact(tmp_path: Path) 
         shards.terminate()
         assert shards.exit_codes == {0: 0}, shards.stderr
 
-    served = ModelRunner(ModelConfig(model_id=str(ckpt), quantize="compressed-tensors"), CacheConfig(block_size=8), "cpu")
+    served = ModelRunner(
+        ModelConfig(model_id=str(ckpt), quantize="compressed-tensors"), CacheConfig(block_size=8), "cpu"
+    )
     reference = dequantized_reference(src)
     for text, got in zip(PROMPTS, outputs):
         ids = served.tokenizer(text, return_tensors="pt").input_ids
         with torch.no_grad():
             want = reference.generate(ids, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
-        assert got == want[0, ids.shape[1]:].tolist(), text
+        assert got == want[0, ids.shape[1] :].tolist(), text
     (preempted,) = re.findall(r'^tgi_paged_preemptions_total\{mode="recompute"[^}]*\} (\S+)$', metrics, re.M)
     assert float(preempted) > 0, metrics
     (exported,) = re.findall(r"^tgi_paged_weights_bytes(?:\{[^}]*\})? (\S+)$", metrics, re.M)

@@ -74,8 +74,9 @@ def test_triton_keeps_leading_dims_and_empty_batches():
     x3 = x.reshape(2, 3, 32)
     got = _launch_int_linear(x3, qweight, scales, zeros, g_idx, 4, bias)
     assert got.shape == (2, 3, 24)
-    torch.testing.assert_close(got.reshape(6, 24), int_linear_reference(x, qweight, scales, zeros, g_idx, 4, bias),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got.reshape(6, 24), int_linear_reference(x, qweight, scales, zeros, g_idx, 4, bias), atol=1e-5, rtol=1e-5
+    )
     assert _launch_int_linear(x[:0], qweight, scales, zeros, g_idx, 4, bias).shape == (0, 24)
 
 

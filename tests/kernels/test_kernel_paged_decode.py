@@ -44,7 +44,11 @@ def run_case(
     )  # fmt: skip
     query = torch.randn(len(seq_lens), num_q_heads, head_dim).to(q_dtype)
     kwargs = dict(
-        scale=head_dim**-0.5, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
+        scale=head_dim**-0.5,
+        softcap=softcap,
+        sliding_window=sliding_window,
+        k_scale=k_scale,
+        v_scale=v_scale,
         sinks=sinks,
     )
     out = _launch_paged_decode(

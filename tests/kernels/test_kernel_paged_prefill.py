@@ -43,7 +43,11 @@ def run_case(
     starts = query_start_loc(list(query_lens))
     query = torch.randn(sum(query_lens), num_q_heads, head_dim).to(q_dtype)
     kwargs = dict(
-        scale=head_dim**-0.5, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
+        scale=head_dim**-0.5,
+        softcap=softcap,
+        sliding_window=sliding_window,
+        k_scale=k_scale,
+        v_scale=v_scale,
         sinks=sinks,
     )
     out = _launch_paged_prefill(query, kv.k_cache, kv.v_cache, kv.block_tables, starts, kv.seq_lens, **kwargs)
@@ -103,18 +107,34 @@ def test_softcap_and_sliding_window(softcap, sliding_window):
 @pytest.mark.parametrize("block_size", [1, 2])
 def test_small_blocks_with_gqa_window_softcap_fp8_and_interleaved_pool(block_size):
     # Cached prefixes (5 new over 97, 40 over 57) read through one block-table entry per key.
-    run_case(num_q_heads=9, num_kv_heads=3, block_size=block_size, kv_dtype=torch.float8_e5m2, softcap=5.0,
-             sliding_window=33, k_scale=0.5, v_scale=3.0, interleaved=True)
+    run_case(
+        num_q_heads=9,
+        num_kv_heads=3,
+        block_size=block_size,
+        kv_dtype=torch.float8_e5m2,
+        softcap=5.0,
+        sliding_window=33,
+        k_scale=0.5,
+        v_scale=3.0,
+        interleaved=True,
+    )
 
 
 @pytest.mark.parametrize("sink_values", [[0.5, -1.0, 0.0], [12.0, 9.0, -30.0]], ids=["small", "dominant"])
-@pytest.mark.parametrize("sliding_window, block_size", [(None, 16), (8, 16), (8, 1)], ids=["full", "window8",
-                                                                                         "window8-block1"])
+@pytest.mark.parametrize(
+    "sliding_window, block_size", [(None, 16), (8, 16), (8, 1)], ids=["full", "window8", "window8-block1"]
+)
 def test_attention_sinks(sink_values, sliding_window, block_size):
     # gqa3: a 64-row tile holds 21 tokens x 3 heads plus one, so each row must pick its own head's sink.
     sinks = torch.tensor(sink_values * 3, dtype=torch.float32)
-    run_case(num_q_heads=9, num_kv_heads=3, q_dtype=torch.float32, block_size=block_size, sinks=sinks,
-             sliding_window=sliding_window)
+    run_case(
+        num_q_heads=9,
+        num_kv_heads=3,
+        q_dtype=torch.float32,
+        block_size=block_size,
+        sinks=sinks,
+        sliding_window=sliding_window,
+    )
 
 
 def test_strided_inputs_and_out_buffer():

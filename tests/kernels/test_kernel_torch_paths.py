@@ -130,12 +130,18 @@ def test_attention_sinks(block_size, q_dtype, kv_dtype, sliding_window):
     kwargs = dict(scale=0.25, sliding_window=sliding_window, k_scale=0.5, v_scale=2.0, sinks=sinks)
     tables = (kv.k_cache, kv.v_cache, kv.block_tables)
     query = torch.randn(len(seq_lens), 9, 16).to(q_dtype)
-    assert_attention_close(paged_decode_attention(query, *tables, kv.seq_lens, **kwargs),
-                           paged_decode_attention_reference(query, *tables, kv.seq_lens, **kwargs), q_dtype)
+    assert_attention_close(
+        paged_decode_attention(query, *tables, kv.seq_lens, **kwargs),
+        paged_decode_attention_reference(query, *tables, kv.seq_lens, **kwargs),
+        q_dtype,
+    )
     starts = query_start_loc([1, 3, 17, 6])
     query = torch.randn(int(starts[-1]), 9, 16).to(q_dtype)
-    assert_attention_close(paged_prefill_attention(query, *tables, starts, kv.seq_lens, **kwargs),
-                           paged_prefill_attention_reference(query, *tables, starts, kv.seq_lens, **kwargs), q_dtype)
+    assert_attention_close(
+        paged_prefill_attention(query, *tables, starts, kv.seq_lens, **kwargs),
+        paged_prefill_attention_reference(query, *tables, starts, kv.seq_lens, **kwargs),
+        q_dtype,
+    )
 
 
 @pytest.mark.parametrize(

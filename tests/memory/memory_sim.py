@@ -37,7 +37,7 @@ class KVSim:
 
     def apply_allocation(self, allocation: Allocation) -> None:
         for copy in allocation.copies:
-            self.device[copy.dst, :copy.num_tokens] = self.device[copy.src, :copy.num_tokens]
+            self.device[copy.dst, : copy.num_tokens] = self.device[copy.src, : copy.num_tokens]
 
     def apply_swap(self, plan: SwapPlan) -> None:
         src, dst = list(plan.src_blocks), list(plan.dst_blocks)
@@ -46,8 +46,7 @@ class KVSim:
         else:
             self.device[dst] = self.cpu[src]
 
-    def write(self, manager: KVCacheManager, request_id: int, history: Sequence[int], start: int,
-              end: int) -> None:
+    def write(self, manager: KVCacheManager, request_id: int, history: Sequence[int], start: int, end: int) -> None:
         """Write the codes of positions ``[start, end)`` where the manager maps them."""
         if end <= start:
             return
@@ -60,8 +59,9 @@ class KVSim:
         slots = manager.slot_mapping([request_id], [start], [num_tokens - start])
         return self.device.reshape(-1)[slots]
 
-    def assert_holds(self, manager: KVCacheManager, request_id: int, history: Sequence[int],
-                     num_tokens: int, start: int = 0) -> None:
+    def assert_holds(
+        self, manager: KVCacheManager, request_id: int, history: Sequence[int], num_tokens: int, start: int = 0
+    ) -> None:
         """Positions ``[start, num_tokens)`` of the request read back as its history (``start`` > 0:
         the sliding window of the latest query, the blocks before it may be holes)."""
         got = self.read(manager, request_id, num_tokens, start)

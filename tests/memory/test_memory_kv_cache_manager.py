@@ -13,16 +13,18 @@ U64_MAX = 2**64 - 1
 
 
 def make_manager(num_swap_blocks: int = 4, retention: bool = True) -> KVCacheManager:
-    return KVCacheManager(num_blocks=11, block_size=BS, num_swap_blocks=num_swap_blocks,
-                          enable_prefix_retention=retention)
+    return KVCacheManager(
+        num_blocks=11, block_size=BS, num_swap_blocks=num_swap_blocks, enable_prefix_retention=retention
+    )
 
 
 def tokens(n: int, start: int = 0) -> list[int]:
     return list(range(start, start + n))
 
 
-def run_prompt(m: KVCacheManager, request_id: int, prompt: list[int],
-               virtual_blocks: tuple[int, ...] = ()) -> tuple[PrefixMatch, Allocation]:
+def run_prompt(
+    m: KVCacheManager, request_id: int, prompt: list[int], virtual_blocks: tuple[int, ...] = ()
+) -> tuple[PrefixMatch, Allocation]:
     m.add_request(request_id, virtual_blocks)
     match = m.match_prefix(request_id, prompt)
     allocation = m.allocate(request_id, len(prompt))
@@ -48,8 +50,8 @@ def test_physical_blocks_are_mapped_lazily_under_a_worst_case_reservation() -> N
 
 def test_block_tables_and_slot_mappings() -> None:
     m = make_manager()
-    run_prompt(m, 1, tokens(20))          # blocks 1, 2
-    run_prompt(m, 2, tokens(5, 100))      # block 3
+    run_prompt(m, 1, tokens(20))  # blocks 1, 2
+    run_prompt(m, 2, tokens(5, 100))  # block 3
     np.testing.assert_array_equal(m.block_tables([2, 1]), [[3, 0], [1, 2]])
     assert m.block_tables([1]).dtype == np.int32
     slots = m.slot_mapping([1, 2], [14, 0], [4, 2])
@@ -215,7 +217,7 @@ def test_swap_needs_room_on_both_sides() -> None:
 def test_waste_accounting() -> None:
     m = make_manager()
     run_prompt(m, 1, tokens(20), (30, 31, 32, 33))  # 2 of 4 reserved blocks backed, 12 slots unfilled
-    run_prompt(m, 2, tokens(16))                     # self-managed, exactly one full block
+    run_prompt(m, 2, tokens(16))  # self-managed, exactly one full block
     stats = m.stats(num_pending_blocks=8)
     assert (stats.num_used_blocks, stats.num_free_blocks) == (3, 7)
     assert stats.internal_waste_slots == 12
@@ -252,8 +254,8 @@ def test_duplicate_request_ids_are_rejected() -> None:
 
 def test_block_tables_follow_rows_recycled_between_identical_batches() -> None:
     m = make_manager()
-    run_prompt(m, 1, tokens(5))        # block 1
-    run_prompt(m, 2, tokens(5, 100))   # block 2
+    run_prompt(m, 1, tokens(5))  # block 1
+    run_prompt(m, 2, tokens(5, 100))  # block 2
     np.testing.assert_array_equal(m.block_tables([1, 2]), [[1], [2]])
     m.free(2)
     m.free(1)

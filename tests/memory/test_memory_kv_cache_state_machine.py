@@ -52,8 +52,12 @@ class MemoryMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.m = KVCacheManager(num_blocks=self.NUM_BLOCKS, block_size=self.BS, num_swap_blocks=self.NUM_SWAP_BLOCKS,
-                                reclaim_window=self.WINDOW)
+        self.m = KVCacheManager(
+            num_blocks=self.NUM_BLOCKS,
+            block_size=self.BS,
+            num_swap_blocks=self.NUM_SWAP_BLOCKS,
+            reclaim_window=self.WINDOW,
+        )
         self.sim = KVSim(self.NUM_BLOCKS, self.BS, self.NUM_SWAP_BLOCKS)
         self.reqs: dict[int, Req] = {}
         self.next_id = 0
@@ -97,8 +101,12 @@ class MemoryMachine(RuleBasedStateMachine):
         self.virtual_free.extend(self.reqs.pop(rid).virtual)
 
     # --------------------------------------------------------------------------------- rules
-    @rule(prompt=st.lists(st.sampled_from(VOCAB), min_size=1, max_size=14),
-          max_new=st.integers(1, 20), router=st.booleans(), huge_id=st.booleans())
+    @rule(
+        prompt=st.lists(st.sampled_from(VOCAB), min_size=1, max_size=14),
+        max_new=st.integers(1, 20),
+        router=st.booleans(),
+        huge_id=st.booleans(),
+    )
     def admit(self, prompt: list[int], max_new: int, router: bool, huge_id: bool) -> None:
         rid = U64_MAX - 1 - self.next_id if huge_id else self.next_id
         self.next_id += 1
@@ -113,12 +121,12 @@ class MemoryMachine(RuleBasedStateMachine):
         self.reqs[rid] = Req(list(prompt), max_len, virtual)
         self._start(rid)
 
-    @precondition(lambda self: any(r.state == "running" and len(r.history) < r.max_len
-                                   for r in self.reqs.values()))
+    @precondition(lambda self: any(r.state == "running" and len(r.history) < r.max_len for r in self.reqs.values()))
     @rule(data=st.data(), token=st.sampled_from(VOCAB))
     def decode(self, data: st.DataObject, token: int) -> None:
-        rid = data.draw(st.sampled_from([i for i in self._ids("running")
-                                         if len(self.reqs[i].history) < self.reqs[i].max_len]))
+        rid = data.draw(
+            st.sampled_from([i for i in self._ids("running") if len(self.reqs[i].history) < self.reqs[i].max_len])
+        )
         req = self.reqs[rid]
         allocation = self.m.allocate(rid, len(req.history) + 1)
         if allocation is None:
@@ -211,16 +219,19 @@ class MemoryMachine(RuleBasedStateMachine):
                 assert slots[i] == self.m.slot_mapping([rid], [pos], [1])[0]
         for rid in running:
             req = self.reqs[rid]
-            self.sim.assert_holds(self.m, rid, req.history, req.num_written,
-                                  start=self._visible_from(req.num_written - 1))
+            self.sim.assert_holds(
+                self.m, rid, req.history, req.num_written, start=self._visible_from(req.num_written - 1)
+            )
             if self.WINDOW is not None:
                 held = self.m.request_memory(rid).num_blocks
                 assert held <= max_resident_blocks(self.WINDOW, self.BS, req.last_step), (rid, held)
             if req.virtual:
                 pos = np.arange(req.num_written)
                 router_slots = np.asarray(req.virtual, dtype=np.int64)[pos // self.BS] * self.BS + pos % self.BS
-                np.testing.assert_array_equal(self.m.virtual_to_physical_slots(rid, router_slots),
-                                              self.m.slot_mapping([rid], [0], [req.num_written]))
+                np.testing.assert_array_equal(
+                    self.m.virtual_to_physical_slots(rid, router_slots),
+                    self.m.slot_mapping([rid], [0], [req.num_written]),
+                )
 
     def _assert_pool_drained(self, evict: bool) -> None:
         assert self.m.num_used_blocks == 0 and self.m.num_swapped_blocks == 0
@@ -236,8 +247,7 @@ class MemoryMachine(RuleBasedStateMachine):
         self._assert_pool_drained(evict=True)
 
 
-MemoryMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
-                                           derandomize=True)
+MemoryMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None, derandomize=True)
 TestMemoryMachine = MemoryMachine.TestCase
 
 
@@ -251,8 +261,9 @@ class MemoryMachineBlockSize1(MemoryMachine):
     NUM_VIRTUAL_BLOCKS = 160
 
 
-MemoryMachineBlockSize1.TestCase.settings = settings(max_examples=40, stateful_step_count=50, deadline=None,
-                                                     derandomize=True)
+MemoryMachineBlockSize1.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=50, deadline=None, derandomize=True
+)
 TestMemoryMachineBlockSize1 = MemoryMachineBlockSize1.TestCase
 
 
@@ -265,8 +276,9 @@ class MemoryMachineBlockSize2(MemoryMachine):
     NUM_VIRTUAL_BLOCKS = 90
 
 
-MemoryMachineBlockSize2.TestCase.settings = settings(max_examples=25, stateful_step_count=50, deadline=None,
-                                                     derandomize=True)
+MemoryMachineBlockSize2.TestCase.settings = settings(
+    max_examples=25, stateful_step_count=50, deadline=None, derandomize=True
+)
 TestMemoryMachineBlockSize2 = MemoryMachineBlockSize2.TestCase
 
 
@@ -276,8 +288,9 @@ class WindowedMemoryMachine(MemoryMachine):
     WINDOW = 6
 
 
-WindowedMemoryMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
-                                                   derandomize=True)
+WindowedMemoryMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None, derandomize=True
+)
 TestWindowedMemoryMachine = WindowedMemoryMachine.TestCase
 
 
@@ -291,6 +304,7 @@ class WindowedMemoryMachineBlockSize1(MemoryMachine):
     WINDOW = 3
 
 
-WindowedMemoryMachineBlockSize1.TestCase.settings = settings(max_examples=30, stateful_step_count=50,
-                                                             deadline=None, derandomize=True)
+WindowedMemoryMachineBlockSize1.TestCase.settings = settings(
+    max_examples=30, stateful_step_count=50, deadline=None, derandomize=True
+)
 TestWindowedMemoryMachineBlockSize1 = WindowedMemoryMachineBlockSize1.TestCase

@@ -25,8 +25,9 @@ def tokens(n: int, start: int = 0) -> list[int]:
     return list(range(start, start + n))
 
 
-def run_prompt(m: KVCacheManager, sim: KVSim, request_id: int, prompt: list[int],
-               virtual_blocks: tuple[int, ...] = ()) -> tuple[PrefixMatch, Allocation]:
+def run_prompt(
+    m: KVCacheManager, sim: KVSim, request_id: int, prompt: list[int], virtual_blocks: tuple[int, ...] = ()
+) -> tuple[PrefixMatch, Allocation]:
     m.add_request(request_id, virtual_blocks)
     match = m.match_prefix(request_id, prompt)
     allocation = m.allocate(request_id, len(prompt))
@@ -77,8 +78,9 @@ def test_decode_takes_a_block_every_block_size_tokens(block_size):
     assert taken == ([1] * 6 if block_size == 1 else [0, 1, 0, 1, 0, 1])
     assert m.num_used_blocks == -(-11 // block_size)
     sim.assert_holds(m, 1, history, 11)
-    np.testing.assert_array_equal(m.decode_slot_mapping([1], [10]), [m.block_tables([1])[0, 10 // block_size]
-                                                                     * block_size + 10 % block_size])
+    np.testing.assert_array_equal(
+        m.decode_slot_mapping([1], [10]), [m.block_tables([1])[0, 10 // block_size] * block_size + 10 % block_size]
+    )
 
 
 @pytest.mark.parametrize("block_size", [1, 2])

@@ -20,10 +20,16 @@ BS = 4
 W = 8
 
 
-def make(num_blocks: int = 11, num_swap_blocks: int = 4, window: int | None = W,
-         retention: bool = True) -> tuple[KVCacheManager, KVSim]:
-    m = KVCacheManager(num_blocks=num_blocks, block_size=BS, num_swap_blocks=num_swap_blocks,
-                       enable_prefix_retention=retention, reclaim_window=window)
+def make(
+    num_blocks: int = 11, num_swap_blocks: int = 4, window: int | None = W, retention: bool = True
+) -> tuple[KVCacheManager, KVSim]:
+    m = KVCacheManager(
+        num_blocks=num_blocks,
+        block_size=BS,
+        num_swap_blocks=num_swap_blocks,
+        enable_prefix_retention=retention,
+        reclaim_window=window,
+    )
     return m, KVSim(num_blocks, BS, num_swap_blocks)
 
 

@@ -22,20 +22,25 @@ def test_zero_watermark_still_brakes_on_an_empty_pool() -> None:
 
 
 def test_reports_true_figures_when_not_braking() -> None:
-    assert reported_batch_tokens(braking=False, max_tokens=300, current_tokens=40,
-                                 max_batch_total_tokens=10_000, max_batch_prefill_tokens=4096) == \
-        BatchTokens(300, 40)
+    assert reported_batch_tokens(
+        braking=False, max_tokens=300, current_tokens=40, max_batch_total_tokens=10_000, max_batch_prefill_tokens=4096
+    ) == BatchTokens(300, 40)
 
 
 def test_braking_fills_the_routers_budget() -> None:
     # The router admits only while max_batch_total_tokens - max_tokens > 0.
-    assert reported_batch_tokens(braking=True, max_tokens=300, current_tokens=40,
-                                 max_batch_total_tokens=10_000) == BatchTokens(10_000, 40)
+    assert reported_batch_tokens(
+        braking=True, max_tokens=300, current_tokens=40, max_batch_total_tokens=10_000
+    ) == BatchTokens(10_000, 40)
     # With chunking, the prefill budget max_batch_prefill_tokens - current_tokens is exhausted too.
-    assert reported_batch_tokens(braking=True, max_tokens=300, current_tokens=40,
-                                 max_batch_total_tokens=10_000, max_batch_prefill_tokens=4096) == \
-        BatchTokens(10_000, 4096)
+    assert reported_batch_tokens(
+        braking=True, max_tokens=300, current_tokens=40, max_batch_total_tokens=10_000, max_batch_prefill_tokens=4096
+    ) == BatchTokens(10_000, 4096)
     # Larger true values are never lowered.
-    assert reported_batch_tokens(braking=True, max_tokens=12_000, current_tokens=5000,
-                                 max_batch_total_tokens=10_000, max_batch_prefill_tokens=4096) == \
-        BatchTokens(12_000, 5000)
+    assert reported_batch_tokens(
+        braking=True,
+        max_tokens=12_000,
+        current_tokens=5000,
+        max_batch_total_tokens=10_000,
+        max_batch_prefill_tokens=4096,
+    ) == BatchTokens(12_000, 5000)

@@ -22,34 +22,47 @@ def test_costs_follow_the_formulas() -> None:
 
 def test_auto_picks_the_cheaper_mode() -> None:
     # 500 tokens to recompute (0.5 s) vs 100 kB to move twice (0.2 s): swap.
-    assert choose_preemption_mode("auto", num_tokens_to_reprefill=500, num_swap_bytes=100_000,
-                                  swap_has_room=True, calibrator=RATES) == \
-        PreemptionDecision("swap", pytest.approx(0.5), pytest.approx(0.2))
+    assert choose_preemption_mode(
+        "auto", num_tokens_to_reprefill=500, num_swap_bytes=100_000, swap_has_room=True, calibrator=RATES
+    ) == PreemptionDecision("swap", pytest.approx(0.5), pytest.approx(0.2))
     # 100 tokens (0.1 s) vs 0.2 s: recompute.
-    assert choose_preemption_mode("auto", num_tokens_to_reprefill=100, num_swap_bytes=100_000,
-                                  swap_has_room=True, calibrator=RATES).mode == "recompute"
+    assert (
+        choose_preemption_mode(
+            "auto", num_tokens_to_reprefill=100, num_swap_bytes=100_000, swap_has_room=True, calibrator=RATES
+        ).mode
+        == "recompute"
+    )
 
 
 def test_swap_needs_room_and_falls_back_to_recompute() -> None:
-    decision = choose_preemption_mode("swap", num_tokens_to_reprefill=10**6, num_swap_bytes=1,
-                                      swap_has_room=False, calibrator=RATES)
+    decision = choose_preemption_mode(
+        "swap", num_tokens_to_reprefill=10**6, num_swap_bytes=1, swap_has_room=False, calibrator=RATES
+    )
     assert decision.mode == "recompute" and decision.swap_cost_s is None
-    assert choose_preemption_mode("swap", num_tokens_to_reprefill=1, num_swap_bytes=10**9,
-                                  swap_has_room=True, calibrator=RATES).mode == "swap"
+    assert (
+        choose_preemption_mode(
+            "swap", num_tokens_to_reprefill=1, num_swap_bytes=10**9, swap_has_room=True, calibrator=RATES
+        ).mode
+        == "swap"
+    )
 
 
 def test_recompute_mode_never_swaps() -> None:
-    assert choose_preemption_mode("recompute", num_tokens_to_reprefill=10**6, num_swap_bytes=1,
-                                  swap_has_room=True, calibrator=RATES).mode == "recompute"
+    assert (
+        choose_preemption_mode(
+            "recompute", num_tokens_to_reprefill=10**6, num_swap_bytes=1, swap_has_room=True, calibrator=RATES
+        ).mode
+        == "recompute"
+    )
 
 
 def test_calibrator_moves_toward_measurements() -> None:
     rates = RateCalibrator(prefill_tokens_per_s=1000.0, copy_bytes_per_s=1e9, alpha=0.5)
-    rates.observe_prefill(3000, 1.0)       # measured 3000 tok/s
+    rates.observe_prefill(3000, 1.0)  # measured 3000 tok/s
     assert rates.prefill_tokens_per_s == pytest.approx(2000.0)
-    rates.observe_copy(int(2e9), 0.5)       # measured 4 GB/s
+    rates.observe_copy(int(2e9), 0.5)  # measured 4 GB/s
     assert rates.copy_bytes_per_s == pytest.approx(2.5e9)
-    rates.observe_prefill(0, 1.0)           # empty or untimed measurements are ignored
+    rates.observe_prefill(0, 1.0)  # empty or untimed measurements are ignored
     rates.observe_copy(10, 0.0)
     assert (rates.prefill_tokens_per_s, rates.copy_bytes_per_s) == (pytest.approx(2000.0), pytest.approx(2.5e9))
 

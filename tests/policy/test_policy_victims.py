@@ -13,8 +13,12 @@ def ids(candidates: list[VictimCandidate] | None) -> list[int] | None:
     return None if candidates is None else [c.request_id for c in candidates]
 
 
-RUNNING = [cand(10, 1, blocks=4, cost=0.5), cand(11, 2, blocks=2, cost=0.1),
-           cand(12, 3, blocks=1, cost=0.3), cand(13, 4, blocks=3, cost=0.1)]
+RUNNING = [
+    cand(10, 1, blocks=4, cost=0.5),
+    cand(11, 2, blocks=2, cost=0.1),
+    cand(12, 3, blocks=1, cost=0.3),
+    cand(13, 4, blocks=3, cost=0.1),
+]
 
 
 def test_latest_admitted_is_preempted_first() -> None:

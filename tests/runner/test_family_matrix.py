@@ -49,9 +49,32 @@ def family_dir(tmp_path_factory):
 
 def test_every_issue_family_is_in_the_matrix():
     names = {f.name for f in FAMILIES}
-    issue = {"Llama", "Llama-3.1", "Mistral", "Mixtral", "Qwen2", "Qwen2-MoE", "Qwen3", "Qwen3-MoE", "Gemma",
-             "Gemma2", "Gemma3", "Phi", "Phi3", "Granite", "Cohere", "StarCoder2", "GPT-BigCode", "GPT-NeoX",
-             "GPT-J", "Falcon", "OPT", "GPT-2", "OLMo2", "gpt-oss"}
+    issue = {
+        "Llama",
+        "Llama-3.1",
+        "Mistral",
+        "Mixtral",
+        "Qwen2",
+        "Qwen2-MoE",
+        "Qwen3",
+        "Qwen3-MoE",
+        "Gemma",
+        "Gemma2",
+        "Gemma3",
+        "Phi",
+        "Phi3",
+        "Granite",
+        "Cohere",
+        "StarCoder2",
+        "GPT-BigCode",
+        "GPT-NeoX",
+        "GPT-J",
+        "Falcon",
+        "OPT",
+        "GPT-2",
+        "OLMo2",
+        "gpt-oss",
+    }
     assert issue <= names
     assert set(REFUSED) <= names
 

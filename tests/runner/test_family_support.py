@@ -26,10 +26,16 @@ def _config_only_dir(tmp_path: Path, config: transformers.PretrainedConfig) -> P
     return tmp_path
 
 
-@pytest.mark.parametrize("model_type, phrase", [
-    ("t5", "encoder-decoder"), ("llava", "multimodal"), ("mamba", "state-space"), ("jamba", "state-space"),
-    ("falcon_h1", "state-space"),
-])
+@pytest.mark.parametrize(
+    "model_type, phrase",
+    [
+        ("t5", "encoder-decoder"),
+        ("llava", "multimodal"),
+        ("mamba", "state-space"),
+        ("jamba", "state-space"),
+        ("falcon_h1", "state-space"),
+    ],
+)
 def test_unserved_kinds_are_refused_from_the_config(model_type, phrase, tmp_path):
     if model_type not in transformers.CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
@@ -38,8 +44,10 @@ def test_unserved_kinds_are_refused_from_the_config(model_type, phrase, tmp_path
     assert error is not None and phrase in error and repr(model_type) in error, error
 
 
-@pytest.mark.parametrize("name, phrase", [("Bloom", "no layer called the paged attention"),
-                                          ("Falcon", "bypasses transformers' attention interface")])
+@pytest.mark.parametrize(
+    "name, phrase",
+    [("Bloom", "no layer called the paged attention"), ("Falcon", "bypasses transformers' attention interface")],
+)
 def test_generic_checks_catch_attention_that_bypasses_the_interface(name, phrase, tmp_path, monkeypatch):
     # Without the per-family reasons, the loader still refuses: Bloom runs its own attention (the probe
     # forward sees no call: served as is it gives wrong tokens), Falcon has no class for our name.

@@ -79,8 +79,9 @@ def _rewrite_config(ckpt_dir: Path, dst: Path, edit) -> Path:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_linears_hold_the_file_codes_and_match_the_dequantized_model(case, src, checkpoints, prompts):
     ckpt = checkpoints[case]
-    runner = ModelRunner(ModelConfig(model_id=str(ckpt.path), quantize=FLAG[ckpt.fmt]), CacheConfig(block_size=8),
-                         "cpu")
+    runner = ModelRunner(
+        ModelConfig(model_id=str(ckpt.path), quantize=FLAG[ckpt.fmt]), CacheConfig(block_size=8), "cpu"
+    )
     names = linear_names(src)
     assert {n for n, m in runner.model.named_modules() if isinstance(m, IntLinear)} == set(names)
     assert type(runner.model.get_output_embeddings()) is torch.nn.Linear
@@ -128,24 +129,37 @@ def test_quantize_gptq_serves_an_awq_checkpoint(checkpoints):
     assert torch.equal(model.get_submodule(name).dequantized_weight(torch.float32), ckpt.weights[name])
 
 
-@pytest.mark.parametrize("case, edit, message", [
-    ("gptq-int4-g32-sym", lambda qc: qc.update(bits=3), "gptq checkpoint not supported: bits=3"),
-    ("gptq-int4-g32-sym", lambda qc: qc.update(bits=2), "bits=2"),
-    ("gptq-int4-g32-sym", lambda qc: qc.update(checkpoint_format="gptq_v2"), "checkpoint_format='gptq_v2'"),
-    ("gptq-int4-g32-sym", lambda qc: qc.update(group_size=48), "not a multiple of group_size=48"),
-    ("awq-int4-g32", lambda qc: qc.update(version="gemv"), "awq checkpoint not supported: version='gemv'"),
-    ("awq-int4-g32", lambda qc: qc.update(zero_point=False), "zero_point=False"),
-    ("awq-int4-g32", lambda qc: qc.update(backend="llm-awq"), "version='llm-awq'"),
-    ("ct-int4-g32-sym", lambda qc: qc["config_groups"]["group_0"]["weights"].update(actorder="group"),
-     "actorder='group'"),
-    ("ct-int4-g32-sym", lambda qc: qc["config_groups"]["group_0"]["weights"].update(strategy="tensor"),
-     "strategy='tensor'"),
-    ("ct-int4-g32-sym", lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=2), "num_bits=2"),
-    ("ct-int4-g32-sym", lambda qc: qc["config_groups"]["group_0"].update(
-        input_activations={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}),
-     "input_activations are quantized"),
-    ("ct-int4-g32-sym", lambda qc: qc.update(format="int-quantized"), "format='int-quantized'"),
-])
+@pytest.mark.parametrize(
+    "case, edit, message",
+    [
+        ("gptq-int4-g32-sym", lambda qc: qc.update(bits=3), "gptq checkpoint not supported: bits=3"),
+        ("gptq-int4-g32-sym", lambda qc: qc.update(bits=2), "bits=2"),
+        ("gptq-int4-g32-sym", lambda qc: qc.update(checkpoint_format="gptq_v2"), "checkpoint_format='gptq_v2'"),
+        ("gptq-int4-g32-sym", lambda qc: qc.update(group_size=48), "not a multiple of group_size=48"),
+        ("awq-int4-g32", lambda qc: qc.update(version="gemv"), "awq checkpoint not supported: version='gemv'"),
+        ("awq-int4-g32", lambda qc: qc.update(zero_point=False), "zero_point=False"),
+        ("awq-int4-g32", lambda qc: qc.update(backend="llm-awq"), "version='llm-awq'"),
+        (
+            "ct-int4-g32-sym",
+            lambda qc: qc["config_groups"]["group_0"]["weights"].update(actorder="group"),
+            "actorder='group'",
+        ),
+        (
+            "ct-int4-g32-sym",
+            lambda qc: qc["config_groups"]["group_0"]["weights"].update(strategy="tensor"),
+            "strategy='tensor'",
+        ),
+        ("ct-int4-g32-sym", lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=2), "num_bits=2"),
+        (
+            "ct-int4-g32-sym",
+            lambda qc: qc["config_groups"]["group_0"].update(
+                input_activations={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
+            ),
+            "input_activations are quantized",
+        ),
+        ("ct-int4-g32-sym", lambda qc: qc.update(format="int-quantized"), "format='int-quantized'"),
+    ],
+)
 def test_unsupported_int_options_are_refused_naming_what_is_served(case, edit, message, checkpoints, tmp_path):
     ckpt = checkpoints[case]
     model_dir = _rewrite_config(ckpt.path, tmp_path / "ckpt", edit)
@@ -165,15 +179,21 @@ def test_a_malformed_tensor_is_named(checkpoints, tmp_path):
         load_model(ModelConfig(model_id=str(model_dir), quantize="gptq"), "cpu")
 
 
-@pytest.mark.skipif(not os.environ.get("QUANT_CROSSCHECK_PYTHON"),
-                    reason="set QUANT_CROSSCHECK_PYTHON to a Python with compressed-tensors + transformers "
-                           "(not a dependency of this package) to cross-check against that independent loader")
+@pytest.mark.skipif(
+    not os.environ.get("QUANT_CROSSCHECK_PYTHON"),
+    reason="set QUANT_CROSSCHECK_PYTHON to a Python with compressed-tensors + transformers "
+    "(not a dependency of this package) to cross-check against that independent loader",
+)
 @pytest.mark.parametrize("case", ["ct-int4-g32-sym", "ct-int4-g16-asym", "ct-int8-channel-asym", "awq-int4-g32"])
 def test_independent_loader_dequantizes_bit_for_bit(case, src, checkpoints, tmp_path):
     ckpt = checkpoints[case]
     out = tmp_path / "theirs.safetensors"
-    done = subprocess.run([os.environ["QUANT_CROSSCHECK_PYTHON"], str(CROSSCHECK), str(ckpt.path), str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [os.environ["QUANT_CROSSCHECK_PYTHON"], str(CROSSCHECK), str(ckpt.path), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = load_file(str(out))
     ours = load_model(ModelConfig(model_id=str(ckpt.path), quantize=FLAG[ckpt.fmt]), "cpu").model
@@ -182,9 +202,11 @@ def test_independent_loader_dequantizes_bit_for_bit(case, src, checkpoints, tmp_
         assert torch.equal(ours.get_submodule(name).dequantized_weight(want.dtype), want), name
 
 
-@pytest.mark.skipif(not os.environ.get("TGI_SERVER_SOURCE"),
-                    reason="set TGI_SERVER_SOURCE to a checkout of text-generation-inference's server/ directory to "
-                           "decode TGI's own AWQ->GPTQ conversion with our GPTQ reader")
+@pytest.mark.skipif(
+    not os.environ.get("TGI_SERVER_SOURCE"),
+    reason="set TGI_SERVER_SOURCE to a checkout of text-generation-inference's server/ directory to "
+    "decode TGI's own AWQ->GPTQ conversion with our GPTQ reader",
+)
 def test_tgi_awq_to_gptq_conversion_decodes_to_the_same_codes(checkpoints):
     """TGI serves AWQ under ``--quantize gptq`` by repacking it into GPTQ v1 tensors for its GPTQ kernels
     (``layers/awq/conversion_utils.py``, pure torch, loaded by path): our GPTQ reader must decode those to
@@ -204,8 +226,9 @@ def test_tgi_awq_to_gptq_conversion_decodes_to_the_same_codes(checkpoints):
         n, k = codes.shape
         awq = {s: tensors[f"{name}.{s}"] for s in ("qweight", "qzeros", "scales")}
         qweight, qzeros = tgi.fast_awq_to_gptq(awq["qweight"], awq["qzeros"])
-        gptq = decode_gptq(name, {"qweight": qweight, "qzeros": qzeros, "scales": awq["scales"]},
-                           GptqAwqScheme("gptq", 4, 32), n, k)
+        gptq = decode_gptq(
+            name, {"qweight": qweight, "qzeros": qzeros, "scales": awq["scales"]}, GptqAwqScheme("gptq", 4, 32), n, k
+        )
         ours = decode_awq(name, awq, GptqAwqScheme("awq", 4, 32), n, k)
         assert torch.equal(gptq.codes, codes) and torch.equal(gptq.codes, ours.codes), name
         assert torch.equal(gptq.zeros, ours.zeros), name

@@ -52,8 +52,11 @@ def checkpoints(tiny_model_factory, tmp_path_factory):
     return {
         "fp8": (src, "fp8", "channel"),
         "ct-channel": (write_compressed_fp8(src, out / "channel", "channel"), "compressed-tensors", "channel"),
-        "ct-tensor-dynamic": (write_compressed_fp8(src, out / "tensor", "tensor", dynamic_activations=True),
-                              "compressed-tensors", "tensor"),
+        "ct-tensor-dynamic": (
+            write_compressed_fp8(src, out / "tensor", "tensor", dynamic_activations=True),
+            "compressed-tensors",
+            "tensor",
+        ),
         "src": src,
     }
 
@@ -117,23 +120,37 @@ def test_kv_budget_on_cuda_grows_by_the_bytes_saved(monkeypatch, checkpoints):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
 
     def budget(runner: ModelRunner) -> int:
-        fake = types.SimpleNamespace(device=torch.device("cuda", 0), weights_bytes=runner.weights_bytes,
-                                     num_blocks=0, block_bytes=runner.block_bytes, activation_peak_bytes=2**20)
+        fake = types.SimpleNamespace(
+            device=torch.device("cuda", 0),
+            weights_bytes=runner.weights_bytes,
+            num_blocks=0,
+            block_bytes=runner.block_bytes,
+            activation_peak_bytes=2**20,
+        )
         return ModelRunner.available_kv_bytes(fake, 0.9)
 
     assert budget(fp8) - budget(plain) == saved
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda qc: qc.update(format="int-quantized"), "format='int-quantized'"),
-    (lambda qc: qc.update(format="pack-quantized"), "config_groups.group_0.weights num_bits=8 type='float'"),
-    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(strategy="group", group_size=128),
-     "strategy='group'"),
-    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int"), "num_bits=4 type='int'"),
-    (lambda qc: qc["config_groups"]["group_0"].update(
-        input_activations={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}), "static"),
-    (lambda qc: qc.update(quantization_status="frozen"), "quantization_status='frozen'"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda qc: qc.update(format="int-quantized"), "format='int-quantized'"),
+        (lambda qc: qc.update(format="pack-quantized"), "config_groups.group_0.weights num_bits=8 type='float'"),
+        (
+            lambda qc: qc["config_groups"]["group_0"]["weights"].update(strategy="group", group_size=128),
+            "strategy='group'",
+        ),
+        (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int"), "num_bits=4 type='int'"),
+        (
+            lambda qc: qc["config_groups"]["group_0"].update(
+                input_activations={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+            ),
+            "static",
+        ),
+        (lambda qc: qc.update(quantization_status="frozen"), "quantization_status='frozen'"),
+    ],
+)
 def test_unsupported_compressed_tensors_schemes_are_refused(edit, message, checkpoints, tmp_path):
     model_dir = write_compressed_fp8(checkpoints["src"], tmp_path / "ckpt")
     config = json.loads((model_dir / "config.json").read_text())
@@ -144,15 +161,21 @@ def test_unsupported_compressed_tensors_schemes_are_refused(edit, message, check
     assert "supported: FP8 weights" in str(info.value)
 
 
-@pytest.mark.parametrize("quantize, on, message", [
-    ("fp8", "ct", "already quantized .*--quantize compressed-tensors"),
-    (None, "ct", "no --quantize was given; pass --quantize compressed-tensors"),
-    ("compressed-tensors", "src", "needs a checkpoint whose config.json has quantization_config.quant_method"),
-    ("eetq", "src", "--quantize eetq is not supported by tgi-paged-backend: supported fp8, compressed-tensors, gptq, "
-                    "awq"),
-    ("gptq", "src", "needs a checkpoint whose config.json has quantization_config.quant_method='gptq'"),
-    ("bitsandbytes-nf4", "src", "--quantize bitsandbytes-nf4 is not supported"),
-])
+@pytest.mark.parametrize(
+    "quantize, on, message",
+    [
+        ("fp8", "ct", "already quantized .*--quantize compressed-tensors"),
+        (None, "ct", "no --quantize was given; pass --quantize compressed-tensors"),
+        ("compressed-tensors", "src", "needs a checkpoint whose config.json has quantization_config.quant_method"),
+        (
+            "eetq",
+            "src",
+            "--quantize eetq is not supported by tgi-paged-backend: supported fp8, compressed-tensors, gptq, awq",
+        ),
+        ("gptq", "src", "needs a checkpoint whose config.json has quantization_config.quant_method='gptq'"),
+        ("bitsandbytes-nf4", "src", "--quantize bitsandbytes-nf4 is not supported"),
+    ],
+)
 def test_flag_and_checkpoint_must_agree(quantize, on, message, checkpoints):
     model_dir = checkpoints["ct-channel"][0] if on == "ct" else checkpoints["src"]
     with pytest.raises(ModelLoadError, match=message):
@@ -168,15 +191,21 @@ def test_quantized_config_of_another_method_names_the_flag(checkpoints, tmp_path
         load_model(ModelConfig(model_id=str(model_dir)), "cpu")
 
 
-@pytest.mark.skipif(not os.environ.get("QUANT_CROSSCHECK_PYTHON"),
-                    reason="set QUANT_CROSSCHECK_PYTHON to a Python with compressed-tensors + transformers "
-                           "(not a dependency of this package) to cross-check against that independent loader")
+@pytest.mark.skipif(
+    not os.environ.get("QUANT_CROSSCHECK_PYTHON"),
+    reason="set QUANT_CROSSCHECK_PYTHON to a Python with compressed-tensors + transformers "
+    "(not a dependency of this package) to cross-check against that independent loader",
+)
 @pytest.mark.parametrize("case", ["ct-channel", "ct-tensor-dynamic"])
 def test_independent_loader_dequantizes_bit_for_bit(case, checkpoints, tmp_path):
     model_dir, quantize, _ = checkpoints[case]
     out = tmp_path / "theirs.safetensors"
-    done = subprocess.run([os.environ["QUANT_CROSSCHECK_PYTHON"], str(CROSSCHECK), str(model_dir), str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [os.environ["QUANT_CROSSCHECK_PYTHON"], str(CROSSCHECK), str(model_dir), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = load_file(str(out))
     ours = load_model(ModelConfig(model_id=str(model_dir), quantize=quantize), "cpu").model

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow
 def test_smollm2_fp8_greedy_matches_the_dequantized_hf_model(smollm2_dir: Path) -> None:
     runner = ModelRunner(ModelConfig(model_id=str(smollm2_dir), quantize="fp8"), CacheConfig(block_size=16), "cpu")
     tokenizer = runner.tokenizer
-    text = tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True, tokenize=False
+    )
     prompts = [tokenizer(text, add_special_tokens=False).input_ids]
 
     def preempt(driver) -> None:  # recompute mid-decode

@@ -11,8 +11,16 @@ from tgi_paged_backend.runner.rope_scaling import apply_rope_scaling
 
 
 def test_replaces_the_whole_scaling_and_keeps_the_base_rope() -> None:
-    config = tiny_config("llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    config = tiny_config(
+        "llama",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     before = getattr(config, "rope_parameters", None) or config.rope_scaling
     assert before["rope_type"] == "llama3" and "low_freq_factor" in before
     assert apply_rope_scaling(config, "dynamic", 2.0)
@@ -34,11 +42,17 @@ def test_transformers_4_layout() -> None:
 
 
 def test_per_layer_type_parameters_are_each_scaled() -> None:
-    config = SimpleNamespace(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    config = SimpleNamespace(
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }
+    )
     assert apply_rope_scaling(config, "linear", 4.0)
-    assert config.rope_parameters == {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
-                                      "sliding_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}}
+    assert config.rope_parameters == {
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4},
+    }
 
 
 def test_a_model_without_rope_is_left_alone() -> None:

@@ -30,8 +30,15 @@ def test_spec_ignores_declared_but_unused_sliding_window() -> None:
 
 
 def test_spec_head_dim_and_softcap_when_explicit() -> None:
-    config = transformers.Gemma2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                       attn_logit_softcapping=50.0, sliding_window=16, num_hidden_layers=2)
+    config = transformers.Gemma2Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        attn_logit_softcapping=50.0,
+        sliding_window=16,
+        num_hidden_layers=2,
+    )
     spec = ModelSpec.from_hf_config(config, torch.bfloat16)
     assert spec.head_dim == 32 and spec.softcap == 50.0 and spec.sliding_window == 16
 
@@ -84,8 +91,15 @@ def test_build_forward_batch_rejects_short_block_table() -> None:
 
 
 def test_from_numpy_validates_shapes() -> None:
-    good = dict(input_ids=np.arange(3), positions=np.arange(3), slot_mapping=np.arange(3),
-                block_tables=np.zeros((1, 1)), query_start_loc=[0, 3], seq_lens=[3], logits_indices=[2])
+    good = dict(
+        input_ids=np.arange(3),
+        positions=np.arange(3),
+        slot_mapping=np.arange(3),
+        block_tables=np.zeros((1, 1)),
+        query_start_loc=[0, 3],
+        seq_lens=[3],
+        logits_indices=[2],
+    )
     assert ForwardBatch.from_numpy(**good).num_tokens == 3
     with pytest.raises(ValueError, match="positions"):
         ForwardBatch.from_numpy(**{**good, "positions": np.arange(2)})

@@ -45,8 +45,9 @@ def test_resolve_dtype_defaults() -> None:
         resolve_dtype("float8", torch.device("cpu"))
 
 
-@pytest.mark.parametrize("field, value, message", [("quantize", "awq", "--quantize awq"),
-                                                   ("speculate", 2, "--speculate 2")])
+@pytest.mark.parametrize(
+    "field, value, message", [("quantize", "awq", "--quantize awq"), ("speculate", 2, "--speculate 2")]
+)
 def test_unsupported_options_are_rejected(tiny_llama_dir: Path, field: str, value, message: str) -> None:
     config = ModelConfig(model_id=str(tiny_llama_dir), **{field: value})
     with pytest.raises(ModelLoadError, match=message):
@@ -120,8 +121,9 @@ def test_copy_and_swap_move_exact_block_contents(llama_runner: ModelRunner) -> N
 
 
 def test_fp8_kv_pool_runs_and_stays_close(tiny_llama_dir: Path, llama_runner: ModelRunner) -> None:
-    fp8 = ModelRunner(ModelConfig(model_id=str(tiny_llama_dir)),
-                      CacheConfig(block_size=8, kv_cache_dtype="fp8_e4m3fn"), "cpu")
+    fp8 = ModelRunner(
+        ModelConfig(model_id=str(tiny_llama_dir)), CacheConfig(block_size=8, kv_cache_dtype="fp8_e4m3fn"), "cpu"
+    )
     assert fp8.kv_dtype is torch.float8_e4m3fn
     assert fp8.block_bytes * 4 == llama_runner.block_bytes
     batch = build_forward_batch([RequestChunk(list(range(4, 30)), 0, [3, 1, 6, 0])], 8)

@@ -35,8 +35,10 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def expected(tiny_model_factory: Callable[..., Path], prompts: list[list[int]]) -> dict[str, list[list[int]]]:
     """HF greedy generations per model kind (eager attention, DynamicCache)."""
-    return {kind: greedy_hf(load_reference(tiny_model_factory(kind)), prompts, MAX_NEW_TOKENS, [EOS_ID], PAD_ID)
-            for kind in TINY_KINDS}
+    return {
+        kind: greedy_hf(load_reference(tiny_model_factory(kind)), prompts, MAX_NEW_TOKENS, [EOS_ID], PAD_ID)
+        for kind in TINY_KINDS
+    }
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +47,9 @@ def runners(tiny_model_factory: Callable[..., Path]) -> Callable[[str, int], Mod
 
     def get(kind: str, block_size: int) -> ModelRunner:
         if (kind, block_size) not in made:
-            made[kind, block_size] = ModelRunner(ModelConfig(model_id=str(tiny_model_factory(kind))),
-                                                 CacheConfig(block_size=block_size), "cpu")
+            made[kind, block_size] = ModelRunner(
+                ModelConfig(model_id=str(tiny_model_factory(kind))), CacheConfig(block_size=block_size), "cpu"
+            )
         return made[kind, block_size]
 
     return get
@@ -142,8 +145,9 @@ def test_prefill_logits_for_every_prompt_position(runners, tiny_model_factory, p
     runner = runners("qwen2", 16)
     runner.allocate_kv_cache(32)
     prompt = prompts[2]
-    batch = build_forward_batch([RequestChunk(prompts[0], 0, [5]),
-                                 RequestChunk(prompt, 0, [9, 2, 30], all_logits=True)], 16)
+    batch = build_forward_batch(
+        [RequestChunk(prompts[0], 0, [5]), RequestChunk(prompt, 0, [9, 2, 30], all_logits=True)], 16
+    )
     got = runner.forward(batch)
     assert got.shape == (1 + len(prompt), runner.spec.vocab_size) and got.dtype == torch.float32
     with torch.no_grad():

@@ -23,8 +23,9 @@ def test_smollm2_greedy_matches_hf_generate(smollm2_dir: Path) -> None:
     assert runner.spec.num_layers == 30 and runner.spec.num_kv_heads == 3 and runner.spec.sliding_window is None
     prompts = []
     for question in QUESTIONS:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                             add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
         prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
     assert len(prompts[0]) != len(prompts[1])
 
@@ -44,4 +45,5 @@ def test_ensure_smollm2_returns_a_complete_dir_without_downloading(smollm2_dir: 
     assert smollm2.ensure_smollm2(smollm2_dir, progress=False) == smollm2_dir
     assert smollm2.is_complete(smollm2_dir)
     assert (smollm2_dir / "chat_template.jinja").is_file() or "chat_template" in (
-        smollm2_dir / "tokenizer_config.json").read_text()
+        smollm2_dir / "tokenizer_config.json"
+    ).read_text()

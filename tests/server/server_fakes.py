@@ -57,17 +57,35 @@ class FakeEngine:
 
     def info(self) -> InfoResult:
         self._record("info", None)
-        return InfoResult(requires_padding=False, dtype="torch.float32", device_type="cpu",
-                          window_size=self.window_size, speculate=0, support_chunking=True,
-                          use_prefix_caching=True, attention_impl="paged", block_size=self.block_size)
+        return InfoResult(
+            requires_padding=False,
+            dtype="torch.float32",
+            device_type="cpu",
+            window_size=self.window_size,
+            speculate=0,
+            support_chunking=True,
+            use_prefix_caching=True,
+            attention_impl="paged",
+            block_size=self.block_size,
+        )
 
-    def warmup(self, batch: BatchSpec, *, max_input_tokens: int | None, max_prefill_tokens: int,
-               max_total_tokens: int | None) -> WarmupResult:
-        self._record("warmup", dict(batch=batch, max_input_tokens=max_input_tokens,
-                                    max_prefill_tokens=max_prefill_tokens, max_total_tokens=max_total_tokens))
-        return WarmupResult(max_supported_total_tokens=100_000,
-                            max_input_tokens=max_input_tokens if max_input_tokens is not None else 4095,
-                            max_total_tokens=max_total_tokens if max_total_tokens is not None else 4096)
+    def warmup(
+        self, batch: BatchSpec, *, max_input_tokens: int | None, max_prefill_tokens: int, max_total_tokens: int | None
+    ) -> WarmupResult:
+        self._record(
+            "warmup",
+            dict(
+                batch=batch,
+                max_input_tokens=max_input_tokens,
+                max_prefill_tokens=max_prefill_tokens,
+                max_total_tokens=max_total_tokens,
+            ),
+        )
+        return WarmupResult(
+            max_supported_total_tokens=100_000,
+            max_input_tokens=max_input_tokens if max_input_tokens is not None else 4095,
+            max_total_tokens=max_total_tokens if max_total_tokens is not None else 4096,
+        )
 
     def prefill(self, batch: BatchSpec, cached_batch_id: int | None) -> StepResult:
         with self._busy():
@@ -83,8 +101,13 @@ class FakeEngine:
                 batch_id = cached_batch_id
             result = self._step(batch_id, live, prefill=True)
             if cached_batch_id is not None:
-                result = StepResult(generations=result.generations, batch=result.batch,
-                                    forward_ns=result.forward_ns, decode_ns=result.decode_ns, concat_ns=1234)
+                result = StepResult(
+                    generations=result.generations,
+                    batch=result.batch,
+                    forward_ns=result.forward_ns,
+                    decode_ns=result.decode_ns,
+                    concat_ns=1234,
+                )
             return result
 
     def decode(self, batch_ids: list[int]) -> StepResult:
@@ -144,6 +167,7 @@ class FakeEngine:
             def __exit__(self, *exc: object) -> None:
                 with engine._guard:
                     engine.active -= 1
+
         return _Busy()
 
     @staticmethod
@@ -166,16 +190,24 @@ class FakeEngine:
             done = None
             if r.generated >= spec.stopping.max_new_tokens:
                 sampled = spec.sampling.is_sampling
-                done = GeneratedText(text=f"out{spec.id}", generated_tokens=r.generated,
-                                     finish_reason=FinishReason.LENGTH if sampled else FinishReason.EOS_TOKEN,
-                                     seed=spec.sampling.seed if sampled else None)
+                done = GeneratedText(
+                    text=f"out{spec.id}",
+                    generated_tokens=r.generated,
+                    finish_reason=FinishReason.LENGTH if sampled else FinishReason.EOS_TOKEN,
+                    seed=spec.sampling.seed if sampled else None,
+                )
             prefill_tokens = None
             if prefill and r.generated == 1 and spec.prefill_logprobs:
                 prefill_tokens = Tokens(ids=[1, 2], logprobs=[math.nan, -1.25], texts=["a", "b"], is_special=[])
-            top = [Tokens(ids=[7, 8], logprobs=[-0.25, -2.0], texts=["x", "y"], is_special=[False, True])
-                   for _ in range(1 if spec.top_n_tokens else 0)]
-            generations.append(Generation(request_id=spec.id, tokens=token, prefill_tokens=prefill_tokens,
-                                          generated_text=done, top_tokens=top))
+            top = [
+                Tokens(ids=[7, 8], logprobs=[-0.25, -2.0], texts=["x", "y"], is_special=[False, True])
+                for _ in range(1 if spec.top_n_tokens else 0)
+            ]
+            generations.append(
+                Generation(
+                    request_id=spec.id, tokens=token, prefill_tokens=prefill_tokens, generated_text=done, top_tokens=top
+                )
+            )
         if all(r.generated >= r.spec.stopping.max_new_tokens for r in live):
             return StepResult(generations=generations, batch=None, forward_ns=11, decode_ns=22)
         self.batches[batch_id] = live
@@ -185,13 +217,16 @@ class FakeEngine:
         max_tokens = self.max_tokens_override
         if max_tokens is None:
             max_tokens = sum(len(r.spec.slots) for r in live)
-        return CachedBatchInfo(id=batch_id, request_ids=[r.spec.id for r in live], max_tokens=max_tokens,
-                               current_tokens=len(live))
+        return CachedBatchInfo(
+            id=batch_id, request_ids=[r.spec.id for r in live], max_tokens=max_tokens, current_tokens=len(live)
+        )
 
 
 def make_config(uds_path: str, *, rank: int = 0, world_size: int = 1) -> BackendConfig:
-    return BackendConfig(model=ModelConfig(model_id="fake/model"),
-                         server=ServerConfig(uds_path=uds_path, rank=rank, world_size=world_size))
+    return BackendConfig(
+        model=ModelConfig(model_id="fake/model"),
+        server=ServerConfig(uds_path=uds_path, rank=rank, world_size=world_size),
+    )
 
 
 def build_fake_engine(config: BackendConfig) -> FakeEngine:

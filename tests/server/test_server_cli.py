@@ -51,8 +51,19 @@ def launcher_lines(stdout: str) -> list[tuple[str, str]]:
 
 def serve_argv(uds: Path, level: str, *extra: str) -> list[str]:
     # The launcher's order: serve MODEL --uds-path --logger-level --json-output [...] --otlp-service-name
-    return cli("serve", "fake/model", "--uds-path", str(uds), "--logger-level", level, "--json-output",
-               "--trust-remote-code", *extra, "--otlp-service-name", "text-generation-inference.router")
+    return cli(
+        "serve",
+        "fake/model",
+        "--uds-path",
+        str(uds),
+        "--logger-level",
+        level,
+        "--json-output",
+        "--trust-remote-code",
+        *extra,
+        "--otlp-service-name",
+        "text-generation-inference.router",
+    )
 
 
 def wait_for_socket(proc: subprocess.Popen, path: Path, timeout: float = 20.0) -> None:
@@ -72,8 +83,9 @@ def test_serve_until_sigterm_at_each_launcher_level(short_dir: Path) -> None:
     shards = {}
     for level in ("INFO", "WARN", "OFF"):
         uds = short_dir / f"tgs-{level}"
-        argv = serve_argv(uds, level, "--merge-lora", "--from-the-future",
-                          "--max-input-tokens", "100", "--revision", "main")
+        argv = serve_argv(
+            uds, level, "--merge-lora", "--from-the-future", "--max-input-tokens", "100", "--revision", "main"
+        )
         proc = subprocess.Popen(argv, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         shards[level] = (proc, Path(f"{uds}-0"))
     try:
@@ -84,7 +96,9 @@ def test_serve_until_sigterm_at_each_launcher_level(short_dir: Path) -> None:
                 assert list(stub.ServiceDiscovery(pb.ServiceDiscoveryRequest()).urls) == [f"unix://{socket}"]
                 assert stub.Info(pb.InfoRequest()).block_size == 16
                 with pytest.raises(grpc.RpcError) as error:  # an engine error is logged, the shard stays up
-                    stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[pb.Request(id=1, inputs="raise:internal")])))
+                    stub.Prefill(
+                        pb.PrefillRequest(batch=pb.Batch(id=1, requests=[pb.Request(id=1, inputs="raise:internal")]))
+                    )
                 assert error.value.code() == grpc.StatusCode.INTERNAL
                 stub.Health(pb.HealthRequest())
             proc.send_signal(signal.SIGTERM)
@@ -117,8 +131,11 @@ BAD_CONFIGS = [
     ((), {"TGI_PAGED_PREEMPTION": "sometimes"}, "TGI_PAGED_PREEMPTION"),
     ((), {"CUDA_MEMORY_FRACTION": "2"}, "CUDA_MEMORY_FRACTION"),
     ((), {"TGI_BACKEND": "fast"}, "TGI_BACKEND"),
-    (("--quantize", "eetq"), {}, "--quantize eetq is not supported by tgi-paged-backend: supported fp8, "
-                                  "compressed-tensors, gptq, awq"),
+    (
+        ("--quantize", "eetq"),
+        {},
+        "--quantize eetq is not supported by tgi-paged-backend: supported fp8, compressed-tensors, gptq, awq",
+    ),
     (("--quantize", "exl2"), {}, "--quantize exl2 is not supported"),
     (("--speculate", "2"), {}, "--speculate"),
     (("--dtype", "int8"), {}, "--dtype"),
@@ -134,8 +151,9 @@ BAD_CONFIGS = [
 
 
 @pytest.mark.parametrize("extra_args, extra_env, named", BAD_CONFIGS)
-def test_bad_config_exits_1_with_one_clear_line(short_dir: Path, monkeypatch, restore_logging,
-                                                extra_args, extra_env, named) -> None:
+def test_bad_config_exits_1_with_one_clear_line(
+    short_dir: Path, monkeypatch, restore_logging, extra_args, extra_env, named
+) -> None:
     """In-process through Typer's runner (fast); the subprocess variant below checks the real process."""
     from typer.testing import CliRunner
 
@@ -152,8 +170,13 @@ def test_bad_config_exits_1_with_one_clear_line(short_dir: Path, monkeypatch, re
 
 
 def test_bad_config_in_a_real_process(short_dir: Path) -> None:
-    result = subprocess.run([*serve_argv(short_dir / "s", "INFO"), "--dtype", "int8"],
-                            env=cli_env(TGI_PAGED_WATERMARK="1.5"), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [*serve_argv(short_dir / "s", "INFO"), "--dtype", "int8"],
+        env=cli_env(TGI_PAGED_WATERMARK="1.5"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1
     ((level, text),) = launcher_lines(result.stdout)
     assert level == "ERROR" and "TGI_PAGED_WATERMARK" in text
@@ -161,8 +184,13 @@ def test_bad_config_in_a_real_process(short_dir: Path) -> None:
 
 
 def test_engine_build_failure_exits_1_without_socket(short_dir: Path) -> None:
-    result = subprocess.run(serve_argv(short_dir / "s", "INFO"), env=cli_env(FAKE_ENGINE_FAIL_BUILD="1"),
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        serve_argv(short_dir / "s", "INFO"),
+        env=cli_env(FAKE_ENGINE_FAIL_BUILD="1"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 1
     errors = [text for level, text in launcher_lines(result.stdout) if level == "ERROR"]
     assert errors and "model weights are corrupt" in errors[0]
@@ -171,18 +199,45 @@ def test_engine_build_failure_exits_1_without_socket(short_dir: Path) -> None:
 
 def test_download_weights_local_dir_passes_through(short_dir: Path) -> None:
     (short_dir / "model.safetensors").write_bytes(b"")
-    result = subprocess.run(cli("download-weights", str(short_dir), "--extension", ".safetensors", "--logger-level",
-                                "INFO", "--json-output", "--merge-lora", "--trust-remote-code"),
-                            env=cli_env(), capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        cli(
+            "download-weights",
+            str(short_dir),
+            "--extension",
+            ".safetensors",
+            "--logger-level",
+            "INFO",
+            "--json-output",
+            "--merge-lora",
+            "--trust-remote-code",
+        ),
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 0, result.stderr
     assert any("local directory" in text for _, text in launcher_lines(result.stdout))
 
 
 def test_download_weights_unreachable_hub_fails_clearly(short_dir: Path) -> None:
-    result = subprocess.run(cli("download-weights", "no-such-org/no-such-model", "--extension", ".safetensors",
-                                "--logger-level", "INFO", "--json-output", "--revision", "v1"),
-                            env=cli_env(HF_HUB_OFFLINE="1", HF_HOME=str(short_dir / "hf")),
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        cli(
+            "download-weights",
+            "no-such-org/no-such-model",
+            "--extension",
+            ".safetensors",
+            "--logger-level",
+            "INFO",
+            "--json-output",
+            "--revision",
+            "v1",
+        ),
+        env=cli_env(HF_HUB_OFFLINE="1", HF_HOME=str(short_dir / "hf")),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1
     errors = [text for level, text in launcher_lines(result.stdout) if level == "ERROR"]
     assert len(errors) == 1 and "Could not download no-such-org/no-such-model (revision v1)" in errors[0]
@@ -193,15 +248,29 @@ def test_download_weights_with_weights_cache_override_downloads_nothing(short_di
     repository.mkdir()
     (repository / "model.safetensors").write_bytes(b"")
     (repository / "config.json").write_text("{}")
-    argv = cli("download-weights", "org/model", "--extension", ".safetensors", "--logger-level", "INFO",
-               "--json-output", "--merge-lora")
+    argv = cli(
+        "download-weights",
+        "org/model",
+        "--extension",
+        ".safetensors",
+        "--logger-level",
+        "INFO",
+        "--json-output",
+        "--merge-lora",
+    )
     offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(short_dir / "hf")}
-    result = subprocess.run(argv, env=cli_env(WEIGHTS_CACHE_OVERRIDE=str(repository), **offline),
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        argv, env=cli_env(WEIGHTS_CACHE_OVERRIDE=str(repository), **offline), capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 0, result.stderr
     assert any("nothing to download" in text for _, text in launcher_lines(result.stdout))
-    missing = subprocess.run(argv, env=cli_env(WEIGHTS_CACHE_OVERRIDE=str(short_dir / "nope"), **offline),
-                             capture_output=True, text=True, timeout=30)
+    missing = subprocess.run(
+        argv,
+        env=cli_env(WEIGHTS_CACHE_OVERRIDE=str(short_dir / "nope"), **offline),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert missing.returncode == 1
     ((level, text),) = launcher_lines(missing.stdout)
     assert level == "ERROR" and "WEIGHTS_CACHE_OVERRIDE=" in text and "not a directory" in text
@@ -212,7 +281,17 @@ def test_stock_backend_execs_tgi_server_with_same_argv(short_dir: Path) -> None:
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "cli.py").write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    argv = ["serve", "org/model", "--uds-path", "/tmp/x", "--logger-level", "INFO", "--json-output", "--quantize", "awq"]
+    argv = [
+        "serve",
+        "org/model",
+        "--uds-path",
+        "/tmp/x",
+        "--logger-level",
+        "INFO",
+        "--json-output",
+        "--quantize",
+        "awq",
+    ]
     env = cli_env(TGI_BACKEND="stock")
     env["PYTHONPATH"] = os.pathsep.join([str(short_dir), env["PYTHONPATH"]])
     result = subprocess.run(cli(*argv), env=env, capture_output=True, text=True, timeout=30)
@@ -221,8 +300,13 @@ def test_stock_backend_execs_tgi_server_with_same_argv(short_dir: Path) -> None:
 
 
 def test_stock_backend_without_tgi_installed_fails_clearly() -> None:
-    result = subprocess.run(cli("serve", "org/model", "--json-output"), env=cli_env(TGI_BACKEND="stock"),
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        cli("serve", "org/model", "--json-output"),
+        env=cli_env(TGI_BACKEND="stock"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 1
     ((level, text),) = launcher_lines(result.stdout)
     assert level == "ERROR" and "text_generation_server" in text

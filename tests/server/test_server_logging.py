@@ -19,8 +19,17 @@ def parse(stream: io.StringIO) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-@pytest.mark.parametrize("given, expected", [("WARN", "WARNING"), ("warn", "WARNING"), ("OFF", "OFF"),
-                                             ("INFO", "INFO"), ("TRACE", "TRACE"), ("ERROR", "ERROR")])
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ("WARN", "WARNING"),
+        ("warn", "WARNING"),
+        ("OFF", "OFF"),
+        ("INFO", "INFO"),
+        ("TRACE", "TRACE"),
+        ("ERROR", "ERROR"),
+    ],
+)
 def test_launcher_level_names_map_to_loguru(given: str, expected: str) -> None:
     assert normalize_level(given) == expected
 

@@ -24,8 +24,9 @@ def text_request(request_id: int, text: str, *, max_new_tokens: int = 2, **field
         inputs=text,
         input_chunks=pb.Input(chunks=[pb.InputChunk(text=text)]),
         truncate=64,
-        parameters=pb.NextTokenChooserParameters(temperature=1.0, top_p=1.0, typical_p=1.0,
-                                                 repetition_penalty=1.0, seed=7),
+        parameters=pb.NextTokenChooserParameters(
+            temperature=1.0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0, seed=7
+        ),
         stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=max_new_tokens),
         slots=list(range(16, 16 + 8)),
         blocks=[1],
@@ -53,7 +54,11 @@ def test_info_fields_and_unset_window_size(stub, engine: FakeEngine) -> None:
     info = stub.Info(pb.InfoRequest())
     assert (info.requires_padding, info.dtype, info.device_type, info.speculate) == (False, "torch.float32", "cpu", 0)
     assert (info.support_chunking, info.use_prefix_caching, info.attention_impl, info.block_size) == (
-        True, True, "paged", 16)
+        True,
+        True,
+        "paged",
+        16,
+    )
     assert not info.HasField("window_size")
     engine.window_size = 4096
     assert stub.Info(pb.InfoRequest()).window_size == 4096
@@ -94,9 +99,14 @@ def test_warmup_optional_limits(stub, engine: FakeEngine) -> None:
     batch = pb.Batch(id=0, requests=[text_request(0, "warm", max_new_tokens=1)], size=1)
     answer = stub.Warmup(pb.WarmupRequest(batch=batch, max_prefill_tokens=4096))
     assert answer.HasField("max_supported_total_tokens")
-    assert (answer.max_supported_total_tokens, answer.max_input_tokens, answer.max_total_tokens) == (100_000, 4095, 4096)
-    answer = stub.Warmup(pb.WarmupRequest(batch=batch, max_prefill_tokens=512, max_input_tokens=100,
-                                          max_total_tokens=200))
+    assert (answer.max_supported_total_tokens, answer.max_input_tokens, answer.max_total_tokens) == (
+        100_000,
+        4095,
+        4096,
+    )
+    answer = stub.Warmup(
+        pb.WarmupRequest(batch=batch, max_prefill_tokens=512, max_input_tokens=100, max_total_tokens=200)
+    )
     assert (answer.max_input_tokens, answer.max_total_tokens) == (100, 200)
     first, second = engine.calls_named("warmup")
     assert (first["max_input_tokens"], first["max_prefill_tokens"], first["max_total_tokens"]) == (None, 4096, None)
@@ -117,14 +127,27 @@ def test_prefill_converts_every_request_field(stub, engine: FakeEngine) -> None:
     full = pb.Request(
         id=U64_MAX,
         inputs="ignored when chunks are present",
-        input_chunks=pb.Input(chunks=[pb.InputChunk(image=pb.Image(data=b"\x89PNG", mimetype="image/png")),
-                                      pb.InputChunk(text="Hello world")]),
+        input_chunks=pb.Input(
+            chunks=[
+                pb.InputChunk(image=pb.Image(data=b"\x89PNG", mimetype="image/png")),
+                pb.InputChunk(text="Hello world"),
+            ]
+        ),
         truncate=1000,
         parameters=pb.NextTokenChooserParameters(
-            temperature=0.5, top_k=40, top_p=0.75, typical_p=0.25, do_sample=True, seed=2**64 - 2,
-            repetition_penalty=1.5, frequency_penalty=0.125, watermark=True),
-        stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=3, stop_sequences=["\n\n", "###"],
-                                                          ignore_eos_token=True),
+            temperature=0.5,
+            top_k=40,
+            top_p=0.75,
+            typical_p=0.25,
+            do_sample=True,
+            seed=2**64 - 2,
+            repetition_penalty=1.5,
+            frequency_penalty=0.125,
+            watermark=True,
+        ),
+        stopping_parameters=pb.StoppingCriteriaParameters(
+            max_new_tokens=3, stop_sequences=["\n\n", "###"], ignore_eos_token=True
+        ),
         prefill_logprobs=True,
         top_n_tokens=5,
         blocks=[3, 4],
@@ -133,36 +156,66 @@ def test_prefill_converts_every_request_field(stub, engine: FakeEngine) -> None:
         add_special_tokens=True,
         chunk_len=0,  # set to zero is not the same as unset
     )
-    legacy = pb.Request(id=5, inputs="from inputs", truncate=8,
-                        stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=1))
-    stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=U64_MAX, requests=[full, legacy], size=2, max_tokens=77,
-                                                  max_blocks=2)))
+    legacy = pb.Request(
+        id=5, inputs="from inputs", truncate=8, stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=1)
+    )
+    stub.Prefill(
+        pb.PrefillRequest(batch=pb.Batch(id=U64_MAX, requests=[full, legacy], size=2, max_tokens=77, max_blocks=2))
+    )
 
     (call,) = engine.calls_named("prefill")
     assert call["cached_batch_id"] is None
     batch = call["batch"]
     assert (batch.id, batch.max_tokens, batch.max_blocks) == (U64_MAX, 77, 2)
     assert batch.requests[0] == RequestSpec(
-        id=U64_MAX, text="Hello world", truncate=1000, add_special_tokens=True,
-        sampling=SamplingParams(temperature=0.5, top_k=40, top_p=0.75, typical_p=0.25, do_sample=True,
-                                seed=2**64 - 2, repetition_penalty=1.5, frequency_penalty=0.125, watermark=True),
+        id=U64_MAX,
+        text="Hello world",
+        truncate=1000,
+        add_special_tokens=True,
+        sampling=SamplingParams(
+            temperature=0.5,
+            top_k=40,
+            top_p=0.75,
+            typical_p=0.25,
+            do_sample=True,
+            seed=2**64 - 2,
+            repetition_penalty=1.5,
+            frequency_penalty=0.125,
+            watermark=True,
+        ),
         stopping=StoppingParams(max_new_tokens=3, stop_sequences=("\n\n", "###"), ignore_eos_token=True),
-        prefill_logprobs=True, top_n_tokens=5, blocks=(3, 4), slots=(48, 49, 50, 64), cache_len=16, chunk_len=0,
+        prefill_logprobs=True,
+        top_n_tokens=5,
+        blocks=(3, 4),
+        slots=(48, 49, 50, 64),
+        cache_len=16,
+        chunk_len=0,
     )
     assert batch.requests[1] == RequestSpec(
-        id=5, text="from inputs", truncate=8, add_special_tokens=False,
+        id=5,
+        text="from inputs",
+        truncate=8,
+        add_special_tokens=False,
         sampling=SamplingParams(temperature=0.0, top_p=0.0, typical_p=0.0, repetition_penalty=0.0),
-        stopping=StoppingParams(max_new_tokens=1), chunk_len=None,
+        stopping=StoppingParams(max_new_tokens=1),
+        chunk_len=None,
     )
 
 
-@pytest.mark.parametrize("chunks, expected", [
-    ([pb.InputChunk(image=pb.Image(data=b"x", mimetype="image/png"))], "got 0"),
-    ([pb.InputChunk(text="a"), pb.InputChunk(text="b")], "got 2"),
-])
+@pytest.mark.parametrize(
+    "chunks, expected",
+    [
+        ([pb.InputChunk(image=pb.Image(data=b"x", mimetype="image/png"))], "got 0"),
+        ([pb.InputChunk(text="a"), pb.InputChunk(text="b")], "got 2"),
+    ],
+)
 def test_zero_or_two_text_chunks_are_invalid_and_server_keeps_serving(stub, engine, chunks, expected) -> None:
-    bad = pb.Request(id=42, inputs="ab", input_chunks=pb.Input(chunks=chunks),
-                     stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=1))
+    bad = pb.Request(
+        id=42,
+        inputs="ab",
+        input_chunks=pb.Input(chunks=chunks),
+        stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=1),
+    )
     code, details = status_of(lambda: prefill(stub, 1, bad))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert "request 42" in details and "exactly one text chunk" in details and expected in details
@@ -181,8 +234,9 @@ def test_grammars_reach_the_engine_as_regex_or_json(stub, engine) -> None:
 
 
 @pytest.mark.parametrize("text, kind", [("[a-z]+", pb.GRAMMAR_TYPE_NONE), ("", pb.GRAMMAR_TYPE_REGEX)])
-def test_grammar_text_and_type_that_disagree_fail_the_prefill_and_free_its_cached_batch(stub, engine, text,
-                                                                                         kind) -> None:
+def test_grammar_text_and_type_that_disagree_fail_the_prefill_and_free_its_cached_batch(
+    stub, engine, text, kind
+) -> None:
     prefill(stub, 1, text_request(1, "running", max_new_tokens=3))
     bad = text_request(2, "json please")
     bad.parameters.grammar, bad.parameters.grammar_type = text, kind
@@ -317,8 +371,9 @@ def test_rpcs_are_serialised_but_the_loop_stays_responsive(stub, engine) -> None
     started = time.monotonic()
     stub.ServiceDiscovery(pb.ServiceDiscoveryRequest())  # no engine call: answered at once
     assert time.monotonic() - started < 0.5
-    others = [threading.Thread(target=lambda i=i: prefill(stub, 10 + i, text_request(10 + i, "sleep:0.05")))
-              for i in range(3)]
+    others = [
+        threading.Thread(target=lambda i=i: prefill(stub, 10 + i, text_request(10 + i, "sleep:0.05"))) for i in range(3)
+    ]
     for t in others:
         t.start()
     stub.Health(pb.HealthRequest())  # queues behind the slow prefill

@@ -70,9 +70,13 @@ class OtlpSink:
 
     def spans(self) -> list[tuple[dict[str, Any], Any]]:
         """``(resource attributes, Span proto)`` for every span received."""
-        return [(attributes(rs.resource.attributes), span)
-                for r in self.trace_requests for rs in r.resource_spans
-                for ss in rs.scope_spans for span in ss.spans]
+        return [
+            (attributes(rs.resource.attributes), span)
+            for r in self.trace_requests
+            for rs in r.resource_spans
+            for ss in rs.scope_spans
+            for span in ss.spans
+        ]
 
 
 class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):

@@ -11,17 +11,35 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO_ROOT / "examples" / "observability"
 
 GiB = 1024**3
-BUDGET = MemoryBudget(device_total_bytes=80 * GiB, weights_bytes=16 * GiB, activation_peak_bytes=2 * GiB,
-                      pool_bytes=50 * GiB, swap_bytes=4 * GiB)
+BUDGET = MemoryBudget(
+    device_total_bytes=80 * GiB,
+    weights_bytes=16 * GiB,
+    activation_peak_bytes=2 * GiB,
+    pool_bytes=50 * GiB,
+    swap_bytes=4 * GiB,
+)
 
 
 def memory_stats(**overrides: int) -> MemoryStats:
     """A plausible pool: 100 blocks x 16 tokens, 75 used (usage 0.75), 5 retained, 3 swapped."""
-    values = dict(block_size=16, num_total_blocks=100, num_free_blocks=17, num_used_blocks=75,
-                  num_retained_blocks=5, num_swapped_blocks=3, num_swap_total_blocks=50, num_requests=4,
-                  num_swapped_requests=1, num_written_tokens=1100, num_reserved_slots=4000,
-                  internal_waste_slots=100, reservation_waste_slots=2800, external_waste_blocks=0,
-                  num_prefix_query_tokens=0, num_prefix_hit_tokens=0)
+    values = dict(
+        block_size=16,
+        num_total_blocks=100,
+        num_free_blocks=17,
+        num_used_blocks=75,
+        num_retained_blocks=5,
+        num_swapped_blocks=3,
+        num_swap_total_blocks=50,
+        num_requests=4,
+        num_swapped_requests=1,
+        num_written_tokens=1100,
+        num_reserved_slots=4000,
+        internal_waste_slots=100,
+        reservation_waste_slots=2800,
+        external_waste_blocks=0,
+        num_prefix_query_tokens=0,
+        num_prefix_hit_tokens=0,
+    )
     values.update(overrides)
     return MemoryStats(**values)
 
@@ -36,18 +54,52 @@ def sample_steps() -> list[StepRecord]:
     The last pool snapshot has usage 0.75.
     """
     return [
-        StepRecord(phase="prefill", step_s=0.120, batch_size=4, tokens_computed=512, blocks_allocated=32,
-                   prefix_hit_tokens=32, prefix_query_tokens=96, num_running=4, constrained_rows=2,
-                   grammar_compile_s=(0.2,), grammar_cache_hits=1, part_s=(("forward", 0.1), ("schedule", 0.02)),
-                   memory=memory_stats(num_used_blocks=60, num_free_blocks=32)),
-        StepRecord(phase="decode", step_s=0.015, batch_size=3, tokens_computed=3, blocks_allocated=1,
-                   preemptions=(PreemptionRecord(mode="recompute", victim_id=11, tokens_lost=40, estimated_cost_s=0.02),
-                                PreemptionRecord(mode="swap", victim_id=12, tokens_lost=64, estimated_cost_s=0.004)),
-                   swap_out_bytes=8192, num_running=2, num_preempted=2, max_preempted_wait_s=0.0,
-                   constrained_rows=1, part_s=(("forward", 0.010), ("schedule", 0.002), ("sample", 0.001)),
-                   memory=memory_stats(num_used_blocks=80, num_free_blocks=12)),
-        StepRecord(phase="decode", step_s=0.018, batch_size=4, tokens_computed=43, tokens_recomputed=40,
-                   swap_in_bytes=4096, resumed_wait_s=(2.0,), num_running=3, num_waiting=1, num_preempted=1,
-                   max_preempted_wait_s=2.5, part_s=(("forward", 0.012), ("schedule", 0.003), ("sample", 0.001)),
-                   memory=memory_stats()),
+        StepRecord(
+            phase="prefill",
+            step_s=0.120,
+            batch_size=4,
+            tokens_computed=512,
+            blocks_allocated=32,
+            prefix_hit_tokens=32,
+            prefix_query_tokens=96,
+            num_running=4,
+            constrained_rows=2,
+            grammar_compile_s=(0.2,),
+            grammar_cache_hits=1,
+            part_s=(("forward", 0.1), ("schedule", 0.02)),
+            memory=memory_stats(num_used_blocks=60, num_free_blocks=32),
+        ),
+        StepRecord(
+            phase="decode",
+            step_s=0.015,
+            batch_size=3,
+            tokens_computed=3,
+            blocks_allocated=1,
+            preemptions=(
+                PreemptionRecord(mode="recompute", victim_id=11, tokens_lost=40, estimated_cost_s=0.02),
+                PreemptionRecord(mode="swap", victim_id=12, tokens_lost=64, estimated_cost_s=0.004),
+            ),
+            swap_out_bytes=8192,
+            num_running=2,
+            num_preempted=2,
+            max_preempted_wait_s=0.0,
+            constrained_rows=1,
+            part_s=(("forward", 0.010), ("schedule", 0.002), ("sample", 0.001)),
+            memory=memory_stats(num_used_blocks=80, num_free_blocks=12),
+        ),
+        StepRecord(
+            phase="decode",
+            step_s=0.018,
+            batch_size=4,
+            tokens_computed=43,
+            tokens_recomputed=40,
+            swap_in_bytes=4096,
+            resumed_wait_s=(2.0,),
+            num_running=3,
+            num_waiting=1,
+            num_preempted=1,
+            max_preempted_wait_s=2.5,
+            part_s=(("forward", 0.012), ("schedule", 0.003), ("sample", 0.001)),
+            memory=memory_stats(),
+        ),
     ]

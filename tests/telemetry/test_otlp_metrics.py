@@ -60,9 +60,13 @@ def test_recorded_steps_arrive_with_design_names_and_values(recorder: OtelRecord
     preemptions = got["tgi_paged_preemptions_total"].sum
     assert preemptions.is_monotonic and preemptions.aggregation_temporality == 2  # CUMULATIVE
     assert {k: p.as_int for k, p in points_by(got["tgi_paged_preemptions_total"], "mode").items()} == {
-        "recompute": 1, "swap": 1}
+        "recompute": 1,
+        "swap": 1,
+    }
     assert {k: p.as_int for k, p in points_by(got["tgi_paged_swap_bytes_total"], "direction").items()} == {
-        "out": 8192, "in": 4096}
+        "out": 8192,
+        "in": 4096,
+    }
     assert points_by(got["tgi_paged_recomputed_tokens_total"])[None].as_int == 40
     assert points_by(got["tgi_paged_computed_tokens_total"])[None].as_int == 512 + 3 + 43
     assert points_by(got["tgi_paged_prefix_hit_tokens_total"])[None].as_int == 32
@@ -78,10 +82,18 @@ def test_recorded_steps_arrive_with_design_names_and_values(recorder: OtelRecord
     wait = points_by(got["tgi_paged_preempted_wait_seconds"])[None]
     assert (wait.count, wait.sum) == (1, pytest.approx(2.0))
     assert got["tgi_paged_step_seconds"].unit == "s"
-    parts = {(a["phase"], a["part"]): p for p in got["tgi_paged_step_part_seconds"].histogram.data_points
-             for a in [{kv.key: kv.value.string_value for kv in p.attributes}]}
-    assert set(parts) == {("prefill", "forward"), ("prefill", "schedule"), ("decode", "forward"),
-                          ("decode", "schedule"), ("decode", "sample")}
+    parts = {
+        (a["phase"], a["part"]): p
+        for p in got["tgi_paged_step_part_seconds"].histogram.data_points
+        for a in [{kv.key: kv.value.string_value for kv in p.attributes}]
+    }
+    assert set(parts) == {
+        ("prefill", "forward"),
+        ("prefill", "schedule"),
+        ("decode", "forward"),
+        ("decode", "schedule"),
+        ("decode", "sample"),
+    }
     assert (parts[("decode", "forward")].count, parts[("decode", "forward")].sum) == (2, pytest.approx(0.022))
     assert parts[("decode", "sample")].sum == pytest.approx(0.002)
     assert list(parts[("decode", "sample")].explicit_bounds)[:2] == [0.0001, 0.00025]
@@ -102,7 +114,10 @@ def test_counters_accumulate_across_exports_and_memory_refresh(recorder: OtelRec
     assert points_by(got["tgi_paged_swap_bytes_total"], "direction")["out"].as_int == 2 * 8192
     assert points_by(got["tgi_paged_kv_usage_ratio"])[None].as_double == 0.0
     assert {k: p.as_int for k, p in points_by(got["tgi_paged_requests"], "state").items()} == {
-        "running": 0, "preempted": 0, "waiting": 0}
+        "running": 0,
+        "preempted": 0,
+        "waiting": 0,
+    }
 
 
 def test_idle_steps_do_not_skew_step_histograms(recorder: OtelRecorder, otlp_sink: OtlpSink) -> None:
@@ -120,7 +135,6 @@ def test_global_meter_provider_is_never_touched(recorder: OtelRecorder) -> None:
     recorder.record_step(sample_steps()[0])
     assert not isinstance(otel_metrics.get_meter_provider(), MeterProvider)
     assert recorder.provider is not otel_metrics.get_meter_provider()
-
 
 
 def test_build_recorder_picks_the_implementation_from_config(otlp_sink: OtlpSink) -> None:

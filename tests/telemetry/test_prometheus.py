@@ -128,18 +128,21 @@ def promtool() -> str:
 
 
 def test_promtool_lints_the_exposition(recorder: OtelRecorder, promtool: str) -> None:
-    result = subprocess.run([promtool, "check", "metrics"], input=recorder.prometheus.render(),
-                            capture_output=True, timeout=30)
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=recorder.prometheus.render(), capture_output=True, timeout=30
+    )
     assert result.returncode == 0, (result.stdout + result.stderr).decode()
 
 
 def test_promtool_checks_and_unit_tests_the_alert_rules(promtool: str) -> None:
-    check = subprocess.run([promtool, "check", "rules", str(EXAMPLES / "alerts.yml")], capture_output=True,
-                           text=True, timeout=30)
+    check = subprocess.run(
+        [promtool, "check", "rules", str(EXAMPLES / "alerts.yml")], capture_output=True, text=True, timeout=30
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     assert "SUCCESS: 3 rules found" in check.stdout
-    unit = subprocess.run([promtool, "test", "rules", "alerts_test.yml"], cwd=EXAMPLES, capture_output=True,
-                          text=True, timeout=60)
+    unit = subprocess.run(
+        [promtool, "test", "rules", "alerts_test.yml"], cwd=EXAMPLES, capture_output=True, text=True, timeout=60
+    )
     assert unit.returncode == 0, unit.stdout + unit.stderr
 
 
@@ -148,16 +151,25 @@ class PrometheusServer:
 
     def __init__(self, binary: str, workdir: Path, target_port: int) -> None:
         self.port = _free_port()
-        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                  "rule_files": [str(EXAMPLES / "alerts.yml")],
-                  "scrape_configs": [{"job_name": "tgi-paged", "static_configs": [
-                      {"targets": [f"127.0.0.1:{target_port}"]}]}]}
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(EXAMPLES / "alerts.yml")],
+            "scrape_configs": [
+                {"job_name": "tgi-paged", "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}
+            ],
+        }
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = (workdir / "prometheus.log").open("wb")
         self.process = subprocess.Popen(
-            [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                binary,
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self.log_path = workdir / "prometheus.log"
 
     def api(self, path: str, **params: str) -> dict:
@@ -182,8 +194,9 @@ class PrometheusServer:
             if result and predicate(result):
                 return result
             time.sleep(0.25)
-        raise AssertionError(f"{query!r} never satisfied the check; last result {result}\n"
-                             f"{self.log_path.read_text()[-3000:]}")
+        raise AssertionError(
+            f"{query!r} never satisfied the check; last result {result}\n{self.log_path.read_text()[-3000:]}"
+        )
 
     def stop(self) -> None:
         self.process.terminate()

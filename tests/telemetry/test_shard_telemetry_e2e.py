@@ -42,15 +42,25 @@ def test_real_shard_exports_metrics_and_parented_spans(tmp_path: Path) -> None:
     sink = OtlpSink()
     port = free_port()
     opts = LauncherOptions(
-        uds_path=str(tmp_path / "shard"), otlp_endpoint=sink.endpoint, otlp_service_name="tgi-test",
-        env={"TGI_PAGED_NUM_BLOCKS": "10", "TGI_PAGED_BLOCK_SIZE": "8", "TGI_PAGED_OVERCOMMIT": "4",
-             "TGI_PAGED_PREEMPTION": "recompute", "TGI_PAGED_METRICS_PORT": str(port), "PREFIX_CACHING": "0"},
-        max_input_tokens=32, max_total_tokens=72)
+        uds_path=str(tmp_path / "shard"),
+        otlp_endpoint=sink.endpoint,
+        otlp_service_name="tgi-test",
+        env={
+            "TGI_PAGED_NUM_BLOCKS": "10",
+            "TGI_PAGED_BLOCK_SIZE": "8",
+            "TGI_PAGED_OVERCOMMIT": "4",
+            "TGI_PAGED_PREEMPTION": "recompute",
+            "TGI_PAGED_METRICS_PORT": str(port),
+            "PREFIX_CACHING": "0",
+        },
+        max_input_tokens=32,
+        max_total_tokens=72,
+    )
 
     async def drive() -> None:
-        router = await Router.connect(opts.uds_path, str(model), max_batch_prefill_tokens=64,
-                                      send_traceparent=True)
+        router = await Router.connect(opts.uds_path, str(model), max_batch_prefill_tokens=64, send_traceparent=True)
         try:
+
             async def one(text: str) -> None:
                 stream = await router.generate(text, GenerateParameters(max_new_tokens=24, ignore_eos_token=True))
                 await stream.collect()
@@ -78,7 +88,8 @@ def test_real_shard_exports_metrics_and_parented_spans(tmp_path: Path) -> None:
         assert decode_spans and all(len(s.parent_span_id) == 8 for s in decode_spans)
         assert all(res.get("service.name") == "tgi-test" for res, _ in spans)
         assert any(attributes(s.attributes).get("tgi_paged.batch.size") for s in decode_spans) or any(
-            "batch" in key for s in decode_spans for key in attributes(s.attributes))
+            "batch" in key for s in decode_spans for key in attributes(s.attributes)
+        )
         assert sink.wait_for(lambda: "tgi_paged_preemptions_total" in sink.latest_metrics(), timeout=20)
     finally:
         sink.stop()

@@ -39,9 +39,17 @@ class AnnotatingEngine:
         self.threads: list[str] = []
 
     def info(self) -> InfoResult:
-        return InfoResult(requires_padding=False, dtype="float32", device_type="cpu", window_size=None,
-                          speculate=0, support_chunking=True, use_prefix_caching=False, attention_impl="paged",
-                          block_size=16)
+        return InfoResult(
+            requires_padding=False,
+            dtype="float32",
+            device_type="cpu",
+            window_size=None,
+            speculate=0,
+            support_chunking=True,
+            use_prefix_caching=False,
+            attention_impl="paged",
+            block_size=16,
+        )
 
     def prefill(self, batch, cached_batch_id):
         self.threads.append(threading.current_thread().name)
@@ -67,7 +75,8 @@ class Shard:
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tgi-engine")
         server = grpc.aio.server(interceptors=[self._interceptor])
         pb_grpc.add_TextGenerationServiceServicer_to_server(
-            TextGenerationService(self._engine, [f"unix://{self.socket_path}"], executor), server)
+            TextGenerationService(self._engine, [f"unix://{self.socket_path}"], executor), server
+        )
         server.add_insecure_port(f"unix://{self.socket_path}")
         await server.start()
         self._ready.set()
@@ -98,8 +107,9 @@ def _spans_named(sink: OtlpSink, name: str) -> list[tuple[dict, SpanProto]]:
 
 @pytest.fixture
 def provider(otlp_sink: OtlpSink):
-    provider = setup_tracing(TelemetryConfig(otlp_endpoint=otlp_sink.endpoint, otlp_service_name="tgi-trace-test"),
-                             rank=0)
+    provider = setup_tracing(
+        TelemetryConfig(otlp_endpoint=otlp_sink.endpoint, otlp_service_name="tgi-trace-test"), rank=0
+    )
     assert provider is not None
     yield provider
     provider.shutdown()
@@ -131,17 +141,26 @@ def test_rpc_span_is_child_of_router_traceparent_with_step_details(provider, otl
     assert attrs["tgi_paged.step.swap_out_bytes"] == 8192
     preemptions = [attributes(e.attributes) for e in span.events if e.name == "tgi_paged.preemption"]
     assert preemptions == [
-        {"tgi_paged.preemption.mode": "recompute", "tgi_paged.preemption.victim_id": 11,
-         "tgi_paged.preemption.tokens_lost": 40, "tgi_paged.preemption.estimated_cost_s": 0.02},
-        {"tgi_paged.preemption.mode": "swap", "tgi_paged.preemption.victim_id": 12,
-         "tgi_paged.preemption.tokens_lost": 64, "tgi_paged.preemption.estimated_cost_s": 0.004},
+        {
+            "tgi_paged.preemption.mode": "recompute",
+            "tgi_paged.preemption.victim_id": 11,
+            "tgi_paged.preemption.tokens_lost": 40,
+            "tgi_paged.preemption.estimated_cost_s": 0.02,
+        },
+        {
+            "tgi_paged.preemption.mode": "swap",
+            "tgi_paged.preemption.victim_id": 12,
+            "tgi_paged.preemption.tokens_lost": 64,
+            "tgi_paged.preemption.estimated_cost_s": 0.004,
+        },
     ]
     (swap,) = [attributes(e.attributes) for e in span.events if e.name == "tgi_paged.swap"]
     assert swap == {"tgi_paged.swap.out_bytes": 8192, "tgi_paged.swap.in_bytes": 0}
 
 
 def test_without_traceparent_the_span_is_a_root_and_errors_carry_the_grpc_status(
-        provider, otlp_sink, short_dir) -> None:
+    provider, otlp_sink, short_dir
+) -> None:
     with Shard(short_dir / "shard-0", TracingInterceptor(provider), AnnotatingEngine()) as stub:
         stub.Info(pb.InfoRequest())
         with pytest.raises(grpc.RpcError) as err:

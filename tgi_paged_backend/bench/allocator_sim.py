@@ -94,8 +94,9 @@ class StepCostModel:
         """Rates for the swap-vs-recompute choice (policy defaults under the unit model)."""
         if self.is_unit:
             return RateCalibrator()
-        return RateCalibrator(prefill_tokens_per_s=self.flops_per_s / self.flops_per_token,
-                              copy_bytes_per_s=self.swap_bytes_per_s)
+        return RateCalibrator(
+            prefill_tokens_per_s=self.flops_per_s / self.flops_per_token, copy_bytes_per_s=self.swap_bytes_per_s
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -305,10 +306,13 @@ class PagedAllocator(_Allocator):
 
     def __init__(self, cfg: SimConfig) -> None:
         super().__init__(cfg)
-        self.kv = KVCacheManager(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
-                                 num_swap_blocks=cfg.num_swap_blocks if cfg.preemption != "recompute" else 0,
-                                 enable_prefix_retention=cfg.prefix_retention,
-                                 reclaim_window=cfg.reclaim_window)
+        self.kv = KVCacheManager(
+            num_blocks=cfg.num_blocks,
+            block_size=cfg.block_size,
+            num_swap_blocks=cfg.num_swap_blocks if cfg.preemption != "recompute" else 0,
+            enable_prefix_retention=cfg.prefix_retention,
+            reclaim_window=cfg.reclaim_window,
+        )
         # The router's pool: floor(advertised / block_size) blocks, block 0 never handed out.
         advertised = int(cfg.kv_tokens * cfg.overcommit) // cfg.block_size * cfg.block_size
         self.virtual_free = advertised // cfg.block_size - 1
@@ -324,9 +328,11 @@ class PagedAllocator(_Allocator):
 
     def never_fits(self, r: _Req) -> bool:
         # A reservation bigger than the router's pool, or a request longer than the physical pool.
-        return (self.blocks(r) > self.virtual_total
-                or max_request_blocks(r.req.total_tokens, self.bs, self.cfg.reclaim_window,
-                                      r.req.total_tokens) > self.cfg.usable_blocks)
+        return (
+            self.blocks(r) > self.virtual_total
+            or max_request_blocks(r.req.total_tokens, self.bs, self.cfg.reclaim_window, r.req.total_tokens)
+            > self.cfg.usable_blocks
+        )
 
     def braking(self, live: Sequence[_Req]) -> bool:
         waiting = sum(1 for r in live if r.state in (DROPPED, SWAPPED))
@@ -346,7 +352,7 @@ class PagedAllocator(_Allocator):
         """Record the written history before the manager registers it for retention (free or
         preemption). The engine commits every step; only these moments read it."""
         if r.resident > r.committed:
-            self.kv.commit_tokens(r.idx, r.history[:r.resident])
+            self.kv.commit_tokens(r.idx, r.history[: r.resident])
             r.committed = r.resident
 
     def release(self, r: _Req) -> None:
@@ -426,9 +432,12 @@ class PagedAllocator(_Allocator):
         self._commit(v)
         memory = kv.request_memory(v.idx)
         decision = choose_preemption_mode(
-            self.cfg.preemption, num_tokens_to_reprefill=len(v.history),
+            self.cfg.preemption,
+            num_tokens_to_reprefill=len(v.history),
             num_swap_bytes=memory.num_blocks * self.cfg.block_bytes,
-            swap_has_room=kv.can_swap_out(v.idx), calibrator=self.calibrator)
+            swap_has_room=kv.can_swap_out(v.idx),
+            calibrator=self.calibrator,
+        )
         plan = kv.swap_out(v.idx) if decision.mode == "swap" else None
         if plan is not None:
             v.state = SWAPPED
@@ -683,10 +692,25 @@ def simulate(trace: Sequence[TraceRequest], allocator: str, cfg: SimConfig) -> S
             frag_steps += alloc.pending_fits_total(pending)
         written = sum(r.resident for r in live)
         virtual = paged.virtual_unbacked_slots(live) if paged is not None else 0
-        acc.add(dt, running=running, admitted=len(live), queued=len(queue), internal=internal,
-                reservation=reservation, external=external, used=written, virtual=virtual)
-        acc.point(t=clock, running=running, admitted=len(live), queued=len(queue), used=written / pool,
-                  waste=(internal + reservation + external) / pool)
+        acc.add(
+            dt,
+            running=running,
+            admitted=len(live),
+            queued=len(queue),
+            internal=internal,
+            reservation=reservation,
+            external=external,
+            used=written,
+            virtual=virtual,
+        )
+        acc.point(
+            t=clock,
+            running=running,
+            admitted=len(live),
+            queued=len(queue),
+            used=written / pool,
+            waste=(internal + reservation + external) / pool,
+        )
         peak_running = max(peak_running, running)
         peak_admitted = max(peak_admitted, len(live))
         peak_queued = max(peak_queued, len(queue))
@@ -708,19 +732,38 @@ def simulate(trace: Sequence[TraceRequest], allocator: str, cfg: SimConfig) -> S
     if paged is not None:
         paged.kv.check_invariants()
     return SimResult(
-        allocator=allocator, overcommit=cfg.overcommit if paged is not None else 1.0,
-        num_requests=len(reqs), finished=finished, failed=failed, steps=steps, sim_time_s=clock,
-        generated_tokens=useful, tokens_per_s=useful / span if span > 0 else 0.0,
+        allocator=allocator,
+        overcommit=cfg.overcommit if paged is not None else 1.0,
+        num_requests=len(reqs),
+        finished=finished,
+        failed=failed,
+        steps=steps,
+        sim_time_s=clock,
+        generated_tokens=useful,
+        tokens_per_s=useful / span if span > 0 else 0.0,
         requests_per_s=len(ok) / span if span > 0 else 0.0,
-        mean_running=acc.mean("running"), peak_running=peak_running, mean_admitted=acc.mean("admitted"),
-        peak_admitted=peak_admitted, mean_queued=acc.mean("queued"), peak_queued=peak_queued,
-        waste_internal=acc.mean("internal") / pool, waste_reservation=acc.mean("reservation") / pool,
-        waste_external=acc.mean("external") / pool, kv_used=acc.mean("used") / pool,
-        virtual_unbacked=acc.mean("virtual") / pool, fragmentation_steps=frag_steps, admit_refusals=admit_refusals,
-        preemptions_recompute=preemptions["recompute"], preemptions_swap=preemptions["swap"],
-        recomputed_tokens=recomputed_total, computed_tokens=computed_total,
-        ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
-        latency_mean_s=float(latency.mean()), series=acc.thinned())
+        mean_running=acc.mean("running"),
+        peak_running=peak_running,
+        mean_admitted=acc.mean("admitted"),
+        peak_admitted=peak_admitted,
+        mean_queued=acc.mean("queued"),
+        peak_queued=peak_queued,
+        waste_internal=acc.mean("internal") / pool,
+        waste_reservation=acc.mean("reservation") / pool,
+        waste_external=acc.mean("external") / pool,
+        kv_used=acc.mean("used") / pool,
+        virtual_unbacked=acc.mean("virtual") / pool,
+        fragmentation_steps=frag_steps,
+        admit_refusals=admit_refusals,
+        preemptions_recompute=preemptions["recompute"],
+        preemptions_swap=preemptions["swap"],
+        recomputed_tokens=recomputed_total,
+        computed_tokens=computed_total,
+        ttft_p50_s=float(np.percentile(ttft, 50)),
+        ttft_p99_s=float(np.percentile(ttft, 99)),
+        latency_mean_s=float(latency.mean()),
+        series=acc.thinned(),
+    )
 
 
 @dataclass(slots=True)
@@ -737,9 +780,12 @@ class Comparison:
         return self.paged[self.chosen_overcommit]
 
     def to_dict(self, *, series: bool = False) -> dict[str, Any]:
-        return {"contiguous": self.contiguous.to_dict(series=series), "stock": self.stock.to_dict(series=series),
-                "paged": {str(k): v.to_dict(series=series) for k, v in self.paged.items()},
-                "chosen_overcommit": self.chosen_overcommit}
+        return {
+            "contiguous": self.contiguous.to_dict(series=series),
+            "stock": self.stock.to_dict(series=series),
+            "paged": {str(k): v.to_dict(series=series) for k, v in self.paged.items()},
+            "chosen_overcommit": self.chosen_overcommit,
+        }
 
 
 DEFAULT_OVERCOMMITS: tuple[float, ...] = (1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
@@ -748,8 +794,13 @@ THROUGHPUT_TOLERANCE = 0.03
 WASTE_TOLERANCE = 0.01
 
 
-def advise_overcommit(paged: dict[float, SimResult], *, max_recompute_tax: float = MAX_RECOMPUTE_TAX,
-                      tolerance: float = THROUGHPUT_TOLERANCE, waste_tolerance: float = WASTE_TOLERANCE) -> float:
+def advise_overcommit(
+    paged: dict[float, SimResult],
+    *,
+    max_recompute_tax: float = MAX_RECOMPUTE_TAX,
+    tolerance: float = THROUGHPUT_TOLERANCE,
+    waste_tolerance: float = WASTE_TOLERANCE,
+) -> float:
     """The smallest overcommit that gives up nothing that matters.
 
     Among the runs with no failure and a recompute tax of at most ``max_recompute_tax`` (all runs if
@@ -759,8 +810,11 @@ def advise_overcommit(paged: dict[float, SimResult], *, max_recompute_tax: float
     less exposure to long answers; a larger one buys nothing here.
     """
     ok = {k: v for k, v in paged.items() if v.recompute_tax <= max_recompute_tax and v.failed == 0} or paged
-    return pick_overcommit({k: (v.tokens_per_s, v.waste_total) for k, v in ok.items()}, tolerance=tolerance,
-                           waste_tolerance=waste_tolerance)
+    return pick_overcommit(
+        {k: (v.tokens_per_s, v.waste_total) for k, v in ok.items()},
+        tolerance=tolerance,
+        waste_tolerance=waste_tolerance,
+    )
 
 
 def pick_overcommit(runs: dict[float, tuple[float, float]], *, tolerance: float, waste_tolerance: float) -> float:
@@ -775,8 +829,9 @@ def pick_overcommit(runs: dict[float, tuple[float, float]], *, tolerance: float,
     return min(good) if good else max(lean, key=lean.__getitem__)
 
 
-def compare(trace: Sequence[TraceRequest], cfg: SimConfig,
-            overcommits: Sequence[float] = DEFAULT_OVERCOMMITS) -> Comparison:
+def compare(
+    trace: Sequence[TraceRequest], cfg: SimConfig, overcommits: Sequence[float] = DEFAULT_OVERCOMMITS
+) -> Comparison:
     """All three allocators on ``trace``; paged once per overcommit, the advised one marked."""
     from dataclasses import replace
 

@@ -72,18 +72,51 @@ MEM_EFFICIENCY, FLOP_EFFICIENCY, STEP_OVERHEAD_S = 0.8, 0.5, 0.005
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Public architecture numbers (config.json fields) of a few common models.
-    "llama-3-8b": dict(model_type="llama", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                       hidden_size=4096, intermediate_size=14336, vocab_size=128256,
-                       max_position_embeddings=8192, tie_word_embeddings=False),
-    "llama-3-70b": dict(model_type="llama", num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                        hidden_size=8192, intermediate_size=28672, vocab_size=128256,
-                        max_position_embeddings=8192, tie_word_embeddings=False),
-    "mistral-7b": dict(model_type="mistral", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                       hidden_size=4096, intermediate_size=14336, vocab_size=32768,
-                       max_position_embeddings=32768, tie_word_embeddings=False),
-    "smollm2-135m": dict(model_type="llama", num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         hidden_size=576, intermediate_size=1536, vocab_size=49152, head_dim=64,
-                         max_position_embeddings=8192, tie_word_embeddings=True),
+    "llama-3-8b": dict(
+        model_type="llama",
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        hidden_size=4096,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    ),
+    "llama-3-70b": dict(
+        model_type="llama",
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        hidden_size=8192,
+        intermediate_size=28672,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    ),
+    "mistral-7b": dict(
+        model_type="mistral",
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        hidden_size=4096,
+        intermediate_size=14336,
+        vocab_size=32768,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
+    "smollm2-135m": dict(
+        model_type="llama",
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        hidden_size=576,
+        intermediate_size=1536,
+        vocab_size=49152,
+        head_dim=64,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -106,8 +139,9 @@ def _read_config(model: str) -> tuple[str, dict[str, Any]]:
     path = Path(model)
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
-        raise ValueError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) nor a model directory "
-                         "with config.json")
+        raise ValueError(
+            f"--model {model!r}: not a preset ({', '.join(PRESETS)}) nor a model directory with config.json"
+        )
     raw = json.loads(config_file.read_text())
     text = raw.get("text_config")
     return str(path), ({**raw, **text} if isinstance(text, dict) else raw)
@@ -240,18 +274,30 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         s = self.facts.spec
         return {
-            "model": self.facts.name, "device": self.device.name, "dtype": self.dtype_name,
-            "kv_dtype": self.kv_dtype_name, "memory_fraction": self.inputs.memory_fraction,
-            "device_bytes": self.device_bytes, "weights_bytes": self.weights_bytes,
-            "params": self.facts.num_params, "params_exact": self.facts.params_exact,
-            "activation_bytes": self.activation_bytes, "kv_budget_bytes": self.kv_budget_bytes,
-            "layers": s.num_layers, "kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
-            "bytes_per_token": self.bytes_per_token, "block_size": self.inputs.block_size,
-            "block_bytes": self.block_bytes, "num_blocks": self.num_blocks,
+            "model": self.facts.name,
+            "device": self.device.name,
+            "dtype": self.dtype_name,
+            "kv_dtype": self.kv_dtype_name,
+            "memory_fraction": self.inputs.memory_fraction,
+            "device_bytes": self.device_bytes,
+            "weights_bytes": self.weights_bytes,
+            "params": self.facts.num_params,
+            "params_exact": self.facts.params_exact,
+            "activation_bytes": self.activation_bytes,
+            "kv_budget_bytes": self.kv_budget_bytes,
+            "layers": s.num_layers,
+            "kv_heads": s.num_kv_heads,
+            "head_dim": s.head_dim,
+            "bytes_per_token": self.bytes_per_token,
+            "block_size": self.inputs.block_size,
+            "block_bytes": self.block_bytes,
+            "num_blocks": self.num_blocks,
             "physical_tokens": self.physical_tokens,
             "max_supported_total_tokens": self.capacity.max_supported_total_tokens,
-            "trace": self.trace_summary, "simulation": self.comparison.to_dict(),
-            "advised_overcommit": self.advised_overcommit, "notes": self.notes,
+            "trace": self.trace_summary,
+            "simulation": self.comparison.to_dict(),
+            "advised_overcommit": self.advised_overcommit,
+            "notes": self.notes,
         }
 
 
@@ -260,17 +306,21 @@ def _device(inputs: PlanInputs) -> Device:
         return CPU_DEVICE
     key = {k.lower(): k for k in GPUS}.get(inputs.device.lower())
     if key is None:
-        raise ValueError(f"--gpu {inputs.device!r} is unknown: allowed {', '.join(GPUS)}, cpu "
-                         "(or give --memory-gb)")
+        raise ValueError(f"--gpu {inputs.device!r} is unknown: allowed {', '.join(GPUS)}, cpu (or give --memory-gb)")
     return GPUS[key]
 
 
 def cost_model(device: Device, weights_bytes: int, bytes_per_token: int, num_params: int) -> StepCostModel:
     """Roofline step time on ``device``: weights + attended KV over bandwidth vs 2 FLOPs/param/token."""
-    return StepCostModel(fixed_s=STEP_OVERHEAD_S, weights_bytes=weights_bytes, kv_bytes_per_token=bytes_per_token,
-                         flops_per_token=2.0 * num_params, mem_bytes_per_s=device.mem_gb_per_s * 1e9 * MEM_EFFICIENCY,
-                         flops_per_s=device.tflops * 1e12 * FLOP_EFFICIENCY,
-                         swap_bytes_per_s=device.swap_gb_per_s * 1e9)
+    return StepCostModel(
+        fixed_s=STEP_OVERHEAD_S,
+        weights_bytes=weights_bytes,
+        kv_bytes_per_token=bytes_per_token,
+        flops_per_token=2.0 * num_params,
+        mem_bytes_per_s=device.mem_gb_per_s * 1e9 * MEM_EFFICIENCY,
+        flops_per_s=device.tflops * 1e12 * FLOP_EFFICIENCY,
+        swap_bytes_per_s=device.swap_gb_per_s * 1e9,
+    )
 
 
 def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
@@ -282,8 +332,9 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
     from tgi_paged_backend.runner.model_loader import resolve_dtype
     from tgi_paged_backend.runner.model_spec import resolve_kv_dtype
 
-    CacheConfig(block_size=inputs.block_size, memory_fraction=inputs.memory_fraction,
-                kv_cache_dtype=inputs.kv_cache_dtype)  # validates the knobs with the shard's messages
+    CacheConfig(
+        block_size=inputs.block_size, memory_fraction=inputs.memory_fraction, kv_cache_dtype=inputs.kv_cache_dtype
+    )  # validates the knobs with the shard's messages
     device = _device(inputs)
     on_cpu = device is CPU_DEVICE
     dtype = resolve_dtype(inputs.dtype, torch.device("cpu" if on_cpu else "cuda"))
@@ -313,24 +364,49 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
         notes.append("CUDA: the shard measures activations at Warmup and caps the budget by free memory")
 
     def capacity(overcommit: float) -> Any:
-        return plan_capacity(available_kv_bytes=budget, block_bytes=block_bytes, block_size=inputs.block_size,
-                             num_blocks_cap=inputs.num_blocks_cap, overcommit=overcommit,
-                             max_position_embeddings=spec.max_position_embeddings,
-                             max_input_tokens=inputs.max_input_tokens, max_total_tokens=inputs.max_total_tokens,
-                             max_prefill_tokens=inputs.max_prefill_tokens, reclaim_window=spec.reclaim_window)
+        return plan_capacity(
+            available_kv_bytes=budget,
+            block_bytes=block_bytes,
+            block_size=inputs.block_size,
+            num_blocks_cap=inputs.num_blocks_cap,
+            overcommit=overcommit,
+            max_position_embeddings=spec.max_position_embeddings,
+            max_input_tokens=inputs.max_input_tokens,
+            max_total_tokens=inputs.max_total_tokens,
+            max_prefill_tokens=inputs.max_prefill_tokens,
+            reclaim_window=spec.reclaim_window,
+        )
 
     base = capacity(1.0)  # raises ConfigError with the shard's message when nothing fits
-    sim_cfg = SimConfig(num_blocks=base.num_blocks, block_size=inputs.block_size,
-                        max_prefill_tokens=base.max_prefill_tokens, preemption=inputs.preemption,
-                        num_swap_blocks=int(inputs.swap_space_gib * GiB) // block_bytes if block_bytes else 0,
-                        block_bytes=block_bytes, reclaim_window=spec.reclaim_window,
-                        cost=cost_model(device, weights, bytes_per_token, facts.num_params))
+    sim_cfg = SimConfig(
+        num_blocks=base.num_blocks,
+        block_size=inputs.block_size,
+        max_prefill_tokens=base.max_prefill_tokens,
+        preemption=inputs.preemption,
+        num_swap_blocks=int(inputs.swap_space_gib * GiB) // block_bytes if block_bytes else 0,
+        block_bytes=block_bytes,
+        reclaim_window=spec.reclaim_window,
+        cost=cost_model(device, weights, bytes_per_token, facts.num_params),
+    )
     comparison = compare(trace, sim_cfg, inputs.overcommits)
-    return Plan(inputs=inputs, device=device, facts=facts, dtype_name=str(dtype).removeprefix("torch."),
-                kv_dtype_name=str(kv_dtype).removeprefix("torch."), device_bytes=device_bytes, weights_bytes=weights,
-                activation_bytes=activation, kv_budget_bytes=budget, bytes_per_token=bytes_per_token,
-                block_bytes=block_bytes, capacity=capacity(comparison.chosen_overcommit),
-                trace_summary=summarize(trace), comparison=comparison, sim_config=sim_cfg, notes=notes)
+    return Plan(
+        inputs=inputs,
+        device=device,
+        facts=facts,
+        dtype_name=str(dtype).removeprefix("torch."),
+        kv_dtype_name=str(kv_dtype).removeprefix("torch."),
+        device_bytes=device_bytes,
+        weights_bytes=weights,
+        activation_bytes=activation,
+        kv_budget_bytes=budget,
+        bytes_per_token=bytes_per_token,
+        block_bytes=block_bytes,
+        capacity=capacity(comparison.chosen_overcommit),
+        trace_summary=summarize(trace),
+        comparison=comparison,
+        sim_config=sim_cfg,
+        notes=notes,
+    )
 
 
 def format_plan(plan: Plan) -> str:
@@ -361,8 +437,7 @@ def format_plan(plan: Plan) -> str:
         overcommit_table(plan.comparison),
         "",
         f"advice       TGI_PAGED_OVERCOMMIT={plan.advised_overcommit:g}  (advertises "
-        f"{plan.capacity.max_supported_total_tokens:,} tokens to the router): "
-        + advice_reason(plan.comparison),
+        f"{plan.capacity.max_supported_total_tokens:,} tokens to the router): " + advice_reason(plan.comparison),
     ]
     lines += [f"note         {n}" for n in plan.notes]
     return "\n".join(lines)
@@ -373,21 +448,41 @@ def advice_reason(c: Comparison) -> str:
     top = max(c.paged.values(), key=lambda r: r.tokens_per_s)
     least = min(c.paged.values(), key=lambda r: r.waste_total)
     fallback = best.tokens_per_s < (1 - THROUGHPUT_TOLERANCE) * top.tokens_per_s
-    return (f"{'no run met both tolerances, so the fastest within the waste one; rule: ' if fallback else ''}"
-            f"the smallest overcommit within {100 * THROUGHPUT_TOLERANCE:g} % of the best simulated throughput "
-            f"({best.tokens_per_s:,.0f} vs {top.tokens_per_s:,.0f} tok/s at {top.overcommit:g}) and "
-            f"{100 * WASTE_TOLERANCE:g} point(s) of the lowest KV waste "
-            f"({100 * best.waste_total:.1f} % vs {100 * least.waste_total:.1f} % at {least.overcommit:g}), recompute "
-            f"tax {100 * best.recompute_tax:.1f} % ({best.preemptions_recompute} recompute / "
-            f"{best.preemptions_swap} swap preemptions)")
+    return (
+        f"{'no run met both tolerances, so the fastest within the waste one; rule: ' if fallback else ''}"
+        f"the smallest overcommit within {100 * THROUGHPUT_TOLERANCE:g} % of the best simulated throughput "
+        f"({best.tokens_per_s:,.0f} vs {top.tokens_per_s:,.0f} tok/s at {top.overcommit:g}) and "
+        f"{100 * WASTE_TOLERANCE:g} point(s) of the lowest KV waste "
+        f"({100 * best.waste_total:.1f} % vs {100 * least.waste_total:.1f} % at {least.overcommit:g}), recompute "
+        f"tax {100 * best.recompute_tax:.1f} % ({best.preemptions_recompute} recompute / "
+        f"{best.preemptions_swap} swap preemptions)"
+    )
 
 
-def plan_from_args(*, model: str, gpu: str, memory_gb: float | None, memory_fraction: float, block_size: int,
-                   dtype: str | None, kv_dtype: str, trace_path: str | None, workload: str, requests: int,
-                   arrival: str, rate: float | None, max_new_tokens: int | None, seed: int,
-                   max_prefill_tokens: int, num_blocks: int | None, kv_budget_bytes: int | None,
-                   overcommits: Sequence[float], quantize: str | None = None, bits: int | None = None,
-                   group_size: int | None = None) -> Plan:
+def plan_from_args(
+    *,
+    model: str,
+    gpu: str,
+    memory_gb: float | None,
+    memory_fraction: float,
+    block_size: int,
+    dtype: str | None,
+    kv_dtype: str,
+    trace_path: str | None,
+    workload: str,
+    requests: int,
+    arrival: str,
+    rate: float | None,
+    max_new_tokens: int | None,
+    seed: int,
+    max_prefill_tokens: int,
+    num_blocks: int | None,
+    kv_budget_bytes: int | None,
+    overcommits: Sequence[float],
+    quantize: str | None = None,
+    bits: int | None = None,
+    group_size: int | None = None,
+) -> Plan:
     """What ``tgi-paged-backend plan`` calls."""
     from tgi_paged_backend.bench.weights import IntLayout
     from tgi_paged_backend.bench.workload import generate_trace, load_trace
@@ -399,11 +494,20 @@ def plan_from_args(*, model: str, gpu: str, memory_gb: float | None, memory_frac
     if trace_path:
         trace = load_trace(trace_path, default_max_new_tokens=max_new_tokens or 1024)
     else:
-        trace = generate_trace(workload, requests, arrival=arrival, rate=rate, max_new_tokens=max_new_tokens,
-                               seed=seed)
-    inputs = PlanInputs(model=model, device=gpu, memory_gib=memory_gb, memory_fraction=memory_fraction,
-                        block_size=block_size, dtype=dtype, kv_cache_dtype=kv_dtype,
-                        max_prefill_tokens=max_prefill_tokens, num_blocks_cap=num_blocks,
-                        kv_budget_bytes=kv_budget_bytes, overcommits=tuple(overcommits), quantize=quantize,
-                        int_layout=int_layout)
+        trace = generate_trace(workload, requests, arrival=arrival, rate=rate, max_new_tokens=max_new_tokens, seed=seed)
+    inputs = PlanInputs(
+        model=model,
+        device=gpu,
+        memory_gib=memory_gb,
+        memory_fraction=memory_fraction,
+        block_size=block_size,
+        dtype=dtype,
+        kv_cache_dtype=kv_dtype,
+        max_prefill_tokens=max_prefill_tokens,
+        num_blocks_cap=num_blocks,
+        kv_budget_bytes=kv_budget_bytes,
+        overcommits=tuple(overcommits),
+        quantize=quantize,
+        int_layout=int_layout,
+    )
     return make_plan(inputs, trace)

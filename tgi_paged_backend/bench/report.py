@@ -53,18 +53,29 @@ def comparison_table(c: Comparison, *, time_unit: str = "steps") -> str:
     headers = ["", "contiguous", "stock TGI", f"paged (oc {c.chosen_overcommit:g})", "seed claim"]
     rows = [
         ["KV waste (share of pool, time avg)", *(pct(r.waste_total) for r in cols), SEED_CLAIMS["waste"]],
-        ["  internal / reservation / external",
-         *(f"{100 * r.waste_internal:.1f}/{100 * r.waste_reservation:.1f}/{100 * r.waste_external:.1f}"
-           for r in cols), ""],
+        [
+            "  internal / reservation / external",
+            *(
+                f"{100 * r.waste_internal:.1f}/{100 * r.waste_reservation:.1f}/{100 * r.waste_external:.1f}"
+                for r in cols
+            ),
+            "",
+        ],
         ["KV holding written tokens", *(pct(r.kv_used) for r in cols), "20-38 % (vLLM paper)"],
         ["admitted concurrency mean / peak", *(f"{r.mean_admitted:.1f} / {r.peak_admitted}" for r in cols), ""],
         ["batch size (running) mean", *(f"{r.mean_running:.1f}" for r in cols), ""],
         ["batch size vs contiguous", *(ratio(r.mean_running, base.mean_running) for r in cols), SEED_CLAIMS["batch"]],
         ["batch size vs stock TGI", *(ratio(r.mean_running, stock.mean_running) for r in cols), ""],
-        [f"throughput tok/{'step' if time_unit == 'steps' else time_unit}", *(f"{r.tokens_per_s:,.1f}" for r in cols),
-         ""],
-        ["throughput vs contiguous", *(ratio(r.tokens_per_s, base.tokens_per_s) for r in cols),
-         SEED_CLAIMS["throughput"]],
+        [
+            f"throughput tok/{'step' if time_unit == 'steps' else time_unit}",
+            *(f"{r.tokens_per_s:,.1f}" for r in cols),
+            "",
+        ],
+        [
+            "throughput vs contiguous",
+            *(ratio(r.tokens_per_s, base.tokens_per_s) for r in cols),
+            SEED_CLAIMS["throughput"],
+        ],
         ["throughput vs stock TGI", *(ratio(r.tokens_per_s, stock.tokens_per_s) for r in cols), ""],
         ["requests queued mean / peak", *(f"{r.mean_queued:.0f} / {r.peak_queued}" for r in cols), ""],
         ["OOM-equivalent failures", *(str(r.failed) for r in cols), ""],
@@ -78,14 +89,34 @@ def comparison_table(c: Comparison, *, time_unit: str = "steps") -> str:
 
 def overcommit_table(c: Comparison) -> str:
     """The paged allocator at each simulated overcommit."""
-    headers = ["overcommit", "tok/s", "vs stock", "batch mean", "admitted peak", "waste", "preempt r/s",
-               "recompute tax", "TTFT p50", ""]
+    headers = [
+        "overcommit",
+        "tok/s",
+        "vs stock",
+        "batch mean",
+        "admitted peak",
+        "waste",
+        "preempt r/s",
+        "recompute tax",
+        "TTFT p50",
+        "",
+    ]
     rows = []
     for oc, r in sorted(c.paged.items()):
-        rows.append([f"{oc:g}", f"{r.tokens_per_s:,.1f}", ratio(r.tokens_per_s, c.stock.tokens_per_s),
-                     f"{r.mean_running:.1f}", str(r.peak_admitted), pct(r.waste_total),
-                     f"{r.preemptions_recompute}/{r.preemptions_swap}", pct(r.recompute_tax),
-                     f"{r.ttft_p50_s:,.1f}", "<- advised" if oc == c.chosen_overcommit else ""])
+        rows.append(
+            [
+                f"{oc:g}",
+                f"{r.tokens_per_s:,.1f}",
+                ratio(r.tokens_per_s, c.stock.tokens_per_s),
+                f"{r.mean_running:.1f}",
+                str(r.peak_admitted),
+                pct(r.waste_total),
+                f"{r.preemptions_recompute}/{r.preemptions_swap}",
+                pct(r.recompute_tax),
+                f"{r.ttft_p50_s:,.1f}",
+                "<- advised" if oc == c.chosen_overcommit else "",
+            ]
+        )
     return table(headers, rows)
 
 
@@ -125,8 +156,12 @@ def plot_comparison(c: Comparison, path: str | Path, *, title: str, time_unit: s
     ax = axes[1][0]
     names = [label for label, _ in runs]
     bottoms = [0.0] * len(runs)
-    for kind, color in (("kv_used", "#1f77b4"), ("waste_internal", "#9467bd"),
-                        ("waste_reservation", "#8c564b"), ("waste_external", "#7f7f7f")):
+    for kind, color in (
+        ("kv_used", "#1f77b4"),
+        ("waste_internal", "#9467bd"),
+        ("waste_reservation", "#8c564b"),
+        ("waste_external", "#7f7f7f"),
+    ):
         values = [100 * getattr(r, kind) for _, r in runs]
         label = kind.replace("waste_", "waste: ").replace("kv_used", "written K/V")
         ax.bar(names, values, bottom=bottoms, color=color, label=label)
@@ -139,10 +174,19 @@ def plot_comparison(c: Comparison, path: str | Path, *, title: str, time_unit: s
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.07), ncol=4, fontsize=8)
     ax = axes[1][1]
     ocs = sorted(c.paged)
-    ax.plot(ocs, [c.paged[o].tokens_per_s / c.stock.tokens_per_s for o in ocs], "o-", color=COLORS["paged"],
-            label="paged throughput / stock TGI")
-    ax.axhline(c.contiguous.tokens_per_s / c.stock.tokens_per_s, color=COLORS["contiguous"], ls="--",
-               label="contiguous / stock TGI")
+    ax.plot(
+        ocs,
+        [c.paged[o].tokens_per_s / c.stock.tokens_per_s for o in ocs],
+        "o-",
+        color=COLORS["paged"],
+        label="paged throughput / stock TGI",
+    )
+    ax.axhline(
+        c.contiguous.tokens_per_s / c.stock.tokens_per_s,
+        color=COLORS["contiguous"],
+        ls="--",
+        label="contiguous / stock TGI",
+    )
     ax.axvline(c.chosen_overcommit, color="k", ls=":", label=f"advised {c.chosen_overcommit:g}")
     ax.set_xlabel("TGI_PAGED_OVERCOMMIT")
     ax.set_ylabel("throughput ratio")

@@ -33,8 +33,15 @@ class LongRunPeak:
     """Blocks given back behind the window over the run."""
 
 
-def simulate_long_run(*, num_requests: int, prompt_tokens: int, output_tokens: int, block_size: int,
-                      window: int | None, max_prefill_tokens: int) -> LongRunPeak:
+def simulate_long_run(
+    *,
+    num_requests: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    block_size: int,
+    window: int | None,
+    max_prefill_tokens: int,
+) -> LongRunPeak:
     """Step ``num_requests`` requests of ``prompt_tokens + output_tokens`` to the end; see module doc.
 
     As in TGI, the last generated token's K/V is never written: each request writes
@@ -42,8 +49,9 @@ def simulate_long_run(*, num_requests: int, prompt_tokens: int, output_tokens: i
     """
     total = prompt_tokens + output_tokens - 1
     num_blocks = num_requests * -(-total // block_size) + 1
-    kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size, enable_prefix_retention=False,
-                        reclaim_window=window)
+    kv = KVCacheManager(
+        num_blocks=num_blocks, block_size=block_size, enable_prefix_retention=False, reclaim_window=window
+    )
     computed = [0] * num_requests
     held = [0] * num_requests
     for rid in range(num_requests):
@@ -92,32 +100,54 @@ class ReclaimComparison:
         return 1.0 - self.with_reclaim.peak_blocks / max(self.without.peak_blocks, 1)
 
 
-def compare_reclaim(label: str, layer_windows: Sequence[int | None], *, num_requests: int, prompt_tokens: int,
-                    output_tokens: int, block_size: int = 16, max_prefill_tokens: int = 4096) -> ReclaimComparison:
+def compare_reclaim(
+    label: str,
+    layer_windows: Sequence[int | None],
+    *,
+    num_requests: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    block_size: int = 16,
+    max_prefill_tokens: int = 4096,
+) -> ReclaimComparison:
     """Peaks with the reclaim the engine applies for ``layer_windows`` (each layer's window, ``None``
     for a full layer) and without reclaim, plus the hybrid-pool saving for comparison."""
     windows = [w for w in layer_windows if w is not None]
     window = reclaim_window(windows[0] if windows else None, layer_windows)
-    run = dict(num_requests=num_requests, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
-               block_size=block_size, max_prefill_tokens=max_prefill_tokens)
-    return ReclaimComparison(label, simulate_long_run(window=window, **run), simulate_long_run(window=None, **run),
-                             hybrid_pool_saving(layer_windows, prompt_tokens + output_tokens - 1, block_size))
+    run = dict(
+        num_requests=num_requests,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        block_size=block_size,
+        max_prefill_tokens=max_prefill_tokens,
+    )
+    return ReclaimComparison(
+        label,
+        simulate_long_run(window=window, **run),
+        simulate_long_run(window=None, **run),
+        hybrid_pool_saving(layer_windows, prompt_tokens + output_tokens - 1, block_size),
+    )
 
 
 def format_comparisons(rows: Sequence[ReclaimComparison], *, block_bytes: dict[str, int] | None = None) -> str:
     """A markdown table of :func:`compare_reclaim` results (``block_bytes``: label -> bytes per block)."""
-    lines = ["| model layers | reclaim window | peak blocks, no reclaim | peak blocks, reclaim | ratio | "
-             "KV saved | per request (no reclaim -> reclaim) | per-layer-group pools, at the end |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model layers | reclaim window | peak blocks, no reclaim | peak blocks, reclaim | ratio | "
+        "KV saved | per request (no reclaim -> reclaim) | per-layer-group pools, at the end |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         per_request = f"{r.without.peak_request_blocks} -> {r.with_reclaim.peak_request_blocks} blocks"
         if block_bytes and r.label in block_bytes:
             gib = block_bytes[r.label] / 2**30
-            per_request += (f" ({r.without.peak_request_blocks * gib:.2f} -> "
-                            f"{r.with_reclaim.peak_request_blocks * gib:.2f} GiB)")
+            per_request += (
+                f" ({r.without.peak_request_blocks * gib:.2f} -> {r.with_reclaim.peak_request_blocks * gib:.2f} GiB)"
+            )
         window = "none (mixed layers)" if r.with_reclaim.window is None else str(r.with_reclaim.window)
-        lines.append(f"| {r.label} | {window} | {r.without.peak_blocks:,} | {r.with_reclaim.peak_blocks:,} | "
-                     f"{r.ratio:.2f}x | {r.saving:.0%} | {per_request} | {r.hybrid_saving:.0%} |")
+        lines.append(
+            f"| {r.label} | {window} | {r.without.peak_blocks:,} | {r.with_reclaim.peak_blocks:,} | "
+            f"{r.ratio:.2f}x | {r.saving:.0%} | {per_request} | {r.hybrid_saving:.0%} |"
+        )
     return "\n".join(lines)
 
 
@@ -145,8 +175,16 @@ def long_run_table(*, block_size: int = 16, max_prefill_tokens: int = 4096) -> s
     for model, num_requests, prompt, output in LONG_RUN_WORKLOADS:
         layers, bytes_per_token = LONG_RUN_MODELS[model]
         label = f"{model}, {num_requests} x ({prompt:,} + {output:,})"
-        rows.append(compare_reclaim(label, layers, num_requests=num_requests, prompt_tokens=prompt,
-                                    output_tokens=output, block_size=block_size,
-                                    max_prefill_tokens=max_prefill_tokens))
+        rows.append(
+            compare_reclaim(
+                label,
+                layers,
+                num_requests=num_requests,
+                prompt_tokens=prompt,
+                output_tokens=output,
+                block_size=block_size,
+                max_prefill_tokens=max_prefill_tokens,
+            )
+        )
         block_bytes[label] = bytes_per_token * block_size
     return format_comparisons(rows, block_bytes=block_bytes)

@@ -58,8 +58,9 @@ def int_linear_bytes(n: int, k: int, layout: IntLayout) -> int:
     return n * k * layout.bits // 8 + n * groups * 5 + k * 4
 
 
-def weight_bytes(spec: Any, num_params: int, itemsize: int, quantize: str | None,
-                 int_layout: IntLayout | None = None) -> int:
+def weight_bytes(
+    spec: Any, num_params: int, itemsize: int, quantize: str | None, int_layout: IntLayout | None = None
+) -> int:
     """Bytes the weights take on the device. ``int_layout`` applies to ``gptq``/``awq`` (default
     :class:`IntLayout`) and makes ``compressed-tensors`` mean ``pack-quantized`` (FP8 without it)."""
     if quantize is None:

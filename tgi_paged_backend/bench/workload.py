@@ -154,9 +154,15 @@ def arrival_times(rng: np.random.Generator, n: int, arrival: str, rate: float | 
     raise ValueError(f"arrival={arrival!r} is invalid: allowed {ARRIVALS}")
 
 
-def generate_trace(workload: str | WorkloadSpec = "sharegpt", num_requests: int = 1000, *,
-                   arrival: str = "burst", rate: float | None = None, max_new_tokens: int | None = None,
-                   seed: int = 0) -> list[TraceRequest]:
+def generate_trace(
+    workload: str | WorkloadSpec = "sharegpt",
+    num_requests: int = 1000,
+    *,
+    arrival: str = "burst",
+    rate: float | None = None,
+    max_new_tokens: int | None = None,
+    seed: int = 0,
+) -> list[TraceRequest]:
     """A seeded trace.
 
     Args:
@@ -203,8 +209,14 @@ def load_trace(path: str | Path, *, default_max_new_tokens: int = 1024) -> list[
             try:
                 row = json.loads(line)
                 cap = int(row.get("max_new_tokens", default_max_new_tokens))
-                out.append(TraceRequest(int(row["prompt_tokens"]), min(int(row["output_tokens"]), cap),
-                                        float(row.get("arrival", 0.0)), cap))
+                out.append(
+                    TraceRequest(
+                        int(row["prompt_tokens"]),
+                        min(int(row["output_tokens"]), cap),
+                        float(row.get("arrival", 0.0)),
+                        cap,
+                    )
+                )
             except (KeyError, TypeError, ValueError) as err:
                 raise ValueError(f"{path}:{lineno}: not a trace request ({err}): {line.strip()[:200]}") from None
     if not out:
@@ -220,8 +232,10 @@ def summarize(trace: Sequence[TraceRequest]) -> dict[str, float]:
     reserved = np.array([r.reserved_tokens for r in trace])
     return {
         "requests": len(trace),
-        "prompt_mean": float(prompts.mean()), "prompt_max": int(prompts.max()),
-        "output_mean": float(outputs.mean()), "output_max": int(outputs.max()),
+        "prompt_mean": float(prompts.mean()),
+        "prompt_max": int(prompts.max()),
+        "output_mean": float(outputs.mean()),
+        "output_max": int(outputs.max()),
         "max_new_tokens_mean": float(caps.mean()),
         "reserved_mean": float(reserved.mean()),
         "duration_s": float(max(r.arrival for r in trace)),

@@ -22,8 +22,9 @@ def build_engine(config: BackendConfig) -> PagedShardEngine:
     from tgi_paged_backend.engine.shard_engine import PagedShardEngine
     from tgi_paged_backend.runner.model_runner import ModelRunner
 
-    device = torch.device(f"cuda:{config.server.rank % torch.cuda.device_count()}"
-                          if torch.cuda.is_available() else "cpu")
+    device = torch.device(
+        f"cuda:{config.server.rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+    )
     cap_device_memory(device, config.cache.cuda_memory_fraction)
     if config.server.world_size > 1:  # --num-shard N: one tensor-parallel rank per process
         from tgi_paged_backend.engine.tp_engine import build_tensor_parallel_engine

@@ -29,10 +29,19 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def plan_capacity(*, available_kv_bytes: int, block_bytes: int, block_size: int,
-                  num_blocks_cap: int | None, overcommit: float, max_position_embeddings: int,
-                  max_input_tokens: int | None, max_total_tokens: int | None,
-                  max_prefill_tokens: int, reclaim_window: int | None = None) -> Capacity:
+def plan_capacity(
+    *,
+    available_kv_bytes: int,
+    block_bytes: int,
+    block_size: int,
+    num_blocks_cap: int | None,
+    overcommit: float,
+    max_position_embeddings: int,
+    max_input_tokens: int | None,
+    max_total_tokens: int | None,
+    max_prefill_tokens: int,
+    reclaim_window: int | None = None,
+) -> Capacity:
     """Size the pool and answer Warmup (``reclaim_window``: one request holds at most its window).
 
     Raises:
@@ -49,8 +58,7 @@ def plan_capacity(*, available_kv_bytes: int, block_bytes: int, block_size: int,
     if max_input_tokens is None:
         max_input_tokens = max_total_tokens - 1
     if max_input_tokens >= max_total_tokens or max_input_tokens < 1:
-        raise ConfigError(f"max_input_tokens={max_input_tokens} must be in [1, max_total_tokens="
-                          f"{max_total_tokens})")
+        raise ConfigError(f"max_input_tokens={max_input_tokens} must be in [1, max_total_tokens={max_total_tokens})")
     max_prefill_tokens = round_up(max(max_prefill_tokens, 1), block_size)
     needed_blocks = max_request_blocks(max_total_tokens, block_size, reclaim_window, max_prefill_tokens) + 1
     if needed_blocks > num_blocks:
@@ -58,9 +66,15 @@ def plan_capacity(*, available_kv_bytes: int, block_bytes: int, block_size: int,
             f"one request of max_total_tokens={max_total_tokens} needs {needed_blocks} KV blocks "
             f"(block size {block_size}, incl. the scratch block) but the pool holds {num_blocks}: "
             "raise TGI_PAGED_NUM_BLOCKS or TGI_PAGED_MEMORY_FRACTION (CUDA_MEMORY_FRACTION), or lower "
-            "--max-total-tokens")
+            "--max-total-tokens"
+        )
     virtual_tokens = int(physical_tokens * overcommit) // block_size * block_size
     advertised = max(virtual_tokens, round_up(max_total_tokens, block_size), max_prefill_tokens)
-    return Capacity(num_blocks=num_blocks, physical_tokens=physical_tokens,
-                    max_supported_total_tokens=advertised, max_input_tokens=max_input_tokens,
-                    max_total_tokens=max_total_tokens, max_prefill_tokens=max_prefill_tokens)
+    return Capacity(
+        num_blocks=num_blocks,
+        physical_tokens=physical_tokens,
+        max_supported_total_tokens=advertised,
+        max_input_tokens=max_input_tokens,
+        max_total_tokens=max_total_tokens,
+        max_prefill_tokens=max_prefill_tokens,
+    )

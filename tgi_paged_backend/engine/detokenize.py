@@ -62,8 +62,9 @@ class TokenDecoder:
         cache = self._text_cache
         missing = sorted({i for i in ids if i not in cache})
         if missing:
-            texts = self.tokenizer.batch_decode([[i] for i in missing], skip_special_tokens=False,
-                                                clean_up_tokenization_spaces=False)
+            texts = self.tokenizer.batch_decode(
+                [[i] for i in missing], skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
             cache.update(zip(missing, texts))
         return [cache[i] for i in ids]
 
@@ -84,14 +85,14 @@ class IncrementalDetokenizer:
         self._dec = decoder
         self.prompt_len = len(prompt_ids)
         self._base = max(0, self.prompt_len - _PREFIX_WINDOW)  # absolute index of self._ids[0]
-        self._ids: list[int] = [int(i) for i in prompt_ids[self._base:]]
+        self._ids: list[int] = [int(i) for i in prompt_ids[self._base :]]
         self.prefix_offset = self._base
         self.read_offset = self.prompt_len
         self._prefix_text: str | None = None
 
     @property
     def generated_ids(self) -> list[int]:
-        return self._ids[self.prompt_len - self._base:]
+        return self._ids[self.prompt_len - self._base :]
 
     @property
     def num_generated(self) -> int:
@@ -99,14 +100,15 @@ class IncrementalDetokenizer:
 
     def _slice(self, start: int, stop: int | None = None) -> list[int]:
         b = self._base
-        return self._ids[start - b: None if stop is None else stop - b]
+        return self._ids[start - b : None if stop is None else stop - b]
 
     def step(self, token_id: int) -> str:
         """Append one generated id; its streaming text (``""`` while a character is incomplete)."""
         self._ids.append(int(token_id))
         if self._prefix_text is None:
-            self._prefix_text = self._dec.decode(self._slice(self.prefix_offset, self.read_offset),
-                                                 skip_special_tokens=False)
+            self._prefix_text = self._dec.decode(
+                self._slice(self.prefix_offset, self.read_offset), skip_special_tokens=False
+            )
         prefix_text = self._prefix_text
         new_text = self._dec.decode(self._slice(self.prefix_offset), skip_special_tokens=False)
         if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
@@ -118,7 +120,7 @@ class IncrementalDetokenizer:
             if keep_from > self._base:
                 del self._ids[: keep_from - self._base]
                 self._base = keep_from
-            return new_text[len(prefix_text):]
+            return new_text[len(prefix_text) :]
         return ""
 
     def final_text(self) -> str:
@@ -129,5 +131,5 @@ class IncrementalDetokenizer:
         anchor = self._slice(self.prompt_len - 1, self.prompt_len) if self.prompt_len > 0 else []
         prefix = self._dec.decode(anchor, skip_special_tokens=True)
         text = self._dec.decode(anchor + generated, skip_special_tokens=True)
-        text = text[len(prefix):] if len(text) > len(prefix) else ""
+        text = text[len(prefix) :] if len(text) > len(prefix) else ""
         return text.rstrip(_REPLACEMENT)

@@ -86,7 +86,8 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
     sentencepiece: ``▁`` is a space and ``<0xNN>`` one byte)."""
     kinds = _decoder_kinds(tokenizer)
     special = set(tokenizer.all_special_ids) | {
-        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
+    }
     added = {i for i in getattr(tokenizer, "added_tokens_decoder", {})}
     table = _byte_level_decoder()
     out: dict[int, bytes] = {}
@@ -132,8 +133,12 @@ class CompileProcess:
     def __init__(self, vocabulary: outlines_core.Vocabulary) -> None:
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-        self._proc = subprocess.Popen([sys.executable, "-m", "tgi_paged_backend.engine.grammar_worker"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tgi_paged_backend.engine.grammar_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
         self._call("vocabulary", vocabulary)
 
     def _call(self, kind: str, payload):

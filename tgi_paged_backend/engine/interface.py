@@ -28,8 +28,9 @@ class ShardEngine(Protocol):
         """``Info``: fixed before Warmup."""
         ...
 
-    def warmup(self, batch: BatchSpec, *, max_input_tokens: int | None, max_prefill_tokens: int,
-               max_total_tokens: int | None) -> WarmupResult:
+    def warmup(
+        self, batch: BatchSpec, *, max_input_tokens: int | None, max_prefill_tokens: int, max_total_tokens: int | None
+    ) -> WarmupResult:
         """``Warmup``: profile, size the physical pool, answer the (overcommitted) budget."""
         ...
 

@@ -60,8 +60,9 @@ class ModelStep:
         if plan.copy_ops:
             timer.device_lap("copy")
         t0 = time.perf_counter_ns()
-        copies = dict(num_swapped_blocks=sum(len(src) for kind, src, _ in plan.copy_ops if kind != "cow"),
-                      copy_ns=t0 - t_copy)
+        copies = dict(
+            num_swapped_blocks=sum(len(src) for kind, src, _ in plan.copy_ops if kind != "cow"), copy_ns=t0 - t_copy
+        )
         if not plan.scheduled:
             return StepOutput([], [], 0, 0, 0, 0, **copies)
         batch, rows = self._build_batch(plan)
@@ -102,9 +103,9 @@ class ModelStep:
             starts.append(start)
             counts.append(n)
             if n == 1 and start >= len(r.prompt_ids):
-                chunks.append(r.output_ids[start - len(r.prompt_ids):start - len(r.prompt_ids) + 1])
+                chunks.append(r.output_ids[start - len(r.prompt_ids) : start - len(r.prompt_ids) + 1])
             else:
-                chunks.append(r.all_ids[start:start + n])
+                chunks.append(r.all_ids[start : start + n])
             if self._wants_prompt_logprobs(r):
                 rows.append((len(logits_idx), n, True))
                 logits_idx.extend(range(offset, offset + n))
@@ -142,15 +143,15 @@ class ModelStep:
         for (r, n), (first, count, prompt_rows) in zip(plan.scheduled, rows):
             start, end = r.num_computed, r.num_computed + n
             if prompt_rows:
-                self._record_prompt_logprobs(r, start, end, logits[first:first + count])
+                self._record_prompt_logprobs(r, start, end, logits[first : first + count])
             num_prompt = len(r.prompt_ids)
             if r.prefill_done:
                 recomputed += max(0, min(end, r.num_tokens - 1) - start)
             if start < num_prompt:
-                self.kv.commit_tokens(r.id, r.prompt_ids[start:min(end, num_prompt)], start)
+                self.kv.commit_tokens(r.id, r.prompt_ids[start : min(end, num_prompt)], start)
             if end > num_prompt:  # generated tokens join the history retention registers, as prompts do
                 gen_start = max(start, num_prompt)
-                self.kv.commit_tokens(r.id, r.output_ids[gen_start - num_prompt:end - num_prompt], gen_start)
+                self.kv.commit_tokens(r.id, r.output_ids[gen_start - num_prompt : end - num_prompt], gen_start)
             if r.advance(n):
                 sampled.append((r, logits[first + count - 1]))
         return sampled, recomputed
@@ -181,9 +182,13 @@ class ModelStep:
         params = [r.spec.sampling for r in requests]
         needs_history = [p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 for p in params]
         histories = [r.all_ids if need else [] for r, need in zip(requests, needs_history)]
-        chosen = choose_next_tokens(logits, params, [len(r.output_ids) for r in requests],
-                                    histories if any(needs_history) else None,
-                                    [r.spec.top_n_tokens for r in requests])
+        chosen = choose_next_tokens(
+            logits,
+            params,
+            [len(r.output_ids) for r in requests],
+            histories if any(needs_history) else None,
+            [r.spec.top_n_tokens for r in requests],
+        )
         timer.lap("sample")
         generations, finished = [], []
         for r, c in zip(requests, chosen):
@@ -192,13 +197,17 @@ class ModelStep:
                 r.grammar.advance(c.id)  # type: ignore[attr-defined]
             text = r.detok_state.step(c.id)  # type: ignore[union-attr]
             reason = r.stop_state(c.id, text)  # type: ignore[operator]
-            tokens = Tokens(ids=[c.id], logprobs=[c.logprob], texts=[text],
-                            is_special=[self.decoder.is_special(c.id)])
+            tokens = Tokens(ids=[c.id], logprobs=[c.logprob], texts=[text], is_special=[self.decoder.is_special(c.id)])
             top = []
             if r.spec.top_n_tokens > 0:
-                top = [Tokens(ids=c.top_ids, logprobs=c.top_logprobs,
-                              texts=self.decoder.token_texts(c.top_ids),
-                              is_special=self.decoder.is_special_many(c.top_ids))]
+                top = [
+                    Tokens(
+                        ids=c.top_ids,
+                        logprobs=c.top_logprobs,
+                        texts=self.decoder.token_texts(c.top_ids),
+                        is_special=self.decoder.is_special_many(c.top_ids),
+                    )
+                ]
             prefill = None
             if len(r.output_ids) == 1 and r.wants_prompt_logprobs:
                 prefill = self._prefill_tokens(r)
@@ -209,16 +218,22 @@ class ModelStep:
                 finished.append(r)
                 generated = GeneratedText(
                     text=r.detok_state.final_text(),  # type: ignore[union-attr]
-                    generated_tokens=len(r.output_ids), finish_reason=reason,
-                    seed=r.spec.sampling.seed if r.spec.sampling.is_sampling else None)
-            generations.append(Generation(request_id=r.id, tokens=tokens, prefill_tokens=prefill,
-                                          generated_text=generated, top_tokens=top))
+                    generated_tokens=len(r.output_ids),
+                    finish_reason=reason,
+                    seed=r.spec.sampling.seed if r.spec.sampling.is_sampling else None,
+                )
+            generations.append(
+                Generation(
+                    request_id=r.id, tokens=tokens, prefill_tokens=prefill, generated_text=generated, top_tokens=top
+                )
+            )
         timer.lap("detokenize")
         return generations, finished
 
     def _prefill_tokens(self, r: RequestState) -> Tokens:
         n = len(r.prompt_ids)
-        lps = ([math.nan] + r.prefill_logprobs[:n - 1]) if r.prefill_logprobs else [math.nan] * n
+        lps = ([math.nan] + r.prefill_logprobs[: n - 1]) if r.prefill_logprobs else [math.nan] * n
         lps = (lps + [math.nan] * n)[:n]
-        return Tokens(ids=list(r.prompt_ids), logprobs=lps, texts=self.decoder.prefill_texts(r.prompt_ids),
-                      is_special=[])
+        return Tokens(
+            ids=list(r.prompt_ids), logprobs=lps, texts=self.decoder.prefill_texts(r.prompt_ids), is_special=[]
+        )

@@ -93,9 +93,13 @@ def sampling_seed(seed: int, step: int) -> int:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _padded_histories(histories: Sequence[History] | torch.Tensor, rows: list[int],
-                      history_lens: Sequence[int] | None, pad: int,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded_histories(
+    histories: Sequence[History] | torch.Tensor,
+    rows: list[int],
+    history_lens: Sequence[int] | None,
+    pad: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[R, L]`` int64 ids of the selected rows, padded with ``pad``; and ``[R]`` lengths."""
     if isinstance(histories, torch.Tensor):
         if histories.dim() != 2:
@@ -126,9 +130,12 @@ def _padded_histories(histories: Sequence[History] | torch.Tensor, rows: list[in
     return ids.to(device, non_blocking=True), lens.to(device, non_blocking=True)
 
 
-def _apply_penalties(scores: torch.Tensor, params: Sequence[SamplingParams],
-                     histories: Sequence[History] | torch.Tensor | None,
-                     history_lens: Sequence[int] | None) -> None:
+def _apply_penalties(
+    scores: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[History] | torch.Tensor | None,
+    history_lens: Sequence[int] | None,
+) -> None:
     rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0]
     if not rows:
         return
@@ -196,13 +203,22 @@ def _apply_rows(scores: torch.Tensor, rows: list[int], fn, values: list) -> None
 
 
 def _needs_processing(p: SamplingParams) -> bool:
-    return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.temperature != 1.0
-            or p.top_k != 0 or p.top_p < 1.0 or p.typical_p < 1.0)
+    return (
+        p.repetition_penalty != 1.0
+        or p.frequency_penalty != 0.0
+        or p.temperature != 1.0
+        or p.top_k != 0
+        or p.top_p < 1.0
+        or p.typical_p < 1.0
+    )
 
 
-def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
-                   histories: Sequence[History] | torch.Tensor | None = None,
-                   history_lens: Sequence[int] | None = None) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[History] | torch.Tensor | None = None,
+    history_lens: Sequence[int] | None = None,
+) -> torch.Tensor:
     """Processed float32 scores ``[B, V]`` (penalties, then warpers). Never modifies ``logits``.
 
     ``histories[i]`` is request i's prompt + generated ids so far (a list, a 1-D tensor, or one padded

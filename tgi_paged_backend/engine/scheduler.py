@@ -57,8 +57,15 @@ ChooseMode = Callable[[RequestState, bool], tuple[str, float]]
 class Scheduler:
     """Stateless planner over the KV cache manager; the engine owns the requests."""
 
-    def __init__(self, kv: KVCacheManager, *, max_batch_tokens: int, max_preemptions: int,
-                 choose_mode: ChooseMode, cost_aware: bool = False) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_batch_tokens: int,
+        max_preemptions: int,
+        choose_mode: ChooseMode,
+        cost_aware: bool = False,
+    ) -> None:
         self.kv = kv
         self.cost_aware = cost_aware
         self.max_batch_tokens = max_batch_tokens
@@ -69,8 +76,9 @@ class Scheduler:
         """Plan one step for ``step`` (the merged batch); ``others`` may lose blocks to it."""
         plan = StepPlan()
         live = sorted((r for r in step if r.status is not RequestStatus.FINISHED), key=self.priority)
-        victims_pool = sorted({id(r): r for r in [*live, *others]
-                               if r.status is not RequestStatus.FINISHED}.values(), key=self.priority)
+        victims_pool = sorted(
+            {id(r): r for r in [*live, *others] if r.status is not RequestStatus.FINISHED}.values(), key=self.priority
+        )
         num_decodes = sum(1 for r in live if not r.is_preempted and r.num_remaining == 1)
         prefill_budget = max(self.max_batch_tokens - num_decodes, 0)
         for request in live:
@@ -81,8 +89,9 @@ class Scheduler:
             if request.status is RequestStatus.PREEMPTED:  # resume: share what is still retained
                 reuse_cached_prefix(self.kv, request)
             n = self._num_tokens(request, prefill_budget)
-            request.waiting_for_blocks = n > 0 and not self._allocate(request, request.num_computed + n,
-                                                                       victims_pool, plan)
+            request.waiting_for_blocks = n > 0 and not self._allocate(
+                request, request.num_computed + n, victims_pool, plan
+            )
             if n == 0 or request.waiting_for_blocks:
                 self._release_if_waiting(request)
                 continue
@@ -127,13 +136,17 @@ class Scheduler:
         if request.status is RequestStatus.PREEMPTED:
             self.kv.preempt_recompute(request.id)
             request.drop_computed()
-        elif (request.status is RequestStatus.RUNNING and not request.prefill_done
-              and 0 < request.num_computed == request.num_cached_prompt):
+        elif (
+            request.status is RequestStatus.RUNNING
+            and not request.prefill_done
+            and 0 < request.num_computed == request.num_cached_prompt
+        ):
             self.kv.preempt_recompute(request.id)
             request.mark_waiting()
 
-    def _allocate(self, request: RequestState, num_tokens: int, victims_pool: list[RequestState],
-                  plan: StepPlan) -> bool:
+    def _allocate(
+        self, request: RequestState, num_tokens: int, victims_pool: list[RequestState], plan: StepPlan
+    ) -> bool:
         while (allocation := self.kv.allocate(request.id, num_tokens)) is None:
             if not self._preempt_one_after(request, victims_pool, plan):
                 return False
@@ -142,8 +155,7 @@ class Scheduler:
         plan.num_new_blocks += len(allocation.new_blocks)
         return True
 
-    def _preempt_one_after(self, request: RequestState, victims_pool: list[RequestState],
-                           plan: StepPlan) -> bool:
+    def _preempt_one_after(self, request: RequestState, victims_pool: list[RequestState], plan: StepPlan) -> bool:
         """Preempt one request after ``request`` in priority order that holds blocks.
 
         The policy's victim order leaves protected requests out; only when nothing else is left is a
@@ -159,10 +171,15 @@ class Scheduler:
             if memory.num_blocks == 0:
                 continue
             holders.append(victim)
-            candidates.append(VictimCandidate(
-                request_id=victim.id, admission_seq=victim.admitted_seq,
-                num_preemptions=victim.num_preemptions, num_freeable_blocks=memory.num_exclusive_blocks,
-                estimated_cost_s=self.choose_mode(victim, False)[1] if self.cost_aware else 0.0))
+            candidates.append(
+                VictimCandidate(
+                    request_id=victim.id,
+                    admission_seq=victim.admitted_seq,
+                    num_preemptions=victim.num_preemptions,
+                    num_freeable_blocks=memory.num_exclusive_blocks,
+                    estimated_cost_s=self.choose_mode(victim, False)[1] if self.cost_aware else 0.0,
+                )
+            )
         if not holders:
             return False
         order = victim_order(candidates, max_preemptions=self.max_preemptions, cost_aware=self.cost_aware)

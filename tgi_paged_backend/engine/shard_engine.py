@@ -79,22 +79,36 @@ class PagedShardEngine:
         self._admitted = 0
         self._grammar: GrammarCompiler | None = None
         # A small pool so the engine serves (and warms up) before Warmup sizes the real one.
-        self._configure(self._plan(max_input_tokens=None, max_total_tokens=None, max_prefill_tokens=4096,
-                                   max_blocks=BOOTSTRAP_BLOCKS))
+        self._configure(
+            self._plan(
+                max_input_tokens=None, max_total_tokens=None, max_prefill_tokens=4096, max_blocks=BOOTSTRAP_BLOCKS
+            )
+        )
 
     # -- sizing -----------------------------------------------------------------------------
 
-    def _plan(self, *, max_input_tokens: int | None, max_total_tokens: int | None,
-              max_prefill_tokens: int, max_blocks: int | None = None) -> Capacity:
+    def _plan(
+        self,
+        *,
+        max_input_tokens: int | None,
+        max_total_tokens: int | None,
+        max_prefill_tokens: int,
+        max_blocks: int | None = None,
+    ) -> Capacity:
         cache = self.config.cache
         caps = [c for c in (cache.num_blocks, max_blocks) if c is not None]
         return plan_capacity(
             available_kv_bytes=self.runner.available_kv_bytes(cache.memory_fraction),
-            block_bytes=self.runner.block_bytes, block_size=self.block_size,
+            block_bytes=self.runner.block_bytes,
+            block_size=self.block_size,
             num_blocks_cap=min(caps) if caps else None,
-            overcommit=cache.overcommit, max_position_embeddings=self.runner.spec.max_position_embeddings,
-            max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
-            max_prefill_tokens=max_prefill_tokens, reclaim_window=self.runner.spec.reclaim_window)
+            overcommit=cache.overcommit,
+            max_position_embeddings=self.runner.spec.max_position_embeddings,
+            max_input_tokens=max_input_tokens,
+            max_total_tokens=max_total_tokens,
+            max_prefill_tokens=max_prefill_tokens,
+            reclaim_window=self.runner.spec.reclaim_window,
+        )
 
     def _configure(self, capacity: Capacity) -> None:
         self.capacity = capacity
@@ -103,21 +117,30 @@ class PagedShardEngine:
         if self.config.preemption.mode == "recompute":
             swap_blocks = 0
         self.runner.allocate_swap_space(swap_blocks)
-        self.kv = KVCacheManager(num_blocks=capacity.num_blocks, block_size=self.block_size,
-                                 num_swap_blocks=swap_blocks,
-                                 enable_prefix_retention=self.config.cache.prefix_caching,  # PREFIX_CACHING
-                                 reclaim_window=self.runner.spec.reclaim_window)
-        self.scheduler = Scheduler(self.kv, max_batch_tokens=capacity.max_prefill_tokens,
-                                   max_preemptions=self.config.preemption.max_preemptions_per_request,
-                                   choose_mode=self._choose_mode,
-                                   cost_aware=self.config.preemption.cost_aware_victims)
+        self.kv = KVCacheManager(
+            num_blocks=capacity.num_blocks,
+            block_size=self.block_size,
+            num_swap_blocks=swap_blocks,
+            enable_prefix_retention=self.config.cache.prefix_caching,  # PREFIX_CACHING
+            reclaim_window=self.runner.spec.reclaim_window,
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            max_batch_tokens=capacity.max_prefill_tokens,
+            max_preemptions=self.config.preemption.max_preemptions_per_request,
+            choose_mode=self._choose_mode,
+            cost_aware=self.config.preemption.cost_aware_victims,
+        )
         self.model_step = ModelStep(self.runner, self.kv, self.decoder)
 
     def _choose_mode(self, victim: RequestState, swap_has_room: bool) -> tuple[str, float]:
         decision = choose_preemption_mode(
-            self.config.preemption.mode, num_tokens_to_reprefill=victim.num_computed + 1,
+            self.config.preemption.mode,
+            num_tokens_to_reprefill=victim.num_computed + 1,
             num_swap_bytes=self.kv.request_memory(victim.id).num_blocks * self.runner.block_bytes,
-            swap_has_room=swap_has_room, calibrator=self.calibrator)
+            swap_has_room=swap_has_room,
+            calibrator=self.calibrator,
+        )
         cost = decision.swap_cost_s if decision.mode == "swap" else decision.recompute_cost_s
         return decision.mode, float(cost or 0.0)
 
@@ -128,22 +151,29 @@ class PagedShardEngine:
     # -- RPCs -------------------------------------------------------------------------------
 
     def info(self) -> InfoResult:
-        return InfoResult(requires_padding=False, dtype=str(self.runner.dtype).removeprefix("torch."),
-                          device_type=self.runner.device.type, window_size=None, speculate=0,
-                          support_chunking=True, use_prefix_caching=self.config.cache.prefix_caching,
-                          attention_impl="paged", block_size=self.block_size)
+        return InfoResult(
+            requires_padding=False,
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            device_type=self.runner.device.type,
+            window_size=None,
+            speculate=0,
+            support_chunking=True,
+            use_prefix_caching=self.config.cache.prefix_caching,
+            attention_impl="paged",
+            block_size=self.block_size,
+        )
 
     def health(self) -> None:
         torch.zeros((2, 2), device=self.runner.device).sum().item()
 
-    def warmup(self, batch: BatchSpec, *, max_input_tokens: int | None, max_prefill_tokens: int,
-               max_total_tokens: int | None) -> WarmupResult:
+    def warmup(
+        self, batch: BatchSpec, *, max_input_tokens: int | None, max_prefill_tokens: int, max_total_tokens: int | None
+    ) -> WarmupResult:
         self.clear_cache(None)
         self.kv.reset_prefix_cache()
         # Exercise the full prefill path (sampling, top-n, prompt logprobs) on the router's batch,
         # with private ids (the router sends id 0 for every warmup request).
-        warm = BatchSpec(id=batch.id, requests=tuple(
-            _replace_id(r, -(i + 1)) for i, r in enumerate(batch.requests)))
+        warm = BatchSpec(id=batch.id, requests=tuple(_replace_id(r, -(i + 1)) for i, r in enumerate(batch.requests)))
         self.runner.profile_prefill(max(max_prefill_tokens, 1))
         ids = [r.id for r in warm.requests]
         try:
@@ -157,20 +187,32 @@ class PagedShardEngine:
                     break
         finally:
             self._free(ids)
-        capacity = self._plan(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
-                              max_prefill_tokens=max_prefill_tokens)
+        capacity = self._plan(
+            max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens, max_prefill_tokens=max_prefill_tokens
+        )
         self._configure(capacity)
-        self.recorder.record_budget(MemoryBudget(
-            device_total_bytes=self.runner.device_total_bytes(), weights_bytes=self.runner.weights_bytes,
-            activation_peak_bytes=self.runner.activation_peak_bytes or 0,
-            pool_bytes=capacity.num_blocks * self.runner.block_bytes,
-            swap_bytes=self.kv.stats().num_swap_total_blocks * self.runner.block_bytes))
-        logger.info("warmup: {} physical blocks x {} tokens = {} tokens; advertising {} (overcommit {})",
-                    capacity.num_blocks, self.block_size, capacity.physical_tokens,
-                    capacity.max_supported_total_tokens, self.config.cache.overcommit)
-        return WarmupResult(max_supported_total_tokens=capacity.max_supported_total_tokens,
-                            max_input_tokens=capacity.max_input_tokens,
-                            max_total_tokens=capacity.max_total_tokens)
+        self.recorder.record_budget(
+            MemoryBudget(
+                device_total_bytes=self.runner.device_total_bytes(),
+                weights_bytes=self.runner.weights_bytes,
+                activation_peak_bytes=self.runner.activation_peak_bytes or 0,
+                pool_bytes=capacity.num_blocks * self.runner.block_bytes,
+                swap_bytes=self.kv.stats().num_swap_total_blocks * self.runner.block_bytes,
+            )
+        )
+        logger.info(
+            "warmup: {} physical blocks x {} tokens = {} tokens; advertising {} (overcommit {})",
+            capacity.num_blocks,
+            self.block_size,
+            capacity.physical_tokens,
+            capacity.max_supported_total_tokens,
+            self.config.cache.overcommit,
+        )
+        return WarmupResult(
+            max_supported_total_tokens=capacity.max_supported_total_tokens,
+            max_input_tokens=capacity.max_input_tokens,
+            max_total_tokens=capacity.max_total_tokens,
+        )
 
     def prefill(self, batch: BatchSpec, cached_batch_id: int | None) -> StepResult:
         start = time.perf_counter_ns()
@@ -262,8 +304,10 @@ class PagedShardEngine:
             validate_tokenized(spec, prompt_ids, block_size=self.block_size, max_input_tokens=max_input_tokens)
         # Compiles start here (cached per regex); a grammar refused at once fails the call before
         # anything is registered.
-        grammars = [self.grammar_compiler.start(spec.id, spec.sampling.grammar)
-                    if spec.sampling.grammar is not None else None for spec in batch.requests]
+        grammars = [
+            self.grammar_compiler.start(spec.id, spec.sampling.grammar) if spec.sampling.grammar is not None else None
+            for spec in batch.requests
+        ]
         registered: list[int] = []
         try:
             for spec, prompt_ids, grammar in zip(batch.requests, prompts, grammars):
@@ -276,9 +320,14 @@ class PagedShardEngine:
     def _register(self, spec: RequestSpec, prompt_ids: list[int], grammar: object | None) -> None:
         """Create the request state and its page map; share retained prefix blocks."""
         self._admitted += 1
-        state = RequestState(spec=spec, prompt_ids=prompt_ids, admitted_seq=self._admitted,
-                             chunk_len_hint=spec.chunk_len, grammar=grammar,
-                             wants_prompt_logprobs=spec.prefill_logprobs and self.config.server.request_logprobs)
+        state = RequestState(
+            spec=spec,
+            prompt_ids=prompt_ids,
+            admitted_seq=self._admitted,
+            chunk_len_hint=spec.chunk_len,
+            grammar=grammar,
+            wants_prompt_logprobs=spec.prefill_logprobs and self.config.server.request_logprobs,
+        )
         state.stop_state = StoppingCriteria(spec.stopping, self.eos_ids)
         state.detok_state = self.decoder.new_request(prompt_ids)
         self.kv.add_request(spec.id, spec.blocks)
@@ -300,8 +349,14 @@ class PagedShardEngine:
         if live:
             self.batches[batch_id] = live
             batch = self._batch_info(batch_id)
-        return StepResult(generations=generations, batch=batch, forward_ns=forward_ns, decode_ns=decode_ns,
-                          total_ns=time.perf_counter_ns() - start_ns, concat_ns=concat_ns)
+        return StepResult(
+            generations=generations,
+            batch=batch,
+            forward_ns=forward_ns,
+            decode_ns=decode_ns,
+            total_ns=time.perf_counter_ns() - start_ns,
+            concat_ns=concat_ns,
+        )
 
     def _step(self, ids: list[int]):
         t0 = time.perf_counter()
@@ -325,8 +380,15 @@ class PagedShardEngine:
         timer.lap("schedule")
         t_telemetry = time.perf_counter_ns()
         self.last_step = self.step_records.build(
-            plan=plan, out=out, memory=self.kv.stats(), step_s=step_s, swap_block_bytes=self.runner.block_bytes,
-            requests=self.requests.values(), grammar=self._grammar, part_s=timer.seconds())
+            plan=plan,
+            out=out,
+            memory=self.kv.stats(),
+            step_s=step_s,
+            swap_block_bytes=self.runner.block_bytes,
+            requests=self.requests.values(),
+            grammar=self._grammar,
+            part_s=timer.seconds(),
+        )
         self.recorder.record_step(self.last_step)
         self._telemetry_ns = time.perf_counter_ns() - t_telemetry
         return out.generations, out.forward_ns, out.decode_ns
@@ -347,8 +409,9 @@ class PagedShardEngine:
 
     def _record_memory(self) -> None:
         counts = count_requests(self.requests.values(), time.monotonic())
-        self.recorder.record_memory(self.kv.stats(), num_running=counts.running, num_preempted=counts.preempted,
-                                    num_waiting=counts.waiting)
+        self.recorder.record_memory(
+            self.kv.stats(), num_running=counts.running, num_preempted=counts.preempted, num_waiting=counts.waiting
+        )
 
     def _liveness(self, batch: BatchSpec, start_ns: int) -> StepResult:
         """The router's health probe: one token on the scratch block, nothing kept."""
@@ -358,8 +421,13 @@ class PagedShardEngine:
             generations, forward_ns, decode_ns = self._step(ids)
         finally:
             self._free(ids)
-        return StepResult(generations=generations, batch=None, forward_ns=forward_ns, decode_ns=decode_ns,
-                          total_ns=time.perf_counter_ns() - start_ns)
+        return StepResult(
+            generations=generations,
+            batch=None,
+            forward_ns=forward_ns,
+            decode_ns=decode_ns,
+            total_ns=time.perf_counter_ns() - start_ns,
+        )
 
     def _free(self, request_ids: list[int]) -> None:
         for rid in request_ids:
@@ -375,13 +443,19 @@ class PagedShardEngine:
         reserved = sum(_reserved_tokens(r, self.block_size) for r in states)
         current = sum(min(r.num_remaining, self.capacity.max_prefill_tokens) for r in states)
         num_waiting_preempted = sum(1 for r in self.requests.values() if r.is_preempted)
-        braking = should_brake(self.kv.num_available_blocks, self.kv.num_total_blocks,
-                               self.config.cache.watermark, num_waiting_preempted)
-        tokens = reported_batch_tokens(braking=braking, max_tokens=reserved, current_tokens=current,
-                                       max_batch_total_tokens=self.capacity.max_supported_total_tokens,
-                                       max_batch_prefill_tokens=self.capacity.max_prefill_tokens)
-        return CachedBatchInfo(id=batch_id, request_ids=list(ids), max_tokens=tokens.max_tokens,
-                               current_tokens=tokens.current_tokens)
+        braking = should_brake(
+            self.kv.num_available_blocks, self.kv.num_total_blocks, self.config.cache.watermark, num_waiting_preempted
+        )
+        tokens = reported_batch_tokens(
+            braking=braking,
+            max_tokens=reserved,
+            current_tokens=current,
+            max_batch_total_tokens=self.capacity.max_supported_total_tokens,
+            max_batch_prefill_tokens=self.capacity.max_prefill_tokens,
+        )
+        return CachedBatchInfo(
+            id=batch_id, request_ids=list(ids), max_tokens=tokens.max_tokens, current_tokens=tokens.current_tokens
+        )
 
 
 def _reserved_tokens(r: RequestState, block_size: int) -> int:

@@ -42,8 +42,16 @@ def eos_token_ids(tokenizer, generation_config=None) -> frozenset[int]:
 class StoppingCriteria:
     """One request's stopping state. Call once per generated token, in order."""
 
-    __slots__ = ("max_new_tokens", "stop_sequences", "ignore_eos_token", "eos_token_ids",
-                 "current_tokens", "_buffer", "_keep", "_suffixes")
+    __slots__ = (
+        "max_new_tokens",
+        "stop_sequences",
+        "ignore_eos_token",
+        "eos_token_ids",
+        "current_tokens",
+        "_buffer",
+        "_keep",
+        "_suffixes",
+    )
 
     def __init__(self, params: StoppingParams, eos_token_ids: Iterable[int] | int | None) -> None:
         if eos_token_ids is None:
@@ -78,7 +86,7 @@ class StoppingCriteria:
         if self._suffixes:
             buf = self._buffer + token_text
             if len(buf) > self._keep:
-                buf = buf[-self._keep:]
+                buf = buf[-self._keep :]
             self._buffer = buf
             if buf.endswith(self._suffixes):
                 return FinishReason.STOP_SEQUENCE

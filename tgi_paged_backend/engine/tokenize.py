@@ -54,8 +54,9 @@ class PromptTokenizer:
         """Prompt ids of one request (at most ``truncate`` of them when ``truncate > 0``)."""
         return self.encode_batch([text], [truncate], [add_special_tokens])[0]
 
-    def encode_batch(self, texts: Sequence[str], truncates: Sequence[int | None],
-                     add_special_tokens: Sequence[bool] | bool = True) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], truncates: Sequence[int | None], add_special_tokens: Sequence[bool] | bool = True
+    ) -> list[list[int]]:
         """Prompt ids of many requests: one untruncated batch call per ``add_special_tokens`` value, then
         HF's own left truncation for the prompts that are too long."""
         n = len(texts)
@@ -85,5 +86,6 @@ class PromptTokenizer:
         """:meth:`encode_batch` over ``RequestSpec``-like objects (``text``, ``truncate``,
         ``add_special_tokens``)."""
         reqs = list(requests)
-        return self.encode_batch([r.text for r in reqs], [r.truncate for r in reqs],
-                                 [r.add_special_tokens for r in reqs])
+        return self.encode_batch(
+            [r.text for r in reqs], [r.truncate for r in reqs], [r.add_special_tokens for r in reqs]
+        )

@@ -80,7 +80,8 @@ class TensorParallelShardEngine(PagedShardEngine):
         """Steps run (and checked) so far, warmup included; equal on every rank."""
         super().__init__(config, runner)
         self.calibrator = SyncedRateCalibrator(
-            lambda seconds: group.max_float(seconds, "agreeing on the measured prefill time"))
+            lambda seconds: group.max_float(seconds, "agreeing on the measured prefill time")
+        )
 
     # -- RPCs -------------------------------------------------------------------------------
 
@@ -122,34 +123,54 @@ class TensorParallelShardEngine(PagedShardEngine):
         self.num_steps += 1
         tag = _digest(repr(ids).encode())
         state = self.state_digest()
-        logger.debug("tensor parallel step {}: batch {:016x} state {:016x}", step, tag & (2**64 - 1),
-                     state & (2**64 - 1))
+        logger.debug(
+            "tensor parallel step {}: batch {:016x} state {:016x}", step, tag & (2**64 - 1), state & (2**64 - 1)
+        )
         gathered = self.group.all_gather_ints([tag, state], "the per-step consistency check")
         if len({g[0] for g in gathered}) > 1:
             raise RankMismatchError(
                 f"tensor parallel step {step}: the ranks were asked to run different batches (the RPCs "
                 "reached them in a different order, e.g. the router's liveness Prefill during a Decode); "
-                "failing this call on every rank")
+                "failing this call on every rank"
+            )
         states = [g[1] & (2**64 - 1) for g in gathered]
         if len(set(states)) > 1:
-            self.group.fail(f"the consistency check before step {step}",
-                            "the ranks' request and KV block state diverged (digests by rank: "
-                            + ", ".join(f"{s:016x}" for s in states) + ")")
+            self.group.fail(
+                f"the consistency check before step {step}",
+                "the ranks' request and KV block state diverged (digests by rank: "
+                + ", ".join(f"{s:016x}" for s in states)
+                + ")",
+            )
 
     def state_digest(self) -> int:
         """Digest of what the scheduling decisions depend on: requests (and their last token), batches,
         block tables, pool and swap counters. Python's ``hash`` of int tuples is the same in every
         process (only str/bytes hashing is salted), and much cheaper than formatting them."""
-        requests = hash(tuple(
-            # The last sampled token too: every step is checked, so a token chosen differently
-            # anywhere (the logits are meant to be bit-identical) is caught one step later.
-            (rid, _STATUS_CODES[r.status], r.num_computed, len(r.output_ids),
-             r.output_ids[-1] if r.output_ids else -1, r.num_preemptions)
-            for rid, r in sorted(self.requests.items())))
+        requests = hash(
+            tuple(
+                # The last sampled token too: every step is checked, so a token chosen differently
+                # anywhere (the logits are meant to be bit-identical) is caught one step later.
+                (
+                    rid,
+                    _STATUS_CODES[r.status],
+                    r.num_computed,
+                    len(r.output_ids),
+                    r.output_ids[-1] if r.output_ids else -1,
+                    r.num_preemptions,
+                )
+                for rid, r in sorted(self.requests.items())
+            )
+        )
         batches = hash(tuple(sorted((b, tuple(v)) for b, v in self.batches.items())))
         kv = self.kv
-        pool = (kv.num_total_blocks, kv.num_free_blocks, kv.num_used_blocks, kv.num_retained_blocks,
-                kv.num_swapped_blocks, kv.num_free_swap_blocks)
+        pool = (
+            kv.num_total_blocks,
+            kv.num_free_blocks,
+            kv.num_used_blocks,
+            kv.num_retained_blocks,
+            kv.num_swapped_blocks,
+            kv.num_free_swap_blocks,
+        )
         resident = [rid for rid in sorted(self.requests) if rid in kv]
         tables = kv.block_tables(resident).tobytes() if resident else b""
         return _digest(repr((requests, batches, pool)).encode(), tables)
@@ -160,8 +181,10 @@ def build_tensor_parallel_engine(config: BackendConfig, device: torch.device) ->
     world_size = config.server.world_size
     if device.type == "cuda":
         if torch.cuda.device_count() < world_size:
-            raise ConfigError(f"tensor parallelism runs one rank per GPU: WORLD_SIZE={world_size} (--num-shard) but "
-                              f"only {torch.cuda.device_count()} GPU(s) are visible (CUDA_VISIBLE_DEVICES)")
+            raise ConfigError(
+                f"tensor parallelism runs one rank per GPU: WORLD_SIZE={world_size} (--num-shard) but "
+                f"only {torch.cuda.device_count()} GPU(s) are visible (CUDA_VISIBLE_DEVICES)"
+            )
         torch.cuda.set_device(device)
     else:
         _share_cpu_threads(world_size)

@@ -49,8 +49,7 @@ class SamplingParams:
     @property
     def is_sampling(self) -> bool:
         """TGI samples when ``do_sample`` or any warper is active; otherwise greedy argmax."""
-        return (self.do_sample or self.temperature != 1.0 or self.top_k != 0
-                or self.top_p < 1.0 or self.typical_p < 1.0)
+        return self.do_sample or self.temperature != 1.0 or self.top_k != 0 or self.top_p < 1.0 or self.typical_p < 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -44,11 +44,13 @@ def validate_request_spec(request: RequestSpec, *, num_virtual_blocks: int) -> N
         bad = [b for b in request.blocks if not 0 <= b < num_virtual_blocks]
         if bad:
             raise InvalidRequestError(
-                f"request {rid}: block id {bad[0]} outside the advertised range [0, {num_virtual_blocks})")
+                f"request {rid}: block id {bad[0]} outside the advertised range [0, {num_virtual_blocks})"
+            )
 
 
-def validate_tokenized(request: RequestSpec, prompt_ids: Sequence[int], *, block_size: int,
-                       max_input_tokens: int | None) -> None:
+def validate_tokenized(
+    request: RequestSpec, prompt_ids: Sequence[int], *, block_size: int, max_input_tokens: int | None
+) -> None:
     """Checks against the server's own tokenization of the prompt."""
     rid = request.id
     num_prompt = len(prompt_ids)
@@ -56,24 +58,29 @@ def validate_tokenized(request: RequestSpec, prompt_ids: Sequence[int], *, block
         raise InvalidRequestError(f"request {rid}: the prompt tokenizes to no tokens")
     if max_input_tokens is not None and num_prompt > max_input_tokens:
         raise InvalidRequestError(
-            f"request {rid}: prompt has {num_prompt} tokens, more than max_input_tokens={max_input_tokens}")
+            f"request {rid}: prompt has {num_prompt} tokens, more than max_input_tokens={max_input_tokens}"
+        )
     if request.cache_len >= num_prompt:
-        raise InvalidRequestError(
-            f"request {rid}: cache_len={request.cache_len} must be < prompt length {num_prompt}")
+        raise InvalidRequestError(f"request {rid}: cache_len={request.cache_len} must be < prompt length {num_prompt}")
     if request.blocks or request.slots:
         needed = num_prompt + request.stopping.max_new_tokens - 1
         if len(request.slots) < needed:
             raise InvalidRequestError(
                 f"request {rid}: {len(request.slots)} slots for {needed} tokens to write "
                 f"(prompt {num_prompt} + max_new_tokens {request.stopping.max_new_tokens} - 1); "
-                "router and shard tokenizers may disagree")
+                "router and shard tokenizers may disagree"
+            )
         capacity = len(request.blocks) * block_size
         if capacity < needed:
             raise InvalidRequestError(
-                f"request {rid}: {len(request.blocks)} blocks hold {capacity} tokens, {needed} needed")
-        bad = next((i for i, s in enumerate(request.slots[:needed])
-                    if s // block_size != request.blocks[i // block_size]), None)
+                f"request {rid}: {len(request.blocks)} blocks hold {capacity} tokens, {needed} needed"
+            )
+        bad = next(
+            (i for i, s in enumerate(request.slots[:needed]) if s // block_size != request.blocks[i // block_size]),
+            None,
+        )
         if bad is not None:
             raise InvalidRequestError(
                 f"request {rid}: slot {request.slots[bad]} at position {bad} is not in block "
-                f"{request.blocks[bad // block_size]} (slot = block * {block_size} + offset)")
+                f"{request.blocks[bad // block_size]} (slot = block * {block_size} + offset)"
+            )

@@ -64,7 +64,7 @@ class BlockTableArray:
             while cols < end:
                 cols *= 2
             table = np.zeros((self.table.shape[0], cols), dtype=np.int32)
-            table[:, :self.table.shape[1]] = self.table
+            table[:, : self.table.shape[1]] = self.table
             self.table = table
         self.table[row, start:end] = block_ids
         self.lengths[row] = end
@@ -75,7 +75,7 @@ class BlockTableArray:
 
     def clear(self, row: int) -> None:
         """Unmap every block of the row."""
-        self.table[row, :self.lengths[row]] = SCRATCH_BLOCK
+        self.table[row, : self.lengths[row]] = SCRATCH_BLOCK
         self.lengths[row] = 0
 
     # ---------------------------------------------------------------------------------- gathers

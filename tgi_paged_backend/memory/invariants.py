@@ -17,9 +17,16 @@ from tgi_paged_backend.memory.types import SCRATCH_BLOCK
 from tgi_paged_backend.memory.window_reclaim import num_blocks_outside_window
 
 
-def check_manager_invariants(*, pool: BlockPool, prefix: PrefixCache | NullPrefixCache, swap: SwapSpace,
-                             table: BlockTableArray, requests: Mapping[int, PageMap], block_size: int,
-                             window: int | None) -> None:
+def check_manager_invariants(
+    *,
+    pool: BlockPool,
+    prefix: PrefixCache | NullPrefixCache,
+    swap: SwapSpace,
+    table: BlockTableArray,
+    requests: Mapping[int, PageMap],
+    block_size: int,
+    window: int | None,
+) -> None:
     """Pool, prefix cache, swap space and every page map agree; refcount == number of holders.
 
     Holes (sliding-window reclaim) are a scratch-mapped prefix of the page map and never cover a
@@ -44,7 +51,8 @@ def check_manager_invariants(*, pool: BlockPool, prefix: PrefixCache | NullPrefi
             assert window is not None, f"request {request_id}: holes without a sliding window"
             last_query = max(req.num_allocated_tokens - 1, 0)
             assert req.num_holes <= num_blocks_outside_window(last_query, window, block_size), (
-                f"request {request_id}: a hole inside the window")
+                f"request {request_id}: a hole inside the window"
+            )
         if req.swapped is not None:
             assert not req.blocks and req.cow_src is None
             num_swapped += len(req.swapped)
@@ -54,7 +62,8 @@ def check_manager_invariants(*, pool: BlockPool, prefix: PrefixCache | NullPrefi
         for index, block_id in enumerate(req.blocks):
             if block_id == SCRATCH_BLOCK:
                 assert index < req.num_holes or req.virtual_blocks[index] == SCRATCH_BLOCK, (
-                    f"request {request_id}: stray scratch")
+                    f"request {request_id}: stray scratch"
+                )
             else:
                 assert index >= req.num_holes, f"request {request_id}: a hole still holds block {block_id}"
                 holders[block_id] += 1
@@ -62,5 +71,6 @@ def check_manager_invariants(*, pool: BlockPool, prefix: PrefixCache | NullPrefi
             holders[req.cow_src] += 1
     for block_id in range(1, pool.num_blocks):
         assert pool.refcount(block_id) == holders[block_id], (
-            f"block {block_id}: refcount {pool.refcount(block_id)} != {holders[block_id]} holders")
+            f"block {block_id}: refcount {pool.refcount(block_id)} != {holders[block_id]} holders"
+        )
     assert num_swapped == swap.num_used_blocks

@@ -54,8 +54,15 @@ class KVCacheManager:
             behind it are given back as decoding moves on. ``None``: keep the whole history.
     """
 
-    def __init__(self, *, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
-                 enable_prefix_retention: bool = True, reclaim_window: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_swap_blocks: int = 0,
+        enable_prefix_retention: bool = True,
+        reclaim_window: int | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} is invalid: allowed >= 1")
         if reclaim_window is not None and reclaim_window < 1:
@@ -134,7 +141,8 @@ class KVCacheManager:
         if self.reclaim_window is not None and (end := self._num_outside_window(req, num_tokens)) > req.num_holes:
             self._register(req)  # what leaves is retained, and the chain stays whole
             self._num_reclaimed_total += release_blocks_outside_window(
-                req, end, pool=self._pool, table=self._table, is_registered=self._prefix.is_registered)
+                req, end, pool=self._pool, table=self._table, is_registered=self._prefix.is_registered
+            )
         num_have = len(req.blocks)
         num_want = -(-num_tokens // self.block_size)
         if num_want <= num_have:
@@ -143,8 +151,9 @@ class KVCacheManager:
             return EMPTY_ALLOCATION
         assert req.swapped is None, f"request {request_id} is swapped out"
         if req.virtual_blocks and num_want > len(req.virtual_blocks):
-            raise ValueError(f"request {request_id}: {num_tokens} tokens exceed its "
-                             f"{len(req.virtual_blocks)} router blocks")
+            raise ValueError(
+                f"request {request_id}: {num_tokens} tokens exceed its {len(req.virtual_blocks)} router blocks"
+            )
         new = self._pool.allocate(req.num_fresh_blocks(num_want))
         if new is None:
             return None
@@ -166,8 +175,11 @@ class KVCacheManager:
         fresh = req.num_fresh_blocks(-(-num_tokens // self.block_size))
         if self.reclaim_window is None or fresh == 0:
             return fresh
-        returned = sum(1 for b in req.blocks[req.num_holes:self._num_outside_window(req, num_tokens)]
-                       if b != SCRATCH_BLOCK and self._pool.refcount(b) == 1)
+        returned = sum(
+            1
+            for b in req.blocks[req.num_holes : self._num_outside_window(req, num_tokens)]
+            if b != SCRATCH_BLOCK and self._pool.refcount(b) == 1
+        )
         return max(fresh - returned, 0)
 
     def commit_tokens(self, request_id: int, token_ids: Sequence[int], start: int = 0) -> None:
@@ -178,15 +190,16 @@ class KVCacheManager:
         req = self._requests[request_id]
         num = start + len(token_ids)
         if num > len(req.blocks) * self.block_size:
-            raise ValueError(f"request {request_id}: {num} tokens committed but only "
-                             f"{len(req.blocks) * self.block_size} positions are backed")
+            raise ValueError(
+                f"request {request_id}: {num} tokens committed but only "
+                f"{len(req.blocks) * self.block_size} positions are backed"
+            )
         have = len(req.token_ids)
         if start > have:
-            raise ValueError(f"request {request_id}: tokens from position {start} committed, "
-                             f"but only {have} are known")
+            raise ValueError(f"request {request_id}: tokens from position {start} committed, but only {have} are known")
         if num > have:
             assert have == start or int(token_ids[have - start - 1]) == req.token_ids[have - 1], "history rewritten"
-            req.token_ids.extend(int(t) for t in token_ids[have - start:])
+            req.token_ids.extend(int(t) for t in token_ids[have - start :])
         req.num_committed = num
 
     def free(self, request_id: int) -> None:
@@ -254,8 +267,9 @@ class KVCacheManager:
         """``int32 [len(request_ids), max_blocks]`` physical ids in token order, 0-padded."""
         return self._table.gather(self._rows(request_ids))
 
-    def slot_mapping(self, request_ids: Sequence[int], start_positions: Sequence[int],
-                     num_tokens: Sequence[int]) -> np.ndarray:
+    def slot_mapping(
+        self, request_ids: Sequence[int], start_positions: Sequence[int], num_tokens: Sequence[int]
+    ) -> np.ndarray:
         """``int64`` physical slots of positions ``[start, start + n)`` per request, concatenated."""
         rows = self._rows(request_ids)
         starts = np.asarray(start_positions, dtype=np.int64)
@@ -348,17 +362,25 @@ class KVCacheManager:
         """Occupancy and waste now; ``num_pending_blocks`` is the head-of-line allocation's need."""
         waste = summarize_waste(self._requests.values(), self.block_size)
         return MemoryStats(
-            block_size=self.block_size, num_total_blocks=self.num_total_blocks,
-            num_free_blocks=self.num_free_blocks, num_used_blocks=self.num_used_blocks,
-            num_retained_blocks=self.num_retained_blocks, num_swapped_blocks=self.num_swapped_blocks,
-            num_swap_total_blocks=self._swap.num_blocks, num_requests=len(self._requests),
-            num_swapped_requests=waste.num_swapped_requests, num_written_tokens=waste.num_written_tokens,
-            num_reserved_slots=waste.num_reserved_slots, internal_waste_slots=waste.internal_slots,
+            block_size=self.block_size,
+            num_total_blocks=self.num_total_blocks,
+            num_free_blocks=self.num_free_blocks,
+            num_used_blocks=self.num_used_blocks,
+            num_retained_blocks=self.num_retained_blocks,
+            num_swapped_blocks=self.num_swapped_blocks,
+            num_swap_total_blocks=self._swap.num_blocks,
+            num_requests=len(self._requests),
+            num_swapped_requests=waste.num_swapped_requests,
+            num_written_tokens=waste.num_written_tokens,
+            num_reserved_slots=waste.num_reserved_slots,
+            internal_waste_slots=waste.internal_slots,
             reservation_waste_slots=waste.reservation_slots,
             external_waste_blocks=stranded_blocks(self.num_available_blocks, num_pending_blocks),
             num_prefix_query_tokens=self._num_prefix_query_tokens,
             num_prefix_hit_tokens=self._num_prefix_hit_tokens,
-            num_hole_blocks=waste.num_hole_blocks, num_reclaimed_blocks_total=self._num_reclaimed_total)
+            num_hole_blocks=waste.num_hole_blocks,
+            num_reclaimed_blocks_total=self._num_reclaimed_total,
+        )
 
     # ------------------------------------------------------------------------------ internals
     def _num_outside_window(self, req: PageMap, num_tokens: int) -> int:
@@ -366,8 +388,7 @@ class KVCacheManager:
         first query is the position after what the request asked for before."""
         assert self.reclaim_window is not None
         first_query = min(req.num_allocated_tokens, num_tokens - 1)
-        return min(num_blocks_outside_window(first_query, self.reclaim_window, self.block_size),
-                   len(req.blocks))
+        return min(num_blocks_outside_window(first_query, self.reclaim_window, self.block_size), len(req.blocks))
 
     def _register(self, req: PageMap) -> None:
         """Register the full committed blocks: from the root, or past the holes from where the chain
@@ -401,6 +422,12 @@ class KVCacheManager:
     # ------------------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
         """Pool, prefix cache, swap space and every page map agree; refcount == number of holders."""
-        check_manager_invariants(pool=self._pool, prefix=self._prefix, swap=self._swap, table=self._table,
-                                 requests=self._requests, block_size=self.block_size,
-                                 window=self.reclaim_window)
+        check_manager_invariants(
+            pool=self._pool,
+            prefix=self._prefix,
+            swap=self._swap,
+            table=self._table,
+            requests=self._requests,
+            block_size=self.block_size,
+            window=self.reclaim_window,
+        )

@@ -59,8 +59,9 @@ class PageMap:
 
     @classmethod
     def create(cls, row: int, virtual_blocks: tuple[int, ...]) -> PageMap:
-        return cls(row=row, virtual_blocks=virtual_blocks, blocks=[], token_ids=[],
-                   has_scratch=SCRATCH_BLOCK in virtual_blocks)
+        return cls(
+            row=row, virtual_blocks=virtual_blocks, blocks=[], token_ids=[], has_scratch=SCRATCH_BLOCK in virtual_blocks
+        )
 
     @property
     def num_physical_blocks(self) -> int:
@@ -93,8 +94,10 @@ class PageMap:
             assert len(fresh) == num_blocks - len(self.blocks)
             return list(fresh)
         ids = iter(fresh)
-        return [SCRATCH_BLOCK if v == SCRATCH_BLOCK else next(ids)
-                for v in self.virtual_blocks[len(self.blocks):num_blocks]]
+        return [
+            SCRATCH_BLOCK if v == SCRATCH_BLOCK else next(ids)
+            for v in self.virtual_blocks[len(self.blocks) : num_blocks]
+        ]
 
     def virtual_block_indices(self, virtual_ids: np.ndarray) -> np.ndarray:
         """Page-map indices of router virtual block ids (none of them 0).

@@ -131,7 +131,7 @@ class PrefixCache:
         block_ids: list[int] = []
         parent_hash, parent_serial = ROOT_HASH, _ROOT_SERIAL
         for start in range(0, limit - bs + 1, bs):
-            chunk = tuple(token_ids[start:start + bs])
+            chunk = tuple(token_ids[start : start + bs])
             key = chain_hash(parent_hash, chunk)
             entry = self._by_hash.get(key)
             if entry is None or entry.parent_serial != parent_serial or entry.token_ids != chunk:
@@ -139,7 +139,7 @@ class PrefixCache:
             block_ids.append(entry.block_id)
             parent_hash, parent_serial = key, entry.serial
         start = len(block_ids) * bs
-        want = token_ids[start:min(limit, start + bs)]
+        want = token_ids[start : min(limit, start + bs)]
         best: _Entry | None = None
         best_len = 0
         for child in self._children.get(parent_serial, {}).values():
@@ -164,8 +164,9 @@ class PrefixCache:
         """
         return self.extend(token_ids, block_ids, num_tokens, CHAIN_START)[1]
 
-    def extend(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int,
-               cursor: ChainCursor) -> tuple[ChainCursor, int]:
+    def extend(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int, cursor: ChainCursor
+    ) -> tuple[ChainCursor, int]:
         """:meth:`register` from ``cursor`` on (blocks before it are not looked at, and may be holes).
 
         Returns:
@@ -181,7 +182,7 @@ class PrefixCache:
             block_id = block_ids[index]
             if block_id == SCRATCH_BLOCK:
                 break
-            chunk = tuple(token_ids[index * bs:(index + 1) * bs])
+            chunk = tuple(token_ids[index * bs : (index + 1) * bs])
             key = chain_hash(parent_hash, chunk)
             entry = self._by_hash.get(key)
             if entry is not None and entry.parent_serial != parent_serial and self._is_stale(entry):
@@ -237,7 +238,8 @@ class PrefixCache:
             assert self._children[entry.parent_serial][entry.serial] is entry
             assert len(entry.token_ids) == self.block_size
             assert self._pool.refcount(block_id) > 0 or self._pool.is_retained(block_id), (
-                f"registered block {block_id} is free")
+                f"registered block {block_id} is free"
+            )
         for entry in self._by_hash.values():
             assert self._by_block[entry.block_id] is entry
         assert sum(len(c) for c in self._children.values()) == len(self._by_block)
@@ -263,8 +265,9 @@ class NullPrefixCache:
     def register(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> int:
         return 0
 
-    def extend(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int,
-               cursor: ChainCursor) -> tuple[ChainCursor, int]:
+    def extend(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int, cursor: ChainCursor
+    ) -> tuple[ChainCursor, int]:
         return cursor, 0
 
     def forget_block(self, block_id: int) -> None:

@@ -75,8 +75,14 @@ class MemoryStats:
         return self.external_waste_blocks / max(self.num_total_blocks, 1)
 
 
-def request_waste(*, num_written_tokens: int, num_mapped_blocks: int, num_reserved_blocks: int,
-                  block_size: int, num_hole_blocks: int = 0) -> tuple[int, int]:
+def request_waste(
+    *,
+    num_written_tokens: int,
+    num_mapped_blocks: int,
+    num_reserved_blocks: int,
+    block_size: int,
+    num_hole_blocks: int = 0,
+) -> tuple[int, int]:
     """Internal and reservation waste (in slots) of one request.
 
     Args:
@@ -125,9 +131,13 @@ def summarize_waste(page_maps: Iterable[PageMap], block_size: int) -> WasteSumma
             num_mapped = len(pm.blocks) - pm.num_holes
         written += num_written
         holes += pm.num_holes
-        slots = request_waste(num_written_tokens=num_written, num_mapped_blocks=num_mapped,
-                              num_reserved_blocks=num_reserved, block_size=block_size,
-                              num_hole_blocks=pm.num_holes)
+        slots = request_waste(
+            num_written_tokens=num_written,
+            num_mapped_blocks=num_mapped,
+            num_reserved_blocks=num_reserved,
+            block_size=block_size,
+            num_hole_blocks=pm.num_holes,
+        )
         internal += slots[0]
         reservation += slots[1]
     return WasteSummary(internal, reservation, written, reserved, swapped, holes)

@@ -48,8 +48,9 @@ def max_resident_blocks(window: int, block_size: int, num_new_tokens: int = 1) -
     return -(-(window + num_new_tokens - 1) // block_size) + 1
 
 
-def release_blocks_outside_window(req: PageMap, num_outside: int, *, pool: BlockPool, table: BlockTableArray,
-                                  is_registered: Callable[[int], bool]) -> int:
+def release_blocks_outside_window(
+    req: PageMap, num_outside: int, *, pool: BlockPool, table: BlockTableArray, is_registered: Callable[[int], bool]
+) -> int:
     """Turn the page map's first ``num_outside`` entries into holes; returns the blocks given back.
 
     Released last-first, like every release. A block the prefix cache knows (the manager registers

@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def should_brake(num_free_blocks: int, num_total_blocks: int, watermark: float,
-                 num_waiting_preempted: int) -> bool:
+def should_brake(num_free_blocks: int, num_total_blocks: int, watermark: float, num_waiting_preempted: int) -> bool:
     """Whether new admissions must stop now.
 
     Args:
@@ -41,9 +40,14 @@ class BatchTokens:
     current_tokens: int
 
 
-def reported_batch_tokens(*, braking: bool, max_tokens: int, current_tokens: int,
-                          max_batch_total_tokens: int,
-                          max_batch_prefill_tokens: int | None = None) -> BatchTokens:
+def reported_batch_tokens(
+    *,
+    braking: bool,
+    max_tokens: int,
+    current_tokens: int,
+    max_batch_total_tokens: int,
+    max_batch_prefill_tokens: int | None = None,
+) -> BatchTokens:
     """The token figures a ``CachedBatch`` carries, inflated while braking.
 
     Args:

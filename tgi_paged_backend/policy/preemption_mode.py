@@ -74,8 +74,14 @@ def swap_cost_s(num_bytes: int, calibrator: RateCalibrator) -> float:
     return 2 * num_bytes / calibrator.copy_bytes_per_s
 
 
-def choose_preemption_mode(mode: PreemptionMode, *, num_tokens_to_reprefill: int, num_swap_bytes: int,
-                           swap_has_room: bool, calibrator: RateCalibrator) -> PreemptionDecision:
+def choose_preemption_mode(
+    mode: PreemptionMode,
+    *,
+    num_tokens_to_reprefill: int,
+    num_swap_bytes: int,
+    swap_has_room: bool,
+    calibrator: RateCalibrator,
+) -> PreemptionDecision:
     """Pick swap or recompute for one victim.
 
     Args:

@@ -29,8 +29,9 @@ class VictimCandidate:
     """Estimated preemption cost (see ``policy.preemption_mode``); used by the cost-aware order."""
 
 
-def victim_order(candidates: Iterable[VictimCandidate], *, max_preemptions: int,
-                 cost_aware: bool = False) -> list[VictimCandidate]:
+def victim_order(
+    candidates: Iterable[VictimCandidate], *, max_preemptions: int, cost_aware: bool = False
+) -> list[VictimCandidate]:
     """Candidates in the order they should be preempted, protected requests left out.
 
     Args:
@@ -44,8 +45,9 @@ def victim_order(candidates: Iterable[VictimCandidate], *, max_preemptions: int,
     return sorted(eligible, key=lambda c: -c.admission_seq)
 
 
-def pick_victims(candidates: Iterable[VictimCandidate], num_blocks_needed: int, *,
-                 max_preemptions: int, cost_aware: bool = False) -> list[VictimCandidate] | None:
+def pick_victims(
+    candidates: Iterable[VictimCandidate], num_blocks_needed: int, *, max_preemptions: int, cost_aware: bool = False
+) -> list[VictimCandidate] | None:
     """The shortest prefix of :func:`victim_order` that frees ``num_blocks_needed`` blocks.
 
     Returns:

@@ -76,8 +76,9 @@ class PagedAttentionMetadata:
             return None
         plan = self.decode_gathers.get(sliding_window)
         if plan is None:
-            plan = tgi_paged_kernels.plan_decode_gather(self.batch.block_tables, self.batch.seq_lens, block_size,
-                                                        sliding_window)
+            plan = tgi_paged_kernels.plan_decode_gather(
+                self.batch.block_tables, self.batch.seq_lens, block_size, sliding_window
+            )
             self.decode_gathers[sliding_window] = plan
         return plan
 
@@ -143,8 +144,9 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
     k = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
     v = value[0].transpose(0, 1).contiguous()
-    tgi_paged_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping,
-                               k_scale=metadata.k_scale, v_scale=metadata.v_scale)
+    tgi_paged_kernels.store_kv(
+        k, v, k_cache, v_cache, batch.slot_mapping, k_scale=metadata.k_scale, v_scale=metadata.v_scale
+    )
 
     if scaling is None:
         scaling = getattr(module, "scaling", None) or q.shape[-1] ** -0.5
@@ -159,10 +161,12 @@ def paged_attention_forward(
     if batch.is_decode:
         gather = metadata.decode_gather(k_cache.shape[1], common["sliding_window"])
         out = tgi_paged_kernels.paged_decode_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, gather=gather, **common)
+            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, gather=gather, **common
+        )
     else:
         out = tgi_paged_kernels.paged_prefill_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, **common)
+            q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, **common
+        )
     return out.unsqueeze(0), None
 
 

@@ -32,16 +32,32 @@ SERVED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 BYPASSING_FAMILIES: dict[str, str] = {
     "falcon": "its attention layers are picked from FALCON_ATTENTION_CLASSES (eager/sdpa/flash only), not "
-              "through transformers' attention interface, so the paged KV cache cannot be plugged in",
+    "through transformers' attention interface, so the paged KV cache cannot be plugged in",
     "bloom": "ALiBi position biases inside its own attention code (no attention interface, no ALiBi kernel yet)",
     "mpt": "ALiBi position biases inside its own attention code (no attention interface, no ALiBi kernel yet)",
 }
 """``model_type`` -> why transformers' modeling code for it cannot run over the paged KV cache."""
 
-SSM_MODEL_TYPES = frozenset({
-    "mamba", "mamba2", "falcon_mamba", "falcon_h1", "jamba", "zamba", "zamba2", "bamba", "granitemoehybrid",
-    "nemotron_h", "rwkv", "recurrent_gemma", "lfm2", "qwen3_next", "xlstm", "plamo2",
-})
+SSM_MODEL_TYPES = frozenset(
+    {
+        "mamba",
+        "mamba2",
+        "falcon_mamba",
+        "falcon_h1",
+        "jamba",
+        "zamba",
+        "zamba2",
+        "bamba",
+        "granitemoehybrid",
+        "nemotron_h",
+        "rwkv",
+        "recurrent_gemma",
+        "lfm2",
+        "qwen3_next",
+        "xlstm",
+        "plamo2",
+    }
+)
 """Families with state-space, recurrent or linear-attention layers (state the KV pool does not hold)."""
 
 _MULTIMODAL_SUBCONFIGS = ("vision_config", "audio_config", "speech_config", "vision_tower_config")
@@ -56,8 +72,10 @@ def architecture_name(config: Any) -> str:
 
 def refusal_message(config: Any, reason: str) -> str:
     """The start-up error: the architecture, why, and what to do instead."""
-    return (f"{architecture_name(config)} is not served by the paged backend: {reason}. "
-            "Serve it with TGI_BACKEND=stock (TGI's own server) instead")
+    return (
+        f"{architecture_name(config)} is not served by the paged backend: {reason}. "
+        "Serve it with TGI_BACKEND=stock (TGI's own server) instead"
+    )
 
 
 def unsupported_reason(config: Any) -> str | None:
@@ -81,8 +99,10 @@ def unsupported_reason(config: Any) -> str | None:
     if model_type in BYPASSING_FAMILIES:
         return BYPASSING_FAMILIES[model_type]
     if getattr(config, "kv_lora_rank", None):
-        return ("multi-head latent attention (compressed KV, key and value head dims differ) needs its own "
-                "page geometry, which is not implemented")
+        return (
+            "multi-head latent attention (compressed KV, key and value head dims differ) needs its own "
+            "page geometry, which is not implemented"
+        )
     if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):
         return "ALiBi position biases are not implemented by the paged attention kernels"
     return None
@@ -99,8 +119,14 @@ def probe_layer_calls(model: torch.nn.Module) -> list[int]:
     metadata = PagedAttentionMetadata(batch=None, k_caches=(), v_caches=(), layer_calls=calls)
     token = torch.zeros((1, 1), dtype=torch.int64, device=device)
     with torch.inference_mode():
-        model(input_ids=token, position_ids=token, attention_mask=mask_placeholder(device, model.dtype),
-              use_cache=False, return_dict=True, **{METADATA_KWARG: metadata})
+        model(
+            input_ids=token,
+            position_ids=token,
+            attention_mask=mask_placeholder(device, model.dtype),
+            use_cache=False,
+            return_dict=True,
+            **{METADATA_KWARG: metadata},
+        )
     return calls
 
 
@@ -115,7 +141,11 @@ def check_attention_calls(num_layers: int, layer_calls: Sequence[int]) -> str | 
     if sorted(layer_calls) == expected:
         return None
     if not layer_calls:
-        return ("no layer called the paged attention function: this modeling code computes attention its own "
-                "way instead of through transformers' attention interface")
-    return (f"the paged attention function was called for layers {sorted(layer_calls)}, expected each of "
-            f"{expected} once: some layers bypass transformers' attention interface or share KV")
+        return (
+            "no layer called the paged attention function: this modeling code computes attention its own "
+            "way instead of through transformers' attention interface"
+        )
+    return (
+        f"the paged attention function was called for layers {sorted(layer_calls)}, expected each of "
+        f"{expected} once: some layers bypass transformers' attention interface or share KV"
+    )

@@ -112,11 +112,14 @@ class ForwardBatch:
         for name, (dtype, shape) in expected.items():
             tensor = getattr(self, name)
             if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-                raise ValueError(f"ForwardBatch.{name}: expected {dtype} {shape}, "
-                                 f"got {tensor.dtype} {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"ForwardBatch.{name}: expected {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}"
+                )
         if self.block_tables.dtype != torch.int32 or self.block_tables.ndim != 2 or self.block_tables.shape[0] != b:
-            raise ValueError(f"ForwardBatch.block_tables: expected int32 [{b}, max_blocks], "
-                             f"got {self.block_tables.dtype} {tuple(self.block_tables.shape)}")
+            raise ValueError(
+                f"ForwardBatch.block_tables: expected int32 [{b}, max_blocks], "
+                f"got {self.block_tables.dtype} {tuple(self.block_tables.shape)}"
+            )
         if self.is_decode and t != b:
             raise ValueError(f"ForwardBatch.is_decode with {t} tokens for {b} requests")
 
@@ -187,8 +190,10 @@ def build_forward_batch(chunks: Sequence[RequestChunk], block_size: int) -> Forw
         table = np.asarray(chunk.block_table, dtype=np.int64)
         needed = -(-int(seq_lens[b]) // block_size)
         if len(table) < needed:
-            raise ValueError(f"request {b}: block table has {len(table)} blocks, {needed} needed "
-                             f"for {seq_lens[b]} tokens at block_size={block_size}")
+            raise ValueError(
+                f"request {b}: block table has {len(table)} blocks, {needed} needed "
+                f"for {seq_lens[b]} tokens at block_size={block_size}"
+            )
         block_tables[b, : len(table)] = table
         pos = np.arange(chunk.num_computed, seq_lens[b], dtype=np.int64)
         positions.append(pos)

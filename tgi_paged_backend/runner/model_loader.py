@@ -111,8 +111,9 @@ def _probe_attention(model: torch.nn.Module) -> None:
     try:
         calls = family_support.probe_layer_calls(model)
     except Exception as err:  # noqa: BLE001 - any failure of foreign modeling code means "not served"
-        _refuse_if(config, f"a one-token probe forward through the paged attention failed "
-                           f"({type(err).__name__}: {err})")
+        _refuse_if(
+            config, f"a one-token probe forward through the paged attention failed ({type(err).__name__}: {err})"
+        )
     num_layers = int(getattr(getattr(config, "text_config", None) or config, "num_hidden_layers"))
     _refuse_if(config, family_support.check_attention_calls(num_layers, calls))
 
@@ -152,8 +153,14 @@ def _quantize(model: torch.nn.Module, method: str | None, scheme: Any, path: Pat
         count, what = load_quantized(model, method, scheme, path)
     except QuantizationError as err:
         raise ModelLoadError(str(err)) from None
-    logger.info("--quantize {}: {} linears in {}; weights {:.1f} -> {:.1f} MiB",
-                method, count, what, before / 2**20, resident_bytes(model) / 2**20)
+    logger.info(
+        "--quantize {}: {} linears in {}; weights {:.1f} -> {:.1f} MiB",
+        method,
+        count,
+        what,
+        before / 2**20,
+        resident_bytes(model) / 2**20,
+    )
 
 
 def resident_bytes(model: torch.nn.Module) -> int:
@@ -169,7 +176,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
     dtype = resolve_dtype(model_config.dtype, device)
     attn_name = register_attention()
     config = transformers.AutoConfig.from_pretrained(
-        path, trust_remote_code=model_config.trust_remote_code, local_files_only=True)
+        path, trust_remote_code=model_config.trust_remote_code, local_files_only=True
+    )
     if model_config.rope_scaling is not None:  # ROPE_SCALING / ROPE_FACTOR replace the config's, as stock
         apply_rope_scaling(config, model_config.rope_scaling, model_config.rope_factor)
     _refuse_if(config, family_support.unsupported_reason(config))
@@ -188,8 +196,9 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
     except KeyError as err:  # modeling code that looks attention classes up by implementation name
         if err.args != (attn_name,):
             raise
-        _refuse_if(config, f"its modeling code has no {attn_name!r} attention: it bypasses transformers' attention "
-                           "interface")
+        _refuse_if(
+            config, f"its modeling code has no {attn_name!r} attention: it bypasses transformers' attention interface"
+        )
     except ValueError as err:  # not a causal LM: AutoModelForCausalLM knows no class for this config
         if "Unrecognized configuration class" not in str(err):
             raise
@@ -201,7 +210,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
     _probe_attention(model)
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(
-        path, trust_remote_code=model_config.trust_remote_code, local_files_only=True)
+        path, trust_remote_code=model_config.trust_remote_code, local_files_only=True
+    )
     generation_config = getattr(model, "generation_config", None)
     if generation_config is None:
         generation_config = transformers.GenerationConfig.from_model_config(model.config)

@@ -56,8 +56,9 @@ class ModelRunner:
         ``cpu`` or ``cuda[:n]``.
     """
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device | str = "cpu"
+    ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -119,8 +120,13 @@ class ModelRunner:
         for _ in range(self.spec.num_layers):
             self.k_caches.append(torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             self.v_caches.append(torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-        logger.info("KV pool: {} blocks x {} tokens, {:.1f} MiB ({})", num_blocks, self.block_size,
-                    num_blocks * self.block_bytes / 2**20, self.kv_dtype)
+        logger.info(
+            "KV pool: {} blocks x {} tokens, {:.1f} MiB ({})",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_bytes / 2**20,
+            self.kv_dtype,
+        )
 
     def allocate_swap_space(self, num_cpu_blocks: int) -> None:
         """Allocate (or replace) the CPU swap space; pinned when the device is CUDA. 0 frees it."""
@@ -161,8 +167,7 @@ class ModelRunner:
             by_free = free + held + pool_bytes - activation
             budget = min(by_fraction, by_free)
         else:
-            budget = min(memory_fraction * (_cpu_available_bytes() + pool_bytes) - activation,
-                         CPU_KV_BUDGET_CAP_BYTES)
+            budget = min(memory_fraction * (_cpu_available_bytes() + pool_bytes) - activation, CPU_KV_BUDGET_CAP_BYTES)
         return max(0, int(budget))
 
     # ----------------------------------------------------------------- forward
@@ -183,8 +188,7 @@ class ModelRunner:
             raise RuntimeError("allocate_kv_cache() must be called before forward()")
         return self._forward(batch, self.k_caches, self.v_caches)
 
-    def _forward(self, batch: ForwardBatch, k_caches: list[torch.Tensor],
-                 v_caches: list[torch.Tensor]) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
         batch = batch.to(self.device)
         metadata = PagedAttentionMetadata(batch, k_caches, v_caches, self.k_scale, self.v_scale)
         with torch.inference_mode():
@@ -212,8 +216,9 @@ class ModelRunner:
             raise ValueError(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
         if len(src) == 0:
             return
-        tgi_paged_kernels.copy_blocks(self.k_caches, self.v_caches,
-                                      self._ids(src, self.device), self._ids(dst, self.device))
+        tgi_paged_kernels.copy_blocks(
+            self.k_caches, self.v_caches, self._ids(src, self.device), self._ids(dst, self.device)
+        )
 
     def swap_out(self, device_ids: BlockIds, cpu_ids: BlockIds) -> None:
         """Copy pool blocks ``device_ids[i]`` to swap blocks ``cpu_ids[i]`` (all layers, K and V)."""
@@ -223,8 +228,9 @@ class ModelRunner:
         """Copy swap blocks ``cpu_ids[i]`` back to pool blocks ``device_ids[i]``."""
         self._swap(self.cpu_k_caches + self.cpu_v_caches, self.k_caches + self.v_caches, cpu_ids, device_ids)
 
-    def _swap(self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor],
-              src_ids: BlockIds, dst_ids: BlockIds) -> None:
+    def _swap(
+        self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], src_ids: BlockIds, dst_ids: BlockIds
+    ) -> None:
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"swap: {len(src_ids)} sources for {len(dst_ids)} destinations")
         if len(src_ids) == 0:
@@ -244,8 +250,9 @@ class ModelRunner:
         chunks, next_block = [], 0
         for n in lengths:
             nblocks = -(-n // self.block_size)
-            chunks.append(RequestChunk(token_ids=[0] * n, num_computed=0,
-                                       block_table=range(next_block, next_block + nblocks)))
+            chunks.append(
+                RequestChunk(token_ids=[0] * n, num_computed=0, block_table=range(next_block, next_block + nblocks))
+            )
             next_block += nblocks
         batch = build_forward_batch(chunks, self.block_size)
         if num_logits > len(lengths):  # prompt logprobs: logits for the last num_logits tokens
@@ -286,8 +293,9 @@ class ModelRunner:
     def _estimate_prefill_bytes(self, num_tokens: int, num_logits: int) -> int:
         s = self.spec
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        per_token = (4 * s.hidden_size + 2 * (s.num_q_heads + 2 * s.num_kv_heads) * s.head_dim
-                     + 3 * s.intermediate_size) * itemsize
+        per_token = (
+            4 * s.hidden_size + 2 * (s.num_q_heads + 2 * s.num_kv_heads) * s.head_dim + 3 * s.intermediate_size
+        ) * itemsize
         longest = min(num_tokens, s.max_position_embeddings or num_tokens)
         scores = s.num_q_heads * longest * longest * 4
         logits = min(num_logits, num_tokens) * s.vocab_size * (itemsize + 4)

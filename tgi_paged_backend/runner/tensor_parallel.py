@@ -71,14 +71,21 @@ class ShardLayout:
 
 def check_divisible(spec: ModelSpec, world_size: int) -> None:
     """Raise :class:`ModelLoadError` unless heads and MLP width split evenly over ``world_size`` ranks."""
-    problems = [f"{name}={value}" for name, value in (
-        ("num_attention_heads", spec.num_q_heads), ("num_key_value_heads", spec.num_kv_heads),
-        ("intermediate_size", spec.intermediate_size)) if value % world_size]
+    problems = [
+        f"{name}={value}"
+        for name, value in (
+            ("num_attention_heads", spec.num_q_heads),
+            ("num_key_value_heads", spec.num_kv_heads),
+            ("intermediate_size", spec.intermediate_size),
+        )
+        if value % world_size
+    ]
     if problems:
         raise ModelLoadError(
             f"cannot shard {spec.model_type} over {world_size} ranks: {', '.join(problems)} not divisible by "
             f"{world_size} (tensor parallelism splits attention heads, KV heads and the MLP evenly); use a "
-            "--num-shard that divides them, or --num-shard 1")
+            "--num-shard that divides them, or --num-shard 1"
+        )
 
 
 class RowParallelQuantLinear(nn.Module):
@@ -89,16 +96,14 @@ class RowParallelQuantLinear(nn.Module):
     def __init__(self, linear: nn.Module, rank: int, world_size: int, all_reduce: AllReduce) -> None:
         super().__init__()
         if linear.in_features % world_size:
-            raise ModelLoadError(f"row-parallel linear: in_features={linear.in_features} not divisible by "
-                                 f"{world_size}")
+            raise ModelLoadError(f"row-parallel linear: in_features={linear.in_features} not divisible by {world_size}")
         width = linear.in_features // world_size
         try:
             self.local = linear.input_slice(slice(rank * width, (rank + 1) * width))
         except ValueError as err:
             raise ModelLoadError(f"row-parallel linear: {err}") from None
         self.in_features, self.out_features = width, linear.out_features
-        self.bias = (None if linear.bias is None
-                     else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self._all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,15 +126,14 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, rank: int, world_size: int, all_reduce: AllReduce) -> None:
         super().__init__()
         if linear.in_features % world_size:
-            raise ModelLoadError(f"row-parallel linear: in_features={linear.in_features} not divisible by "
-                                 f"{world_size}")
+            raise ModelLoadError(f"row-parallel linear: in_features={linear.in_features} not divisible by {world_size}")
         width = linear.in_features // world_size
         self.in_features = width
         self.out_features = linear.out_features
-        self.weight = nn.Parameter(linear.weight.detach()[:, rank * width:(rank + 1) * width].clone(),
-                                   requires_grad=False)
-        self.bias = (None if linear.bias is None
-                     else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
+        self.weight = nn.Parameter(
+            linear.weight.detach()[:, rank * width : (rank + 1) * width].clone(), requires_grad=False
+        )
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self._all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,9 +162,11 @@ def _shard_columns(linear: nn.Module, rank: int, world_size: int, what: str) -> 
 def _linear(module: nn.Module, name: str, where: str) -> nn.Module:
     layer = getattr(module, name, None)
     if not isinstance(layer, (nn.Linear, *QUANTIZED_LINEARS)):
-        raise ModelLoadError(f"tensor parallelism needs separate q/k/v/o and gate/up/down projections; "
-                             f"{where} has no nn.Linear {name!r} (fused projections such as Phi-3's qkv_proj, "
-                             "and MoE layers, are not supported): use --num-shard 1")
+        raise ModelLoadError(
+            f"tensor parallelism needs separate q/k/v/o and gate/up/down projections; "
+            f"{where} has no nn.Linear {name!r} (fused projections such as Phi-3's qkv_proj, "
+            "and MoE layers, are not supported): use --num-shard 1"
+        )
     return layer
 
 
@@ -169,23 +175,26 @@ def _refuse_cross_head_norms(attn: nn.Module, head_dim: int, where: str) -> None
     for name in ("q_norm", "k_norm"):
         weight = getattr(getattr(attn, name, None), "weight", None)
         if isinstance(weight, torch.Tensor) and weight.numel() != head_dim:
-            raise ModelLoadError(f"tensor parallelism: {where}.{name} normalizes across all heads ({weight.numel()} "
-                                 f"features, head_dim {head_dim}), which a shard of the heads cannot compute: "
-                                 "use --num-shard 1")
+            raise ModelLoadError(
+                f"tensor parallelism: {where}.{name} normalizes across all heads ({weight.numel()} "
+                f"features, head_dim {head_dim}), which a shard of the heads cannot compute: "
+                "use --num-shard 1"
+            )
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
 
 
-def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int,
-                all_reduce: AllReduce) -> ShardLayout:
+def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, all_reduce: AllReduce) -> ShardLayout:
     """Slice every decoder layer of ``model`` (in place) to rank ``rank`` of ``world_size``."""
     check_divisible(spec, world_size)
     layers = _decoder_layers(model)
     if len(layers) != spec.num_layers:
-        raise ModelLoadError(f"tensor parallelism: found {len(layers)} decoder layers with self_attn and mlp, "
-                             f"expected {spec.num_layers} ({spec.model_type} is not supported): use --num-shard 1")
+        raise ModelLoadError(
+            f"tensor parallelism: found {len(layers)} decoder layers with self_attn and mlp, "
+            f"expected {spec.num_layers} ({spec.model_type} is not supported): use --num-shard 1"
+        )
     q_local, kv_local = spec.num_q_heads // world_size, spec.num_kv_heads // world_size
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -195,29 +204,48 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int,
             raise ModelLoadError(f"tensor parallelism: {where} has head_dim={head_dim}, expected {spec.head_dim}")
         _refuse_cross_head_norms(attn, head_dim, f"{where}.self_attn")
         for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, _shard_columns(_linear(attn, name, f"{where}.self_attn"), rank, world_size,
-                                               f"{where}.self_attn.{name}"))
+            setattr(
+                attn,
+                name,
+                _shard_columns(
+                    _linear(attn, name, f"{where}.self_attn"), rank, world_size, f"{where}.self_attn.{name}"
+                ),
+            )
         attn.o_proj = _row_parallel(_linear(attn, "o_proj", f"{where}.self_attn"), rank, world_size, all_reduce)
         # Some versions/families keep head counts on the module; the forward reshapes with -1, but
         # keep them truthful for anything that reads them.
-        for attr, local in (("num_heads", q_local), ("num_attention_heads", q_local),
-                            ("num_key_value_heads", kv_local)):
+        for attr, local in (
+            ("num_heads", q_local),
+            ("num_attention_heads", q_local),
+            ("num_key_value_heads", kv_local),
+        ):
             if isinstance(getattr(attn, attr, None), int):
                 setattr(attn, attr, local)
         for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, _shard_columns(_linear(mlp, name, f"{where}.mlp"), rank, world_size,
-                                              f"{where}.mlp.{name}"))
+            setattr(
+                mlp, name, _shard_columns(_linear(mlp, name, f"{where}.mlp"), rank, world_size, f"{where}.mlp.{name}")
+            )
         mlp.down_proj = _row_parallel(_linear(mlp, "down_proj", f"{where}.mlp"), rank, world_size, all_reduce)
         if isinstance(getattr(mlp, "intermediate_size", None), int):
             mlp.intermediate_size = spec.intermediate_size // world_size
-    return ShardLayout(rank=rank, world_size=world_size, num_q_heads=q_local, num_kv_heads=kv_local,
-                       intermediate_size=spec.intermediate_size // world_size, num_layers=len(layers))
+    return ShardLayout(
+        rank=rank,
+        world_size=world_size,
+        num_q_heads=q_local,
+        num_kv_heads=kv_local,
+        intermediate_size=spec.intermediate_size // world_size,
+        num_layers=len(layers),
+    )
 
 
 def local_spec(spec: ModelSpec, layout: ShardLayout) -> ModelSpec:
     """The sizes one rank's KV pool and kernels see: local heads and MLP width, the same head_dim."""
-    return dataclasses.replace(spec, num_q_heads=layout.num_q_heads, num_kv_heads=layout.num_kv_heads,
-                               intermediate_size=layout.intermediate_size)
+    return dataclasses.replace(
+        spec,
+        num_q_heads=layout.num_q_heads,
+        num_kv_heads=layout.num_kv_heads,
+        intermediate_size=layout.intermediate_size,
+    )
 
 
 class TensorParallelRunner(ModelRunner):
@@ -228,18 +256,32 @@ class TensorParallelRunner(ModelRunner):
     :meth:`available_kv_bytes` is the minimum over the ranks, so every rank sizes the same pool.
     """
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device | str,
-                 group: TensorParallelGroup) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device: torch.device | str,
+        group: TensorParallelGroup,
+    ) -> None:
         self.group = group
         self.layout: ShardLayout | None = None
         super().__init__(model_config, cache_config, device)
         assert self.layout is not None
         self.full_spec = self.spec
         self.spec = local_spec(self.spec, self.layout)
-        logger.info("Tensor parallel: rank {}/{} holds {} of {} query heads, {} of {} KV heads, MLP {} of {}; "
-                    "weights {:.1f} MiB", group.rank, group.world_size, self.spec.num_q_heads,
-                    self.full_spec.num_q_heads, self.spec.num_kv_heads, self.full_spec.num_kv_heads,
-                    self.spec.intermediate_size, self.full_spec.intermediate_size, self.weights_bytes / 2**20)
+        logger.info(
+            "Tensor parallel: rank {}/{} holds {} of {} query heads, {} of {} KV heads, MLP {} of {}; "
+            "weights {:.1f} MiB",
+            group.rank,
+            group.world_size,
+            self.spec.num_q_heads,
+            self.full_spec.num_q_heads,
+            self.spec.num_kv_heads,
+            self.full_spec.num_kv_heads,
+            self.spec.intermediate_size,
+            self.full_spec.intermediate_size,
+            self.weights_bytes / 2**20,
+        )
 
     def _load_model(self, model_config: ModelConfig) -> LoadedModel:
         """Load on the CPU in the target dtype, keep this rank's shard, move it to the device."""

@@ -92,8 +92,10 @@ def _grammar_from_pb(request_id: int, params: pb.NextTokenChooserParameters) -> 
         return None
     kind = _GRAMMAR_KINDS.get(params.grammar_type)
     if kind is None or not params.grammar:
-        raise InvalidRequestError(f"request {request_id}: grammar {params.grammar[:80]!r} with grammar_type "
-                                  f"{params.grammar_type} (expected REGEX or JSON with a non-empty grammar)")
+        raise InvalidRequestError(
+            f"request {request_id}: grammar {params.grammar[:80]!r} with grammar_type "
+            f"{params.grammar_type} (expected REGEX or JSON with a non-empty grammar)"
+        )
     return GrammarSpec(kind=kind, value=params.grammar)
 
 
@@ -118,8 +120,7 @@ def _u32(value: int) -> int:
 
 
 def tokens_to_pb(tokens: Tokens) -> pb.Tokens:
-    return pb.Tokens(ids=tokens.ids, logprobs=tokens.logprobs, texts=tokens.texts,
-                     is_special=tokens.is_special)
+    return pb.Tokens(ids=tokens.ids, logprobs=tokens.logprobs, texts=tokens.texts, is_special=tokens.is_special)
 
 
 def generation_to_pb(generation: Generation) -> pb.Generation:
@@ -127,8 +128,10 @@ def generation_to_pb(generation: Generation) -> pb.Generation:
     # so a malformed Generation fails the RPC here instead of hanging or panicking the router.
     for tokens in (generation.tokens, *generation.top_tokens):
         if len(tokens.is_special) != len(tokens.ids):
-            raise ValueError(f"request {generation.request_id}: Tokens.is_special length "
-                             f"{len(tokens.is_special)} != ids length {len(tokens.ids)}")
+            raise ValueError(
+                f"request {generation.request_id}: Tokens.is_special length "
+                f"{len(tokens.is_special)} != ids length {len(tokens.ids)}"
+            )
     if not generation.tokens.ids:
         raise ValueError(f"request {generation.request_id}: Generation without tokens")
     message = pb.Generation(
@@ -140,8 +143,9 @@ def generation_to_pb(generation: Generation) -> pb.Generation:
         message.prefill_tokens.CopyFrom(tokens_to_pb(generation.prefill_tokens))
     done = generation.generated_text
     if done is not None:
-        generated = pb.GeneratedText(text=done.text, generated_tokens=done.generated_tokens,
-                                     finish_reason=int(done.finish_reason))
+        generated = pb.GeneratedText(
+            text=done.text, generated_tokens=done.generated_tokens, finish_reason=int(done.finish_reason)
+        )
         if done.seed is not None:
             generated.seed = done.seed
         message.generated_text.CopyFrom(generated)
@@ -158,8 +162,9 @@ def cached_batch_to_pb(batch: CachedBatchInfo) -> pb.CachedBatch:
     )
 
 
-def step_result_to_pb(result: StepResult, response_type: type[pb.PrefillResponse] | type[pb.DecodeResponse],
-                      total_ns: int) -> pb.PrefillResponse | pb.DecodeResponse:
+def step_result_to_pb(
+    result: StepResult, response_type: type[pb.PrefillResponse] | type[pb.DecodeResponse], total_ns: int
+) -> pb.PrefillResponse | pb.DecodeResponse:
     """``PrefillResponse``/``DecodeResponse``; ``total_ns`` is used when the engine reports 0."""
     message = response_type(
         generations=[generation_to_pb(g) for g in result.generations],

@@ -36,8 +36,9 @@ MAX_RECEIVE_MESSAGE_BYTES = 2**31 - 1
 """As stock: Warmup carries the dummy prompt twice and grows with ``max_batch_prefill_tokens``."""
 
 
-def run(config: BackendConfig, engine_factory: EngineFactory, *,
-        interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> int:
+def run(
+    config: BackendConfig, engine_factory: EngineFactory, *, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code (0 after a signal, 1 on failure)."""
     try:
         return asyncio.run(serve(config, engine_factory, interceptors=interceptors))
@@ -46,9 +47,14 @@ def run(config: BackendConfig, engine_factory: EngineFactory, *,
         return 1
 
 
-async def serve(config: BackendConfig, engine_factory: EngineFactory, *,
-                interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                stop: asyncio.Event | None = None, grace_s: float = GRACE_S) -> int:
+async def serve(
+    config: BackendConfig,
+    engine_factory: EngineFactory,
+    *,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    stop: asyncio.Event | None = None,
+    grace_s: float = GRACE_S,
+) -> int:
     """Build the engine, bind the socket and serve until ``stop`` is set or a signal arrives.
 
     ``interceptors`` is the hook for server-side tracing. Signal handlers are installed only when

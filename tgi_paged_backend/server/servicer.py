@@ -39,8 +39,7 @@ def service_urls(uds_path: str, world_size: int) -> list[str]:
 class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     """Thin adapter from ``generate.v3`` to a :class:`ShardEngine`."""
 
-    def __init__(self, engine: ShardEngine, server_urls: Sequence[str],
-                 executor: Executor | None = None) -> None:
+    def __init__(self, engine: ShardEngine, server_urls: Sequence[str], executor: Executor | None = None) -> None:
         """``executor`` runs the engine calls (``None``: asyncio's default pool)."""
         self._engine = engine
         self._server_urls = list(server_urls)
@@ -55,30 +54,36 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         return await self._call(context, "Info", lambda: convert.info_to_pb(self._engine.info()))
 
-    async def ServiceDiscovery(self, request: pb.ServiceDiscoveryRequest,
-                               context: grpc.aio.ServicerContext) -> pb.ServiceDiscoveryResponse:
+    async def ServiceDiscovery(
+        self, request: pb.ServiceDiscoveryRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServiceDiscoveryResponse:
         return pb.ServiceDiscoveryResponse(urls=self._server_urls)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         def work() -> pb.HealthResponse:
             self._engine.health()
             return pb.HealthResponse()
+
         return await self._call(context, "Health", work)
 
-    async def ClearCache(self, request: pb.ClearCacheRequest,
-                         context: grpc.aio.ServicerContext) -> pb.ClearCacheResponse:
+    async def ClearCache(
+        self, request: pb.ClearCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClearCacheResponse:
         batch_id = request.id if request.HasField("id") else None
 
         def work() -> pb.ClearCacheResponse:
             self._engine.clear_cache(batch_id)
             return pb.ClearCacheResponse()
+
         return await self._call(context, "ClearCache", work)
 
-    async def FilterBatch(self, request: pb.FilterBatchRequest,
-                          context: grpc.aio.ServicerContext) -> pb.FilterBatchResponse:
+    async def FilterBatch(
+        self, request: pb.FilterBatchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FilterBatchResponse:
         def work() -> pb.FilterBatchResponse:
             kept = self._engine.filter_batch(request.batch_id, list(request.request_ids))
             return pb.FilterBatchResponse(batch=convert.cached_batch_to_pb(kept))
+
         return await self._call(context, "FilterBatch", work)
 
     async def Warmup(self, request: pb.WarmupRequest, context: grpc.aio.ServicerContext) -> pb.WarmupResponse:
@@ -90,6 +95,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 max_total_tokens=request.max_total_tokens if request.HasField("max_total_tokens") else None,
             )
             return convert.warmup_to_pb(result)
+
         return await self._call(context, "Warmup", work)
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
@@ -105,6 +111,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 raise
             result = self._engine.prefill(batch, cached_batch_id)
             return convert.step_result_to_pb(result, pb.PrefillResponse, time.perf_counter_ns() - start)
+
         return await self._call(context, "Prefill", work)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> pb.DecodeResponse:
@@ -114,6 +121,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
                 raise InvalidRequestError("Decode needs at least one batch")
             result = self._engine.decode([b.id for b in request.batches])
             return convert.step_result_to_pb(result, pb.DecodeResponse, time.perf_counter_ns() - start)
+
         return await self._call(context, "Decode", work)
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -139,6 +147,7 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
         def locked() -> T:
             with self._engine_lock:
                 return work()
+
         # Copy the context so tracing spans opened by an interceptor stay current in the worker.
         ctx = contextvars.copy_context()
         return await asyncio.get_running_loop().run_in_executor(self._executor, ctx.run, locked)

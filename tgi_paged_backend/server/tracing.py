@@ -56,16 +56,19 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         self._propagator = TraceContextTextMapPropagator()
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         if self._tracer is None or handler is None or handler.unary_unary is None:
             return handler
-        behavior = self._traced(handler.unary_unary, handler_call_details.method,
-                                handler_call_details.invocation_metadata)
-        return grpc.unary_unary_rpc_method_handler(behavior, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)
+        behavior = self._traced(
+            handler.unary_unary, handler_call_details.method, handler_call_details.invocation_metadata
+        )
+        return grpc.unary_unary_rpc_method_handler(
+            behavior, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
 
     def _traced(self, inner: Callable[..., Any], method: str, metadata: Sequence[Any] | None):
         name = method.lstrip("/")  # "generate.v3.TextGenerationService/Prefill"
@@ -76,8 +79,14 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
             parent = self._propagator.extract(_carrier(metadata))
             attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
-            with tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes,
-                                              record_exception=False, set_status_on_exception=False) as span:
+            with tracer.start_as_current_span(
+                name,
+                context=parent,
+                kind=SpanKind.SERVER,
+                attributes=attributes,
+                record_exception=False,
+                set_status_on_exception=False,
+            ) as span:
                 try:
                     response = inner(request, context)
                     if inspect.isawaitable(response):

@@ -64,9 +64,19 @@ class StepRecordBuilder:
         self._last_grammar_hits = 0
         self._last_prefix_query = 0
 
-    def build(self, *, plan: Any, out: Any, memory: MemoryStats, step_s: float, swap_block_bytes: int,
-              requests: Iterable[Any], phase: Phase | None = None, grammar: Any = None,
-              part_s: tuple[tuple[str, float], ...] = ()) -> StepRecord:
+    def build(
+        self,
+        *,
+        plan: Any,
+        out: Any,
+        memory: MemoryStats,
+        step_s: float,
+        swap_block_bytes: int,
+        requests: Iterable[Any],
+        phase: Phase | None = None,
+        grammar: Any = None,
+        part_s: tuple[tuple[str, float], ...] = (),
+    ) -> StepRecord:
         """Record one step; ``phase=None`` infers it (prefill when any request computed > 1 token);
         ``grammar``: the engine's grammar compiler once it has one; ``part_s``: the step anatomy."""
         batch_size = len(plan.scheduled)
@@ -77,22 +87,42 @@ class StepRecordBuilder:
             if kind in swap:
                 swap[kind] += len(src) * swap_block_bytes
         counts = count_requests(requests, self._clock())
-        compile_s, hits = ((), 0) if grammar is None else (grammar.take_compile_seconds(),
-                                                            self._delta_grammar_hits(grammar.cache_hits))
+        compile_s, hits = (
+            ((), 0)
+            if grammar is None
+            else (grammar.take_compile_seconds(), self._delta_grammar_hits(grammar.cache_hits))
+        )
         return StepRecord(
-            phase=phase, step_s=max(step_s, 0.0), batch_size=batch_size,
-            tokens_computed=out.num_computed_tokens, tokens_recomputed=out.num_recomputed_tokens,
+            phase=phase,
+            step_s=max(step_s, 0.0),
+            batch_size=batch_size,
+            tokens_computed=out.num_computed_tokens,
+            tokens_recomputed=out.num_recomputed_tokens,
             blocks_allocated=plan.num_new_blocks,
-            preemptions=tuple(PreemptionRecord(mode=e.mode, victim_id=e.request_id, tokens_lost=e.num_tokens,
-                                               estimated_cost_s=float(e.estimated_cost_s))
-                              for e in plan.preemptions),
-            swap_out_bytes=swap["out"], swap_in_bytes=swap["in"],
+            preemptions=tuple(
+                PreemptionRecord(
+                    mode=e.mode,
+                    victim_id=e.request_id,
+                    tokens_lost=e.num_tokens,
+                    estimated_cost_s=float(e.estimated_cost_s),
+                )
+                for e in plan.preemptions
+            ),
+            swap_out_bytes=swap["out"],
+            swap_in_bytes=swap["in"],
             prefix_hit_tokens=self._delta_hit(memory.num_prefix_hit_tokens),
             prefix_query_tokens=self._delta_query(memory.num_prefix_query_tokens),
-            resumed_wait_s=tuple(plan.resumed_wait_s), num_running=counts.running, num_preempted=counts.preempted,
-            num_waiting=counts.waiting, max_preempted_wait_s=counts.max_preempted_wait_s,
-            constrained_rows=getattr(out, "num_constrained_rows", 0), grammar_compile_s=compile_s,
-            grammar_cache_hits=hits, part_s=part_s, memory=memory)
+            resumed_wait_s=tuple(plan.resumed_wait_s),
+            num_running=counts.running,
+            num_preempted=counts.preempted,
+            num_waiting=counts.waiting,
+            max_preempted_wait_s=counts.max_preempted_wait_s,
+            constrained_rows=getattr(out, "num_constrained_rows", 0),
+            grammar_compile_s=compile_s,
+            grammar_cache_hits=hits,
+            part_s=part_s,
+            memory=memory,
+        )
 
     def _delta_grammar_hits(self, cumulative: int) -> int:
         delta, self._last_grammar_hits = cumulative - self._last_grammar_hits, cumulative

@@ -32,9 +32,15 @@ def _default_log(message: str) -> None:
 class PreemptionLogThrottle:
     """Counts preemptions and emits rate-limited summaries (clock and sink injectable for tests)."""
 
-    def __init__(self, *, every_events: int = 100, interval_s: float = 30.0, min_interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic,
-                 log: Callable[[str], None] = _default_log) -> None:
+    def __init__(
+        self,
+        *,
+        every_events: int = 100,
+        interval_s: float = 30.0,
+        min_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        log: Callable[[str], None] = _default_log,
+    ) -> None:
         if every_events < 1:
             raise ValueError(f"every_events={every_events} is invalid: allowed >= 1")
         if not 0.0 <= min_interval_s <= interval_s:
@@ -77,9 +83,11 @@ class PreemptionLogThrottle:
 
     def _emit(self, now: float) -> str:
         window = now - (self._window_start if self._window_start is not None else now)
-        message = (f"KV pool pressure: {self.num_pending} preemption(s) in the last {window:.1f}s "
-                   f"({_by_mode(self._pending)}), {self._pending_tokens} tokens moved off the device; "
-                   f"{sum(self._totals.values())} since start ({_by_mode(self._totals)})")
+        message = (
+            f"KV pool pressure: {self.num_pending} preemption(s) in the last {window:.1f}s "
+            f"({_by_mode(self._pending)}), {self._pending_tokens} tokens moved off the device; "
+            f"{sum(self._totals.values())} since start ({_by_mode(self._totals)})"
+        )
         self._pending.clear()
         self._pending_tokens = 0
         self._window_start = None

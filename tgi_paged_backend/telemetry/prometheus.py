@@ -39,8 +39,7 @@ class PrometheusEndpoint(MetricReader):
     in :meth:`shutdown`, which the provider's shutdown calls.
     """
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0,
-                 target_info: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, target_info: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.host = host
         self._requested_port = port
@@ -66,8 +65,12 @@ class PrometheusEndpoint(MetricReader):
         server = ThreadingHTTPServer((self.host, self._requested_port), MetricsHandler.factory(self.registry))
         server.daemon_threads = True
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name=f"tgi-paged-metrics-{self.port}", daemon=True)
+        self._thread = threading.Thread(
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name=f"tgi-paged-metrics-{self.port}",
+            daemon=True,
+        )
         self._thread.start()
 
     def render(self) -> bytes:

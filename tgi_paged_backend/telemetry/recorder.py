@@ -41,8 +41,23 @@ from tgi_paged_backend.telemetry.step_record import (
 METER_NAME = "tgi_paged_backend"
 
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-STEP_PART_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                             1.0, 2.5, 5.0)
+STEP_PART_SECONDS_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
 WAIT_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 COMPILE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -54,16 +69,16 @@ METRIC_NAMES: dict[str, str] = {
     "tgi_paged_kv_physical_tokens": "Token capacity of the physical KV pool",
     "tgi_paged_kv_virtual_reserved_tokens": "Slots the router reserved for live requests",
     "tgi_paged_kv_window_reclaimed_blocks": "Blocks of live requests given back behind the sliding window "
-                                            "(holes: stock TGI would still hold them)",
+    "(holes: stock TGI would still hold them)",
     "tgi_paged_kv_waste_ratio": "KV waste by kind (internal: unfilled last-block slots; reservation: "
-                                "reserved but unbacked slots; external: stranded free blocks)",
+    "reserved but unbacked slots; external: stranded free blocks)",
     "tgi_paged_device_memory_bytes": "Total device memory",
     "tgi_paged_weights_bytes": "Model weights resident on this shard",
     "tgi_paged_activation_peak_bytes": "Profiled activation peak",
     "tgi_paged_kv_pool_bytes": "Physical KV pool size",
     "tgi_paged_swap_space_bytes": "CPU swap space for swapped-out KV blocks",
     "tgi_paged_requests": "Live requests by state (running: holding KV blocks; waiting: admitted, no blocks "
-                          "yet; preempted)",
+    "yet; preempted)",
     "tgi_paged_preempted_max_wait_seconds": "Longest current wait among preempted requests",
     # preemption and prefix cache (counters, histogram)
     "tgi_paged_preemptions_total": "Requests preempted, by mode",
@@ -76,7 +91,7 @@ METRIC_NAMES: dict[str, str] = {
     # steps (histograms)
     "tgi_paged_step_seconds": "Engine step wall time, by phase (steps that computed nothing excluded)",
     "tgi_paged_step_part_seconds": "Engine step wall time by phase and part (schedule, copy, prepare, forward, "
-                                   "sample, detokenize, telemetry; steps that computed nothing excluded)",
+    "sample, detokenize, telemetry; steps that computed nothing excluded)",
     "tgi_paged_batch_size": "Requests computed per step (steps that computed nothing excluded)",
     # structured output
     "tgi_paged_grammar_compile_seconds": "Time to compile one grammar (regex automaton over the vocabulary)",
@@ -90,8 +105,15 @@ class MetricsRecorder(Protocol):
 
     def record_step(self, record: StepRecord) -> None: ...
 
-    def record_memory(self, memory: MemoryStats, *, num_running: int, num_preempted: int,
-                      max_preempted_wait_s: float = 0.0, num_waiting: int = 0) -> None:
+    def record_memory(
+        self,
+        memory: MemoryStats,
+        *,
+        num_running: int,
+        num_preempted: int,
+        max_preempted_wait_s: float = 0.0,
+        num_waiting: int = 0,
+    ) -> None:
         """Refresh the pool gauges outside a step (after FilterBatch / ClearCache freed blocks)."""
 
     def record_budget(self, budget: MemoryBudget) -> None: ...
@@ -105,8 +127,15 @@ class NullRecorder:
     def record_step(self, record: StepRecord) -> None:
         pass
 
-    def record_memory(self, memory: MemoryStats, *, num_running: int, num_preempted: int,
-                      max_preempted_wait_s: float = 0.0, num_waiting: int = 0) -> None:
+    def record_memory(
+        self,
+        memory: MemoryStats,
+        *,
+        num_running: int,
+        num_preempted: int,
+        max_preempted_wait_s: float = 0.0,
+        num_waiting: int = 0,
+    ) -> None:
         pass
 
     def record_budget(self, budget: MemoryBudget) -> None:
@@ -127,10 +156,22 @@ class PreemptionLoggingRecorder:
         self.throttle.observe(record.preemptions)
         self.inner.record_step(record)
 
-    def record_memory(self, memory: MemoryStats, *, num_running: int, num_preempted: int,
-                      max_preempted_wait_s: float = 0.0, num_waiting: int = 0) -> None:
-        self.inner.record_memory(memory, num_running=num_running, num_preempted=num_preempted,
-                                 max_preempted_wait_s=max_preempted_wait_s, num_waiting=num_waiting)
+    def record_memory(
+        self,
+        memory: MemoryStats,
+        *,
+        num_running: int,
+        num_preempted: int,
+        max_preempted_wait_s: float = 0.0,
+        num_waiting: int = 0,
+    ) -> None:
+        self.inner.record_memory(
+            memory,
+            num_running=num_running,
+            num_preempted=num_preempted,
+            max_preempted_wait_s=max_preempted_wait_s,
+            num_waiting=num_waiting,
+        )
 
     def record_budget(self, budget: MemoryBudget) -> None:
         self.inner.record_budget(budget)
@@ -166,15 +207,19 @@ class OtelRecorder:
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
             interval_ms = None if export_interval_s is None else export_interval_s * 1000
-            readers.append(PeriodicExportingMetricReader(
-                OTLPMetricExporter(endpoint=config.otlp_endpoint, insecure=True),
-                export_interval_millis=interval_ms))
+            readers.append(
+                PeriodicExportingMetricReader(
+                    OTLPMetricExporter(endpoint=config.otlp_endpoint, insecure=True), export_interval_millis=interval_ms
+                )
+            )
         self.prometheus: PrometheusEndpoint | None = None
         if config.metrics_port is not None:
             port = config.metrics_port + rank if config.metrics_port else 0
             if port > 65535:
-                raise OSError(f"cannot serve Prometheus metrics on port {config.metrics_port} + rank {rank} = {port}: "
-                              "choose a lower TGI_PAGED_METRICS_PORT")
+                raise OSError(
+                    f"cannot serve Prometheus metrics on port {config.metrics_port} + rank {rank} = {port}: "
+                    "choose a lower TGI_PAGED_METRICS_PORT"
+                )
             self.prometheus = PrometheusEndpoint(port=port, target_info=shard_attributes(config, rank))
             readers.append(self.prometheus)
         self.provider = MeterProvider(resource=self.resource, metric_readers=readers, views=_views())
@@ -188,8 +233,10 @@ class OtelRecorder:
                 self.prometheus.start()
             except OSError as err:
                 self.provider.shutdown()
-                raise OSError(f"cannot serve Prometheus metrics on 127.0.0.1:{self.prometheus.port} "
-                              f"(TGI_PAGED_METRICS_PORT + rank): {err}") from err
+                raise OSError(
+                    f"cannot serve Prometheus metrics on 127.0.0.1:{self.prometheus.port} "
+                    f"(TGI_PAGED_METRICS_PORT + rank): {err}"
+                ) from err
 
     @property
     def metrics_port(self) -> int | None:
@@ -200,8 +247,7 @@ class OtelRecorder:
 
     def record_step(self, record: StepRecord) -> None:
         self._memory = record.memory
-        self._requests = (record.num_running, record.num_preempted, record.max_preempted_wait_s,
-                          record.num_waiting)
+        self._requests = (record.num_running, record.num_preempted, record.max_preempted_wait_s, record.num_waiting)
         if record.batch_size:
             self._step_seconds.record(record.step_s, self._phase_attrs[record.phase])
             part_attrs = self._part_attrs[record.phase]
@@ -231,8 +277,15 @@ class OtelRecorder:
         if record.constrained_rows:
             self._constrained_rows.record(record.constrained_rows)
 
-    def record_memory(self, memory: MemoryStats, *, num_running: int, num_preempted: int,
-                      max_preempted_wait_s: float = 0.0, num_waiting: int = 0) -> None:
+    def record_memory(
+        self,
+        memory: MemoryStats,
+        *,
+        num_running: int,
+        num_preempted: int,
+        max_preempted_wait_s: float = 0.0,
+        num_waiting: int = 0,
+    ) -> None:
         self._memory = memory
         self._requests = (num_running, num_preempted, max_preempted_wait_s, num_waiting)
 
@@ -275,11 +328,13 @@ class OtelRecorder:
         gauge("tgi_paged_kv_waste_ratio", "1", self._observe_waste)
         gauge("tgi_paged_requests", "{request}", self._observe_requests)
         gauge("tgi_paged_preempted_max_wait_seconds", "s", self._observe_max_wait)
-        for name, field in (("tgi_paged_device_memory_bytes", "device_total_bytes"),
-                            ("tgi_paged_weights_bytes", "weights_bytes"),
-                            ("tgi_paged_activation_peak_bytes", "activation_peak_bytes"),
-                            ("tgi_paged_kv_pool_bytes", "pool_bytes"),
-                            ("tgi_paged_swap_space_bytes", "swap_bytes")):
+        for name, field in (
+            ("tgi_paged_device_memory_bytes", "device_total_bytes"),
+            ("tgi_paged_weights_bytes", "weights_bytes"),
+            ("tgi_paged_activation_peak_bytes", "activation_peak_bytes"),
+            ("tgi_paged_kv_pool_bytes", "pool_bytes"),
+            ("tgi_paged_swap_space_bytes", "swap_bytes"),
+        ):
             gauge(name, "By", self._budget_field(field))
 
         self._preemptions = counter("tgi_paged_preemptions_total", "{preemption}")
@@ -307,28 +362,37 @@ class OtelRecorder:
         def callback(options: CallbackOptions) -> list[Observation]:
             memory = self._memory
             return [] if memory is None else [Observation(value(memory))]
+
         return callback
 
     def _observe_blocks(self, options: CallbackOptions) -> list[Observation]:
         m = self._memory
         if m is None:
             return []
-        return [Observation(m.num_free_blocks, {"state": "free"}), Observation(m.num_used_blocks, {"state": "used"}),
-                Observation(m.num_retained_blocks, {"state": "retained"}),
-                Observation(m.num_swapped_blocks, {"state": "swapped"})]
+        return [
+            Observation(m.num_free_blocks, {"state": "free"}),
+            Observation(m.num_used_blocks, {"state": "used"}),
+            Observation(m.num_retained_blocks, {"state": "retained"}),
+            Observation(m.num_swapped_blocks, {"state": "swapped"}),
+        ]
 
     def _observe_waste(self, options: CallbackOptions) -> list[Observation]:
         m = self._memory
         if m is None:
             return []
-        return [Observation(m.internal_waste_ratio, {"kind": "internal"}),
-                Observation(m.reservation_waste_ratio, {"kind": "reservation"}),
-                Observation(m.external_waste_ratio, {"kind": "external"})]
+        return [
+            Observation(m.internal_waste_ratio, {"kind": "internal"}),
+            Observation(m.reservation_waste_ratio, {"kind": "reservation"}),
+            Observation(m.external_waste_ratio, {"kind": "external"}),
+        ]
 
     def _observe_requests(self, options: CallbackOptions) -> list[Observation]:
         running, preempted, _, waiting = self._requests
-        return [Observation(running, {"state": "running"}), Observation(preempted, {"state": "preempted"}),
-                Observation(waiting, {"state": "waiting"})]
+        return [
+            Observation(running, {"state": "running"}),
+            Observation(preempted, {"state": "preempted"}),
+            Observation(waiting, {"state": "waiting"}),
+        ]
 
     def _observe_max_wait(self, options: CallbackOptions) -> list[Observation]:
         return [Observation(self._requests[2])]
@@ -337,15 +401,19 @@ class OtelRecorder:
         def callback(options: CallbackOptions) -> list[Observation]:
             budget = self._budget
             return [] if budget is None else [Observation(getattr(budget, field))]
+
         return callback
 
 
 def _views() -> list[View]:
     def buckets(name: str, bounds: tuple[float, ...]) -> View:
         return View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(boundaries=bounds))
-    return [buckets("tgi_paged_step_seconds", STEP_SECONDS_BUCKETS),
-            buckets("tgi_paged_step_part_seconds", STEP_PART_SECONDS_BUCKETS),
-            buckets("tgi_paged_preempted_wait_seconds", WAIT_SECONDS_BUCKETS),
-            buckets("tgi_paged_batch_size", BATCH_SIZE_BUCKETS),
-            buckets("tgi_paged_grammar_compile_seconds", COMPILE_SECONDS_BUCKETS),
-            buckets("tgi_paged_constrained_rows", BATCH_SIZE_BUCKETS)]
+
+    return [
+        buckets("tgi_paged_step_seconds", STEP_SECONDS_BUCKETS),
+        buckets("tgi_paged_step_part_seconds", STEP_PART_SECONDS_BUCKETS),
+        buckets("tgi_paged_preempted_wait_seconds", WAIT_SECONDS_BUCKETS),
+        buckets("tgi_paged_batch_size", BATCH_SIZE_BUCKETS),
+        buckets("tgi_paged_grammar_compile_seconds", COMPILE_SECONDS_BUCKETS),
+        buckets("tgi_paged_constrained_rows", BATCH_SIZE_BUCKETS),
+    ]

@@ -15,9 +15,11 @@ SHARD_RANK_ATTRIBUTE = "tgi_paged.shard.rank"
 def shard_attributes(config: TelemetryConfig, rank: int) -> dict[str, str | int]:
     """``service.name`` (``--otlp-service-name``), ``service.instance.id`` (``{host}-rank{rank}``,
     Prometheus' ``instance`` behind a Collector) and the rank."""
-    return {"service.name": config.otlp_service_name,
-            "service.instance.id": f"{socket.gethostname()}-rank{rank}",
-            SHARD_RANK_ATTRIBUTE: rank}
+    return {
+        "service.name": config.otlp_service_name,
+        "service.instance.id": f"{socket.gethostname()}-rank{rank}",
+        SHARD_RANK_ATTRIBUTE: rank,
+    }
 
 
 def shard_resource(config: TelemetryConfig, rank: int) -> Resource:

@@ -46,22 +46,31 @@ def annotate_step(span: Span, record: StepRecord, batch_id: int | None, num_requ
         attributes["tgi_paged.batch.id"] = _id(batch_id)
     span.set_attributes(attributes)
     for event in record.preemptions:
-        span.add_event("tgi_paged.preemption", {
-            "tgi_paged.preemption.mode": event.mode,
-            "tgi_paged.preemption.victim_id": _id(event.victim_id),
-            "tgi_paged.preemption.tokens_lost": event.tokens_lost,
-            "tgi_paged.preemption.estimated_cost_s": event.estimated_cost_s,
-        })
+        span.add_event(
+            "tgi_paged.preemption",
+            {
+                "tgi_paged.preemption.mode": event.mode,
+                "tgi_paged.preemption.victim_id": _id(event.victim_id),
+                "tgi_paged.preemption.tokens_lost": event.tokens_lost,
+                "tgi_paged.preemption.estimated_cost_s": event.estimated_cost_s,
+            },
+        )
     if record.swap_out_bytes or record.swap_in_bytes:
-        span.add_event("tgi_paged.swap", {
-            "tgi_paged.swap.out_bytes": record.swap_out_bytes,
-            "tgi_paged.swap.in_bytes": record.swap_in_bytes,
-        })
+        span.add_event(
+            "tgi_paged.swap",
+            {
+                "tgi_paged.swap.out_bytes": record.swap_out_bytes,
+                "tgi_paged.swap.in_bytes": record.swap_in_bytes,
+            },
+        )
     if record.resumed_wait_s:
-        span.add_event("tgi_paged.resume", {
-            "tgi_paged.resume.count": len(record.resumed_wait_s),
-            "tgi_paged.resume.max_wait_s": max(record.resumed_wait_s),
-        })
+        span.add_event(
+            "tgi_paged.resume",
+            {
+                "tgi_paged.resume.count": len(record.resumed_wait_s),
+                "tgi_paged.resume.max_wait_s": max(record.resumed_wait_s),
+            },
+        )
 
 
 def _id(value: int) -> int | str:

@@ -100,9 +100,21 @@ class StepRecord:
         for part, seconds in self.part_s:
             if part not in STEP_PARTS or seconds < 0:
                 raise ValueError(f"step part {part!r}={seconds} is invalid: allowed {STEP_PARTS}, >= 0 s")
-        for name in ("step_s", "batch_size", "tokens_computed", "tokens_recomputed", "blocks_allocated",
-                     "swap_out_bytes", "swap_in_bytes", "prefix_hit_tokens", "prefix_query_tokens",
-                     "num_running", "num_waiting", "num_preempted", "max_preempted_wait_s"):
+        for name in (
+            "step_s",
+            "batch_size",
+            "tokens_computed",
+            "tokens_recomputed",
+            "blocks_allocated",
+            "swap_out_bytes",
+            "swap_in_bytes",
+            "prefix_hit_tokens",
+            "prefix_query_tokens",
+            "num_running",
+            "num_waiting",
+            "num_preempted",
+            "max_preempted_wait_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: allowed >= 0")
 

@@ -56,8 +56,10 @@ def _scale_vector(scale: torch.Tensor, out_features: int, name: str) -> torch.Te
         return scale.reshape(1).to(torch.float32).expand(out_features).contiguous()
     if scale.numel() == out_features and scale.shape in ((out_features, 1), (out_features,)):  # channel
         return scale.reshape(out_features).to(torch.float32)
-    raise QuantizationError(f"{name}{SCALE_SUFFIX} has shape {tuple(scale.shape)}: expected [{out_features}, 1] "
-                            "(channel strategy) or [1] (tensor strategy)")
+    raise QuantizationError(
+        f"{name}{SCALE_SUFFIX} has shape {tuple(scale.shape)}: expected [{out_features}, 1] "
+        "(channel strategy) or [1] (tensor strategy)"
+    )
 
 
 def load_compressed_fp8(model: nn.Module, model_dir: Path) -> int:
@@ -73,14 +75,17 @@ def load_compressed_fp8(model: nn.Module, model_dir: Path) -> int:
                 linear = _linear_for(model, name, key)
                 qweight = f.get_tensor(f"{name}.weight")
                 if qweight.dtype != FP8_DTYPE or tuple(qweight.shape) != (linear.out_features, linear.in_features):
-                    raise QuantizationError(f"{name}.weight is {qweight.dtype} {tuple(qweight.shape)}: expected "
-                                            f"{FP8_DTYPE} [{linear.out_features}, {linear.in_features}]")
+                    raise QuantizationError(
+                        f"{name}.weight is {qweight.dtype} {tuple(qweight.shape)}: expected "
+                        f"{FP8_DTYPE} [{linear.out_features}, {linear.in_features}]"
+                    )
                 scale = _scale_vector(f.get_tensor(key), linear.out_features, name)
                 _set_submodule(model, name, Fp8Linear(qweight, scale, linear.bias))
                 count += 1
     if count == 0:
-        raise QuantizationError(f"{model_dir}: no *{SCALE_SUFFIX} tensor in the safetensors files: not an FP8 "
-                                "compressed-tensors checkpoint")
+        raise QuantizationError(
+            f"{model_dir}: no *{SCALE_SUFFIX} tensor in the safetensors files: not an FP8 compressed-tensors checkpoint"
+        )
     return count
 
 
@@ -97,8 +102,9 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
     return where
 
 
-def load_int_linears(model: nn.Module, model_dir: Path, marker: str, suffixes: tuple[str, ...],
-                     decode: IntDecoder, what: str) -> int:
+def load_int_linears(
+    model: nn.Module, model_dir: Path, marker: str, suffixes: tuple[str, ...], decode: IntDecoder, what: str
+) -> int:
     """Replace each linear ``name`` that has a ``name.<marker>`` tensor by an :class:`IntLinear` holding the
     file's codes, decoded from its ``name.<suffix>`` tensors by ``decode``."""
     where = _tensor_files(model_dir)
@@ -116,8 +122,7 @@ def load_int_linears(model: nn.Module, model_dir: Path, marker: str, suffixes: t
         _set_submodule(model, name, IntLinear.from_codes(codes, linear.bias))
         del linear
     if not names:
-        raise QuantizationError(f"{model_dir}: no *.{marker} tensor in the safetensors files: not a {what} "
-                                "checkpoint")
+        raise QuantizationError(f"{model_dir}: no *.{marker} tensor in the safetensors files: not a {what} checkpoint")
     return len(names)
 
 
@@ -131,6 +136,7 @@ def load_quantized(model: nn.Module, method: str, scheme: object, model_dir: Pat
     if method == "fp8":
         return quantize_model_fp8(model), "fp8 e4m3 (per-channel scales)"
     if isinstance(scheme, gptq_awq.GptqAwqScheme):
+
         def decode(name, tensors, n, k):
             return gptq_awq.decode(name, tensors, scheme, n, k)
 
@@ -138,11 +144,13 @@ def load_quantized(model: nn.Module, method: str, scheme: object, model_dir: Pat
         count = load_int_linears(model, model_dir, "qweight", gptq_awq.TENSOR_SUFFIXES, decode, scheme.method)
         return count, f"int{scheme.bits} ({scheme.method}, {groups}{', act-order' if scheme.desc_act else ''})"
     if isinstance(scheme, CompressedIntScheme):
+
         def decode(name, tensors, n, k):
             return decode_pack_quantized(name, tensors, scheme.bits, scheme.group_size, scheme.symmetric, n, k)
 
-        count = load_int_linears(model, model_dir, "weight_packed", TENSOR_SUFFIXES, decode,
-                                 "pack-quantized compressed-tensors")
+        count = load_int_linears(
+            model, model_dir, "weight_packed", TENSOR_SUFFIXES, decode, "pack-quantized compressed-tensors"
+        )
         groups = "per channel" if scheme.group_size is None else f"groups of {scheme.group_size}"
         return count, f"int{scheme.bits} (compressed-tensors pack-quantized, {groups})"
     return load_compressed_fp8(model, model_dir), "fp8 e4m3 (compressed-tensors)"

@@ -37,10 +37,12 @@ INT_FORMAT = "pack-quantized"
 STRATEGIES = ("channel", "tensor")
 INT_STRATEGIES = ("group", "channel")
 INT_ACTORDERS = (None, "weight", "static")
-SUPPORTED = ("FP8 weights (format float-quantized, weights num_bits 8 type float, strategy channel or tensor, "
-             "symmetric), input activations none or dynamic; or int weights (format pack-quantized, weights "
-             "num_bits 4 or 8 type int, strategy group or channel, symmetric or not, actorder none/weight), "
-             "no input activations")
+SUPPORTED = (
+    "FP8 weights (format float-quantized, weights num_bits 8 type float, strategy channel or tensor, "
+    "symmetric), input activations none or dynamic; or int weights (format pack-quantized, weights "
+    "num_bits 4 or 8 type int, strategy group or channel, symmetric or not, actorder none/weight), "
+    "no input activations"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +93,15 @@ def _int_args(name: str, group: Mapping[str, Any]) -> CompressedIntScheme:
     if w.get("dynamic"):
         raise _refuse(f"config_groups.{name}.weights dynamic={w.get('dynamic')!r}")
     if _as_dict(group.get("input_activations")):
-        raise _refuse(f"config_groups.{name}.input_activations are quantized (int weights are served with "
-                      "unquantized activations only)")
+        raise _refuse(
+            f"config_groups.{name}.input_activations are quantized (int weights are served with "
+            "unquantized activations only)"
+        )
     if _as_dict(group.get("output_activations")):
         raise _refuse(f"config_groups.{name}.output_activations are quantized")
-    return CompressedIntScheme(bits=w["num_bits"], group_size=group_size,
-                               symmetric=w.get("symmetric", True) is not False)
+    return CompressedIntScheme(
+        bits=w["num_bits"], group_size=group_size, symmetric=w.get("symmetric", True) is not False
+    )
 
 
 def parse_scheme(quantization_config: Mapping[str, Any] | Any) -> CompressedFp8Scheme | CompressedIntScheme:

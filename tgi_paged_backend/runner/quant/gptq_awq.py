@@ -44,7 +44,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """Output ``8c + AWQ_ORDER[j]`` is field ``j`` of packed word ``c``."""
 SUPPORTED = {
     "gptq": "GPTQ checkpoint_format gptq (v1), bits 4 or 8, any group_size dividing in_features or -1, "
-            "desc_act true or false, sym true or false",
+    "desc_act true or false, sym true or false",
     "awq": "AWQ version gemm, bits 4, zero_point true, group_size dividing in_features or -1",
 }
 TENSOR_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
@@ -92,8 +92,13 @@ def parse_config(quantization_config: Mapping[str, Any] | Any) -> GptqAwqScheme:
         bits = qc.get("bits")
         if bits not in GPTQ_BITS:
             raise _refuse(method, f"bits={bits!r}")
-        return GptqAwqScheme(method, bits, _group_size(method, qc.get("group_size", 128)),
-                             desc_act=bool(qc.get("desc_act", False)), sym=bool(qc.get("sym", True)))
+        return GptqAwqScheme(
+            method,
+            bits,
+            _group_size(method, qc.get("group_size", 128)),
+            desc_act=bool(qc.get("desc_act", False)),
+            sym=bool(qc.get("sym", True)),
+        )
     if method == "awq":
         fmt = str(qc.get("version") or qc.get("format") or "gemm").lower()
         if str(qc.get("backend") or "").lower() == "llm-awq":
@@ -112,13 +117,15 @@ def _groups(scheme: GptqAwqScheme, in_features: int, name: str) -> int:
     if scheme.group_size == -1:
         return 1
     if in_features % scheme.group_size:
-        raise _refuse(scheme.method, f"{name}: in_features={in_features} is not a multiple of group_size="
-                                     f"{scheme.group_size}")
+        raise _refuse(
+            scheme.method, f"{name}: in_features={in_features} is not a multiple of group_size={scheme.group_size}"
+        )
     return in_features // scheme.group_size
 
 
-def decode_gptq(name: str, tensors: Mapping[str, torch.Tensor], scheme: GptqAwqScheme, out_features: int,
-                in_features: int) -> IntCodes:
+def decode_gptq(
+    name: str, tensors: Mapping[str, torch.Tensor], scheme: GptqAwqScheme, out_features: int, in_features: int
+) -> IntCodes:
     """The file's GPTQ tensors of linear ``name`` as :class:`IntCodes` (codes exactly as stored)."""
     bits, n, k = scheme.bits, out_features, in_features
     per = 32 // bits
@@ -140,8 +147,13 @@ def decode_gptq(name: str, tensors: Mapping[str, torch.Tensor], scheme: GptqAwqS
     else:
         expect_shape(f"{name}.g_idx", g_idx, (k,), (torch.int32, torch.int64))
         g_idx = g_idx.to(torch.int32)
-    return IntCodes(codes=codes, scales=tensors["scales"].to(torch.float32).t().contiguous(), zeros=zeros,
-                    g_idx=g_idx.contiguous(), bits=bits)
+    return IntCodes(
+        codes=codes,
+        scales=tensors["scales"].to(torch.float32).t().contiguous(),
+        zeros=zeros,
+        g_idx=g_idx.contiguous(),
+        bits=bits,
+    )
 
 
 def _awq_deinterleave(fields: torch.Tensor) -> torch.Tensor:
@@ -153,8 +165,9 @@ def _awq_deinterleave(fields: torch.Tensor) -> torch.Tensor:
     return fields.reshape(rows, -1, 8)[:, :, order].reshape(rows, -1)
 
 
-def decode_awq(name: str, tensors: Mapping[str, torch.Tensor], scheme: GptqAwqScheme, out_features: int,
-               in_features: int) -> IntCodes:
+def decode_awq(
+    name: str, tensors: Mapping[str, torch.Tensor], scheme: GptqAwqScheme, out_features: int, in_features: int
+) -> IntCodes:
     """The file's AWQ GEMM tensors of linear ``name`` as :class:`IntCodes`."""
     n, k = out_features, in_features
     if n % 8:
@@ -166,12 +179,18 @@ def decode_awq(name: str, tensors: Mapping[str, torch.Tensor], scheme: GptqAwqSc
     expect_shape(f"{name}.scales", tensors["scales"], (groups, n), (torch.float16, torch.bfloat16, torch.float32))
     codes = _awq_deinterleave(unpack_int32(tensors["qweight"], 4, dim=1))  # [K, N]
     zeros = _awq_deinterleave(unpack_int32(tensors["qzeros"], 4, dim=1))  # [G, N]
-    return IntCodes(codes=codes.t().contiguous(), scales=tensors["scales"].to(torch.float32).t().contiguous(),
-                    zeros=zeros.t().contiguous(), g_idx=group_index(k, scheme.group_size), bits=4)
+    return IntCodes(
+        codes=codes.t().contiguous(),
+        scales=tensors["scales"].to(torch.float32).t().contiguous(),
+        zeros=zeros.t().contiguous(),
+        g_idx=group_index(k, scheme.group_size),
+        bits=4,
+    )
 
 
-def decode(name: str, tensors: Mapping[str, torch.Tensor], scheme: GptqAwqScheme, out_features: int,
-           in_features: int) -> IntCodes:
+def decode(
+    name: str, tensors: Mapping[str, torch.Tensor], scheme: GptqAwqScheme, out_features: int, in_features: int
+) -> IntCodes:
     """:func:`decode_gptq` or :func:`decode_awq` by the checkpoint's layout."""
     fn = decode_gptq if scheme.method == "gptq" else decode_awq
     return fn(name, tensors, scheme, out_features, in_features)

@@ -60,8 +60,10 @@ def expect_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtypes
     """Raise :class:`QuantizationError` naming the tensor unless it has ``shape`` and one of ``dtypes``."""
     if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
         allowed = "/".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise QuantizationError(f"{name} is {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}: "
-                                f"expected {allowed} {list(shape)}")
+        raise QuantizationError(
+            f"{name} is {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}: "
+            f"expected {allowed} {list(shape)}"
+        )
 
 
 def require(name: str, tensors: Mapping[str, torch.Tensor], suffixes: tuple[str, ...]) -> None:
@@ -74,8 +76,10 @@ def require(name: str, tensors: Mapping[str, torch.Tensor], suffixes: tuple[str,
 def check_codes(name: str, codes: IntCodes, out_features: int, in_features: int) -> None:
     """The decoded tensors fit an ``out_features x in_features`` linear (and the resident layout)."""
     if tuple(codes.codes.shape) != (out_features, in_features):
-        raise QuantizationError(f"{name}: the packed weight holds {list(codes.codes.shape)} codes, the model's "
-                                f"linear is [{out_features}, {in_features}]")
+        raise QuantizationError(
+            f"{name}: the packed weight holds {list(codes.codes.shape)} codes, the model's "
+            f"linear is [{out_features}, {in_features}]"
+        )
     if codes.bits == 4 and in_features % 2:
         raise QuantizationError(f"{name}: in_features={in_features} is odd; int4 weights need an even count")
     groups = codes.scales.shape[1]

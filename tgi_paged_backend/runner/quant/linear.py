@@ -43,8 +43,11 @@ class Fp8Linear(nn.Module):
 
     def output_slice(self, rows: slice) -> "Fp8Linear":
         """Column-parallel shard: output channels ``rows`` (weight rows, their scales and bias)."""
-        return Fp8Linear(self.qweight[rows].clone(), self.weight_scale[rows].clone(),
-                         None if self.bias is None else self.bias.detach()[rows].clone())
+        return Fp8Linear(
+            self.qweight[rows].clone(),
+            self.weight_scale[rows].clone(),
+            None if self.bias is None else self.bias.detach()[rows].clone(),
+        )
 
     def input_slice(self, cols: slice) -> "Fp8Linear":
         """Row-parallel shard without bias: input features ``cols``, every output channel's full-row scale
@@ -59,15 +62,23 @@ class Fp8Linear(nn.Module):
         return fp8_linear(x, self.qweight, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                "fp8_e4m3")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8_e4m3"
+        )
 
 
 class IntLinear(nn.Module):
     """``y = x @ W^T + bias`` with ``W[n, k] = (code[n, k] - zeros[n, g]) * scales[n, g]``, ``g = g_idx[k]``."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor,
-                 bits: int, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        g_idx: torch.Tensor,
+        bits: int,
+        bias: torch.Tensor | None,
+    ) -> None:
         super().__init__()
         self.bits = int(bits)
         self.out_features, self.in_features = int(qweight.shape[0]), int(g_idx.shape[0])
@@ -90,8 +101,14 @@ class IntLinear(nn.Module):
 
     def output_slice(self, rows: slice) -> "IntLinear":
         """Column-parallel shard: output channels ``rows`` (their codes, scales, zeros and bias)."""
-        return IntLinear(self.qweight[rows].clone(), self.scales[rows].clone(), self.zeros[rows].clone(),
-                         self.g_idx.clone(), self.bits, None if self.bias is None else self.bias.detach()[rows].clone())
+        return IntLinear(
+            self.qweight[rows].clone(),
+            self.scales[rows].clone(),
+            self.zeros[rows].clone(),
+            self.g_idx.clone(),
+            self.bits,
+            None if self.bias is None else self.bias.detach()[rows].clone(),
+        )
 
     def input_slice(self, cols: slice) -> "IntLinear":
         """Row-parallel shard without bias: input features ``cols`` with their ``g_idx``, and the groups
@@ -104,9 +121,14 @@ class IntLinear(nn.Module):
         g_idx = self.g_idx[start:stop]
         lo, hi = int(g_idx.min()), int(g_idx.max()) + 1
         per_byte = 2 if self.bits == 4 else 1
-        return IntLinear(self.qweight[:, start // per_byte:stop // per_byte].contiguous(),
-                         self.scales[:, lo:hi].contiguous(), self.zeros[:, lo:hi].contiguous(),
-                         (g_idx - lo).contiguous(), self.bits, None)
+        return IntLinear(
+            self.qweight[:, start // per_byte : stop // per_byte].contiguous(),
+            self.scales[:, lo:hi].contiguous(),
+            self.zeros[:, lo:hi].contiguous(),
+            (g_idx - lo).contiguous(),
+            self.bits,
+            None,
+        )
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight a reference ``nn.Linear`` must hold to compute exactly what this module does on CPU."""
@@ -116,8 +138,10 @@ class IntLinear(nn.Module):
         return int_linear(x, self.qweight, self.scales, self.zeros, self.g_idx, self.bits, self.bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"int{self.bits}, groups={self.scales.shape[1]}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"int{self.bits}, groups={self.scales.shape[1]}"
+        )
 
 
 QUANTIZED_LINEARS = (Fp8Linear, IntLinear)

@@ -33,17 +33,22 @@ class QuantizationError(ValueError):
 
 def refusal(quantize: str) -> str:
     """The one-line refusal for an unsupported ``--quantize`` value."""
-    return (f"--quantize {quantize} is not supported by tgi-paged-backend: supported "
-            f"{', '.join(SUPPORTED_QUANTIZE)} (fp8: an fp16/bf16/fp32 checkpoint quantized at load time; "
-            "compressed-tensors: FP8 or pack-quantized int4/int8 weight checkpoints; gptq: GPTQ int4/int8 "
-            "checkpoints; awq: AWQ GEMM int4 checkpoints); serve unquantized weights, or set TGI_BACKEND=stock "
-            "to use TGI's own server")
+    return (
+        f"--quantize {quantize} is not supported by tgi-paged-backend: supported "
+        f"{', '.join(SUPPORTED_QUANTIZE)} (fp8: an fp16/bf16/fp32 checkpoint quantized at load time; "
+        "compressed-tensors: FP8 or pack-quantized int4/int8 weight checkpoints; gptq: GPTQ int4/int8 "
+        "checkpoints; awq: AWQ GEMM int4 checkpoints); serve unquantized weights, or set TGI_BACKEND=stock "
+        "to use TGI's own server"
+    )
 
 
 def quant_method(hf_config: Mapping[str, Any] | Any) -> str | None:
     """``quantization_config.quant_method`` of a ``config.json`` dict or a transformers config."""
-    qc = (hf_config.get("quantization_config") if isinstance(hf_config, Mapping)
-          else getattr(hf_config, "quantization_config", None))
+    qc = (
+        hf_config.get("quantization_config")
+        if isinstance(hf_config, Mapping)
+        else getattr(hf_config, "quantization_config", None)
+    )
     if qc is None:
         return None
     method = qc.get("quant_method") if isinstance(qc, Mapping) else getattr(qc, "quant_method", None)
@@ -64,19 +69,22 @@ def check_quantize(quantize: str | None, hf_config: Mapping[str, Any] | Any) -> 
             raise QuantizationError(
                 f"the checkpoint is quantized (quantization_config.quant_method={method!r}) but no --quantize was "
                 f"given; pass --quantize {method} (the TGI launcher does this from config.json)"
-                + ("" if method in SUPPORTED_QUANTIZE else f" -- {refusal(method)}"))
+                + ("" if method in SUPPORTED_QUANTIZE else f" -- {refusal(method)}")
+            )
         return None
     if quantize == "fp8":
         if method is not None:
             raise QuantizationError(
                 f"--quantize fp8 quantizes an fp16/bf16/fp32 checkpoint at load time, but this checkpoint is already "
                 f"quantized (quantization_config.quant_method={method!r}); pre-quantized FP8 checkpoints are served "
-                "in the compressed-tensors format (--quantize compressed-tensors)")
+                "in the compressed-tensors format (--quantize compressed-tensors)"
+            )
         return "fp8"
     if quantize == "gptq" and method == "awq":  # as TGI, which converts AWQ to its GPTQ kernels' packing
         return "awq"
     if method != quantize:
         raise QuantizationError(
             f"--quantize {quantize} needs a checkpoint whose config.json has quantization_config.quant_method="
-            f"{quantize!r}; this one has {method!r}")
+            f"{quantize!r}; this one has {method!r}"
+        )
     return quantize

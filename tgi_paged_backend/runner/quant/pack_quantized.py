@@ -33,8 +33,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def decode_pack_quantized(name: str, tensors: Mapping[str, torch.Tensor], bits: int, group_size: int | None,
-                          symmetric: bool, out_features: int, in_features: int) -> IntCodes:
+def decode_pack_quantized(
+    name: str,
+    tensors: Mapping[str, torch.Tensor],
+    bits: int,
+    group_size: int | None,
+    symmetric: bool,
+    out_features: int,
+    in_features: int,
+) -> IntCodes:
     """The file's tensors of linear ``name`` as :class:`IntCodes`; ``group_size`` ``None`` is the channel
     strategy."""
     n, k, per = out_features, in_features, 32 // bits
@@ -57,6 +64,10 @@ def decode_pack_quantized(name: str, tensors: Mapping[str, torch.Tensor], bits: 
             raise QuantizationError(f"{name}.weight_zero_point is missing but the scheme is asymmetric")
         expect_shape(f"{name}.weight_zero_point", packed, (_cdiv(n, per), groups), (torch.int32,))
         zeros = unpack_int32(packed, bits, dim=0)[:n]  # stored z + offset: the unsigned zero already
-    return IntCodes(codes=codes.contiguous(), scales=tensors["weight_scale"].to(torch.float32).contiguous(),
-                    zeros=zeros.contiguous(), g_idx=group_index(k, -1 if group_size is None else group_size),
-                    bits=bits)
+    return IntCodes(
+        codes=codes.contiguous(),
+        scales=tensors["weight_scale"].to(torch.float32).contiguous(),
+        zeros=zeros.contiguous(),
+        g_idx=group_index(k, -1 if group_size is None else group_size),
+        bits=bits,
+    )
