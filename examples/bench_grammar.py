@@ -159,7 +159,8 @@ def main() -> None:
         f"   x{stall['max_decode_during_compile_s'] / stall['median_step_s']:.2f} the median"
     )
     print(
-        f"  its first token: new schema {stall['ttft_new_schema_s']:.2f} s, cached {stall['ttft_cached_schema_s']:.2f} s"
+        f"  its first token: new schema {stall['ttft_new_schema_s']:.2f} s,"
+        f" cached {stall['ttft_cached_schema_s']:.2f} s"
     )
     engine.close()
 

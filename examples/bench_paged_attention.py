@@ -223,7 +223,10 @@ def bench_shape(batch: int, context: int, device: torch.device, peak: float, use
     splits = choose_num_splits(batch * NUM_KV_HEADS, kv.block_tables.shape[1] * BLOCK_SIZE,
                                torch.cuda.get_device_properties(device).multi_processor_count)  # fmt: skip
     print(f"{batch:6d} {context:8d} {splits:6d}  " + " | ".join(columns + notes), flush=True)
-    del kv, k_contig, v_contig
+    # Free the pool and the copies before empty_cache: the runners (FlashInfer's holds its own reference)
+    # first, then the names the lambdas close over (rebound, not `del`eted, since closures read them).
+    runners.clear()
+    kv = k_contig = v_contig = None
     torch.cuda.empty_cache()
 
 

@@ -336,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("No CUDA device visible to torch: this check needs one (use --cpu for the plumbing check).")
             return 2
-        import triton
         import transformers
+        import triton
 
         print(
             f"device {torch.cuda.get_device_name()}, triton {triton.__version__}, "

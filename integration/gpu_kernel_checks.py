@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,10 +47,11 @@ def check_linears(device: torch.device) -> int:
             x = torch.randn(m, k, device=device).to(dtype)
             bias = (0.1 * torch.randn(n, device=device)).to(dtype)
             qweight, scale = (t.to(device) for t in quantize_fp8_per_channel(torch.randn(n, k) * 0.02))
+            # partial binds this iteration's tensors now (a lambda would read the loop variables late).
             cases = {
                 "fp8_linear": (
-                    lambda: fp8_linear(x, qweight, scale, bias),
-                    lambda: fp8_linear_reference(x, qweight, scale, bias),
+                    partial(fp8_linear, x, qweight, scale, bias),
+                    partial(fp8_linear_reference, x, qweight, scale, bias),
                 )
             }
             for bits in (4, 8):
@@ -62,8 +64,8 @@ def check_linears(device: torch.device) -> int:
                     bits,
                 )
                 cases[f"int{bits}_linear"] = (
-                    lambda a=args: int_linear(x, *a, bias),
-                    lambda a=args: int_linear_reference(x, *a, bias),
+                    partial(int_linear, x, *args, bias),
+                    partial(int_linear_reference, x, *args, bias),
                 )
             for name, (run, ref) in cases.items():
                 try:

@@ -15,7 +15,7 @@ Everything that passes parsing but fails a TGI rule is an :class:`ApiError` whos
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
@@ -110,7 +110,7 @@ class RegexGrammar(_Model):
 
 
 class JsonSchemaConfig(_Model):
-    name: Optional[str] = None
+    name: str | None = None
     schema_: Any = Field(alias="schema")
 
 
@@ -121,30 +121,30 @@ class JsonSchemaGrammar(_Model):
     value: JsonSchemaConfig
 
 
-Grammar = Annotated[Union[JsonGrammar, RegexGrammar, JsonSchemaGrammar], Field(discriminator="type")]
+Grammar = Annotated[JsonGrammar | RegexGrammar | JsonSchemaGrammar, Field(discriminator="type")]
 """The stock ``GrammarType`` (``{"type": ..., "value": ...}``; ``value`` is required for every type)."""
 
 
 class Parameters(_Model):
-    best_of: Optional[USize] = None
-    temperature: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    top_k: Optional[I32] = None
-    top_p: Optional[float] = None
-    typical_p: Optional[float] = None
+    best_of: USize | None = None
+    temperature: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_k: I32 | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
     do_sample: bool = False
-    max_new_tokens: Optional[U32] = None
-    return_full_text: Optional[bool] = None
+    max_new_tokens: U32 | None = None
+    return_full_text: bool | None = None
     stop: list[str] = Field(default_factory=list)
-    truncate: Optional[USize] = None
+    truncate: USize | None = None
     watermark: bool = False
     details: bool = False
     decoder_input_details: bool = False
-    seed: Optional[U64] = None
-    top_n_tokens: Optional[U32] = None
-    grammar: Optional[Grammar] = None
-    adapter_id: Optional[str] = None
+    seed: U64 | None = None
+    top_n_tokens: U32 | None = None
+    grammar: Grammar | None = None
+    adapter_id: str | None = None
 
 
 def default_parameters() -> Parameters:
@@ -176,7 +176,7 @@ class ImageChunk(_Model):
 
 
 class FunctionDefinition(_Model):
-    description: Optional[str] = None
+    description: str | None = None
     name: str
     arguments: Any = Field(validation_alias=pydantic.AliasChoices("arguments", "parameters"))
 
@@ -209,12 +209,12 @@ class ChatMessage(_Model):
     """The stock ``Message``: ``content`` (text or chunks) or else ``tool_calls`` (an untagged body)."""
 
     role: str
-    content: Optional[Union[str, list[Union[TextChunk, ImageChunk]]]] = None
-    tool_calls: Optional[list[Any]] = None
-    name: Optional[str] = None
+    content: str | list[TextChunk | ImageChunk] | None = None
+    tool_calls: list[Any] | None = None
+    name: str | None = None
 
     @pydantic.model_validator(mode="after")
-    def _body(self) -> "ChatMessage":
+    def _body(self) -> ChatMessage:
         if self.content is None:  # stock reads tool_calls only when there is no usable content
             if self.tool_calls is None:
                 raise ValueError("data did not match any variant of untagged enum MessageBody")
@@ -252,43 +252,43 @@ class StreamOptions(_Model):
 
 
 class ChatRequest(_Model):
-    model: Optional[str] = None
+    model: str | None = None
     messages: list[ChatMessage]
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[Any] = None
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[U32] = None
-    max_tokens: Optional[U32] = Field(
+    frequency_penalty: float | None = None
+    logit_bias: Any | None = None
+    logprobs: bool | None = None
+    top_logprobs: U32 | None = None
+    max_tokens: U32 | None = Field(
         default=None, validation_alias=pydantic.AliasChoices("max_tokens", "max_completion_tokens")
     )
-    n: Optional[U32] = None
-    presence_penalty: Optional[float] = None
-    stop: Optional[list[str]] = None
+    n: U32 | None = None
+    presence_penalty: float | None = None
+    stop: list[str] | None = None
     stream: bool = False
-    seed: Optional[U64] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    tools: Optional[list[Tool]] = None
-    tool_prompt: Optional[str] = None
-    tool_choice: Optional[Union[str, TypedChoice]] = None
+    seed: U64 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[Tool] | None = None
+    tool_prompt: str | None = None
+    tool_choice: str | TypedChoice | None = None
     """``None``/absent = ``auto``; ``"none"``, ``"auto"``, ``"required"``, any other string = that tool's
     name; ``{"type": "function", "function": {"name": ...}}``."""
-    response_format: Optional[Grammar] = None
-    stream_options: Optional[StreamOptions] = None
+    response_format: Grammar | None = None
+    stream_options: StreamOptions | None = None
 
 
 class CompletionRequest(_Model):
-    model: Optional[str] = None
-    prompt: Union[str, list[str]]
-    max_tokens: Optional[U32] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: U32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     stream: bool = False
-    seed: Optional[U64] = None
-    suffix: Optional[str] = None
-    repetition_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    stop: Optional[list[str]] = None
+    seed: U64 | None = None
+    suffix: str | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: list[str] | None = None
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)

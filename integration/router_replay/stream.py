@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from .datatypes import (
     End,
     Failure,
+    FinalEvent,
     GeneratedText,
     GenerateParameters,
     Intermediate,
@@ -26,7 +27,6 @@ from .datatypes import (
     PrefillToken,
     ResponseChannel,
     StreamEvent,
-    FinalEvent,
     TokenEvent,
     ValidRequest,
 )

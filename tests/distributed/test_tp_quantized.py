@@ -25,8 +25,8 @@ from torch import nn
 from tests.helpers.int_checkpoints import int_reference, write_int_checkpoint
 from tests.helpers.paged_driver import greedy_hf
 from tests.helpers.quant_models import dequantized_reference, write_compressed_fp8
-from tests.helpers.tp_spawn import run_tp_workers
 from tests.helpers.tiny_models import EOS_ID, PAD_ID
+from tests.helpers.tp_spawn import run_tp_workers
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.quant.linear import Fp8Linear, IntLinear

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from tests.helpers.paged_driver import greedy_hf
-from tests.helpers.tp_spawn import run_tp_workers
 from tests.helpers.tiny_models import EOS_ID, PAD_ID, TINY_KINDS, load_reference
+from tests.helpers.tp_spawn import run_tp_workers
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model_runner import ModelRunner
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 from tests.helpers.tiny_models import TINY_CORPUS, load_reference
 from tgi_paged_backend.engine import build_engine
 from tgi_paged_backend.engine.request_state import RequestStatus

@@ -13,7 +13,8 @@ from tgi_paged_backend.engine.sampling import (
     sampling_seed,
     validate_sampling_params,
 )
-from tgi_paged_backend.engine.types import InvalidRequestError, SamplingParams as SP
+from tgi_paged_backend.engine.types import InvalidRequestError
+from tgi_paged_backend.engine.types import SamplingParams as SP
 
 NEG = -math.inf
 

@@ -7,8 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.conftest import RouterBlocks, RouterDriver, make_engine, make_text, prompt_ids, router_spec, \
-    router_warmup  # fmt: skip
+from tests.engine.conftest import (
+    RouterBlocks,
+    RouterDriver,
+    make_engine,
+    make_text,
+    prompt_ids,
+    router_spec,
+    router_warmup,
+)
 from tests.helpers.triton_serving import LAUNCHERS, route_to_triton
 from tgi_paged_backend.config import ConfigError
 from tgi_paged_backend.engine.capacity import plan_capacity
@@ -81,7 +88,7 @@ def test_generation_far_past_the_window_is_exact_on_a_pool_smaller_than_one_hist
         produced_before = produced
         holes_seen = max(holes_seen, engine.kv.stats().num_hole_blocks)
     assert batch is None
-    for r, n in zip(requests, lengths):
+    for r in requests:
         assert driver.tokens[r.id] == hf_greedy(windowed_mistral_dir, prompt_ids(engine, r.text), 40), r.id
     assert engine.stats.preemptions[mode] > 0, engine.stats.preemptions
     if mode == "swap":

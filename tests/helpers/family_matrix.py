@@ -32,8 +32,15 @@ from pathlib import Path
 import torch
 import transformers
 
-from tests.engine.conftest import RouterBlocks, RouterDriver, make_engine, make_text, prompt_ids, router_spec, \
-    router_warmup  # fmt: skip
+from tests.engine.conftest import (
+    RouterBlocks,
+    RouterDriver,
+    make_engine,
+    make_text,
+    prompt_ids,
+    router_spec,
+    router_warmup,
+)
 from tests.helpers.family_models import FAMILIES, Family, family_config, is_available, write_family_model
 from tests.helpers.family_tp import TpOutcome, run_tp, tp_families
 from tests.helpers.tiny_models import load_reference
@@ -54,12 +61,12 @@ REFUSED: dict[str, str] = {
 """Families the backend refuses at start, and a phrase the refusal must contain."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(model_dir: str) -> torch.nn.Module:
     return load_reference(model_dir)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_greedy(model_dir: str, ids: tuple[int, ...], max_new: int) -> list[int]:
     """HF ``generate`` greedy, exactly ``max_new`` tokens (EOS ignored, as the requests do)."""
     x = torch.tensor([list(ids)])

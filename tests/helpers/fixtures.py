@@ -12,9 +12,9 @@ Wire it from the root ``tests/conftest.py`` with ``pytest_plugins = ["tests.help
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 import pytest
 

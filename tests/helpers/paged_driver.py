@@ -9,8 +9,8 @@ prefill + decode steps), and hooks can drop a request's K/V (recompute) or move 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch

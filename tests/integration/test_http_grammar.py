@@ -63,8 +63,8 @@ def test_serde_json_text_matches_serde_formatting():
 
 def test_validation_compiles_schemas_after_the_input_checks():
     async def validate(params):
-        from integration.router_replay.validation import ValidationLimits, Validator
         from integration.router_replay.fake_shard import CharTokenizer
+        from integration.router_replay.validation import ValidationLimits, Validator
 
         return await Validator(CharTokenizer(), ValidationLimits(max_input_tokens=8, max_total_tokens=16)).validate(
             "hello", params

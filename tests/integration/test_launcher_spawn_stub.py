@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-
 from integration.launcher_spawn import (
     DownloadError,
     LaunchedShards,

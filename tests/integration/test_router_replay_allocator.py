@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-
 import pytest
-
 
 from integration.router_replay.allocator import SimpleAllocator
 from integration.router_replay.client import build_liveness_batch, build_warmup_request

@@ -7,7 +7,6 @@ import gc
 
 import pytest
 
-
 from integration.router_replay import (
     GenerateParameters,
     GenerationError,

@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 
-
 from integration.router_replay import GenerateParameters, Router, RouterFatalError
 from integration.router_replay.fake_shard import CharTokenizer, fake_shards
 from tgi_paged_backend.server.pb import generate_pb2 as pb

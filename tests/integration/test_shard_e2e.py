@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-
 from integration.launcher_spawn import LaunchedShards, LauncherOptions
 from integration.router_replay import Router
 from tests.helpers.shard_driving import free_port, hf_greedy, run_requests

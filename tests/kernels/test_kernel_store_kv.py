@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tgi_paged_kernels import store_kv
-from tgi_paged_kernels.reference import dequantize, store_kv_reference
 from tgi_paged_kernels.kv_store import _launch_store_kv
+from tgi_paged_kernels.reference import dequantize, store_kv_reference
 from tgi_paged_kernels.testing import fp8_round_trip_bound
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]

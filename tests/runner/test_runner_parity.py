@@ -10,8 +10,8 @@ cache-less HF forward.
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest

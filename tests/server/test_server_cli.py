@@ -89,7 +89,7 @@ def test_serve_until_sigterm_at_each_launcher_level(short_dir: Path) -> None:
         proc = subprocess.Popen(argv, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         shards[level] = (proc, Path(f"{uds}-0"))
     try:
-        for level, (proc, socket) in shards.items():
+        for proc, socket in shards.values():
             wait_for_socket(proc, socket)
             with grpc.insecure_channel(f"unix://{socket}") as channel:
                 stub = pb_grpc.TextGenerationServiceStub(channel)

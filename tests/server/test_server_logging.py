@@ -58,7 +58,7 @@ def test_json_lines_filter_and_truncation(restore_logging) -> None:
     logging.getLogger("urllib3").warning("third-party warning: kept")
     with warnings.catch_warnings():
         warnings.simplefilter("always")
-        warnings.warn("deprecated thing", DeprecationWarning)
+        warnings.warn("deprecated thing", DeprecationWarning, stacklevel=1)
 
     records = parse(out)
     texts = [r["text"] for r in records]

@@ -12,7 +12,6 @@ import socket
 import urllib.request
 from pathlib import Path
 
-
 from integration.launcher_spawn import LaunchedShards, LauncherOptions
 from integration.router_replay import GenerateParameters, Router
 from tests.helpers.tiny_models import write_tiny_model

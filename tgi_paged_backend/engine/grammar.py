@@ -31,8 +31,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from pathlib import Path
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import outlines_core

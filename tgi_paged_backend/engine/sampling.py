@@ -23,8 +23,9 @@ instead keeps one generator per request and re-seeds it whenever batches are con
 depends on batching history; ours does not (and differs from stock's stream for the same seed).
 
 Grammars are applied before this, as ``-inf`` masks on the constrained rows (``engine.grammar``).
-Not implemented: watermarking (``SamplingParams.watermark`` is accepted and ignored), speculation. Stock's penalties run over the batch-padded history (pad id 0 is penalised, the frequency
-divisor is the padded length); here each request only sees its own history.
+Not implemented: watermarking (``SamplingParams.watermark`` is accepted and ignored), speculation.
+Stock's penalties run over the batch-padded history (pad id 0 is penalised, the frequency divisor is the
+padded length); here each request only sees its own history.
 """
 
 from __future__ import annotations
