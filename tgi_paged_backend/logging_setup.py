@@ -18,9 +18,12 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from loguru import logger
+
+if TYPE_CHECKING:
+    from loguru import Record
 
 from tgi_paged_backend.envs import LOGGER_LEVELS
 
@@ -88,7 +91,7 @@ def setup_logging(
         sys.stdout = sys.stderr
 
 
-def _is_ours(record: dict[str, Any]) -> bool:
+def _is_ours(record: Record) -> bool:
     if record["extra"].get("own"):
         return True
     name = record["name"] or ""

@@ -240,7 +240,7 @@ def _split_plan(
     if sliding_window is not None:
         max_context = min(max_context, sliding_window + block_n)
     chosen = num_splits is None
-    if chosen:
+    if num_splits is None:
         num_splits = choose_num_splits(shape.num_rows * shape.cache.num_kv_heads, max_context, _num_sms(device))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from tgi_paged_backend.bench.workload import TraceRequest
+from tgi_paged_backend.config import PreemptionMode
 from tgi_paged_backend.memory import KVCacheManager
 from tgi_paged_backend.memory.window_reclaim import max_request_blocks
 from tgi_paged_backend.policy.admission import should_brake
@@ -113,7 +114,7 @@ class SimConfig:
     """Prompt tokens the router admits per step (``max_batch_prefill_tokens``); the shard's chunk budget."""
     max_batch_size: int | None = None
     watermark: float = 0.01
-    preemption: str = "auto"
+    preemption: PreemptionMode = "auto"
     """``auto``, ``recompute`` or ``swap`` (paged only)."""
     num_swap_blocks: int = 0
     """CPU swap blocks (paged only; 0 means recompute only)."""

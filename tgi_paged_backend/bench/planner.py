@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 from tgi_paged_backend.bench.allocator_sim import (
     DEFAULT_OVERCOMMITS,
@@ -41,6 +41,7 @@ from tgi_paged_backend.bench.allocator_sim import (
 )
 from tgi_paged_backend.bench.weights import weight_bytes
 from tgi_paged_backend.bench.workload import TraceRequest, summarize
+from tgi_paged_backend.config import PreemptionMode
 
 GiB = 1024**3
 
@@ -201,7 +202,8 @@ def activation_peak_bytes(spec: Any, dtype: Any, num_tokens: int) -> int:
     """
     from tgi_paged_backend.runner.model_runner import ModelRunner
 
-    return int(ModelRunner._estimate_prefill_bytes(SimpleNamespace(spec=spec, dtype=dtype), num_tokens, 1))
+    stand_in = cast(ModelRunner, SimpleNamespace(spec=spec, dtype=dtype))  # the method reads only these two
+    return int(ModelRunner._estimate_prefill_bytes(stand_in, num_tokens, 1))
 
 
 def cpu_available_bytes() -> int:
@@ -228,7 +230,7 @@ class PlanInputs:
     max_total_tokens: int | None = None
     num_blocks_cap: int | None = None
     swap_space_gib: float = 4.0
-    preemption: str = "auto"
+    preemption: PreemptionMode = "auto"
     overcommits: Sequence[float] = DEFAULT_OVERCOMMITS
     quantize: str | None = None
     """``--quantize`` (``fp8``, ``compressed-tensors``, ``gptq``, ``awq``): weights as

@@ -142,10 +142,12 @@ class CompileProcess:
         self._call("vocabulary", vocabulary)
 
     def _call(self, kind: str, payload):
+        requests, replies = self._proc.stdin, self._proc.stdout
+        assert requests is not None and replies is not None  # both are pipes (stdin=stdout=PIPE)
         try:
-            pickle.dump((kind, payload), self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-            self._proc.stdin.flush()
-            status, value = pickle.load(self._proc.stdout)
+            pickle.dump((kind, payload), requests, protocol=pickle.HIGHEST_PROTOCOL)
+            requests.flush()
+            status, value = pickle.load(replies)
         except (OSError, EOFError, pickle.UnpicklingError) as err:
             raise RuntimeError(f"the grammar compile process died (exit {self._proc.poll()})") from err
         if status != "ok":

@@ -26,6 +26,7 @@ def serve(requests, replies) -> None:
             kind, payload = pickle.load(requests)
         except EOFError:
             return
+        reply: tuple[str, object]  # ("ok", None | Index) or ("error", message)
         try:
             if kind == "vocabulary":
                 vocabulary, reply = payload, ("ok", None)

@@ -95,7 +95,8 @@ class ModelStep:
     def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple[int, int, bool]]]:
         """Packed inputs; ``rows[i]`` = (first logits row, number of rows, rows are prompt logprobs)
         of scheduled request i."""
-        ids, starts, counts, chunks, logits_idx, rows = [], [], [], [], [], []
+        ids, starts, counts, chunks, rows = [], [], [], [], []
+        logits_idx: list[int] = []
         offset = 0
         for r, n in plan.scheduled:
             start = r.num_computed
@@ -177,8 +178,8 @@ class ModelStep:
             return [], []
         logits = torch.stack([row for _, row in sampled])
         requests = [r for r, _ in sampled]
-        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
-        apply_grammar_masks(logits, constrained, [requests[i].grammar for i in constrained])  # before sampling
+        constrained = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+        apply_grammar_masks(logits, [i for i, _ in constrained], [g for _, g in constrained])  # before sampling
         params = [r.spec.sampling for r in requests]
         needs_history = [p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 for p in params]
         histories = [r.all_ids if need else [] for r, need in zip(requests, needs_history)]
@@ -194,9 +195,11 @@ class ModelStep:
         for r, c in zip(requests, chosen):
             r.output_ids.append(c.id)
             if r.grammar is not None:
-                r.grammar.advance(c.id)  # type: ignore[attr-defined]
-            text = r.detok_state.step(c.id)  # type: ignore[union-attr]
-            reason = r.stop_state(c.id, text)  # type: ignore[operator]
+                r.grammar.advance(c.id)
+            detok, stop = r.detok_state, r.stop_state
+            assert detok is not None and stop is not None  # both set when the request is registered
+            text = detok.step(c.id)
+            reason = stop(c.id, text)
             tokens = Tokens(ids=[c.id], logprobs=[c.logprob], texts=[text], is_special=[self.decoder.is_special(c.id)])
             top = []
             if r.spec.top_n_tokens > 0:
@@ -217,7 +220,7 @@ class ModelStep:
                 r.status = RequestStatus.FINISHED
                 finished.append(r)
                 generated = GeneratedText(
-                    text=r.detok_state.final_text(),  # type: ignore[union-attr]
+                    text=detok.final_text(),
                     generated_tokens=len(r.output_ids),
                     finish_reason=reason,
                     seed=r.spec.sampling.seed if r.spec.sampling.is_sampling else None,

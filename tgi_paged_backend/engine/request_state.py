@@ -23,8 +23,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tgi_paged_backend.engine.types import FinishReason, RequestSpec
+
+if TYPE_CHECKING:  # annotations only: importing grammar would pull in torch and outlines_core
+    from tgi_paged_backend.engine.detokenize import IncrementalDetokenizer
+    from tgi_paged_backend.engine.grammar import GrammarState
+    from tgi_paged_backend.engine.stopping import StoppingCriteria
 
 
 class RequestStatus(enum.Enum):
@@ -65,11 +71,11 @@ class RequestState:
     place in the batch and waits for memory. Set and cleared by the scheduler."""
     chunk_len_hint: int | None = None
     """The router's ``chunk_len`` for the first chunk, consumed once."""
-    stop_state: object | None = None
+    stop_state: StoppingCriteria | None = None
     """Stopping-criteria state (engine.stopping)."""
-    detok_state: object | None = None
+    detok_state: IncrementalDetokenizer | None = None
     """Incremental detokenizer state (engine.detokenize)."""
-    grammar: object | None = None
+    grammar: GrammarState | None = None
     """The request's automaton (engine.grammar.GrammarState) when it has a grammar: advanced with every
     generated token; preemption leaves it alone (swap and recompute keep ``output_ids``)."""
 

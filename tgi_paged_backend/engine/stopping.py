@@ -31,8 +31,10 @@ _MIN_BUFFER = 300
 def eos_token_ids(tokenizer, generation_config=None) -> frozenset[int]:
     """EOS set like stock: ``generation_config.eos_token_id`` when it is a list, else the tokenizer's."""
     gen_eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
-    if isinstance(gen_eos, (list, tuple, set, frozenset)) and gen_eos:
-        return frozenset(int(x) for x in gen_eos)
+    if isinstance(gen_eos, (list, tuple, set, frozenset)):
+        if gen_eos:
+            return frozenset(int(x) for x in gen_eos)
+        gen_eos = None  # an empty list names no EOS: fall back to the tokenizer's
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
         return frozenset() if gen_eos is None else frozenset([int(gen_eos)])

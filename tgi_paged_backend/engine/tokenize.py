@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["PromptTokenizer"]
 
@@ -41,7 +42,7 @@ class PromptTokenizer:
         return self._tok
 
     def _call(self, texts: list[str], *, truncate: int | None, add_special_tokens: bool) -> list[list[int]]:
-        kwargs = {"add_special_tokens": add_special_tokens, "verbose": False}
+        kwargs: dict[str, Any] = {"add_special_tokens": add_special_tokens, "verbose": False}
         if truncate:
             kwargs.update(truncation=True, max_length=truncate)
         else:
@@ -70,17 +71,18 @@ class PromptTokenizer:
             if not idx:
                 continue
             full = self._call([texts[i] for i in idx], truncate=None, add_special_tokens=flag)
-            for i, ids in zip(idx, full):
-                result[i] = ids
-        for i in range(n):
+            for i, row in zip(idx, full):
+                result[i] = row
+        out: list[list[int]] = []
+        for i, ids in enumerate(result):
+            assert ids is not None  # every index is in one of the two add_special_tokens groups
             t = truncates[i]
-            ids = result[i]
             if t and t > 0 and len(ids) > t:
                 ids = self._call([texts[i]], truncate=t, add_special_tokens=bool(add_special_tokens[i]))[0]
                 if len(ids) > t:
                     ids = ids[-t:]
-                result[i] = ids
-        return result  # type: ignore[return-value]
+            out.append(ids)
+        return out
 
     def encode_requests(self, requests) -> list[list[int]]:
         """:meth:`encode_batch` over ``RequestSpec``-like objects (``text``, ``truncate``,

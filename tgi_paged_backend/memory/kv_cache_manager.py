@@ -279,7 +279,7 @@ class KVCacheManager:
         positions = np.repeat(starts - first, counts) + np.arange(total, dtype=np.int64)
         return self._table.slots(np.repeat(rows, counts), positions)
 
-    def decode_slot_mapping(self, request_ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    def decode_slot_mapping(self, request_ids: Sequence[int], positions: Sequence[int] | np.ndarray) -> np.ndarray:
         """``int64`` physical slot of one token position per request."""
         return self._table.slots(self._rows(request_ids), np.asarray(positions, dtype=np.int64))
 

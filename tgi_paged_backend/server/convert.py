@@ -143,8 +143,12 @@ def generation_to_pb(generation: Generation) -> pb.Generation:
         message.prefill_tokens.CopyFrom(tokens_to_pb(generation.prefill_tokens))
     done = generation.generated_text
     if done is not None:
+        # protoc's stub types an enum field as its enum class or name only; protobuf takes the number too,
+        # and FinishReason's numbers are generate.v3's.
         generated = pb.GeneratedText(
-            text=done.text, generated_tokens=done.generated_tokens, finish_reason=int(done.finish_reason)
+            text=done.text,
+            generated_tokens=done.generated_tokens,
+            finish_reason=int(done.finish_reason),  # type: ignore[arg-type]
         )
         if done.seed is not None:
             generated.seed = done.seed

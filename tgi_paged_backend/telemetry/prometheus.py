@@ -133,7 +133,7 @@ def _family(name: str, help_text: str, data: Any) -> Metric | None:
         return [attrs.get(k, "") for k in keys]
 
     if isinstance(data, Histogram):
-        family: Metric = HistogramMetricFamily(name, help_text, labels=keys)
+        histogram = HistogramMetricFamily(name, help_text, labels=keys)
         for p in points:
             cumulative, buckets = 0, []
             # bucket_counts has one more entry (the overflow bucket) than explicit_bounds: +Inf below
@@ -141,8 +141,9 @@ def _family(name: str, help_text: str, data: Any) -> Metric | None:
                 cumulative += count
                 buckets.append((floatToGoString(bound), cumulative))
             buckets.append(("+Inf", p.count))
-            family.add_metric(labels(p), buckets, p.sum)
-        return family
+            histogram.add_metric(labels(p), buckets, p.sum)
+        return histogram
+    family: CounterMetricFamily | GaugeMetricFamily
     if isinstance(data, Sum) and data.is_monotonic:
         family = CounterMetricFamily(name, help_text, labels=keys)
     elif isinstance(data, (Sum, Gauge)):
