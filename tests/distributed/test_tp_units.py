@@ -97,7 +97,7 @@ def test_row_parallel_linear_sums_partials_then_adds_the_bias_once() -> None:
     x = torch.randn(5, 8)
     partial_1 = (x[:, 4:] @ full.weight[:, 4:].T).detach()  # what rank 1 contributes to the all-reduce
     rank0 = RowParallelLinear(full, 0, 2, lambda t: t.add_(partial_1))
-    assert rank0.weight.shape == (3, 4)
+    assert rank0.local.weight.shape == (3, 4)
     with torch.no_grad():
         torch.testing.assert_close(rank0(x[:, :4]), full(x))
 

@@ -23,6 +23,7 @@ from loguru import logger
 import tgi_paged_kernels
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
+from tgi_paged_backend.runner.fast_layers import swap_fast_layers
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_loader import LoadedModel, load_model, resident_bytes
 from tgi_paged_backend.runner.model_spec import ModelSpec, resolve_kv_dtype
@@ -73,6 +74,7 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = loaded.eos_token_ids
         self.dtype = loaded.dtype
         self.spec = ModelSpec.from_hf_config(self.model.config, self.dtype)
+        self.fast_layers = swap_fast_layers(self.model, self.device, self.dtype)
         self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
         self.k_scale = 1.0
         self.v_scale = 1.0

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from loguru import logger
 from torch import nn
 
@@ -130,14 +129,18 @@ class RowParallelLinear(nn.Module):
         width = linear.in_features // world_size
         self.in_features = width
         self.out_features = linear.out_features
-        self.weight = nn.Parameter(
+        # A plain bias-free nn.Linear over this rank's columns: the fast-layer swap packs it like any linear.
+        self.local = nn.Linear(
+            width, linear.out_features, bias=False, device=linear.weight.device, dtype=linear.weight.dtype
+        )
+        self.local.weight = nn.Parameter(
             linear.weight.detach()[:, rank * width : (rank + 1) * width].clone(), requires_grad=False
         )
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self._all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._all_reduce(F.linear(x, self.weight))
+        out = self._all_reduce(self.local(x))
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

@@ -1,0 +1,145 @@
+"""Load-time swap of transformers' layers for faster ones that compute the same thing.
+
+transformers' modules stay the model definition of every served family; after loading,
+:func:`swap_fast_layers` walks the module tree once and replaces
+
+- every plain ``nn.Linear`` (the tensor-parallel slices hold one, see :mod:`.tensor_parallel`) by a
+  :class:`PackedLinear`: on CPU its weight is reordered once into oneDNN's blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``, what inductor does on CPU) and every call is one
+  ``_linear_pointwise`` primitive, for any batch size. A decode step streams every weight from memory
+  (cold in cache: 30 layers of distinct weights plus the LM head), and the packed layout reads it about
+  twice as fast as ``F.linear`` on the same box (``docs/performance.md``). On CUDA linears stay as they
+  are (cuBLAS). Quantized linears (:mod:`.quant`) are not plain ``nn.Linear`` and are left alone;
+- every RMSNorm of the Llama form (``weight * x / sqrt(mean(x^2) + eps)``, computed in fp32) by
+  :class:`FusedRMSNorm`, one ``torch.rms_norm`` call instead of six elementwise kernels. A norm is
+  swapped only after it reproduces the original on a random input (Gemma's ``1 + weight`` form and
+  other variants keep their module).
+
+A tied LM head (its weight is the embedding table) keeps the table for the embedding lookup and gets
+its own packed copy: that copy counts in the resident weight bytes (:func:`.model_loader.resident_bytes`,
+read after the swap), so it comes out of the KV budget like any weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from loguru import logger
+from torch import nn
+
+_PACK_BATCH_HINT = 32
+"""Batch size oneDNN tunes the reordered layout for; the packed weight serves any batch size."""
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN can run a packed linear of ``dtype`` on ``device`` (CPU only; bf16/fp16 need ISA support)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` held only in oneDNN's reordered layout (CPU).
+
+    The reordered weight is a buffer, so resident-bytes accounting sees it; the original parameter is
+    dropped (a tied weight lives on in the module that shares it).
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class FusedRMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` as one ``torch.rms_norm`` call (fp32 math for fp32 inputs)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.eps = float(eps)
+        self.shape = (int(weight.shape[0]),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.shape, self.weight, self.eps)
+
+
+def _rms_norm_eps(module: nn.Module) -> float | None:
+    """The epsilon of an RMSNorm-looking module (a 1-D ``weight`` and an epsilon attribute), else ``None``."""
+    if not type(module).__name__.endswith("RMSNorm"):
+        return None
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 1:
+        return None
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        eps = getattr(module, name, None)
+        if isinstance(eps, float):
+            return eps
+    return None
+
+
+def _same_output(original: nn.Module, replacement: nn.Module, width: int, dtype: torch.dtype) -> bool:
+    """Whether ``replacement`` reproduces ``original`` on a seeded random input (fp32: to 1e-5)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, width, generator=generator).to(dtype=dtype, device=original.weight.device)
+    with torch.inference_mode():
+        expected, got = original(x), replacement(x)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    return expected.shape == got.shape and torch.allclose(expected.float(), got.float(), rtol=tolerance, atol=tolerance)
+
+
+@dataclass(frozen=True, slots=True)
+class SwapReport:
+    """What :func:`swap_fast_layers` replaced (logged at start-up, asserted by the tests)."""
+
+    packed_linears: int
+    fused_norms: int
+    kept_norms: tuple[str, ...]
+    """Class names of RMSNorm-looking modules that did not reproduce the fused form (left as they are)."""
+
+
+def swap_fast_layers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> SwapReport:
+    """Replace plain linears and Llama-form RMSNorms of ``model`` in place (see the module docstring)."""
+    pack = can_pack(dtype, device)
+    packed = fused = 0
+    kept: set[str] = set()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if pack and type(child) is nn.Linear and child.weight.dtype == dtype:
+                setattr(parent, name, PackedLinear(child))
+                packed += 1
+                continue
+            eps = _rms_norm_eps(child)
+            if eps is None:
+                continue
+            candidate = FusedRMSNorm(child.weight, eps)
+            if _same_output(child, candidate, int(child.weight.shape[0]), child.weight.dtype):
+                setattr(parent, name, candidate)
+                fused += 1
+            else:
+                kept.add(type(child).__name__)
+    report = SwapReport(packed_linears=packed, fused_norms=fused, kept_norms=tuple(sorted(kept)))
+    logger.info(
+        "fast layers: {} linears packed for oneDNN{}, {} RMSNorms fused{}",
+        packed,
+        "" if pack else f" (none: {dtype} on {device.type} runs plain linears)",
+        fused,
+        f"; kept {', '.join(report.kept_norms)} (another norm form)" if kept else "",
+    )
+    return report
