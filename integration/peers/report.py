@@ -1,10 +1,13 @@
-"""The side-by-side table, the step anatomy beside the bare forward, and the issue-14 goals."""
+"""The report: the host, then per section (SmolLM2, the host-bound model) the engines side by side with their
+ratio to vLLM, the step anatomy beside the bare forward and the time it took; the issue-21 goals at the end."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+from integration.peers.goals import engines_by_key, goals_table, issue21_goals, overhead
+from integration.peers.host import describe
 from integration.peers.jobs import EngineResult, RunFigures
 from tgi_paged_backend.bench.report import table
 from tgi_paged_backend.telemetry.step_record import STEP_PARTS
@@ -21,32 +24,76 @@ def _match(run: RunFigures | None) -> str:
     return text + (" identical" if run.matched == run.compared else f" (first: {run.first_mismatch})")
 
 
-def engines_table(results: list[EngineResult], rate: float) -> str:
+def _itl(run: RunFigures | None) -> str:
+    if run is None:
+        return "n/a"
+    return " / ".join(_f(1000 * v, "{:.1f}") for v in (run.itl_mean_s, run.itl_p50_s, run.itl_p99_s))
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    if value is None or base is None or not base or math.isnan(value) or math.isnan(base):
+        return "n/a"
+    return f"{value / base:.2f}x"
+
+
+def engines_table(results: list[EngineResult], rate: float, config: dict[str, Any] | None = None) -> str:
+    """One column per engine that ran; per run its headline, the ratio to vLLM, every round, then the details.
+
+    Headline: tokens/s (useful tokens over first arrival -> last token) for the burst and Poisson runs; for the
+    single request the mean ITL in ms, i.e. decode time per token (``vs vLLM`` < 1.0x is faster there).
+    """
+    config = config or {}
     ran = [r for r in results if not r.skipped]
+    vllm = engines_by_key({"results": ran}).get("vllm")
     headers = ["", *(r.engine for r in ran)]
+    multi = any(len(v) > 1 for r in ran for v in r.rounds.values())
 
     def row(label: str, fn) -> list[str]:
         return [label, *(fn(r) for r in ran)]
 
     rows = []
-    for name, title in (("burst", "burst"), ("poisson", f"poisson {rate:g}/s")):
+    runs = [n for n in ("burst", "poisson", "single") if any(n in r.runs for r in ran)]
+    for name in runs:
+        single = name == "single"
+        attr, fmt, scale = ("itl_mean_s", "{:.1f}", 1000.0) if single else ("tokens_per_s", "{:.1f}", 1.0)
 
         def run(r: EngineResult, name=name) -> RunFigures | None:
             return r.runs.get(name)
 
+        def head(r: EngineResult, run=run, attr=attr, fmt=fmt, scale=scale) -> str:
+            return _f(scale * getattr(run(r), attr), fmt) if run(r) else "n/a"
+
+        def versus(r: EngineResult, run=run, attr=attr) -> str:
+            base = run(vllm) if vllm else None
+            return _ratio(getattr(run(r), attr), getattr(base, attr)) if run(r) and base else "n/a"
+
+        def every(r: EngineResult, name=name, attr=attr, fmt=fmt, scale=scale) -> str:
+            return ", ".join(_f(scale * getattr(f, attr), fmt) for f in r.rounds.get(name, [])) or "n/a"
+
+        best = " (best round)" if multi else ""
+        if single:
+            prompt, new = config.get("single_prompt", "?"), config.get("single_new", 128)
+            title = f"single (1 request, {prompt}-token prompt, {new} new)"
+            rows.append(row(f"{title}: ms/token (mean ITL){best}", head))
+        else:
+            title = "burst" if name == "burst" else f"poisson {rate:g}/s"
+            rows.append(row(f"{title}: tokens/s{best}", head))
+        if vllm:
+            rows.append(row("  vs vLLM", versus))
+        if multi:
+            rows.append(row("  every round, in order", every))
         rows += [
-            row(f"{title}: tokens/s", lambda r, run=run: _f(run(r).tokens_per_s, "{:.1f}") if run(r) else "n/a"),
             row(
                 "  TTFT p50 / p99 s",
                 lambda r, run=run: f"{run(r).ttft_p50_s:.2f} / {run(r).ttft_p99_s:.2f}" if run(r) else "n/a",
             ),
-            row(
-                "  ITL p50 / p99 s",
-                lambda r, run=run: f"{run(r).itl_p50_s:.3f} / {run(r).itl_p99_s:.3f}" if run(r) else "n/a",
-            ),
-            row("  wall s", lambda r, run=run: _f(run(r).wall_s, "{:.1f}") if run(r) else "n/a"),
-            row("  greedy tokens vs HF", lambda r, run=run: _match(run(r))),
+            row("  ITL mean / p50 / p99 ms", lambda r, run=run: _itl(run(r))),
         ]
+        if single:
+            rows.append(row("  tokens/s", lambda r, run=run: _f(run(r).tokens_per_s, "{:.1f}") if run(r) else "n/a"))
+        else:
+            rows.append(row("  wall s", lambda r, run=run: _f(run(r).wall_s, "{:.1f}") if run(r) else "n/a"))
+        rows.append(row("  greedy tokens vs HF", lambda r, run=run: _match(run(r))))
     rows += [
         row("peak memory (RSS) GiB", lambda r: f"{r.peak_rss_bytes / 2**30:.2f}" if r.peak_rss_bytes else "n/a"),
         row("setup s (load + warm-up)", lambda r: f"{r.setup_s:.0f}"),
@@ -59,90 +106,109 @@ def anatomy_table(shard: EngineResult | None, bare: dict[str, Any] | None, shape
         return "step anatomy: no decode step measured (shard not run, or it exports no tgi_paged_step_part_seconds)"
     a = shard.anatomy
     total = sum(a[p] for p in STEP_PARTS)
+    steps = (shard.anatomies.get("burst") or {}).get("decode_steps") or shape.get("decode_steps", "?")
+    best = " (best round)" if len(shard.rounds.get("burst", [])) > 1 else ""
     lines = [
-        f"step anatomy (this shard, burst run; mean per decode step over {shape.get('decode_steps', '?')} steps; "
+        f"step anatomy (this shard, burst run{best}; mean per decode step over {steps} steps; "
         f"mean running batch {shape.get('batch')}, context {shape.get('context')} tokens):"
     ]
     rows = [[p, f"{1000 * a[p]:.2f}", f"{100 * a[p] / total:.1f} %" if total else "n/a"] for p in STEP_PARTS]
     rows.append(["sum of parts", f"{1000 * total:.2f}", "100.0 %"])
     rows.append(["step (tgi_paged_step_seconds)", f"{1000 * a['step']:.2f}", ""])
     lines.append(table(["part", "ms", "share"], rows))
-    if bare:
-        fwd, limit = a["forward"], bare["forward_s"]
-        overhead = total - limit
+    measured = overhead(a, bare)
+    if bare and measured:
+        share, fwd = measured
         lines.append(
             f"bare forward (the HF model alone: {bare['batch']} rows x {bare['context']} cached tokens, one "
-            f"decode step, DynamicCache, same threads, same run): {1000 * limit:.2f} ms "
+            f"decode step, DynamicCache, same threads, same run): {1000 * bare['forward_s']:.2f} ms "
             f"(min {1000 * bare['min_s']:.2f})"
         )
         lines.append(
-            f"  engine forward / bare forward: {fwd / limit:.2f}x; engine overhead (step - bare forward): "
-            f"{1000 * overhead:.2f} ms = {100 * overhead / total:.1f} % of the step"
+            f"  engine forward / bare forward: {fwd:.2f}x; engine overhead (step - bare forward): "
+            f"{1000 * (total - bare['forward_s']):.2f} ms = {100 * share:.1f} % of the step"
         )
     else:
         lines.append("bare forward: not measured")
+    single = shard.anatomies.get("single")
+    if single and single.get("step"):
+        rest = single["step"] - single["forward"]
+        lines.append(
+            f"single request (batch 1): step {1000 * single['step']:.2f} ms = forward {1000 * single['forward']:.2f} "
+            f"ms + everything else {1000 * rest:.2f} ms ({100 * rest / single['step']:.1f} %) per decode step"
+        )
     return "\n".join(lines)
 
 
-def goals(results: list[EngineResult], bare: dict[str, Any] | None) -> str:
-    by = {r.engine.split(" ")[0]: r for r in results if not r.skipped}
-    shard, vllm = by.get("this"), by.get("vllm")
-    lines = ["issue-14 goals (report only):"]
+def _head(c: dict[str, Any]) -> str:
+    model = c.get("model", "?")
+    if c.get("section") == "hostbound":
+        h = c.get("hostbound", {})
+        model += (
+            f" (host-bound: {h.get('num_hidden_layers')} layers, hidden {h.get('hidden_size')}, head_dim "
+            f"{h.get('head_dim')}, {h.get('num_attention_heads')} heads / {h.get('num_key_value_heads')} KV, MLP "
+            f"{h.get('intermediate_size')}, random weights seed {h.get('seed')}, SmolLM2's tokenizer)"
+        )
+    parts = []
+    if "prompt_min" in c:
+        parts.append(
+            f"{c['requests']} requests (prompts {c['prompt_min']}-{c['prompt_max']} tokens, mean "
+            f"{c['prompt_mean']:.0f}; outputs {c['output_min']}-{c['output_max']}, mean {c['output_mean']:.0f}; "
+            f"{c['useful_tokens']} tokens)"
+        )
+    compared = c.get("reference_compared", {})
+    checked = f"; greedy vs HF on {compared['burst']} burst requests" if "burst" in compared else ""
+    return (
+        f"{', '.join(parts) or 'runs'}: {', '.join(c.get('runs', ['burst', 'poisson']))}; {model} "
+        f"{c.get('dtype', 'float32')}, greedy, EOS ignored{checked}; KV {c['kv_tokens']} tokens; "
+        f"{c['threads']} threads each"
+    )
 
-    def check(name: str, ok: bool | None, detail: str) -> None:
-        lines.append(f"  {name:52s} {detail:28s} {'n/a' if ok is None else 'met' if ok else 'NOT met'}")
 
-    if shard and vllm and "burst" in shard.runs and "burst" in vllm.runs:
-        ratio = shard.runs["burst"].tokens_per_s / vllm.runs["burst"].tokens_per_s
-        check("tokens/s vs vLLM CPU, burst (>= 1.0x, aim 1.5x)", ratio >= 1.0, f"{ratio:.2f}x")
-        s, v = shard.runs.get("poisson"), vllm.runs.get("poisson")
-        if s and v:
-            check(
-                "Poisson TTFT p99 no worse than vLLM",
-                s.ttft_p99_s <= v.ttft_p99_s,
-                f"{s.ttft_p99_s:.2f} s vs {v.ttft_p99_s:.2f} s",
-            )
-            check(
-                "Poisson ITL p99 no worse than vLLM",
-                s.itl_p99_s <= v.itl_p99_s,
-                f"{s.itl_p99_s:.3f} s vs {v.itl_p99_s:.3f} s",
-            )
-    else:
-        check("tokens/s vs vLLM CPU, burst", None, "vLLM not run")
-    if shard and shard.anatomy.get("step") and bare:
-        total = sum(shard.anatomy[p] for p in STEP_PARTS)
-        share = (total - bare["forward_s"]) / total
-        check(f"engine overhead < 10 % of the step (batch {bare['batch']})", share < 0.10, f"{100 * share:.1f} %")
-    return "\n".join(lines)
+def section_report(section: dict[str, Any]) -> str:
+    results: list[EngineResult] = section["results"]
+    c = section["config"]
+    skipped = [f"  {r.engine}: skipped: {r.skipped}" for r in results if r.skipped]
+    notes = [f"  {r.engine}: {'; '.join(r.notes)}" for r in results if not r.skipped and r.notes]
+    parts = [_head(c), "", engines_table(results, c.get("rate", 1.0), c), ""]
+    if skipped:
+        parts += ["skipped:", *skipped, ""]
+    parts += ["notes:", *notes]
+    if section.get("machine"):
+        parts.append(f"  machine: {section['machine']}")
+    shard = engines_by_key(section).get("shard")
+    if "burst" in c.get("runs", ["burst"]) or (shard and shard.anatomies.get("single")):
+        parts += ["", anatomy_table(shard, section.get("bare"), section.get("shape", {}))]
+    if section.get("timings"):
+        each = "; ".join(f"{label} {seconds:.0f} s" for label, seconds in section["timings"])
+        parts += ["", f"time: {section.get('elapsed_s', 0):.0f} s ({each})"]
+    return "\n".join(parts)
+
+
+TITLES = {"smollm2": "SmolLM2", "hostbound": "the host-bound model"}
 
 
 def format_report(report: dict[str, Any]) -> str:
-    results: list[EngineResult] = report["results"]
-    c = report["config"]
-    head = (
-        f"{c['requests']} requests (prompts {c['prompt_min']}-{c['prompt_max']} tokens, mean "
-        f"{c['prompt_mean']:.0f}; outputs {c['output_min']}-{c['output_max']}, mean {c['output_mean']:.0f}; "
-        f"{c['useful_tokens']} tokens), burst and Poisson {c['rate']:g}/s; {c['model']} float32, greedy, EOS "
-        f"ignored; KV {c['kv_tokens']} tokens; {c['threads']} threads each; engines one after another"
-    )
-    skipped = [f"  {r.engine}: skipped: {r.skipped}" for r in results if r.skipped]
-    notes = [f"  {r.engine}: {'; '.join(r.notes)}" for r in results if not r.skipped and r.notes]
-    parts = [head, "", engines_table(results, c["rate"]), ""]
-    if skipped:
-        parts += ["skipped:", *skipped, ""]
-    parts += [
-        "notes:",
-        *notes,
-        f"  machine: {report['machine']}",
-        "",
-        anatomy_table(
-            next((r for r in results if r.engine.startswith("this") and not r.skipped), None),
-            report.get("bare"),
-            report.get("shape", {}),
-        ),
-        "",
-        goals(results, report.get("bare")),
-        "",
-        f"(total {report['elapsed_s']:.0f} s)",
-    ]
+    """The whole run; an older one-section report (no ``sections``) reads as the SmolLM2 section."""
+    sections = report.get("sections") or [{**report, "key": "smollm2"}]
+    parts = []
+    if report.get("host") is not None:
+        parts += [describe(report["host"], report.get("dtype", "float32"))]
+    if "repeats" in report:
+        parts.append(
+            f"{report['repeats']} round(s): this shard and vLLM alternate (shard, vLLM, shard, vLLM, ...), a fresh "
+            "process each; per engine the best round is shown (highest tokens/s, lowest ITL), every round listed; "
+            "the Poisson run and transformers' continuous batching run once"
+        )
+    for section in sections:
+        runs = ", ".join(section["config"].get("runs", ["burst", "poisson"]))
+        parts += [
+            "",
+            f"== {TITLES.get(section.get('key', ''), section.get('key'))}: {runs} ==",
+            section_report(section),
+        ]
+    parts += ["", goals_table(issue21_goals(report))]
+    if "sections" in report and report.get("machine"):
+        parts.append(f"machine: {report['machine']}")
+    parts.append(f"(total {report['elapsed_s']:.0f} s)")
     return "\n".join(parts)

@@ -1,7 +1,8 @@
-"""The order of one peer comparison: HF reference, this shard, the bare forward, vLLM, transformers CB.
+"""The order of one peer comparison: per section (SmolLM2, the host-bound model), the HF reference, the
+engines in alternated rounds (:mod:`integration.peers.plan`), then the bare forward.
 
-Every engine gets the same job (``jobs.build_job``); an engine that cannot run (no peer venv, an old
-transformers, a crash) is reported as skipped with the reason, and the others still run.
+Every engine gets the same job (``jobs.build_job``) in the same ``--dtype``; an engine that cannot run (no peer
+venv, an old transformers, a crash) is reported as skipped with the reason, and the others still run.
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from integration.bench_e2e import build_prompts, cpu_probe_ms
+from integration.peers.host import host_info
+from integration.peers.hostbound import HostBoundSpec, ensure_hostbound_model
 from integration.peers.jobs import (
     EngineResult,
     build_job,
@@ -25,11 +28,14 @@ from integration.peers.jobs import (
     prompt_ids,
     python_env,
     run_worker,
+    single_trace,
     this_python,
 )
+from integration.peers.plan import SCENARIOS, Section, merge_rounds, schedule, sections
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PEERS = Path.home() / ".cache" / "tgi-paged-backend" / "peers"
+ENGINE_LABELS = {"shard": "this shard", "vllm": "vLLM CPU build", "transformers": "transformers continuous batching"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,28 +51,64 @@ class PeersConfig:
     """Prefill token budget per step, the same for every engine."""
     seed: int = 0
     engines: tuple[str, ...] = ("shard", "vllm", "transformers")
+    dtype: str = "float32"
+    """Weights and activations of every engine (and of the HF reference and bare forward)."""
+    repeats: int = 2
+    """Alternated rounds of this shard and vLLM (``plan.schedule``); the best round is reported."""
+    scenarios: tuple[str, ...] = SCENARIOS
+    hostbound: HostBoundSpec = field(default_factory=HostBoundSpec)
+    hostbound_check: int = 8
+    """Requests of the host-bound burst compared with HF greedy (random weights: near-ties; 0 skips it)."""
     vllm_python: Path = DEFAULT_PEERS / "vllm" / "bin" / "python"
     worker_timeout_s: float = 900.0
     cache_dir: Path = Path("out/bench")
-    """Where the HF reference tokens are cached between runs (``--out``)."""
+    """Where the HF reference tokens and the host-bound checkpoint are kept between runs (``--out``)."""
 
 
 def run_all(cfg: PeersConfig, *, log=print) -> dict[str, Any]:
     import transformers
 
-    from integration.peers.shard_run import run_shard
-
     t0 = time.perf_counter()
-    traces = peer_traces(cfg.requests, cfg.rate, cfg.seed)
-    burst = traces["burst"]
+    host = host_info()
+    load = (os.getloadavg()[0], cpu_probe_ms())
     tok = transformers.AutoTokenizer.from_pretrained(cfg.model_dir)
-    prompts = build_prompts(tok, burst, cfg.seed)
-    ids = prompt_ids(tok, prompts)
-    max_new = max(r.max_new_tokens for r in burst)
-    max_model_len = max(256, max(len(i) for i in ids)) + max_new
+    out = []
+    for section in sections(cfg.scenarios):
+        if section.key == "hostbound":
+            model_dir = ensure_hostbound_model(cfg.cache_dir, cfg.model_dir, cfg.hostbound, log=log)
+        else:
+            model_dir = cfg.model_dir
+        out.append(run_section(cfg, section, model_dir, tok, log=log))
+    machine = (
+        f"{os.cpu_count()} CPUs; load average {load[0]:.1f} -> {os.getloadavg()[0]:.1f}; cpu probe "
+        f"{load[1]:.0f} ms before, {cpu_probe_ms():.0f} ms after (fixed single-thread matmul loop; higher = busier)"
+    )
+    return {
+        "host": host,
+        "dtype": cfg.dtype,
+        "repeats": cfg.repeats,
+        "scenarios": list(cfg.scenarios),
+        "sections": out,
+        "machine": machine,
+        "elapsed_s": time.perf_counter() - t0,
+    }
+
+
+def run_section(cfg: PeersConfig, section: Section, model_dir: Path, tok: Any, *, log=print) -> dict[str, Any]:
+    """One model: its job, reference, engine rounds and bare forward; the dict ``report.section_report`` reads."""
+    t0 = time.perf_counter()
+    both = peer_traces(cfg.requests, cfg.rate, cfg.seed)
+    traces = {name: single_trace() if name == "single" else both[name] for name in section.runs}
+    # Same lengths and seed give the same texts: burst and Poisson serve the same prompts.
+    prompts = {name: build_prompts(tok, trace, cfg.seed + (name == "single")) for name, trace in traces.items()}
+    ids = {name: prompt_ids(tok, texts) for name, texts in prompts.items()}
+    max_new = max(r.max_new_tokens for trace in traces.values() for r in trace)
+    max_model_len = max(256, max(len(i) for run in ids.values() for i in run)) + max_new
     job = build_job(
-        model_dir=cfg.model_dir,
+        model_dir=model_dir,
+        dtype=cfg.dtype,
         traces=traces,
+        prompts=prompts,
         ids=ids,
         threads=cfg.threads,
         kv_tokens=cfg.kv_tokens,
@@ -75,138 +117,164 @@ def run_all(cfg: PeersConfig, *, log=print) -> dict[str, Any]:
         max_model_len=max_model_len,
     )
     env = python_env(cfg.threads)
-    load = (os.getloadavg()[0], cpu_probe_ms())
-    reference = _reference(cfg, job, env, log)
-    results: list[EngineResult] = []
-    shape = {"batch": min(cfg.requests, 32), "context": int(np.mean([len(i) for i in ids]) + max_new / 2)}
+    timings: list[tuple[str, float]] = []
+    t = time.perf_counter()
+    refs = _references(cfg, section, job, env, log)
+    timings.append(("HF reference", time.perf_counter() - t))
 
-    def add(result: EngineResult, runs: dict[str, list[dict]]) -> None:
-        for name, requests in runs.items():
-            result.runs[name] = figures(requests, traces[name], reference)
-        # The machine is shared: the load during each engine's slot, so uneven load shows.
-        result.notes.append(
-            f"load average {slot['load']:.1f} -> {os.getloadavg()[0]:.1f}, cpu probe "
-            f"{slot['probe']:.0f} -> {cpu_probe_ms():.0f} ms"
+    rounds: dict[str, list[EngineResult]] = {}
+    burst = traces.get("burst") or next(iter(traces.values()))
+    lengths = [len(i) for i in ids.get("burst", next(iter(ids.values())))]
+    shape = {"batch": min(len(burst), 32), "context": int(np.mean(lengths) + max_new / 2)}
+    for slot in schedule(section.runs, cfg.engines, cfg.repeats):
+        label = f"{ENGINE_LABELS[slot.engine]}, round {slot.round + 1} ({', '.join(slot.runs)})"
+        log(f"[{section.key}] {label} ...")
+        t, load, probe = time.perf_counter(), os.getloadavg()[0], cpu_probe_ms()
+        result, raw, measured = _engine(
+            slot.engine, {**job, "runs": {n: job["runs"][n] for n in slot.runs}}, cfg, env, log
         )
-        results.append(result)
-
-    def start_slot() -> None:
-        slot.update(load=os.getloadavg()[0], probe=cpu_probe_ms())
-
-    slot: dict[str, float] = {}
-
-    if "shard" in cfg.engines:
-        log("this shard ...")
-        start_slot()
+        if measured and slot.engine == "shard" and slot.round == 0:
+            shape.update(measured)  # the bare forward's shape: the first round's burst
+        for name, requests in raw.items():
+            result.runs[name] = figures(requests, traces[name], refs.get(name))
+        if not result.skipped:
+            # The machine is shared: the load during each engine's slot, so uneven load shows.
+            result.notes.append(
+                f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}, cpu probe {probe:.0f} -> {cpu_probe_ms():.0f} ms"
+            )
+        rounds.setdefault(slot.engine, []).append(result)
+        timings.append((label, time.perf_counter() - t))
+    bare = None
+    if "burst" in section.runs:
+        log(f"[{section.key}] bare forward ({shape['batch']} rows x {shape['context']} tokens) ...")
+        t = time.perf_counter()
+        bare_job = {**job, "bare": {"batch": shape["batch"], "context": shape["context"]}}
         try:
-            shard, runs, measured = run_shard(job, prompts, max_batch_prefill_tokens=cfg.max_batch_tokens, log=log)
-            shape.update(measured)
-            add(shard, runs)
-        except Exception as err:  # report-only: show the reason, go on with the others
-            results.append(EngineResult(engine="this shard", skipped=f"{type(err).__name__}: {err}"))
-    log(f"bare forward ({shape['batch']} rows x {shape['context']} tokens) ...")
-    bare = run_worker(
-        this_python(),
-        HERE / "hf_worker.py",
-        {**job, "bare": shape},
-        "bare",
-        env=env,
-        timeout_s=cfg.worker_timeout_s,
-        log=log,
-    )
-    if "vllm" in cfg.engines:
-        log("vLLM CPU build ...")
-        start_slot()
-        add(
-            *_worker_engine(
-                "vllm",
-                cfg.vllm_python,
-                "vllm_worker.py",
-                "serve",
-                job,
-                env,
-                cfg,
-                log,
-                missing="no peer venv: run scripts/build_peer_venvs.sh",
+            bare = run_worker(
+                this_python(), HERE / "hf_worker.py", bare_job, "bare", env=env, timeout_s=cfg.worker_timeout_s, log=log
             )
-        )
-    if "transformers" in cfg.engines:
-        log("transformers continuous batching ...")
-        start_slot()
-        add(
-            *_worker_engine(
-                "transformers continuous batching",
-                Path(this_python()),
-                "hf_worker.py",
-                "cb",
-                job,
-                env,
-                cfg,
-                log,
-                missing="",
-            )
-        )
+        except Exception as err:  # report-only
+            log(f"  bare forward failed: {type(err).__name__}: {str(err)[-300:]}")
+        timings.append(("bare forward", time.perf_counter() - t))
+    results = [merge_rounds(rounds[e]) for e in cfg.engines if e in rounds]
+    return {
+        "key": section.key,
+        "config": _section_config(cfg, section, model_dir, traces, ids, refs),
+        "results": results,
+        "bare": bare,
+        "shape": shape,
+        "timings": timings,
+        "elapsed_s": time.perf_counter() - t0,
+    }
+
+
+def _section_config(cfg, section, model_dir, traces, ids, refs) -> dict[str, Any]:
+    burst = traces.get("burst") or traces.get("poisson") or []
+    lengths = [len(i) for i in (ids.get("burst") or ids.get("poisson") or [])]
     config = {
-        "requests": cfg.requests,
+        "section": section.key,
+        "runs": list(section.runs),
+        "model": model_dir.name,
+        "dtype": cfg.dtype,
+        "requests": len(burst),
         "rate": cfg.rate,
         "threads": cfg.threads,
         "kv_tokens": cfg.kv_tokens,
         "block_size": cfg.block_size,
         "max_batch_tokens": cfg.max_batch_tokens,
-        "model": cfg.model_dir.name,
-        "prompt_min": min(len(i) for i in ids),
-        "prompt_max": max(len(i) for i in ids),
-        "prompt_mean": float(np.mean([len(i) for i in ids])),
-        "output_min": min(r.output_tokens for r in burst),
-        "output_max": max(r.output_tokens for r in burst),
-        "output_mean": float(np.mean([r.output_tokens for r in burst])),
-        "useful_tokens": sum(r.output_tokens for r in burst),
+        "reference_compared": {name: len(ref) for name, ref in refs.items()},
     }
-    machine = (
-        f"{os.cpu_count()} CPUs; load average {load[0]:.1f} -> {os.getloadavg()[0]:.1f}; cpu probe "
-        f"{load[1]:.0f} ms before, {cpu_probe_ms():.0f} ms after (fixed single-thread matmul loop; higher = busier)"
-    )
-    return {
-        "config": config,
-        "results": results,
-        "bare": bare,
-        "shape": shape,
-        "machine": machine,
-        "elapsed_s": time.perf_counter() - t0,
-    }
+    if burst:
+        config.update(
+            prompt_min=min(lengths),
+            prompt_max=max(lengths),
+            prompt_mean=float(np.mean(lengths)),
+            output_min=min(r.output_tokens for r in burst),
+            output_max=max(r.output_tokens for r in burst),
+            output_mean=float(np.mean([r.output_tokens for r in burst])),
+            useful_tokens=sum(r.output_tokens for r in burst),
+        )
+    if "single" in traces:
+        config.update(single_prompt=len(ids["single"][0]), single_new=traces["single"][0].output_tokens)
+    if section.key == "hostbound":
+        config["hostbound"] = {k: getattr(cfg.hostbound, k) for k in cfg.hostbound.__dataclass_fields__}
+    return config
 
 
-def _reference(cfg: PeersConfig, job: dict, env: dict, log) -> list[list[int]]:
-    """HF greedy tokens, cached in ``cfg.cache_dir`` by the job's prompts, lengths, model and threads
+def _references(cfg: PeersConfig, section: Section, job: dict, env: dict, log) -> dict[str, list[list[int]]]:
+    """HF greedy tokens per run name: the burst's prompts (also Poisson's), and the single request's.
+
+    On the host-bound model only the first ``cfg.hostbound_check`` burst requests are compared (random weights).
+    """
+    runs = job["runs"]
+    limit = cfg.hostbound_check if section.key == "hostbound" else None
+    out: dict[str, list[list[int]]] = {}
+    shared = runs.get("burst") or runs.get("poisson")
+    if shared and limit != 0:
+        tokens = _reference(cfg, job, shared[:limit], env, log)
+        out.update({name: tokens for name in ("burst", "poisson") if name in runs})
+    if "single" in runs:
+        out["single"] = _reference(cfg, job, runs["single"], env, log)
+    return out
+
+
+def _reference(cfg: PeersConfig, job: dict, requests: list[dict], env: dict, log) -> list[list[int]]:
+    """HF greedy tokens of ``requests``, cached in ``cfg.cache_dir`` by model, threads, dtype, prompts and lengths
     (one request at a time: minutes on 2 busy cores, and the same for every run of the same trace)."""
-    key_src = json.dumps(
-        [str(cfg.model_dir), job["threads"], [(r["prompt_ids"], r["output_tokens"]) for r in job["runs"]["burst"]]]
-    )
-    path = cfg.cache_dir / f"peers_reference_{hashlib.sha256(key_src.encode()).hexdigest()[:16]}.json"
+    key = [job["model_dir"], job["threads"], [(r["prompt_ids"], r["output_tokens"]) for r in requests]]
+    if job["dtype"] != "float32":
+        key.append(job["dtype"])  # float32 keys are those of earlier runs: their caches stay valid
+    path = cfg.cache_dir / f"peers_reference_{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.json"
     if path.exists():
-        log(f"HF greedy reference: cached ({path})")
+        log(f"  HF greedy reference ({len(requests)} requests): cached ({path})")
         return json.loads(path.read_text())["tokens"]
-    log("HF greedy reference ...")
+    log(f"  HF greedy reference ({len(requests)} requests) ...")
+    ref_job = {
+        **job,
+        "reference": [{"prompt_ids": r["prompt_ids"], "output_tokens": r["output_tokens"]} for r in requests],
+    }
     tokens = run_worker(
-        this_python(), HERE / "hf_worker.py", job, "reference", env=env, timeout_s=cfg.worker_timeout_s, log=log
+        this_python(), HERE / "hf_worker.py", ref_job, "reference", env=env, timeout_s=cfg.worker_timeout_s, log=log
     )["tokens"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"tokens": tokens}))
     return tokens
 
 
+def _engine(engine: str, job: dict, cfg: PeersConfig, env: dict, log) -> tuple[EngineResult, dict, dict]:
+    """``(result, raw runs, measured decode shape)``; a skipped result and no runs when it could not run."""
+    if engine == "shard":
+        from integration.peers.shard_run import run_shard
+
+        try:
+            return run_shard(job, max_batch_prefill_tokens=cfg.max_batch_tokens, log=log)
+        except Exception as err:  # report-only: show the reason, go on with the others
+            return EngineResult(engine="this shard", key="shard", skipped=f"{type(err).__name__}: {err}"), {}, {}
+    if engine == "vllm":
+        missing = "no peer venv: run scripts/build_peer_venvs.sh"
+        return *_worker_engine("vllm", cfg.vllm_python, "vllm_worker.py", "serve", job, env, cfg, log, missing), {}
+    python = Path(this_python())
+    return *_worker_engine("transformers", python, "hf_worker.py", "cb", job, env, cfg, log, ""), {}
+
+
 def _worker_engine(
-    label: str, python: Path, worker: str, mode: str, job: dict, env: dict, cfg: PeersConfig, log, *, missing: str
+    key: str, python: Path, worker: str, mode: str, job: dict, env: dict, cfg: PeersConfig, log, missing: str
 ) -> tuple[EngineResult, dict[str, list[dict]]]:
     """``(result, raw runs)``; a skipped result (with the reason) and no runs when it could not run."""
+    label = ENGINE_LABELS[key]
     if not python.exists():
-        return EngineResult(engine=label, skipped=missing or f"{python} not found"), {}
+        return EngineResult(engine=label, key=key, skipped=missing or f"{python} not found"), {}
     try:
         out = run_worker(str(python), HERE / worker, job, mode, env=env, timeout_s=cfg.worker_timeout_s, log=log)
     except Exception as err:  # report-only
-        return EngineResult(engine=label, skipped=f"{type(err).__name__}: {str(err)[-600:]}"), {}
+        return EngineResult(engine=label, key=key, skipped=f"{type(err).__name__}: {str(err)[-600:]}"), {}
     if "skipped" in out:
-        return EngineResult(engine=label, skipped=out["skipped"]), {}
-    return EngineResult(
-        engine=out["engine"], peak_rss_bytes=out["peak_rss_bytes"], setup_s=out["setup_s"], notes=out.get("notes", [])
-    ), out["runs"]
+        return EngineResult(engine=label, key=key, skipped=out["skipped"]), {}
+    result = EngineResult(
+        engine=out["engine"],
+        key=out.get("key", key),
+        peak_rss_bytes=out["peak_rss_bytes"],
+        setup_s=out["setup_s"],
+        notes=out.get("notes", []),
+    )
+    return result, out["runs"]

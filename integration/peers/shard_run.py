@@ -1,9 +1,10 @@
 """This shard on the peer job: spawned exactly as the TGI launcher does, driven by the v3 router replay.
 
-One shard process serves every run of the job (burst, then Poisson). Clients send ``max_new_tokens``
+One shard process serves every run of the job in order (burst, Poisson, the single request; ``--dtype`` the
+job's). Clients send ``max_new_tokens``
 = the trace's cap with ``ignore_eos_token`` and disconnect after ``output_tokens`` tokens (as in
 ``integration/bench_e2e.py``). Around each run the shard's Prometheus endpoint is scraped for the step
-anatomy (``tgi_paged_step_part_seconds{phase="decode"}``, mean per decode step) and, every second,
+anatomy of each run (``tgi_paged_step_part_seconds{phase="decode"}``, mean per decode step) and, every second,
 for running requests and used blocks: the mean decode batch and context that the bare forward is
 measured at. Peak memory is the shard process's ``VmHWM``.
 """
@@ -46,7 +47,7 @@ def _vm_hwm(pid: int) -> int:
 
 
 async def _drive(
-    router: Any, requests: list[dict], prompts: list[str], port: int, *, block_size: int, max_new_tokens: int
+    router: Any, requests: list[dict], port: int, *, block_size: int, max_new_tokens: int
 ) -> tuple[list[dict], dict]:
     from integration.router_replay import GenerateParameters, TokenEvent
 
@@ -57,7 +58,7 @@ async def _drive(
     async def one(i: int) -> None:
         await asyncio.sleep(max(0.0, requests[i]["arrival"] - (time.perf_counter() - t0)))
         params = GenerateParameters(max_new_tokens=max_new_tokens, ignore_eos_token=True)
-        stream = await router.generate(prompts[i], params)
+        stream = await router.generate(requests[i]["prompt"], params)
         try:
             async for event in stream:
                 if isinstance(event, TokenEvent):
@@ -105,7 +106,7 @@ def anatomy(before: dict, after: dict) -> tuple[dict[str, float], int]:
 
 
 def run_shard(
-    job: dict[str, Any], prompts: list[str], *, max_batch_prefill_tokens: int, ready_timeout_s: float = 300, log=print
+    job: dict[str, Any], *, max_batch_prefill_tokens: int, ready_timeout_s: float = 300, log=print
 ) -> tuple[EngineResult, dict[str, list[dict]], dict[str, float]]:
     """``(result shell, raw runs, decode shape {"batch", "context"} of the burst run)``."""
     from integration.launcher_spawn import LaunchedShards, LauncherOptions
@@ -113,7 +114,7 @@ def run_shard(
 
     port = _free_port()
     max_input = job["max_model_len"] - job["max_new_tokens"]
-    result = EngineResult(engine=f"this shard (launcher spawn + router replay, block {job['block_size']})")
+    result = EngineResult(engine=f"this shard (launcher spawn + router replay, block {job['block_size']})", key="shard")
     with tempfile.TemporaryDirectory(prefix="tgi-peers-") as tmp:
         opts = LauncherOptions(
             uds_path=str(Path(tmp) / "shard"),
@@ -121,6 +122,7 @@ def run_shard(
             env=shard_env(job, port),
             max_input_tokens=max_input,
             max_total_tokens=job["max_model_len"],
+            dtype=job.get("dtype"),
         )
         t_setup = time.perf_counter()
         with LaunchedShards(job["model_dir"], opts, ready_timeout=ready_timeout_s) as shards:
@@ -143,7 +145,6 @@ def run_shard(
                         runs[name], samples = await _drive(
                             router,
                             requests,
-                            prompts,
                             port,
                             block_size=job["block_size"],
                             max_new_tokens=job["max_new_tokens"],
@@ -151,6 +152,7 @@ def run_shard(
                         await asyncio.sleep(0.3)
                         after = await asyncio.to_thread(scrape, port)
                         parts, steps = anatomy(before, after)
+                        result.anatomies[name] = {**parts, "decode_steps": steps}
                         if name == "burst":
                             result.anatomy = parts
                             n = max(1, len(samples["running"]))
@@ -171,7 +173,7 @@ def run_shard(
             result.peak_rss_bytes = _vm_hwm(shards.pid(0))
             info = next((r.text for r in shards.logs if "warmup:" in r.text), "")
     result.notes.append(
-        f"{job['threads']} threads (OMP_NUM_THREADS), max_batch_prefill_tokens "
+        f"{job.get('dtype', 'float32')}, {job['threads']} threads (OMP_NUM_THREADS), max_batch_prefill_tokens "
         f"{max_batch_prefill_tokens}; {info.strip()}"
     )
     return result, runs, shapes

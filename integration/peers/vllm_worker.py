@@ -2,7 +2,7 @@
 
     python vllm_worker.py serve JOB.json OUT.json
 
-One ``vllm.LLM`` (eager, float32, greedy, ``ignore_eos``, ``max_tokens`` = each request's
+One ``vllm.LLM`` (eager, the job's ``dtype``, greedy, ``ignore_eos``, ``max_tokens`` = each request's
 ``output_tokens``; KV pool = ``kv_tokens`` via ``num_gpu_blocks_override``; the engine core in this
 process) serves every run of the job. Requests go in through the LLM's own engine
 (``llm.llm_engine.add_request`` / ``step``, what ``LLM.generate`` loops over), added when their arrival
@@ -35,7 +35,7 @@ def main(job_path: str, out_path: str) -> None:
     block = 32
     llm = LLM(
         model=job["model_dir"],
-        dtype="float32",
+        dtype=job.get("dtype", "float32"),
         enforce_eager=True,
         seed=0,
         block_size=block,
@@ -48,7 +48,7 @@ def main(job_path: str, out_path: str) -> None:
     setup_s = time.perf_counter() - t_setup
     # warm-up request, not timed
     llm.generate(
-        [{"prompt_token_ids": job["runs"]["burst"][0]["prompt_ids"][:8]}],
+        [{"prompt_token_ids": next(iter(job["runs"].values()))[0]["prompt_ids"][:8]}],
         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
         use_tqdm=False,
     )
@@ -57,10 +57,15 @@ def main(job_path: str, out_path: str) -> None:
         runs[name] = serve(engine, SamplingParams, requests)
     out = {
         "engine": f"vllm {vllm.__version__} (CPU, eager, block {block})",
+        "key": "vllm",
         "runs": runs,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "setup_s": setup_s,
-        "notes": [f"torch {torch.__version__}, {threads} threads, {job['kv_tokens'] // block} KV blocks x {block}"],
+        "notes": [
+            f"torch {torch.__version__}, {llm.llm_engine.model_config.dtype}, {threads} threads, "
+            f"{job['kv_tokens'] // block} KV blocks x {block}, max_num_batched_tokens "
+            f"{max(job['max_batch_tokens'], job['max_model_len'])}"
+        ],
     }
     json.dump(out, open(out_path, "w"))
 
