@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The launcher finds `text-generation-server` through PATH; put this interpreter's scripts folder
@@ -18,3 +20,16 @@ os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get(
 
 # Session fixtures shared by every test folder (tiny models, the converted SmolLM2).
 pytest_plugins = ["tests.helpers.fixtures"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _pack_every_linear():
+    """Tiny test models' linears are all below the packing threshold that serves real models
+    (``fast_layers.PACK_MIN_ELEMENTS``); pack them all here so every family's token-exactness test runs
+    through the packed oneDNN path too (in-process runners; spawned shards keep the real threshold)."""
+    from tgi_paged_backend.runner import fast_layers
+
+    saved = fast_layers.PACK_MIN_ELEMENTS
+    fast_layers.PACK_MIN_ELEMENTS = 0
+    yield
+    fast_layers.PACK_MIN_ELEMENTS = saved

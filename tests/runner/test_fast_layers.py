@@ -1,0 +1,97 @@
+"""The load-time layer swap (``runner.fast_layers``): packed linears compute what ``nn.Linear`` does for
+any batch size, RMSNorms are swapped only when the fused form reproduces them, and small or unsupported
+linears stay as they are. (Token-exactness of every family through the swap: test_family_matrix.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tgi_paged_backend.runner import fast_layers
+from tgi_paged_backend.runner.fast_layers import FusedRMSNorm, PackedLinear, can_pack, swap_fast_layers
+
+CPU = torch.device("cpu")
+
+
+class LlamaFormRMSNorm(nn.Module):
+    """transformers' Llama RMSNorm, as written there (fp32 math, weight times the normalised input)."""
+
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(width) + 0.5)
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class GemmaFormRMSNorm(LlamaFormRMSNorm):
+    """Gemma's variant scales by ``1 + weight``: not the fused form, so it must be kept."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Linear(512, 384, bias=True)
+        self.small = nn.Linear(8, 8, bias=False)
+        self.norm = LlamaFormRMSNorm(384)
+        self.gemma_norm = GemmaFormRMSNorm(384)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (1, 33, 96), (2, 5, 96)])
+def test_packed_linear_matches_nn_linear_for_any_batch(bias: bool, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 200, bias=bias)
+    packed = PackedLinear(linear)
+    x = torch.randn(*shape)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert packed.packed_weight.is_mkldnn
+
+
+def test_swap_packs_big_linears_keeps_small_ones_and_checks_norm_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fast_layers, "PACK_MIN_ELEMENTS", 1 << 17)  # the serving threshold (tests lower it)
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(3, 512)
+    with torch.inference_mode():
+        expected = block.gemma_norm(block.norm(block.big(x)))
+    report = swap_fast_layers(block, CPU, torch.float32)
+    assert isinstance(block.big, PackedLinear) and type(block.small) is nn.Linear  # 512*384 >= 2^17 > 64
+    assert isinstance(block.norm, FusedRMSNorm) and isinstance(block.gemma_norm, GemmaFormRMSNorm)
+    assert (report.packed_linears, report.fused_norms, report.kept_norms) == (1, 1, ("GemmaFormRMSNorm",))
+    with torch.inference_mode():
+        torch.testing.assert_close(block.gemma_norm(block.norm(block.big(x))), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_weights_count_as_resident_bytes_and_the_plain_weight_is_dropped() -> None:
+    from tgi_paged_backend.runner.model_loader import resident_bytes
+
+    block = nn.Sequential(nn.Linear(512, 384, bias=False))
+    before = resident_bytes(block)
+    swap_fast_layers(block, CPU, torch.float32)
+    assert not any(p.shape == (384, 512) for p in block.parameters())
+    assert resident_bytes(block) == before  # same elements, now in the reordered buffer
+
+
+def test_nothing_is_packed_on_cuda_or_without_onednn_support() -> None:
+    assert not can_pack(torch.float32, torch.device("cuda"))
+    block = Block()
+    report = swap_fast_layers(block, torch.device("meta"), torch.float32)  # not CPU: linears untouched
+    assert report.packed_linears == 0 and type(block.big) is nn.Linear
+
+
+def test_a_linear_of_another_dtype_is_left_alone() -> None:
+    block = Block()
+    block.big = block.big.to(torch.bfloat16)
+    swap_fast_layers(block, CPU, torch.float32)
+    assert type(block.big) is nn.Linear
