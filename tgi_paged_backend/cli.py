@@ -15,7 +15,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import NoReturn
 
 import typer
 from loguru import logger as _logger
@@ -62,16 +62,16 @@ def serve(
     json_output: bool = typer.Option(False, help="One JSON object per log line on stdout."),
     trust_remote_code: bool = typer.Option(False),
     sharded: bool = typer.Option(False),
-    quantize: Optional[str] = typer.Option(None, help="fp8, compressed-tensors, gptq or awq (others are refused)."),
-    speculate: Optional[int] = typer.Option(None, help="Only 0 is supported."),
-    dtype: Optional[str] = typer.Option(None, help="float16, bfloat16 or float32."),
-    kv_cache_dtype: Optional[str] = typer.Option(None, help="fp8_e4m3fn or fp8_e5m2."),
-    revision: Optional[str] = typer.Option(None),
-    otlp_endpoint: Optional[str] = typer.Option(None),
+    quantize: str | None = typer.Option(None, help="fp8, compressed-tensors, gptq or awq (others are refused)."),
+    speculate: int | None = typer.Option(None, help="Only 0 is supported."),
+    dtype: str | None = typer.Option(None, help="float16, bfloat16 or float32."),
+    kv_cache_dtype: str | None = typer.Option(None, help="fp8_e4m3fn or fp8_e5m2."),
+    revision: str | None = typer.Option(None),
+    otlp_endpoint: str | None = typer.Option(None),
     otlp_service_name: str = typer.Option("text-generation-inference.server"),
-    max_input_tokens: Optional[int] = typer.Option(None),
+    max_input_tokens: int | None = typer.Option(None),
     merge_lora: bool = typer.Option(False, hidden=True, help="Accepted and ignored."),
-    lora_adapters: Optional[str] = typer.Option(None, hidden=True, help="As LORA_ADAPTERS: refused."),
+    lora_adapters: str | None = typer.Option(None, hidden=True, help="As LORA_ADAPTERS: refused."),
 ) -> None:
     """Load the model, then serve generate.v3 on unix://{uds_path}-{rank} until SIGTERM."""
     try:
@@ -131,7 +131,7 @@ def download_weights(
     logger_level: str = typer.Option("INFO"),
     json_output: bool = typer.Option(False),
     merge_lora: bool = typer.Option(False, help="Accepted and ignored."),
-    revision: Optional[str] = typer.Option(None),
+    revision: str | None = typer.Option(None),
     trust_remote_code: bool = typer.Option(False, help="Accepted and ignored."),
     auto_convert: bool = typer.Option(True, help="Accepted and ignored (safetensors only)."),
 ) -> None:
@@ -159,16 +159,16 @@ def download_weights(
     except ConfigError as err:
         _fail(str(err), json_output)
     try:
-        path = _snapshot_download(model_id, revision)
+        snapshot = _snapshot_download(model_id, revision)
     except Exception as err:  # noqa: BLE001 - any hub/network failure: one clear line, exit 1
         _fail(
             f"Could not download {model_id} (revision {revision or 'main'}) from the Hugging Face hub: "
             f"{type(err).__name__}: {err}",
             json_output,
         )
-    if not any(Path(path).glob("*.safetensors")):
+    if not any(Path(snapshot).glob("*.safetensors")):
         _fail(f"{model_id} has no *.safetensors weights on the hub; this backend loads safetensors only", json_output)
-    logger.info(f"Successfully downloaded weights for {model_id} to {path}")
+    logger.info(f"Successfully downloaded weights for {model_id} to {snapshot}")
 
 
 @tools_app.callback()
@@ -188,32 +188,32 @@ def plan(
         ..., help="Local model directory (config.json) or a preset: llama-3-8b, llama-3-70b, mistral-7b, smollm2-135m."
     ),
     gpu: str = typer.Option("A10G", help="A10G, L4, A100-40, A100-80, H100, H200 or cpu."),
-    memory_gb: Optional[float] = typer.Option(None, help="Device memory in GiB (overrides the GPU's)."),
+    memory_gb: float | None = typer.Option(None, help="Device memory in GiB (overrides the GPU's)."),
     memory_fraction: float = typer.Option(0.90, help="TGI_PAGED_MEMORY_FRACTION x CUDA_MEMORY_FRACTION."),
     block_size: int = typer.Option(16, help="TGI_PAGED_BLOCK_SIZE: 1, 2, 4, 8, 16 or 32."),
-    dtype: Optional[str] = typer.Option(None, help="float16, bfloat16 or float32 (default as the shard)."),
+    dtype: str | None = typer.Option(None, help="float16, bfloat16 or float32 (default as the shard)."),
     kv_dtype: str = typer.Option("auto", help="auto, fp8_e4m3fn or fp8_e5m2."),
-    quantize: Optional[str] = typer.Option(
+    quantize: str | None = typer.Option(
         None, help="fp8, compressed-tensors (FP8: 1 byte per linear weight), gptq or awq (--bits/--group-size)."
     ),
-    bits: Optional[int] = typer.Option(
+    bits: int | None = typer.Option(
         None,
         help="Int checkpoints: code bits, 4 or 8 (default 4); with "
         "--quantize compressed-tensors, means pack-quantized.",
     ),
-    group_size: Optional[int] = typer.Option(None, help="Int checkpoints: group size, -1 per channel (default 128)."),
-    trace: Optional[str] = typer.Option(None, help="JSONL trace (prompt_tokens, output_tokens, arrival)."),
+    group_size: int | None = typer.Option(None, help="Int checkpoints: group size, -1 per channel (default 128)."),
+    trace: str | None = typer.Option(None, help="JSONL trace (prompt_tokens, output_tokens, arrival)."),
     workload: str = typer.Option("sharegpt", help="Generator when no --trace: sharegpt, alpaca or tiny."),
     requests: int = typer.Option(300, help="Generated requests."),
     arrival: str = typer.Option("burst", help="burst or poisson."),
-    rate: Optional[float] = typer.Option(None, help="Requests/s for poisson arrivals."),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Client cap (default: the workload's)."),
+    rate: float | None = typer.Option(None, help="Requests/s for poisson arrivals."),
+    max_new_tokens: int | None = typer.Option(None, help="Client cap (default: the workload's)."),
     seed: int = typer.Option(0),
     max_prefill_tokens: int = typer.Option(4096, help="The router's max_batch_prefill_tokens."),
-    num_blocks: Optional[int] = typer.Option(None, help="TGI_PAGED_NUM_BLOCKS cap."),
-    kv_budget_bytes: Optional[int] = typer.Option(None, help="Use this KV budget instead of the memory arithmetic."),
+    num_blocks: int | None = typer.Option(None, help="TGI_PAGED_NUM_BLOCKS cap."),
+    kv_budget_bytes: int | None = typer.Option(None, help="Use this KV budget instead of the memory arithmetic."),
     overcommits: str = typer.Option("1.5,2,3,4,6,8,12,16", help="Overcommits to simulate (comma separated)."),
-    json_out: Optional[str] = typer.Option(None, "--json", help="Also write the plan as JSON to this file."),
+    json_out: str | None = typer.Option(None, "--json", help="Also write the plan as JSON to this file."),
 ) -> None:
     """Capacity plan: bytes per token, pool size, expected concurrency and waste, advised overcommit."""
     from tgi_paged_backend.bench.planner import format_plan, plan_from_args  # lazy: torch, the simulator
@@ -288,14 +288,19 @@ def _engine_factory():
     return build_engine
 
 
+_HF_TRANSFER_FLAG = "HF_HUB_ENABLE_HF_TRANSFER"
+"""``huggingface_hub.constants`` flag of hub versions before 1.0 (absent from later ones)."""
+
+
 def _snapshot_download(model_id: str, revision: str | None) -> str:
     from huggingface_hub import constants, snapshot_download
 
     # The launcher sets HF_HUB_ENABLE_HF_TRANSFER=1; hub versions that honour it fail without the
-    # hf_transfer package, so fall back to plain downloads when it is missing.
-    if getattr(constants, "HF_HUB_ENABLE_HF_TRANSFER", False) and importlib.util.find_spec("hf_transfer") is None:
+    # hf_transfer package, so fall back to plain downloads when it is missing. huggingface_hub >= 1.0
+    # has no such constant (hf_xet replaced hf_transfer): read and write it only where it exists.
+    if getattr(constants, _HF_TRANSFER_FLAG, False) and importlib.util.find_spec("hf_transfer") is None:
         logger.info("hf_transfer is not installed: using plain downloads")
-        constants.HF_HUB_ENABLE_HF_TRANSFER = False
+        setattr(constants, _HF_TRANSFER_FLAG, False)
     logger.info(f"Downloading {model_id} ({', '.join(DOWNLOAD_PATTERNS)})")
     return snapshot_download(repo_id=model_id, revision=revision, allow_patterns=DOWNLOAD_PATTERNS)
 

@@ -21,11 +21,14 @@ Both return a reason (or ``None``); :mod:`.model_loader` turns one into
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SERVED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 """``config.layer_types`` entries the paged attention implements (per-layer windows included)."""
@@ -108,7 +111,7 @@ def unsupported_reason(config: Any) -> str | None:
     return None
 
 
-def probe_layer_calls(model: torch.nn.Module) -> list[int]:
+def probe_layer_calls(model: PreTrainedModel) -> list[int]:
     """``layer_idx`` of every call of the paged attention function in a one-token forward.
 
     The attention function runs in probe mode (zeros out, no pool), so this costs one token's

@@ -24,6 +24,7 @@ read after the swap), so it comes out of the KV budget like any weight.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,9 @@ class PackedLinear(nn.Module):
     The reordered weight is a buffer, so resident-bytes accounting sees it; the original parameter is
     dropped (a tied weight lives on in the module that shares it).
     """
+
+    packed_weight: torch.Tensor  # a buffer (register_buffer): declared for the type checker
+    bias: nn.Parameter | None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -100,10 +104,12 @@ def _rms_norm_eps(module: nn.Module) -> float | None:
     return None
 
 
-def _same_output(original: nn.Module, replacement: nn.Module, width: int, dtype: torch.dtype) -> bool:
+def _same_output(
+    original: nn.Module, replacement: nn.Module, width: int, dtype: torch.dtype, device: torch.device
+) -> bool:
     """Whether ``replacement`` reproduces ``original`` on a seeded random input (fp32: to 1e-5)."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(3, width, generator=generator).to(dtype=dtype, device=original.weight.device)
+    x = torch.randn(3, width, generator=generator).to(dtype=dtype, device=device)
     with torch.inference_mode():
         expected, got = original(x), replacement(x)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -139,8 +145,10 @@ def swap_fast_layers(model: nn.Module, device: torch.device, dtype: torch.dtype)
             eps = _rms_norm_eps(child)
             if eps is None:
                 continue
-            candidate = FusedRMSNorm(child.weight, eps)
-            if _same_output(child, candidate, int(child.weight.shape[0]), child.weight.dtype):
+            # _rms_norm_eps returns an eps only for a module whose ``weight`` is a 1-D tensor.
+            weight = cast(torch.Tensor, child.weight)
+            candidate = FusedRMSNorm(weight, eps)
+            if _same_output(child, candidate, int(weight.shape[0]), weight.dtype, weight.device):
                 setattr(parent, name, candidate)
                 fused += 1
             else:

@@ -9,8 +9,8 @@ chunks) and the runner moves it to the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -23,6 +23,10 @@ from tgi_paged_backend.runner import family_support
 from tgi_paged_backend.runner.attention import register_attention
 from tgi_paged_backend.runner.quant.methods import SUPPORTED_QUANTIZE, QuantizationError, check_quantize, refusal
 from tgi_paged_backend.runner.rope_scaling import apply_rope_scaling
+
+if TYPE_CHECKING:
+    from tgi_paged_backend.runner.quant.compressed_tensors import CompressedFp8Scheme, CompressedIntScheme
+    from tgi_paged_backend.runner.quant.gptq_awq import GptqAwqScheme
 
 _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -105,7 +109,7 @@ def _refuse_if(config: Any, reason: str | None) -> None:
         raise ModelLoadError(family_support.refusal_message(config, reason))
 
 
-def _probe_attention(model: torch.nn.Module) -> None:
+def _probe_attention(model: transformers.PreTrainedModel) -> None:
     """Refuse the model unless a one-token forward reaches the paged attention once per layer."""
     config = model.config
     try:
@@ -114,7 +118,7 @@ def _probe_attention(model: torch.nn.Module) -> None:
         _refuse_if(
             config, f"a one-token probe forward through the paged attention failed ({type(err).__name__}: {err})"
         )
-    num_layers = int(getattr(getattr(config, "text_config", None) or config, "num_hidden_layers"))
+    num_layers = int((getattr(config, "text_config", None) or config).num_hidden_layers)
     _refuse_if(config, family_support.check_attention_calls(num_layers, calls))
 
 
@@ -122,7 +126,7 @@ def _resolve_quantization(model_config: ModelConfig, config: Any) -> tuple[str |
     """The format to load (``None``: unquantized) and its validated scheme; a pre-quantized checkpoint's
     ``quantization_config`` is taken off ``config`` so transformers loads the module tree plainly (no
     transformers quantizer or quantization package is needed; the files are read by :mod:`.quant.apply`)."""
-    scheme = None
+    scheme: CompressedFp8Scheme | CompressedIntScheme | GptqAwqScheme | None = None
     try:
         method = check_quantize(model_config.quantize, config)
         if method == "compressed-tensors":
@@ -142,7 +146,7 @@ def _resolve_quantization(model_config: ModelConfig, config: Any) -> tuple[str |
     return method, scheme
 
 
-def _quantize(model: torch.nn.Module, method: str | None, scheme: Any, path: Path) -> None:
+def _quantize(model: transformers.PreTrainedModel, method: str | None, scheme: Any, path: Path) -> None:
     """Swap in the quantized linears (on the CPU copy, before it moves to the device)."""
     if method is None:
         return
@@ -204,7 +208,9 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
             raise
         _refuse_if(config, "it has no causal-LM class in transformers (AutoModelForCausalLM)")
     _quantize(model, method, scheme, path)
-    model.to(device)
+    # transformers decorates PreTrainedModel.to with functools.wraps(nn.Module.to); typeshed's _Wrapped
+    # has no __get__, so mypy does not bind the method and takes ``device`` for ``self``.
+    model.to(device)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
     _probe_attention(model)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from loguru import logger
@@ -42,7 +42,7 @@ from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model_loader import LoadedModel, ModelLoadError, load_model, resolve_dtype
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.model_spec import ModelSpec
-from tgi_paged_backend.runner.quant.linear import QUANTIZED_LINEARS
+from tgi_paged_backend.runner.quant.linear import QUANTIZED_LINEARS, QuantizedLinear
 
 if TYPE_CHECKING:
     from tgi_paged_backend.distributed import TensorParallelGroup
@@ -92,7 +92,7 @@ class RowParallelQuantLinear(nn.Module):
     ``input_slice`` of it (fp8: the full-row scales; int: its columns' groups), so every rank uses the
     unsharded model's scales and zero points."""
 
-    def __init__(self, linear: nn.Module, rank: int, world_size: int, all_reduce: AllReduce) -> None:
+    def __init__(self, linear: QuantizedLinear, rank: int, world_size: int, all_reduce: AllReduce) -> None:
         super().__init__()
         if linear.in_features % world_size:
             raise ModelLoadError(f"row-parallel linear: in_features={linear.in_features} not divisible by {world_size}")
@@ -114,9 +114,10 @@ RowParallelFp8Linear = RowParallelQuantLinear
 """The name this class had when only fp8 was served."""
 
 
-def _row_parallel(linear: nn.Module, rank: int, world_size: int, all_reduce: AllReduce) -> nn.Module:
-    cls = RowParallelQuantLinear if isinstance(linear, QUANTIZED_LINEARS) else RowParallelLinear
-    return cls(linear, rank, world_size, all_reduce)
+def _row_parallel(linear: nn.Linear | QuantizedLinear, rank: int, world_size: int, all_reduce: AllReduce) -> nn.Module:
+    if isinstance(linear, QUANTIZED_LINEARS):
+        return RowParallelQuantLinear(linear, rank, world_size, all_reduce)
+    return RowParallelLinear(linear, rank, world_size, all_reduce)
 
 
 class RowParallelLinear(nn.Module):
@@ -147,7 +148,7 @@ class RowParallelLinear(nn.Module):
         return f"in_features={self.in_features} (local), out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _shard_columns(linear: nn.Module, rank: int, world_size: int, what: str) -> nn.Module:
+def _shard_columns(linear: nn.Linear | QuantizedLinear, rank: int, world_size: int, what: str) -> nn.Module:
     """This rank's contiguous slice of the output features (weight rows, their scales/zeros, bias)."""
     if linear.out_features % world_size:
         raise ModelLoadError(f"{what}: out_features={linear.out_features} not divisible by {world_size}")
@@ -162,7 +163,7 @@ def _shard_columns(linear: nn.Module, rank: int, world_size: int, what: str) -> 
     return linear
 
 
-def _linear(module: nn.Module, name: str, where: str) -> nn.Module:
+def _linear(module: nn.Module, name: str, where: str) -> nn.Linear | QuantizedLinear:
     layer = getattr(module, name, None)
     if not isinstance(layer, (nn.Linear, *QUANTIZED_LINEARS)):
         raise ModelLoadError(
@@ -200,7 +201,8 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
         )
     q_local, kv_local = spec.num_q_heads // world_size, spec.num_kv_heads // world_size
     for i, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
+        # _decoder_layers kept the modules that have both; transformers' decoder layers hold them as submodules.
+        attn, mlp = cast(nn.Module, layer.self_attn), cast(nn.Module, layer.mlp)
         where = f"layer {i}"
         head_dim = getattr(attn, "head_dim", spec.head_dim)
         if head_dim != spec.head_dim:
@@ -230,7 +232,9 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
             )
         mlp.down_proj = _row_parallel(_linear(mlp, "down_proj", f"{where}.mlp"), rank, world_size, all_reduce)
         if isinstance(getattr(mlp, "intermediate_size", None), int):
-            mlp.intermediate_size = spec.intermediate_size // world_size
+            # torch types Module.__setattr__'s value as Tensor | Module, but it stores any other value
+            # (this int) as a plain attribute.
+            mlp.intermediate_size = spec.intermediate_size // world_size  # type: ignore[assignment]
     return ShardLayout(
         rank=rank,
         world_size=world_size,

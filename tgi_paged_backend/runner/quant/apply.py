@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from safetensors import safe_open
@@ -19,6 +20,9 @@ from tgi_paged_backend.runner.quant.fp8 import FP8_DTYPE
 from tgi_paged_backend.runner.quant.int_codes import IntCodes, check_codes
 from tgi_paged_backend.runner.quant.linear import Fp8Linear, IntLinear
 from tgi_paged_backend.runner.quant.methods import QuantizationError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SCALE_SUFFIX = ".weight_scale"
 
@@ -39,13 +43,15 @@ def _linear_for(model: nn.Module, name: str, key: str) -> nn.Linear:
     return linear
 
 
-def quantize_model_fp8(model: nn.Module) -> int:
+def quantize_model_fp8(model: PreTrainedModel) -> int:
     """Replace every ``nn.Linear`` but the output head by an :class:`Fp8Linear`; return how many."""
     head = model.get_output_embeddings()
     names = [name for name, module in model.named_modules()
              if type(module) is nn.Linear and module is not head]  # fmt: skip
     for name in names:
-        linear = model.get_submodule(name)
+        # Picked above by ``type(module) is nn.Linear``; looked up again by name so that only this
+        # loop holds the full-precision layer (freed below), hence the cast.
+        linear = cast(nn.Linear, model.get_submodule(name))
         _set_submodule(model, name, Fp8Linear.from_linear(linear))
         del linear  # the full-precision weight is freed here, one layer at a time
     return len(names)
@@ -126,7 +132,7 @@ def load_int_linears(
     return len(names)
 
 
-def load_quantized(model: nn.Module, method: str, scheme: object, model_dir: Path) -> tuple[int, str]:
+def load_quantized(model: PreTrainedModel, method: str, scheme: object, model_dir: Path) -> tuple[int, str]:
     """Swap in the quantized linears of ``method`` (``scheme`` as the config parser returned it);
     return how many and what they hold (for the log)."""
     from tgi_paged_backend.runner.quant import gptq_awq

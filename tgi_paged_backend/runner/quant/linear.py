@@ -26,6 +26,12 @@ from tgi_paged_kernels.int_gemm import check_int_linear, dequantize_int, int_lin
 class Fp8Linear(nn.Module):
     """``y = x @ (qweight * weight_scale)^T + bias``."""
 
+    # Buffers (register_buffer) and the optional bias, declared for the type checker: nn.Module's
+    # __getattr__ types them as ``Tensor | Module``.
+    qweight: torch.Tensor
+    weight_scale: torch.Tensor
+    bias: nn.Parameter | None
+
     def __init__(self, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         if weight_scale.shape != (qweight.shape[0],):
@@ -36,12 +42,12 @@ class Fp8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
         """Quantize ``linear``'s weight (per output channel); the bias stays in its dtype."""
         qweight, scale = quantize_fp8_per_channel(linear.weight)
         return cls(qweight.to(linear.weight.device), scale.to(linear.weight.device), linear.bias)
 
-    def output_slice(self, rows: slice) -> "Fp8Linear":
+    def output_slice(self, rows: slice) -> Fp8Linear:
         """Column-parallel shard: output channels ``rows`` (weight rows, their scales and bias)."""
         return Fp8Linear(
             self.qweight[rows].clone(),
@@ -49,7 +55,7 @@ class Fp8Linear(nn.Module):
             None if self.bias is None else self.bias.detach()[rows].clone(),
         )
 
-    def input_slice(self, cols: slice) -> "Fp8Linear":
+    def input_slice(self, cols: slice) -> Fp8Linear:
         """Row-parallel shard without bias: input features ``cols``, every output channel's full-row scale
         (a per-output-channel scale multiplies every column, so the ranks' partial sums add up exactly)."""
         return Fp8Linear(self.qweight[:, cols].contiguous(), self.weight_scale.clone(), None)
@@ -69,6 +75,13 @@ class Fp8Linear(nn.Module):
 
 class IntLinear(nn.Module):
     """``y = x @ W^T + bias`` with ``W[n, k] = (code[n, k] - zeros[n, g]) * scales[n, g]``, ``g = g_idx[k]``."""
+
+    # Buffers (register_buffer) and the optional bias, declared for the type checker (see Fp8Linear).
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+    bias: nn.Parameter | None
 
     def __init__(
         self,
@@ -91,7 +104,7 @@ class IntLinear(nn.Module):
         check_int_linear(probe, self.qweight, self.scales, self.zeros, self.g_idx, self.bias, self.bits)
 
     @classmethod
-    def from_codes(cls, codes: IntCodes, bias: torch.Tensor | None) -> "IntLinear":
+    def from_codes(cls, codes: IntCodes, bias: torch.Tensor | None) -> IntLinear:
         """Pack decoded codes (:mod:`.int_codes`) into the resident layout; the bias stays in its dtype."""
         return cls(pack_codes(codes.codes, codes.bits), codes.scales, codes.zeros, codes.g_idx, codes.bits, bias)
 
@@ -99,7 +112,7 @@ class IntLinear(nn.Module):
         """``[N, K]`` uint8 codes, unpacked."""
         return unpack_codes(self.qweight, self.bits)
 
-    def output_slice(self, rows: slice) -> "IntLinear":
+    def output_slice(self, rows: slice) -> IntLinear:
         """Column-parallel shard: output channels ``rows`` (their codes, scales, zeros and bias)."""
         return IntLinear(
             self.qweight[rows].clone(),
@@ -110,7 +123,7 @@ class IntLinear(nn.Module):
             None if self.bias is None else self.bias.detach()[rows].clone(),
         )
 
-    def input_slice(self, cols: slice) -> "IntLinear":
+    def input_slice(self, cols: slice) -> IntLinear:
         """Row-parallel shard without bias: input features ``cols`` with their ``g_idx``, and the groups
         those columns use (``g_idx`` rebased on the first one kept). With ``k // group_size`` groups and
         a slice on group boundaries each rank keeps only its own groups; with act-order every group a
@@ -146,3 +159,6 @@ class IntLinear(nn.Module):
 
 QUANTIZED_LINEARS = (Fp8Linear, IntLinear)
 """Module types that replace ``nn.Linear`` under ``--quantize`` (all support output/input slicing)."""
+
+QuantizedLinear = Fp8Linear | IntLinear
+"""Any of :data:`QUANTIZED_LINEARS`, as a type."""
