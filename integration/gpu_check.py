@@ -14,9 +14,12 @@ b. serve: the model (the bundle's SmolLM2 slice padded to 30 layers, see ``integ
    margin there: a near-tie in bf16 is legitimate, it is reported either way);
 c. Triton compilations after Warmup: new entries in the shard's own ``TRITON_CACHE_DIR`` (empty at
    spawn) after the router's Warmup returned, per wave, with the kernel names;
-d. CUDA graphs: not implemented in the engine (printed as such).
+d. CUDA graphs (``integration/decode_graph_check``): the served shard of phase b already runs with the
+   launcher's default ``CUDA_GRAPHS``; then, in process on the same model, decode ITL at a few batch
+   sizes eagerly and through the captured graphs, and whether their greedy tokens agree.
 
-``--cpu``: phase b only, on CPU in float32 with the tiny model: proves the plumbing where there is no GPU.
+``--cpu``: phases b and d only, on CPU in float32 with the tiny model: proves the plumbing where there is
+no GPU (phase d then runs the static decode step eagerly: no graphs on CPU).
 """
 
 from __future__ import annotations
@@ -283,6 +286,7 @@ def phase_serve(budget: Budget, args: argparse.Namespace, work: Path) -> bool:
     with budget.phase("b. model"):
         model_dir, description = prepare_model(args, work)
         print(f"model: {model_dir}: {description}")
+        args.served_model_dir = model_dir  # phase d reuses it
         prompts = prompts_for(model_dir, args.requests)
     if not budget.allows("b. serve", 60):
         return False
@@ -296,7 +300,6 @@ def phase_serve(budget: Budget, args: argparse.Namespace, work: Path) -> bool:
         f"{result.get('compiled_at_warmup', 'n/a')}; after Warmup: {result.get('compiles_after_warmup', 'n/a')}"
         + (" (CPU: torch paths, no Triton)" if args.cpu else "")
     )
-    print("== d. graphs: not implemented (the engine has no CUDA graphs; no on/off comparison)")
     if not result["waves"] or not budget.allows("b. HF reference", 30):
         return False
     tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(model_dir)
@@ -306,6 +309,20 @@ def phase_serve(budget: Budget, args: argparse.Namespace, work: Path) -> bool:
         reference = hf_reference(model_dir, prompts, args.max_new_tokens, device, dtype)
         mismatches = sum(compare(w["tokens"], reference, f"wave {i + 1}") for i, w in enumerate(result["waves"]))
     return mismatches == 0
+
+
+def phase_decode_graphs(budget: Budget, args: argparse.Namespace) -> bool:
+    from integration.decode_graph_check import phase_graphs
+
+    model_dir = getattr(args, "served_model_dir", None)
+    if model_dir is None or not budget.allows("d. decode graphs", 45):
+        return False
+    with budget.phase(
+        "d. decode ITL with and without CUDA graphs" + (" (CPU: the static step, eager)" if args.cpu else "")
+    ):
+        if args.cpu:
+            return phase_graphs(model_dir, torch.device("cpu"), "float32", batch_sizes=(1, 3), context=24, steps=6)
+        return phase_graphs(model_dir, torch.device("cuda"), "bfloat16")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,7 +369,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.cpu or args.skip_kernels
             else [("kernels", lambda: gpu_kernel_checks.phase_kernels(budget, torch.device("cuda")))]
         )
-        for name, run in [*phases, ("serve", lambda: phase_serve(budget, args, work))]:
+        phases += [
+            ("serve", lambda: phase_serve(budget, args, work)),
+            ("graphs", lambda: phase_decode_graphs(budget, args)),
+        ]
+        for name, run in phases:
             try:
                 results[name] = run()
             except Exception:  # noqa: BLE001 - report, then run the next phase

@@ -22,6 +22,9 @@ blocks cut the half-empty-last-block waste of short requests at a per-step bookk
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3fn", "fp8_e5m2")
 ROPE_SCALINGS: tuple[str, ...] = ("linear", "dynamic")
 """Allowed ``ROPE_SCALING``: the values of the launcher's ``--rope-scaling``."""
+LAUNCHER_CUDA_GRAPHS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+"""The launcher's default ``--cuda-graphs``, which it puts in the shard's ``CUDA_GRAPHS``; a shard started
+without that variable captures no graphs, as stock's."""
 DEFAULT_OVERCOMMIT = 6.0
 """Chosen in docs/performance.md. End to end (CPU), 6 and up let the physical pool, not the router's
 virtual budget, limit admission: KV waste falls from ~15 % at 3 to < 2 % with as many tokens/s or more.
@@ -123,8 +126,20 @@ class ModelConfig:
     """``ROPE_FACTOR``: the scaling factor that goes with :attr:`rope_scaling`."""
     lora_adapters: str | None = None
     """``LORA_ADAPTERS`` (or ``--lora-adapters``) as given; ``serve`` refuses to start when it is set."""
+    cuda_graphs: tuple[int, ...] = ()
+    """``CUDA_GRAPHS``: decode batch sizes (ascending, distinct, >= 1) captured as one CUDA graph each at
+    Warmup; a decode batch is padded up to the smallest that holds it, larger ones and prefills run
+    eagerly. ``()`` (the variable unset or ``0``): no graphs. Not used on CPU."""
+    compile_decode: bool = False
+    """``TGI_PAGED_COMPILE``: on CPU, decode batches of up to 256 requests run through one
+    ``torch.compile`` (inductor) graph of the static decode step, compiled at Warmup (minutes cold,
+    inductor's disk cache makes restarts faster); the model then keeps transformers' plain linears
+    (inductor cannot lower pre-packed oneDNN weights). Off by default: faster only for host-bound
+    models (docs/performance.md). Not used on CUDA."""
 
     def __post_init__(self) -> None:
+        if any(b < 1 for b in self.cuda_graphs) or list(self.cuda_graphs) != sorted(set(self.cuda_graphs)):
+            raise ConfigError(f"cuda_graphs={self.cuda_graphs} is invalid: allowed distinct sizes >= 1, ascending")
         if self.rope_scaling is not None and self.rope_scaling not in ROPE_SCALINGS:
             raise ConfigError(f"rope_scaling={self.rope_scaling!r} is invalid: allowed {ROPE_SCALINGS}")
         if not 0.0 < self.rope_factor < float("inf"):

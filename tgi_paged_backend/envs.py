@@ -52,6 +52,8 @@ class EnvSettings:
     weights_cache_override: str | None
     rope_scaling: str | None
     rope_factor: float
+    cuda_graphs: tuple[int, ...]
+    compile_decode: bool
     lora_adapters: str | None
     rank: int
     world_size: int
@@ -122,6 +124,32 @@ def _rope(env: Mapping[str, str]) -> tuple[str | None, float]:
     return scaling, factor
 
 
+CUDA_GRAPHS_ALLOWED = "comma-separated decode batch sizes >= 1 (e.g. 1,2,4,8,16,32), or 0 to disable"
+
+
+def parse_cuda_graphs(raw: str | None) -> tuple[int, ...]:
+    """``CUDA_GRAPHS`` as the launcher writes it (``--cuda-graphs``, default ``1,2,4,8,16,32``): batch
+    sizes, ascending and distinct. Unset, blank or ``0``: none (stock's shard captures none without the
+    variable). Zeros in a list are dropped, as the launcher drops them; blanks around a size are
+    ignored (Python's ``int``, as stock parses each item); anything else is a :class:`ConfigError`."""
+    if raw is None or raw.strip() == "":
+        return ()
+    try:
+        sizes = [int(item) for item in raw.split(",")]
+    except ValueError:
+        raise _fail("CUDA_GRAPHS", raw, CUDA_GRAPHS_ALLOWED) from None
+    if any(size < 0 for size in sizes):
+        raise _fail("CUDA_GRAPHS", raw, CUDA_GRAPHS_ALLOWED)
+    return tuple(sorted({size for size in sizes if size > 0}))
+
+
+def _on_off(raw: str) -> bool:
+    value = {"1": True, "true": True, "0": False, "false": False}.get(raw.lower())
+    if value is None:
+        raise ValueError(raw)
+    return value
+
+
 def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
     """Parse and validate every knob. ``env`` defaults to ``os.environ``."""
     e = os.environ if env is None else env
@@ -178,6 +206,10 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         # ROPE_SCALING / ROPE_FACTOR: launcher --rope-scaling / --rope-factor.
         rope_scaling=rope_scaling,
         rope_factor=rope_factor,
+        # CUDA_GRAPHS: launcher --cuda-graphs: decode batch sizes captured as CUDA graphs at Warmup.
+        cuda_graphs=parse_cuda_graphs(e.get("CUDA_GRAPHS")),
+        # TGI_PAGED_COMPILE: CPU decode through one torch.compile graph of the static decode step.
+        compile_decode=_parse(e, "TGI_PAGED_COMPILE", False, _on_off, "0, 1, false or true"),
         # LORA_ADAPTERS: launcher --lora-adapters; empty means none, as stock. Refused by `serve`.
         lora_adapters=lora if lora else None,
         # RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT: set by the launcher for each shard.
@@ -241,6 +273,8 @@ def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             rope_scaling=s.rope_scaling,
             rope_factor=s.rope_factor,
             lora_adapters=cli.get("lora_adapters") or s.lora_adapters,
+            cuda_graphs=s.cuda_graphs,
+            compile_decode=s.compile_decode,
         ),
         cache=CacheConfig(
             block_size=s.block_size,

@@ -37,7 +37,8 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0
     key, value : [num_tokens, num_kv_heads, head_dim], float16/bfloat16/float32
     k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any of float16, bfloat16,
         float32, float8_e4m3fn, float8_e5m2 (K and V alike); written in place
-    slot_mapping : int64 (or int32) [num_tokens], slot of each token; negative = skip (padding)
+    slot_mapping : int64 (or int32) [num_tokens], slot of each token; negative = skip (padding; on CPU under
+        torch.compile a negative slot raises instead)
     k_scale, v_scale : per-layer fp8 scales, see the module docstring
     """
     if k_cache.is_cuda:

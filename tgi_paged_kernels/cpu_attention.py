@@ -34,15 +34,16 @@ class DecodeGather:
 
     block_ids: torch.Tensor
     """int64 ``[num_requests * num_blocks]``: pool block of each (request, block column), 0 where unused."""
-    hidden_rows: torch.Tensor
+    hidden_rows: torch.Tensor | None
     """int64 ``[P]``: rows of the gathered ``[num_requests * num_positions]`` positions the query does not
-    see (past ``seq_len`` or outside the window); zeroed in K and V."""
+    see (past ``seq_len`` or outside the window); zeroed in K and V. ``None`` in a padded plan, which
+    zeroes every row ``visible`` masks instead (``P`` depends on the lengths' values)."""
     visible: torch.Tensor
     """bool ``[num_requests, 1, 1, num_positions]``: SDPA mask, True where the query attends."""
     num_requests: int
     block_size: int
     num_blocks: int
-    """Block columns gathered per request (those of the longest request)."""
+    """Block columns gathered per request (those of the longest request; a padded plan: the table's width)."""
 
     @property
     def num_positions(self) -> int:
@@ -50,22 +51,37 @@ class DecodeGather:
 
 
 def plan_decode_gather(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sliding_window: int | None
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None,
+    *,
+    padded: bool = False,
 ) -> DecodeGather:
-    """The gather plan of a decode step (the query of request b is at position ``seq_lens[b] - 1``)."""
+    """The gather plan of a decode step (the query of request b is at position ``seq_lens[b] - 1``).
+
+    ``padded``: gather the block table's whole width and zero hidden rows by mask, so every shape
+    comes from the input shapes and no value is read on the host (the static decode step, which
+    ``torch.compile`` traces and a CUDA graph captures); otherwise only the longest request's blocks.
+    """
     num_requests = int(seq_lens.shape[0])
     lens = seq_lens.long()
-    max_len = int(lens.max()) if num_requests else 0
-    num_blocks = cdiv(max_len, block_size)
-    if num_blocks > block_tables.shape[1]:
-        raise ValueError(f"seq_lens up to {max_len} need {num_blocks} blocks, block_tables has {block_tables.shape[1]}")
+    if padded:
+        num_blocks = int(block_tables.shape[1])
+    else:
+        max_len = int(lens.max()) if num_requests else 0
+        num_blocks = cdiv(max_len, block_size)
+        if num_blocks > block_tables.shape[1]:
+            raise ValueError(
+                f"seq_lens up to {max_len} need {num_blocks} blocks, block_tables has {block_tables.shape[1]}"
+            )
     used = torch.arange(num_blocks)[None, :] < cdiv_tensor(lens, block_size)[:, None]
     block_ids = torch.where(used, block_tables[:, :num_blocks].long(), 0).reshape(-1)
     positions = torch.arange(num_blocks * block_size)[None, :]
     visible = positions < lens[:, None]
     if sliding_window is not None:
         visible &= positions > lens[:, None] - 1 - sliding_window
-    hidden_rows = (~visible).reshape(-1).nonzero().squeeze(1)
+    hidden_rows = None if padded else (~visible).reshape(-1).nonzero().squeeze(1)
     return DecodeGather(
         block_ids=block_ids,
         hidden_rows=hidden_rows,
@@ -84,7 +100,10 @@ def gather_decode_kv(cache: torch.Tensor, gather: DecodeGather, scale: float) ->
     rows = cache.view(num_pool_blocks, -1).index_select(0, gather.block_ids)
     rows = rows.view(-1, num_kv_heads * head_dim)  # [num_requests * num_positions, heads * head_dim]
     rows = _dequantize(rows, scale)
-    rows.index_fill_(0, gather.hidden_rows, 0.0)
+    if gather.hidden_rows is None:  # padded plan: fixed shapes, hidden rows zeroed by the mask
+        rows.masked_fill_(~gather.visible.reshape(-1, 1), 0.0)
+    else:
+        rows.index_fill_(0, gather.hidden_rows, 0.0)
     return rows.view(gather.num_requests, gather.num_positions, num_kv_heads, head_dim).transpose(1, 2)
 
 

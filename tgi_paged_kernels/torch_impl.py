@@ -28,9 +28,14 @@ from .reference import dequantize, quantize
 
 
 def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float, v_scale: float) -> None:
-    """Scatter token ``i``'s K/V into slot ``slot_mapping[i]``; negative slots are skipped."""
+    """Scatter token ``i``'s K/V into slot ``slot_mapping[i]``; negative slots are skipped.
+
+    Under ``torch.compile`` (the static decode step, whose padding rows write the scratch slot) the
+    skip, a branch on values, is not traced: a negative slot raises there instead."""
     slots = slot_mapping.long()
-    if bool((slots < 0).any()):
+    if torch.compiler.is_compiling():
+        torch._assert_async((slots >= 0).all(), "store_kv: negative slots are not supported under torch.compile")
+    elif bool((slots < 0).any()):
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
     for cache, rows, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):

@@ -1,7 +1,8 @@
 """The GPU check's plumbing without a GPU: scripts parse, the bundle installer picks wheels for this
 Python, and ``integration.gpu_check --cpu`` serves the tiny model through the launcher spawn and
-router replay token-identical to HF (about 30 s on a busy 2-core machine). The CUDA phases run
-only on a device (``docs/performance.md``, "GPU check")."""
+router replay token-identical to HF (about 30 s on a busy 2-core machine), then runs phase d's decode
+timing with the static step eagerly (no graphs on CPU). The CUDA phases run only on a device
+(``docs/performance.md``, "GPU check")."""
 
 from __future__ import annotations
 
@@ -52,4 +53,5 @@ def test_cpu_mode_serves_token_identical_to_hf() -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "wave 1: 4/4 sequences identical to HF" in out and "wave 2: 4/4 sequences identical to HF" in out, out
-    assert "graphs: not implemented" in out and "GPU check: serve PASS" in out, out
+    assert "d. decode ITL at batch 3, context 24" in out and "6/6 steps through the static step" in out, out
+    assert "identical tokens" in out and "GPU check: serve PASS, graphs PASS" in out, out

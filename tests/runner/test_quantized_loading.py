@@ -128,6 +128,7 @@ def test_kv_budget_on_cuda_grows_by_the_bytes_saved(monkeypatch, checkpoints):
             num_blocks=0,
             block_bytes=runner.block_bytes,
             activation_peak_bytes=2**20,
+            graph_bytes=0,
         )
         return ModelRunner.available_kv_bytes(fake, 0.9)
 

@@ -175,6 +175,8 @@ class PagedShardEngine:
         # with private ids (the router sends id 0 for every warmup request).
         warm = BatchSpec(id=batch.id, requests=tuple(_replace_id(r, -(i + 1)) for i, r in enumerate(batch.requests)))
         self.runner.profile_prefill(max(max_prefill_tokens, 1))
+        # CUDA_GRAPHS: the decode graphs' memory is measured now and left out of the pool below.
+        self.runner.profile_decode_graphs(max_total_tokens or self.runner.spec.max_position_embeddings)
         ids = [r.id for r in warm.requests]
         try:
             self._add_requests(warm, max_input_tokens=None)
@@ -191,6 +193,7 @@ class PagedShardEngine:
             max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens, max_prefill_tokens=max_prefill_tokens
         )
         self._configure(capacity)
+        self.runner.prepare_static_decode(capacity.max_total_tokens)  # captures the graphs over the new pool
         self.recorder.record_budget(
             MemoryBudget(
                 device_total_bytes=self.runner.device_total_bytes(),

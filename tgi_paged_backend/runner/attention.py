@@ -60,6 +60,10 @@ class PagedAttentionMetadata:
     decode_gathers : dict
         CPU decode only: the step's gather plan per sliding window (``None``: full attention), built
         by the first layer that needs it and shared by the others (:meth:`decode_gather`).
+    static : bool
+        The static decode step (:mod:`.static_decode`): the batch is padded to fixed shapes and the
+        block tables to a fixed width, so the CPU plan is the padded one, built from shapes alone
+        (nothing read on the host, for ``torch.compile`` and CUDA graphs).
     """
 
     batch: Any  # ForwardBatch; typed loosely to keep this module free of runner imports
@@ -69,6 +73,7 @@ class PagedAttentionMetadata:
     v_scale: float = 1.0
     layer_calls: list[int] | None = None
     decode_gathers: dict[int | None, Any] = field(default_factory=dict)
+    static: bool = False
 
     def decode_gather(self, block_size: int, sliding_window: int | None) -> Any:
         """The step's CPU decode plan for this window (``None`` on CUDA, where kernels need none)."""
@@ -77,7 +82,7 @@ class PagedAttentionMetadata:
         plan = self.decode_gathers.get(sliding_window)
         if plan is None:
             plan = tgi_paged_kernels.plan_decode_gather(
-                self.batch.block_tables, self.batch.seq_lens, block_size, sliding_window
+                self.batch.block_tables, self.batch.seq_lens, block_size, sliding_window, padded=self.static
             )
             self.decode_gathers[sliding_window] = plan
         return plan

@@ -15,6 +15,8 @@ import dataclasses
 import os
 import time
 from collections.abc import Sequence
+from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,10 +25,12 @@ from loguru import logger
 import tgi_paged_kernels
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
+from tgi_paged_backend.runner.decode_graphs import measure_decode_graph_bytes
 from tgi_paged_backend.runner.fast_layers import swap_fast_layers
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_loader import LoadedModel, load_model, resident_bytes
 from tgi_paged_backend.runner.model_spec import ModelSpec, resolve_kv_dtype
+from tgi_paged_backend.runner.static_decode import CPU_COMPILE_BUCKETS, StaticDecodeStep, blocks_per_request
 
 CPU_KV_BUDGET_CAP_BYTES = 4 * 1024**3
 """On CPU the pool gets ``memory_fraction`` of the available RAM minus the activation estimate,
@@ -74,7 +78,8 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = loaded.eos_token_ids
         self.dtype = loaded.dtype
         self.spec = ModelSpec.from_hf_config(self.model.config, self.dtype)
-        self.fast_layers = swap_fast_layers(self.model, self.device, self.dtype)
+        # TGI_PAGED_COMPILE keeps the plain layers: inductor cannot lower the pre-packed oneDNN ones.
+        self.fast_layers = None if self._compiles_decode() else swap_fast_layers(self.model, self.device, self.dtype)
         self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
         self.k_scale = 1.0
         self.v_scale = 1.0
@@ -86,6 +91,10 @@ class ModelRunner:
         self.v_caches: list[torch.Tensor] = []
         self.cpu_k_caches: list[torch.Tensor] = []
         self.cpu_v_caches: list[torch.Tensor] = []
+        self.graph_bytes = 0
+        """Device bytes of the decode CUDA graphs (:meth:`profile_decode_graphs`), kept out of the KV pool."""
+        self.static_decode: StaticDecodeStep | None = None
+        """The static decode step decode batches run through when it holds them (:meth:`prepare_static_decode`)."""
 
     def _load_model(self, model_config: ModelConfig) -> LoadedModel:
         """Load the model onto ``self.device`` (the tensor-parallel runner loads its shard instead)."""
@@ -117,6 +126,7 @@ class ModelRunner:
         """
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks}: the KV pool needs at least one block")
+        self.static_decode = None  # its graphs hold the old pool's addresses
         self.k_caches, self.v_caches = [], []  # free the old pool before allocating the new one
         shape = self._block_shape(num_blocks)
         for _ in range(self.spec.num_layers):
@@ -150,8 +160,8 @@ class ModelRunner:
     def available_kv_bytes(self, memory_fraction: float, activation_bytes: int | None = None) -> int:
         """Bytes the KV pool may take.
 
-        CUDA: ``memory_fraction * total - weights - activation peak``, capped by what is actually
-        free (``mem_get_info`` plus memory torch holds in its cache or in a current pool).
+        CUDA: ``memory_fraction * total - weights - activation peak - decode graphs``, capped by what is
+        actually free (``mem_get_info`` plus memory torch holds in its cache or in a current pool).
         CPU: ``memory_fraction * available RAM - activation estimate``, capped at
         :data:`CPU_KV_BUDGET_CAP_BYTES`.
 
@@ -165,8 +175,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             held = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            by_fraction = memory_fraction * total - self.weights_bytes - activation
-            by_free = free + held + pool_bytes - activation
+            by_fraction = memory_fraction * total - self.weights_bytes - activation - self.graph_bytes
+            by_free = free + held + pool_bytes - activation - self.graph_bytes
             budget = min(by_fraction, by_free)
         else:
             budget = min(memory_fraction * (_cpu_available_bytes() + pool_bytes) - activation, CPU_KV_BUDGET_CAP_BYTES)
@@ -188,6 +198,10 @@ class ModelRunner:
         """
         if not self.k_caches:
             raise RuntimeError("allocate_kv_cache() must be called before forward()")
+        if self.static_decode is not None and batch.is_decode:
+            logits = self.static_decode.run(batch.to(self.device))
+            if logits is not None:
+                return logits
         return self._forward(batch, self.k_caches, self.v_caches)
 
     def _forward(self, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -204,6 +218,89 @@ class ModelRunner:
                 **{METADATA_KWARG: metadata},
             )
         return out.logits[0].float()
+
+    # ----------------------------------------------------------- static decode
+    static_decode_supported = True
+    """Whether decode may run through the static step (not yet the tensor-parallel runner: collectives
+    inside a captured graph are untested)."""
+
+    def _compiles_decode(self) -> bool:
+        """``TGI_PAGED_COMPILE`` on a CPU runner: decode through the compiled static step."""
+        return self.device.type == "cpu" and self.model_config.compile_decode and self.static_decode_supported
+
+    def _graph_buckets(self) -> tuple[int, ...]:
+        """The ``CUDA_GRAPHS`` batch sizes this runner captures (none off CUDA)."""
+        if self.device.type != "cuda" or not self.static_decode_supported:
+            return ()
+        return self.model_config.cuda_graphs
+
+    def _static_step(
+        self,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        *,
+        max_seq_len: int,
+        buckets: Sequence[int],
+        fixed_width: bool = True,
+    ) -> StaticDecodeStep:
+        max_blocks = blocks_per_request(max_seq_len, self.block_size)
+        return StaticDecodeStep(
+            self.model, k_caches, v_caches, self.k_scale, self.v_scale, buckets, max_blocks, fixed_width
+        )
+
+    def profile_decode_graphs(self, max_seq_len: int) -> int:
+        """Device bytes the decode CUDA graphs will take (0 off CUDA or without ``CUDA_GRAPHS``), measured
+        by capturing them against a temporary pool before the real one is sized; stored in
+        :attr:`graph_bytes`, which :meth:`available_kv_bytes` leaves out. A failed capture turns graphs off."""
+        self.graph_bytes = 0
+        buckets = self._graph_buckets()
+        if buckets:
+            make = partial(self._static_step, max_seq_len=max_seq_len, buckets=buckets)
+            try:
+                self.graph_bytes = measure_decode_graph_bytes(
+                    make, self._block_shape(1), self.spec.num_layers, self.kv_dtype, self.device
+                )
+            except Exception as e:  # a family whose forward syncs or branches on values: serve it eagerly
+                logger.warning("decode CUDA graphs off: capture failed ({}: {})", type(e).__name__, e)
+                self.model_config = dataclasses.replace(self.model_config, cuda_graphs=())
+        return self.graph_bytes
+
+    def prepare_static_decode(
+        self,
+        max_seq_len: int,
+        *,
+        mode: str | None = None,
+        buckets: Sequence[int] | None = None,
+        fixed_width: bool | None = None,
+        **compile_options: Any,
+    ) -> None:
+        """Set up the static decode step over the allocated pool, for requests of up to ``max_seq_len``
+        tokens (Warmup, after :meth:`allocate_kv_cache`, which drops it again).
+
+        By default (``mode=None``): on CUDA with ``CUDA_GRAPHS`` buckets, capture one graph per bucket;
+        on CPU with ``TGI_PAGED_COMPILE``, compile one graph for :data:`CPU_COMPILE_BUCKETS`; otherwise
+        nothing, and decode stays eager. ``mode`` ``"graphs"``, ``"compile"`` (``torch.compile``
+        with ``compile_options``, e.g. ``backend``) or ``"eager"`` with ``buckets`` (default: the
+        ``CUDA_GRAPHS`` ones) choose explicitly (tests, benchmarks); ``fixed_width`` (default: only for
+        graphs) as :class:`~.static_decode.StaticDecodeStep` takes it. A failed capture or compile is
+        logged and leaves decode eager (:meth:`.StaticDecodeStep.prepare`).
+        """
+        self.static_decode = None
+        if not self.k_caches:
+            raise RuntimeError("allocate_kv_cache() must be called before prepare_static_decode()")
+        chosen = tuple(buckets) if buckets is not None else self.model_config.cuda_graphs
+        if mode is None and self._graph_buckets():
+            mode, chosen = "graphs", self._graph_buckets()
+        elif mode is None and self._compiles_decode():  # one graph, rows dynamic: no per-size compile
+            mode, chosen, compile_options = "compile", CPU_COMPILE_BUCKETS, {"dynamic_rows": True, **compile_options}
+        if mode is None or not chosen:
+            return
+        fixed = mode == "graphs" if fixed_width is None else fixed_width
+        step = self._static_step(
+            self.k_caches, self.v_caches, max_seq_len=max_seq_len, buckets=chosen, fixed_width=fixed
+        )
+        if step.prepare(mode, **compile_options):
+            self.static_decode = step
 
     # ------------------------------------------------------------ block moves
     @staticmethod

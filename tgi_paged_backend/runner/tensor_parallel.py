@@ -263,6 +263,8 @@ class TensorParallelRunner(ModelRunner):
     :meth:`available_kv_bytes` is the minimum over the ranks, so every rank sizes the same pool.
     """
 
+    static_decode_supported = False  # decode graphs with collectives inside: not captured yet
+
     def __init__(
         self,
         model_config: ModelConfig,
