@@ -21,6 +21,8 @@ blocks cut the half-empty-last-block waste of short requests at a per-step bookk
 ``examples/bench_bookkeeping.py``), 16 is the default."""
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3fn", "fp8_e5m2")
 ROPE_SCALINGS: tuple[str, ...] = ("linear", "dynamic")
+CPU_DECODE_KERNELS: tuple[str, ...] = ("compiled", "sdpa")
+"""Allowed ``TGI_PAGED_CPU_DECODE``: the CPU decode attention kernels (:attr:`ModelConfig.cpu_decode`)."""
 """Allowed ``ROPE_SCALING``: the values of the launcher's ``--rope-scaling``."""
 LAUNCHER_CUDA_GRAPHS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 """The launcher's default ``--cuda-graphs``, which it puts in the shard's ``CUDA_GRAPHS``; a shard started
@@ -136,8 +138,15 @@ class ModelConfig:
     inductor's disk cache makes restarts faster); the model then keeps transformers' plain linears
     (inductor cannot lower pre-packed oneDNN weights). Off by default: faster only for host-bound
     models (docs/performance.md). Not used on CUDA."""
+    cpu_decode: str = "compiled"
+    """``TGI_PAGED_CPU_DECODE`` (one of ``CPU_DECODE_KERNELS``): ``compiled`` runs CPU decode attention
+    through the no-gather kernel compiled by inductor at Warmup (``tgi_paged_kernels.cpu_decode``; the
+    gather path serves if it cannot compile here); ``sdpa`` gathers each request's blocks and calls SDPA.
+    Not used on CUDA (Triton kernels)."""
 
     def __post_init__(self) -> None:
+        if self.cpu_decode not in CPU_DECODE_KERNELS:
+            raise ConfigError(f"cpu_decode={self.cpu_decode!r} is invalid: allowed {CPU_DECODE_KERNELS}")
         if any(b < 1 for b in self.cuda_graphs) or list(self.cuda_graphs) != sorted(set(self.cuda_graphs)):
             raise ConfigError(f"cuda_graphs={self.cuda_graphs} is invalid: allowed distinct sizes >= 1, ascending")
         if self.rope_scaling is not None and self.rope_scaling not in ROPE_SCALINGS:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from tgi_paged_backend.config import (
     BLOCK_SIZES,
+    CPU_DECODE_KERNELS,
     DEFAULT_OVERCOMMIT,
     PREEMPTION_MODES,
     ROPE_SCALINGS,
@@ -54,6 +55,7 @@ class EnvSettings:
     rope_factor: float
     cuda_graphs: tuple[int, ...]
     compile_decode: bool
+    cpu_decode: str
     lora_adapters: str | None
     rank: int
     world_size: int
@@ -210,6 +212,15 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         cuda_graphs=parse_cuda_graphs(e.get("CUDA_GRAPHS")),
         # TGI_PAGED_COMPILE: CPU decode through one torch.compile graph of the static decode step.
         compile_decode=_parse(e, "TGI_PAGED_COMPILE", False, _on_off, "0, 1, false or true"),
+        # TGI_PAGED_CPU_DECODE: the CPU decode attention kernel (compiled no-gather, or gather + SDPA).
+        cpu_decode=_parse(
+            e,
+            "TGI_PAGED_CPU_DECODE",
+            "compiled",
+            str,
+            " or ".join(CPU_DECODE_KERNELS),
+            lambda v: v in CPU_DECODE_KERNELS,
+        ),
         # LORA_ADAPTERS: launcher --lora-adapters; empty means none, as stock. Refused by `serve`.
         lora_adapters=lora if lora else None,
         # RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT: set by the launcher for each shard.
@@ -275,6 +286,7 @@ def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             lora_adapters=cli.get("lora_adapters") or s.lora_adapters,
             cuda_graphs=s.cuda_graphs,
             compile_decode=s.compile_decode,
+            cpu_decode=s.cpu_decode,
         ),
         cache=CacheConfig(
             block_size=s.block_size,

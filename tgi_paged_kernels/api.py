@@ -65,6 +65,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     gather: DecodeGather | None = None,
+    compiled: bool = True,
 ) -> torch.Tensor:
     """Attention of one new token per request over that request's K/V in the pool.
 
@@ -85,6 +86,9 @@ def paged_decode_attention(
         ``sum(exp(s)) / (sum(exp(s)) + exp(sink))``
     gather : CPU only, optional: the step's :func:`plan_decode_gather` for these block tables, lengths and
         window, shared by every layer of the step (built per call when omitted); ignored on CUDA
+    compiled : CPU only: True (default) runs the no-gather kernel compiled by inductor
+        (:mod:`.cpu_decode`; compiled at the first call, the gather + SDPA path if it cannot compile
+        here); False takes the gather + SDPA path directly. Ignored on CUDA
 
     Returns
     -------
@@ -107,7 +111,7 @@ def paged_decode_attention(
     return torch_impl.paged_decode_attention_torch(
         query, k_cache, v_cache, block_tables, seq_lens,
         scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
-        sinks=sinks, gather=gather,
+        sinks=sinks, gather=gather, compiled=compiled,
     )  # fmt: skip
 
 

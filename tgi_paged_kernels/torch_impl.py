@@ -24,6 +24,7 @@ from .cpu_attention import (
     plan_decode_gather,
     prefill_attention_sdpa,
 )
+from .cpu_decode import compiled_decode_attention
 from .reference import dequantize, quantize
 
 
@@ -91,6 +92,7 @@ def paged_decode_attention_torch(
     out,
     sinks=None,
     gather: DecodeGather | None = None,
+    compiled: bool = True,
 ) -> torch.Tensor:
     """Decode for CPU tensors over the step's gather plan (``gather``, built here when not given); see
     ``api.paged_decode_attention``. SDPA without soft-capping or sinks, else a masked matmul pair per
@@ -99,6 +101,13 @@ def paged_decode_attention_torch(
         gather = plan_decode_gather(block_tables, seq_lens, k_cache.shape[1], sliding_window)
     elif gather.num_requests != query.shape[0]:
         raise ValueError(f"gather plan for {gather.num_requests} requests, the query has {query.shape[0]}")
+    if compiled:  # no gather: the compiled kernel reads the blocks in place (None: it cannot run here)
+        table = gather.block_ids.view(gather.num_requests, gather.num_blocks)
+        result = compiled_decode_attention()(
+            query, k_cache, v_cache, table, seq_lens, scale, softcap, sliding_window, sinks, k_scale, v_scale
+        )
+        if result is not None:
+            return _write_out(result, query, out)
     if softcap == 0 and sinks is None:
         result = decode_attention_sdpa(query, k_cache, v_cache, gather, scale=scale, k_scale=k_scale, v_scale=v_scale)
     else:

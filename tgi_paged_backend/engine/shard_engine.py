@@ -194,6 +194,7 @@ class PagedShardEngine:
         )
         self._configure(capacity)
         self.runner.prepare_static_decode(capacity.max_total_tokens)  # captures the graphs over the new pool
+        self.runner.warm_decode()  # compiles the CPU decode kernel now, not at the first request
         self.recorder.record_budget(
             MemoryBudget(
                 device_total_bytes=self.runner.device_total_bytes(),

@@ -19,9 +19,9 @@ runner a ``[1, 1, 1, 1]`` stand-in that those versions pass through untouched.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Sequence
 
 import torch
 
@@ -60,6 +60,9 @@ class PagedAttentionMetadata:
     decode_gathers : dict
         CPU decode only: the step's gather plan per sliding window (``None``: full attention), built
         by the first layer that needs it and shared by the others (:meth:`decode_gather`).
+    compiled_decode : bool
+        CPU decode only: the compiled no-gather kernel (:mod:`tgi_paged_kernels.cpu_decode`), else
+        gather + SDPA (``TGI_PAGED_CPU_DECODE``).
     static : bool
         The static decode step (:mod:`.static_decode`): the batch is padded to fixed shapes and the
         block tables to a fixed width, so the CPU plan is the padded one, built from shapes alone
@@ -74,6 +77,7 @@ class PagedAttentionMetadata:
     layer_calls: list[int] | None = None
     decode_gathers: dict[int | None, Any] = field(default_factory=dict)
     static: bool = False
+    compiled_decode: bool = True
 
     def decode_gather(self, block_size: int, sliding_window: int | None) -> Any:
         """The step's CPU decode plan for this window (``None`` on CUDA, where kernels need none)."""
@@ -146,9 +150,10 @@ def paged_attention_forward(
     k_cache, v_cache = metadata.k_caches[layer_idx], metadata.v_caches[layer_idx]
     batch = metadata.batch
 
-    q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
-    k = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
-    v = value[0].transpose(0, 1).contiguous()
+    # Views, not copies: every kernel takes any strides with head_dim contiguous.
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)
     tgi_paged_kernels.store_kv(
         k, v, k_cache, v_cache, batch.slot_mapping, k_scale=metadata.k_scale, v_scale=metadata.v_scale
     )
@@ -166,7 +171,14 @@ def paged_attention_forward(
     if batch.is_decode:
         gather = metadata.decode_gather(k_cache.shape[1], common["sliding_window"])
         out = tgi_paged_kernels.paged_decode_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, gather=gather, **common
+            q,
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            gather=gather,
+            compiled=metadata.compiled_decode,
+            **common,
         )
     else:
         out = tgi_paged_kernels.paged_prefill_attention(

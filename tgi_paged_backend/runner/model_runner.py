@@ -206,7 +206,10 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
         batch = batch.to(self.device)
-        metadata = PagedAttentionMetadata(batch, k_caches, v_caches, self.k_scale, self.v_scale)
+        metadata = PagedAttentionMetadata(
+            batch, k_caches, v_caches, self.k_scale, self.v_scale,
+            compiled_decode=self.model_config.cpu_decode == "compiled",
+        )  # fmt: skip
         with torch.inference_mode():
             out = self.model(
                 input_ids=batch.input_ids.unsqueeze(0),
@@ -218,6 +221,25 @@ class ModelRunner:
                 **{METADATA_KWARG: metadata},
             )
         return out.logits[0].float()
+
+    def warm_decode(self) -> float:
+        """Run one dummy decode step so its one-time costs (the CPU decode kernel's compilation, oneDNN's
+        primitive caches) are paid at Warmup, not by the first request. Returns the seconds it took.
+
+        Three requests of ``block_size + 1`` tokens (sizes that differ, so no duck-sized guard of the
+        compiled kernel ties them), every block the scratch block 0 (never handed out), so no pool block
+        another request could own is written.
+        """
+        if not self.k_caches:
+            raise RuntimeError("allocate_kv_cache() must be called before warm_decode()")
+        chunks = [RequestChunk(token_ids=[0], num_computed=self.block_size, block_table=[0, 0]) for _ in range(3)]
+        start = time.perf_counter()
+        self._forward(build_forward_batch(chunks, self.block_size), self.k_caches, self.v_caches)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        logger.info("decode warm-up step: {:.1f} s", seconds)
+        return seconds
 
     # ----------------------------------------------------------- static decode
     static_decode_supported = True

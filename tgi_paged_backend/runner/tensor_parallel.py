@@ -265,6 +265,11 @@ class TensorParallelRunner(ModelRunner):
 
     static_decode_supported = False  # decode graphs with collectives inside: not captured yet
 
+    def warm_decode(self) -> float:
+        """Nothing: a dummy step would need every rank in its collectives; the first real decode step,
+        which all ranks run, pays the one-time costs instead."""
+        return 0.0
+
     def __init__(
         self,
         model_config: ModelConfig,
