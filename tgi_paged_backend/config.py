@@ -135,9 +135,9 @@ class ModelConfig:
     compile_decode: bool = False
     """``TGI_PAGED_COMPILE``: on CPU, decode batches of up to 256 requests run through one
     ``torch.compile`` (inductor) graph of the static decode step, compiled at Warmup (minutes cold,
-    inductor's disk cache makes restarts faster); the model then keeps transformers' plain linears
-    (inductor cannot lower pre-packed oneDNN weights). Off by default: faster only for host-bound
-    models (docs/performance.md). Not used on CUDA."""
+    inductor's disk cache makes restarts faster); the packed linears of the fast-layer swap enter the
+    graph as an opaque op (``tgi_paged::packed_linear``). Off by default: not faster than the eager
+    step yet (docs/performance.md, sections 10 and 11). Not used on CUDA."""
     cpu_decode: str = "compiled"
     """``TGI_PAGED_CPU_DECODE`` (one of ``CPU_DECODE_KERNELS``): ``compiled`` runs CPU decode attention
     through the no-gather kernel compiled by inductor at Warmup (``tgi_paged_kernels.cpu_decode``; the

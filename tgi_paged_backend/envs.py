@@ -76,9 +76,21 @@ def _parse(
     allowed: str,
     ok: Callable[[T], bool] = lambda _: True,
 ) -> T:
+    value = _parse_optional(env, name, convert, allowed, ok)
+    return default if value is None else value
+
+
+def _parse_optional(
+    env: Mapping[str, str],
+    name: str,
+    convert: Callable[[str], T],
+    allowed: str,
+    ok: Callable[[T], bool] = lambda _: True,
+) -> T | None:
+    """``name`` converted and checked, or ``None`` when it is unset or blank."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
-        return default
+        return None
     try:
         value = convert(raw.strip())
     except (TypeError, ValueError):
@@ -174,7 +186,7 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
             e, "CUDA_MEMORY_FRACTION", 1.0, float, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0
         ),
         # TGI_PAGED_NUM_BLOCKS: cap on physical blocks (tests, benchmarks, capacity drills).
-        num_blocks=_parse(e, "TGI_PAGED_NUM_BLOCKS", None, int, "an integer >= 2", lambda v: v >= 2),
+        num_blocks=_parse_optional(e, "TGI_PAGED_NUM_BLOCKS", int, "an integer >= 2", lambda v: v >= 2),
         # TGI_PAGED_OVERCOMMIT: advertised virtual tokens / physical tokens.
         overcommit=_parse(e, "TGI_PAGED_OVERCOMMIT", DEFAULT_OVERCOMMIT, float, "a number >= 1.0", lambda v: v >= 1.0),
         # TGI_PAGED_PREEMPTION: auto, recompute or swap.
@@ -191,20 +203,20 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         # TGI_PAGED_WATERMARK: free-block share kept before braking admission.
         watermark=_parse(e, "TGI_PAGED_WATERMARK", 0.01, float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0),
         # TGI_PAGED_METRICS_PORT: Prometheus /metrics on 127.0.0.1:PORT.
-        metrics_port=_parse(e, "TGI_PAGED_METRICS_PORT", None, int, "a port in 1..65535", lambda v: 0 < v < 65536),
+        metrics_port=_parse_optional(e, "TGI_PAGED_METRICS_PORT", int, "a port in 1..65535", lambda v: 0 < v < 65536),
         # PREFIX_CACHING: set by the launcher (user env wins): advertised in Info.use_prefix_caching
         # and, when off, no prefix blocks are retained either. Stock parsing.
         prefix_caching=_stock_flag(e, "PREFIX_CACHING"),
         # MAX_BATCH_SIZE, MAX_TOTAL_TOKENS: set by the launcher when the user gives them, as its
         # `usize` values. Not used by the shard, as stock's CUDA server: the router caps its batches
         # and Warmup carries max_total_tokens.
-        max_batch_size=_parse(e, "MAX_BATCH_SIZE", None, int, "an integer >= 0", lambda v: v >= 0),
-        max_total_tokens=_parse(e, "MAX_TOTAL_TOKENS", None, int, "an integer >= 0", lambda v: v >= 0),
+        max_batch_size=_parse_optional(e, "MAX_BATCH_SIZE", int, "an integer >= 0", lambda v: v >= 0),
+        max_total_tokens=_parse_optional(e, "MAX_TOTAL_TOKENS", int, "an integer >= 0", lambda v: v >= 0),
         # REQUEST_LOGPROBS: launcher --enable-prefill-logprobs. Stock parsing.
         request_logprobs=_stock_flag(e, "REQUEST_LOGPROBS"),
         # WEIGHTS_CACHE_OVERRIDE: launcher --weights-cache-override: a hub model's files are read
         # from this directory instead of the hub cache (a local model directory wins, as stock).
-        weights_cache_override=_parse(e, "WEIGHTS_CACHE_OVERRIDE", None, str, "a directory"),
+        weights_cache_override=_parse_optional(e, "WEIGHTS_CACHE_OVERRIDE", str, "a directory"),
         # ROPE_SCALING / ROPE_FACTOR: launcher --rope-scaling / --rope-factor.
         rope_scaling=rope_scaling,
         rope_factor=rope_factor,

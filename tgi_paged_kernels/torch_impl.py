@@ -197,7 +197,7 @@ def paged_prefill_attention_torch(
         # -- rows of a KV head: (head in group, token) pairs, head-major ------------------------------
         q = query[start:end].float().reshape(num_queries, num_kv_heads, queries_per_kv, head_dim)
         q = q.permute(1, 2, 0, 3).reshape(1, num_kv_heads, queries_per_kv * num_queries, head_dim)
-        rows_sinks = None if sinks is None else group_sinks.expand(-1, -1, num_queries).reshape(num_kv_heads, -1)
+        rows_sinks = None if group_sinks is None else group_sinks.expand(-1, -1, num_queries).reshape(num_kv_heads, -1)
         o = _attend_per_kv_head(q, k[None], v[None], visible.repeat(queries_per_kv, 1)[None], scale=scale,
                                 softcap=softcap, sinks=rows_sinks)  # fmt: skip
         o = o.reshape(num_kv_heads, queries_per_kv, num_queries, head_dim)

@@ -23,7 +23,7 @@ from tgi_paged_backend.config import BackendConfig
 from tgi_paged_backend.engine.capacity import Capacity, plan_capacity
 from tgi_paged_backend.engine.detokenize import TokenDecoder
 from tgi_paged_backend.engine.engine_stats import EngineStats
-from tgi_paged_backend.engine.grammar import GrammarCompiler, TokenVocabulary
+from tgi_paged_backend.engine.grammar import GrammarCompiler, GrammarState, TokenVocabulary
 from tgi_paged_backend.engine.model_step import ModelStep
 from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
 from tgi_paged_backend.engine.sampling import validate_sampling_params
@@ -321,7 +321,7 @@ class PagedShardEngine:
             self._free(registered)
             raise
 
-    def _register(self, spec: RequestSpec, prompt_ids: list[int], grammar: object | None) -> None:
+    def _register(self, spec: RequestSpec, prompt_ids: list[int], grammar: GrammarState | None) -> None:
         """Create the request state and its page map; share retained prefix blocks."""
         self._admitted += 1
         state = RequestState(

@@ -33,6 +33,7 @@ ATTENTION_NAME = "tgi_paged"
 METADATA_KWARG = "tgi_paged_metadata"
 """Keyword argument that carries :class:`PagedAttentionMetadata` through ``model(...)``."""
 
+_MaskInterface: Any
 try:  # transformers >= 4.53
     from transformers.masking_utils import AttentionMaskInterface as _MaskInterface
 except ImportError:  # transformers 4.51/4.52: the model builds its own 4D mask
@@ -143,9 +144,9 @@ def paged_attention_forward(
         )
     if query.shape[0] != 1:
         raise ValueError(f"{ATTENTION_NAME} expects one packed sequence (batch dim 1), got {query.shape[0]}")
-    layer_idx = module.layer_idx
+    layer_idx = int(module.layer_idx)  # type: ignore[arg-type]  # an int attribute of every HF attention layer
     if metadata.layer_calls is not None:  # probe: which layers reach us, nothing computed
-        metadata.layer_calls.append(int(layer_idx))
+        metadata.layer_calls.append(layer_idx)
         return query.new_zeros((1, query.shape[2], query.shape[1], value.shape[-1])), None
     k_cache, v_cache = metadata.k_caches[layer_idx], metadata.v_caches[layer_idx]
     batch = metadata.batch
@@ -160,16 +161,18 @@ def paged_attention_forward(
 
     if scaling is None:
         scaling = getattr(module, "scaling", None) or q.shape[-1] ** -0.5
-    common = dict(
+    window = int(sliding_window) if sliding_window else None
+    sinks = None if s_aux is None else s_aux.detach().float().contiguous()
+    options: dict[str, Any] = dict(
         scale=float(scaling),
         softcap=float(softcap or 0.0),
-        sliding_window=int(sliding_window) if sliding_window else None,
+        sliding_window=window,
         k_scale=metadata.k_scale,
         v_scale=metadata.v_scale,
-        sinks=None if s_aux is None else s_aux.detach().float().contiguous(),
+        sinks=sinks,
     )
     if batch.is_decode:
-        gather = metadata.decode_gather(k_cache.shape[1], common["sliding_window"])
+        gather = metadata.decode_gather(k_cache.shape[1], window)
         out = tgi_paged_kernels.paged_decode_attention(
             q,
             k_cache,
@@ -178,11 +181,11 @@ def paged_attention_forward(
             batch.seq_lens,
             gather=gather,
             compiled=metadata.compiled_decode,
-            **common,
+            **options,
         )
     else:
         out = tgi_paged_kernels.paged_prefill_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, **common
+            q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, **options
         )
     return out.unsqueeze(0), None
 

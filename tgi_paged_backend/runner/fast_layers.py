@@ -23,6 +23,7 @@ read after the swap), so it comes out of the KV budget like any weight.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import cast
 
@@ -53,25 +54,52 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return False
 
 
+_PACKED_WEIGHTS: dict[int, torch.Tensor] = {}
+"""Packed weights by handle, for :func:`packed_linear`: a compiled graph (``TGI_PAGED_COMPILE``) cannot take
+a oneDNN tensor as an input, so it calls the op with the weight's handle, an int it holds as a constant.
+Each :class:`PackedLinear` owns its entry and drops it when it is collected."""
+
+
+@torch.library.custom_op("tgi_paged::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T + b`` with the packed ``W`` registered under ``handle`` (opaque to ``torch.compile``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED_WEIGHTS[handle], bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class PackedLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` held only in oneDNN's reordered layout (CPU).
 
-    The reordered weight is a buffer, so resident-bytes accounting sees it; the original parameter is
-    dropped (a tied weight lives on in the module that shares it).
+    The reordered weight lives in :data:`_PACKED_WEIGHTS` under :attr:`handle` (not a buffer: see there);
+    :attr:`resident_bytes` reports its size for the weight accounting. The original parameter is dropped
+    (a tied weight lives on in the module that shares it).
     """
 
-    packed_weight: torch.Tensor  # a buffer (register_buffer): declared for the type checker
     bias: nn.Parameter | None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT))
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+        self.handle = id(packed)
+        _PACKED_WEIGHTS[self.handle] = packed
+        weakref.finalize(self, _PACKED_WEIGHTS.pop, self.handle, None)
+        self.resident_bytes = weight.numel() * weight.element_size()
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
+    @property
+    def packed_weight(self) -> torch.Tensor:
+        return _PACKED_WEIGHTS[self.handle]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():  # an opaque op the compiled step calls with the handle
+            return packed_linear(x, self.handle, self.out_features, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, _PACKED_WEIGHTS[self.handle], self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

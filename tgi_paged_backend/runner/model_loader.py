@@ -168,8 +168,10 @@ def _quantize(model: transformers.PreTrainedModel, method: str | None, scheme: A
 
 
 def resident_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer: what the weights take where they are (fp8 bytes included)."""
-    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    """Bytes of every parameter and buffer, plus what modules hold outside them (``resident_bytes``: the
+    packed weights of :mod:`.fast_layers`): what the weights take where they are (fp8 bytes included)."""
+    tensors = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    return tensors + sum(int(getattr(m, "resident_bytes", 0)) for m in model.modules())
 
 
 def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedModel:

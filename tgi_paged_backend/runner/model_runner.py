@@ -78,8 +78,7 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = loaded.eos_token_ids
         self.dtype = loaded.dtype
         self.spec = ModelSpec.from_hf_config(self.model.config, self.dtype)
-        # TGI_PAGED_COMPILE keeps the plain layers: inductor cannot lower the pre-packed oneDNN ones.
-        self.fast_layers = None if self._compiles_decode() else swap_fast_layers(self.model, self.device, self.dtype)
+        self.fast_layers = swap_fast_layers(self.model, self.device, self.dtype)
         self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
         self.k_scale = 1.0
         self.v_scale = 1.0
