@@ -36,9 +36,10 @@ _PACK_BATCH_HINT = 32
 """Batch size oneDNN tunes the reordered layout for; the packed weight serves any batch size."""
 
 PACK_MIN_ELEMENTS = 1 << 17
-"""Weights smaller than this stay plain: a oneDNN call costs ~10-15 us more than ``F.linear`` before any
-math (measured at M=20, one thread: 128x128 plain 11 us vs packed 23 us; 576x576 plain 190 us vs packed
-152 us), so packing pays only once the weight itself takes longer than that to stream."""
+"""Weights smaller than this stay plain: a oneDNN call costs ~10-20 us more than ``F.linear`` before any
+math (hot in cache, 20 rows, one thread: 128x128 plain 13 us vs packed 32 us; 576x576 186 vs 170 us;
+``examples/bench_packed_linears.py``), so packing pays only once the weight itself takes longer than that
+to stream."""
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:

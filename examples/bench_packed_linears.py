@@ -1,14 +1,12 @@
-"""The two parts of a CPU decode step that issue 21 changed, old way vs new way, in one process.
+"""GEMMs of a CPU decode step: ``F.linear`` (before issue 21) vs the fast-layer swap's packed oneDNN call.
 
-1. GEMMs: a 30-layer set of distinct weights (SmolLM2-135M's shapes, plus its LM head), so every weight is
-   cold in cache as in a real step, run at ``--rows`` rows with ``F.linear`` and with the fast-layer swap's
-   packed oneDNN call; then single small and mid-size weights hot in cache (the per-call cost that sets
-   ``fast_layers.PACK_MIN_ELEMENTS``).
-2. Decode attention over a paged pool, 30 layers: gather + SDPA (``TGI_PAGED_CPU_DECODE=sdpa``) vs the
-   no-gather compiled kernel (``compiled``, the default), for SmolLM2's heads and the host-bound model's.
+A 30-layer set of distinct weights (SmolLM2-135M's shapes, plus its LM head), so every weight is cold in
+cache as in a real step, run at ``--rows`` rows both ways; then single small and mid-size weights hot in
+cache (the per-call cost that sets ``fast_layers.PACK_MIN_ELEMENTS``). Prints median and min ms per
+repetition, the two ways alternated. Decode attention's old and new paths are compared by
+``examples/bench_cpu_attention.py``. Figures move with the machine's load (printed).
 
-Prints median and min ms per repetition, alternating the two ways. Figures move with the machine's load
-(printed). Usage: ``.venv/bin/python examples/bench_forward_parts.py [--threads 2] [--rows 20]``.
+    .venv/bin/python examples/bench_packed_linears.py [--threads 2] [--rows 20]
 """
 
 from __future__ import annotations
@@ -19,12 +17,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-
-from tgi_paged_kernels import paged_decode_attention, plan_decode_gather
-from tgi_paged_kernels.testing import make_paged_kv
 
 SMOLLM2_LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 
@@ -76,26 +70,6 @@ def gemms(rows: int, repeats: int) -> None:
         _pair(f"{out_f}x{in_f} hot, x{loops} calls", one_plain, one_packed, max(3, repeats // 2))
 
 
-def attention(rows: int, repeats: int, q_heads: int, kv_heads: int) -> None:
-    print(f"decode attention, 30 layers, {rows} requests, {q_heads} q / {kv_heads} kv heads, head_dim 64, block 16:")
-    lens = np.random.default_rng(0).integers(40, 200, size=rows).tolist()
-    kv = make_paged_kv(lens, num_kv_heads=kv_heads, head_dim=64, block_size=16, kv_dtype=torch.float32, poison=False)
-    caches = [(kv.k_cache.clone(), kv.v_cache.clone()) for _ in range(30)]
-    query = torch.randn(rows, q_heads, 64)
-    plan = plan_decode_gather(kv.block_tables, kv.seq_lens, 16, None)
-
-    def run(compiled: bool) -> None:
-        for k, v in caches:
-            paged_decode_attention(
-                query, k, v, kv.block_tables, kv.seq_lens, scale=0.125, gather=plan, compiled=compiled
-            )
-
-    start = time.perf_counter()
-    run(True)
-    print(f"  (compiled kernel ready in {time.perf_counter() - start:.1f} s)")
-    _pair("gather + SDPA (old) vs compiled no-gather (new)", lambda: run(False), lambda: run(True), repeats)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -105,8 +79,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"{args.threads} threads; load average {os.getloadavg()[0]:.2f}")
     gemms(args.rows, args.repeats)
-    attention(args.rows, args.repeats, 9, 3)
-    attention(args.rows, args.repeats, 2, 1)
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 
