@@ -13,7 +13,8 @@ each on its own layer pool, as the model does. Prints ms per step for:
 - ``SDPA, plan per call``: ``scaled_dot_product_attention`` over a gather planned in every call;
 - ``SDPA, one plan per step``: the gather path as serving runs it with ``TGI_PAGED_CPU_DECODE=sdpa``
   (``plan_decode_gather`` once, shared by the layers);
-- ``compiled no-gather``: the serving default (``tgi_paged_kernels.cpu_decode``, compiled before timing);
+- ``compiled no-gather``: the inductor kernel (``tgi_paged_kernels.cpu_decode``, compiled before timing);
+- ``native C++ no-gather``: the serving default (``tgi_paged_kernels.cpu_native``, built before timing);
 
 and the gathers alone (the memory traffic every path pays). Figures move with the machine's load.
 """
@@ -69,19 +70,25 @@ def main() -> None:
 
     def sdpa_plan_per_call():
         for kv in layers:
-            paged_decode_attention(query, kv.k_cache, kv.v_cache, tables, lens, scale=scale, compiled=False)
+            paged_decode_attention(query, kv.k_cache, kv.v_cache, tables, lens, scale=scale, cpu_kernel="sdpa")
 
     def sdpa_plan_per_step():
         plan = plan_decode_gather(tables, lens, 16, None)
         for kv in layers:
             paged_decode_attention(
-                query, kv.k_cache, kv.v_cache, tables, lens, scale=scale, gather=plan, compiled=False
+                query, kv.k_cache, kv.v_cache, tables, lens, scale=scale, gather=plan, cpu_kernel="sdpa"
             )
 
     def compiled_no_gather():
         plan = plan_decode_gather(tables, lens, 16, None)
         for kv in layers:
-            paged_decode_attention(query, kv.k_cache, kv.v_cache, tables, lens, scale=scale, gather=plan)
+            paged_decode_attention(
+                query, kv.k_cache, kv.v_cache, tables, lens, scale=scale, gather=plan, cpu_kernel="compiled"
+            )
+
+    def native_no_gather():
+        for kv in layers:
+            paged_decode_attention(query, kv.k_cache, kv.v_cache, tables, lens, scale=scale, cpu_kernel="native")
 
     plan = plan_decode_gather(tables, lens, 16, None)
 
@@ -94,7 +101,8 @@ def main() -> None:
         ("per KV head, plan per call", per_kv_head),
         ("SDPA, plan per call", sdpa_plan_per_call),
         ("SDPA, one plan per step (sdpa)", sdpa_plan_per_step),
-        ("compiled no-gather (serving default)", compiled_no_gather),
+        ("compiled no-gather (inductor)", compiled_no_gather),
+        ("native C++ no-gather (serving default)", native_no_gather),
         ("gathers alone (K and V)", gathers_only),
     ]
     print(

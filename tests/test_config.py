@@ -181,12 +181,16 @@ def test_every_config_field_has_an_attribute_docstring() -> None:
         assert not missing, f"{cls_name} fields without docstring: {missing}"
 
 
-@pytest.mark.parametrize(("raw", "expected"), [(None, "compiled"), ("compiled", "compiled"), ("sdpa", "sdpa")])
+@pytest.mark.parametrize(
+    ("raw", "expected"), [(None, "native"), ("native", "native"), ("compiled", "compiled"), ("sdpa", "sdpa")]
+)
 def test_cpu_decode_kernel_is_read_from_the_environment(raw, expected) -> None:
     env = {} if raw is None else {"TGI_PAGED_CPU_DECODE": raw}
     assert build_config({"model_id": "m"}, env).model.cpu_decode == expected
 
 
 def test_a_bad_cpu_decode_kernel_names_the_variable_and_the_choices() -> None:
-    with pytest.raises(ConfigError, match=r"TGI_PAGED_CPU_DECODE='flash' is invalid: allowed compiled or sdpa"):
+    with pytest.raises(
+        ConfigError, match=r"TGI_PAGED_CPU_DECODE='flash' is invalid: allowed native or compiled or sdpa"
+    ):
         read_env({"TGI_PAGED_CPU_DECODE": "flash"})

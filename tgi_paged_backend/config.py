@@ -21,7 +21,7 @@ blocks cut the half-empty-last-block waste of short requests at a per-step bookk
 ``examples/bench_bookkeeping.py``), 16 is the default."""
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3fn", "fp8_e5m2")
 ROPE_SCALINGS: tuple[str, ...] = ("linear", "dynamic")
-CPU_DECODE_KERNELS: tuple[str, ...] = ("compiled", "sdpa")
+CPU_DECODE_KERNELS: tuple[str, ...] = ("native", "compiled", "sdpa")
 """Allowed ``TGI_PAGED_CPU_DECODE``: the CPU decode attention kernels (:attr:`ModelConfig.cpu_decode`)."""
 """Allowed ``ROPE_SCALING``: the values of the launcher's ``--rope-scaling``."""
 LAUNCHER_CUDA_GRAPHS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
@@ -138,11 +138,12 @@ class ModelConfig:
     inductor's disk cache makes restarts faster); the packed linears of the fast-layer swap enter the
     graph as an opaque op (``tgi_paged::packed_linear``). Off by default: not faster than the eager
     step yet (docs/performance.md, sections 10 and 11). Not used on CUDA."""
-    cpu_decode: str = "compiled"
-    """``TGI_PAGED_CPU_DECODE`` (one of ``CPU_DECODE_KERNELS``): ``compiled`` runs CPU decode attention
-    through the no-gather kernel compiled by inductor at Warmup (``tgi_paged_kernels.cpu_decode``; the
-    gather path serves if it cannot compile here); ``sdpa`` gathers each request's blocks and calls SDPA.
-    Not used on CUDA (Triton kernels)."""
+    cpu_decode: str = "native"
+    """``TGI_PAGED_CPU_DECODE`` (one of ``CPU_DECODE_KERNELS``): ``native`` runs CPU decode attention
+    through the C++ kernel built at first use (``tgi_paged_kernels.cpu_native``; reads the blocks in
+    place); ``compiled`` through the no-gather kernel compiled by inductor at Warmup
+    (``tgi_paged_kernels.cpu_decode``); ``sdpa`` gathers each request's blocks and calls SDPA. Each falls
+    back to the next when it cannot build here. Not used on CUDA (Triton kernels)."""
 
     def __post_init__(self) -> None:
         if self.cpu_decode not in CPU_DECODE_KERNELS:

@@ -224,11 +224,11 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         cuda_graphs=parse_cuda_graphs(e.get("CUDA_GRAPHS")),
         # TGI_PAGED_COMPILE: CPU decode through one torch.compile graph of the static decode step.
         compile_decode=_parse(e, "TGI_PAGED_COMPILE", False, _on_off, "0, 1, false or true"),
-        # TGI_PAGED_CPU_DECODE: the CPU decode attention kernel (compiled no-gather, or gather + SDPA).
+        # TGI_PAGED_CPU_DECODE: the CPU decode attention kernel (native C++, compiled no-gather, gather + SDPA).
         cpu_decode=_parse(
             e,
             "TGI_PAGED_CPU_DECODE",
-            "compiled",
+            "native",
             str,
             " or ".join(CPU_DECODE_KERNELS),
             lambda v: v in CPU_DECODE_KERNELS,

@@ -65,7 +65,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     gather: DecodeGather | None = None,
-    compiled: bool = True,
+    cpu_kernel: str = "native",
 ) -> torch.Tensor:
     """Attention of one new token per request over that request's K/V in the pool.
 
@@ -86,9 +86,11 @@ def paged_decode_attention(
         ``sum(exp(s)) / (sum(exp(s)) + exp(sink))``
     gather : CPU only, optional: the step's :func:`plan_decode_gather` for these block tables, lengths and
         window, shared by every layer of the step (built per call when omitted); ignored on CUDA
-    compiled : CPU only: True (default) runs the no-gather kernel compiled by inductor
-        (:mod:`.cpu_decode`; compiled at the first call, the gather + SDPA path if it cannot compile
-        here); False takes the gather + SDPA path directly. Ignored on CUDA
+    cpu_kernel : CPU only: ``"native"`` (default) runs the C++ kernel of :mod:`.cpu_native` (built at the
+        first call; reads the blocks in place); ``"compiled"`` the no-gather kernel compiled by inductor
+        (:mod:`.cpu_decode`; compiled at the first call); ``"sdpa"`` gathers and calls SDPA. A kernel
+        that cannot build here falls back to the next one; under ``torch.compile`` the compiled math is
+        traced. ``gather`` is only used by the SDPA path (and built when omitted). Ignored on CUDA
 
     Returns
     -------
@@ -111,7 +113,7 @@ def paged_decode_attention(
     return torch_impl.paged_decode_attention_torch(
         query, k_cache, v_cache, block_tables, seq_lens,
         scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
-        sinks=sinks, gather=gather, compiled=compiled,
+        sinks=sinks, gather=gather, cpu_kernel=cpu_kernel,
     )  # fmt: skip
 
 

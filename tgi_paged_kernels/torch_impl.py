@@ -25,6 +25,7 @@ from .cpu_attention import (
     prefill_attention_sdpa,
 )
 from .cpu_decode import compiled_decode_attention
+from .cpu_native import native_kernels
 from .reference import dequantize, quantize
 
 
@@ -33,6 +34,10 @@ def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float
 
     Under ``torch.compile`` (the static decode step, whose padding rows write the scratch slot) the
     skip, a branch on values, is not traced: a negative slot raises there instead."""
+    if not torch.compiler.is_compiling():  # the native kernel copies rows of the pool's own dtype in one call
+        native = native_kernels()
+        if native is not None and native.store_kv(key, value, k_cache, v_cache, slot_mapping):
+            return
     slots = slot_mapping.long()
     if torch.compiler.is_compiling():
         torch._assert_async((slots >= 0).all(), "store_kv: negative slots are not supported under torch.compile")
@@ -92,22 +97,32 @@ def paged_decode_attention_torch(
     out,
     sinks=None,
     gather: DecodeGather | None = None,
-    compiled: bool = True,
+    cpu_kernel: str = "native",
 ) -> torch.Tensor:
-    """Decode for CPU tensors over the step's gather plan (``gather``, built here when not given); see
-    ``api.paged_decode_attention``. SDPA without soft-capping or sinks, else a masked matmul pair per
-    KV head."""
+    """Decode for CPU tensors; see ``api.paged_decode_attention``. ``native``: the C++ kernel on the block
+    tables as they are. ``compiled`` (and ``native`` under ``torch.compile``, which cannot trace a ctypes
+    call): the inductor kernel over the plan's table. ``sdpa``, or when neither builds here: over the
+    step's gather plan (``gather``, built here when not given), SDPA without soft-capping or sinks, else a
+    masked matmul pair per KV head."""
+    if gather is not None and gather.num_requests != query.shape[0]:
+        raise ValueError(f"gather plan for {gather.num_requests} requests, the query has {query.shape[0]}")
+    if cpu_kernel == "native" and not torch.compiler.is_compiling():
+        native = native_kernels()
+        if native is not None and native.supports_cache(k_cache):
+            direct = native.decode_attention(
+                query, k_cache, v_cache, block_tables, seq_lens, scale, softcap, sliding_window, sinks, k_scale, v_scale
+            )
+            return _write_out(direct, query, out)
+    compiled = cpu_kernel in ("native", "compiled")
     if gather is None:
         gather = plan_decode_gather(block_tables, seq_lens, k_cache.shape[1], sliding_window)
-    elif gather.num_requests != query.shape[0]:
-        raise ValueError(f"gather plan for {gather.num_requests} requests, the query has {query.shape[0]}")
     if compiled:  # no gather: the compiled kernel reads the blocks in place (None: it cannot run here)
         table = gather.block_ids.view(gather.num_requests, gather.num_blocks)
-        result = compiled_decode_attention()(
+        compiled_result = compiled_decode_attention()(
             query, k_cache, v_cache, table, seq_lens, scale, softcap, sliding_window, sinks, k_scale, v_scale
         )
-        if result is not None:
-            return _write_out(result, query, out)
+        if compiled_result is not None:
+            return _write_out(compiled_result, query, out)
     if softcap == 0 and sinks is None:
         result = decode_attention_sdpa(query, k_cache, v_cache, gather, scale=scale, k_scale=k_scale, v_scale=v_scale)
     else:

@@ -27,8 +27,8 @@ CASES = [
 @pytest.mark.parametrize(
     "case", CASES, ids=lambda c: f"{c[0]}q{c[1]}kv{c[2]}d-bs{c[3]}-{c[4]}-cap{c[5]}-w{c[6]}-s{c[7]}"
 )
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "gather-sdpa"])
-def test_decode_paths_match_the_reference(case, compiled):
+@pytest.mark.parametrize("cpu_kernel", ["native", "compiled", "sdpa"])
+def test_decode_paths_match_the_reference(case, cpu_kernel):
     num_q_heads, num_kv_heads, head_dim, block_size, kv_dtype, softcap, window, use_sinks = case
     generator = torch.Generator().manual_seed(0)
     seq_lens = [1, 7, 13, 29, 3]
@@ -41,7 +41,7 @@ def test_decode_paths_match_the_reference(case, compiled):
     options = dict(scale=head_dim**-0.5, softcap=softcap, sliding_window=window, k_scale=0.5, v_scale=1.5, sinks=sinks)
     args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
     expected = paged_decode_attention_reference(*args, **options)
-    assert_attention_close(paged_decode_attention(*args, compiled=compiled, **options), expected, torch.float32)
+    assert_attention_close(paged_decode_attention(*args, cpu_kernel=cpu_kernel, **options), expected, torch.float32)
 
 
 def test_eager_math_reads_only_owned_slots():
@@ -106,7 +106,8 @@ def test_a_failed_compile_falls_back_to_gather_sdpa_for_good(monkeypatch):
     args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
     expected = paged_decode_attention_reference(*args, scale=0.3)
     for _ in range(2):
-        assert_attention_close(paged_decode_attention(*args, scale=0.3), expected, torch.float32)
+        got = paged_decode_attention(*args, scale=0.3, cpu_kernel="compiled")
+        assert_attention_close(got, expected, torch.float32)
     assert broken.failed == "RuntimeError: no C++ compiler"
     assert calls == [1]  # tried once, then the gather path serves without retrying
 

@@ -61,9 +61,10 @@ class PagedAttentionMetadata:
     decode_gathers : dict
         CPU decode only: the step's gather plan per sliding window (``None``: full attention), built
         by the first layer that needs it and shared by the others (:meth:`decode_gather`).
-    compiled_decode : bool
-        CPU decode only: the compiled no-gather kernel (:mod:`tgi_paged_kernels.cpu_decode`), else
-        gather + SDPA (``TGI_PAGED_CPU_DECODE``).
+    cpu_decode : str
+        CPU decode only: the kernel (``TGI_PAGED_CPU_DECODE``): ``native`` (C++,
+        :mod:`tgi_paged_kernels.cpu_native`), ``compiled`` (inductor, :mod:`tgi_paged_kernels.cpu_decode`)
+        or ``sdpa`` (gather + SDPA).
     static : bool
         The static decode step (:mod:`.static_decode`): the batch is padded to fixed shapes and the
         block tables to a fixed width, so the CPU plan is the padded one, built from shapes alone
@@ -78,7 +79,7 @@ class PagedAttentionMetadata:
     layer_calls: list[int] | None = None
     decode_gathers: dict[int | None, Any] = field(default_factory=dict)
     static: bool = False
-    compiled_decode: bool = True
+    cpu_decode: str = "native"
 
     def decode_gather(self, block_size: int, sliding_window: int | None) -> Any:
         """The step's CPU decode plan for this window (``None`` on CUDA, where kernels need none)."""
@@ -136,58 +137,76 @@ def paged_attention_forward(
     tuple[torch.Tensor, None]
         ``[1, T, Hq, D]`` attention output and no attention weights.
     """
+    metadata = step_metadata(kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"{ATTENTION_NAME} expects one packed sequence (batch dim 1), got {query.shape[0]}")
+    layer_idx = int(module.layer_idx)  # type: ignore[arg-type]  # an int attribute of every HF attention layer
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+    # Views, not copies: every kernel takes any strides with head_dim contiguous.
+    out = paged_attention(
+        metadata, layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+        scaling=float(scaling), sliding_window=sliding_window, softcap=softcap, sinks=s_aux,
+    )  # fmt: skip
+    return out.unsqueeze(0), None
+
+
+def step_metadata(kwargs: dict[str, Any]) -> PagedAttentionMetadata:
+    """The step's metadata among an attention layer's keyword arguments; a clear error without it."""
     metadata: PagedAttentionMetadata | None = kwargs.get(METADATA_KWARG)
     if metadata is None:
         raise RuntimeError(
             f"attention {ATTENTION_NAME!r} needs `{METADATA_KWARG}=` in the model call; "
             "run the model through ModelRunner.forward, not model.generate()"
         )
-    if query.shape[0] != 1:
-        raise ValueError(f"{ATTENTION_NAME} expects one packed sequence (batch dim 1), got {query.shape[0]}")
-    layer_idx = int(module.layer_idx)  # type: ignore[arg-type]  # an int attribute of every HF attention layer
+    return metadata
+
+
+def paged_attention(
+    metadata: PagedAttentionMetadata,
+    layer_idx: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scaling: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Store layer ``layer_idx``'s new K/V (``[T, Hkv, D]``) in the pool and attend with ``q`` (``[T, Hq, D]``).
+
+    The core shared by the HF hook (:func:`paged_attention_forward`) and the fused attention modules
+    (:mod:`.fused_blocks`). Returns ``[T, Hq, D]`` in ``q``'s dtype.
+    """
     if metadata.layer_calls is not None:  # probe: which layers reach us, nothing computed
         metadata.layer_calls.append(layer_idx)
-        return query.new_zeros((1, query.shape[2], query.shape[1], value.shape[-1])), None
+        return q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
     k_cache, v_cache = metadata.k_caches[layer_idx], metadata.v_caches[layer_idx]
     batch = metadata.batch
-
-    # Views, not copies: every kernel takes any strides with head_dim contiguous.
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
-    k = key[0].transpose(0, 1)  # [T, Hkv, D]
-    v = value[0].transpose(0, 1)
     tgi_paged_kernels.store_kv(
         k, v, k_cache, v_cache, batch.slot_mapping, k_scale=metadata.k_scale, v_scale=metadata.v_scale
     )
-
-    if scaling is None:
-        scaling = getattr(module, "scaling", None) or q.shape[-1] ** -0.5
     window = int(sliding_window) if sliding_window else None
-    sinks = None if s_aux is None else s_aux.detach().float().contiguous()
     options: dict[str, Any] = dict(
-        scale=float(scaling),
+        scale=scaling,
         softcap=float(softcap or 0.0),
         sliding_window=window,
         k_scale=metadata.k_scale,
         v_scale=metadata.v_scale,
-        sinks=sinks,
+        sinks=None if sinks is None else sinks.detach().float().contiguous(),
     )
     if batch.is_decode:
-        gather = metadata.decode_gather(k_cache.shape[1], window)
-        out = tgi_paged_kernels.paged_decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            batch.block_tables,
-            batch.seq_lens,
-            gather=gather,
-            compiled=metadata.compiled_decode,
+        # The native kernel reads the block tables as they are; the others share one plan per step.
+        native = metadata.cpu_decode == "native" and not metadata.static
+        gather = None if native else metadata.decode_gather(k_cache.shape[1], window)
+        return tgi_paged_kernels.paged_decode_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, gather=gather, cpu_kernel=metadata.cpu_decode,
             **options,
-        )
-    else:
-        out = tgi_paged_kernels.paged_prefill_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, **options
-        )
-    return out.unsqueeze(0), None
+        )  # fmt: skip
+    return tgi_paged_kernels.paged_prefill_attention(
+        q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, **options
+    )
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

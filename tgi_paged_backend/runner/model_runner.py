@@ -27,6 +27,7 @@ from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
 from tgi_paged_backend.runner.decode_graphs import measure_decode_graph_bytes
 from tgi_paged_backend.runner.fast_layers import swap_fast_layers
+from tgi_paged_backend.runner.fused_blocks import fuse_blocks
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_loader import LoadedModel, load_model, resident_bytes
 from tgi_paged_backend.runner.model_spec import ModelSpec, resolve_kv_dtype
@@ -78,8 +79,9 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = loaded.eos_token_ids
         self.dtype = loaded.dtype
         self.spec = ModelSpec.from_hf_config(self.model.config, self.dtype)
-        self.fast_layers = swap_fast_layers(self.model, self.device, self.dtype)
         self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
+        self.fusion = fuse_blocks(self.model, self.block_size, self.kv_dtype) if self.device.type == "cpu" else None
+        self.fast_layers = swap_fast_layers(self.model, self.device, self.dtype)
         self.k_scale = 1.0
         self.v_scale = 1.0
 
@@ -207,7 +209,7 @@ class ModelRunner:
         batch = batch.to(self.device)
         metadata = PagedAttentionMetadata(
             batch, k_caches, v_caches, self.k_scale, self.v_scale,
-            compiled_decode=self.model_config.cpu_decode == "compiled",
+            cpu_decode=self.model_config.cpu_decode,
         )  # fmt: skip
         with torch.inference_mode():
             out = self.model(

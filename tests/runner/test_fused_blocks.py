@@ -1,0 +1,92 @@
+"""The load-time block fusion (``runner.fused_blocks``): which families get one q/k/v GEMM, one RoPE pass and
+one gate/up GEMM, that a block whose forward differs is kept (the numeric check at load), and that fused
+runners give the logits of unfused ones. (Token-exactness of every family against HF: test_family_matrix.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.family_models import FAMILIES, is_available, write_family_model
+from tgi_paged_backend.config import CacheConfig, ModelConfig
+from tgi_paged_backend.runner import fused_blocks
+from tgi_paged_backend.runner.fused_blocks import FusedGatedMLP, FusedPagedAttention
+from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
+from tgi_paged_backend.runner.model_runner import ModelRunner
+
+BY_NAME = {family.name: family for family in FAMILIES}
+
+EXPECTED = {
+    # family: (fused attentions, fused MLPs) of its 2 layers
+    "Llama": (2, 2),
+    "Llama-3.1": (2, 2),
+    "Mistral": (2, 2),
+    "Qwen2": (2, 2),  # q/k/v biases
+    "Qwen3": (2, 2),  # per-head q/k norms
+    "Granite": (2, 2),  # attention multiplier as the scale
+    "Gemma": (0, 2),  # its attention is not in the Llama-form list; GeGLU MLP fuses
+    "Cohere": (0, 2),  # interleaved RoPE: not Llama-form
+    "Phi3": (0, 0),  # already fused in the checkpoint
+    "Mixtral": (2, 0),  # experts are not a gated MLP module of plain linears
+    "Qwen2-MoE": (2, 2),  # the shared expert of each layer is a gated MLP
+    "Qwen3-MoE": (2, 0),
+}
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    made = {}
+
+    def make(name: str):
+        family = BY_NAME[name]
+        if not is_available(family):
+            pytest.skip(f"{name} is not in this transformers")
+        if name not in made:
+            made[name] = write_family_model(family, tmp_path_factory.mktemp(name.lower()))
+        return made[name]
+
+    return make
+
+
+def _runner(path) -> ModelRunner:
+    return ModelRunner(ModelConfig(model_id=str(path)), CacheConfig(block_size=4))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_which_blocks_fuse(family_dir, name) -> None:
+    runner = _runner(family_dir(name))
+    attentions, mlps = EXPECTED[name]
+    assert runner.fusion is not None
+    assert (runner.fusion.attentions, runner.fusion.mlps) == (attentions, mlps)
+    kinds = [type(m) for m in runner.model.modules()]
+    assert kinds.count(FusedPagedAttention) == attentions and kinds.count(FusedGatedMLP) == mlps
+
+
+def test_an_attention_that_differs_is_kept(family_dir, monkeypatch) -> None:
+    """Cohere's interleaved RoPE declared Llama-form by mistake: the load-time check refuses it."""
+    monkeypatch.setitem(fused_blocks.LLAMA_FORM_ATTENTION, "CohereAttention", lambda m: None)
+    runner = _runner(family_dir("Cohere"))
+    assert runner.fusion is not None and runner.fusion.attentions == 0
+    assert "CohereAttention" in runner.fusion.kept
+
+
+@pytest.mark.parametrize("name", ["Llama", "Qwen3", "Mistral"])
+def test_fused_runners_give_the_logits_of_unfused_ones(family_dir, monkeypatch, name) -> None:
+    path = family_dir(name)
+    fused = _runner(path)
+    monkeypatch.setattr("tgi_paged_backend.runner.model_runner.fuse_blocks", lambda *args: None)
+    plain = _runner(path)
+    assert not any(isinstance(m, FusedPagedAttention | FusedGatedMLP) for m in plain.model.modules())
+    prompts = [[3, 17, 5, 9, 11, 2, 8, 13, 21, 4, 6], [7, 7, 1, 30, 2]]
+    blocks = 8
+    for runner in (fused, plain):
+        runner.allocate_kv_cache(2 * blocks + 1)
+    logits = []
+    for runner in (fused, plain):
+        chunks = [RequestChunk(p, 0, list(range(1 + i * blocks, 1 + (i + 1) * blocks))) for i, p in enumerate(prompts)]
+        prefill = runner.forward(build_forward_batch(chunks, 4))
+        chunks = [RequestChunk([5], len(p), c.block_table) for p, c in zip(prompts, chunks)]
+        decode = runner.forward(build_forward_batch(chunks, 4))
+        logits.append((prefill, decode))
+    for got, expected in zip(logits[0], logits[1]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

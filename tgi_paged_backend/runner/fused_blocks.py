@@ -1,0 +1,252 @@
+"""Load-time fusion of transformers' Llama-form attention and gated MLP blocks (CPU).
+
+transformers' decoder layers stay the model definition; inside them, :func:`fuse_blocks` replaces
+
+- a **gated MLP** (``down(act(gate(x)) * up(x))`` with plain ``nn.Linear`` projections, any activation)
+  by :class:`FusedGatedMLP`: gate and up become one GEMM of both weights stacked, so a step makes one
+  call where it made two. Swapped only after it reproduces the original on a random input.
+- a **Llama-form attention** (:data:`LLAMA_FORM_ATTENTION`: separate plain q/k/v/o linears, optional
+  per-head q/k RMSNorms, neox RoPE from the model's ``position_embeddings``) by
+  :class:`FusedPagedAttention`: q, k and v become one GEMM, RoPE runs once over the query and key
+  heads together (the same arithmetic as transformers', 7 tensor ops instead of 16), and the step's
+  paged attention is called directly on ``[T, heads, head_dim]`` views (no transposes, no attention
+  interface dispatch). Swapped only after it reproduces the original, through the same paged
+  attention, on a random prompt over a scratch pool.
+
+Both cut the per-layer host time of a decode step (each tensor op costs ~2-30 us of dispatch before
+any math; ``docs/performance.md``, section 12). They run before the linears are packed
+(:mod:`.fast_layers`), so the fused projections are packed too. Quantized or tensor-parallel
+projections are not plain ``nn.Linear`` and keep their blocks. CPU only: on CUDA the eager modules are
+captured in CUDA graphs instead (not measured with fusion; no GPU was lent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from loguru import logger
+from torch import nn
+
+from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, paged_attention, step_metadata
+from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
+from tgi_paged_kernels.cpu_native import native_kernels
+
+CHECK_TOKENS = 12
+"""Prompt length of the attention check (> the tests' windows of 8: a window must show)."""
+
+LLAMA_FORM_ATTENTION: dict[str, Callable[[nn.Module], int | None]] = {
+    "LlamaAttention": lambda m: None,
+    "GraniteAttention": lambda m: None,
+    "MistralAttention": lambda m: getattr(m.config, "sliding_window", None),
+    "MixtralAttention": lambda m: getattr(m.config, "sliding_window", None),
+    "Qwen2Attention": lambda m: getattr(m, "sliding_window", None),
+    "Qwen3Attention": lambda m: getattr(m, "sliding_window", None),
+    "Qwen2MoeAttention": lambda m: getattr(m, "sliding_window", None),
+    "Qwen3MoeAttention": lambda m: getattr(m, "sliding_window", None),
+}
+"""Attention classes whose forward is Llama's (q/k/v/o, optional per-head q/k norm, neox RoPE on
+``position_embeddings``), with how each finds its sliding window (as its own forward does)."""
+
+
+def _stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One ``nn.Linear`` whose output is the outputs of ``parts`` side by side."""
+    first = parts[0]
+    has_bias = first.bias is not None
+    fused = nn.Linear(
+        first.in_features, sum(p.out_features for p in parts), bias=has_bias,
+        device=first.weight.device, dtype=first.weight.dtype,
+    )  # fmt: skip
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if has_bias:
+            fused.bias.copy_(torch.cat([p.bias for p in parts if p.bias is not None]))
+    fused.requires_grad_(False)
+    return fused
+
+
+def _plain(*modules: Any) -> bool:
+    return all(type(m) is nn.Linear for m in modules)
+
+
+class FusedGatedMLP(nn.Module):
+    """``down(act(x @ [gate; up]^T)[:, :I] * ...[:, I:])``: gate and up in one GEMM."""
+
+    down_proj: nn.Module
+    act_fn: nn.Module
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.gate_up = _stacked_linear([mlp.gate_proj, mlp.up_proj])  # type: ignore[list-item]
+        self.down_proj = cast(nn.Module, mlp.down_proj)
+        self.act_fn = cast(nn.Module, mlp.act_fn)
+        self.intermediate = int(mlp.gate_proj.out_features)  # type: ignore[union-attr, arg-type]
+        silu = isinstance(self.act_fn, nn.SiLU) or type(self.act_fn).__name__ == "SiLUActivation"
+        self.native = native_kernels() if silu and self.gate_up.weight.device.type == "cpu" else None
+        """SiLU on CPU: the C++ ``silu_and_mul`` (one call for the two slices, the activation and the product)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(x)
+        if self.native is not None and not torch.compiler.is_compiling():
+            product = self.native.silu_and_mul(gate_up)
+            if product is not None:
+                return self.down_proj(product)
+        return self.down_proj(self.act_fn(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :])
+
+
+def _gated_mlp(module: nn.Module) -> bool:
+    names = ("gate_proj", "up_proj", "down_proj")
+    if not all(hasattr(module, n) for n in names) or not hasattr(module, "act_fn"):
+        return False
+    gate, up = module.gate_proj, module.up_proj
+    return (
+        _plain(gate, up, module.down_proj)
+        and gate.in_features == up.in_features  # type: ignore[union-attr]
+        and gate.out_features == up.out_features  # type: ignore[union-attr]
+        and (gate.bias is None) == (up.bias is None)  # type: ignore[union-attr]
+    )
+
+
+class FusedPagedAttention(nn.Module):
+    """Llama-form self-attention over the paged pool with one q/k/v GEMM and one RoPE pass (see module doc)."""
+
+    o_proj: nn.Module
+
+    def __init__(self, attn: nn.Module, sliding_window: int | None) -> None:
+        super().__init__()
+        self.layer_idx = int(attn.layer_idx)  # type: ignore[arg-type]
+        self.head_dim = int(attn.head_dim)  # type: ignore[arg-type]
+        self.num_q_heads = int(attn.q_proj.out_features) // self.head_dim  # type: ignore[union-attr, arg-type]
+        self.num_kv_heads = int(attn.k_proj.out_features) // self.head_dim  # type: ignore[union-attr, arg-type]
+        self.scaling = float(attn.scaling)  # type: ignore[arg-type]
+        self.sliding_window = sliding_window
+        self.qkv_proj = _stacked_linear([attn.q_proj, attn.k_proj, attn.v_proj])  # type: ignore[list-item]
+        self.o_proj = cast(nn.Module, attn.o_proj)
+        self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
+        self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
+        self.native = native_kernels() if self.qkv_proj.weight.device.type == "cpu" else None
+        """On CPU, RoPE runs as one C++ call (the same roundings as transformers' five tensor ops)."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        metadata = step_metadata(kwargs)
+        tokens = hidden_states.shape[1]
+        hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(hidden_states[0]).view(tokens, hq + 2 * hkv, d)
+        q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        else:
+            qk = qkv[:, : hq + hkv]
+        qk = self._rope(qk, position_embeddings[0][0], position_embeddings[1][0])
+        out = paged_attention(
+            metadata,
+            self.layer_idx,
+            qk[:, :hq],
+            qk[:, hq:],
+            v,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+        )
+        return self.o_proj(out.reshape(1, tokens, hq * d)), None
+
+    def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """transformers' ``apply_rotary_pos_emb`` on the query and key heads at once (``cos``/``sin`` ``[T, D]``)."""
+        if self.native is not None and not torch.compiler.is_compiling():
+            rotated = self.native.rope_neox(qk, cos, sin)
+            if rotated is not None:
+                return rotated
+        half = self.head_dim // 2
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return (qk * cos) + (torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin)
+
+
+@dataclass(frozen=True, slots=True)
+class FusionReport:
+    """What :func:`fuse_blocks` replaced (logged at start-up, asserted by the tests)."""
+
+    mlps: int
+    attentions: int
+    kept: tuple[str, ...]
+    """Class names of candidates that did not reproduce their original (left as they are)."""
+
+
+def _same_mlp(original: nn.Module, fused: FusedGatedMLP) -> bool:
+    weight = fused.gate_up.weight
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, fused.gate_up.in_features, generator=generator).to(weight.dtype)
+    with torch.inference_mode():
+        expected, got = original(x), fused(x)
+    return _close(expected, got)
+
+
+def _close(expected: torch.Tensor, got: torch.Tensor) -> bool:
+    tolerance = 1e-5 if got.dtype == torch.float32 else 2e-2
+    return expected.shape == got.shape and torch.allclose(expected.float(), got.float(), rtol=tolerance, atol=tolerance)
+
+
+def _scratch_metadata(fused: FusedPagedAttention, block_size: int, kv_dtype: torch.dtype) -> PagedAttentionMetadata:
+    """One prefill of :data:`CHECK_TOKENS` tokens over fresh zeroed pools (one per layer index up to ours)."""
+    blocks = -(-CHECK_TOKENS // block_size)
+    batch = build_forward_batch([RequestChunk([0] * CHECK_TOKENS, 0, list(range(blocks)))], block_size)
+    device = fused.qkv_proj.weight.device
+    shape = (blocks, block_size, fused.num_kv_heads, fused.head_dim)
+    pools = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(2)]
+    layers = fused.layer_idx + 1
+    return PagedAttentionMetadata(batch.to(device), [pools[0]] * layers, [pools[1]] * layers)
+
+
+def _same_attention(original: nn.Module, fused: FusedPagedAttention, block_size: int, kv_dtype: torch.dtype) -> bool:
+    """Both modules on one random prompt (random cos/sin) through the paged attention on scratch pools."""
+    weight = fused.qkv_proj.weight
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, CHECK_TOKENS, fused.qkv_proj.in_features, generator=generator).to(weight.dtype)
+    cos, sin = (torch.randn(1, CHECK_TOKENS, fused.head_dim, generator=generator).to(weight.dtype) for _ in range(2))
+    outputs = []
+    with torch.inference_mode():
+        for module in (original, fused):
+            kwargs = {METADATA_KWARG: _scratch_metadata(fused, block_size, kv_dtype)}
+            outputs.append(module(x, position_embeddings=(cos, sin), attention_mask=None, **kwargs)[0])
+    return _close(outputs[0], outputs[1])
+
+
+def fuse_blocks(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> FusionReport:
+    """Replace gated MLPs and Llama-form attentions of ``model`` in place (see the module docstring);
+    the attention check runs over scratch pools of ``block_size`` and ``kv_dtype``."""
+    mlps = attentions = 0
+    kept: set[str] = set()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            candidate: nn.Module
+            if _gated_mlp(child):
+                candidate = FusedGatedMLP(child)
+                same = _same_mlp(child, candidate)
+                mlps += same
+            elif type(child).__name__ in LLAMA_FORM_ATTENTION and _plain(
+                child.q_proj, child.k_proj, child.v_proj, child.o_proj
+            ):
+                window = LLAMA_FORM_ATTENTION[type(child).__name__](child)
+                candidate = FusedPagedAttention(child, window)
+                same = _same_attention(child, candidate, block_size, kv_dtype)
+                attentions += same
+            else:
+                continue
+            if same:
+                setattr(parent, name, candidate)
+            else:
+                kept.add(type(child).__name__)
+    report = FusionReport(mlps=mlps, attentions=attentions, kept=tuple(sorted(kept)))
+    logger.info(
+        "fused blocks: {} attentions (one q/k/v GEMM, one RoPE pass), {} gated MLPs (one gate/up GEMM){}",
+        attentions,
+        mlps,
+        f"; kept {', '.join(report.kept)} (their forward differs)" if kept else "",
+    )
+    return report

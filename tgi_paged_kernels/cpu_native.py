@@ -1,0 +1,275 @@
+"""Native CPU kernels: ``csrc/cpu_kernels.cpp``, built once per host at first use and called through ctypes.
+
+The source is plain C++ with OpenMP and no torch headers, so the build takes about a second; the shared
+library is cached under ``$TGI_PAGED_KERNEL_CACHE`` (default ``~/.cache/tgi-paged-backend/kernels``),
+keyed by the source, the compiler, the flags and this CPU's instruction sets (``-march=native``), so a
+cache carried to another CPU builds again. OpenMP: the library links ``libgomp.so.1``, which torch has
+already loaded (same soname), so both share one thread pool and ``torch.get_num_threads()`` threads.
+
+:func:`native_kernels` returns the loaded :class:`NativeKernels`, or ``None`` when no compiler can build
+them here (the reason logged once); callers then take their plain-torch path. ``TGI_PAGED_NATIVE_CPU=0``
+turns them off. Each kernel has a torch reference and a test comparing the two
+(``tests/kernels/test_cpu_native.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+"""Storage dtypes the kernels read natively; one-byte (fp8) pools go through a decode table (code 2)."""
+
+_i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+def _cpu_signature() -> str:
+    """Model name and flags of this CPU (what ``-march=native`` compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _cache_dir() -> Path:
+    default = Path.home() / ".cache" / "tgi-paged-backend" / "kernels"
+    return Path(os.environ.get("TGI_PAGED_KERNEL_CACHE", default))
+
+
+def build_library(compiler: str | None = None) -> Path:
+    """Compile ``csrc/cpu_kernels.cpp`` (or reuse the cached build) and return the shared library's path.
+
+    Raises ``RuntimeError`` with the compiler's message when no compiler is found or the build fails.
+    """
+    compiler = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler (set CXX or install g++)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    source = SOURCE.read_text()
+    key = hashlib.sha256("\0".join([source, compiler, version, *FLAGS, _cpu_signature()]).encode()).hexdigest()
+    target = _cache_dir() / f"cpu_kernels-{key[:24]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        staged = Path(tmp) / target.name
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(staged)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(staged, target)  # atomic: a concurrent build of the same key writes the same bytes
+    return target
+
+
+class NativeKernels:
+    """The loaded library with typed entry points; methods take torch tensors and check what C cannot."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        fn = lib.tgi_paged_decode_attention
+        fn.restype = _int
+        fn.argtypes = [
+            _ptr, _i64, _i64,  # query, strides
+            _ptr, _ptr, _int, _ptr,  # caches, dtype code, decode table
+            _i64, _i64, _i64, _i64,  # pool blocks, cache strides
+            _ptr, _int, _i64, _i64,  # block tables, int64?, row stride, width
+            _ptr, _int,  # seq lens
+            _ptr, _int, _int, _int, _int, _int,  # out, B, Hq, Hkv, D, block size
+            _float, _float, _int, _ptr, _float, _float, _int,
+        ]  # fmt: skip
+        self._decode = fn
+        norm = lib.tgi_paged_rms_norm
+        norm.restype = _int
+        norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _float, _int, _int]
+        self._rms_norm = norm
+        store = lib.tgi_paged_store_kv
+        store.restype = _int
+        store.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
+        self._store = store
+        rope = lib.tgi_paged_rope_neox
+        rope.restype = _int
+        rope.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
+        self._rope = rope
+        silu = lib.tgi_paged_silu_and_mul
+        silu.restype = _int
+        silu.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _int, _int]
+        self._silu_and_mul = silu
+        self._tables: dict[torch.dtype, torch.Tensor] = {}
+
+    def _decode_table(self, dtype: torch.dtype) -> torch.Tensor:
+        """fp32 value of each of the 256 bytes of a one-byte dtype (fp8)."""
+        table = self._tables.get(dtype)
+        if table is None:
+            table = torch.arange(256, dtype=torch.uint8).view(dtype).float().contiguous()
+            self._tables[dtype] = table
+        return table
+
+    def supports_cache(self, cache: torch.Tensor) -> bool:
+        """Whether the decode kernel reads this pool (fp32, bf16 or a one-byte dtype, head_dim contiguous)."""
+        return (cache.dtype in DTYPE_CODES or cache.element_size() == 1) and cache.stride(-1) == 1
+
+    def decode_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        softcap: float,
+        sliding_window: int | None,
+        sinks: torch.Tensor | None,
+        k_scale: float,
+        v_scale: float,
+    ) -> torch.Tensor:
+        """fp32 ``[B, Hq, D]``, as :func:`~tgi_paged_kernels.cpu_decode.decode_attention_math` computes it.
+
+        ``query`` ``[B, Hq, D]`` any dtype and strides (made fp32 with ``head_dim`` contiguous here);
+        caches ``[num_blocks, block_size, Hkv, D]`` with K and V of one layout; ``block_tables`` and
+        ``seq_lens`` int32 or int64, ``block_tables`` row-contiguous.
+        """
+        if query.dtype != torch.float32 or query.stride(-1) != 1:
+            query = query.float().contiguous()
+        if k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
+            raise ValueError("decode_attention: K and V pools must share dtype and layout")
+        if block_tables.stride(-1) != 1:
+            block_tables = block_tables.contiguous()
+        seq_lens = seq_lens.contiguous()
+        num_requests, num_q_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        code = DTYPE_CODES.get(k_cache.dtype, 2)
+        table = self._decode_table(k_cache.dtype) if code == 2 else None
+        sinks_f32 = None if sinks is None else sinks.float().contiguous()
+        out = torch.empty((num_requests, num_q_heads, head_dim), dtype=torch.float32)
+        status = self._decode(
+            query.data_ptr(), query.stride(0), query.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(), code, None if table is None else table.data_ptr(),
+            k_cache.shape[0], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.data_ptr(), int(block_tables.dtype == torch.int64), block_tables.stride(0),
+            block_tables.shape[1],
+            seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64),
+            out.data_ptr(), num_requests, num_q_heads, num_kv_heads, head_dim, block_size,
+            scale, softcap, int(sliding_window or 0), None if sinks_f32 is None else sinks_f32.data_ptr(),
+            k_scale, v_scale, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(self._decode_error(status, block_tables, seq_lens, block_size, k_cache.shape[0]))
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """``torch.rms_norm(x, weight.shape, weight, eps)`` for fp32/bf16 ``x`` and ``weight`` of one dtype
+        on CPU; ``None`` when the inputs are of another kind (the caller runs torch's)."""
+        width = weight.shape[0]
+        code = DTYPE_CODES.get(x.dtype)
+        if code is None or weight.dtype != x.dtype or x.device.type != "cpu" or x.shape[-1] != width:
+            return None
+        rows = x.reshape(-1, width)
+        if rows.stride(-1) != 1 or not weight.is_contiguous():
+            return None
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._rms_norm(
+            rows.data_ptr(), rows.stride(0), out.data_ptr(), weight.data_ptr(), rows.shape[0], width, eps, code,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    ) -> bool:
+        """Write ``key``/``value`` ``[T, Hkv, D]`` into ``slots`` of contiguous pools of their own dtype (negative
+        slots skipped); ``False`` (nothing written) when the inputs are of another kind."""
+        if (
+            key.dtype != k_cache.dtype
+            or value.dtype != key.dtype
+            or v_cache.dtype != k_cache.dtype
+            or key.stride() != value.stride()
+            or key.stride(-1) != 1
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or k_cache.device.type != "cpu"
+        ):
+            return False
+        slots = slots.to(torch.int64).contiguous()
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        status = self._store(
+            key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+            num_slots, slots.data_ptr(), key.shape[0], key.shape[1], key.shape[2], key.element_size(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"store_kv: slot_mapping holds a slot outside the pool's {num_slots} slots")
+        return True
+
+    def rope_neox(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """``x * cos + rotate_half(x) * sin`` (transformers' neox RoPE) for ``x`` ``[T, H, D]`` (head_dim
+        contiguous) and ``cos``/``sin`` ``[T, D]``, as a new contiguous tensor; ``None`` for other inputs."""
+        code = DTYPE_CODES.get(x.dtype)
+        if (
+            code is None
+            or x.device.type != "cpu"
+            or x.stride(-1) != 1
+            or cos.dtype != x.dtype
+            or sin.dtype != x.dtype
+            or not (cos.is_contiguous() and sin.is_contiguous())
+            or cos.shape != (x.shape[0], x.shape[2])
+            or sin.shape != cos.shape
+            or x.shape[2] % 2
+        ):
+            return None
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._rope(
+            x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+            x.shape[0], x.shape[1], x.shape[2], code,
+        )  # fmt: skip
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` for ``gate_up`` ``[..., 2 * I]`` (gate first); ``None`` for other inputs."""
+        code = DTYPE_CODES.get(gate_up.dtype)
+        width = gate_up.shape[-1] // 2
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        if code is None or gate_up.device.type != "cpu" or rows.stride(-1) != 1 or gate_up.shape[-1] % 2:
+            return None
+        out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype)
+        self._silu_and_mul(
+            rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], width, code, torch.get_num_threads()
+        )
+        return out
+
+    @staticmethod
+    def _decode_error(
+        status: int, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int
+    ) -> str:
+        if status == 2:
+            longest = int(seq_lens.max())
+            need = -(-longest // block_size)
+            return f"seq_lens up to {longest} need {need} blocks, block_tables has {block_tables.shape[1]}"
+        if status == 3:
+            return f"block_tables hold a block id outside the pool's {num_blocks} blocks"
+        return f"decode_attention: the native kernel returned status {status}"
+
+
+@functools.cache
+def native_kernels() -> NativeKernels | None:
+    """This process's :class:`NativeKernels`, or ``None`` when they cannot be built or are turned off."""
+    if os.environ.get("TGI_PAGED_NATIVE_CPU", "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    try:
+        return NativeKernels(build_library())
+    except Exception as e:  # noqa: BLE001 - any failure means: the plain-torch paths serve
+        logger.warning("native CPU kernels off, plain-torch paths serve instead (%s: %s)", type(e).__name__, e)
+        return None
