@@ -212,3 +212,17 @@ def test_store_kv_writes_the_slots_and_skips_negative_ones(native, interleaved):
         native.store_kv(key, value, k_cache, v_cache, torch.tensor([0, 1, 24]))
     fp8 = torch.zeros(6, 4, 2, 8, dtype=torch.float8_e4m3fn)
     assert not native.store_kv(key, value, fp8, fp8.clone(), slots)  # needs quantising: the torch path's job
+
+
+def test_decode_splits_work_both_ways(native, monkeypatch):
+    """Few requests: a task per (request, KV head); many: a task per request with all its heads. Same result."""
+    generator = torch.Generator().manual_seed(2)
+    kv = make_paged_kv([33] * 9, num_kv_heads=3, head_dim=64, block_size=16, kv_dtype=torch.float32,
+                       generator=generator)  # fmt: skip
+    query = torch.randn(9, 9, 64, generator=generator)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+    expected = paged_decode_attention_reference(*args, scale=0.125)
+    for threads in (1, 8):  # 9 requests >= 2 x 1 thread: whole rows; < 2 x 8 threads: one head per task
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        got = native.decode_attention(*args, 0.125, 0.0, None, None, 1.0, 1.0)
+        assert_attention_close(got, expected, torch.float32)
