@@ -132,6 +132,7 @@ def paged_prefill_attention(
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of many requests' new tokens (packed) over their cached prefix and themselves.
 
@@ -148,6 +149,10 @@ def paged_prefill_attention(
     query_start_loc : int32 [num_requests + 1], rising from 0 to num_tokens
     seq_lens : int32 [num_requests], cached prefix + new tokens
     scale, softcap, sliding_window, k_scale, v_scale, out, sinks : as for ``paged_decode_attention``
+    new_kv : CPU only, optional: the new tokens' K and V (``[num_tokens, num_kv_heads, head_dim]``, as just
+        stored). A request with no cached prefix then attends over them directly, without reading the
+        pool back (the pool holds the same values when its dtype is theirs; otherwise it is read). Ignored
+        on CUDA
 
     Returns
     -------
@@ -170,7 +175,7 @@ def paged_prefill_attention(
     return torch_impl.paged_prefill_attention_torch(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
-        sinks=sinks,
+        sinks=sinks, new_kv=new_kv,
     )  # fmt: skip
 
 

@@ -100,7 +100,7 @@ class NativeKernels:
         self._rms_norm = norm
         store = lib.tgi_paged_store_kv
         store.restype = _int
-        store.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
+        store.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
         self._store = store
         rope = lib.tgi_paged_rope_neox
         rope.restype = _int
@@ -110,6 +110,10 @@ class NativeKernels:
         silu.restype = _int
         silu.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _int, _int]
         self._silu_and_mul = silu
+        greedy = lib.tgi_paged_greedy
+        greedy.restype = _int
+        greedy.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int]
+        self._greedy = greedy
         self._tables: dict[torch.dtype, torch.Tensor] = {}
 
     def _decode_table(self, dtype: torch.dtype) -> torch.Tensor:
@@ -175,18 +179,34 @@ class NativeKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """``torch.rms_norm(x, weight.shape, weight, eps)`` for fp32/bf16 ``x`` and ``weight`` of one dtype
         on CPU; ``None`` when the inputs are of another kind (the caller runs torch's)."""
+        # The serving path (a contiguous activation) is checked first, in as few tensor calls as possible:
+        # each costs ~0.2-2 us, and a norm runs twice per layer.
         width = weight.shape[0]
         code = DTYPE_CODES.get(x.dtype)
-        if code is None or weight.dtype != x.dtype or x.device.type != "cpu" or x.shape[-1] != width:
+        if code is None or weight.dtype != x.dtype or not x.is_cpu or x.shape[-1] != width:
             return None
-        rows = x.reshape(-1, width)
-        if rows.stride(-1) != 1 or not weight.is_contiguous():
+        src = x
+        if x.is_contiguous():
+            rows, row_stride = x.numel() // width, width
+        else:
+            src = x.reshape(-1, width)  # a view when the rows are evenly strided, else a copy
+            if src.stride(-1) != 1:
+                return None
+            rows, row_stride = src.shape[0], src.stride(0)
+        if not weight.is_contiguous():
             return None
-        out = torch.empty(x.shape, dtype=x.dtype)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
         self._rms_norm(
-            rows.data_ptr(), rows.stride(0), out.data_ptr(), weight.data_ptr(), rows.shape[0], width, eps, code,
+            src.data_ptr(),
+            row_stride,
+            out.data_ptr(),
+            weight.data_ptr(),
+            rows,
+            width,
+            eps,
+            code,
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return out
 
     def store_kv(
@@ -198,8 +218,9 @@ class NativeKernels:
             key.dtype != k_cache.dtype
             or value.dtype != key.dtype
             or v_cache.dtype != k_cache.dtype
-            or key.stride() != value.stride()
+            or key.shape != value.shape
             or key.stride(-1) != 1
+            or value.stride(-1) != 1
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or k_cache.device.type != "cpu"
         ):
@@ -207,7 +228,8 @@ class NativeKernels:
         slots = slots.to(torch.int64).contiguous()
         num_slots = k_cache.shape[0] * k_cache.shape[1]
         status = self._store(
-            key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+            key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(),
             num_slots, slots.data_ptr(), key.shape[0], key.shape[1], key.shape[2], key.element_size(),
         )  # fmt: skip
         if status != 0:
@@ -249,6 +271,22 @@ class NativeKernels:
             rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], width, code, torch.get_num_threads()
         )
         return out
+
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(argmax, log_softmax at the argmax)`` of fp32 ``[B, V]`` CPU logits in one pass (no ``[B, V]``
+        log-probability tensor); ``None`` for other inputs."""
+        if logits.dtype != torch.float32 or not logits.is_cpu or logits.dim() != 2 or logits.stride(-1) != 1:
+            return None
+        rows, vocab = logits.shape
+        if vocab == 0:
+            return None
+        ids = torch.empty(rows, dtype=torch.int64)
+        logprobs = torch.empty(rows, dtype=torch.float32)
+        self._greedy(
+            logits.data_ptr(), logits.stride(0), rows, vocab, ids.data_ptr(), logprobs.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return ids, logprobs
 
     @staticmethod
     def _decode_error(

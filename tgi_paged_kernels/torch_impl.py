@@ -163,6 +163,7 @@ def paged_prefill_attention_torch(
     v_scale,
     out,
     sinks=None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Prefill/extend for CPU tensors, one request at a time; see ``api.paged_prefill_attention``."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -173,6 +174,9 @@ def paged_prefill_attention_torch(
         raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {starts}")
     result = torch.zeros(query.shape, dtype=torch.float32)
     group_sinks = None if sinks is None else sinks.float().reshape(num_kv_heads, queries_per_kv, 1)
+    # A request without a cached prefix attends over its own new K/V: no read back from the pool when the
+    # pool stores them as they are.
+    fresh_kv = new_kv if new_kv is not None and new_kv[0].dtype == k_cache.dtype else None
     for b, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[b], starts[b + 1]
         num_queries = end - start
@@ -182,6 +186,13 @@ def paged_prefill_attention_torch(
             raise ValueError(
                 f"request {b}: seq_len {seq_len} must cover its {num_queries} queries and fit its block table"
             )
+        if softcap == 0 and sinks is None and sliding_window is None and fresh_kv and seq_len == num_queries:
+            k, v = fresh_kv[0][start:end].float(), fresh_kv[1][start:end].float()
+            positions = torch.arange(seq_len)
+            result[start:end] = prefill_attention_sdpa(
+                query[start:end], k, v, positions, positions, scale=scale, sliding_window=None
+            )
+            continue
         if softcap == 0 and sinks is None:  # common case: SDPA over the keys some query sees
             first = seq_len - num_queries
             lo = 0 if sliding_window is None else max(0, first - sliding_window + 1)

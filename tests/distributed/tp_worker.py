@@ -19,11 +19,15 @@ import torch  # noqa: E402
 from tests.helpers.paged_driver import greedy_paged  # noqa: E402
 from tgi_paged_backend.config import CacheConfig, ModelConfig, ServerConfig  # noqa: E402
 from tgi_paged_backend.distributed import TensorParallelGroup  # noqa: E402
+from tgi_paged_backend.runner import fast_layers  # noqa: E402
 from tgi_paged_backend.runner.model_loader import ModelLoadError  # noqa: E402
 from tgi_paged_backend.runner.tensor_parallel import TensorParallelRunner  # noqa: E402
 
 
 def main() -> None:
+    # Pack every linear, as the suite's in-process runners do (tests/conftest.py), so the weight bytes each
+    # rank reports compare with an in-process single runner's.
+    fast_layers.PACK_MIN_ELEMENTS = 0
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)

@@ -14,10 +14,12 @@ import torch
 
 from integration.launcher_spawn import LaunchedShards, LauncherOptions, effective_quantize
 from integration.router_replay import Router
+from tests.helpers.fixtures import SERVING_PACK_MIN_ELEMENTS
 from tests.helpers.quant_models import dequantized_reference, write_compressed_fp8
 from tests.helpers.shard_driving import free_port, run_requests
 from tests.helpers.tiny_models import write_tiny_model
 from tgi_paged_backend.config import CacheConfig, ModelConfig
+from tgi_paged_backend.runner import fast_layers
 from tgi_paged_backend.runner.model_runner import ModelRunner
 
 PROMPTS = [
@@ -29,7 +31,7 @@ PROMPTS = [
 MAX_NEW = 24
 
 
-def test_launcher_derived_compressed_tensors_serves_token_exact(tmp_path: Path) -> None:
+def test_launcher_derived_compressed_tensors_serves_token_exact(tmp_path: Path, monkeypatch) -> None:
     src = write_tiny_model("llama", tmp_path / "src", seed=3)
     ckpt = write_compressed_fp8(src, tmp_path / "ckpt", "channel")
     opts = LauncherOptions(
@@ -61,6 +63,9 @@ def test_launcher_derived_compressed_tensors_serves_token_exact(tmp_path: Path) 
         shards.terminate()
         assert shards.exit_codes == {0: 0}, shards.stderr
 
+    # The spawned shard packs with the serving threshold (small weights keep a plain copy for decode rows):
+    # build the in-process runner the same way, so the weight bytes compare.
+    monkeypatch.setattr(fast_layers, "PACK_MIN_ELEMENTS", SERVING_PACK_MIN_ELEMENTS)
     served = ModelRunner(
         ModelConfig(model_id=str(ckpt), quantize="compressed-tensors"), CacheConfig(block_size=8), "cpu"
     )

@@ -202,7 +202,9 @@ def test_store_kv_writes_the_slots_and_skips_negative_ones(native, interleaved):
     pool = torch.zeros(6, 2, 4, 2, 8)  # [blocks, K/V, block_size, heads, head_dim]
     k_cache, v_cache = pool[:, 0].contiguous(), pool[:, 1].contiguous()
     qkv = torch.randn(3, 6, 8)
-    key, value = (qkv[:, 2:4], qkv[:, 4:6]) if interleaved else (torch.randn(3, 2, 8), torch.randn(3, 2, 8))
+    # strided: views of a fused projection, key and value with different strides (value from a wider row)
+    wider = torch.randn(3, 9, 8)
+    key, value = (qkv[:, 2:4], wider[:, 7:9]) if interleaved else (torch.randn(3, 2, 8), torch.randn(3, 2, 8))
     slots = torch.tensor([5, -1, 10])
     assert native.store_kv(key, value, k_cache, v_cache, slots)
     flat_k, flat_v = k_cache.view(-1, 2, 8), v_cache.view(-1, 2, 8)
@@ -226,3 +228,21 @@ def test_decode_splits_work_both_ways(native, monkeypatch):
         monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
         got = native.decode_attention(*args, 0.125, 0.0, None, None, 1.0, 1.0)
         assert_attention_close(got, expected, torch.float32)
+
+
+def test_greedy_matches_argmax_and_log_softmax(native):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=generator) * 5
+    logits[1, 10] = logits[1, 20] = logits[1].max() + 1  # a tie: the first maximum, as torch.argmax
+    logits[2, :500] = float("-inf")  # grammar-masked tokens
+    logits[3] = float("-inf")  # nothing allowed
+    logits[4, 7] = float("nan")
+    wide = torch.cat([logits, torch.zeros(6, 3)], dim=1)[:, :1000]  # a row stride wider than the vocab
+    ids, logprobs = native.greedy(wide)
+    expected_ids = logits.argmax(-1)
+    expected = torch.log_softmax(logits, -1).gather(1, expected_ids[:, None]).squeeze(1)
+    assert torch.equal(ids, expected_ids)
+    finite = torch.tensor([0, 1, 2, 5])
+    torch.testing.assert_close(logprobs[finite], expected[finite], rtol=1e-5, atol=1e-5)
+    assert logprobs[3] == float("-inf") and torch.isnan(logprobs[4]) and torch.isnan(expected[4])
+    assert native.greedy(logits.double()) is None and native.greedy(logits[0]) is None

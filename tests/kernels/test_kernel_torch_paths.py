@@ -215,3 +215,29 @@ def test_public_names_are_the_functions_after_every_submodule_import():
         importlib.import_module(f"tgi_paged_kernels.{module}")
     for name in tgi_paged_kernels.__all__:
         assert getattr(tgi_paged_kernels, name) is getattr(tgi_paged_kernels.api, name)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_prefill_of_fresh_requests_reads_their_new_kv_instead_of_the_pool(kv_dtype):
+    """Requests without a cached prefix attend over the K/V just computed (when the pool stores them as
+    they are): the same result as reading the pool back. A request with a prefix still reads the pool."""
+    seq_lens = [5, 9, 12]
+    q_lens = [5, 3, 12]  # the middle request extends a cached prefix of 6 tokens
+    kv = make_paged_kv(seq_lens, num_kv_heads=2, head_dim=16, block_size=4, kv_dtype=kv_dtype,
+                       generator=torch.Generator().manual_seed(0))  # fmt: skip
+    starts = torch.tensor([0, 5, 8, 20], dtype=torch.int32)
+    rows = []
+    for b, (n, q) in enumerate(zip(seq_lens, q_lens)):
+        for pos in range(n - q, n):
+            rows.append((kv.block_tables[b, pos // 4].item(), pos % 4))
+    new_k = torch.stack([kv.k_cache[blk, slot] for blk, slot in rows]).float()
+    new_v = torch.stack([kv.v_cache[blk, slot] for blk, slot in rows]).float()
+    query = torch.randn(20, 4, 16)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, starts, kv.seq_lens)
+    expected = paged_prefill_attention(*args, scale=0.25)
+    got = paged_prefill_attention(*args, scale=0.25, new_kv=(new_k.to(kv_dtype), new_v.to(kv_dtype)))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    poisoned = (torch.full_like(new_k, float("nan")), torch.full_like(new_v, float("nan")))
+    if kv_dtype == torch.float32:  # the fresh requests (0 and 2) now read the NaN K/V, request 1 the pool
+        got = paged_prefill_attention(*args, scale=0.25, new_kv=poisoned)
+        assert torch.isnan(got[:5]).all() and torch.isfinite(got[5:8]).all() and torch.isnan(got[8:]).all()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers.fixtures import SERVING_PACK_MIN_ELEMENTS
 from tgi_paged_backend.runner import fast_layers
 from tgi_paged_backend.runner.fast_layers import FusedRMSNorm, PackedLinear, can_pack, swap_fast_layers
 
@@ -59,18 +60,30 @@ def test_packed_linear_matches_nn_linear_for_any_batch(bias: bool, shape: tuple[
 
 
 def test_swap_packs_big_linears_keeps_small_ones_and_checks_norm_forms(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fast_layers, "PACK_MIN_ELEMENTS", 1 << 17)  # the serving threshold (tests lower it)
+    monkeypatch.setattr(fast_layers, "PACK_MIN_ELEMENTS", SERVING_PACK_MIN_ELEMENTS)  # (the suite lowers it)
     torch.manual_seed(0)
     block = Block()
     x = torch.randn(3, 512)
     with torch.inference_mode():
         expected = block.gemma_norm(block.norm(block.big(x)))
     report = swap_fast_layers(block, CPU, torch.float32)
-    assert isinstance(block.big, PackedLinear) and type(block.small) is nn.Linear  # 512*384 >= 2^17 > 64
+    assert isinstance(block.big, PackedLinear) and block.big.plain_weight is None  # 512*384 >= 2^17: always packed
+    assert isinstance(block.small, PackedLinear) and block.small.plain_below_rows == fast_layers.PACKED_MIN_ROWS
     assert isinstance(block.norm, FusedRMSNorm) and isinstance(block.gemma_norm, GemmaFormRMSNorm)
-    assert (report.packed_linears, report.fused_norms, report.kept_norms) == (1, 1, ("GemmaFormRMSNorm",))
+    assert (report.packed_linears, report.fused_norms, report.kept_norms) == (2, 1, ("GemmaFormRMSNorm",))
     with torch.inference_mode():
         torch.testing.assert_close(block.gemma_norm(block.norm(block.big(x))), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 127, 128, 300])
+def test_a_small_weight_runs_plain_below_the_row_threshold_and_packed_from_it(rows: int) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    small = PackedLinear(linear, plain_below_rows=128)
+    x = torch.randn(1, rows, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(small(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert small.resident_bytes == 2 * 64 * 48 * 4  # the plain weight is kept beside the packed one
 
 
 def test_packed_weights_count_as_resident_bytes_and_the_plain_weight_is_dropped() -> None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from tgi_paged_backend.engine.types import InvalidRequestError, SamplingParams
+from tgi_paged_kernels.cpu_native import native_kernels
 
 __all__ = [
     "ChosenToken",
@@ -250,6 +251,18 @@ def process_logits(
 # ----------------------------------------------------------------------------------------------------
 
 
+def _greedy_in_one_pass(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Argmax and its log-probability by the native CPU kernel (one pass over each row), or ``None``."""
+    native = native_kernels() if scores.is_cpu else None
+    return None if native is None else native.greedy(scores)
+
+
+def _finite_logprobs(ids: torch.Tensor, chosen: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Chosen ids and their log-probabilities as lists, the latter made finite (NaN and -inf: float32 min)."""
+    fmin = torch.finfo(torch.float32).min
+    return ids.tolist(), torch.nan_to_num(chosen, nan=fmin, posinf=0.0, neginf=fmin).tolist()
+
+
 def choose_next_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -269,10 +282,16 @@ def choose_next_tokens(
     if len(steps) != batch or (top_n is not None and len(top_n) != batch):
         raise ValueError("params, steps and top_n must have one entry per row")
     scores = process_logits(logits, params, histories, history_lens)
+    sample_rows = [i for i, p in enumerate(params) if p.is_sampling]
+    ns = [0] * batch if top_n is None else [max(0, min(int(n), scores.shape[1])) for n in top_n]
+    max_n = max(ns, default=0)
+    greedy = _greedy_in_one_pass(scores) if not sample_rows and max_n == 0 else None
+    if greedy is not None:  # every row greedy, no alternatives asked: no [B, V] log-probabilities needed
+        ids_l, lps_l = _finite_logprobs(*greedy)
+        return [ChosenToken(id=i, logprob=lp, top_ids=[], top_logprobs=[]) for i, lp in zip(ids_l, lps_l)]
     logprobs = torch.log_softmax(scores, dim=-1)
     next_ids = scores.argmax(dim=-1)
 
-    sample_rows = [i for i, p in enumerate(params) if p.is_sampling]
     if sample_rows:
         vocab = scores.shape[1]
         gen = torch.Generator(device=scores.device)
@@ -286,16 +305,10 @@ def choose_next_tokens(
         race = race.masked_fill(~torch.isfinite(lp), -1.0)  # filtered tokens can never win
         next_ids.index_copy_(0, idx, race.argmax(dim=-1))
 
-    chosen_lp = logprobs.gather(1, next_ids[:, None]).squeeze(1)
-    fmin = torch.finfo(torch.float32).min
-    chosen_lp = torch.nan_to_num(chosen_lp, nan=fmin, posinf=0.0, neginf=fmin)
-
-    ns = [0] * batch if top_n is None else [max(0, min(int(n), scores.shape[1])) for n in top_n]
-    max_n = max(ns, default=0)
+    ids_l, lps_l = _finite_logprobs(next_ids, logprobs.gather(1, next_ids[:, None]).squeeze(1))
     if max_n > 0:
         top = torch.topk(logprobs, max_n, dim=-1, sorted=True)
         top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-    ids_l, lps_l = next_ids.tolist(), chosen_lp.tolist()
 
     out = []
     for i in range(batch):

@@ -205,7 +205,7 @@ def paged_attention(
             **options,
         )  # fmt: skip
     return tgi_paged_kernels.paged_prefill_attention(
-        q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, **options
+        q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, new_kv=(k, v), **options
     )
 
 

@@ -38,10 +38,16 @@ _PACK_BATCH_HINT = 32
 """Batch size oneDNN tunes the reordered layout for; the packed weight serves any batch size."""
 
 PACK_MIN_ELEMENTS = 1 << 17
-"""Weights smaller than this stay plain: a oneDNN call costs ~10-20 us more than ``F.linear`` before any
-math (hot in cache, 20 rows, one thread: 128x128 plain 13 us vs packed 32 us; 576x576 186 vs 170 us;
-``examples/bench_packed_linears.py``), so packing pays only once the weight itself takes longer than that
-to stream."""
+"""Weights smaller than this keep ``F.linear`` for decode-sized inputs: a oneDNN call costs ~10-20 us more
+than ``F.linear`` before any math (hot in cache, 20 rows, one thread: 128x128 plain 13 us vs packed 32 us;
+576x576 186 vs 170 us; ``examples/bench_packed_linears.py``), so packing pays only once the weight itself
+takes longer than that to stream. They are packed too, for inputs of at least :data:`PACKED_MIN_ROWS`
+rows (prefill), where oneDNN's blocked GEMM wins."""
+
+PACKED_MIN_ROWS = 128
+"""Rows from which a small weight runs packed: 2 threads, 30 layers of the host-bound model's four weights
+(128-512 wide), 1118 rows: ``F.linear`` 133 ms vs packed 75 ms; 20 rows 3.1 vs 5.7 ms; the two cross
+between 64 and 128 rows (``examples/bench_packed_linears.py --small``)."""
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -84,15 +90,18 @@ class PackedLinear(nn.Module):
 
     bias: nn.Parameter | None
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, *, plain_below_rows: int = 0) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
+        self.plain_below_rows = plain_below_rows
+        """Inputs of fewer rows run ``F.linear`` on the plain weight (kept for them); 0: always packed."""
+        self.plain_weight = weight if plain_below_rows else None
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
         self.handle = id(packed)
         _PACKED_WEIGHTS[self.handle] = packed
         weakref.finalize(self, _PACKED_WEIGHTS.pop, self.handle, None)
-        self.resident_bytes = weight.numel() * weight.element_size()
+        self.resident_bytes = weight.numel() * weight.element_size() * (2 if plain_below_rows else 1)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     @property
@@ -102,6 +111,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # an opaque op the compiled step calls with the handle
             return packed_linear(x, self.handle, self.out_features, self.bias)
+        if self.plain_weight is not None and x.numel() < self.plain_below_rows * self.in_features:
+            return F.linear(x, self.plain_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, _PACKED_WEIGHTS[self.handle], self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -171,13 +182,9 @@ def swap_fast_layers(model: nn.Module, device: torch.device, dtype: torch.dtype)
     kept: set[str] = set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (
-                pack
-                and type(child) is nn.Linear
-                and child.weight.dtype == dtype
-                and child.weight.numel() >= PACK_MIN_ELEMENTS
-            ):
-                setattr(parent, name, PackedLinear(child))
+            if pack and type(child) is nn.Linear and child.weight.dtype == dtype:
+                small = child.weight.numel() < PACK_MIN_ELEMENTS
+                setattr(parent, name, PackedLinear(child, plain_below_rows=PACKED_MIN_ROWS if small else 0))
                 packed += 1
                 continue
             eps = _rms_norm_eps(child)

@@ -304,11 +304,12 @@ int tgi_paged_rms_norm(const void* x, int64_t x_stride, void* out, const void* w
 }
 
 // K and V of `tokens` new tokens into their pool slots (torch reference: torch_impl.store_kv_torch with a
-// pool of the tokens' dtype): key/value [T, Hkv, D] with element strides (token, head), head_dim
+// pool of the tokens' dtype): key/value [T, Hkv, D] with element strides (token, head) each, head_dim
 // contiguous; pools [num_slots, Hkv, D] contiguous per slot with K and V of one layout; slot_mapping
 // int64 [T], a negative slot is skipped. `bytes` per element (the copy is bytewise). Returns 0, or 3 for
 // a slot outside [0, num_slots) (nothing written for it).
-int tgi_paged_store_kv(const void* key, const void* value, int64_t kv_st, int64_t kv_sh, void* k_cache, void* v_cache,
+int tgi_paged_store_kv(const void* key, int64_t k_st, int64_t k_sh, const void* value, int64_t v_st, int64_t v_sh,
+                       void* k_cache, void* v_cache,
                        int64_t num_slots, const int64_t* slot_mapping, int64_t tokens, int64_t heads,
                        int64_t head_dim, int64_t bytes) {
   int status = kOk;
@@ -321,9 +322,10 @@ int tgi_paged_store_kv(const void* key, const void* value, int64_t kv_st, int64_
       continue;
     }
     for (int64_t h = 0; h < heads; ++h) {
-      const int64_t src = (t * kv_st + h * kv_sh) * bytes, dst = (slot * heads + h) * row;
-      std::memcpy(static_cast<char*>(k_cache) + dst, static_cast<const char*>(key) + src, row);
-      std::memcpy(static_cast<char*>(v_cache) + dst, static_cast<const char*>(value) + src, row);
+      const int64_t dst = (slot * heads + h) * row;
+      std::memcpy(static_cast<char*>(k_cache) + dst, static_cast<const char*>(key) + (t * k_st + h * k_sh) * bytes, row);
+      std::memcpy(static_cast<char*>(v_cache) + dst, static_cast<const char*>(value) + (t * v_st + h * v_sh) * bytes,
+                  row);
     }
   }
   return status;
@@ -396,6 +398,38 @@ int tgi_paged_silu_and_mul(const void* gate_up, int64_t row_stride, void* out, i
         o[i] = float_to_bf16(silu * bf16_to_float(u[i]));
       }
     }
+  }
+  return kOk;
+}
+
+// Greedy choice over fp32 logits rows [B, V] (row stride `stride`): ids[b] = argmax (the first maximum,
+// as torch.argmax), logprobs[b] = its log_softmax value, max - max - log(sum(exp(x - max))) (torch
+// reference: log_softmax(x).gather(argmax)); NaN anywhere in a row gives id of the first NaN and a NaN
+// logprob, as torch's argmax and log_softmax do. Rows are split across threads.
+int tgi_paged_greedy(const float* logits, int64_t stride, int64_t rows, int64_t vocab, int64_t* ids, float* logprobs,
+                     int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t b = 0; b < rows; ++b) {
+    const float* x = logits + b * stride;
+    int64_t best = 0;
+    float peak = x[0];
+    for (int64_t i = 1; i < vocab; ++i) {
+      if (std::isnan(peak)) break;
+      if (x[i] > peak || std::isnan(x[i])) {
+        peak = x[i];
+        best = i;
+      }
+    }
+    if (std::isnan(peak) || std::isinf(peak)) {  // NaN, or every entry -inf / some +inf: torch's arithmetic
+      ids[b] = best;
+      logprobs[b] = std::isnan(peak) ? peak : (peak > 0 ? NAN : -INFINITY);
+      continue;
+    }
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < vocab; ++i) total += exp_nonpositive(x[i] - peak);
+    ids[b] = best;
+    logprobs[b] = -std::log(total);
   }
   return kOk;
 }

@@ -1,0 +1,107 @@
+"""One CPU decode step of the model forward, variant against variant in one process (ratios, one run).
+
+Builds one :class:`ModelRunner` per variant over the same model, runs the same decode batch (``--rows``
+requests, contexts drawn in 40..200, block 16) through each, alternating a step of each for ``--steps``
+rounds, and prints median and min ms per step with the host's CPU and load. Variants:
+
+- ``default``: what serving runs (native C++ kernels, fused attention and MLP blocks, packed linears);
+- ``unfused``: without the block fusion (``runner.fused_blocks``);
+- ``compiled`` / ``sdpa``: ``TGI_PAGED_CPU_DECODE=compiled`` / ``sdpa`` decode attention, unfused, with
+  torch's RMSNorm: the forward as it was before the native kernels (``compiled`` was the default).
+
+    .venv/bin/python examples/bench_forward.py [--model smollm2|hostbound|DIR] [--rows 20] [--threads 2]
+        [--variants default unfused compiled]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from integration.peers.host import describe, host_info  # noqa: E402
+from integration.peers.hostbound import ensure_hostbound_model  # noqa: E402
+from tgi_paged_backend.config import CacheConfig, ModelConfig  # noqa: E402
+from tgi_paged_backend.runner import fast_layers, model_runner  # noqa: E402
+from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch  # noqa: E402
+
+BLOCK_SIZE = 16
+SMOLLM2 = Path.home() / ".cache" / "tgi-paged-backend" / "SmolLM2-135M-Instruct"
+VARIANTS = ("default", "unfused", "compiled", "sdpa")
+
+
+def _model_dir(name: str) -> str:
+    if name == "smollm2":
+        return str(SMOLLM2)
+    if name == "hostbound":
+        return str(ensure_hostbound_model(Path("out/bench"), SMOLLM2))  # where bench_peers.py keeps it
+    return name
+
+
+def build(variant: str, model: str) -> model_runner.ModelRunner:
+    """A runner of ``variant`` (see the module docstring)."""
+    real_fuse = model_runner.fuse_blocks
+    if variant != "default":
+        model_runner.fuse_blocks = lambda *args: None  # type: ignore[assignment]
+    try:
+        kernel = variant if variant in ("compiled", "sdpa") else "native"
+        runner = model_runner.ModelRunner(
+            ModelConfig(model_id=model, cpu_decode=kernel), CacheConfig(block_size=BLOCK_SIZE)
+        )
+    finally:
+        model_runner.fuse_blocks = real_fuse
+    if variant in ("compiled", "sdpa"):
+        for module in runner.model.modules():
+            if isinstance(module, fast_layers.FusedRMSNorm):
+                module.native = None
+    return runner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", help="smollm2, hostbound or a model directory")
+    parser.add_argument("--rows", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["default", "unfused", "compiled"])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(describe(host_info(), "float32"))
+    model = _model_dir(args.model)
+    runners = {variant: build(variant, model) for variant in args.variants}
+    lengths = np.random.default_rng(0).integers(40, 200, size=args.rows)
+    chunks, block = [], 1
+    for length in lengths:
+        n = -(-int(length) // BLOCK_SIZE)
+        chunks.append(RequestChunk([5], int(length) - 1, list(range(block, block + n))))
+        block += n
+    batch = build_forward_batch(chunks, BLOCK_SIZE)
+    for runner in runners.values():
+        runner.allocate_kv_cache(block + 1)
+        runner.warm_decode()
+        for _ in range(3):
+            runner.forward(batch)
+    times: dict[str, list[float]] = {variant: [] for variant in runners}
+    for _ in range(args.steps):
+        for variant, runner in runners.items():
+            start = time.perf_counter()
+            runner.forward(batch)
+            times[variant].append(1000 * (time.perf_counter() - start))
+    print(f"decode step, {args.model}, {args.rows} rows, {args.threads} threads, {args.steps} steps each, alternated:")
+    first = statistics.median(times[args.variants[0]])
+    for variant, ts in times.items():
+        median = statistics.median(ts)
+        print(
+            f"  {variant:9s} median {median:7.2f} ms, min {min(ts):7.2f} ms  ({median / first:.2f}x {args.variants[0]})"
+        )
+
+
+if __name__ == "__main__":
+    main()
