@@ -126,7 +126,9 @@ class NativeKernels:
 
     def supports_cache(self, cache: torch.Tensor) -> bool:
         """Whether the decode kernel reads this pool (fp32, bf16 or a one-byte dtype, head_dim contiguous)."""
-        return (cache.dtype in DTYPE_CODES or cache.element_size() == 1) and cache.stride(-1) == 1
+        return (cache.dtype in DTYPE_CODES or (cache.is_floating_point() and cache.element_size() == 1)) and (
+            cache.stride(-1) == 1
+        )
 
     def decode_attention(
         self,
@@ -150,14 +152,13 @@ class NativeKernels:
         """
         if query.dtype != torch.float32 or query.stride(-1) != 1:
             query = query.float().contiguous()
-        if k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
-            raise ValueError("decode_attention: K and V pools must share dtype and layout")
+        self._check_decode(query, k_cache, v_cache, block_tables, seq_lens, sinks)
         if block_tables.stride(-1) != 1:
             block_tables = block_tables.contiguous()
         seq_lens = seq_lens.contiguous()
         num_requests, num_q_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        code = DTYPE_CODES.get(k_cache.dtype, 2)
+        code = DTYPE_CODES.get(k_cache.dtype, 2)  # _check_decode: else one byte per value
         table = self._decode_table(k_cache.dtype) if code == 2 else None
         sinks_f32 = None if sinks is None else sinks.float().contiguous()
         out = torch.empty((num_requests, num_q_heads, head_dim), dtype=torch.float32)
@@ -175,6 +176,35 @@ class NativeKernels:
         if status != 0:
             raise ValueError(self._decode_error(status, block_tables, seq_lens, block_size, k_cache.shape[0]))
         return out
+
+    def _check_decode(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sinks: torch.Tensor | None,
+    ) -> None:
+        """Shapes and dtypes the C++ kernel trusts (it checks table widths and block ids itself)."""
+        if k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype or k_cache.shape != v_cache.shape:
+            raise ValueError("decode_attention: K and V pools must share shape, dtype and layout")
+        if not self.supports_cache(k_cache):
+            raise ValueError(f"decode_attention: no native kernel for a {k_cache.dtype} pool")
+        num_requests, num_q_heads, head_dim = query.shape
+        num_kv_heads = k_cache.shape[2]
+        if head_dim != k_cache.shape[3] or num_q_heads % num_kv_heads:
+            raise ValueError(
+                f"decode_attention: query [{num_requests}, {num_q_heads}, {head_dim}] does not fit a pool of "
+                f"{num_kv_heads} KV heads x {k_cache.shape[3]}"
+            )
+        index = (torch.int32, torch.int64)
+        if block_tables.dtype not in index or seq_lens.dtype not in index:
+            raise ValueError("decode_attention: block_tables and seq_lens must be int32 or int64")
+        if block_tables.dim() != 2 or block_tables.shape[0] < num_requests or seq_lens.numel() < num_requests:
+            raise ValueError(f"decode_attention: block_tables and seq_lens need a row per request ({num_requests})")
+        if sinks is not None and sinks.numel() != num_q_heads:
+            raise ValueError(f"decode_attention: sinks need one value per query head ({num_q_heads})")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """``torch.rms_norm(x, weight.shape, weight, eps)`` for fp32/bf16 ``x`` and ``weight`` of one dtype
@@ -219,6 +249,9 @@ class NativeKernels:
             or value.dtype != key.dtype
             or v_cache.dtype != k_cache.dtype
             or key.shape != value.shape
+            or key.shape[1:] != k_cache.shape[2:]
+            or k_cache.shape != v_cache.shape
+            or slots.numel() != key.shape[0]
             or key.stride(-1) != 1
             or value.stride(-1) != 1
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())

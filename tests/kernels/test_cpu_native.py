@@ -246,3 +246,19 @@ def test_greedy_matches_argmax_and_log_softmax(native):
     torch.testing.assert_close(logprobs[finite], expected[finite], rtol=1e-5, atol=1e-5)
     assert logprobs[3] == float("-inf") and torch.isnan(logprobs[4]) and torch.isnan(expected[4])
     assert native.greedy(logits.double()) is None and native.greedy(logits[0]) is None
+
+
+def test_decode_refuses_shapes_the_kernel_would_read_past(native):
+    kv = make_paged_kv([5, 9], num_kv_heads=2, head_dim=16, block_size=4, kv_dtype=torch.float32)
+    args = (kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.25, 0.0, None)
+    with pytest.raises(ValueError, match="does not fit a pool"):
+        native.decode_attention(torch.randn(2, 4, 32), *args, None, 1.0, 1.0)  # head_dim 32 over a 16 pool
+    with pytest.raises(ValueError, match="does not fit a pool"):
+        native.decode_attention(torch.randn(2, 3, 16), *args, None, 1.0, 1.0)  # 3 query heads over 2 KV heads
+    with pytest.raises(ValueError, match="a row per request"):
+        native.decode_attention(torch.randn(3, 4, 16), *args, None, 1.0, 1.0)
+    with pytest.raises(ValueError, match="one value per query head"):
+        native.decode_attention(torch.randn(2, 4, 16), *args, torch.zeros(3), 1.0, 1.0)
+    half = kv.k_cache.half()
+    with pytest.raises(ValueError, match="no native kernel for a torch.float16 pool"):
+        native.decode_attention(torch.randn(2, 4, 16), half, half, *args[2:], None, 1.0, 1.0)

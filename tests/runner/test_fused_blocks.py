@@ -64,7 +64,7 @@ def test_which_blocks_fuse(family_dir, name) -> None:
 
 def test_an_attention_that_differs_is_kept(family_dir, monkeypatch) -> None:
     """Cohere's interleaved RoPE declared Llama-form by mistake: the load-time check refuses it."""
-    monkeypatch.setitem(fused_blocks.LLAMA_FORM_ATTENTION, "CohereAttention", lambda m: None)
+    monkeypatch.setattr(fused_blocks, "LLAMA_FORM_ATTENTION", fused_blocks.LLAMA_FORM_ATTENTION | {"CohereAttention"})
     runner = _runner(family_dir("Cohere"))
     assert runner.fusion is not None and runner.fusion.attentions == 0
     assert "CohereAttention" in runner.fusion.kept
@@ -90,3 +90,30 @@ def test_fused_runners_give_the_logits_of_unfused_ones(family_dir, monkeypatch, 
         logits.append((prefill, decode))
     for got, expected in zip(logits[0], logits[1]):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_attention_takes_the_options_its_original_passes(family_dir) -> None:
+    """The window and scale come from what the original forward hands to the attention function."""
+    windows = {
+        name: {
+            m.sliding_window for m in _runner(family_dir(name)).model.modules() if isinstance(m, FusedPagedAttention)
+        }
+        for name in ("Llama", "Mistral")
+    }
+    assert windows == {"Llama": {None}, "Mistral": {BY_NAME["Mistral"].overrides["sliding_window"]}}
+    granite = _runner(family_dir("Granite"))
+    multiplier = granite.model.config.attention_multiplier
+    assert {m.scaling for m in granite.model.modules() if isinstance(m, FusedPagedAttention)} == {multiplier}
+
+
+def test_an_attention_whose_forward_fails_the_check_is_kept(family_dir, monkeypatch) -> None:
+    """Any error in the check (an attention of another signature) keeps the original, with no load failure."""
+    original = fused_blocks.FusedPagedAttention.__init__
+
+    def broken(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        raise TypeError("another signature")
+
+    monkeypatch.setattr(fused_blocks.FusedPagedAttention, "__init__", broken)
+    runner = _runner(family_dir("Llama"))
+    assert runner.fusion is not None and runner.fusion.attentions == 0 and "LlamaAttention" in runner.fusion.kept

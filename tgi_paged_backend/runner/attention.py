@@ -80,6 +80,9 @@ class PagedAttentionMetadata:
     decode_gathers: dict[int | None, Any] = field(default_factory=dict)
     static: bool = False
     cpu_decode: str = "native"
+    seen_options: list[dict[str, Any]] | None = None
+    """Check mode (:mod:`.fused_blocks`): each call of the HF hook appends the options its layer passed
+    (``scaling``, ``sliding_window``, ``softcap``, ``sinks``) before attending as usual."""
 
     def decode_gather(self, block_size: int, sliding_window: int | None) -> Any:
         """The step's CPU decode plan for this window (``None`` on CUDA, where kernels need none)."""
@@ -143,6 +146,11 @@ def paged_attention_forward(
     layer_idx = int(module.layer_idx)  # type: ignore[arg-type]  # an int attribute of every HF attention layer
     if scaling is None:
         scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+    if metadata.seen_options is not None:
+        metadata.seen_options.append(
+            dict(scaling=float(scaling), sliding_window=int(sliding_window or 0) or None, softcap=float(softcap or 0.0),
+                 sinks=s_aux is not None)
+        )  # fmt: skip
     # Views, not copies: every kernel takes any strides with head_dim contiguous.
     out = paged_attention(
         metadata, layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),

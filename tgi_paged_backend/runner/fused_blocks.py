@@ -22,7 +22,6 @@ captured in CUDA graphs instead (not measured with fusion; no GPU was lent).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -37,26 +36,29 @@ from tgi_paged_kernels.cpu_native import native_kernels
 CHECK_TOKENS = 12
 """Prompt length of the attention check (> the tests' windows of 8: a window must show)."""
 
-LLAMA_FORM_ATTENTION: dict[str, Callable[[nn.Module], int | None]] = {
-    "LlamaAttention": lambda m: None,
-    "GraniteAttention": lambda m: None,
-    "MistralAttention": lambda m: getattr(m.config, "sliding_window", None),
-    "MixtralAttention": lambda m: getattr(m.config, "sliding_window", None),
-    "Qwen2Attention": lambda m: getattr(m, "sliding_window", None),
-    "Qwen3Attention": lambda m: getattr(m, "sliding_window", None),
-    "Qwen2MoeAttention": lambda m: getattr(m, "sliding_window", None),
-    "Qwen3MoeAttention": lambda m: getattr(m, "sliding_window", None),
-}
+LLAMA_FORM_ATTENTION = frozenset(
+    {
+        "LlamaAttention",
+        "GraniteAttention",
+        "MistralAttention",
+        "MixtralAttention",
+        "Qwen2Attention",
+        "Qwen2MoeAttention",
+        "Qwen3Attention",
+        "Qwen3MoeAttention",
+    }
+)
 """Attention classes whose forward is Llama's (q/k/v/o, optional per-head q/k norm, neox RoPE on
-``position_embeddings``), with how each finds its sliding window (as its own forward does)."""
+``position_embeddings``). The scale and sliding window are not read from the module: the load-time check
+records what its forward passes to the attention function and the fused module uses exactly that."""
 
 
 def _stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One ``nn.Linear`` whose output is the outputs of ``parts`` side by side."""
+    """One ``nn.Linear`` whose output is the outputs of ``parts`` side by side (all with a bias, or none)."""
     first = parts[0]
     has_bias = first.bias is not None
-    fused = nn.Linear(
-        first.in_features, sum(p.out_features for p in parts), bias=has_bias,
+    fused = torch.nn.utils.skip_init(
+        nn.Linear, first.in_features, sum(p.out_features for p in parts), bias=has_bias,
         device=first.weight.device, dtype=first.weight.dtype,
     )  # fmt: skip
     with torch.no_grad():
@@ -69,6 +71,13 @@ def _stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
 
 def _plain(*modules: Any) -> bool:
     return all(type(m) is nn.Linear for m in modules)
+
+
+def _stackable(*linears: Any) -> bool:
+    """Plain linears of one input width, all with a bias or all without (so one GEMM computes them)."""
+    return (
+        _plain(*linears) and len({m.in_features for m in linears}) == 1 and len({m.bias is None for m in linears}) == 1
+    )
 
 
 class FusedGatedMLP(nn.Module):
@@ -114,13 +123,13 @@ class FusedPagedAttention(nn.Module):
 
     o_proj: nn.Module
 
-    def __init__(self, attn: nn.Module, sliding_window: int | None) -> None:
+    def __init__(self, attn: nn.Module, *, scaling: float, sliding_window: int | None) -> None:
         super().__init__()
         self.layer_idx = int(attn.layer_idx)  # type: ignore[arg-type]
         self.head_dim = int(attn.head_dim)  # type: ignore[arg-type]
         self.num_q_heads = int(attn.q_proj.out_features) // self.head_dim  # type: ignore[union-attr, arg-type]
         self.num_kv_heads = int(attn.k_proj.out_features) // self.head_dim  # type: ignore[union-attr, arg-type]
-        self.scaling = float(attn.scaling)  # type: ignore[arg-type]
+        self.scaling = scaling
         self.sliding_window = sliding_window
         self.qkv_proj = _stacked_linear([attn.q_proj, attn.k_proj, attn.v_proj])  # type: ignore[list-item]
         self.o_proj = cast(nn.Module, attn.o_proj)
@@ -192,29 +201,43 @@ def _close(expected: torch.Tensor, got: torch.Tensor) -> bool:
     return expected.shape == got.shape and torch.allclose(expected.float(), got.float(), rtol=tolerance, atol=tolerance)
 
 
-def _scratch_metadata(fused: FusedPagedAttention, block_size: int, kv_dtype: torch.dtype) -> PagedAttentionMetadata:
-    """One prefill of :data:`CHECK_TOKENS` tokens over fresh zeroed pools (one per layer index up to ours)."""
+def _scratch_metadata(
+    geometry: tuple[int, int], layer_idx: int, device: torch.device, block_size: int, kv_dtype: torch.dtype
+) -> PagedAttentionMetadata:
+    """One prefill of :data:`CHECK_TOKENS` tokens over fresh zeroed pools (``geometry``: KV heads, head_dim)."""
     blocks = -(-CHECK_TOKENS // block_size)
     batch = build_forward_batch([RequestChunk([0] * CHECK_TOKENS, 0, list(range(blocks)))], block_size)
-    device = fused.qkv_proj.weight.device
-    shape = (blocks, block_size, fused.num_kv_heads, fused.head_dim)
+    shape = (blocks, block_size, *geometry)
     pools = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(2)]
-    layers = fused.layer_idx + 1
-    return PagedAttentionMetadata(batch.to(device), [pools[0]] * layers, [pools[1]] * layers)
+    layers = layer_idx + 1
+    return PagedAttentionMetadata(batch.to(device), [pools[0]] * layers, [pools[1]] * layers, seen_options=[])
 
 
-def _same_attention(original: nn.Module, fused: FusedPagedAttention, block_size: int, kv_dtype: torch.dtype) -> bool:
-    """Both modules on one random prompt (random cos/sin) through the paged attention on scratch pools."""
-    weight = fused.qkv_proj.weight
+def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) -> FusedPagedAttention | None:
+    """The fused form of ``attn`` if it reproduces it: the original runs once on a random prompt (random
+    cos/sin) through the paged attention over scratch pools, recording the options it passes; the fused
+    module is built with exactly those and must give the same output. ``None`` otherwise (or on any error:
+    a forward of another signature keeps its module)."""
+    weight = cast(nn.Linear, attn.q_proj).weight
+    head_dim = int(attn.head_dim)  # type: ignore[arg-type]
+    geometry = (int(attn.k_proj.out_features) // head_dim, head_dim)  # type: ignore[union-attr, arg-type]
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(1, CHECK_TOKENS, fused.qkv_proj.in_features, generator=generator).to(weight.dtype)
-    cos, sin = (torch.randn(1, CHECK_TOKENS, fused.head_dim, generator=generator).to(weight.dtype) for _ in range(2))
-    outputs = []
-    with torch.inference_mode():
-        for module in (original, fused):
-            kwargs = {METADATA_KWARG: _scratch_metadata(fused, block_size, kv_dtype)}
-            outputs.append(module(x, position_embeddings=(cos, sin), attention_mask=None, **kwargs)[0])
-    return _close(outputs[0], outputs[1])
+    x = torch.randn(1, CHECK_TOKENS, int(weight.shape[1]), generator=generator).to(weight.dtype)
+    cos, sin = (torch.randn(1, CHECK_TOKENS, head_dim, generator=generator).to(weight.dtype) for _ in range(2))
+    try:
+        with torch.inference_mode():
+            metadata = _scratch_metadata(geometry, int(attn.layer_idx), weight.device, block_size, kv_dtype)  # type: ignore[arg-type]
+            expected = attn(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: metadata})[0]
+            seen = metadata.seen_options or []
+            if len(seen) != 1 or seen[0]["softcap"] or seen[0]["sinks"]:  # not one plain paged call
+                return None
+            fused = FusedPagedAttention(attn, scaling=seen[0]["scaling"], sliding_window=seen[0]["sliding_window"])
+            metadata = _scratch_metadata(geometry, fused.layer_idx, weight.device, block_size, kv_dtype)
+            got = fused(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: metadata})[0]
+    except Exception as e:  # noqa: BLE001 - any failure means: keep the original
+        logger.debug("attention {} not fused: {}: {}", type(attn).__name__, type(e).__name__, e)
+        return None
+    return fused if _close(expected, got) else None
 
 
 def fuse_blocks(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> FusionReport:
@@ -227,14 +250,16 @@ def fuse_blocks(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> Fus
             candidate: nn.Module
             if _gated_mlp(child):
                 candidate = FusedGatedMLP(child)
-                same = _same_mlp(child, candidate)
+                try:
+                    same = _same_mlp(child, candidate)
+                except Exception:  # noqa: BLE001 - a forward of another signature: keep the original
+                    same = False
                 mlps += same
-            elif type(child).__name__ in LLAMA_FORM_ATTENTION and _plain(
-                child.q_proj, child.k_proj, child.v_proj, child.o_proj
-            ):
-                window = LLAMA_FORM_ATTENTION[type(child).__name__](child)
-                candidate = FusedPagedAttention(child, window)
-                same = _same_attention(child, candidate, block_size, kv_dtype)
+            elif type(child).__name__ in LLAMA_FORM_ATTENTION and _stackable(child.q_proj, child.k_proj, child.v_proj):
+                fused = _fused_attention(child, block_size, kv_dtype)
+                same = fused is not None
+                if fused is not None:
+                    candidate = fused
                 attentions += same
             else:
                 continue

@@ -404,8 +404,9 @@ int tgi_paged_silu_and_mul(const void* gate_up, int64_t row_stride, void* out, i
 
 // Greedy choice over fp32 logits rows [B, V] (row stride `stride`): ids[b] = argmax (the first maximum,
 // as torch.argmax), logprobs[b] = its log_softmax value, max - max - log(sum(exp(x - max))) (torch
-// reference: log_softmax(x).gather(argmax)); NaN anywhere in a row gives id of the first NaN and a NaN
-// logprob, as torch's argmax and log_softmax do. Rows are split across threads.
+// reference: log_softmax(x).gather(argmax)); NaN anywhere in a row gives the id of the first NaN and a NaN
+// logprob, as torch's argmax and log_softmax do; a row of only -inf gives -inf where torch gives NaN.
+// Rows are split across threads.
 int tgi_paged_greedy(const float* logits, int64_t stride, int64_t rows, int64_t vocab, int64_t* ids, float* logprobs,
                      int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -420,7 +421,9 @@ int tgi_paged_greedy(const float* logits, int64_t stride, int64_t rows, int64_t 
         best = i;
       }
     }
-    if (std::isnan(peak) || std::isinf(peak)) {  // NaN, or every entry -inf / some +inf: torch's arithmetic
+    // NaN (torch: NaN), a +inf maximum (torch: NaN) or every entry -inf (torch: NaN, here -inf): the caller
+    // maps all of them to the same finite value.
+    if (std::isnan(peak) || std::isinf(peak)) {
       ids[b] = best;
       logprobs[b] = std::isnan(peak) ? peak : (peak > 0 ? NAN : -INFINITY);
       continue;
