@@ -114,7 +114,7 @@ def main() -> None:
     for label, fn in rows:
         ms = best_ms(fn, args.repeats)
         base = base or ms
-        print(f"  {label:<36} {ms:8.1f} ms per step   {base / ms:5.2f}x")
+        print(f"  {label:<40} {ms:8.1f} ms per step   {base / ms:5.2f}x")
 
 
 if __name__ == "__main__":

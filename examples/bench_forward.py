@@ -6,6 +6,8 @@ rounds, and prints median and min ms per step with the host's CPU and load. Vari
 
 - ``default``: what serving runs (native C++ kernels, fused attention and MLP blocks, packed linears);
 - ``unfused``: without the block fusion (``runner.fused_blocks``);
+- ``all-packed``: the default with every linear packed for any row count (no ``F.linear`` below
+  ``fast_layers.PACK_MIN_ELEMENTS``);
 - ``compiled`` / ``sdpa``: ``TGI_PAGED_CPU_DECODE=compiled`` / ``sdpa`` decode attention, unfused, with
   torch's RMSNorm: the forward as it was before the native kernels (``compiled`` was the default).
 
@@ -34,7 +36,7 @@ from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_bat
 
 BLOCK_SIZE = 16
 SMOLLM2 = Path.home() / ".cache" / "tgi-paged-backend" / "SmolLM2-135M-Instruct"
-VARIANTS = ("default", "unfused", "compiled", "sdpa")
+VARIANTS = ("default", "unfused", "compiled", "sdpa", "all-packed")
 
 
 def _model_dir(name: str) -> str:
@@ -47,16 +49,18 @@ def _model_dir(name: str) -> str:
 
 def build(variant: str, model: str) -> model_runner.ModelRunner:
     """A runner of ``variant`` (see the module docstring)."""
-    real_fuse = model_runner.fuse_blocks
-    if variant != "default":
+    real_fuse, real_min = model_runner.fuse_blocks, fast_layers.PACK_MIN_ELEMENTS
+    if variant not in ("default", "all-packed"):
         model_runner.fuse_blocks = lambda *args: None  # type: ignore[assignment]
+    if variant == "all-packed":
+        fast_layers.PACK_MIN_ELEMENTS = 0
     try:
         kernel = variant if variant in ("compiled", "sdpa") else "native"
         runner = model_runner.ModelRunner(
             ModelConfig(model_id=model, cpu_decode=kernel), CacheConfig(block_size=BLOCK_SIZE)
         )
     finally:
-        model_runner.fuse_blocks = real_fuse
+        model_runner.fuse_blocks, fast_layers.PACK_MIN_ELEMENTS = real_fuse, real_min
     if variant in ("compiled", "sdpa"):
         for module in runner.model.modules():
             if isinstance(module, fast_layers.FusedRMSNorm):

@@ -7,6 +7,7 @@ repetition, the two ways alternated. Decode attention's old and new paths are co
 ``examples/bench_cpu_attention.py``. Figures move with the machine's load (printed).
 
     .venv/bin/python examples/bench_packed_linears.py [--threads 2] [--rows 20]
+    .venv/bin/python examples/bench_packed_linears.py --small [ROWS ...]   # small weights by row count
 """
 
 from __future__ import annotations
@@ -70,15 +71,45 @@ def gemms(rows: int, repeats: int) -> None:
         _pair(f"{out_f}x{in_f} hot, x{loops} calls", one_plain, one_packed, max(3, repeats // 2))
 
 
+HOSTBOUND_LAYER = [(256, 128), (128, 128), (512, 128), (128, 256)]
+"""The host-bound model's fused q/k/v, o, gate/up and down weights: all below ``PACK_MIN_ELEMENTS``."""
+
+
+def small_weights(rows_list: list[int], repeats: int) -> None:
+    """30 layers of small weights at each row count: where packing starts to pay (``PACKED_MIN_ROWS``)."""
+    print("small weights (the host-bound model's 4 per layer x 30 layers): F.linear (old) vs packed (new)")
+    weights = [torch.randn(o, i) * 0.02 for o, i in HOSTBOUND_LAYER * 30]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    for rows in rows_list:
+        inputs = {i: torch.randn(rows, i) for i in (128, 256)}
+
+        def plain(inputs=inputs) -> None:
+            for w in weights:
+                F.linear(inputs[w.shape[1]], w)
+
+        def fast(inputs=inputs) -> None:
+            for w, p in zip(weights, packed):
+                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+
+        _pair(f"{rows} rows", plain, fast, repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--small", type=int, nargs="*", default=None, metavar="ROWS",
+        help="only the small-weight sweep, at these row counts (default 20 64 128 256 1118)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{args.threads} threads; load average {os.getloadavg()[0]:.2f}")
-    gemms(args.rows, args.repeats)
+    if args.small is not None:
+        small_weights(args.small or [20, 64, 128, 256, 1118], args.repeats)
+    else:
+        gemms(args.rows, args.repeats)
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 

@@ -45,9 +45,12 @@ takes longer than that to stream. They are packed too, for inputs of at least :d
 rows (prefill), where oneDNN's blocked GEMM wins."""
 
 PACKED_MIN_ROWS = 128
-"""Rows from which a small weight runs packed: 2 threads, 30 layers of the host-bound model's four weights
-(128-512 wide), 1118 rows: ``F.linear`` 133 ms vs packed 75 ms; 20 rows 3.1 vs 5.7 ms; the two cross
-between 64 and 128 rows (``examples/bench_packed_linears.py --small``)."""
+"""Rows from which a small weight runs packed. 2 threads, 30 layers of the host-bound model's four weights
+(128-512 wide), distinct weights (``examples/bench_packed_linears.py --small``): 128 rows ``F.linear``
+12.7-13.8 ms vs packed 8.2-8.5, 256 rows 17.4 vs 13.5-14.0, 1118 rows 59-65 vs 57. In isolation packed
+also wins at 20 rows, but not inside the decode step: the host-bound forward at 20 rows is 1.11x slower
+with every linear packed (``examples/bench_forward.py --model hostbound --variants default all-packed``),
+so decode-sized inputs keep ``F.linear``."""
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
