@@ -21,11 +21,10 @@ import statistics
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
+from tgi_paged_backend.bench.decode_step import random_decode_step
 from tgi_paged_backend.config import CacheConfig, ModelConfig
-from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.static_decode import CPU_COMPILE_BUCKETS
 
@@ -63,15 +62,10 @@ def main() -> None:
     inductor_config.freezing, inductor_config.cpp_wrapper = args.freezing, args.cpp_wrapper
     fast = ModelRunner(ModelConfig(model_id=args.model), CacheConfig(block_size=BLOCK_SIZE))
     plain = ModelRunner(ModelConfig(model_id=args.model, compile_decode=True), CacheConfig(block_size=BLOCK_SIZE))
-    lengths = np.random.default_rng(0).integers(40, 200, size=args.rows)
-    chunks, block = [], 1
-    for length in lengths:
-        n = -(-int(length) // BLOCK_SIZE)
-        chunks.append(RequestChunk([5], int(length) - 1, list(range(block, block + n))))
-        block += n
-    batch = build_forward_batch(chunks, BLOCK_SIZE)
+    step = random_decode_step(args.rows, BLOCK_SIZE)
+    batch = step.batch
     for runner in (fast, plain):
-        runner.allocate_kv_cache(block + 1)
+        runner.allocate_kv_cache(step.num_blocks)
     start = time.perf_counter()
     if args.dynamic_rows:
         plain.prepare_static_decode(256 * BLOCK_SIZE, mode="compile", buckets=CPU_COMPILE_BUCKETS, dynamic_rows=True)

@@ -23,16 +23,15 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from integration.peers.host import describe, host_info  # noqa: E402
 from integration.peers.hostbound import ensure_hostbound_model  # noqa: E402
+from tgi_paged_backend.bench.decode_step import random_decode_step  # noqa: E402
 from tgi_paged_backend.config import CacheConfig, ModelConfig  # noqa: E402
 from tgi_paged_backend.runner import fast_layers, model_runner  # noqa: E402
-from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch  # noqa: E402
 
 BLOCK_SIZE = 16
 SMOLLM2 = Path.home() / ".cache" / "tgi-paged-backend" / "SmolLM2-135M-Instruct"
@@ -80,15 +79,10 @@ def main() -> None:
     print(describe(host_info(), "float32"))
     model = _model_dir(args.model)
     runners = {variant: build(variant, model) for variant in args.variants}
-    lengths = np.random.default_rng(0).integers(40, 200, size=args.rows)
-    chunks, block = [], 1
-    for length in lengths:
-        n = -(-int(length) // BLOCK_SIZE)
-        chunks.append(RequestChunk([5], int(length) - 1, list(range(block, block + n))))
-        block += n
-    batch = build_forward_batch(chunks, BLOCK_SIZE)
+    step = random_decode_step(args.rows, BLOCK_SIZE)
+    batch = step.batch
     for runner in runners.values():
-        runner.allocate_kv_cache(block + 1)
+        runner.allocate_kv_cache(step.num_blocks)
         runner.warm_decode()
         for _ in range(3):
             runner.forward(batch)

@@ -24,8 +24,11 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from ._checks import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +85,15 @@ class NativeKernels:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        fn = lib.tgi_paged_decode_attention
-        fn.restype = _int
-        fn.argtypes = [
+
+        def bind(name: str, *argtypes: type) -> Any:
+            """``name`` of the library, typed: every entry point returns an int status."""
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = _int, list(argtypes)
+            return fn
+
+        self._decode = bind(
+            "tgi_paged_decode_attention",
             _ptr, _i64, _i64,  # query, strides
             _ptr, _ptr, _int, _ptr,  # caches, dtype code, decode table
             _i64, _i64, _i64, _i64,  # pool blocks, cache strides
@@ -92,28 +101,14 @@ class NativeKernels:
             _ptr, _int,  # seq lens
             _ptr, _int, _int, _int, _int, _int,  # out, B, Hq, Hkv, D, block size
             _float, _float, _int, _ptr, _float, _float, _int,
-        ]  # fmt: skip
-        self._decode = fn
-        norm = lib.tgi_paged_rms_norm
-        norm.restype = _int
-        norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _float, _int, _int]
-        self._rms_norm = norm
-        store = lib.tgi_paged_store_kv
-        store.restype = _int
-        store.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
-        self._store = store
-        rope = lib.tgi_paged_rope_neox
-        rope.restype = _int
-        rope.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
-        self._rope = rope
-        silu = lib.tgi_paged_silu_and_mul
-        silu.restype = _int
-        silu.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _int, _int]
-        self._silu_and_mul = silu
-        greedy = lib.tgi_paged_greedy
-        greedy.restype = _int
-        greedy.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int]
-        self._greedy = greedy
+        )  # fmt: skip
+        self._rms_norm = bind("tgi_paged_rms_norm", _ptr, _i64, _ptr, _ptr, _i64, _i64, _float, _int, _int)
+        self._store = bind(
+            "tgi_paged_store_kv", _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64
+        )
+        self._rope = bind("tgi_paged_rope_neox", _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int)
+        self._silu_and_mul = bind("tgi_paged_silu_and_mul", _ptr, _i64, _ptr, _i64, _i64, _int, _int)
+        self._greedy = bind("tgi_paged_greedy", _ptr, _i64, _i64, _i64, _ptr, _ptr, _int)
         self._tables: dict[torch.dtype, torch.Tensor] = {}
 
     def _decode_table(self, dtype: torch.dtype) -> torch.Tensor:
@@ -327,11 +322,17 @@ class NativeKernels:
     ) -> str:
         if status == 2:
             longest = int(seq_lens.max())
-            need = -(-longest // block_size)
+            need = cdiv(longest, block_size)
             return f"seq_lens up to {longest} need {need} blocks, block_tables has {block_tables.shape[1]}"
         if status == 3:
             return f"block_tables hold a block id outside the pool's {num_blocks} blocks"
         return f"decode_attention: the native kernel returned status {status}"
+
+
+def native_decode_for(cache: torch.Tensor) -> NativeKernels | None:
+    """The kernels when their decode attention can read ``cache`` (a CPU pool) in this process, else ``None``."""
+    native = native_kernels() if cache.is_cpu else None
+    return native if native is not None and native.supports_cache(cache) else None
 
 
 @functools.cache

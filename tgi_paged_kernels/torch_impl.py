@@ -25,7 +25,7 @@ from .cpu_attention import (
     prefill_attention_sdpa,
 )
 from .cpu_decode import compiled_decode_attention
-from .cpu_native import native_kernels
+from .cpu_native import native_decode_for, native_kernels
 from .reference import dequantize, quantize
 
 
@@ -34,12 +34,12 @@ def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float
 
     Under ``torch.compile`` (the static decode step, whose padding rows write the scratch slot) the
     skip, a branch on values, is not traced: a negative slot raises there instead."""
-    if not torch.compiler.is_compiling():  # the native kernel copies rows of the pool's own dtype in one call
-        native = native_kernels()
-        if native is not None and native.store_kv(key, value, k_cache, v_cache, slot_mapping):
-            return
+    compiling = torch.compiler.is_compiling()
+    native = None if compiling else native_kernels()
+    if native is not None and native.store_kv(key, value, k_cache, v_cache, slot_mapping):
+        return  # the native kernel copies rows of the pool's own dtype in one call
     slots = slot_mapping.long()
-    if torch.compiler.is_compiling():
+    if compiling:
         torch._assert_async((slots >= 0).all(), "store_kv: negative slots are not supported under torch.compile")
     elif bool((slots < 0).any()):
         keep = slots >= 0
@@ -106,13 +106,12 @@ def paged_decode_attention_torch(
     masked matmul pair per KV head."""
     if gather is not None and gather.num_requests != query.shape[0]:
         raise ValueError(f"gather plan for {gather.num_requests} requests, the query has {query.shape[0]}")
-    if cpu_kernel == "native" and not torch.compiler.is_compiling():
-        native = native_kernels()
-        if native is not None and native.supports_cache(k_cache):
-            direct = native.decode_attention(
-                query, k_cache, v_cache, block_tables, seq_lens, scale, softcap, sliding_window, sinks, k_scale, v_scale
-            )
-            return _write_out(direct, query, out)
+    native = native_decode_for(k_cache) if cpu_kernel == "native" and not torch.compiler.is_compiling() else None
+    if native is not None:
+        direct = native.decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, scale, softcap, sliding_window, sinks, k_scale, v_scale
+        )
+        return _write_out(direct, query, out)
     compiled = cpu_kernel in ("native", "compiled")
     if gather is None:
         gather = plan_decode_gather(block_tables, seq_lens, k_cache.shape[1], sliding_window)
@@ -186,20 +185,17 @@ def paged_prefill_attention_torch(
             raise ValueError(
                 f"request {b}: seq_len {seq_len} must cover its {num_queries} queries and fit its block table"
             )
-        if softcap == 0 and sinks is None and sliding_window is None and fresh_kv and seq_len == num_queries:
-            k, v = fresh_kv[0][start:end].float(), fresh_kv[1][start:end].float()
-            positions = torch.arange(seq_len)
-            result[start:end] = prefill_attention_sdpa(
-                query[start:end], k, v, positions, positions, scale=scale, sliding_window=None
-            )
-            continue
         if softcap == 0 and sinks is None:  # common case: SDPA over the keys some query sees
             first = seq_len - num_queries
             lo = 0 if sliding_window is None else max(0, first - sliding_window + 1)
             positions = torch.arange(lo, seq_len)
-            block_ids = block_tables[b, positions // block_size].long()
-            k = dequantize(k_cache[block_ids, positions % block_size], k_scale)
-            v = dequantize(v_cache[block_ids, positions % block_size], v_scale)
+            if fresh_kv is not None and first == 0:  # the keys are exactly this request's new tokens
+                k = dequantize(fresh_kv[0][start:end], k_scale)
+                v = dequantize(fresh_kv[1][start:end], v_scale)
+            else:
+                block_ids = block_tables[b, positions // block_size].long()
+                k = dequantize(k_cache[block_ids, positions % block_size], k_scale)
+                v = dequantize(v_cache[block_ids, positions % block_size], v_scale)
             result[start:end] = prefill_attention_sdpa(
                 query[start:end],
                 k,

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 import tgi_paged_kernels
+from tgi_paged_kernels.cpu_native import native_decode_for
 
 ATTENTION_NAME = "tgi_paged"
 """Name under which the attention function (and its no-op mask) are registered."""
@@ -206,7 +207,7 @@ def paged_attention(
     )
     if batch.is_decode:
         # The native kernel reads the block tables as they are; the others share one plan per step.
-        native = metadata.cpu_decode == "native" and not metadata.static
+        native = metadata.cpu_decode == "native" and not metadata.static and native_decode_for(k_cache) is not None
         gather = None if native else metadata.decode_gather(k_cache.shape[1], window)
         return tgi_paged_kernels.paged_decode_attention(
             q, k_cache, v_cache, batch.block_tables, batch.seq_lens, gather=gather, cpu_kernel=metadata.cpu_decode,

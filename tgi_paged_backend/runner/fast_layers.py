@@ -156,16 +156,21 @@ def _rms_norm_eps(module: nn.Module) -> float | None:
     return None
 
 
-def _same_output(
+def outputs_close(expected: torch.Tensor, got: torch.Tensor) -> bool:
+    """Whether a replacement's output ``got`` reproduces the original's (fp32: to 1e-5, else 2e-2)."""
+    tolerance = 1e-5 if got.dtype == torch.float32 else 2e-2
+    return expected.shape == got.shape and torch.allclose(expected.float(), got.float(), rtol=tolerance, atol=tolerance)
+
+
+def same_output(
     original: nn.Module, replacement: nn.Module, width: int, dtype: torch.dtype, device: torch.device
 ) -> bool:
-    """Whether ``replacement`` reproduces ``original`` on a seeded random input (fp32: to 1e-5)."""
+    """Whether ``replacement`` reproduces ``original`` on a seeded random ``[3, width]`` input."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, width, generator=generator).to(dtype=dtype, device=device)
     with torch.inference_mode():
         expected, got = original(x), replacement(x)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    return expected.shape == got.shape and torch.allclose(expected.float(), got.float(), rtol=tolerance, atol=tolerance)
+    return outputs_close(expected, got)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +201,7 @@ def swap_fast_layers(model: nn.Module, device: torch.device, dtype: torch.dtype)
             # _rms_norm_eps returns an eps only for a module whose ``weight`` is a 1-D tensor.
             weight = cast(torch.Tensor, child.weight)
             candidate = FusedRMSNorm(weight, eps)
-            if _same_output(child, candidate, int(weight.shape[0]), weight.dtype, weight.device):
+            if same_output(child, candidate, int(weight.shape[0]), weight.dtype, weight.device):
                 setattr(parent, name, candidate)
                 fused += 1
             else:

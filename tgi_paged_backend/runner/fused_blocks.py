@@ -30,6 +30,7 @@ from loguru import logger
 from torch import nn
 
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, paged_attention, step_metadata
+from tgi_paged_backend.runner.fast_layers import outputs_close, same_output
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_kernels.cpu_native import native_kernels
 
@@ -106,16 +107,10 @@ class FusedGatedMLP(nn.Module):
 
 
 def _gated_mlp(module: nn.Module) -> bool:
-    names = ("gate_proj", "up_proj", "down_proj")
-    if not all(hasattr(module, n) for n in names) or not hasattr(module, "act_fn"):
+    if not all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return False
     gate, up = module.gate_proj, module.up_proj
-    return (
-        _plain(gate, up, module.down_proj)
-        and gate.in_features == up.in_features  # type: ignore[union-attr]
-        and gate.out_features == up.out_features  # type: ignore[union-attr]
-        and (gate.bias is None) == (up.bias is None)  # type: ignore[union-attr]
-    )
+    return _stackable(gate, up) and _plain(module.down_proj) and gate.out_features == up.out_features  # type: ignore[union-attr]
 
 
 class FusedPagedAttention(nn.Module):
@@ -187,18 +182,16 @@ class FusionReport:
     """Class names of candidates that did not reproduce their original (left as they are)."""
 
 
-def _same_mlp(original: nn.Module, fused: FusedGatedMLP) -> bool:
+def _fused_mlp(mlp: nn.Module) -> FusedGatedMLP | None:
+    """The fused form of ``mlp`` if it reproduces it on a random input, else ``None`` (also on any error: a
+    forward of another signature keeps its module)."""
+    fused = FusedGatedMLP(mlp)
     weight = fused.gate_up.weight
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(3, fused.gate_up.in_features, generator=generator).to(weight.dtype)
-    with torch.inference_mode():
-        expected, got = original(x), fused(x)
-    return _close(expected, got)
-
-
-def _close(expected: torch.Tensor, got: torch.Tensor) -> bool:
-    tolerance = 1e-5 if got.dtype == torch.float32 else 2e-2
-    return expected.shape == got.shape and torch.allclose(expected.float(), got.float(), rtol=tolerance, atol=tolerance)
+    try:
+        return fused if same_output(mlp, fused, fused.gate_up.in_features, weight.dtype, weight.device) else None
+    except Exception as e:  # noqa: BLE001 - any failure means: keep the original
+        logger.debug("MLP {} not fused: {}: {}", type(mlp).__name__, type(e).__name__, e)
+        return None
 
 
 def _scratch_metadata(
@@ -237,7 +230,7 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
     except Exception as e:  # noqa: BLE001 - any failure means: keep the original
         logger.debug("attention {} not fused: {}: {}", type(attn).__name__, type(e).__name__, e)
         return None
-    return fused if _close(expected, got) else None
+    return fused if outputs_close(expected, got) else None
 
 
 def fuse_blocks(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> FusionReport:
@@ -247,26 +240,19 @@ def fuse_blocks(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> Fus
     kept: set[str] = set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            candidate: nn.Module
+            candidate: nn.Module | None
             if _gated_mlp(child):
-                candidate = FusedGatedMLP(child)
-                try:
-                    same = _same_mlp(child, candidate)
-                except Exception:  # noqa: BLE001 - a forward of another signature: keep the original
-                    same = False
-                mlps += same
+                candidate = _fused_mlp(child)
+                mlps += candidate is not None
             elif type(child).__name__ in LLAMA_FORM_ATTENTION and _stackable(child.q_proj, child.k_proj, child.v_proj):
-                fused = _fused_attention(child, block_size, kv_dtype)
-                same = fused is not None
-                if fused is not None:
-                    candidate = fused
-                attentions += same
+                candidate = _fused_attention(child, block_size, kv_dtype)
+                attentions += candidate is not None
             else:
                 continue
-            if same:
-                setattr(parent, name, candidate)
-            else:
+            if candidate is None:
                 kept.add(type(child).__name__)
+            else:
+                setattr(parent, name, candidate)
     report = FusionReport(mlps=mlps, attentions=attentions, kept=tuple(sorted(kept)))
     logger.info(
         "fused blocks: {} attentions (one q/k/v GEMM, one RoPE pass), {} gated MLPs (one gate/up GEMM){}",

@@ -31,6 +31,9 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch doe
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// v rounded to bf16 and back: where a torch bf16 op would store its result.
+inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
+
 // exp(x) for x <= 0 (softmax terms), in a form the compiler vectorizes (glibc's expf is a scalar call):
 // Cody-Waite reduction x = n ln2 + r and Cephes' degree-6 polynomial for exp(r), within ~2 ulp of
 // expf. Inputs below -87.3 give ~1e-38 instead of a denormal or 0 (a weight nobody can see).
@@ -238,8 +241,9 @@ extern "C" {
 // contiguous; caches [num_blocks, block_size, Hkv, D] with element strides (c_sblock, c_sslot, c_shead)
 // shared by K and V, storage dtype `cache_dtype` (codes above); block_tables [B, *] (row stride
 // bt_stride, int32 or int64); seq_lens [B] (int32 or int64); out fp32 [B, Hq, D] contiguous.
-// window <= 0: full attention; softcap <= 0: none; sinks fp32 [Hq] or null. Work is split over
-// (request, KV head) pairs across `num_threads` OpenMP threads. Returns 0; 1 for a bad dtype code, 2 when
+// window <= 0: full attention; softcap <= 0: none; sinks fp32 [Hq] or null. Work is split across
+// `num_threads` OpenMP threads by request, or by (request, KV head) when requests are few (decode_all).
+// Returns 0; 1 for a bad dtype code, 2 when
 // a seq_len needs more blocks than the table's width, 3 for a block id outside [0, num_blocks) (nothing
 // outside the table or the pool is read; the output is then undefined).
 int tgi_paged_decode_attention(
@@ -295,7 +299,7 @@ int tgi_paged_rms_norm(const void* x, int64_t x_stride, void* out, const void* w
       }
       const float inv = 1.0f / std::sqrt(total / static_cast<float>(width) + eps);
       for (int64_t i = 0; i < width; ++i) {
-        const float normed = bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * inv));
+        const float normed = round_bf16(bf16_to_float(xr[i]) * inv);
         o[i] = float_to_bf16(bf16_to_float(w[i]) * normed);
       }
     }
@@ -362,11 +366,10 @@ int tgi_paged_rope_neox(const void* x, int64_t x_st, int64_t x_sh, const void* c
         const uint16_t* c = static_cast<const uint16_t*>(cos) + cs;
         const uint16_t* s = static_cast<const uint16_t*>(sin) + cs;
         uint16_t* o = static_cast<uint16_t*>(out) + dst;
-        auto bf = [](float v) { return bf16_to_float(float_to_bf16(v)); };
         for (int64_t i = 0; i < head_dim; ++i) {
           const float rotated = i < half ? -bf16_to_float(xr[i + half]) : bf16_to_float(xr[i - half]);
-          const float a = bf(bf16_to_float(xr[i]) * bf16_to_float(c[i]));
-          const float b = bf(rotated * bf16_to_float(s[i]));
+          const float a = round_bf16(bf16_to_float(xr[i]) * bf16_to_float(c[i]));
+          const float b = round_bf16(rotated * bf16_to_float(s[i]));
           o[i] = float_to_bf16(a + b);
         }
       }
@@ -394,7 +397,7 @@ int tgi_paged_silu_and_mul(const void* gate_up, int64_t row_stride, void* out, i
       uint16_t* o = static_cast<uint16_t*>(out) + t * width;
       for (int64_t i = 0; i < width; ++i) {
         const float x = bf16_to_float(g[i]);
-        const float silu = bf16_to_float(float_to_bf16(x / (1.0f + std::exp(-x))));
+        const float silu = round_bf16(x / (1.0f + std::exp(-x)));
         o[i] = float_to_bf16(silu * bf16_to_float(u[i]));
       }
     }
