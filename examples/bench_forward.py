@@ -4,15 +4,19 @@ Builds one :class:`ModelRunner` per variant over the same model, runs the same d
 requests, contexts drawn in 40..200, block 16) through each, alternating a step of each for ``--steps``
 rounds, and prints median and min ms per step with the host's CPU and load. Variants:
 
-- ``default``: what serving runs (native C++ kernels, fused attention and MLP blocks, packed linears);
-- ``unfused``: without the block fusion (``runner.fused_blocks``);
+- ``default``: what serving runs (native C++ kernels, fused attention and MLP blocks, native decode layers
+  where they apply, packed linears);
+- ``per-op``: the default without the native decode layers (``TGI_PAGED_NATIVE_LAYERS=0``);
+- ``unfused``: without the block fusion (``runner.fused_blocks``, hence no native decode layers either);
 - ``all-packed``: the default with every linear packed for any row count (no ``F.linear`` below
   ``fast_layers.PACK_MIN_ELEMENTS``);
 - ``compiled`` / ``sdpa``: ``TGI_PAGED_CPU_DECODE=compiled`` / ``sdpa`` decode attention, unfused, with
   torch's RMSNorm: the forward as it was before the native kernels (``compiled`` was the default).
 
     .venv/bin/python examples/bench_forward.py [--model smollm2|hostbound|DIR] [--rows 20] [--threads 2]
-        [--variants default unfused compiled]
+        [--variants default per-op unfused compiled] [--prefill TOKENS]
+
+``--prefill TOKENS`` times a prefill step of fresh prompts (17-156 tokens each, about TOKENS in all) instead.
 """
 
 from __future__ import annotations
@@ -29,13 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from integration.peers.host import describe, host_info  # noqa: E402
 from integration.peers.hostbound import ensure_hostbound_model  # noqa: E402
-from tgi_paged_backend.bench.decode_step import random_decode_step  # noqa: E402
+from tgi_paged_backend.bench.decode_step import random_decode_step, random_prefill_step  # noqa: E402
 from tgi_paged_backend.config import CacheConfig, ModelConfig  # noqa: E402
 from tgi_paged_backend.runner import fast_layers, model_runner  # noqa: E402
 
 BLOCK_SIZE = 16
 SMOLLM2 = Path.home() / ".cache" / "tgi-paged-backend" / "SmolLM2-135M-Instruct"
-VARIANTS = ("default", "unfused", "compiled", "sdpa", "all-packed")
+VARIANTS = ("default", "per-op", "unfused", "compiled", "sdpa", "all-packed")
 
 
 def _model_dir(name: str) -> str:
@@ -56,7 +60,8 @@ def build(variant: str, model: str) -> model_runner.ModelRunner:
     try:
         kernel = variant if variant in ("compiled", "sdpa") else "native"
         runner = model_runner.ModelRunner(
-            ModelConfig(model_id=model, cpu_decode=kernel), CacheConfig(block_size=BLOCK_SIZE)
+            ModelConfig(model_id=model, cpu_decode=kernel, native_layers=variant in ("default", "all-packed")),
+            CacheConfig(block_size=BLOCK_SIZE),
         )
     finally:
         model_runner.fuse_blocks, fast_layers.PACK_MIN_ELEMENTS = real_fuse, real_min
@@ -73,13 +78,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["default", "unfused", "compiled"])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["default", "per-op", "unfused", "compiled"])
+    parser.add_argument("--prefill", type=int, default=0, help="time a prefill step of about this many tokens")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(describe(host_info(), "float32"))
     model = _model_dir(args.model)
     runners = {variant: build(variant, model) for variant in args.variants}
-    step = random_decode_step(args.rows, BLOCK_SIZE)
+    step = random_prefill_step(args.prefill, BLOCK_SIZE) if args.prefill else random_decode_step(args.rows, BLOCK_SIZE)
     batch = step.batch
     for runner in runners.values():
         runner.allocate_kv_cache(step.num_blocks)
@@ -92,7 +98,8 @@ def main() -> None:
             start = time.perf_counter()
             runner.forward(batch)
             times[variant].append(1000 * (time.perf_counter() - start))
-    print(f"decode step, {args.model}, {args.rows} rows, {args.threads} threads, {args.steps} steps each, alternated:")
+    shape = f"prefill step, {batch.num_tokens} tokens" if args.prefill else f"decode step, {args.rows} rows"
+    print(f"{shape}, {args.model}, {args.threads} threads, {args.steps} steps each, alternated:")
     first = statistics.median(times[args.variants[0]])
     for variant, ts in times.items():
         median = statistics.median(ts)

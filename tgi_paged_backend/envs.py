@@ -56,6 +56,7 @@ class EnvSettings:
     cuda_graphs: tuple[int, ...]
     compile_decode: bool
     cpu_decode: str
+    native_layers: bool
     lora_adapters: str | None
     rank: int
     world_size: int
@@ -233,6 +234,8 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
             " or ".join(CPU_DECODE_KERNELS),
             lambda v: v in CPU_DECODE_KERNELS,
         ),
+        # TGI_PAGED_NATIVE_LAYERS: CPU fp32 decode of small Llama-form layers as one native call per layer.
+        native_layers=_parse(e, "TGI_PAGED_NATIVE_LAYERS", True, _on_off, "0, 1, false or true"),
         # LORA_ADAPTERS: launcher --lora-adapters; empty means none, as stock. Refused by `serve`.
         lora_adapters=lora if lora else None,
         # RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT: set by the launcher for each shard.
@@ -299,6 +302,7 @@ def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             cuda_graphs=s.cuda_graphs,
             compile_decode=s.compile_decode,
             cpu_decode=s.cpu_decode,
+            native_layers=s.native_layers,
         ),
         cache=CacheConfig(
             block_size=s.block_size,

@@ -32,7 +32,10 @@ from ._checks import cdiv
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "cpu_layer.cpp")
+"""Compiled into one library; ``cpu_common.h`` (included by both) is part of the cache key."""
+HEADERS = (CSRC / "cpu_common.h",)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 """Storage dtypes the kernels read natively; one-byte (fp8) pools go through a decode table (code 2)."""
@@ -56,7 +59,7 @@ def _cache_dir() -> Path:
 
 
 def build_library(compiler: str | None = None) -> Path:
-    """Compile ``csrc/cpu_kernels.cpp`` (or reuse the cached build) and return the shared library's path.
+    """Compile :data:`SOURCES` (or reuse the cached build) and return the shared library's path.
 
     Raises ``RuntimeError`` with the compiler's message when no compiler is found or the build fails.
     """
@@ -64,15 +67,15 @@ def build_library(compiler: str | None = None) -> Path:
     if not compiler:
         raise RuntimeError("no C++ compiler (set CXX or install g++)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    source = SOURCE.read_text()
-    key = hashlib.sha256("\0".join([source, compiler, version, *FLAGS, _cpu_signature()]).encode()).hexdigest()
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, compiler, version, *FLAGS, _cpu_signature()]).encode()).hexdigest()
     target = _cache_dir() / f"cpu_kernels-{key[:24]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         staged = Path(tmp) / target.name
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(staged)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(staged)], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         os.replace(staged, target)  # atomic: a concurrent build of the same key writes the same bytes
@@ -109,6 +112,21 @@ class NativeKernels:
         self._rope = bind("tgi_paged_rope_neox", _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int)
         self._silu_and_mul = bind("tgi_paged_silu_and_mul", _ptr, _i64, _ptr, _i64, _i64, _int, _int)
         self._greedy = bind("tgi_paged_greedy", _ptr, _i64, _i64, _i64, _ptr, _ptr, _int)
+        self.gemm_packed = bind(
+            "tgi_paged_gemm_packed", _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int
+        )
+        """Raw entry points of ``csrc/cpu_layer.cpp``; :mod:`tgi_paged_kernels.cpu_layer` wraps them."""
+        self.llama_decode_layer = bind(
+            "tgi_paged_llama_decode_layer",
+            _ptr, _i64, _i64, _i64,  # hidden, T, H, I
+            _ptr, _float, _ptr, _float,  # norms
+            _ptr, _ptr, _ptr, _ptr, _ptr,  # packed weights, qkv bias
+            _ptr, _ptr,  # cos, sin
+            _ptr, _ptr, _i64, _i64, _i64, _i64,  # pools, blocks, strides
+            _ptr, _ptr, _int, _i64, _i64, _ptr, _int,  # slots, tables, seq lens
+            _int, _int, _int, _int, _float, _int,  # heads, head_dim, block size, scale, window
+            _ptr, _int,  # scratch, threads
+        )  # fmt: skip
         self._tables: dict[torch.dtype, torch.Tensor] = {}
 
     def _decode_table(self, dtype: torch.dtype) -> torch.Tensor:
@@ -169,7 +187,7 @@ class NativeKernels:
             k_scale, v_scale, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
-            raise ValueError(self._decode_error(status, block_tables, seq_lens, block_size, k_cache.shape[0]))
+            raise ValueError(self.decode_error(status, block_tables, seq_lens, block_size, k_cache.shape[0]))
         return out
 
     def _check_decode(
@@ -317,7 +335,7 @@ class NativeKernels:
         return ids, logprobs
 
     @staticmethod
-    def _decode_error(
+    def decode_error(
         status: int, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int
     ) -> str:
         if status == 2:

@@ -142,7 +142,7 @@ class FusedRMSNorm(nn.Module):
         return F.rms_norm(x, self.shape, self.weight, self.eps)
 
 
-def _rms_norm_eps(module: nn.Module) -> float | None:
+def rms_norm_eps(module: nn.Module) -> float | None:
     """The epsilon of an RMSNorm-looking module (a 1-D ``weight`` and an epsilon attribute), else ``None``."""
     if not type(module).__name__.endswith("RMSNorm"):
         return None
@@ -195,10 +195,10 @@ def swap_fast_layers(model: nn.Module, device: torch.device, dtype: torch.dtype)
                 setattr(parent, name, PackedLinear(child, plain_below_rows=PACKED_MIN_ROWS if small else 0))
                 packed += 1
                 continue
-            eps = _rms_norm_eps(child)
+            eps = rms_norm_eps(child)
             if eps is None:
                 continue
-            # _rms_norm_eps returns an eps only for a module whose ``weight`` is a 1-D tensor.
+            # rms_norm_eps returns an eps only for a module whose ``weight`` is a 1-D tensor.
             weight = cast(torch.Tensor, child.weight)
             candidate = FusedRMSNorm(weight, eps)
             if same_output(child, candidate, int(weight.shape[0]), weight.dtype, weight.device):

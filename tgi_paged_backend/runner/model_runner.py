@@ -31,6 +31,7 @@ from tgi_paged_backend.runner.fused_blocks import fuse_blocks
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_loader import LoadedModel, load_model, resident_bytes
 from tgi_paged_backend.runner.model_spec import ModelSpec, resolve_kv_dtype
+from tgi_paged_backend.runner.native_layers import wrap_native_layers
 from tgi_paged_backend.runner.static_decode import CPU_COMPILE_BUCKETS, StaticDecodeStep, blocks_per_request
 
 CPU_KV_BUDGET_CAP_BYTES = 4 * 1024**3
@@ -81,6 +82,11 @@ class ModelRunner:
         self.spec = ModelSpec.from_hf_config(self.model.config, self.dtype)
         self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
         self.fusion = fuse_blocks(self.model, self.block_size, self.kv_dtype) if self.device.type == "cpu" else None
+        self.native_layers = (
+            wrap_native_layers(self.model, self.block_size)
+            if self.fusion is not None and model_config.native_layers and self.kv_dtype == torch.float32
+            else None
+        )
         self.fast_layers = swap_fast_layers(self.model, self.device, self.dtype)
         self.k_scale = 1.0
         self.v_scale = 1.0

@@ -1,0 +1,99 @@
+"""Native decode layers (``runner.native_layers``): which families' layers run decode steps as one native call,
+that those runners give the logits and greedy tokens of the per-op path, and that anything else keeps the
+Python path. (Token-exactness of every family against HF: test_family_matrix, which serves them natively.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.family_models import FAMILIES, is_available, write_family_model
+from tgi_paged_backend.config import CacheConfig, ModelConfig
+from tgi_paged_backend.runner import native_layers
+from tgi_paged_backend.runner.fused_blocks import FusedPagedAttention
+from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
+from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.runner.native_layers import NativeDecoderLayer
+from tgi_paged_kernels.cpu_native import native_kernels
+
+pytestmark = pytest.mark.skipif(native_kernels() is None, reason="no C++ compiler here: no native kernels")
+
+BY_NAME = {family.name: family for family in FAMILIES}
+WRAPPED = {"Llama": 2, "Mistral": 2, "Qwen2": 2, "Qwen3": 0, "Granite": 0, "Gemma": 0, "Mixtral": 0, "Phi3": 0}
+"""Layers of the 2 of each tiny family that decode natively (Qwen3: q/k norms; Granite: scaled residuals;
+Gemma: its attention is not fused; Mixtral: experts; Phi3: fused checkpoint projections)."""
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    made = {}
+
+    def make(name: str):
+        family = BY_NAME[name]
+        if not is_available(family):
+            pytest.skip(f"{name} is not in this transformers")
+        if name not in made:
+            made[name] = write_family_model(family, tmp_path_factory.mktemp(name.lower()))
+        return made[name]
+
+    return make
+
+
+def _runner(path, **model_options) -> ModelRunner:
+    return ModelRunner(ModelConfig(model_id=str(path), **model_options), CacheConfig(block_size=4))
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPED))
+def test_which_layers_decode_natively(family_dir, name) -> None:
+    runner = _runner(family_dir(name))
+    wrapped = [m for m in runner.model.modules() if isinstance(m, NativeDecoderLayer)]
+    assert len(wrapped) == WRAPPED[name]
+    assert runner.native_layers is not None and runner.native_layers.wrapped == WRAPPED[name]
+    if wrapped:  # the wrapped layer's parts read through (transformers' model loop and our tools use them)
+        assert isinstance(runner.model.model.layers[0].self_attn, FusedPagedAttention)
+
+
+def test_off_by_config_and_with_fp8_kv(family_dir) -> None:
+    path = family_dir("Llama")
+    assert _runner(path, native_layers=False).native_layers is None
+    fp8 = ModelRunner(ModelConfig(model_id=str(path)), CacheConfig(block_size=4, kv_cache_dtype="fp8_e4m3fn"))
+    assert fp8.native_layers is None
+
+
+def _steps(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> list[torch.Tensor]:
+    """Prefill, then greedy decode steps; the logits of each step."""
+    blocks = 8
+    runner.allocate_kv_cache(len(prompts) * blocks + 1)
+    tables = [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(len(prompts))]
+    logits = [runner.forward(build_forward_batch([RequestChunk(p, 0, t) for p, t in zip(prompts, tables)], 4))]
+    lengths = [len(p) for p in prompts]
+    for _ in range(new_tokens):
+        ids = logits[-1].argmax(dim=-1).tolist()
+        chunks = [RequestChunk([i], n, t) for i, n, t in zip(ids, lengths, tables)]
+        logits.append(runner.forward(build_forward_batch(chunks, 4)))
+        lengths = [n + 1 for n in lengths]
+    return logits
+
+
+@pytest.mark.parametrize("name", ["Llama", "Mistral", "Qwen2"])
+def test_native_runners_give_the_logits_and_tokens_of_the_per_op_path(family_dir, name) -> None:
+    path = family_dir(name)
+    prompts = [[3, 17, 5, 9, 11, 2, 8, 13, 21, 4, 6], [7, 7, 1, 30, 2], [12]]
+    native = _steps(_runner(path), prompts, 12)  # Mistral's window (tiny config) is passed on the way
+    plain = _steps(_runner(path, native_layers=False), prompts, 12)
+    for got, expected in zip(native, plain):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(dim=-1), expected.argmax(dim=-1))
+
+
+def test_a_layer_that_differs_keeps_the_python_path(family_dir, monkeypatch) -> None:
+    """The load-time check compares one decode step with the original's: a wrong kernel is not used."""
+    real = native_layers.llama_decode_layer
+
+    def off_by_a_bit(*args, **kwargs):
+        return real(*args, **kwargs) * 1.001
+
+    monkeypatch.setattr(native_layers, "llama_decode_layer", off_by_a_bit)
+    runner = _runner(family_dir("Llama"))
+    assert runner.native_layers is not None and runner.native_layers.wrapped == 0
+    assert any("differs" in reason for reason in runner.native_layers.kept)

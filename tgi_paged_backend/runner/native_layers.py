@@ -1,0 +1,253 @@
+"""Llama-form decoder layers that run on the native CPU kernels (fp32): a decode step as one call.
+
+After :func:`~.fused_blocks.fuse_blocks`, a decoder layer of :data:`LLAMA_FORM_LAYERS` made of the fused
+forms (Llama-form RMSNorms, a :class:`~.fused_blocks.FusedPagedAttention` without q/k norms, a SiLU
+:class:`~.fused_blocks.FusedGatedMLP`, plain fp32 projections) is wrapped by :class:`NativeDecoderLayer`:
+
+- a **decode step** (one new token per request, fp32 pools) runs the whole layer through
+  :func:`tgi_paged_kernels.cpu_layer.llama_decode_layer`: one call and one OpenMP region instead of ~10
+  calls, each with its Python, dispatch and thread wake-up;
+- every other step (prefill, chunks, the static step, probes and checks) runs the wrapped layer, whose four
+  projections are :class:`NativeLinear` over the same packed weights (the native GEMM, as fast as oneDNN
+  at every shape we measured): one copy of the weights, no extra memory.
+
+Wrapped only after one decode step over scratch pools gives the original's output and K/V (to 1e-4: the
+GEMM sums in another order than oneDNN/MKL). ``TGI_PAGED_NATIVE_LAYERS=0`` (``ModelConfig.native_layers``)
+keeps the per-op path. Figures: ``docs/performance.md``, section 13.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from loguru import logger
+from torch import nn
+
+from tgi_paged_backend.runner import fast_layers
+from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
+from tgi_paged_backend.runner.fused_blocks import FusedGatedMLP, FusedPagedAttention
+from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
+from tgi_paged_kernels.cpu_layer import LlamaLayerWeights, gemm_packed, llama_decode_layer, pack_weight
+from tgi_paged_kernels.cpu_native import NativeKernels, native_kernels
+
+LLAMA_FORM_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+"""Decoder layers whose forward is Llama's: ``h += attn(norm1(h)); h += mlp(norm2(h))`` (Granite's scaled
+residuals are not)."""
+
+MAX_ROWS = 256
+"""Decode batches up to this many requests run natively (scratch and tiles sized for decode)."""
+
+
+def _rms(module: nn.Module) -> tuple[torch.Tensor, float] | None:
+    eps = fast_layers.rms_norm_eps(module)
+    weight = getattr(module, "weight", None)
+    return None if eps is None or not isinstance(weight, torch.Tensor) else (weight.detach(), eps)
+
+
+def _plain(linear: Any, bias: bool = False) -> bool:
+    return type(linear) is nn.Linear and linear.weight.dtype == torch.float32 and (bias or linear.bias is None)
+
+
+def layer_weights(layer: nn.Module) -> LlamaLayerWeights | None:
+    """The packed weights of a Llama-form ``layer`` made of the fused blocks, or ``None`` when it is not one
+    (another class, q/k norms, another activation, biased o/gate/up/down projections, not fp32)."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norms = [_rms(getattr(layer, n, nn.Identity())) for n in ("input_layernorm", "post_attention_layernorm")]
+    if (
+        type(layer).__name__ not in LLAMA_FORM_LAYERS
+        or not isinstance(attn, FusedPagedAttention)
+        or not isinstance(mlp, FusedGatedMLP)
+        or attn.q_norm is not None
+        or attn.k_norm is not None
+        or mlp.native is None  # SiLU only
+        or not (_plain(attn.qkv_proj, bias=True) and _plain(attn.o_proj))
+        or not (_plain(mlp.gate_up) and _plain(mlp.down_proj))
+        or norms[0] is None
+        or norms[1] is None
+    ):
+        return None
+    (ln1, eps1), (ln2, eps2) = norms  # type: ignore[misc]
+    if ln1.dtype != torch.float32 or ln2.dtype != torch.float32:
+        return None
+    qkv, o, gate_up, down = attn.qkv_proj, cast(nn.Linear, attn.o_proj), mlp.gate_up, cast(nn.Linear, mlp.down_proj)
+    return LlamaLayerWeights(
+        ln1=ln1.contiguous(), eps1=eps1, ln2=ln2.contiguous(), eps2=eps2,
+        qkv=pack_weight(qkv.weight), qkv_bias=None if qkv.bias is None else qkv.bias.detach().contiguous(),
+        o=pack_weight(o.weight), gate_up=pack_weight(gate_up.weight), down=pack_weight(down.weight),
+        hidden_size=int(ln1.shape[0]), intermediate=mlp.intermediate,
+        num_q_heads=attn.num_q_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+        scale=attn.scaling, window=int(attn.sliding_window or 0),
+    )  # fmt: skip
+
+
+class NativeDecoderLayer(nn.Module):
+    """A decoder layer whose decode steps run natively; every other step runs the wrapped ``layer``."""
+
+    def __init__(self, layer: nn.Module, weights: LlamaLayerWeights, native: NativeKernels, as_tuple: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.weights = weights
+        self.native = native
+        self.layer_idx = int(layer.self_attn.layer_idx)  # type: ignore[union-attr, arg-type]
+        self.as_tuple = as_tuple
+        """transformers before 4.54 returns ``(hidden,)`` from a decoder layer, later versions the tensor."""
+
+    def own_projections(self) -> None:
+        """Make the packed weights the only copy: the wrapped layer's four projections become
+        :class:`NativeLinear` views of them (prefills then run the native GEMM too)."""
+        attn, mlp, w = (
+            cast(FusedPagedAttention, self.layer.self_attn),
+            cast(FusedGatedMLP, self.layer.mlp),
+            self.weights,
+        )
+        qkv_width = (w.num_q_heads + 2 * w.num_kv_heads) * w.head_dim
+        setattr(attn, "qkv_proj", NativeLinear(w.qkv, qkv_width, w.qkv_bias, self.native))  # noqa: B010
+        setattr(attn, "o_proj", NativeLinear(w.o, w.hidden_size, None, self.native))  # noqa: B010
+        setattr(mlp, "gate_up", NativeLinear(w.gate_up, 2 * w.intermediate, None, self.native))  # noqa: B010
+        setattr(mlp, "down_proj", NativeLinear(w.down, w.hidden_size, None, self.native))  # noqa: B010
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes of the wrapped layer read through (``self_attn``, ``mlp``, ``attention_type``, ...)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["layer"], name)
+
+    def _native_step(self, hidden: torch.Tensor, kwargs: dict[str, Any]) -> PagedAttentionMetadata | None:
+        metadata: PagedAttentionMetadata | None = kwargs.get(METADATA_KWARG)
+        if (
+            metadata is None
+            or not metadata.batch.is_decode
+            or metadata.static
+            or metadata.layer_calls is not None
+            or metadata.seen_options is not None
+            or metadata.k_scale != 1.0
+            or metadata.v_scale != 1.0
+            or hidden.dtype != torch.float32
+            or hidden.shape[0] != 1
+            or hidden.shape[1] > MAX_ROWS
+            or metadata.k_caches[self.layer_idx].dtype != torch.float32
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        return metadata
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        metadata = self._native_step(hidden_states, kwargs)
+        cos_sin = kwargs.get("position_embeddings")
+        if metadata is None or cos_sin is None:
+            return self.layer(hidden_states, *args, **kwargs)
+        batch = metadata.batch
+        out = llama_decode_layer(
+            self.native, self.weights, hidden_states[0], cos_sin[0][0], cos_sin[1][0],
+            metadata.k_caches[self.layer_idx], metadata.v_caches[self.layer_idx],
+            batch.slot_mapping, batch.block_tables, batch.seq_lens,
+        ).unsqueeze(0)  # fmt: skip
+        return (out,) if self.as_tuple else out
+
+
+class NativeLinear(nn.Module):
+    """``x @ W.T (+ bias)`` through the native GEMM on ``W`` packed once (:func:`pack_weight`), for any rows.
+
+    Under ``torch.compile`` (the static step) it runs ``F.linear`` on an unpacked view instead."""
+
+    def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, native: NativeKernels):
+        super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = int(packed.shape[1]), int(out_features)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.native = native
+        self.resident_bytes = packed.numel() * packed.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling() or x.dtype != torch.float32 or rows.stride(-1) != 1:
+            weight = self.packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+            return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        out = gemm_packed(self.native, rows, self.packed, self.out_features, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@dataclass(frozen=True, slots=True)
+class NativeLayersReport:
+    """What :func:`wrap_native_layers` wrapped (logged at start-up, asserted by the tests)."""
+
+    wrapped: int
+    kept: tuple[str, ...]
+    """Why candidates kept their Python path (one line per distinct reason)."""
+
+
+def _check_metadata(w: LlamaLayerWeights, layer_idx: int, block_size: int) -> PagedAttentionMetadata:
+    """A decode step of 3 requests (contexts 5, block_size + 3, 2 * block_size) over random fp32 pools."""
+    lengths = (5, block_size + 3, 2 * block_size)
+    chunks, block = [], 1
+    for length in lengths:
+        n = -(-length // block_size)
+        chunks.append(RequestChunk([0], length - 1, list(range(block, block + n))))
+        block += n
+    generator = torch.Generator().manual_seed(layer_idx)
+    shape = (block, block_size, w.num_kv_heads, w.head_dim)
+    pools = [torch.randn(shape, generator=generator) for _ in range(2)]
+    layers = layer_idx + 1
+    return PagedAttentionMetadata(build_forward_batch(chunks, block_size), [pools[0]] * layers, [pools[1]] * layers)
+
+
+def _reproduces(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int) -> tuple[bool, bool]:
+    """``(same output and K/V, original returns a tuple)`` on one random decode step."""
+    w = wrapped.weights
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3, w.hidden_size, generator=generator)
+    cos, sin = (torch.randn(1, 3, w.head_dim, generator=generator) for _ in range(2))
+    with torch.inference_mode():
+        ref_meta = _check_metadata(w, wrapped.layer_idx, block_size)
+        expected = layer(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: ref_meta})
+        as_tuple = isinstance(expected, tuple)
+        wrapped.as_tuple = as_tuple
+        meta = _check_metadata(w, wrapped.layer_idx, block_size)
+        got = wrapped(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: meta})
+    expected, got = (expected[0], got[0]) if as_tuple else (expected, got)
+    close = all(
+        a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+        for a, b in (
+            (expected, got),
+            (ref_meta.k_caches[-1], meta.k_caches[-1]),
+            (ref_meta.v_caches[-1], meta.v_caches[-1]),
+        )
+    )
+    return close, as_tuple
+
+
+def wrap_native_layers(model: nn.Module, block_size: int) -> NativeLayersReport:
+    """Wrap the Llama-form decoder layers of ``model`` (see the module docstring) in place."""
+    native = native_kernels()
+    wrapped, kept = 0, set()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ not in LLAMA_FORM_LAYERS:
+                continue
+            weights = layer_weights(child) if native is not None else None
+            if weights is None:
+                kept.add(f"{type(child).__name__}: not the fused fp32 Llama form")
+                continue
+            candidate = NativeDecoderLayer(child, weights, native, as_tuple=False)  # type: ignore[arg-type]
+            try:
+                ok, _ = _reproduces(child, candidate, block_size)
+            except Exception as e:  # noqa: BLE001 - any failure means: keep the Python path
+                ok = False
+                logger.debug("layer {} not native: {}: {}", type(child).__name__, type(e).__name__, e)
+            if ok:
+                candidate.own_projections()
+                setattr(parent, name, candidate)
+                wrapped += 1
+            else:
+                kept.add(f"{type(child).__name__}: its decode step differs")
+    report = NativeLayersReport(wrapped=wrapped, kept=tuple(sorted(kept)))
+    if wrapped or kept:
+        logger.info("native decode layers: {} wrapped{}", wrapped, f"; kept: {'; '.join(report.kept)}" if kept else "")
+    return report
