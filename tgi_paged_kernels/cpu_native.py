@@ -33,9 +33,9 @@ from ._checks import cdiv
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "cpu_layer.cpp")
-"""Compiled into one library; ``cpu_common.h`` (included by both) is part of the cache key."""
-HEADERS = (CSRC / "cpu_common.h",)
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "cpu_layer.cpp", CSRC / "cpu_prefill.cpp")
+"""Compiled into one library; the headers they include are part of the cache key."""
+HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_gemm.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 """Storage dtypes the kernels read natively; one-byte (fp8) pools go through a decode table (code 2)."""
@@ -127,9 +127,20 @@ class NativeKernels:
             _int, _int, _int, _int, _float, _int,  # heads, head_dim, block size, scale, window
             _ptr, _int,  # scratch, threads
         )  # fmt: skip
+        self.prefill_attention = bind(
+            "tgi_paged_prefill_attention",
+            _ptr, _i64, _i64,  # query, strides
+            _ptr, _ptr, _int, _ptr,  # caches, dtype code, decode table
+            _i64, _i64, _i64, _i64,  # pool blocks, cache strides
+            _ptr, _int, _i64, _i64,  # block tables, int64?, row stride, width
+            _ptr, _int, _ptr, _int,  # query_start_loc, seq lens
+            _ptr, _int, _int, _int, _int, _int,  # out, B, Hq, Hkv, D, block size
+            _float, _float, _int, _ptr, _float, _float, _int,
+        )  # fmt: skip
+        """Raw entry point of ``csrc/cpu_prefill.cpp``; :mod:`tgi_paged_kernels.cpu_prefill` wraps it."""
         self._tables: dict[torch.dtype, torch.Tensor] = {}
 
-    def _decode_table(self, dtype: torch.dtype) -> torch.Tensor:
+    def decode_table(self, dtype: torch.dtype) -> torch.Tensor:
         """fp32 value of each of the 256 bytes of a one-byte dtype (fp8)."""
         table = self._tables.get(dtype)
         if table is None:
@@ -172,7 +183,7 @@ class NativeKernels:
         num_requests, num_q_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         code = DTYPE_CODES.get(k_cache.dtype, 2)  # _check_decode: else one byte per value
-        table = self._decode_table(k_cache.dtype) if code == 2 else None
+        table = self.decode_table(k_cache.dtype) if code == 2 else None
         sinks_f32 = None if sinks is None else sinks.float().contiguous()
         out = torch.empty((num_requests, num_q_heads, head_dim), dtype=torch.float32)
         status = self._decode(

@@ -26,6 +26,7 @@ from .cpu_attention import (
 )
 from .cpu_decode import compiled_decode_attention
 from .cpu_native import native_decode_for, native_kernels
+from .cpu_prefill import prefill_attention
 from .reference import dequantize, quantize
 
 
@@ -164,7 +165,17 @@ def paged_prefill_attention_torch(
     sinks=None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Prefill/extend for CPU tensors, one request at a time; see ``api.paged_prefill_attention``."""
+    """Prefill/extend for CPU tensors; see ``api.paged_prefill_attention``. fp32 queries go to the native
+    kernel (:mod:`.cpu_prefill`: all requests in one call) when it is built; the rest runs here, one request at
+    a time (the native kernel's reference)."""
+    native = None if torch.compiler.is_compiling() else native_kernels()
+    if native is not None:
+        result = prefill_attention(
+            native, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale, softcap=softcap,
+            sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+        if result is not None:
+            return _write_out(result, query, out)
     num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     queries_per_kv = num_q_heads // num_kv_heads

@@ -218,9 +218,11 @@ def test_public_names_are_the_functions_after_every_submodule_import():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
-def test_prefill_of_fresh_requests_reads_their_new_kv_instead_of_the_pool(kv_dtype):
-    """Requests without a cached prefix attend over the K/V just computed (when the pool stores them as
-    they are): the same result as reading the pool back. A request with a prefix still reads the pool."""
+def test_prefill_of_fresh_requests_reads_their_new_kv_instead_of_the_pool(kv_dtype, monkeypatch):
+    """The torch path (bf16 queries, or no native kernels): requests without a cached prefix attend over the
+    K/V just computed (when the pool stores them as they are): the same result as reading the pool back. A
+    request with a prefix still reads the pool. (fp32 queries take the native kernel, which reads the pool.)"""
+    monkeypatch.setattr("tgi_paged_kernels.torch_impl.prefill_attention", lambda *args, **kwargs: None)
     seq_lens = [5, 9, 12]
     q_lens = [5, 3, 12]  # the middle request extends a cached prefix of 6 tokens
     kv = make_paged_kv(seq_lens, num_kv_heads=2, head_dim=16, block_size=4, kv_dtype=kv_dtype,

@@ -1,0 +1,173 @@
+// The packed-weight GEMM of the CPU kernels (cpu_layer.cpp, cpu_prefill.cpp): a [N, K] weight (torch's
+// nn.Linear layout) packed as [ceil(N / 16)][K][16], columns padded with zeros (pack_weight in cpu_layer.py).
+// Every output is one sequential sum over k of fused multiply-adds, whatever the ISA (AVX-512, AVX2 + FMA,
+// scalar) and the number of rows or threads: a row's result does not depend on the batch it is in, and the
+// three ISAs give the same bits. Internal linkage, like cpu_common.h.
+
+#pragma once
+
+#include "cpu_common.h"
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kNB = 16;  // columns of a packed block
+
+// out[j] = add[j] + (c[j] + bias[j]) for the `cols` valid columns of a block (bias/add may be null).
+inline void epilogue(const float* c, const float* bias, const float* add, float* out, int cols) {
+  for (int j = 0; j < cols; ++j) {
+    float v = c[j];
+    if (bias) v += bias[j];
+    out[j] = add ? add[j] + v : v;
+  }
+}
+
+// tile<R>: rows [0, R) of one column block, acc[r] = sum_k a[r, k] * w[k, :] (fused multiply-adds in k
+// order), written through the epilogue's arithmetic to `out`.
+#if defined(__AVX512F__)
+constexpr int kMR = 12;  // rows per register tile of one block: 12 accumulators of 16 lanes
+constexpr int kMR2 = 8;  // rows per register tile of two blocks: 16 accumulators, one broadcast per two FMAs
+constexpr bool kPairs = true;
+
+inline void store_rows(const __m512* acc, int rows, const float* bias, const float* add, int64_t ldadd, float* out,
+                       int64_t ldo, int cols) {  // the epilogue's arithmetic, 16 lanes at once
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r) {
+    __m512 v = bias ? _mm512_add_ps(acc[r], b) : acc[r];
+    if (add) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, add + r * ldadd), v);
+    _mm512_mask_storeu_ps(out + r * ldo, mask, v);
+  }
+}
+
+template <int R>
+inline void tile(const float* a, int64_t lda, int64_t K, const float* w, const float* bias, const float* add,
+                 int64_t ldadd, float* out, int64_t ldo, int cols) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 wk = _mm512_loadu_ps(w + k * kNB);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + k]), wk, acc[r]);
+  }
+  store_rows(acc, R, bias, add, ldadd, out, ldo, cols);
+}
+
+// Two neighbouring column blocks (w0, then w1 = the next block; the second has `cols1` valid columns).
+template <int R>
+inline void tile2(const float* a, int64_t lda, int64_t K, const float* w0, const float* w1, const float* bias,
+                  const float* add, int64_t ldadd, float* out, int64_t ldo, int cols1) {
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 x0 = _mm512_loadu_ps(w0 + k * kNB), x1 = _mm512_loadu_ps(w1 + k * kNB);
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * lda + k]);
+      acc0[r] = _mm512_fmadd_ps(x, x0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(x, x1, acc1[r]);
+    }
+  }
+  store_rows(acc0, R, bias, add, ldadd, out, ldo, kNB);
+  store_rows(acc1, R, bias ? bias + kNB : nullptr, add ? add + kNB : nullptr, ldadd, out + kNB, ldo, cols1);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kMR = 6;  // 6 rows x 2 halves of 8 lanes: 12 accumulators
+constexpr int kMR2 = 1;
+constexpr bool kPairs = false;
+template <int R>
+inline void tile(const float* a, int64_t lda, int64_t K, const float* w, const float* bias, const float* add,
+                 int64_t ldadd, float* out, int64_t ldo, int cols) {
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * kNB), w1 = _mm256_loadu_ps(w + k * kNB + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_set1_ps(a[r * lda + k]);
+      lo[r] = _mm256_fmadd_ps(x, w0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(x, w1, hi[r]);
+    }
+  }
+  float c[kNB];
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(c, lo[r]);
+    _mm256_storeu_ps(c + 8, hi[r]);
+    epilogue(c, bias, add ? add + r * ldadd : nullptr, out + r * ldo, cols);
+  }
+}
+#else
+constexpr int kMR = 4;
+constexpr int kMR2 = 1;
+constexpr bool kPairs = false;
+template <int R>
+inline void tile(const float* a, int64_t lda, int64_t K, const float* w, const float* bias, const float* add,
+                 int64_t ldadd, float* out, int64_t ldo, int cols) {
+  float acc[R][kNB] = {};
+  for (int64_t k = 0; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < kNB; ++j) acc[r][j] = std::fma(a[r * lda + k], w[k * kNB + j], acc[r][j]);
+  for (int r = 0; r < R; ++r) epilogue(acc[r], bias, add ? add + r * ldadd : nullptr, out + r * ldo, cols);
+}
+#endif
+
+template <int R>
+inline void tile_rows(int rows, const float* a, int64_t lda, int64_t K, const float* w, const float* bias,
+                      const float* add, int64_t ldadd, float* out, int64_t ldo, int cols) {
+  if (rows == R) {
+    tile<R>(a, lda, K, w, bias, add, ldadd, out, ldo, cols);
+  } else if constexpr (R > 1) {
+    tile_rows<R - 1>(rows, a, lda, K, w, bias, add, ldadd, out, ldo, cols);
+  }
+}
+
+#if defined(__AVX512F__)
+template <int R>
+inline void tile2_rows(int rows, const float* a, int64_t lda, int64_t K, const float* w0, const float* w1,
+                       const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo, int cols1) {
+  if (rows == R) {
+    tile2<R>(a, lda, K, w0, w1, bias, add, ldadd, out, ldo, cols1);
+  } else if constexpr (R > 1) {
+    tile2_rows<R - 1>(rows, a, lda, K, w0, w1, bias, add, ldadd, out, ldo, cols1);
+  }
+}
+#endif
+
+// out[M, N] (row stride ldo) = a[M, K] (row stride lda) times the packed weight's transpose, plus bias[N]
+// when given, then plus add[M, N] (row stride ldadd; it may be `out` itself) when given. Orphaned work
+// sharing (call it inside a parallel region, or from one thread) over tasks of up to kMC rows times one
+// column block, or two neighbouring ones where the ISA has the registers; a thread's tasks share rows, so
+// their slice of `a` stays in cache while the weight panels stream.
+void gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, const float* packed, int64_t N,
+                 const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
+  constexpr int64_t kMC = 96;
+  const int64_t blocks = (N + kNB - 1) / kNB;
+  // Pairs of blocks pay from a few row tiles on; a decode batch reads each weight panel in fewer passes alone.
+  const int64_t span = kPairs && M >= 3 * kMR ? 2 : 1;
+  const int64_t groups = (blocks + span - 1) / span, chunks = (M + kMC - 1) / kMC;
+#pragma omp for schedule(static)
+  for (int64_t task = 0; task < chunks * groups; ++task) {
+    const int64_t nb = (task % groups) * span, n0 = nb * kNB;
+    const int64_t m_begin = (task / groups) * kMC, m_end = std::min(M, m_begin + kMC);
+    const float* b = bias ? bias + n0 : nullptr;
+#if defined(__AVX512F__)
+    if (span == 2 && nb + 1 < blocks) {
+      const int cols1 = static_cast<int>(std::min<int64_t>(kNB, N - n0 - kNB));
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kMR2) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMR2, m_end - m0));
+        tile2_rows<kMR2>(rows, a + m0 * lda, lda, K, packed + nb * K * kNB, packed + (nb + 1) * K * kNB, b,
+                         add ? add + m0 * ldadd + n0 : nullptr, ldadd, out + m0 * ldo + n0, ldo, cols1);
+      }
+      continue;
+    }
+#endif
+    const int cols = static_cast<int>(std::min<int64_t>(kNB, N - n0));
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += kMR) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMR, m_end - m0));
+      tile_rows<kMR>(rows, a + m0 * lda, lda, K, packed + nb * K * kNB, b, add ? add + m0 * ldadd + n0 : nullptr,
+                     ldadd, out + m0 * ldo + n0, ldo, cols);
+    }
+  }
+}
+
+}  // namespace
