@@ -72,7 +72,7 @@ class ModelStep:
         sampled, recomputed = self._advance(plan, rows, logits)
         timer.lap("schedule")
         t1 = time.perf_counter_ns()
-        generations, finished = self._emit(sampled, timer)
+        generations, finished = self._emit(sampled, logits, timer)
         t2 = time.perf_counter_ns()
         constrained = sum(1 for r, _ in sampled if r.grammar is not None)
         return StepOutput(generations, finished, plan.num_tokens, recomputed, t1 - t0, t2 - t1, constrained, **copies)
@@ -138,8 +138,8 @@ class ModelStep:
         return batch.to(self.runner.device), rows
 
     def _advance(self, plan: StepPlan, rows: list[tuple[int, int, bool]], logits: torch.Tensor):
-        """Account computed tokens; collect (request, logits row) for those that yield a token."""
-        sampled: list[tuple[RequestState, torch.Tensor]] = []
+        """Account computed tokens; collect (request, row of ``logits``) for those that yield a token."""
+        sampled: list[tuple[RequestState, int]] = []
         recomputed = 0
         for (r, n), (first, count, prompt_rows) in zip(plan.scheduled, rows):
             start, end = r.num_computed, r.num_computed + n
@@ -154,7 +154,7 @@ class ModelStep:
                 gen_start = max(start, num_prompt)
                 self.kv.commit_tokens(r.id, r.output_ids[gen_start - num_prompt : end - num_prompt], gen_start)
             if r.advance(n):
-                sampled.append((r, logits[first + count - 1]))
+                sampled.append((r, first + count - 1))
         return sampled, recomputed
 
     def _record_prompt_logprobs(self, r: RequestState, start: int, end: int, rows: torch.Tensor) -> None:
@@ -173,12 +173,18 @@ class ModelStep:
             values = lp.gather(1, tgt[:, None]).squeeze(1).tolist()
             r.prefill_logprobs.extend(v if math.isfinite(v) else -1e30 for v in values)
 
-    def _emit(self, sampled: list[tuple[RequestState, torch.Tensor]], timer: StepTimer):
+    def _emit(self, sampled: list[tuple[RequestState, int]], step_logits: torch.Tensor, timer: StepTimer):
         if not sampled:
             return [], []
-        logits = torch.stack([row for _, row in sampled])
+        picked = [row for _, row in sampled]
         requests = [r for r, _ in sampled]
         constrained = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+        # A decode step samples every row in order: no [B, V] copy then, unless grammar masks write into it
+        # (the forward's logits are an inference tensor, read-only here).
+        if not constrained and picked == list(range(step_logits.shape[0])):
+            logits = step_logits
+        else:
+            logits = step_logits[torch.tensor(picked, device=step_logits.device)]
         apply_grammar_masks(logits, [i for i, _ in constrained], [g for _, g in constrained])  # before sampling
         params = [r.spec.sampling for r in requests]
         needs_history = [p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 for p in params]
