@@ -26,3 +26,14 @@ def _seed_and_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def native():
+    """The native C++ CPU kernels (``tgi_paged_kernels.cpu_native``); the test is skipped without a compiler."""
+    import tgi_paged_kernels.cpu_native as cpu_native
+
+    kernels = cpu_native.native_kernels()
+    if kernels is None:
+        pytest.skip("no C++ compiler here: the native kernels cannot build")
+    return kernels

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tgi_paged_kernels.cpu_native as cpu_native
 from tgi_paged_kernels.cpu_layer import (
     LlamaLayerWeights,
     gemm_packed,
@@ -16,14 +15,6 @@ from tgi_paged_kernels.cpu_layer import (
     llama_decode_layer_ref,
     pack_weight,
 )
-
-
-@pytest.fixture(scope="module")
-def native():
-    kernels = cpu_native.native_kernels()
-    if kernels is None:
-        pytest.skip("no C++ compiler here: the native kernels cannot build")
-    return kernels
 
 
 @pytest.mark.parametrize(

@@ -25,14 +25,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def native():
-    kernels = cpu_native.native_kernels()
-    if kernels is None:
-        pytest.skip("no C++ compiler here: the native kernels cannot build")
-    return kernels
-
-
 @pytest.mark.parametrize(
     "case", CASES, ids=lambda c: f"{c[0]}q{c[1]}kv{c[2]}d-bs{c[3]}-{c[4]}-cap{c[5]}-w{c[6]}-s{c[7]}"
 )

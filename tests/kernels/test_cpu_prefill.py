@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tgi_paged_kernels.cpu_native as cpu_native
 from tgi_paged_kernels import paged_prefill_attention
 from tgi_paged_kernels.cpu_prefill import prefill_attention
 from tgi_paged_kernels.reference import paged_prefill_attention_reference
@@ -22,14 +21,6 @@ CASES = [
     (4, 4, 32, 1, torch.bfloat16, 0.0, None, False),  # one token per block, a bf16 pool
     (4, 2, 16, 4, torch.float8_e4m3fn, 0.0, None, True),
 ]
-
-
-@pytest.fixture(scope="module")
-def native():
-    kernels = cpu_native.native_kernels()
-    if kernels is None:
-        pytest.skip("no C++ compiler here: the native kernels cannot build")
-    return kernels
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.family_models import FAMILIES, is_available, write_family_model
+from tests.helpers.family_models import FAMILIES
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner import fused_blocks
 from tgi_paged_backend.runner.fused_blocks import FusedGatedMLP, FusedPagedAttention
@@ -31,21 +31,6 @@ EXPECTED = {
     "Qwen2-MoE": (2, 2),  # the shared expert of each layer is a gated MLP
     "Qwen3-MoE": (2, 0),
 }
-
-
-@pytest.fixture(scope="module")
-def family_dir(tmp_path_factory):
-    made = {}
-
-    def make(name: str):
-        family = BY_NAME[name]
-        if not is_available(family):
-            pytest.skip(f"{name} is not in this transformers")
-        if name not in made:
-            made[name] = write_family_model(family, tmp_path_factory.mktemp(name.lower()))
-        return made[name]
-
-    return make
 
 
 def _runner(path) -> ModelRunner:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.family_models import FAMILIES, is_available, write_family_model
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner import native_layers
 from tgi_paged_backend.runner.fused_blocks import FusedPagedAttention
@@ -18,25 +17,9 @@ from tgi_paged_kernels.cpu_native import native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="no C++ compiler here: no native kernels")
 
-BY_NAME = {family.name: family for family in FAMILIES}
 WRAPPED = {"Llama": 2, "Mistral": 2, "Qwen2": 2, "Qwen3": 0, "Granite": 0, "Gemma": 0, "Mixtral": 0, "Phi3": 0}
 """Layers of the 2 of each tiny family that decode natively (Qwen3: q/k norms; Granite: scaled residuals;
 Gemma: its attention is not fused; Mixtral: experts; Phi3: fused checkpoint projections)."""
-
-
-@pytest.fixture(scope="module")
-def family_dir(tmp_path_factory):
-    made = {}
-
-    def make(name: str):
-        family = BY_NAME[name]
-        if not is_available(family):
-            pytest.skip(f"{name} is not in this transformers")
-        if name not in made:
-            made[name] = write_family_model(family, tmp_path_factory.mktemp(name.lower()))
-        return made[name]
-
-    return make
 
 
 def _runner(path, **model_options) -> ModelRunner:
