@@ -40,7 +40,16 @@ def gemm_packed(
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for fp32 ``x`` ``[M, K]`` (rows contiguous) and ``W`` packed by :func:`pack_weight`."""
     m, k = x.shape
-    if x.dtype != torch.float32 or x.stride(-1) != 1 or packed.shape[1] != k or packed.shape[0] * PACK_BLOCK < n:
+    if (
+        x.dtype != torch.float32
+        or x.stride(-1) != 1
+        or packed.dtype != torch.float32
+        or not packed.is_contiguous()
+        or packed.dim() != 3
+        or packed.shape[1:] != (k, PACK_BLOCK)
+        or packed.shape[0] * PACK_BLOCK < n
+        or (bias is not None and (bias.dtype != torch.float32 or bias.numel() < n or not bias.is_contiguous()))
+    ):
         raise ValueError(f"gemm_packed: x {tuple(x.shape)} {x.dtype} does not fit a packed {tuple(packed.shape)}")
     out = torch.empty((m, n), dtype=torch.float32)
     native.gemm_packed(
@@ -97,13 +106,14 @@ def llama_decode_layer(
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """The layer's output for fp32 ``hidden`` ``[T, H]`` (one token of each of ``T`` requests; a new tensor),
-    writing the tokens' K/V into fp32 pools ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (int64).
+    writing the tokens' K/V into fp32 pools ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (int64;
+    negative slots skipped).
 
     ``cos``/``sin`` ``[T, D]`` fp32 contiguous; ``block_tables`` ``[T, *]`` and ``seq_lens`` ``[T]``, int32
-    or int64. Raises ``ValueError`` on inputs the kernel does not take, or on a slot or block id outside
-    the pool (as the single kernels do).
+    or int64. ``None`` for inputs of another kind (the caller runs the per-op path); ``ValueError`` for a
+    slot or block id outside the pool or a table too narrow (as the single kernels do).
     """
     tokens = hidden.shape[0]
     d = w.head_dim
@@ -128,7 +138,7 @@ def llama_decode_layer(
         or block_tables.dtype not in (torch.int32, torch.int64)
         or seq_lens.dtype not in (torch.int32, torch.int64)
     ):
-        raise ValueError("llama_decode_layer: inputs of another kind than the kernel takes")
+        return None
     out = hidden.contiguous().clone()
     slot_mapping, seq_lens = slot_mapping.contiguous(), seq_lens.contiguous()
     if block_tables.stride(-1) != 1:
@@ -148,6 +158,10 @@ def llama_decode_layer(
         w.num_q_heads, w.num_kv_heads, d, block_size, w.scale, w.window,
         scratch.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    if status == 5:
+        raise ValueError(
+            f"llama_decode_layer: slot_mapping holds a slot outside the pool's {k_cache.shape[0] * block_size} slots"
+        )
     if status != 0:
         raise ValueError(native.decode_error(status, block_tables, seq_lens, block_size, k_cache.shape[0]))
     return out
@@ -181,10 +195,10 @@ def llama_decode_layer_ref(
     qk = qkv[:, : hq + hkv]
     qk = qk * cos[:, None] + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin[:, None]
     k, v = qk[:, hq:], qkv[:, hq + hkv :]
-    block_size = k_cache.shape[1]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, offsets] = k
-    v_cache[blocks, offsets] = v
+    block_size, keep = k_cache.shape[1], slot_mapping >= 0  # negative slots: nothing written
+    blocks, offsets = slot_mapping[keep] // block_size, slot_mapping[keep] % block_size
+    k_cache[blocks, offsets] = k[keep]
+    v_cache[blocks, offsets] = v[keep]
     attn = decode_attention_math(
         qk[:, :hq], k_cache, v_cache, block_tables.long(), seq_lens, w.scale, 0.0, w.window or None, None, 1.0, 1.0
     )

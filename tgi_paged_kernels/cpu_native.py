@@ -134,7 +134,7 @@ class NativeKernels:
             _i64, _i64, _i64, _i64,  # pool blocks, cache strides
             _ptr, _int, _i64, _i64,  # block tables, int64?, row stride, width
             _ptr, _int, _ptr, _int,  # query_start_loc, seq lens
-            _ptr, _int, _int, _int, _int, _int,  # out, B, Hq, Hkv, D, block size
+            _ptr, _i64, _int, _int, _int, _int, _int,  # out, T, B, Hq, Hkv, D, block size
             _float, _float, _int, _ptr, _float, _float, _int,
         )  # fmt: skip
         """Raw entry point of ``csrc/cpu_prefill.cpp``; :mod:`tgi_paged_kernels.cpu_prefill` wraps it."""

@@ -53,10 +53,14 @@ def prefill_attention(
         or query_start_loc.numel() != seq_lens.numel() + 1
         or block_tables.shape[0] < seq_lens.numel()
         or (sinks is not None and sinks.numel() != num_q_heads)
+        # One task per (request, KV head): fewer than the threads (one long prompt on a many-core host) would
+        # leave threads idle where the torch path's SDPA uses them all.
+        or seq_lens.numel() * k_cache.shape[2] < torch.get_num_threads()
     ):
         return None
-    if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != num_tokens:
-        raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {query_start_loc.tolist()}")
+    starts = query_start_loc
+    if int(starts[0]) != 0 or int(starts[-1]) != num_tokens or bool((starts[1:] < starts[:-1]).any()):
+        raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {starts.tolist()}")
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
     code = DTYPE_CODES.get(k_cache.dtype, 2)
@@ -71,7 +75,7 @@ def prefill_attention(
         block_tables.data_ptr(), int(block_tables.dtype == torch.int64), block_tables.stride(0), block_tables.shape[1],
         query_start_loc.data_ptr(), int(query_start_loc.dtype == torch.int64),
         seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64),
-        out.data_ptr(), seq_lens.numel(), num_q_heads, num_kv_heads, head_dim, block_size,
+        out.data_ptr(), num_tokens, seq_lens.numel(), num_q_heads, num_kv_heads, head_dim, block_size,
         scale, softcap, int(sliding_window or 0), None if sinks_f32 is None else sinks_f32.data_ptr(),
         k_scale, v_scale, torch.get_num_threads(),
     )  # fmt: skip

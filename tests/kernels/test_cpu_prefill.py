@@ -73,6 +73,9 @@ def test_bad_lengths_and_tables_raise(native) -> None:
     with pytest.raises(ValueError, match="query_start_loc"):  # 7 queries for a request of 5 tokens
         prefill_attention(native, query, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc([7, 3]),
                           kv.seq_lens, **options)  # fmt: skip
+    with pytest.raises(ValueError, match="query_start_loc must rise"):  # ends right, falls in the middle
+        prefill_attention(native, query, kv.k_cache, kv.v_cache, kv.block_tables,
+                          torch.tensor([0, 12, 10], dtype=torch.int32), kv.seq_lens, **options)  # fmt: skip
     with pytest.raises(ValueError, match="need 5 blocks"):
         prefill_attention(native, query, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc([5, 5]),
                           torch.tensor([5, 40], dtype=torch.int32), **options)  # fmt: skip

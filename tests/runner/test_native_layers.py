@@ -36,9 +36,10 @@ def test_which_layers_decode_natively(family_dir, name) -> None:
         assert isinstance(runner.model.model.layers[0].self_attn, FusedPagedAttention)
 
 
-def test_off_by_config_and_with_fp8_kv(family_dir) -> None:
+def test_off_by_config_with_fp8_kv_and_with_the_compiled_step(family_dir) -> None:
     path = family_dir("Llama")
     assert _runner(path, native_layers=False).native_layers is None
+    assert _runner(path, compile_decode=True).native_layers is None  # its static step traces the per-op path
     fp8 = ModelRunner(ModelConfig(model_id=str(path)), CacheConfig(block_size=4, kv_cache_dtype="fp8_e4m3fn"))
     assert fp8.native_layers is None
 
@@ -67,6 +68,22 @@ def test_native_runners_give_the_logits_and_tokens_of_the_per_op_path(family_dir
     for got, expected in zip(native, plain):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert torch.equal(got.argmax(dim=-1), expected.argmax(dim=-1))
+
+
+def test_another_cpu_decode_kernel_keeps_the_per_op_decode(family_dir) -> None:
+    """TGI_PAGED_CPU_DECODE=sdpa asks for that attention: wrapped layers then decode per op."""
+    path = family_dir("Llama")
+    prompts = [[3, 17, 5, 9, 11], [7, 7, 1]]
+    sdpa = _runner(path, cpu_decode="sdpa")
+    calls = []
+    for module in sdpa.model.modules():
+        if isinstance(module, NativeDecoderLayer):
+            real = module.layer.forward
+            module.layer.forward = lambda *a, real=real, **k: calls.append(1) or real(*a, **k)
+    got = _steps(sdpa, prompts, 2)
+    assert len(calls) == 2 * 3  # 2 layers x (prefill + 2 decode steps), all through the wrapped layer
+    for a, b in zip(got, _steps(_runner(path), prompts, 2)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_a_layer_that_differs_keeps_the_python_path(family_dir, monkeypatch) -> None:

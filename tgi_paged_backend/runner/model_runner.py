@@ -84,7 +84,12 @@ class ModelRunner:
         self.fusion = fuse_blocks(self.model, self.block_size, self.kv_dtype) if self.device.type == "cpu" else None
         self.native_layers = (
             wrap_native_layers(self.model, self.block_size)
-            if self.fusion is not None and model_config.native_layers and self.kv_dtype == torch.float32
+            # Not with TGI_PAGED_COMPILE: its static step traces the per-op path, which would unpack the
+            # native layers' weights inside the graph.
+            if self.fusion is not None
+            and model_config.native_layers
+            and self.kv_dtype == torch.float32
+            and not model_config.compile_decode
             else None
         )
         self.fast_layers = swap_fast_layers(self.model, self.device, self.dtype)

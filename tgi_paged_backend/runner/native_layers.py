@@ -130,6 +130,7 @@ class NativeDecoderLayer(nn.Module):
             or hidden.shape[0] != 1
             or hidden.shape[1] > MAX_ROWS
             or metadata.k_caches[self.layer_idx].dtype != torch.float32
+            or metadata.cpu_decode != "native"  # TGI_PAGED_CPU_DECODE=compiled|sdpa: that kernel serves
             or torch.compiler.is_compiling()
         ):
             return None
@@ -145,8 +146,10 @@ class NativeDecoderLayer(nn.Module):
             self.native, self.weights, hidden_states[0], cos_sin[0][0], cos_sin[1][0],
             metadata.k_caches[self.layer_idx], metadata.v_caches[self.layer_idx],
             batch.slot_mapping, batch.block_tables, batch.seq_lens,
-        ).unsqueeze(0)  # fmt: skip
-        return (out,) if self.as_tuple else out
+        )  # fmt: skip
+        if out is None:  # inputs of another kind (slot dtype, RoPE table layout): the per-op path serves
+            return self.layer(hidden_states, *args, **kwargs)
+        return (out.unsqueeze(0),) if self.as_tuple else out.unsqueeze(0)
 
 
 class NativeLinear(nn.Module):

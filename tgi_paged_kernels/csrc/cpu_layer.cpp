@@ -7,6 +7,8 @@
 
 namespace {
 
+constexpr int kSlotOutOfRange = 5;  // a slot_mapping entry past the pool
+
 struct LayerArgs {
   float* hidden;  // [T, H] in/out: the residual stream
   int64_t tokens, hidden_size, intermediate;
@@ -49,7 +51,7 @@ int layer_impl(const LayerArgs& L, DecodeArgs d, int num_threads) {
       if (slot < 0) continue;
       if (slot >= num_slots) {
 #pragma omp atomic write
-        status = kBlockOutOfRange;
+        status = kSlotOutOfRange;
         continue;
       }
       const int64_t base = (slot / d.block_size) * d.c_sblock + (slot % d.block_size) * d.c_sslot;
@@ -91,7 +93,8 @@ int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, con
 // new K (after RoPE) and V are written to their slots of fp32 pools [num_blocks, block_size, Hkv, D]
 // (element strides c_sblock, c_sslot, c_shead; negative slots skipped) before request b attends over its
 // seq_lens[b] positions (window > 0: the last `window`). scratch: T * (H + (2 Hq + 3 Hkv) D + Hq D + 3I)
-// floats. Returns 0, or 3 for a slot or block id outside the pool, 2 for a table too narrow for a seq_len.
+// floats. Returns 0; 2 for a table too narrow for a seq_len, 3 for a block id outside the pool, 5 for a slot
+// outside the pool.
 int tgi_paged_llama_decode_layer(
     float* hidden, int64_t tokens, int64_t hidden_size, int64_t intermediate,
     const float* ln1, float eps1, const float* ln2, float eps2,

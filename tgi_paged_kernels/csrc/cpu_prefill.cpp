@@ -28,6 +28,7 @@ struct PrefillArgs {
   const void* seq_lens;
   int sl_int64;
   float* out;  // [T, Hq, D] contiguous
+  int64_t num_tokens;
   int num_requests, num_q_heads, num_kv_heads, head_dim, block_size;
   float scale, softcap;
   int window;
@@ -35,7 +36,7 @@ struct PrefillArgs {
   float k_scale, v_scale;
 };
 
-constexpr int kBadQueries = 4;  // query_start_loc not rising, or more queries than seq_len
+constexpr int kBadQueries = 4;  // query_start_loc not rising within [0, T], or more queries than seq_len
 
 struct PrefillScratch {
   std::vector<float> keys, values, scores, row;
@@ -47,7 +48,7 @@ int prefill_task(const PrefillArgs& a, int b, int h, PrefillScratch& s) {
   const int D = a.head_dim, bs = a.block_size, group = a.num_q_heads / a.num_kv_heads;
   const int64_t q0 = read_index(a.query_start_loc, a.qsl_int64, b), q1 = read_index(a.query_start_loc, a.qsl_int64, b + 1);
   const int64_t nq = q1 - q0, len = read_index(a.seq_lens, a.sl_int64, b);
-  if (nq < 0 || nq > len) return kBadQueries;
+  if (q0 < 0 || nq < 0 || q1 > a.num_tokens || nq > len) return kBadQueries;
   if (nq == 0) return kOk;
   if (len > a.bt_width * bs) return kTableTooNarrow;
   const int64_t first = len - nq;  // position of the first query
@@ -142,9 +143,10 @@ extern "C" {
 // head_dim contiguous), at positions seq_lens[b] - q_len .. seq_lens[b] - 1; pools [num_blocks, block_size,
 // Hkv, D] (strides c_sblock, c_sslot, c_shead; storage dtype codes as cpu_kernels.cpp); block_tables [B, *]
 // (row stride bt_stride); query_start_loc [B + 1], seq_lens [B] (int32 or int64); out fp32 [T, Hq, D]
-// contiguous. window <= 0: full attention; softcap <= 0: none; sinks fp32 [Hq] or null. Returns 0; 1 for a
+// contiguous (T = num_tokens rows). window <= 0: full attention; softcap <= 0: none; sinks fp32 [Hq] or null.
+// Returns 0; 1 for a
 // bad dtype code, 2 when a seq_len needs more blocks than the table's width, 3 for a block id outside
-// [0, num_blocks), 4 for query_start_loc not rising or more queries than seq_len (nothing outside the table
+// [0, num_blocks), 4 for query_start_loc not rising within [0, T] or more queries than seq_len (nothing outside the table
 // or the pool is read; the output is then undefined).
 int tgi_paged_prefill_attention(
     const float* query, int64_t q_st, int64_t q_sh,
@@ -152,11 +154,13 @@ int tgi_paged_prefill_attention(
     int64_t num_blocks, int64_t c_sblock, int64_t c_sslot, int64_t c_shead,
     const void* block_tables, int bt_int64, int64_t bt_stride, int64_t bt_width,
     const void* query_start_loc, int qsl_int64, const void* seq_lens, int sl_int64,
-    float* out, int num_requests, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, float softcap, int window, const float* sinks, float k_scale, float v_scale, int num_threads) {
+    float* out, int64_t num_tokens, int num_requests, int num_q_heads, int num_kv_heads, int head_dim,
+    int block_size, float scale, float softcap, int window, const float* sinks, float k_scale, float v_scale,
+    int num_threads) {
   const PrefillArgs a{query, q_st, q_sh, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), lut,
                       c_sblock, c_sslot, c_shead, num_blocks, block_tables, bt_int64, bt_stride, bt_width,
-                      query_start_loc, qsl_int64, seq_lens, sl_int64, out, num_requests, num_q_heads, num_kv_heads,
+                      query_start_loc, qsl_int64, seq_lens, sl_int64, out, num_tokens, num_requests, num_q_heads,
+                      num_kv_heads,
                       head_dim, block_size, scale, softcap, window, sinks, k_scale, v_scale};
   switch (cache_dtype) {
     case 0: return prefill_all<0>(a, num_threads);
