@@ -112,6 +112,8 @@ int tgi_paged_rope_neox(const void* x, int64_t x_st, int64_t x_sh, const void* c
                         int64_t tokens, int64_t heads, int64_t head_dim, int dtype) {
   if (dtype != 0 && dtype != 1) return kBadDtype;
   const int64_t half = head_dim / 2;
+  // A prefill's tokens split across the runtime's threads (torch's count); a decode step's stay on one.
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= (1 << 16))
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t src = t * x_st + h * x_sh, dst = (t * heads + h) * head_dim, cs = t * head_dim;
