@@ -1,6 +1,6 @@
-"""Native CPU kernels: ``csrc/cpu_kernels.cpp``, built once per host at first use and called through ctypes.
+"""Native CPU kernels: ``csrc/*.cpp``, built once per host at first use and called through ctypes.
 
-The source is plain C++ with OpenMP and no torch headers, so the build takes about a second; the shared
+The sources are plain C++ with OpenMP and no torch headers (the build takes about 10 s); the shared
 library is cached under ``$TGI_PAGED_KERNEL_CACHE`` (default ``~/.cache/tgi-paged-backend/kernels``),
 keyed by the source, the compiler, the flags and this CPU's instruction sets (``-march=native``), so a
 cache carried to another CPU builds again. OpenMP: the library links ``libgomp.so.1``, which torch has
