@@ -148,6 +148,11 @@ class NativeKernels:
             self._tables[dtype] = table
         return table
 
+    def cache_dtype(self, cache: torch.Tensor) -> tuple[int, int | None]:
+        """``(storage dtype code, address of its decode table or None)`` of a pool :meth:`supports_cache` takes."""
+        code = DTYPE_CODES.get(cache.dtype, 2)  # else one byte per value, decoded through a table
+        return code, self.decode_table(cache.dtype).data_ptr() if code == 2 else None
+
     def supports_cache(self, cache: torch.Tensor) -> bool:
         """Whether the decode kernel reads this pool (fp32, bf16 or a one-byte dtype, head_dim contiguous)."""
         return (cache.dtype in DTYPE_CODES or (cache.is_floating_point() and cache.element_size() == 1)) and (
@@ -182,13 +187,12 @@ class NativeKernels:
         seq_lens = seq_lens.contiguous()
         num_requests, num_q_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        code = DTYPE_CODES.get(k_cache.dtype, 2)  # _check_decode: else one byte per value
-        table = self.decode_table(k_cache.dtype) if code == 2 else None
+        code, table = self.cache_dtype(k_cache)
         sinks_f32 = None if sinks is None else sinks.float().contiguous()
         out = torch.empty((num_requests, num_q_heads, head_dim), dtype=torch.float32)
         status = self._decode(
             query.data_ptr(), query.stride(0), query.stride(1),
-            k_cache.data_ptr(), v_cache.data_ptr(), code, None if table is None else table.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), code, table,
             k_cache.shape[0], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.data_ptr(), int(block_tables.dtype == torch.int64), block_tables.stride(0),
             block_tables.shape[1],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_native import DTYPE_CODES, NativeKernels
+from .cpu_native import NativeKernels
 
 
 def prefill_attention(
@@ -63,14 +63,13 @@ def prefill_attention(
         raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {starts.tolist()}")
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
-    code = DTYPE_CODES.get(k_cache.dtype, 2)
-    table = native.decode_table(k_cache.dtype) if code == 2 else None
+    code, table = native.cache_dtype(k_cache)
     sinks_f32 = None if sinks is None else sinks.detach().float().contiguous()
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=torch.float32)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     status = native.prefill_attention(
         query.data_ptr(), query.stride(0), query.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(), code, None if table is None else table.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), code, table,
         k_cache.shape[0], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.data_ptr(), int(block_tables.dtype == torch.int64), block_tables.stride(0), block_tables.shape[1],
         query_start_loc.data_ptr(), int(query_start_loc.dtype == torch.int64),

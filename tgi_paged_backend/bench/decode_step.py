@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
+from tgi_paged_backend.runner.input_batch import ForwardBatch, build_forward_batch, on_consecutive_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,23 +25,18 @@ class DecodeStep:
 def random_decode_step(rows: int, block_size: int, seed: int = 0) -> DecodeStep:
     """One decode step of ``rows`` requests (see the module docstring)."""
     lengths = np.random.default_rng(seed).integers(40, 200, size=rows)
-    chunks, block = [], 1
-    for length in lengths:
-        n = -(-int(length) // block_size)
-        chunks.append(RequestChunk([5], int(length) - 1, list(range(block, block + n))))
-        block += n
-    return DecodeStep(build_forward_batch(chunks, block_size), block + 1)
+    chunks, free = on_consecutive_blocks([([5], int(length) - 1) for length in lengths], block_size)
+    return DecodeStep(build_forward_batch(chunks, block_size), free + 1)
 
 
 def random_prefill_step(tokens: int, block_size: int, seed: int = 0) -> DecodeStep:
     """Fresh prompts of 17-156 random tokens, whole prompts until about ``tokens`` (one prefill step)."""
     rng = np.random.default_rng(seed)
-    chunks, block, total = [], 1, 0
+    prompts: list[tuple[list[int], int]] = []
+    total = 0
     while total < tokens:
         length = int(rng.integers(17, 156))
-        n = -(-length // block_size)
-        chunks.append(
-            RequestChunk([int(t) for t in rng.integers(10, 1000, size=length)], 0, list(range(block, block + n)))
-        )
-        block, total = block + n, total + length
-    return DecodeStep(build_forward_batch(chunks, block_size), block + 1)
+        prompts.append(([int(t) for t in rng.integers(10, 1000, size=length)], 0))
+        total += length
+    chunks, free = on_consecutive_blocks(prompts, block_size)
+    return DecodeStep(build_forward_batch(chunks, block_size), free + 1)

@@ -170,6 +170,20 @@ class RequestChunk:
     all_logits: bool = False
 
 
+def on_consecutive_blocks(
+    requests: Sequence[tuple[list[int], int]], block_size: int, first_block: int = 1
+) -> tuple[list[RequestChunk], int]:
+    """Chunks of ``(token_ids, num_computed)`` requests, each on its own run of consecutive blocks from
+    ``first_block`` on (benchmarks and load-time checks; block 0 stays the scratch block), and the first
+    block they leave free."""
+    chunks, block = [], first_block
+    for token_ids, num_computed in requests:
+        n = -(-(num_computed + len(token_ids)) // block_size)
+        chunks.append(RequestChunk(token_ids, num_computed, list(range(block, block + n))))
+        block += n
+    return chunks, block
+
+
 def build_forward_batch(chunks: Sequence[RequestChunk], block_size: int) -> ForwardBatch:
     """Pack per-request chunks into a CPU :class:`ForwardBatch` (pure numpy, then one wrap).
 

@@ -29,7 +29,7 @@ from torch import nn
 from tgi_paged_backend.runner import fast_layers
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
 from tgi_paged_backend.runner.fused_blocks import FusedGatedMLP, FusedPagedAttention
-from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
+from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
 from tgi_paged_kernels.cpu_layer import LlamaLayerWeights, gemm_packed, llama_decode_layer, pack_weight
 from tgi_paged_kernels.cpu_native import NativeKernels, native_kernels
 
@@ -86,14 +86,15 @@ def layer_weights(layer: nn.Module) -> LlamaLayerWeights | None:
 class NativeDecoderLayer(nn.Module):
     """A decoder layer whose decode steps run natively; every other step runs the wrapped ``layer``."""
 
-    def __init__(self, layer: nn.Module, weights: LlamaLayerWeights, native: NativeKernels, as_tuple: bool) -> None:
+    def __init__(self, layer: nn.Module, weights: LlamaLayerWeights, native: NativeKernels) -> None:
         super().__init__()
         self.layer = layer
         self.weights = weights
         self.native = native
         self.layer_idx = int(layer.self_attn.layer_idx)  # type: ignore[union-attr, arg-type]
-        self.as_tuple = as_tuple
-        """transformers before 4.54 returns ``(hidden,)`` from a decoder layer, later versions the tensor."""
+        self.as_tuple = False
+        """transformers before 4.54 returns ``(hidden,)`` from a decoder layer, later versions the tensor: set
+        by the load-time check (:func:`_reproduces`) from what the wrapped layer returns."""
 
     def own_projections(self) -> None:
         """Make the packed weights the only copy: the wrapped layer's four projections become
@@ -126,10 +127,8 @@ class NativeDecoderLayer(nn.Module):
             or metadata.seen_options is not None
             or metadata.k_scale != 1.0
             or metadata.v_scale != 1.0
-            or hidden.dtype != torch.float32
             or hidden.shape[0] != 1
             or hidden.shape[1] > MAX_ROWS
-            or metadata.k_caches[self.layer_idx].dtype != torch.float32
             or metadata.cpu_decode != "native"  # TGI_PAGED_CPU_DECODE=compiled|sdpa: that kernel serves
             or torch.compiler.is_compiling()
         ):
@@ -189,11 +188,7 @@ class NativeLayersReport:
 def _check_metadata(w: LlamaLayerWeights, layer_idx: int, block_size: int) -> PagedAttentionMetadata:
     """A decode step of 3 requests (contexts 5, block_size + 3, 2 * block_size) over random fp32 pools."""
     lengths = (5, block_size + 3, 2 * block_size)
-    chunks, block = [], 1
-    for length in lengths:
-        n = -(-length // block_size)
-        chunks.append(RequestChunk([0], length - 1, list(range(block, block + n))))
-        block += n
+    chunks, block = on_consecutive_blocks([([0], length - 1) for length in lengths], block_size)
     generator = torch.Generator().manual_seed(layer_idx)
     shape = (block, block_size, w.num_kv_heads, w.head_dim)
     pools = [torch.randn(shape, generator=generator) for _ in range(2)]
@@ -201,8 +196,9 @@ def _check_metadata(w: LlamaLayerWeights, layer_idx: int, block_size: int) -> Pa
     return PagedAttentionMetadata(build_forward_batch(chunks, block_size), [pools[0]] * layers, [pools[1]] * layers)
 
 
-def _reproduces(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int) -> tuple[bool, bool]:
-    """``(same output and K/V, original returns a tuple)`` on one random decode step."""
+def _reproduces(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int) -> bool:
+    """Whether ``wrapped`` gives ``layer``'s output and K/V on one random decode step (it learns there whether
+    the layer returns a tuple)."""
     w = wrapped.weights
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1, 3, w.hidden_size, generator=generator)
@@ -223,7 +219,7 @@ def _reproduces(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int) 
             (ref_meta.v_caches[-1], meta.v_caches[-1]),
         )
     )
-    return close, as_tuple
+    return close
 
 
 def wrap_native_layers(model: nn.Module, block_size: int) -> NativeLayersReport:
@@ -238,9 +234,9 @@ def wrap_native_layers(model: nn.Module, block_size: int) -> NativeLayersReport:
             if weights is None:
                 kept.add(f"{type(child).__name__}: not the fused fp32 Llama form")
                 continue
-            candidate = NativeDecoderLayer(child, weights, native, as_tuple=False)  # type: ignore[arg-type]
+            candidate = NativeDecoderLayer(child, weights, native)  # type: ignore[arg-type]
             try:
-                ok, _ = _reproduces(child, candidate, block_size)
+                ok = _reproduces(child, candidate, block_size)
             except Exception as e:  # noqa: BLE001 - any failure means: keep the Python path
                 ok = False
                 logger.debug("layer {} not native: {}: {}", type(child).__name__, type(e).__name__, e)
