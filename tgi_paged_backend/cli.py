@@ -23,6 +23,7 @@ from loguru import logger as _logger
 from tgi_paged_backend import __version__, envs, model_files
 from tgi_paged_backend.config import BackendConfig, ConfigError
 from tgi_paged_backend.logging_setup import setup_logging
+from tgi_paged_backend.lora.sources import parse_lora_adapters
 from tgi_paged_backend.runner.quant.methods import SUPPORTED_QUANTIZE
 from tgi_paged_backend.runner.quant.methods import refusal as quantize_refusal
 
@@ -71,7 +72,9 @@ def serve(
     otlp_service_name: str = typer.Option("text-generation-inference.server"),
     max_input_tokens: int | None = typer.Option(None),
     merge_lora: bool = typer.Option(False, hidden=True, help="Accepted and ignored."),
-    lora_adapters: str | None = typer.Option(None, hidden=True, help="As LORA_ADAPTERS: refused."),
+    lora_adapters: str | None = typer.Option(
+        None, hidden=True, help="As LORA_ADAPTERS: repo/id[@rev] or name=/path, comma-separated."
+    ),
 ) -> None:
     """Load the model, then serve generate.v3 on unix://{uds_path}-{rank} until SIGTERM."""
     try:
@@ -267,13 +270,7 @@ def _check_supported(config: BackendConfig) -> None:
         raise ConfigError(f"--speculate={model.speculate} is not supported: allowed 0")
     if model.dtype is not None and model.dtype not in SUPPORTED_DTYPES:
         raise ConfigError(f"--dtype={model.dtype!r} is invalid: allowed {', '.join(SUPPORTED_DTYPES)}")
-    if model.lora_adapters is not None:
-        raise ConfigError(
-            f"LORA_ADAPTERS={model.lora_adapters!r} (launcher --lora-adapters) is not supported: "
-            f"tgi-paged-backend serves the base model only, so every adapter request would "
-            f"silently get the base model; allowed: unset. Remove --lora-adapters, or serve "
-            f"adapters with TGI's own server (--backend stock)"
-        )
+    parse_lora_adapters(model.lora_adapters)  # a bad entry stops here, before any model is loaded
 
 
 def _engine_factory():

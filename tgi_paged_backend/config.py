@@ -127,7 +127,11 @@ class ModelConfig:
     rope_factor: float = 1.0
     """``ROPE_FACTOR``: the scaling factor that goes with :attr:`rope_scaling`."""
     lora_adapters: str | None = None
-    """``LORA_ADAPTERS`` (or ``--lora-adapters``) as given; ``serve`` refuses to start when it is set."""
+    """``LORA_ADAPTERS`` (or ``--lora-adapters``) as given (:func:`..lora.sources.parse_lora_adapters`)."""
+    max_loras: int | None = None
+    """``TGI_PAGED_MAX_LORAS``: adapters that may run in one step; requests of further adapters wait in
+    the batch (holding what they hold) until one of the running adapters has no request left.
+    ``None``: every loaded adapter."""
     cuda_graphs: tuple[int, ...] = ()
     """``CUDA_GRAPHS``: decode batch sizes (ascending, distinct, >= 1) captured as one CUDA graph each at
     Warmup; a decode batch is padded up to the smallest that holds it, larger ones and prefills run

@@ -58,6 +58,7 @@ class EnvSettings:
     cpu_decode: str
     native_layers: bool
     lora_adapters: str | None
+    max_loras: int | None
     rank: int
     world_size: int
     master_addr: str
@@ -236,8 +237,10 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         ),
         # TGI_PAGED_NATIVE_LAYERS: CPU fp32 decode of small Llama-form layers as one native call per layer.
         native_layers=_parse(e, "TGI_PAGED_NATIVE_LAYERS", True, _on_off, "0, 1, false or true"),
-        # LORA_ADAPTERS: launcher --lora-adapters; empty means none, as stock. Refused by `serve`.
+        # LORA_ADAPTERS: launcher --lora-adapters; empty means none, as stock.
         lora_adapters=lora if lora else None,
+        # TGI_PAGED_MAX_LORAS: adapters that may run in one step (others wait); unset: all.
+        max_loras=_parse_optional(e, "TGI_PAGED_MAX_LORAS", int, "an integer >= 1", lambda v: v >= 1),
         # RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT: set by the launcher for each shard.
         rank=_parse(e, "RANK", 0, int, "an integer >= 0", lambda v: v >= 0),
         world_size=_parse(e, "WORLD_SIZE", 1, int, "an integer >= 1", lambda v: v >= 1),
@@ -299,6 +302,7 @@ def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             rope_scaling=s.rope_scaling,
             rope_factor=s.rope_factor,
             lora_adapters=cli.get("lora_adapters") or s.lora_adapters,
+            max_loras=s.max_loras,
             cuda_graphs=s.cuda_graphs,
             compile_decode=s.compile_decode,
             cpu_decode=s.cpu_decode,

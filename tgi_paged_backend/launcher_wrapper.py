@@ -11,7 +11,9 @@ first on ``PATH``, ahead of the real launcher in ``/usr/local/bin``. It
    with one line naming the flag (or variable), the value and what is allowed;
 2. exports the choice as ``TGI_BACKEND``, which the launcher passes on to every shard (our
    ``text-generation-server`` then serves, or execs TGI's own server for ``stock``);
-3. ``exec``s the real launcher, the next ``text-generation-launcher`` on ``PATH`` that is not a copy
+3. with ``paged`` and LoRA adapters, keeps prefix caching on unless the user set ``PREFIX_CACHING``
+   (:func:`keep_prefix_caching_with_lora`; the stock launcher would turn it off);
+4. ``exec``s the real launcher, the next ``text-generation-launcher`` on ``PATH`` that is not a copy
    of this wrapper, with every other argument in order and the environment otherwise unchanged. The
    process is replaced (same pid), so signals reach the launcher directly and its exit code is the
    container's.
@@ -121,12 +123,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return EXIT_NOT_FOUND
     environ[b"TGI_BACKEND"] = backend.encode()
+    keep_prefix_caching_with_lora(rest, environ, backend)
     if _wants_help(rest):
         return _help(real, rest, environ)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(real, [LAUNCHER, *rest], environ)
     return 1  # not reached
+
+
+def keep_prefix_caching_with_lora(args: Sequence[str], environ: dict[bytes, bytes], backend: str) -> bool:
+    """Set ``PREFIX_CACHING=1`` for ``paged`` when LoRA adapters are given and ``PREFIX_CACHING`` is not.
+
+    The stock launcher turns prefix caching off when ``--lora-adapters`` / ``LORA_ADAPTERS`` is set and
+    the user did not set ``PREFIX_CACHING``, because TGI's own prefix cache ignores the adapter. Ours keys
+    retained blocks by adapter (``memory.prefix_cache.chain_root``) and verifies content, so it stays on;
+    the router's adapter-blind prefix matching only shapes its block booking, which this shard treats as
+    virtual. A ``PREFIX_CACHING`` the user set always wins. Returns whether it set the variable.
+    """
+    if backend != "paged" or b"PREFIX_CACHING" in environ:
+        return False
+    options = list(args[: args.index("--")] if "--" in args else args)
+    lora = b"LORA_ADAPTERS" in environ or any(
+        a == "--lora-adapters" or a.startswith("--lora-adapters=") for a in options
+    )
+    if lora:
+        environ[b"PREFIX_CACHING"] = b"1"
+    return lora
 
 
 def startup_environ() -> dict[bytes, bytes]:

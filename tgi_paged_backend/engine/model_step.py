@@ -134,8 +134,15 @@ class ModelStep:
             seq_lens=starts_np + counts_np,
             logits_indices=np.asarray(logits_idx, dtype=np.int64),
             is_decode=is_decode,
+            lora_slots=self._lora_slots(plan, counts_np),
         )
         return batch.to(self.runner.device), rows
+
+    @staticmethod
+    def _lora_slots(plan: StepPlan, counts: np.ndarray) -> np.ndarray | None:
+        """Each packed token's LoRA slot (adapter index - 1, ``-1``: base); ``None`` when no request has one."""
+        adapters = np.fromiter((r.adapter for r, _ in plan.scheduled), dtype=np.int64, count=len(counts))
+        return np.repeat(adapters - 1, counts) if adapters.any() else None
 
     def _advance(self, plan: StepPlan, rows: list[tuple[int, int, bool]], logits: torch.Tensor):
         """Account computed tokens; collect (request, row of ``logits``) for those that yield a token."""

@@ -69,6 +69,10 @@ class RequestState:
     waiting_for_blocks: bool = False
     """The last step could not give it the KV blocks it needed (nothing left to preempt): it holds its
     place in the batch and waits for memory. Set and cleared by the scheduler."""
+    adapter: int = 0
+    """LoRA adapter index serving the request (0: the base model), resolved once at admission."""
+    waiting_for_adapter: bool = False
+    """The last step did not run it because ``max_loras`` other adapters ran (set by the scheduler)."""
     chunk_len_hint: int | None = None
     """The router's ``chunk_len`` for the first chunk, consumed once."""
     stop_state: StoppingCriteria | None = None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
 from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
+from tgi_paged_backend.policy.lora_slots import may_run_adapter
 from tgi_paged_backend.policy.victims import VictimCandidate, victim_order
 
 
@@ -65,8 +66,10 @@ class Scheduler:
         max_preemptions: int,
         choose_mode: ChooseMode,
         cost_aware: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         self.kv = kv
+        self.max_loras = max_loras
         self.cost_aware = cost_aware
         self.max_batch_tokens = max_batch_tokens
         self.max_preemptions = max_preemptions
@@ -81,9 +84,14 @@ class Scheduler:
         )
         num_decodes = sum(1 for r in live if not r.is_preempted and r.num_remaining == 1)
         prefill_budget = max(self.max_batch_tokens - num_decodes, 0)
+        adapters: set[int] = set()
         for request in live:
             if request.status is RequestStatus.FINISHED or request.id in _preempted(plan):
                 continue  # preempted earlier in this step by an older request: wait
+            request.waiting_for_adapter = not may_run_adapter(request.adapter, adapters, self.max_loras)
+            if request.waiting_for_adapter:  # max_loras other adapters run this step
+                self._release_if_waiting(request)
+                continue
             if request.status is RequestStatus.SWAPPED and not self._swap_in(request, victims_pool, plan):
                 continue
             if request.status is RequestStatus.PREEMPTED:  # resume: share what is still retained
@@ -100,6 +108,8 @@ class Scheduler:
             if n > 1 or request.num_remaining > 1:
                 prefill_budget -= n
             plan.scheduled.append((request, n))
+            if request.adapter:
+                adapters.add(request.adapter)
         return plan
 
     def priority(self, request: RequestState) -> tuple[int, int]:

@@ -43,11 +43,13 @@ from tgi_paged_backend.engine.types import (
     WarmupResult,
 )
 from tgi_paged_backend.engine.validation import validate_batch, validate_tokenized
+from tgi_paged_backend.lora.sources import AdapterNames
 from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
 from tgi_paged_backend.policy.admission import reported_batch_tokens, should_brake
 from tgi_paged_backend.policy.preemption_mode import RateCalibrator, choose_preemption_mode
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.telemetry.engine_adapter import StepRecordBuilder, count_requests
+from tgi_paged_backend.telemetry.lora_usage import lora_usage
 from tgi_paged_backend.telemetry.recorder import MetricsRecorder, build_recorder
 from tgi_paged_backend.telemetry.spans import annotate_step
 from tgi_paged_backend.telemetry.step_record import MemoryBudget, StepRecord
@@ -78,6 +80,8 @@ class PagedShardEngine:
         self.requests: dict[int, RequestState] = {}
         self._admitted = 0
         self._grammar: GrammarCompiler | None = None
+        self.adapter_names = AdapterNames(runner.lora.names if runner.lora is not None else ())
+        """``adapter_id`` -> LoRA adapter index (0: the base model); counts the unknown ids."""
         # A small pool so the engine serves (and warms up) before Warmup sizes the real one.
         self._configure(
             self._plan(
@@ -130,6 +134,7 @@ class PagedShardEngine:
             max_preemptions=self.config.preemption.max_preemptions_per_request,
             choose_mode=self._choose_mode,
             cost_aware=self.config.preemption.cost_aware_victims,
+            max_loras=self.config.model.max_loras,
         )
         self.model_step = ModelStep(self.runner, self.kv, self.decoder)
 
@@ -202,8 +207,16 @@ class PagedShardEngine:
                 activation_peak_bytes=self.runner.activation_peak_bytes or 0,
                 pool_bytes=capacity.num_blocks * self.runner.block_bytes,
                 swap_bytes=self.kv.stats().num_swap_total_blocks * self.runner.block_bytes,
+                lora_bytes=self.runner.lora_bytes,
             )
         )
+        if self.runner.lora is not None:
+            logger.info(
+                "warmup: weights {:.1f} MiB, of which LoRA adapters {:.1f} MiB ({} adapters), out of the KV budget",
+                self.runner.weights_bytes / 2**20,
+                self.runner.lora_bytes / 2**20,
+                len(self.runner.lora.adapters),
+            )
         logger.info(
             "warmup: {} physical blocks x {} tokens = {} tokens; advertising {} (overcommit {})",
             capacity.num_blocks,
@@ -334,7 +347,8 @@ class PagedShardEngine:
         )
         state.stop_state = StoppingCriteria(spec.stopping, self.eos_ids)
         state.detok_state = self.decoder.new_request(prompt_ids)
-        self.kv.add_request(spec.id, spec.blocks)
+        state.adapter = self.adapter_names.resolve(spec.adapter_id)
+        self.kv.add_request(spec.id, spec.blocks, namespace=state.adapter)
         self.requests[spec.id] = state
         self.stats.prefix_hit_tokens += reuse_cached_prefix(self.kv, state)
         self.stats.prefix_query_tokens += len(prompt_ids)
@@ -394,6 +408,7 @@ class PagedShardEngine:
             part_s=timer.seconds(),
         )
         self.recorder.record_step(self.last_step)
+        self._record_lora()
         self._telemetry_ns = time.perf_counter_ns() - t_telemetry
         return out.generations, out.forward_ns, out.decode_ns
 
@@ -415,6 +430,13 @@ class PagedShardEngine:
         counts = count_requests(self.requests.values(), time.monotonic())
         self.recorder.record_memory(
             self.kv.stats(), num_running=counts.running, num_preempted=counts.preempted, num_waiting=counts.waiting
+        )
+        self._record_lora()
+
+    def _record_lora(self) -> None:
+        names = self.adapter_names
+        self.recorder.record_lora(
+            lora_usage(self.requests.values(), names.names, self.config.model.max_loras, names.num_unknown)
         )
 
     def _liveness(self, batch: BatchSpec, start_ns: int) -> StepResult:

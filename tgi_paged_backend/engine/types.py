@@ -81,6 +81,8 @@ class RequestSpec:
     """Leading prompt tokens the router believes are cached in ``slots[:cache_len]``."""
     chunk_len: int | None = None
     """Compute only this many prompt tokens (from ``cache_len``) in this forward."""
+    adapter_id: str = ""
+    """``Request.adapter_id``: the LoRA adapter's name; empty or unknown: the base model, as stock."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,7 +26,7 @@ from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.block_table import BlockTableArray
 from tgi_paged_backend.memory.invariants import check_manager_invariants
 from tgi_paged_backend.memory.page_map import PageMap
-from tgi_paged_backend.memory.prefix_cache import CHAIN_START, NullPrefixCache, PrefixCache
+from tgi_paged_backend.memory.prefix_cache import NullPrefixCache, PrefixCache, chain_root
 from tgi_paged_backend.memory.stats import MemoryStats, stranded_blocks, summarize_waste
 from tgi_paged_backend.memory.swap_space import SwapSpace
 from tgi_paged_backend.memory.types import (
@@ -82,14 +82,17 @@ class KVCacheManager:
         self._rows_cache: tuple[list[int], np.ndarray] | None = None
 
     # ------------------------------------------------------------------------------- lifecycle
-    def add_request(self, request_id: int, virtual_blocks: Sequence[int] = ()) -> None:
-        """Register a request; ``virtual_blocks`` are the router's blocks (empty: self-managed)."""
+    def add_request(self, request_id: int, virtual_blocks: Sequence[int] = (), namespace: int = 0) -> None:
+        """Register a request; ``virtual_blocks`` are the router's blocks (empty: self-managed).
+
+        ``namespace``: the request's LoRA adapter index (0: the base model); prefix blocks are matched and
+        registered only within it (:func:`.prefix_cache.chain_root`)."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already registered")
         virtual = tuple(int(b) for b in virtual_blocks)
         if len(set(virtual)) != len(virtual):
             raise ValueError(f"request {request_id}: duplicate virtual blocks {virtual}")
-        self._requests[request_id] = PageMap.create(self._table.add_row(), virtual)
+        self._requests[request_id] = PageMap.create(self._table.add_row(), virtual, chain_root(namespace))
         self._rows_cache = None
 
     def match_prefix(self, request_id: int, prompt_ids: Sequence[int]) -> PrefixMatch:
@@ -103,7 +106,7 @@ class KVCacheManager:
         req.token_ids = [int(t) for t in prompt_ids]
         req.num_committed = req.num_allocated_tokens = 0
         self._num_prefix_query_tokens += len(req.token_ids)
-        hit = self._prefix.match(req.token_ids)
+        hit = self._prefix.match(req.token_ids, req.chain_root)
         shared, cow_src = hit.block_ids, hit.cow_src
         limit = req.max_mappable_blocks  # never past the reservation or onto virtual block 0
         if limit is not None and len(shared) >= limit:
@@ -223,7 +226,7 @@ class KVCacheManager:
         lost = req.num_committed
         self._release_device_blocks(req, register=True)
         req.num_committed = req.num_allocated_tokens = req.num_holes = 0
-        req.chain = CHAIN_START
+        req.chain = req.chain_root
         return lost
 
     def can_swap_out(self, request_id: int) -> bool:
@@ -394,7 +397,7 @@ class KVCacheManager:
         """Register the full committed blocks: from the root, or past the holes from where the chain
         ended (it cannot restart behind them)."""
         num_written = min(req.num_committed, len(req.blocks) * self.block_size)
-        start = req.chain if req.num_holes else CHAIN_START
+        start = req.chain if req.num_holes else req.chain_root
         req.chain = self._prefix.extend(req.token_ids, req.blocks, num_written, start)[0]
 
     def _release_cow_source(self, req: PageMap) -> None:

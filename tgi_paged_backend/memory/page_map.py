@@ -55,12 +55,20 @@ class PageMap:
     """Leading entries given back because they fell outside the sliding window (scratch now)."""
     chain: ChainCursor = CHAIN_START
     """How far the blocks are registered for prefix reuse (the chain goes on past holes from here)."""
+    chain_root: ChainCursor = CHAIN_START
+    """Where this request's chain starts: its LoRA adapter's root (:func:`.prefix_cache.chain_root`)."""
     _virtual_lookup: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod
-    def create(cls, row: int, virtual_blocks: tuple[int, ...]) -> PageMap:
+    def create(cls, row: int, virtual_blocks: tuple[int, ...], chain_root: ChainCursor = CHAIN_START) -> PageMap:
         return cls(
-            row=row, virtual_blocks=virtual_blocks, blocks=[], token_ids=[], has_scratch=SCRATCH_BLOCK in virtual_blocks
+            row=row,
+            virtual_blocks=virtual_blocks,
+            blocks=[],
+            token_ids=[],
+            has_scratch=SCRATCH_BLOCK in virtual_blocks,
+            chain=chain_root,
+            chain_root=chain_root,
         )
 
     @property

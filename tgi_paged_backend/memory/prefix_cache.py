@@ -90,7 +90,17 @@ class ChainCursor:
 
 
 CHAIN_START = ChainCursor()
-"""Nothing registered yet: the chain starts at the root."""
+"""Nothing registered yet: the chain starts at the root (the base model's)."""
+
+
+def chain_root(namespace: int) -> ChainCursor:
+    """Where the chains of ``namespace`` start: the root for 0 (the base model), one root per LoRA adapter
+    index otherwise. The same tokens under two adapters are different K/V: their chains never meet, so
+    no block is matched across adapters (roots have serials <= 0, never an entry's)."""
+    if namespace == 0:
+        return CHAIN_START
+    # hash() of a positive int is the int, so the roots' hashes differ (hash(-1) == hash(-2) in CPython).
+    return ChainCursor(0, hash((ROOT_HASH, namespace)), _ROOT_SERIAL - namespace)
 
 
 class PrefixCache:
@@ -118,8 +128,8 @@ class PrefixCache:
         return block_id in self._by_block
 
     # -------------------------------------------------------------------------------- matching
-    def match(self, token_ids: Sequence[int]) -> PrefixHit:
-        """Longest verified prefix of ``token_ids`` held in registered blocks.
+    def match(self, token_ids: Sequence[int], root: ChainCursor = CHAIN_START) -> PrefixHit:
+        """Longest verified prefix of ``token_ids`` held in registered blocks under ``root`` (:func:`chain_root`).
 
         The hit always leaves at least the last token to compute: full blocks are matched only
         within ``token_ids[:-1]`` and the copy-on-write run stops before the last token.
@@ -129,7 +139,7 @@ class PrefixCache:
         if limit <= 0:
             return _NO_HIT
         block_ids: list[int] = []
-        parent_hash, parent_serial = ROOT_HASH, _ROOT_SERIAL
+        parent_hash, parent_serial = root.parent_hash, root.parent_serial
         for start in range(0, limit - bs + 1, bs):
             chunk = tuple(token_ids[start : start + bs])
             key = chain_hash(parent_hash, chunk)
@@ -151,7 +161,9 @@ class PrefixCache:
         return PrefixHit(tuple(block_ids), None if best is None else best.block_id, best_len)
 
     # ----------------------------------------------------------------------------- registering
-    def register(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> int:
+    def register(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int, root: ChainCursor = CHAIN_START
+    ) -> int:
         """Register the full blocks among the first ``num_tokens`` tokens of a request.
 
         ``block_ids[i]`` holds tokens ``[i * block_size, (i + 1) * block_size)``. Blocks already
@@ -162,7 +174,7 @@ class PrefixCache:
         Returns:
             How many blocks were newly registered.
         """
-        return self.extend(token_ids, block_ids, num_tokens, CHAIN_START)[1]
+        return self.extend(token_ids, block_ids, num_tokens, root)[1]
 
     def extend(
         self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int, cursor: ChainCursor
@@ -174,7 +186,7 @@ class PrefixCache:
         """
         bs = self.block_size
         parent_hash, parent_serial = cursor.parent_hash, cursor.parent_serial
-        if parent_serial != _ROOT_SERIAL and parent_serial not in self._by_serial:
+        if parent_serial > _ROOT_SERIAL and parent_serial not in self._by_serial:
             return cursor, 0  # the chain's last entry was evicted: nothing after it could be matched
         num_new = 0
         index, stop = cursor.num_blocks, min(num_tokens // bs, len(block_ids))
@@ -219,7 +231,7 @@ class PrefixCache:
         return entry
 
     def _is_stale(self, entry: _Entry) -> bool:
-        return entry.parent_serial != _ROOT_SERIAL and entry.parent_serial not in self._by_serial
+        return entry.parent_serial > _ROOT_SERIAL and entry.parent_serial not in self._by_serial
 
     def _drop_stale(self, entry: _Entry) -> None:
         self.forget_block(entry.block_id)
@@ -259,10 +271,12 @@ class NullPrefixCache:
     def is_registered(self, block_id: int) -> bool:
         return False
 
-    def match(self, token_ids: Sequence[int]) -> PrefixHit:
+    def match(self, token_ids: Sequence[int], root: ChainCursor = CHAIN_START) -> PrefixHit:
         return _NO_HIT
 
-    def register(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> int:
+    def register(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int, root: ChainCursor = CHAIN_START
+    ) -> int:
         return 0
 
     def extend(

@@ -40,6 +40,9 @@ class ForwardBatch:
         Every request has exactly one new token (``T == B``).
     logits_indices : torch.Tensor
         ``[K]`` int64 rows of the packed tokens whose logits are returned, in output order.
+    lora_slots : torch.Tensor or None
+        ``[T]`` int64 LoRA slot of each packed token (adapter index - 1; ``-1``: the base model);
+        ``None`` when no request of the step has an adapter.
     """
 
     input_ids: torch.Tensor
@@ -50,6 +53,7 @@ class ForwardBatch:
     seq_lens: torch.Tensor
     is_decode: bool
     logits_indices: torch.Tensor
+    lora_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +81,7 @@ class ForwardBatch:
         seq_lens: np.ndarray,
         logits_indices: np.ndarray,
         is_decode: bool | None = None,
+        lora_slots: np.ndarray | None = None,
     ) -> ForwardBatch:
         """Wrap numpy arrays (copied to the canonical dtypes) and check their shapes.
 
@@ -94,6 +99,7 @@ class ForwardBatch:
             seq_lens=torch.from_numpy(np.asarray(seq_lens, dtype=np.int32).copy()),
             is_decode=is_decode,
             logits_indices=torch.from_numpy(np.asarray(logits_indices, dtype=np.int64).copy()),
+            lora_slots=None if lora_slots is None else torch.from_numpy(np.asarray(lora_slots, dtype=np.int64).copy()),
         )
         batch.validate()
         return batch
@@ -120,6 +126,9 @@ class ForwardBatch:
                 f"ForwardBatch.block_tables: expected int32 [{b}, max_blocks], "
                 f"got {self.block_tables.dtype} {tuple(self.block_tables.shape)}"
             )
+        lora = self.lora_slots
+        if lora is not None and (lora.dtype != torch.int64 or tuple(lora.shape) != (t,)):
+            raise ValueError(f"ForwardBatch.lora_slots: expected int64 ({t},), got {lora.dtype} {tuple(lora.shape)}")
         if self.is_decode and t != b:
             raise ValueError(f"ForwardBatch.is_decode with {t} tokens for {b} requests")
 
@@ -144,6 +153,7 @@ class ForwardBatch:
             seq_lens=move(self.seq_lens),
             is_decode=self.is_decode,
             logits_indices=move(self.logits_indices),
+            lora_slots=None if self.lora_slots is None else move(self.lora_slots),
         )
 
 
@@ -168,6 +178,8 @@ class RequestChunk:
     num_computed: int
     block_table: Sequence[int]
     all_logits: bool = False
+    lora_slot: int = -1
+    """LoRA slot of the request (adapter index - 1; ``-1``: the base model)."""
 
 
 def on_consecutive_blocks(
@@ -222,4 +234,5 @@ def build_forward_batch(chunks: Sequence[RequestChunk], block_size: int) -> Forw
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
         logits_indices=np.concatenate(logits_indices),
+        lora_slots=np.repeat([c.lora_slot for c in chunks], q_lens) if any(c.lora_slot >= 0 for c in chunks) else None,
     )

@@ -11,6 +11,7 @@ Pool layout, per layer: ``k_caches[i]`` and ``v_caches[i]``, each
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -24,6 +25,9 @@ from loguru import logger
 
 import tgi_paged_kernels
 from tgi_paged_backend.config import CacheConfig, ModelConfig
+from tgi_paged_backend.lora.checkpoint import LoraAdapter, load_adapters
+from tgi_paged_backend.lora.layers import LoraModel, attach_adapters
+from tgi_paged_backend.lora.sources import parse_lora_adapters
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
 from tgi_paged_backend.runner.decode_graphs import measure_decode_graph_bytes
 from tgi_paged_backend.runner.fast_layers import swap_fast_layers
@@ -73,6 +77,8 @@ class ModelRunner:
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
 
+        self.adapters: tuple[LoraAdapter, ...] = ()
+        """``LORA_ADAPTERS``, read and checked by :meth:`_load_model` against the unsharded model."""
         loaded = self._load_model(model_config)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -81,6 +87,8 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.spec = ModelSpec.from_hf_config(self.model.config, self.dtype)
         self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
+        # Before the swaps below: the layers it wraps are no longer plain linears, so fusion leaves them.
+        self.lora: LoraModel | None = attach_adapters(self.model, self.adapters, self.device)
         self.fusion = fuse_blocks(self.model, self.block_size, self.kv_dtype) if self.device.type == "cpu" else None
         self.native_layers = (
             wrap_native_layers(self.model, self.block_size)
@@ -109,8 +117,21 @@ class ModelRunner:
         """The static decode step decode batches run through when it holds them (:meth:`prepare_static_decode`)."""
 
     def _load_model(self, model_config: ModelConfig) -> LoadedModel:
-        """Load the model onto ``self.device`` (the tensor-parallel runner loads its shard instead)."""
-        return load_model(model_config, self.device)
+        """Load the model onto ``self.device`` and read its adapters (the tensor-parallel runner loads its
+        shard instead)."""
+        loaded = load_model(model_config, self.device)
+        self.adapters = self._read_adapters(loaded)
+        return loaded
+
+    def _read_adapters(self, loaded: LoadedModel) -> tuple[LoraAdapter, ...]:
+        """The ``LORA_ADAPTERS`` checkpoints, checked against ``loaded`` (unsharded)."""
+        sources = parse_lora_adapters(self.model_config.lora_adapters)
+        return load_adapters(sources, loaded.model, loaded.dtype) if sources else ()
+
+    @property
+    def lora_bytes(self) -> int:
+        """Bytes of the LoRA adapters' weights held by this runner (part of :attr:`weights_bytes`)."""
+        return 0 if self.lora is None else self.lora.num_bytes
 
     # ------------------------------------------------------------------ memory
     @property
@@ -210,7 +231,7 @@ class ModelRunner:
         """
         if not self.k_caches:
             raise RuntimeError("allocate_kv_cache() must be called before forward()")
-        if self.static_decode is not None and batch.is_decode:
+        if self.static_decode is not None and batch.is_decode and batch.lora_slots is None:
             logits = self.static_decode.run(batch.to(self.device))
             if logits is not None:
                 return logits
@@ -222,7 +243,8 @@ class ModelRunner:
             batch, k_caches, v_caches, self.k_scale, self.v_scale,
             cpu_decode=self.model_config.cpu_decode,
         )  # fmt: skip
-        with torch.inference_mode():
+        routing = self.lora.step.open(batch.lora_slots) if self.lora is not None else contextlib.nullcontext()
+        with torch.inference_mode(), routing:
             out = self.model(
                 input_ids=batch.input_ids.unsqueeze(0),
                 position_ids=batch.positions.unsqueeze(0),

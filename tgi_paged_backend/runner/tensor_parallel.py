@@ -97,8 +97,10 @@ class RowParallelQuantLinear(nn.Module):
         if linear.in_features % world_size:
             raise ModelLoadError(f"row-parallel linear: in_features={linear.in_features} not divisible by {world_size}")
         width = linear.in_features // world_size
+        self.shard_in_columns = slice(rank * width, (rank + 1) * width)
+        """The unsharded layer's input features this rank holds (LoRA cuts its A to them)."""
         try:
-            self.local = linear.input_slice(slice(rank * width, (rank + 1) * width))
+            self.local = linear.input_slice(self.shard_in_columns)
         except ValueError as err:
             raise ModelLoadError(f"row-parallel linear: {err}") from None
         self.in_features, self.out_features = width, linear.out_features
@@ -129,6 +131,8 @@ class RowParallelLinear(nn.Module):
             raise ModelLoadError(f"row-parallel linear: in_features={linear.in_features} not divisible by {world_size}")
         width = linear.in_features // world_size
         self.in_features = width
+        self.shard_in_columns = slice(rank * width, (rank + 1) * width)
+        """The unsharded layer's input features this rank holds (LoRA cuts its A to them)."""
         self.out_features = linear.out_features
         # A plain bias-free nn.Linear over this rank's columns: the fast-layer swap packs it like any linear.
         self.local = nn.Linear(
@@ -155,7 +159,10 @@ def _shard_columns(linear: nn.Linear | QuantizedLinear, rank: int, world_size: i
     width = linear.out_features // world_size
     rows = slice(rank * width, (rank + 1) * width)
     if isinstance(linear, QUANTIZED_LINEARS):
-        return linear.output_slice(rows)
+        sharded = linear.output_slice(rows)
+        sharded.shard_out_rows = rows  # type: ignore[assignment]  # the unsharded layer's outputs this rank computes (LoRA cuts B to them)
+        return sharded
+    linear.shard_out_rows = rows  # type: ignore[assignment]
     linear.weight = nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
     if linear.bias is not None:
         linear.bias = nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
@@ -301,6 +308,7 @@ class TensorParallelRunner(ModelRunner):
         """Load on the CPU in the target dtype, keep this rank's shard, move it to the device."""
         dtype = resolve_dtype(model_config.dtype, self.device)
         loaded = load_model(dataclasses.replace(model_config, dtype=_DTYPE_NAMES[dtype]), "cpu")
+        self.adapters = self._read_adapters(loaded)  # checked against the unsharded layers
         spec = ModelSpec.from_hf_config(loaded.model.config, loaded.dtype)
         self.layout = shard_model(loaded.model, spec, self.group.rank, self.group.world_size, self.group.all_reduce_)
         loaded.model.to(self.device)

@@ -49,8 +49,8 @@ def request_text(request: pb.Request) -> str:
 
 def request_from_pb(request: pb.Request) -> RequestSpec:
     params = request.parameters
-    # adapter_id: like stock TGI without LoRA adapters loaded, serve the base model. The router
-    # forwards chat's `model` field here (huggingface_hub sends "dummy" by default).
+    # adapter_id: a LORA_ADAPTERS name, or anything else (the router forwards the OpenAI routes' `model`,
+    # e.g. huggingface_hub's default "dummy"), which the base model serves, as stock.
     stopping = request.stopping_parameters
     return RequestSpec(
         id=request.id,
@@ -79,6 +79,7 @@ def request_from_pb(request: pb.Request) -> RequestSpec:
         blocks=tuple(request.blocks),
         slots=tuple(request.slots),
         cache_len=request.cache_len,
+        adapter_id=request.adapter_id,
         chunk_len=request.chunk_len if request.HasField("chunk_len") else None,
     )
 

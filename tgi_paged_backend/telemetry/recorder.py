@@ -17,6 +17,7 @@ into the engine. Counters and histograms are fed from each record's per-step del
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -27,6 +28,7 @@ from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, V
 from tgi_paged_backend.config import TelemetryConfig
 from tgi_paged_backend.memory.stats import MemoryStats
 from tgi_paged_backend.telemetry.log_throttle import PreemptionLogThrottle
+from tgi_paged_backend.telemetry.lora_usage import LoraUsage
 from tgi_paged_backend.telemetry.prometheus import PrometheusEndpoint
 from tgi_paged_backend.telemetry.resource import shard_attributes, shard_resource
 from tgi_paged_backend.telemetry.step_record import (
@@ -77,6 +79,7 @@ METRIC_NAMES: dict[str, str] = {
     "tgi_paged_activation_peak_bytes": "Profiled activation peak",
     "tgi_paged_kv_pool_bytes": "Physical KV pool size",
     "tgi_paged_swap_space_bytes": "CPU swap space for swapped-out KV blocks",
+    "tgi_paged_lora_weights_bytes": "LoRA adapters' weights resident on this shard (part of the weights)",
     "tgi_paged_requests": "Live requests by state (running: holding KV blocks; waiting: admitted, no blocks "
     "yet; preempted)",
     "tgi_paged_preempted_max_wait_seconds": "Longest current wait among preempted requests",
@@ -97,6 +100,13 @@ METRIC_NAMES: dict[str, str] = {
     "tgi_paged_grammar_compile_seconds": "Time to compile one grammar (regex automaton over the vocabulary)",
     "tgi_paged_grammar_cache_hits_total": "Grammar requests whose automaton was already compiled (or compiling)",
     "tgi_paged_constrained_rows": "Grammar-constrained rows sampled per step (steps with none excluded)",
+    # LoRA adapters
+    "tgi_paged_lora_requests_info": "LoRA adapters in use: labels max_lora, running_lora_adapters and "
+    "waiting_lora_adapters (comma-separated names); value: Unix time of the last update",
+    "tgi_paged_lora_requests": 'Live requests by LoRA adapter (adapter="": the base model) and state '
+    "(running, waiting: for an adapter slot, for memory or preempted)",
+    "tgi_paged_lora_unknown_adapter_requests_total": "Requests whose adapter_id named no loaded adapter "
+    "(served by the base model, as stock)",
 }
 
 
@@ -117,6 +127,9 @@ class MetricsRecorder(Protocol):
         """Refresh the pool gauges outside a step (after FilterBatch / ClearCache freed blocks)."""
 
     def record_budget(self, budget: MemoryBudget) -> None: ...
+
+    def record_lora(self, usage: LoraUsage) -> None:
+        """Refresh the LoRA gauges (after every step and RPC that changes the live requests)."""
 
     def shutdown(self) -> None: ...
 
@@ -139,6 +152,9 @@ class NullRecorder:
         pass
 
     def record_budget(self, budget: MemoryBudget) -> None:
+        pass
+
+    def record_lora(self, usage: LoraUsage) -> None:
         pass
 
     def shutdown(self) -> None:
@@ -175,6 +191,9 @@ class PreemptionLoggingRecorder:
 
     def record_budget(self, budget: MemoryBudget) -> None:
         self.inner.record_budget(budget)
+
+    def record_lora(self, usage: LoraUsage) -> None:
+        self.inner.record_lora(usage)
 
     def shutdown(self) -> None:
         self.throttle.flush()
@@ -226,6 +245,7 @@ class OtelRecorder:
         self._memory: MemoryStats | None = None
         self._requests = (0, 0, 0.0, 0)
         self._budget: MemoryBudget | None = None
+        self._lora = LoraUsage(0, {"": 0}, {"": 0}, 0, time.time())
         self._closed = False
         self._create_instruments()
         if self.prometheus is not None:
@@ -292,6 +312,12 @@ class OtelRecorder:
     def record_budget(self, budget: MemoryBudget) -> None:
         self._budget = budget
 
+    def record_lora(self, usage: LoraUsage) -> None:
+        unknown = usage.num_unknown - self._lora.num_unknown
+        if unknown > 0:
+            self._lora_unknown.add(unknown)
+        self._lora = usage
+
     def force_flush(self, timeout_s: float = 10.0) -> bool:
         """Push pending metrics now (OTLP); returns False on timeout."""
         return self.provider.force_flush(timeout_millis=int(timeout_s * 1000))
@@ -334,6 +360,7 @@ class OtelRecorder:
             ("tgi_paged_activation_peak_bytes", "activation_peak_bytes"),
             ("tgi_paged_kv_pool_bytes", "pool_bytes"),
             ("tgi_paged_swap_space_bytes", "swap_bytes"),
+            ("tgi_paged_lora_weights_bytes", "lora_bytes"),
         ):
             gauge(name, "By", self._budget_field(field))
 
@@ -350,6 +377,10 @@ class OtelRecorder:
         self._grammar_compile = histogram("tgi_paged_grammar_compile_seconds", "s")
         self._grammar_hits = counter("tgi_paged_grammar_cache_hits_total", "{request}")
         self._constrained_rows = histogram("tgi_paged_constrained_rows", "{request}")
+        gauge("tgi_paged_lora_requests_info", "s", self._observe_lora_info)
+        gauge("tgi_paged_lora_requests", "{request}", self._observe_lora_requests)
+        self._lora_unknown = counter("tgi_paged_lora_unknown_adapter_requests_total", "{request}")
+        self._lora_unknown.add(0)
         # Zero-valued series for every label value, so rate() and dashboards see them from the start.
         for attrs in self._mode_attrs.values():
             self._preemptions.add(0, attrs)
@@ -392,6 +423,23 @@ class OtelRecorder:
             Observation(running, {"state": "running"}),
             Observation(preempted, {"state": "preempted"}),
             Observation(waiting, {"state": "waiting"}),
+        ]
+
+    def _observe_lora_info(self, options: CallbackOptions) -> list[Observation]:
+        usage = self._lora
+        labels = {
+            "max_lora": str(usage.max_loras),
+            "running_lora_adapters": ",".join(usage.running_adapters),
+            "waiting_lora_adapters": ",".join(usage.waiting_adapters),
+        }
+        return [Observation(usage.updated_at, labels)]
+
+    def _observe_lora_requests(self, options: CallbackOptions) -> list[Observation]:
+        usage = self._lora
+        return [
+            Observation(n, {"adapter": name, "state": state})
+            for state, counts in (("running", usage.running), ("waiting", usage.waiting))
+            for name, n in counts.items()
         ]
 
     def _observe_max_wait(self, options: CallbackOptions) -> list[Observation]:

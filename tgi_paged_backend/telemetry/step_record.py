@@ -133,8 +133,17 @@ class MemoryBudget:
     """Physical KV pool (all layers, K and V)."""
     swap_bytes: int
     """CPU swap space reserved for swapped-out blocks (0 when swapping is off)."""
+    lora_bytes: int = 0
+    """LoRA adapters' A and B (``LORA_ADAPTERS``), part of :attr:`weights_bytes`."""
 
     def __post_init__(self) -> None:
-        for name in ("device_total_bytes", "weights_bytes", "activation_peak_bytes", "pool_bytes", "swap_bytes"):
+        for name in (
+            "device_total_bytes",
+            "weights_bytes",
+            "activation_peak_bytes",
+            "pool_bytes",
+            "swap_bytes",
+            "lora_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: allowed >= 0")

@@ -1,0 +1,179 @@
+"""PEFT LoRA checkpoints: find them without network, read them, check them against the base model.
+
+A checkpoint is a directory with ``adapter_config.json`` (``peft_type: LORA``) and
+``adapter_model.safetensors`` (or ``adapter_model.bin``), keys
+``base_model.model.<module path>.lora_A.weight`` (``[r, in]``) and ``...lora_B.weight`` (``[out, r]``),
+where ``<module path>`` is the module's name in the transformers model. Each module's delta is
+``scaling * B(A(x))`` with ``scaling = alpha / r`` (``alpha / sqrt(r)`` with ``use_rslora``), ``r`` and
+``alpha`` from ``rank_pattern`` / ``alpha_pattern`` when a pattern matches the module, as PEFT does.
+
+What is refused, with the entry and the reason (every other adapter would be silently wrong): DoRA,
+``modules_to_save``, trained biases, ``fan_in_fan_out``, LoRA on embeddings, and any target that is not a
+linear layer of the base model with the adapter's shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from tgi_paged_backend.config import ConfigError
+from tgi_paged_backend.lora.sources import AdapterSource
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraModuleWeights:
+    """One adapted linear layer: ``delta(x) = scaling * (x @ a.T) @ b.T``."""
+
+    a: torch.Tensor
+    """``[r, in_features]``."""
+    b: torch.Tensor
+    """``[out_features, r]``."""
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """A loaded adapter: its name, index (1-based; 0 is the base model) and weights per module path."""
+
+    name: str
+    index: int
+    directory: Path
+    modules: dict[str, LoraModuleWeights]
+
+    @property
+    def max_rank(self) -> int:
+        return max(w.rank for w in self.modules.values())
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for w in self.modules.values() for t in (w.a, w.b))
+
+
+def adapter_directory(source: AdapterSource) -> Path:
+    """The local directory of ``source``: its path, or its snapshot in the local hub cache (no network)."""
+    if source.path is not None:
+        if not source.path.is_dir():
+            raise ConfigError(f"LORA_ADAPTERS entry {str(source)!r}: {source.path} is not a directory")
+        return source.path
+    local = Path(source.name)
+    if local.is_dir():  # a bare local path, as the stock server also accepts
+        return local
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source.name, revision=source.revision, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - any hub failure: name the entry and the way out
+        raise ConfigError(
+            f"LORA_ADAPTERS entry {str(source)!r}: not in the local hub cache ({type(e).__name__}); "
+            "the launcher downloads hub adapters before starting the shard, or give name=/local/path"
+        ) from None
+
+
+def _is_linear(module: nn.Module | None) -> bool:
+    """``nn.Linear`` or one of the quantized linears (:mod:`tgi_paged_backend.runner.quant`): any module
+    with integer ``in_features`` and ``out_features`` (an embedding has neither)."""
+    return isinstance(getattr(module, "in_features", None), int) and isinstance(
+        getattr(module, "out_features", None), int
+    )
+
+
+def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's rule: a pattern key (a regex) matches a module whose name is the key or ends with ``.<key>``;
+    the first matching key wins."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _read_config(directory: Path, entry: str) -> dict[str, Any]:
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(f"LORA_ADAPTERS entry {entry!r}: no {CONFIG_FILE} in {directory}")
+    config = json.loads(path.read_text())
+    refusals = {
+        "peft_type": (config.get("peft_type", "LORA") != "LORA", f"peft_type {config.get('peft_type')!r}, not LORA"),
+        "use_dora": (bool(config.get("use_dora")), "DoRA (use_dora) is not supported"),
+        "modules_to_save": (bool(config.get("modules_to_save")), "modules_to_save (fully trained layers)"),
+        "bias": (config.get("bias", "none") != "none", f"trained biases (bias={config.get('bias')!r})"),
+        "fan_in_fan_out": (bool(config.get("fan_in_fan_out")), "fan_in_fan_out (Conv1D layers)"),
+    }
+    for refused, reason in refusals.values():
+        if refused:
+            raise ConfigError(f"LORA_ADAPTERS entry {entry!r}: {reason} is not supported")
+    return config
+
+
+def _read_weights(directory: Path, entry: str) -> dict[str, torch.Tensor]:
+    for name in WEIGHT_FILES:
+        path = directory / name
+        if path.is_file():
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(str(path))
+            return torch.load(path, map_location="cpu", weights_only=True)
+    raise ConfigError(f"LORA_ADAPTERS entry {entry!r}: no {' or '.join(WEIGHT_FILES)} in {directory}")
+
+
+def load_adapter(source: AdapterSource, index: int, model: nn.Module, dtype: torch.dtype) -> LoraAdapter:
+    """Read ``source`` and check every module against ``model`` (the unsharded base model)."""
+    entry = str(source)
+    directory = adapter_directory(source)
+    config = _read_config(directory, entry)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in _read_weights(directory, entry).items():
+        match = _KEY.match(key)
+        if match is None:
+            raise ConfigError(f"LORA_ADAPTERS entry {entry!r}: weight {key!r} is not a LoRA A/B matrix of a linear")
+        pairs.setdefault(match["module"], {})[match["part"]] = tensor
+    if not pairs:
+        raise ConfigError(f"LORA_ADAPTERS entry {entry!r}: the checkpoint holds no LoRA weights")
+    modules = dict(model.named_modules())
+    weights: dict[str, LoraModuleWeights] = {}
+    for path, parts in sorted(pairs.items()):
+        where = f"LORA_ADAPTERS entry {entry!r}, module {path!r}"
+        if set(parts) != {"A", "B"}:
+            raise ConfigError(f"{where}: has lora_{''.join(parts)} without its pair")
+        base = modules.get(path)
+        if base is None or not _is_linear(base):
+            found = "absent" if base is None else type(base).__name__
+            raise ConfigError(f"{where}: the base model has no linear layer there ({found})")
+        in_features, out_features = int(cast(int, base.in_features)), int(cast(int, base.out_features))
+        a, b = parts["A"], parts["B"]
+        rank = int(a.shape[0])
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_features or b.shape != (out_features, rank):
+            raise ConfigError(
+                f"{where}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the base layer "
+                f"({in_features} -> {out_features}) with rank {rank}"
+            )
+        expected_rank = _pattern_value(config.get("rank_pattern") or {}, path, config.get("r", rank))
+        if int(expected_rank) != rank:
+            raise ConfigError(f"{where}: rank {rank} in the weights, {expected_rank} in {CONFIG_FILE}")
+        alpha = float(_pattern_value(config.get("alpha_pattern") or {}, path, config.get("lora_alpha", rank)))
+        scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise ConfigError(f"{where}: the weights hold NaN or infinity")
+        weights[path] = LoraModuleWeights(a.to(dtype).contiguous(), b.to(dtype).contiguous(), scaling)
+    return LoraAdapter(source.name, index, directory, weights)
+
+
+def load_adapters(sources: tuple[AdapterSource, ...], model: nn.Module, dtype: torch.dtype) -> tuple[LoraAdapter, ...]:
+    """Every adapter of ``LORA_ADAPTERS`` in index order (1, 2, ...)."""
+    return tuple(load_adapter(source, i + 1, model, dtype) for i, source in enumerate(sources))
