@@ -215,3 +215,23 @@ def test_missing_real_launcher_is_reported_not_looped(setup: Setup, tmp_path: Pa
     assert result.returncode == 127
     assert "TGI's own text-generation-launcher is not on PATH" in result.stderr
     assert setup.records() == []
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "backend", "expected"),
+    [
+        (["--lora-adapters", "a=/x"], {}, "paged", b"1"),  # stock would turn it off: ours keys KV by adapter
+        (["--lora-adapters=a=/x"], {}, "paged", b"1"),
+        ([], {b"LORA_ADAPTERS": b"a=/x"}, "paged", b"1"),
+        (["--lora-adapters", "a=/x"], {b"PREFIX_CACHING": b"0"}, "paged", b"0"),  # the user's choice wins
+        (["--lora-adapters", "a=/x"], {}, "stock", None),  # TGI's own server: the launcher decides
+        (["--model-id", "m"], {}, "paged", None),  # no adapters: untouched
+        (["--", "--lora-adapters", "a=/x"], {}, "paged", None),  # after --: not the launcher's option
+    ],
+)
+def test_prefix_caching_stays_on_with_lora_adapters(args, env, backend, expected) -> None:
+    from tgi_paged_backend.launcher_wrapper import keep_prefix_caching_with_lora
+
+    environ = dict(env)
+    keep_prefix_caching_with_lora(args, environ, backend)
+    assert environ.get(b"PREFIX_CACHING") == expected

@@ -142,9 +142,9 @@ BAD_CONFIGS = [
     (("--kv-cache-dtype", "fp4"), {}, "kv_cache_dtype"),
     (("--logger-level", "LOUD"), {}, "--logger-level"),
     (("--sharded",), {}, "--sharded"),
-    # A user who asked for adapters must not silently get the base model (issue 16).
-    ((), {"LORA_ADAPTERS": "org/some-adapter"}, "LORA_ADAPTERS='org/some-adapter' (launcher --lora-adapters) is not"),
-    (("--lora-adapters", "a,b"), {}, "LORA_ADAPTERS='a,b'"),
+    # A malformed LORA_ADAPTERS entry stops the shard before any model is loaded, naming the entry.
+    ((), {"LORA_ADAPTERS": "org/a,x=y=z"}, "LORA_ADAPTERS entry 'x=y=z' is invalid"),
+    (("--lora-adapters", "a,,b"), {}, "LORA_ADAPTERS entry '' is invalid"),
     ((), {"WEIGHTS_CACHE_OVERRIDE": "/nonexistent/repository"}, "WEIGHTS_CACHE_OVERRIDE='/nonexistent/repository'"),
     ((), {"ROPE_SCALING": "yarn"}, "ROPE_SCALING='yarn' is invalid: allowed one of linear, dynamic"),
 ]
