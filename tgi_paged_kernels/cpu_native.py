@@ -33,7 +33,7 @@ from ._checks import cdiv
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "cpu_layer.cpp", CSRC / "cpu_prefill.cpp")
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "cpu_layer.cpp", CSRC / "cpu_prefill.cpp", CSRC / "cpu_lora.cpp")
 """Compiled into one library; the headers they include are part of the cache key."""
 HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_gemm.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -138,6 +138,13 @@ class NativeKernels:
             _float, _float, _int, _ptr, _float, _float, _int,
         )  # fmt: skip
         """Raw entry point of ``csrc/cpu_prefill.cpp``; :mod:`tgi_paged_kernels.cpu_prefill` wraps it."""
+        self.lora_add = bind(
+            "tgi_paged_lora_add",
+            _ptr, _i64, _ptr, _i64, _ptr,  # out, stride, x, stride, slots
+            _i64, _i64, _i64, _ptr, _ptr,  # rows, in, out features, A, B stacks
+            _i64, _i64, _ptr, _ptr, _int,  # slots, max rank, scales, ranks, threads
+        )  # fmt: skip
+        """Raw entry point of ``csrc/cpu_lora.cpp``; :func:`tgi_paged_kernels.lora.add_lora_cpu` wraps it."""
         self._tables: dict[torch.dtype, torch.Tensor] = {}
 
     def decode_table(self, dtype: torch.dtype) -> torch.Tensor:

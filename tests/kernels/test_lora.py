@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from tgi_paged_kernels.cpu_lora import cpu_b_stack
 from tgi_paged_kernels.lora import add_lora_triton, lora_delta_reference, lora_expand_, lora_shrink
 from tgi_paged_kernels.testing import ATTENTION_TOLERANCES
 
@@ -172,3 +173,50 @@ def test_add_lora_reads_strided_inputs_and_accepts_empty_batches():
     empty = torch.zeros(0, OUT_FEATURES)
     add_lora_triton(empty, x[:0], slots[:0], a_stack, b_stack, scales)
     lora_expand_(empty, torch.zeros(0, RANK), slots[:0], b_stack, scales)
+
+
+# -- the CPU serving path (csrc/cpu_lora.cpp) ------------------------------------------------------------
+
+
+def _cpu_case(rows: int, slots: list[int], ranks: list[int], in_f: int = 96, out_f: int = 80, max_rank: int = 8):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, in_f, generator=gen)
+    a = torch.zeros(len(ranks), max_rank, in_f)
+    b = cpu_b_stack(len(ranks), out_f, max_rank, torch.float32)
+    for s, r in enumerate(ranks):
+        a[s, :r] = torch.randn(r, in_f, generator=gen)
+        b[s, :, :r] = torch.randn(out_f, r, generator=gen)
+    scales = torch.tensor([0.5 + s for s in range(len(ranks))], dtype=torch.float32)
+    token_slots = torch.tensor(slots, dtype=torch.int64)
+    base = torch.randn(rows, out_f, generator=gen)
+    return base, x, token_slots, a, b, scales, torch.tensor(ranks, dtype=torch.int32)
+
+
+def test_cpu_native_lora_matches_the_reference(native) -> None:
+    from tgi_paged_kernels.cpu_lora import add_lora_cpu
+
+    base, x, slots, a, b, scales, ranks = _cpu_case(9, [0, -1, 2, 2, 1, -1, 0, 2, 1], [8, 3, 5])
+    out = base.clone()
+    assert add_lora_cpu(native, out, x, slots, a, b, scales, ranks)
+    torch.testing.assert_close(out, base + lora_delta_reference(x, slots, a, b, scales), rtol=1e-5, atol=1e-5)
+    untouched = slots < 0
+    assert torch.equal(out[untouched], base[untouched])  # no adapter: bit-identical
+    # a row's bits do not depend on the other rows of the batch
+    alone = base[4:5].clone()
+    add_lora_cpu(native, alone, x[4:5], slots[4:5], a, b, scales, ranks)
+    assert torch.equal(alone, out[4:5])
+
+
+def test_cpu_native_lora_writes_a_column_slice_and_refuses_what_it_cannot_run(native) -> None:
+    from tgi_paged_kernels.cpu_lora import add_lora_cpu
+
+    base, x, slots, a, b, scales, ranks = _cpu_case(4, [1, 0, -1, 1], [2, 4], out_f=16)
+    wide = torch.randn(4, 40)
+    before = wide.clone()
+    assert add_lora_cpu(native, wide[:, 8:24], x, slots, a, b, scales, ranks)
+    expected = before[:, 8:24] + lora_delta_reference(x, slots, a, b, scales)
+    torch.testing.assert_close(wide[:, 8:24], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(wide[:, :8], before[:, :8]) and torch.equal(wide[:, 24:], before[:, 24:])
+    assert not add_lora_cpu(native, base.double(), x.double(), slots, a.double(), b.double(), scales, ranks)
+    with pytest.raises(ValueError, match="slot"):
+        add_lora_cpu(native, base, x, torch.tensor([0, 5, 0, 0]), a, b, scales, ranks)

@@ -57,6 +57,10 @@ class LoraAdapter:
     modules: dict[str, LoraModuleWeights]
 
     @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.modules.values())).a.dtype
+
+    @property
     def max_rank(self) -> int:
         return max(w.rank for w in self.modules.values())
 

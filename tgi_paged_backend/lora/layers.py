@@ -33,6 +33,8 @@ from loguru import logger
 from torch import nn
 
 from tgi_paged_backend.lora.checkpoint import LoraAdapter
+from tgi_paged_kernels.cpu_lora import add_lora_cpu, cpu_b_stack
+from tgi_paged_kernels.cpu_native import native_kernels
 from tgi_paged_kernels.lora import add_lora_triton
 
 
@@ -82,6 +84,7 @@ class LoraLinear(nn.Module):
     a_stack: torch.Tensor
     b_stack: torch.Tensor
     scales: torch.Tensor
+    rank_tensor: torch.Tensor
 
     def __init__(
         self,
@@ -104,8 +107,10 @@ class LoraLinear(nn.Module):
         """``[S]`` float32 scaling of every slot."""
         self.ranks = tuple(int(r) for r in ranks)
         """Rank of every slot at this layer (0: the adapter leaves it out)."""
+        self.register_buffer("rank_tensor", torch.tensor(self.ranks, dtype=torch.int32), persistent=False)
         self.scale_values = tuple(float(s) for s in scales.tolist())
         self._step = step
+        self._native = native_kernels() if a_stack.device.type == "cpu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -115,6 +120,10 @@ class LoraLinear(nn.Module):
         x2, y2 = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
         if x.device.type == "cuda":
             add_lora_triton(y2, x2, slots, self.a_stack, self.b_stack, self.scales)
+            return y
+        if self._native is not None and add_lora_cpu(
+            self._native, y2, x2, slots, self.a_stack, self.b_stack, self.scales, self.rank_tensor
+        ):
             return y
         for slot, rows in self._step.groups:
             rank = self.ranks[slot]
@@ -170,7 +179,7 @@ def attach_adapters(model: nn.Module, adapters: Sequence[LoraAdapter], device: t
     modules = dict(model.named_modules())
     paths = sorted({path for adapter in adapters for path in adapter.modules})
     num_bytes = 0
-    dtype = next(model.parameters()).dtype
+    dtype = adapters[0].dtype  # the model's compute dtype, which load_adapters cast every A and B to
     for path in paths:
         parent_path, _, attr = path.rpartition(".")
         parent, module = modules[parent_path], modules[path]
@@ -181,7 +190,11 @@ def attach_adapters(model: nn.Module, adapters: Sequence[LoraAdapter], device: t
         max_rank = max(w.rank for w in present)
         in_local, out_local = int(a0.shape[1]), int(b0.shape[0])
         a_stack = torch.zeros(len(adapters), max_rank, in_local, dtype=dtype)
-        b_stack = torch.zeros(len(adapters), out_local, max_rank, dtype=dtype)
+        b_stack = (  # on CPU laid out as [S, R, out], which the native kernel reads along out
+            cpu_b_stack(len(adapters), out_local, max_rank, dtype)
+            if device.type == "cpu"
+            else torch.zeros(len(adapters), out_local, max_rank, dtype=dtype)
+        )
         scales = torch.zeros(len(adapters), dtype=torch.float32)
         ranks = []
         for slot, weights in enumerate(per_slot):

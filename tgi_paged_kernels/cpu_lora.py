@@ -1,0 +1,57 @@
+"""The CPU serving path of batched multi-LoRA: one native call per adapted layer and step (``csrc/cpu_lora.cpp``).
+
+Same contract as :func:`tgi_paged_kernels.lora.add_lora_triton` (layouts in :mod:`tgi_paged_kernels.lora`),
+for fp32 CPU tensors, plus ``ranks`` (int32 ``[S]``, each slot's own rank, so padded ranks cost nothing).
+``b_stack`` ``[S, N, R]`` must be a transposed view of a contiguous ``[S, R, N]`` tensor (what
+:func:`cpu_b_stack` allocates): the expand then runs along ``N``, vectorized.
+Each row's delta is two dot-product loops in the row's order (no batching across rows), so a row gives
+the same bits whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cpu_native import NativeKernels
+
+
+def cpu_b_stack(num_slots: int, out_features: int, max_rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros ``[S, N, R]`` laid out as ``[S, R, N]`` (the layout :func:`add_lora_cpu` reads)."""
+    return torch.zeros(num_slots, max_rank, out_features, dtype=dtype).transpose(1, 2)
+
+
+def _is_cpu_layout(b_stack: torch.Tensor) -> bool:
+    return b_stack.transpose(1, 2).is_contiguous()
+
+
+def add_lora_cpu(
+    native: NativeKernels,
+    out: torch.Tensor,
+    x: torch.Tensor,
+    token_slots: torch.Tensor,
+    a_stack: torch.Tensor,
+    b_stack: torch.Tensor,
+    scales: torch.Tensor,
+    ranks: torch.Tensor,
+) -> bool:
+    """Add each row's adapter delta to ``out`` ``[T, N]`` in place; ``False`` (nothing done) unless every
+    tensor is fp32 on the CPU with unit inner strides (the caller then uses the torch path).
+
+    Raises ``ValueError`` for a slot ``>= S`` or a rank above ``R`` (nothing is written then).
+    """
+    tensors = (out, x, a_stack, b_stack, scales)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return False
+    if out.stride(-1) != 1 or x.stride(-1) != 1 or not (a_stack.is_contiguous() and _is_cpu_layout(b_stack)):
+        return False
+    slots = token_slots if token_slots.dtype == torch.int64 else token_slots.long()
+    slots, ranks = slots.contiguous(), ranks.to(torch.int32).contiguous()
+    num_slots, max_rank, in_features = a_stack.shape
+    status = native.lora_add(
+        out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), slots.data_ptr(),
+        out.shape[0], in_features, out.shape[1], a_stack.data_ptr(), b_stack.data_ptr(),
+        num_slots, max_rank, scales.contiguous().data_ptr(), ranks.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise ValueError(f"add_lora_cpu: a slot is >= {num_slots} or a rank exceeds {max_rank} (status {status})")
+    return True
