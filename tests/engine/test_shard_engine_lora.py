@@ -308,3 +308,14 @@ def test_bad_lora_adapters_entry_is_refused(families, tmp_path):
     missing = tmp_path / "nowhere"
     with pytest.raises(ConfigError, match=f"bad={missing}"):
         make_engine(family.base, LORA_ADAPTERS=f"full={family.adapters['full']},bad={missing}")
+
+
+def test_adapters_keep_the_fused_and_native_layers(tiny_llama_dir, tmp_path) -> None:
+    """Loading adapters costs base-model traffic nothing structural: q/k/v and gate/up stay one GEMM each
+    (every projection's adapters on its own columns) and the layers keep their one-call native decode."""
+    adapter = write_adapter(tiny_llama_dir, tmp_path / "all", r=4, alpha=8, seed=3)
+    engine = make_engine(tiny_llama_dir, LORA_ADAPTERS=f"all={adapter}")
+    runner = engine.runner
+    layers = runner.spec.num_layers
+    assert runner.fusion.attentions == layers and runner.fusion.mlps == layers
+    assert runner.native_layers is not None and runner.native_layers.wrapped == layers

@@ -16,16 +16,19 @@ keeps its rows of B; a row-parallel one (``shard_in_columns``) gets the wrapper 
 columns of A, so each rank adds its part of the delta before the all-reduce that sums the parts (exact:
 the delta is linear in the input columns), and no extra collective runs.
 
-Wrapped layers are not plain ``nn.Linear``, so the load-time fusion of q/k/v and gate/up and the native
-decoder layers leave them (and their decoder layers) to the per-op path; their base GEMM is still packed
-by the fast-layer swap (it is the wrapper's ``base`` child).
+The load-time swaps see through the wrappers: the fusion of q/k/v and gate/up stacks the wrapped GEMMs and
+wraps the fused one again, each projection's adapters adding into its own output columns
+(:func:`stack_with_lora`); the fast-layer swap packs the GEMM under the wrappers (the innermost ``base``);
+a native decoder layer keeps its one-call decode for steps without adapter rows and runs the per-op path,
+wrappers included, for the others (:func:`find_lora_step`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -94,11 +97,14 @@ class LoraLinear(nn.Module):
         scales: torch.Tensor,
         ranks: Sequence[int],
         step: LoraStep,
+        columns: slice | None = None,
     ) -> None:
         super().__init__()
         self.base = base
         self.in_features = int(a_stack.shape[2])
-        self.out_features = int(b_stack.shape[1])
+        self.out_features = int(cast(int, base.out_features))
+        self.columns = columns
+        """The base output columns the delta goes to (``None``: all): one projection of a fused GEMM."""
         self.register_buffer("a_stack", a_stack, persistent=False)
         """``[S, R, in]``: A of every slot, zero rows past its rank."""
         self.register_buffer("b_stack", b_stack, persistent=False)
@@ -112,12 +118,22 @@ class LoraLinear(nn.Module):
         self._step = step
         self._native = native_kernels() if a_stack.device.type == "cpu" else None
 
+    def rewrap(self, base: nn.Module, columns: slice) -> LoraLinear:
+        """The same adapters over ``base`` (a fused GEMM), adding into its output ``columns`` (shares the stacks)."""
+        return LoraLinear(base, self.a_stack, self.b_stack, self.scales, self.ranks, self._step, columns)
+
+    @property
+    def step(self) -> LoraStep:
+        return self._step
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         slots = self._step.token_slots
         if slots is None:
             return y
         x2, y2 = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
+        if self.columns is not None:
+            y2 = y2[:, self.columns]
         if x.device.type == "cuda":
             add_lora_triton(y2, x2, slots, self.a_stack, self.b_stack, self.scales)
             return y
@@ -138,7 +154,47 @@ class LoraLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"adapters={sum(1 for r in self.ranks if r)}, max_rank={int(self.a_stack.shape[1])}"
+        where = "" if self.columns is None else f", columns={self.columns.start}:{self.columns.stop}"
+        return f"adapters={sum(1 for r in self.ranks if r)}, max_rank={int(self.a_stack.shape[1])}{where}"
+
+
+def lora_base(module: nn.Module) -> nn.Module:
+    """The GEMM under any :class:`LoraLinear` wrappers of ``module`` (``module`` itself when it has none)."""
+    while isinstance(module, LoraLinear):
+        module = module.base
+    return module
+
+
+def replace_lora_base(module: nn.Module, base: nn.Module) -> nn.Module:
+    """``module`` with the GEMM under its wrappers replaced by ``base`` (``base`` when ``module`` has none)."""
+    if not isinstance(module, LoraLinear):
+        return base
+    inner = module
+    while isinstance(inner.base, LoraLinear):
+        inner = inner.base
+    inner.base = base
+    return module
+
+
+def stack_with_lora(parts: Sequence[nn.Module], stack: Callable[[list[nn.Module]], nn.Module]) -> nn.Module:
+    """``stack`` (one GEMM of the parts' bases side by side), wrapped again by each part's adapters over the
+    columns of its own outputs, so a fused q/k/v or gate/up GEMM keeps every projection's LoRA."""
+    fused = stack([lora_base(p) for p in parts])
+    offset = 0
+    for part in parts:
+        width = int(cast(int, lora_base(part).out_features))
+        if isinstance(part, LoraLinear):
+            fused = part.rewrap(fused, slice(offset, offset + width))
+        offset += width
+    return fused
+
+
+def find_lora_step(module: nn.Module) -> LoraStep | None:
+    """The routing of the adapters anywhere under ``module`` (``None``: no adapted layer there)."""
+    for child in module.modules():
+        if isinstance(child, LoraLinear):
+            return child.step
+    return None
 
 
 @dataclass(frozen=True, slots=True)

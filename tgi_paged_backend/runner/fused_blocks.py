@@ -29,6 +29,7 @@ import torch
 from loguru import logger
 from torch import nn
 
+from tgi_paged_backend.lora.layers import lora_base, stack_with_lora
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, paged_attention, step_metadata
 from tgi_paged_backend.runner.fast_layers import outputs_close, same_output
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
@@ -54,6 +55,11 @@ LLAMA_FORM_ATTENTION = frozenset(
 records what its forward passes to the attention function and the fused module uses exactly that."""
 
 
+def _stacked(parts: list[nn.Module]) -> nn.Module:
+    """:func:`_stacked_linear` of the parts' GEMMs, each part's LoRA adapters (if any) kept on its columns."""
+    return stack_with_lora(parts, lambda bases: _stacked_linear(cast(list[nn.Linear], bases)))
+
+
 def _stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One ``nn.Linear`` whose output is the outputs of ``parts`` side by side (all with a bias, or none)."""
     first = parts[0]
@@ -71,14 +77,14 @@ def _stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
 
 
 def _plain(*modules: Any) -> bool:
-    return all(type(m) is nn.Linear for m in modules)
+    """Plain ``nn.Linear`` GEMMs, LoRA wrappers seen through (:func:`..lora.layers.lora_base`)."""
+    return all(type(lora_base(m)) is nn.Linear for m in modules)
 
 
 def _stackable(*linears: Any) -> bool:
     """Plain linears of one input width, all with a bias or all without (so one GEMM computes them)."""
-    return (
-        _plain(*linears) and len({m.in_features for m in linears}) == 1 and len({m.bias is None for m in linears}) == 1
-    )
+    bases = [lora_base(m) for m in linears]
+    return _plain(*bases) and len({m.in_features for m in bases}) == 1 and len({m.bias is None for m in bases}) == 1
 
 
 class FusedGatedMLP(nn.Module):
@@ -89,12 +95,13 @@ class FusedGatedMLP(nn.Module):
 
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
-        self.gate_up = _stacked_linear([mlp.gate_proj, mlp.up_proj])  # type: ignore[list-item]
+        self.gate_up = _stacked([mlp.gate_proj, mlp.up_proj])  # type: ignore[list-item]
         self.down_proj = cast(nn.Module, mlp.down_proj)
         self.act_fn = cast(nn.Module, mlp.act_fn)
         self.intermediate = int(mlp.gate_proj.out_features)  # type: ignore[union-attr, arg-type]
         silu = isinstance(self.act_fn, nn.SiLU) or type(self.act_fn).__name__ == "SiLUActivation"
-        self.native = native_kernels() if silu and self.gate_up.weight.device.type == "cpu" else None
+        on_cpu = cast(nn.Linear, lora_base(self.gate_up)).weight.device.type == "cpu"
+        self.native = native_kernels() if silu and on_cpu else None
         """SiLU on CPU: the C++ ``silu_and_mul`` (one call for the two slices, the activation and the product)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,11 +133,12 @@ class FusedPagedAttention(nn.Module):
         self.num_kv_heads = int(attn.k_proj.out_features) // self.head_dim  # type: ignore[union-attr, arg-type]
         self.scaling = scaling
         self.sliding_window = sliding_window
-        self.qkv_proj = _stacked_linear([attn.q_proj, attn.k_proj, attn.v_proj])  # type: ignore[list-item]
+        self.qkv_proj = _stacked([attn.q_proj, attn.k_proj, attn.v_proj])  # type: ignore[list-item]
         self.o_proj = cast(nn.Module, attn.o_proj)
         self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
         self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
-        self.native = native_kernels() if self.qkv_proj.weight.device.type == "cpu" else None
+        on_cpu = cast(nn.Linear, lora_base(self.qkv_proj)).weight.device.type == "cpu"
+        self.native = native_kernels() if on_cpu else None
         """On CPU, RoPE runs as one C++ call (the same roundings as transformers' five tensor ops)."""
 
     def forward(
@@ -186,9 +194,9 @@ def _fused_mlp(mlp: nn.Module) -> FusedGatedMLP | None:
     """The fused form of ``mlp`` if it reproduces it on a random input, else ``None`` (also on any error: a
     forward of another signature keeps its module)."""
     fused = FusedGatedMLP(mlp)
-    weight = fused.gate_up.weight
+    weight = cast(nn.Linear, lora_base(fused.gate_up)).weight
     try:
-        return fused if same_output(mlp, fused, fused.gate_up.in_features, weight.dtype, weight.device) else None
+        return fused if same_output(mlp, fused, int(weight.shape[1]), weight.dtype, weight.device) else None
     except Exception as e:  # noqa: BLE001 - any failure means: keep the original
         logger.debug("MLP {} not fused: {}: {}", type(mlp).__name__, type(e).__name__, e)
         return None
@@ -211,7 +219,7 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
     cos/sin) through the paged attention over scratch pools, recording the options it passes; the fused
     module is built with exactly those and must give the same output. ``None`` otherwise (or on any error:
     a forward of another signature keeps its module)."""
-    weight = cast(nn.Linear, attn.q_proj).weight
+    weight = cast(nn.Linear, lora_base(cast(nn.Module, attn.q_proj))).weight
     head_dim = int(attn.head_dim)  # type: ignore[arg-type]
     geometry = (int(attn.k_proj.out_features) // head_dim, head_dim)  # type: ignore[union-attr, arg-type]
     generator = torch.Generator().manual_seed(0)

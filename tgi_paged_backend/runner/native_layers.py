@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from loguru import logger
 from torch import nn
 
+from tgi_paged_backend.lora.layers import find_lora_step, lora_base, replace_lora_base
 from tgi_paged_backend.runner import fast_layers
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
 from tgi_paged_backend.runner.fused_blocks import FusedGatedMLP, FusedPagedAttention
@@ -63,8 +64,8 @@ def layer_weights(layer: nn.Module) -> LlamaLayerWeights | None:
         or attn.q_norm is not None
         or attn.k_norm is not None
         or mlp.native is None  # SiLU only
-        or not (_plain(attn.qkv_proj, bias=True) and _plain(attn.o_proj))
-        or not (_plain(mlp.gate_up) and _plain(mlp.down_proj))
+        or not (_plain(lora_base(attn.qkv_proj), bias=True) and _plain(lora_base(attn.o_proj)))
+        or not (_plain(lora_base(mlp.gate_up)) and _plain(lora_base(mlp.down_proj)))
         or norms[0] is None
         or norms[1] is None
     ):
@@ -72,7 +73,9 @@ def layer_weights(layer: nn.Module) -> LlamaLayerWeights | None:
     (ln1, eps1), (ln2, eps2) = norms  # type: ignore[misc]
     if ln1.dtype != torch.float32 or ln2.dtype != torch.float32:
         return None
-    qkv, o, gate_up, down = attn.qkv_proj, cast(nn.Linear, attn.o_proj), mlp.gate_up, cast(nn.Linear, mlp.down_proj)
+    qkv, o, gate_up, down = (
+        cast(nn.Linear, lora_base(m)) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up, mlp.down_proj)
+    )
     return LlamaLayerWeights(
         ln1=ln1.contiguous(), eps1=eps1, ln2=ln2.contiguous(), eps2=eps2,
         qkv=pack_weight(qkv.weight), qkv_bias=None if qkv.bias is None else qkv.bias.detach().contiguous(),
@@ -92,6 +95,8 @@ class NativeDecoderLayer(nn.Module):
         self.weights = weights
         self.native = native
         self.layer_idx = int(layer.self_attn.layer_idx)  # type: ignore[union-attr, arg-type]
+        self.lora_step = find_lora_step(layer)
+        """The adapters' routing when the layer has LoRA wrappers: steps with adapter rows run the per-op path."""
         self.as_tuple = False
         """transformers before 4.54 returns ``(hidden,)`` from a decoder layer, later versions the tensor: set
         by the load-time check (:func:`_reproduces`) from what the wrapped layer returns."""
@@ -105,10 +110,14 @@ class NativeDecoderLayer(nn.Module):
             self.weights,
         )
         qkv_width = (w.num_q_heads + 2 * w.num_kv_heads) * w.head_dim
-        setattr(attn, "qkv_proj", NativeLinear(w.qkv, qkv_width, w.qkv_bias, self.native))  # noqa: B010
-        setattr(attn, "o_proj", NativeLinear(w.o, w.hidden_size, None, self.native))  # noqa: B010
-        setattr(mlp, "gate_up", NativeLinear(w.gate_up, 2 * w.intermediate, None, self.native))  # noqa: B010
-        setattr(mlp, "down_proj", NativeLinear(w.down, w.hidden_size, None, self.native))  # noqa: B010
+        native = {
+            (attn, "qkv_proj"): NativeLinear(w.qkv, qkv_width, w.qkv_bias, self.native),
+            (attn, "o_proj"): NativeLinear(w.o, w.hidden_size, None, self.native),
+            (mlp, "gate_up"): NativeLinear(w.gate_up, 2 * w.intermediate, None, self.native),
+            (mlp, "down_proj"): NativeLinear(w.down, w.hidden_size, None, self.native),
+        }
+        for (owner, name), linear in native.items():  # under any LoRA wrappers, which stay
+            setattr(owner, name, replace_lora_base(getattr(owner, name), linear))
 
     def __getattr__(self, name: str) -> Any:
         """Attributes of the wrapped layer read through (``self_attn``, ``mlp``, ``attention_type``, ...)."""
@@ -130,6 +139,7 @@ class NativeDecoderLayer(nn.Module):
             or hidden.shape[0] != 1
             or hidden.shape[1] > MAX_ROWS
             or metadata.cpu_decode != "native"  # TGI_PAGED_CPU_DECODE=compiled|sdpa: that kernel serves
+            or (self.lora_step is not None and self.lora_step.token_slots is not None)  # LoRA rows: per-op path
             or torch.compiler.is_compiling()
         ):
             return None
