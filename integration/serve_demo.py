@@ -64,6 +64,7 @@ LOG_SUMMARY_FIELDS = {
 
 _WARMUP = re.compile(r"warmup: (\d+) physical blocks x (\d+) tokens = (\d+) tokens; advertising (\d+)")
 _PRESSURE = re.compile(r"since start \(([^)]*)\)")
+_LORA = re.compile(r"warmup: weights ([\d.]+) MiB, of which LoRA adapters ([\d.]+) MiB \((\d+) adapters\)")
 
 
 def free_port() -> int:
@@ -146,6 +147,8 @@ class MemoryReport:
     tokens_recomputed: int | None = None
     tokens_computed: int | None = None
     running_peak: int | None = None
+    lora: tuple[float, float, int] | None = None
+    """``LORA_ADAPTERS``: (weights MiB, of which adapters MiB, adapters), from the Warmup log line."""
     sources: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
 
@@ -158,6 +161,8 @@ def fetch_shard_memory_report(log_texts: list[str], poller: ShardMetricsPoller |
             blocks, r.block_size, r.physical_tokens, r.advertised_tokens = map(int, match.groups())
             r.blocks_total = blocks - 1
             r.sources.append("warmup log line")
+        if match := _LORA.search(text):
+            r.lora = (float(match.group(1)), float(match.group(2)), int(match.group(3)))
         if match := _PRESSURE.search(text):
             r.preemptions = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", match.group(1))}
     if r.preemptions is not None:
@@ -262,6 +267,11 @@ def format_report(
         f"stock TGI worst-case reservation on the same pool: {show(stock)} "
         f"(= {show(report.physical_tokens)} // ({mean_prompt} + {max_new_tokens}))"
     )
+    if report.lora is not None:
+        weights, adapters, count = report.lora
+        lines.append(
+            f"LoRA adapters: {count}, {adapters:.1f} MiB of the {weights:.1f} MiB of weights (out of the KV budget)"
+        )
     modes = ", ".join(f"{k}={v}" for k, v in sorted(report.preemptions.items())) if report.preemptions else "n/a"
     lines.append(f"preemptions by mode: {modes}")
     useful = sum(prompt_lengths) + generated_tokens

@@ -340,3 +340,17 @@ def test_hub_adapter_not_in_the_cache_is_refused(hub_cache: Path, source: Adapte
 
 def test_a_bare_local_directory_name_is_used_as_is(plain_dir: Path) -> None:
     assert adapter_directory(AdapterSource(str(plain_dir))) == plain_dir
+
+
+def test_lm_head_targets_are_refused(tmp_path) -> None:
+    """The LM head sees only the rows whose logits are kept, not every packed token: refused, never wrong."""
+    from tests.helpers.lora_adapters import write_adapter
+    from tests.helpers.tiny_models import load_reference, write_tiny_model
+    from tgi_paged_backend.config import ConfigError
+    from tgi_paged_backend.lora.checkpoint import load_adapter
+    from tgi_paged_backend.lora.sources import AdapterSource
+
+    base = write_tiny_model("llama", tmp_path / "base")
+    adapter = write_adapter(base, tmp_path / "head", targets=("q_proj", "lm_head"))
+    with pytest.raises(ConfigError, match="LM head|lm_head"):  # PEFT may also save the tied head itself
+        load_adapter(AdapterSource("head", adapter), 1, load_reference(base), torch.float32)

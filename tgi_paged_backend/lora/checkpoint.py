@@ -8,8 +8,8 @@ where ``<module path>`` is the module's name in the transformers model. Each mod
 ``alpha`` from ``rank_pattern`` / ``alpha_pattern`` when a pattern matches the module, as PEFT does.
 
 What is refused, with the entry and the reason (every other adapter would be silently wrong): DoRA,
-``modules_to_save``, trained biases, ``fan_in_fan_out``, LoRA on embeddings, and any target that is not a
-linear layer of the base model with the adapter's shapes.
+``modules_to_save``, trained biases, ``fan_in_fan_out``, LoRA on embeddings or on the LM head, and any
+target that is not a linear layer of the base model with the adapter's shapes.
 """
 
 from __future__ import annotations
@@ -150,6 +150,7 @@ def load_adapter(source: AdapterSource, index: int, model: nn.Module, dtype: tor
     if not pairs:
         raise ConfigError(f"LORA_ADAPTERS entry {entry!r}: the checkpoint holds no LoRA weights")
     modules = dict(model.named_modules())
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weights: dict[str, LoraModuleWeights] = {}
     for path, parts in sorted(pairs.items()):
         where = f"LORA_ADAPTERS entry {entry!r}, module {path!r}"
@@ -159,6 +160,8 @@ def load_adapter(source: AdapterSource, index: int, model: nn.Module, dtype: tor
         if base is None or not _is_linear(base):
             found = "absent" if base is None else type(base).__name__
             raise ConfigError(f"{where}: the base model has no linear layer there ({found})")
+        if head is not None and base is head:  # it sees only the rows whose logits are kept, not every token
+            raise ConfigError(f"{where}: LoRA on the LM head is not supported (only layers inside the model)")
         in_features, out_features = int(cast(int, base.in_features)), int(cast(int, base.out_features))
         a, b = parts["A"], parts["B"]
         rank = int(a.shape[0])
