@@ -214,6 +214,16 @@ class TelemetryConfig:
     """``service.name`` resource attribute."""
     metrics_port: int | None = None
     """Serve Prometheus ``/metrics`` on 127.0.0.1:PORT; ``None`` disables it."""
+    kv_events_endpoint: str | None = None
+    """``TGI_PAGED_KV_EVENTS_ENDPOINT``: publish KV-cache events on this ZMQ endpoint (rank 0;
+    :mod:`..telemetry.kv_events`); ``None``: off."""
+    kv_events_replay_endpoint: str | None = None
+    """``TGI_PAGED_KV_EVENTS_REPLAY_ENDPOINT``: the ROUTER endpoint serving missed event batches."""
+    kv_events_topic: str = ""
+    """``TGI_PAGED_KV_EVENTS_TOPIC``: the topic frame (default ``kv@<POD_IP or host name>@<model id>``)."""
+    metrics_host: str = "127.0.0.1"
+    """``TGI_PAGED_METRICS_HOST``: the address ``/metrics`` binds (``0.0.0.0`` for a Kubernetes endpoint picker
+    or a Prometheus outside the pod)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

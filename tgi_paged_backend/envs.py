@@ -10,6 +10,7 @@ Nothing is read at import time.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -46,6 +47,10 @@ class EnvSettings:
     swap_space_gb: float
     watermark: float
     metrics_port: int | None
+    metrics_host: str
+    kv_events_endpoint: str | None
+    kv_events_replay_endpoint: str | None
+    kv_events_topic: str | None
     prefix_caching: bool
     max_batch_size: int | None
     max_total_tokens: int | None
@@ -206,6 +211,16 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         watermark=_parse(e, "TGI_PAGED_WATERMARK", 0.01, float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0),
         # TGI_PAGED_METRICS_PORT: Prometheus /metrics on 127.0.0.1:PORT.
         metrics_port=_parse_optional(e, "TGI_PAGED_METRICS_PORT", int, "a port in 1..65535", lambda v: 0 < v < 65536),
+        # TGI_PAGED_METRICS_HOST: the address /metrics binds (0.0.0.0: reachable from outside the pod).
+        metrics_host=_parse(e, "TGI_PAGED_METRICS_HOST", "127.0.0.1", str.strip, "an IP address", lambda v: bool(v)),
+        # TGI_PAGED_KV_EVENTS_ENDPOINT / _REPLAY_ENDPOINT / _TOPIC: KV-cache events for llm-d's indexer (ZMQ).
+        kv_events_endpoint=_parse_optional(
+            e, "TGI_PAGED_KV_EVENTS_ENDPOINT", str, "a ZMQ endpoint such as tcp://*:5557", lambda v: "://" in v
+        ),
+        kv_events_replay_endpoint=_parse_optional(
+            e, "TGI_PAGED_KV_EVENTS_REPLAY_ENDPOINT", str, "a ZMQ endpoint such as tcp://*:5558", lambda v: "://" in v
+        ),
+        kv_events_topic=_parse_optional(e, "TGI_PAGED_KV_EVENTS_TOPIC", str, "a topic string"),
         # PREFIX_CACHING: set by the launcher (user env wins): advertised in Info.use_prefix_caching
         # and, when off, no prefix blocks are retained either. Stock parsing.
         prefix_caching=_stock_flag(e, "PREFIX_CACHING"),
@@ -281,6 +296,7 @@ LOGGER_LEVELS = {
 def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> BackendConfig:
     """Merge CLI arguments (the ``serve`` options, snake_case keys) with the environment."""
     s = read_env(env)
+    e = os.environ if env is None else env
     level = str(cli.get("logger_level") or "INFO").upper()
     if level not in LOGGER_LEVELS:
         raise ConfigError(f"--logger-level={level!r} is invalid: allowed {sorted(LOGGER_LEVELS)}")
@@ -338,5 +354,11 @@ def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             otlp_endpoint=cli.get("otlp_endpoint"),
             otlp_service_name=str(cli.get("otlp_service_name") or "text-generation-inference.server"),
             metrics_port=s.metrics_port,
+            metrics_host=s.metrics_host,
+            kv_events_endpoint=s.kv_events_endpoint,
+            kv_events_replay_endpoint=s.kv_events_replay_endpoint,
+            kv_events_topic=s.kv_events_topic
+            if s.kv_events_topic is not None
+            else f"kv@{e.get('POD_IP') or socket.gethostname()}@{cli['model_id']}",
         ),
     )

@@ -49,6 +49,7 @@ from tgi_paged_backend.policy.admission import reported_batch_tokens, should_bra
 from tgi_paged_backend.policy.preemption_mode import RateCalibrator, choose_preemption_mode
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.telemetry.engine_adapter import StepRecordBuilder, count_requests
+from tgi_paged_backend.telemetry.kv_events import build_kv_events
 from tgi_paged_backend.telemetry.lora_usage import lora_usage
 from tgi_paged_backend.telemetry.recorder import MetricsRecorder, build_recorder
 from tgi_paged_backend.telemetry.spans import annotate_step
@@ -82,6 +83,9 @@ class PagedShardEngine:
         self._grammar: GrammarCompiler | None = None
         self.adapter_names = AdapterNames(runner.lora.names if runner.lora is not None else ())
         """``adapter_id`` -> LoRA adapter index (0: the base model); counts the unknown ids."""
+        self.kv_events = build_kv_events(config, self.block_size, runner.device, self.adapter_names.names)
+        """KV-cache events for a prefix-aware router (``TGI_PAGED_KV_EVENTS_ENDPOINT``; rank 0), else a no-op."""
+        self._pool_built = False
         # A small pool so the engine serves (and warms up) before Warmup sizes the real one.
         self._configure(
             self._plan(
@@ -121,12 +125,17 @@ class PagedShardEngine:
         if self.config.preemption.mode == "recompute":
             swap_blocks = 0
         self.runner.allocate_swap_space(swap_blocks)
+        if self._pool_built:  # a new pool: every block the old one retained is gone
+            self.kv_events.all_cleared()
+            self.kv_events.flush()
+        self._pool_built = True
         self.kv = KVCacheManager(
             num_blocks=capacity.num_blocks,
             block_size=self.block_size,
             num_swap_blocks=swap_blocks,
             enable_prefix_retention=self.config.cache.prefix_caching,  # PREFIX_CACHING
             reclaim_window=self.runner.spec.reclaim_window,
+            observer=self.kv_events,
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -297,7 +306,8 @@ class PagedShardEngine:
         self._record_memory()
 
     def close(self) -> None:
-        """Flush telemetry (the last OTLP export, pending preemption summaries); stop grammar compiles."""
+        """Flush telemetry (the last OTLP export, pending preemption summaries, KV events); stop grammar compiles."""
+        self.kv_events.close()
         if self._grammar is not None:
             self._grammar.close()
         self.recorder.shutdown()
@@ -409,6 +419,7 @@ class PagedShardEngine:
         )
         self.recorder.record_step(self.last_step)
         self._record_lora()
+        self.kv_events.flush()
         self._telemetry_ns = time.perf_counter_ns() - t_telemetry
         return out.generations, out.forward_ns, out.decode_ns
 
@@ -432,6 +443,7 @@ class PagedShardEngine:
             self.kv.stats(), num_running=counts.running, num_preempted=counts.preempted, num_waiting=counts.waiting
         )
         self._record_lora()
+        self.kv_events.flush()
 
     def _record_lora(self) -> None:
         names = self.adapter_names

@@ -150,7 +150,8 @@ def load_adapter(source: AdapterSource, index: int, model: nn.Module, dtype: tor
     if not pairs:
         raise ConfigError(f"LORA_ADAPTERS entry {entry!r}: the checkpoint holds no LoRA weights")
     modules = dict(model.named_modules())
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     weights: dict[str, LoraModuleWeights] = {}
     for path, parts in sorted(pairs.items()):
         where = f"LORA_ADAPTERS entry {entry!r}, module {path!r}"

@@ -26,7 +26,7 @@ from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.block_table import BlockTableArray
 from tgi_paged_backend.memory.invariants import check_manager_invariants
 from tgi_paged_backend.memory.page_map import PageMap
-from tgi_paged_backend.memory.prefix_cache import NullPrefixCache, PrefixCache, chain_root
+from tgi_paged_backend.memory.prefix_cache import NullPrefixCache, PrefixCache, RegistryObserver, chain_root
 from tgi_paged_backend.memory.stats import MemoryStats, stranded_blocks, summarize_waste
 from tgi_paged_backend.memory.swap_space import SwapSpace
 from tgi_paged_backend.memory.types import (
@@ -50,6 +50,7 @@ class KVCacheManager:
         block_size: Tokens per block.
         num_swap_blocks: CPU swap blocks (0 disables swapping).
         enable_prefix_retention: Keep full blocks of finished requests for content-verified reuse.
+        observer: Told of every block the prefix cache registers and drops (the KV-events publisher).
         reclaim_window: The sliding window of *every* attention layer, in tokens; blocks wholly
             behind it are given back as decoding moves on. ``None``: keep the whole history.
     """
@@ -61,6 +62,7 @@ class KVCacheManager:
         block_size: int,
         num_swap_blocks: int = 0,
         enable_prefix_retention: bool = True,
+        observer: RegistryObserver | None = None,
         reclaim_window: int | None = None,
     ) -> None:
         if block_size < 1:
@@ -71,8 +73,11 @@ class KVCacheManager:
         self.reclaim_window = reclaim_window
         self._num_reclaimed_total = 0
         self._pool = BlockPool(num_blocks)
-        cache_type = PrefixCache if enable_prefix_retention else NullPrefixCache
-        self._prefix: PrefixCache | NullPrefixCache = cache_type(self._pool, block_size)
+        self._prefix: PrefixCache | NullPrefixCache = (
+            PrefixCache(self._pool, block_size, observer)
+            if enable_prefix_retention
+            else NullPrefixCache(self._pool, block_size)
+        )
         self._pool.on_evict = self._prefix.forget_block
         self._swap = SwapSpace(num_swap_blocks)
         self._table = BlockTableArray(block_size)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.types import SCRATCH_BLOCK
@@ -57,6 +58,19 @@ class _Entry:
     serial: int
     parent_serial: int
     token_ids: tuple[int, ...]
+    namespace: int = 0
+    """The LoRA adapter index whose chain holds the entry (0: the base model)."""
+
+
+class RegistryObserver(Protocol):
+    """Told of every entry the cache adds and drops (the KV-events publisher,
+    :mod:`tgi_paged_backend.telemetry.kv_events`): the calls mirror the registry exactly."""
+
+    def block_stored(
+        self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...], adapter: int
+    ) -> None: ...
+
+    def block_removed(self, block_hash: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +125,10 @@ class PrefixCache:
         block_size: Tokens per block.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, observer: RegistryObserver | None = None) -> None:
         self._pool = pool
         self.block_size = block_size
+        self._observer = observer
         self._by_hash: dict[int, _Entry] = {}
         self._by_block: dict[int, _Entry] = {}
         self._by_serial: dict[int, _Entry] = {}
@@ -220,9 +235,15 @@ class PrefixCache:
         del siblings[entry.serial]
         if not siblings:
             del self._children[entry.parent_serial]
+        if self._observer is not None:
+            self._observer.block_removed(entry.chain_hash)
 
     def _add(self, block_id: int, key: int, parent_serial: int, chunk: tuple[int, ...]) -> _Entry:
-        entry = _Entry(block_id, key, self._next_serial, parent_serial, chunk)
+        parent = self._by_serial.get(parent_serial) if parent_serial > _ROOT_SERIAL else None
+        namespace = parent.namespace if parent is not None else max(_ROOT_SERIAL - parent_serial, 0)
+        entry = _Entry(block_id, key, self._next_serial, parent_serial, chunk, namespace)
+        if self._observer is not None:
+            self._observer.block_stored(key, None if parent is None else parent.chain_hash, chunk, namespace)
         self._next_serial += 1
         self._by_hash[key] = entry
         self._by_block[block_id] = entry

@@ -82,6 +82,10 @@ METRIC_NAMES: dict[str, str] = {
     "tgi_paged_lora_weights_bytes": "LoRA adapters' weights resident on this shard (part of the weights)",
     "tgi_paged_requests": "Live requests by state (running: holding KV blocks; waiting: admitted, no blocks "
     "yet; preempted)",
+    "tgi_paged_queued_requests": "Requests queued in the shard: waiting for KV blocks or preempted (the "
+    "inference gateway's queued-requests signal; the router's own queue is its tgi_queue_size)",
+    "tgi_paged_cache_config_info": "KV pool geometry: labels block_size and num_gpu_blocks (usable physical "
+    "blocks); value 1",
     "tgi_paged_preempted_max_wait_seconds": "Longest current wait among preempted requests",
     # preemption and prefix cache (counters, histogram)
     "tgi_paged_preemptions_total": "Requests preempted, by mode",
@@ -239,7 +243,9 @@ class OtelRecorder:
                     f"cannot serve Prometheus metrics on port {config.metrics_port} + rank {rank} = {port}: "
                     "choose a lower TGI_PAGED_METRICS_PORT"
                 )
-            self.prometheus = PrometheusEndpoint(port=port, target_info=shard_attributes(config, rank))
+            self.prometheus = PrometheusEndpoint(
+                host=config.metrics_host, port=port, target_info=shard_attributes(config, rank)
+            )
             readers.append(self.prometheus)
         self.provider = MeterProvider(resource=self.resource, metric_readers=readers, views=_views())
         self._memory: MemoryStats | None = None
@@ -254,7 +260,7 @@ class OtelRecorder:
             except OSError as err:
                 self.provider.shutdown()
                 raise OSError(
-                    f"cannot serve Prometheus metrics on 127.0.0.1:{self.prometheus.port} "
+                    f"cannot serve Prometheus metrics on {config.metrics_host}:{self.prometheus.port} "
                     f"(TGI_PAGED_METRICS_PORT + rank): {err}"
                 ) from err
 
@@ -353,6 +359,8 @@ class OtelRecorder:
         gauge("tgi_paged_kv_window_reclaimed_blocks", "{block}", self._pool(lambda m: m.num_hole_blocks))
         gauge("tgi_paged_kv_waste_ratio", "1", self._observe_waste)
         gauge("tgi_paged_requests", "{request}", self._observe_requests)
+        gauge("tgi_paged_queued_requests", "{request}", self._observe_queued)
+        gauge("tgi_paged_cache_config_info", "1", self._observe_cache_config)
         gauge("tgi_paged_preempted_max_wait_seconds", "s", self._observe_max_wait)
         for name, field in (
             ("tgi_paged_device_memory_bytes", "device_total_bytes"),
@@ -441,6 +449,16 @@ class OtelRecorder:
             for state, counts in (("running", usage.running), ("waiting", usage.waiting))
             for name, n in counts.items()
         ]
+
+    def _observe_queued(self, options: CallbackOptions) -> list[Observation]:
+        _, preempted, _, waiting = self._requests
+        return [Observation(preempted + waiting)]
+
+    def _observe_cache_config(self, options: CallbackOptions) -> list[Observation]:
+        m = self._memory
+        if m is None:
+            return []
+        return [Observation(1, {"block_size": str(m.block_size), "num_gpu_blocks": str(m.num_total_blocks)})]
 
     def _observe_max_wait(self, options: CallbackOptions) -> list[Observation]:
         return [Observation(self._requests[2])]

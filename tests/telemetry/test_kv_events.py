@@ -1,0 +1,177 @@
+"""KV-cache events (issue 25): the published stream rebuilds exactly the blocks the shard's prefix cache holds.
+
+A subscriber written from the wire format (vLLM's positional msgpack, as llm-d's decoder reads it) applies
+every batch -- live over SUB, then the whole history again over the replay socket -- to its own index, and
+after a multi-turn workload with evictions and preemption the index equals the prefix cache's registry.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.engine.conftest import RouterDriver, make_engine, make_text, spec
+from tgi_paged_backend.engine.types import BatchSpec
+from tgi_paged_backend.telemetry.kv_events import END_SEQ, KVEventPublisher, KVEventsConfig
+
+zmq = pytest.importorskip("zmq")
+msgpack = pytest.importorskip("msgpack")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Indexer:
+    """What a prefix-aware router keeps: block hash -> (parent hash, tokens, lora), from the events alone."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, tuple[int | None, tuple[int, ...], str | None]] = {}
+        self.seqs: list[int] = []
+        self.cleared = 0
+        self.removed = 0
+
+    def apply(self, seq: int, payload: bytes) -> None:
+        self.seqs.append(seq)
+        ts, events, rank = msgpack.unpackb(payload, raw=False)
+        assert isinstance(ts, float) and rank == 0
+        for event in events:
+            kind = event[0]
+            if kind == "BlockStored":
+                (block_hash,), parent, tokens, block_size, lora_id, medium, lora_name = event[1:]
+                assert len(tokens) == block_size and medium == "CPU"
+                assert parent is None or parent in self.blocks, "a block arrives after its parent"
+                assert (lora_id is None) == (lora_name is None)
+                self.blocks[block_hash] = (parent, tuple(tokens), lora_name)
+            elif kind == "BlockRemoved":
+                (block_hash,), medium = event[1:]
+                del self.blocks[block_hash]
+                self.removed += 1
+            else:
+                assert event == ["AllBlocksCleared"]
+                self.blocks.clear()
+                self.cleared += 1
+
+
+def _subscribe(endpoint: str, topic: bytes, indexer: Indexer, stop: threading.Event) -> threading.Thread:
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+
+    def run() -> None:
+        while not stop.is_set() or sub.poll(200):
+            if sub.poll(50):
+                got_topic, seq, payload = sub.recv_multipart()
+                assert got_topic == topic
+                indexer.apply(int.from_bytes(seq, "big"), payload)
+        sub.close(0)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    out = []
+    while True:
+        assert dealer.poll(5000), "the replay socket did not answer"
+        _, seq, payload = dealer.recv_multipart()
+        if seq == END_SEQ:
+            break
+        out.append((int.from_bytes(seq, "big"), payload))
+    dealer.close(0)
+    return out
+
+
+def test_the_event_stream_rebuilds_the_prefix_cache(tiny_llama_dir) -> None:
+    pub, replay = _port(), _port()
+    engine = make_engine(
+        tiny_llama_dir,
+        num_blocks=24,  # small: retained blocks get evicted, requests get preempted
+        block_size=8,
+        TGI_PAGED_KV_EVENTS_ENDPOINT=f"tcp://*:{pub}",
+        TGI_PAGED_KV_EVENTS_REPLAY_ENDPOINT=f"tcp://127.0.0.1:{replay}",
+        TGI_PAGED_KV_EVENTS_TOPIC="kv@pod-a@tiny",
+    )
+    live, stop = Indexer(), threading.Event()
+    thread = _subscribe(f"tcp://127.0.0.1:{pub}", b"kv@pod-a@tiny", live, stop)
+    time.sleep(0.3)  # PUB/SUB: a subscriber sees only what is sent after it joined
+    try:
+        driver = RouterDriver(engine)
+        texts = [make_text(500 + i, 14) for i in range(4)]
+        for turn in range(3):  # multi-turn: each turn re-sends the conversation so far
+            batch = tuple(spec(10 * turn + i, texts[i], 12) for i in range(4))
+            driver.run(BatchSpec(id=turn, requests=batch))
+            texts = [t + driver.generations[10 * turn + i][-1].generated_text.text for i, t in enumerate(texts)]
+        engine.kv_events.flush()
+        time.sleep(0.5)
+        held = {entry.chain_hash for entry in engine.kv._prefix._by_block.values()}
+        assert held, "the workload retained nothing: the test would prove nothing"
+        assert set(live.blocks) == held
+        assert live.removed > 0, "no block was evicted: the pool was too large for the test to mean much"
+        # The replay socket serves the whole history again, in order, from any sequence number.
+        history = _replay(f"tcp://127.0.0.1:{replay}", 0)
+        assert [seq for seq, _ in history] == list(range(len(history))) and len(history) >= len(live.seqs)
+        rebuilt = Indexer()
+        for seq, payload in history:
+            rebuilt.apply(seq, payload)
+        assert set(rebuilt.blocks) == held
+        tail = _replay(f"tcp://127.0.0.1:{replay}", len(history) - 1)
+        assert [seq for seq, _ in tail] == [len(history) - 1]
+    finally:
+        stop.set()
+        thread.join(5)
+        engine.close()
+
+
+def test_a_full_queue_drops_batches_and_counts_them(tmp_path) -> None:
+    """A step never waits for the sender: with the queue full, the batch is dropped and counted."""
+    import queue
+
+    class Full(queue.Queue):
+        def put_nowait(self, item):
+            raise queue.Full
+
+    config = KVEventsConfig(endpoint=f"ipc://{tmp_path}/pub", topic="t")
+    publisher = KVEventPublisher(config, block_size=4, medium="CPU")
+    real = publisher._queue
+    publisher._queue = Full()
+    try:
+        publisher.block_stored(1, None, (1, 2, 3, 4), 0)
+        publisher.flush()
+        publisher.flush()  # nothing new: nothing queued, nothing dropped
+        assert publisher.num_dropped == 1
+    finally:
+        publisher._queue = real
+        publisher.close()
+
+
+def test_events_name_the_adapter_of_a_block(tmp_path) -> None:
+    config = KVEventsConfig(endpoint=f"ipc://{tmp_path}/pub", topic="t", replay_endpoint=f"ipc://{tmp_path}/replay")
+    publisher = KVEventPublisher(config, block_size=2, medium="GPU", adapter_names=("sql", "chat"))
+    try:
+        publisher.block_stored(11, None, (1, 2), 2)
+        publisher.block_stored(12, 11, (3, 4), 2)
+        publisher.block_stored(13, None, (1, 2), 0)
+        publisher.block_removed(12)
+        publisher.flush()
+        time.sleep(0.2)
+        ((seq, payload),) = _replay(f"ipc://{tmp_path}/replay", 0)
+        _, events, _ = msgpack.unpackb(payload, raw=False)
+        assert seq == 0 and events == [
+            ["BlockStored", [11], None, [1, 2], 2, 2, "GPU", "chat"],
+            ["BlockStored", [12], 11, [3, 4], 2, 2, "GPU", "chat"],
+            ["BlockStored", [13], None, [1, 2], 2, None, "GPU", None],
+            ["BlockRemoved", [12], "GPU"],
+        ]
+    finally:
+        publisher.close()

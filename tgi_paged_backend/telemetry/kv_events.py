@@ -1,0 +1,231 @@
+"""KV-cache events for llm-d's KV-cache indexer, in vLLM's wire format (opt-in).
+
+The shard tells a prefix-aware router which blocks it holds: ``BlockStored`` when a full, committed block
+becomes retainable (registered in the prefix cache), ``BlockRemoved`` when its entry goes (evicted or
+dropped), ``AllBlocksCleared`` when the whole pool is rebuilt (Warmup). The stream mirrors the prefix
+cache's registry exactly, so a subscriber that applies it holds the same set of blocks.
+
+Wire format (vLLM's ``vllm/distributed/kv_events.py``, the positional encoding llm-d's decoder reads):
+
+- a ZMQ PUB socket (binds ``tcp://*:PORT``-style endpoints, connects to others) sends multipart messages
+  ``[topic, 8-byte big-endian sequence number, msgpack(batch)]``, one batch per engine step with events;
+- ``batch = [timestamp, [event, ...], data_parallel_rank]``;
+- ``["BlockStored", [block_hash], parent_block_hash | None, token_ids, block_size, lora_id | None, medium,
+  lora_name | None]`` (one event per block: its hash is our chain hash, its parent the previous block's, or
+  ``None`` for a first block, whose chain starts at the adapter's own root);
+  ``["BlockRemoved", [block_hash], medium]``; ``["AllBlocksCleared"]``;
+- an optional ROUTER replay socket: a request ``[client, b"", start_seq (8 bytes)]`` gets every buffered
+  batch from ``start_seq`` on, ``[client, b"", seq, payload]``, then ``[client, b"", -1 (8 bytes), b""]``.
+
+Never stalls a step: events go to a bounded queue that a background thread sends; a full queue drops the
+batch and counts it (:attr:`KVEventPublisher.num_dropped`); the PUB socket drops at its high-water mark.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+try:  # optional (the `serve` extra): only TGI_PAGED_KV_EVENTS_ENDPOINT needs them, and build_kv_events says so
+    import msgpack
+    import zmq
+except ImportError:
+    msgpack = zmq = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    import torch
+
+    from tgi_paged_backend.config import BackendConfig
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The replay socket's end marker."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """``TGI_PAGED_KV_EVENTS_*``, read once with the other settings."""
+
+    endpoint: str
+    """PUB endpoint, e.g. ``tcp://*:5557`` (bound) or ``tcp://indexer:5557`` (connected)."""
+    topic: str
+    """First frame of every message (llm-d parses ``kv@<pod>@<model>``)."""
+    replay_endpoint: str | None = None
+    """ROUTER endpoint serving missed batches (``None``: no replay)."""
+    buffer_batches: int = 10_000
+    """Batches kept for replay."""
+    max_queue: int = 100_000
+    """Batches waiting for the sender thread before new ones are dropped."""
+
+
+class KVEventSink(Protocol):
+    """What the prefix cache and the engine call."""
+
+    def block_stored(
+        self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...], adapter: int
+    ) -> None: ...
+
+    def block_removed(self, block_hash: int) -> None: ...
+
+    def all_cleared(self) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullKVEvents:
+    """No publisher (the default)."""
+
+    def block_stored(self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...], adapter: int) -> None:
+        pass
+
+    def block_removed(self, block_hash: int) -> None:
+        pass
+
+    def all_cleared(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class KVEventPublisher:
+    """Collects a step's events (:meth:`flush` ends the step's batch) and sends them from a thread."""
+
+    def __init__(
+        self, config: KVEventsConfig, *, block_size: int, medium: str, adapter_names: tuple[str, ...] = ()
+    ) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.medium = medium
+        self.adapter_names = adapter_names
+        self.num_dropped = 0
+        """Batches dropped because the queue was full (a slow sender; the stream then has a gap)."""
+        self._events: list[list[Any]] = []
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=config.max_queue)
+        self._context = zmq.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        _attach(self._pub, config.endpoint)
+        self._replay = None
+        if config.replay_endpoint is not None:
+            self._replay = self._context.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(config.replay_endpoint)
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    # -- the sink ---------------------------------------------------------------------------------
+    def block_stored(self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...], adapter: int) -> None:
+        name = self.adapter_names[adapter - 1] if 0 < adapter <= len(self.adapter_names) else None
+        self._events.append(
+            [
+                "BlockStored",
+                [block_hash],
+                parent_hash,
+                list(token_ids),
+                self.block_size,
+                adapter or None,
+                self.medium,
+                name,
+            ]
+        )
+
+    def block_removed(self, block_hash: int) -> None:
+        self._events.append(["BlockRemoved", [block_hash], self.medium])
+
+    def all_cleared(self) -> None:
+        self._events.append(["AllBlocksCleared"])
+
+    def flush(self) -> None:
+        """End the current batch: queue it for sending (nothing when it is empty)."""
+        if not self._events:
+            return
+        payload = msgpack.packb([time.time(), self._events, 0], use_bin_type=True)
+        self._events = []
+        try:
+            self._queue.put_nowait(payload)
+        except queue.Full:
+            self.num_dropped += 1
+
+    def close(self) -> None:
+        """Send what is queued, stop the thread, close the sockets."""
+        self.flush()
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+        self._context.destroy(linger=0)
+
+    # -- the sender thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        topic = self.config.topic.encode()
+        buffer: deque[tuple[int, bytes]] = deque(maxlen=self.config.buffer_batches)
+        poller = zmq.Poller()
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        seq = 0
+        while True:
+            try:
+                payload = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                payload = b""
+            if payload is None:
+                return
+            if payload:
+                seq_bytes = seq.to_bytes(8, "big")
+                try:
+                    self._pub.send_multipart([topic, seq_bytes, payload], flags=zmq.NOBLOCK)
+                except zmq.Again:  # at the high-water mark: the subscriber is too slow, it can replay
+                    pass
+                buffer.append((seq, payload))
+                seq += 1
+            if self._replay is not None and poller.poll(0):
+                self._serve_replay(buffer)
+
+    def _serve_replay(self, buffer: deque[tuple[int, bytes]]) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            return
+        client, start = frames[0], int.from_bytes(frames[2], "big")
+        for seq, payload in list(buffer):
+            if seq >= start:
+                self._replay.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
+        self._replay.send_multipart([client, b"", END_SEQ, b""])
+
+
+def _attach(socket: Any, endpoint: str) -> None:
+    """Bind endpoints that name no remote host (``*``, ``::``, ipc, inproc), connect to the others (as vLLM)."""
+    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+        socket.bind(endpoint)
+    else:
+        socket.connect(endpoint)
+
+
+def build_kv_events(
+    config: BackendConfig, block_size: int, device: torch.device, adapter_names: tuple[str, ...]
+) -> KVEventSink:
+    """The publisher ``config`` asks for (rank 0 only: every rank holds the same blocks), else a no-op."""
+    telemetry = config.telemetry
+    if telemetry.kv_events_endpoint is None or config.server.rank != 0:
+        return NullKVEvents()
+    if zmq is None or msgpack is None:
+        from tgi_paged_backend.config import ConfigError
+
+        raise ConfigError(
+            f"TGI_PAGED_KV_EVENTS_ENDPOINT={telemetry.kv_events_endpoint!r} needs pyzmq and msgpack: "
+            "pip install pyzmq msgpack (or this package's `serve` extra)"
+        )
+    events = KVEventsConfig(
+        endpoint=telemetry.kv_events_endpoint,
+        topic=telemetry.kv_events_topic,
+        replay_endpoint=telemetry.kv_events_replay_endpoint,
+    )
+    medium = "GPU" if device.type == "cuda" else device.type.upper()
+    return KVEventPublisher(events, block_size=block_size, medium=medium, adapter_names=adapter_names)
