@@ -13,6 +13,10 @@ from __future__ import annotations
 import torch
 
 from .cpu_native import NativeKernels
+from .lora import check_lora
+
+MAX_RANK = 256
+"""Largest padded rank the native kernel takes (its per-row scratch); larger stacks use the torch path."""
 
 
 def cpu_b_stack(num_slots: int, out_features: int, max_rank: int, dtype: torch.dtype) -> torch.Tensor:
@@ -40,8 +44,11 @@ def add_lora_cpu(
     Raises ``ValueError`` for a slot ``>= S`` or a rank above ``R`` (nothing is written then).
     """
     tensors = (out, x, a_stack, b_stack, scales)
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors) or a_stack.shape[1] > MAX_RANK:
         return False
+    check_lora(x, token_slots, a_stack, b_stack, scales, out=out)
+    if tuple(ranks.shape) != (a_stack.shape[0],):
+        raise ValueError(f"ranks must be [{a_stack.shape[0]}], got {tuple(ranks.shape)}")
     if out.stride(-1) != 1 or x.stride(-1) != 1 or not (a_stack.is_contiguous() and _is_cpu_layout(b_stack)):
         return False
     slots = token_slots if token_slots.dtype == torch.int64 else token_slots.long()

@@ -220,3 +220,12 @@ def test_cpu_native_lora_writes_a_column_slice_and_refuses_what_it_cannot_run(na
     assert not add_lora_cpu(native, base.double(), x.double(), slots, a.double(), b.double(), scales, ranks)
     with pytest.raises(ValueError, match="slot"):
         add_lora_cpu(native, base, x, torch.tensor([0, 5, 0, 0]), a, b, scales, ranks)
+
+
+def test_cpu_native_lora_leaves_ranks_above_its_scratch_to_torch(native) -> None:
+    from tgi_paged_kernels.cpu_lora import MAX_RANK, add_lora_cpu
+
+    base, x, slots, a, b, scales, ranks = _cpu_case(2, [0, 0], [MAX_RANK + 1], max_rank=MAX_RANK + 1)
+    out = base.clone()
+    assert not add_lora_cpu(native, out, x, slots, a, b, scales, ranks)  # no error: the caller's torch path serves
+    assert torch.equal(out, base)

@@ -354,3 +354,35 @@ def test_lm_head_targets_are_refused(tmp_path) -> None:
     adapter = write_adapter(base, tmp_path / "head", targets=("q_proj", "lm_head"))
     with pytest.raises(ConfigError, match="LM head|lm_head"):  # PEFT may also save the tied head itself
         load_adapter(AdapterSource("head", adapter), 1, load_reference(base), torch.float32)
+
+
+def test_moe_expert_targets_and_rank_zero_are_refused(tmp_path) -> None:
+    """Experts see only the tokens routed to them (deltas would land on the wrong rows): refused at load."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers.lora_adapters import write_adapter
+    from tests.helpers.tiny_models import load_reference, write_tiny_model
+    from tgi_paged_backend.config import ConfigError
+    from tgi_paged_backend.lora.checkpoint import load_adapter
+    from tgi_paged_backend.lora.sources import AdapterSource
+
+    base = write_tiny_model("llama", tmp_path / "base")
+    model = load_reference(base)
+    model.model.layers[0].mlp.experts = torch.nn.ModuleList([torch.nn.Linear(64, 64)])  # an expert-like path
+    adapter = write_adapter(base, tmp_path / "a", targets=("q_proj",))
+    weights = load_file(adapter / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.0.mlp.experts.0"
+    weights[f"{key}.lora_A.weight"] = torch.zeros(4, 64)
+    weights[f"{key}.lora_B.weight"] = torch.zeros(64, 4)
+    save_file(weights, adapter / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match="MoE experts"):
+        load_adapter(AdapterSource("a", adapter), 1, model, torch.float32)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["lora_alpha"] = None
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    del weights[f"{key}.lora_A.weight"], weights[f"{key}.lora_B.weight"]
+    save_file(weights, adapter / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match="lora_alpha"):
+        load_adapter(AdapterSource("a", adapter), 1, model, torch.float32)

@@ -307,7 +307,10 @@ class PagedShardEngine:
 
     def close(self) -> None:
         """Flush telemetry (the last OTLP export, pending preemption summaries, KV events); stop grammar compiles."""
-        self.kv_events.close()
+        try:
+            self.kv_events.close()
+        except Exception as e:  # noqa: BLE001 - the rest must still shut down
+            logger.warning("KV events: close failed: {}", e)
         if self._grammar is not None:
             self._grammar.close()
         self.recorder.shutdown()

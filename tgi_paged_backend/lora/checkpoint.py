@@ -161,20 +161,30 @@ def load_adapter(source: AdapterSource, index: int, model: nn.Module, dtype: tor
         if base is None or not _is_linear(base):
             found = "absent" if base is None else type(base).__name__
             raise ConfigError(f"{where}: the base model has no linear layer there ({found})")
+        if ".experts." in f".{path}.":  # called on the tokens routed to the expert only, not on every row
+            raise ConfigError(f"{where}: LoRA on MoE experts is not supported")
         if head is not None and base is head:  # it sees only the rows whose logits are kept, not every token
             raise ConfigError(f"{where}: LoRA on the LM head is not supported (only layers inside the model)")
         in_features, out_features = int(cast(int, base.in_features)), int(cast(int, base.out_features))
         a, b = parts["A"], parts["B"]
-        rank = int(a.shape[0])
+        rank = int(a.shape[0]) if a.ndim == 2 else 0
+        if rank < 1:
+            raise ConfigError(f"{where}: lora_A {tuple(a.shape)} has no rank")
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_features or b.shape != (out_features, rank):
             raise ConfigError(
                 f"{where}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the base layer "
                 f"({in_features} -> {out_features}) with rank {rank}"
             )
-        expected_rank = _pattern_value(config.get("rank_pattern") or {}, path, config.get("r", rank))
-        if int(expected_rank) != rank:
+        try:
+            expected_rank = _pattern_value(config.get("rank_pattern") or {}, path, config.get("r", rank))
+            alpha = float(_pattern_value(config.get("alpha_pattern") or {}, path, config.get("lora_alpha", rank)))
+            expected_rank = int(expected_rank)
+        except (re.error, TypeError, ValueError) as e:
+            raise ConfigError(
+                f"{where}: bad r / lora_alpha / rank_pattern / alpha_pattern in {CONFIG_FILE}: {e}"
+            ) from None
+        if expected_rank != rank:
             raise ConfigError(f"{where}: rank {rank} in the weights, {expected_rank} in {CONFIG_FILE}")
-        alpha = float(_pattern_value(config.get("alpha_pattern") or {}, path, config.get("lora_alpha", rank)))
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise ConfigError(f"{where}: the weights hold NaN or infinity")

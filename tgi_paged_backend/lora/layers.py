@@ -132,6 +132,8 @@ class LoraLinear(nn.Module):
         if slots is None:
             return y
         x2, y2 = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
+        if x2.shape[0] != slots.shape[0]:  # a layer that sees only some rows: never apply deltas to the wrong ones
+            raise RuntimeError(f"LoRA layer got {x2.shape[0]} rows for a step of {slots.shape[0]} tokens")
         if self.columns is not None:
             y2 = y2[:, self.columns]
         if x.device.type == "cuda":

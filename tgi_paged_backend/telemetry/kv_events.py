@@ -30,6 +30,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from loguru import logger
+
 try:  # optional (the `serve` extra): only TGI_PAGED_KV_EVENTS_ENDPOINT needs them, and build_kv_events says so
     import msgpack
     import zmq
@@ -111,14 +113,18 @@ class KVEventPublisher:
         self._events: list[list[Any]] = []
         self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=config.max_queue)
         self._context = zmq.Context()
-        self._pub = self._context.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        _attach(self._pub, config.endpoint)
-        self._replay = None
-        if config.replay_endpoint is not None:
-            self._replay = self._context.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(config.replay_endpoint)
+        try:  # the sockets move to the sender thread when it starts, and are used there only
+            self._pub = self._context.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            _attach(self._pub, config.endpoint)
+            self._replay = None
+            if config.replay_endpoint is not None:
+                self._replay = self._context.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(config.replay_endpoint)
+        except Exception:
+            self._context.destroy(linger=0)
+            raise
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -156,14 +162,31 @@ class KVEventPublisher:
             self.num_dropped += 1
 
     def close(self) -> None:
-        """Send what is queued, stop the thread, close the sockets."""
+        """Send what is queued, stop the thread (it closes the sockets), end the ZMQ context. Idempotent."""
+        if not self._thread.is_alive():
+            return
         self.flush()
-        self._queue.put(None)
+        try:
+            self._queue.put(None, timeout=5)
+        except queue.Full:  # the sender is stuck: it is a daemon thread, the process may end without it
+            logger.warning("KV events: the sender thread did not drain its queue; events are lost")
+            return
         self._thread.join(timeout=5)
-        self._context.destroy(linger=0)
+        if not self._thread.is_alive():
+            self._context.term()
 
     # -- the sender thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._send_loop()
+        except Exception as e:  # noqa: BLE001 - never silent: the stream stops, serving goes on
+            logger.opt(exception=e).error("KV events: the sender thread stopped: {}", e)
+        finally:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+
+    def _send_loop(self) -> None:
         topic = self.config.topic.encode()
         buffer: deque[tuple[int, bytes]] = deque(maxlen=self.config.buffer_batches)
         poller = zmq.Poller()
@@ -228,4 +251,9 @@ def build_kv_events(
         replay_endpoint=telemetry.kv_events_replay_endpoint,
     )
     medium = "GPU" if device.type == "cuda" else device.type.upper()
-    return KVEventPublisher(events, block_size=block_size, medium=medium, adapter_names=adapter_names)
+    try:
+        return KVEventPublisher(events, block_size=block_size, medium=medium, adapter_names=adapter_names)
+    except zmq.ZMQError as err:
+        from tgi_paged_backend.config import ConfigError
+
+        raise ConfigError(f"KV events: cannot open {events.endpoint} / {events.replay_endpoint}: {err}") from None
