@@ -92,11 +92,19 @@ def _replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
     return out
 
 
-def test_the_event_stream_rebuilds_the_prefix_cache(tiny_llama_dir) -> None:
+@pytest.mark.parametrize(
+    ("model", "preemption"),
+    [("tiny_llama_dir", "recompute"), ("tiny_llama_dir", "swap"), ("windowed_dir", "recompute")],
+)
+def test_the_event_stream_rebuilds_the_prefix_cache(request, model, preemption) -> None:
+    """Evictions and preemption by recompute and by swap; and a sliding-window model whose requests give
+    back the blocks behind the window (holes) while their chains go on."""
     pub, replay = _port(), _port()
     engine = make_engine(
-        tiny_llama_dir,
-        num_blocks=24,  # small: retained blocks get evicted, requests get preempted
+        request.getfixturevalue(model),
+        num_blocks=14,  # small: retained blocks get evicted, requests get preempted
+        preemption=preemption,
+        swap_gb=0.01,
         block_size=8,
         TGI_PAGED_KV_EVENTS_ENDPOINT=f"tcp://*:{pub}",
         TGI_PAGED_KV_EVENTS_REPLAY_ENDPOINT=f"tcp://127.0.0.1:{replay}",
@@ -118,6 +126,7 @@ def test_the_event_stream_rebuilds_the_prefix_cache(tiny_llama_dir) -> None:
         assert held, "the workload retained nothing: the test would prove nothing"
         assert set(live.blocks) == held
         assert live.removed > 0, "no block was evicted: the pool was too large for the test to mean much"
+        assert engine.stats.preemptions[preemption] > 0, "no preemption: the test would not cover it"
         # The replay socket serves the whole history again, in order, from any sequence number.
         history = _replay(f"tcp://127.0.0.1:{replay}", 0)
         assert [seq for seq, _ in history] == list(range(len(history))) and len(history) >= len(live.seqs)
@@ -131,6 +140,12 @@ def test_the_event_stream_rebuilds_the_prefix_cache(tiny_llama_dir) -> None:
         stop.set()
         thread.join(5)
         engine.close()
+
+
+@pytest.fixture
+def windowed_dir(tiny_model_factory):
+    """A tiny Mistral whose every layer attends over 8 tokens: blocks behind the window are given back."""
+    return tiny_model_factory("mistral", sliding_window=8)
 
 
 def test_a_full_queue_drops_batches_and_counts_them(tmp_path) -> None:
@@ -175,3 +190,22 @@ def test_events_name_the_adapter_of_a_block(tmp_path) -> None:
         ]
     finally:
         publisher.close()
+
+
+def test_only_rank_zero_publishes(tmp_path) -> None:
+    """Under tensor parallelism every rank holds the same blocks: rank 0 alone publishes them."""
+    import torch
+
+    from tgi_paged_backend.envs import build_config
+    from tgi_paged_backend.telemetry.kv_events import NullKVEvents, build_kv_events
+
+    env = {"TGI_PAGED_KV_EVENTS_ENDPOINT": f"ipc://{tmp_path}/pub", "WORLD_SIZE": "2", "MASTER_PORT": "29511"}
+    rank1 = build_config({"model_id": "/m", "sharded": True}, {**env, "RANK": "1"})
+    assert isinstance(build_kv_events(rank1, 16, torch.device("cpu"), ()), NullKVEvents)
+    rank0 = build_kv_events(
+        build_config({"model_id": "/m", "sharded": True}, {**env, "RANK": "0"}), 16, torch.device("cpu"), ()
+    )
+    try:
+        assert isinstance(rank0, KVEventPublisher) and rank0.config.topic == f"kv@{socket.gethostname()}@/m"
+    finally:
+        rank0.close()
