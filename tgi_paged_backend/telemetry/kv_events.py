@@ -160,6 +160,11 @@ class KVEventPublisher:
             self._queue.put_nowait(payload)
         except queue.Full:
             self.num_dropped += 1
+            if self.num_dropped == 1 or self.num_dropped % 1000 == 0:  # an index missing blocks must be visible
+                logger.warning(
+                    "KV events: {} batches dropped so far (the sender is behind; subscribers can replay)",
+                    self.num_dropped,
+                )
 
     def close(self) -> None:
         """Send what is queued, stop the thread (it closes the sockets), end the ZMQ context. Idempotent."""
