@@ -7,8 +7,21 @@ from pathlib import Path
 
 from tests.helpers.family_tp import run_tp, tp_families
 
-MUST_SERVE = {"Llama", "Llama-3.1", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Gemma3"}
-"""The layouts the slicing supports (separate q/k/v/o and gate/up/down projections)."""
+MUST_SERVE = {
+    "Llama",
+    "Llama-3.1",
+    "Mistral",
+    "Qwen2",
+    "Qwen3",
+    "Gemma",
+    "Gemma2",
+    "Gemma3",
+    "Phi",
+    "Phi3",
+    "StarCoder2",
+}
+"""The layouts the slicing supports: separate q/k/v/o (Phi: dense) or Phi-3's fused qkv, and gate/up/down, a fused
+gate_up, c_fc/c_proj or fc1/fc2."""
 
 
 def test_every_family_is_exact_or_refused_at_tensor_parallel_two(tmp_path: Path) -> None:

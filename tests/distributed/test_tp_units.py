@@ -84,11 +84,18 @@ def test_runner_refuses_a_model_whose_kv_heads_do_not_split(tiny_model_factory: 
         TensorParallelRunner(ModelConfig(model_id=str(model)), CacheConfig(block_size=8), "cpu", FakeGroup())
 
 
-def test_fused_projections_are_refused(tiny_model_factory: Callable[..., Path]) -> None:
+def test_phi3_fused_projections_are_sliced_per_part(tiny_model_factory: Callable[..., Path]) -> None:
+    """Each rank's fused qkv holds its q, k and v heads; the attention splits it with local head counts
+    (its own config copy) while the model's config keeps the full ones. Token-exactness at TP=2:
+    test_tp_families.py."""
     loaded = load_model(ModelConfig(model_id=str(tiny_model_factory("phi3"))), "cpu")
     spec = ModelSpec.from_hf_config(loaded.model.config, loaded.dtype)
-    with pytest.raises(ModelLoadError, match="qkv_proj"):
-        shard_model(loaded.model, spec, 0, 2, lambda t: t)
+    shard_model(loaded.model, spec, 0, 2, lambda t: t)
+    attn, mlp = loaded.model.model.layers[0].self_attn, loaded.model.model.layers[0].mlp
+    q_local, kv_local = spec.num_q_heads // 2, spec.num_kv_heads // 2
+    assert attn.qkv_proj.out_features == (q_local + 2 * kv_local) * spec.head_dim
+    assert attn.config.num_attention_heads == q_local and loaded.model.config.num_attention_heads == spec.num_q_heads
+    assert mlp.gate_up_proj.out_features == spec.intermediate_size  # half of gate and half of up
 
 
 def test_row_parallel_linear_sums_partials_then_adds_the_bias_once() -> None:
@@ -244,3 +251,21 @@ def _digest_of(last_token: int = 7, blocks: tuple[int, ...] = (3, 4)) -> int:
 def test_state_digest_is_reproducible_and_follows_tokens() -> None:
     assert _digest_of() == _digest_of()
     assert _digest_of(last_token=8) != _digest_of()
+
+
+def test_fused_projections_give_each_rank_its_share_of_every_part() -> None:
+    """Phi-3's qkv (q 8 rows, k 4, v 4) at TP=2: rank 1 gets q rows 4-7, k rows 10-11, v rows 14-15 -- not the
+    contiguous second half of the fused matrix, which would be all k and v."""
+    import torch
+    from torch import nn
+
+    from tgi_paged_backend.runner.tp_fused import fused_row_slices, shard_fused_linear
+
+    assert fused_row_slices((8, 4, 4), 1, 2, "qkv") == [slice(4, 8), slice(10, 12), slice(14, 16)]
+    fused = nn.Linear(3, 16, bias=True)
+    with torch.no_grad():
+        fused.weight.copy_(torch.arange(16.0)[:, None].expand(16, 3))
+        fused.bias.copy_(torch.arange(16.0))
+    local = shard_fused_linear(fused, (8, 4, 4), 1, 2, "qkv")
+    assert local.weight[:, 0].tolist() == [4, 5, 6, 7, 10, 11, 14, 15]
+    assert local.bias.tolist() == [4, 5, 6, 7, 10, 11, 14, 15]

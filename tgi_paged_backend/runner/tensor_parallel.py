@@ -29,6 +29,7 @@ columns belong to). Each rank thus computes with exactly the unsharded model's q
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from tgi_paged_backend.runner.model_loader import LoadedModel, ModelLoadError, l
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.model_spec import ModelSpec
 from tgi_paged_backend.runner.quant.linear import QUANTIZED_LINEARS, QuantizedLinear
+from tgi_paged_backend.runner.tp_fused import shard_fused_linear
 
 if TYPE_CHECKING:
     from tgi_paged_backend.distributed import TensorParallelGroup
@@ -174,9 +176,8 @@ def _linear(module: nn.Module, name: str, where: str) -> nn.Linear | QuantizedLi
     layer = getattr(module, name, None)
     if not isinstance(layer, (nn.Linear, *QUANTIZED_LINEARS)):
         raise ModelLoadError(
-            f"tensor parallelism needs separate q/k/v/o and gate/up/down projections; "
-            f"{where} has no nn.Linear {name!r} (fused projections such as Phi-3's qkv_proj, "
-            "and MoE layers, are not supported): use --num-shard 1"
+            "tensor parallelism does not split this layout (MoE experts, or projections other than those "
+            f"docs/tensor-parallel.md lists); {where} has no nn.Linear {name!r}: use --num-shard 1"
         )
     return layer
 
@@ -191,6 +192,37 @@ def _refuse_cross_head_norms(attn: nn.Module, head_dim: int, where: str) -> None
                 f"features, head_dim {head_dim}), which a shard of the heads cannot compute: "
                 "use --num-shard 1"
             )
+
+
+def _localize_config(attn: nn.Module, q_local: int, kv_local: int) -> None:
+    """Give ``attn`` a config of its own with this rank's head counts (Phi-3 splits its fused q/k/v output by
+    ``config.num_attention_heads``); the model's shared config keeps the full counts."""
+    config = getattr(attn, "config", None)
+    if config is not None:
+        local = copy.copy(config)
+        local.num_attention_heads, local.num_key_value_heads = q_local, kv_local
+        attn.config = local
+
+
+def _shard_mlp(mlp: nn.Module, spec: ModelSpec, rank: int, world_size: int, all_reduce: AllReduce, where: str) -> None:
+    """Column-parallel up projections, a row-parallel down projection, for the MLP layouts served:
+    gate/up/down (Llama), one fused gate_up (Phi-3: each rank its share of gate and of up), c_fc/c_proj
+    (StarCoder2's plain MLP), fc1/fc2 (Phi's)."""
+    if hasattr(mlp, "gate_up_proj"):
+        size = spec.intermediate_size
+        mlp.gate_up_proj = shard_fused_linear(
+            cast(nn.Module, mlp.gate_up_proj), (size, size), rank, world_size, f"{where}.gate_up_proj"
+        )
+        up, down = (), "down_proj"
+    elif hasattr(mlp, "c_fc") and hasattr(mlp, "c_proj"):
+        up, down = ("c_fc",), "c_proj"
+    elif hasattr(mlp, "fc1") and hasattr(mlp, "fc2"):  # Phi's plain MLP
+        up, down = ("fc1",), "fc2"
+    else:
+        up, down = ("gate_proj", "up_proj"), "down_proj"
+    for name in up:
+        setattr(mlp, name, _shard_columns(_linear(mlp, name, where), rank, world_size, f"{where}.{name}"))
+    setattr(mlp, down, _row_parallel(_linear(mlp, down, where), rank, world_size, all_reduce))
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -215,15 +247,29 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
         if head_dim != spec.head_dim:
             raise ModelLoadError(f"tensor parallelism: {where} has head_dim={head_dim}, expected {spec.head_dim}")
         _refuse_cross_head_norms(attn, head_dim, f"{where}.self_attn")
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(
-                attn,
-                name,
-                _shard_columns(
-                    _linear(attn, name, f"{where}.self_attn"), rank, world_size, f"{where}.self_attn.{name}"
-                ),
+        if not hasattr(attn, "q_proj") and hasattr(attn, "qkv_proj"):  # Phi-3: q, k, v in one GEMM
+            q_rows, kv_rows = spec.num_q_heads * head_dim, spec.num_kv_heads * head_dim
+            attn.qkv_proj = shard_fused_linear(
+                cast(nn.Module, attn.qkv_proj),
+                (q_rows, kv_rows, kv_rows),
+                rank,
+                world_size,
+                f"{where}.self_attn.qkv_proj",
             )
-        attn.o_proj = _row_parallel(_linear(attn, "o_proj", f"{where}.self_attn"), rank, world_size, all_reduce)
+            _localize_config(attn, q_local, kv_local)
+        else:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                setattr(
+                    attn,
+                    name,
+                    _shard_columns(
+                        _linear(attn, name, f"{where}.self_attn"), rank, world_size, f"{where}.self_attn.{name}"
+                    ),
+                )
+        out_name = "dense" if hasattr(attn, "dense") and not hasattr(attn, "o_proj") else "o_proj"  # Phi: dense
+        setattr(
+            attn, out_name, _row_parallel(_linear(attn, out_name, f"{where}.self_attn"), rank, world_size, all_reduce)
+        )
         # Some versions/families keep head counts on the module; the forward reshapes with -1, but
         # keep them truthful for anything that reads them.
         for attr, local in (
@@ -233,11 +279,7 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
         ):
             if isinstance(getattr(attn, attr, None), int):
                 setattr(attn, attr, local)
-        for name in ("gate_proj", "up_proj"):
-            setattr(
-                mlp, name, _shard_columns(_linear(mlp, name, f"{where}.mlp"), rank, world_size, f"{where}.mlp.{name}")
-            )
-        mlp.down_proj = _row_parallel(_linear(mlp, "down_proj", f"{where}.mlp"), rank, world_size, all_reduce)
+        _shard_mlp(mlp, spec, rank, world_size, all_reduce, f"{where}.mlp")
         if isinstance(getattr(mlp, "intermediate_size", None), int):
             # torch types Module.__setattr__'s value as Tensor | Module, but it stores any other value
             # (this int) as a plain attribute.
