@@ -208,6 +208,7 @@ def _shard_mlp(mlp: nn.Module, spec: ModelSpec, rank: int, world_size: int, all_
     """Column-parallel up projections, a row-parallel down projection, for the MLP layouts served:
     gate/up/down (Llama), one fused gate_up (Phi-3: each rank its share of gate and of up), c_fc/c_proj
     (StarCoder2's plain MLP), fc1/fc2 (Phi's)."""
+    up: tuple[str, ...]
     if hasattr(mlp, "gate_up_proj"):
         size = spec.intermediate_size
         mlp.gate_up_proj = shard_fused_linear(
