@@ -21,7 +21,7 @@ MUST_SERVE = {
     "StarCoder2",
 }
 """The layouts the slicing supports: separate q/k/v/o (Phi: dense) or Phi-3's fused qkv, and gate/up/down, a fused
-gate_up, c_fc/c_proj or fc1/fc2."""
+gate_up, c_fc/c_proj or fc1/fc2; MoE blocks of [E, 2I, H] / [E, H, I] experts (and a shared expert)."""
 
 
 def test_every_family_is_exact_or_refused_at_tensor_parallel_two(tmp_path: Path) -> None:

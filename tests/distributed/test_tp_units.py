@@ -269,3 +269,34 @@ def test_fused_projections_give_each_rank_its_share_of_every_part() -> None:
     local = shard_fused_linear(fused, (8, 4, 4), 1, 2, "qkv")
     assert local.weight[:, 0].tolist() == [4, 5, 6, 7, 10, 11, 14, 15]
     assert local.bias.tolist() == [4, 5, 6, 7, 10, 11, 14, 15]
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_moe_block_shards_sum_to_the_full_block(model_type: str) -> None:
+    """Two ranks' shards of a MoE block (experts' intermediate split, router replicated, shared expert split,
+    one all-reduce) sum to the full block's output; a wrong split (rank 0 given rank 1's down columns) does
+    not, so the check can fail."""
+    import copy
+
+    import transformers
+
+    from tgi_paged_backend.runner import tensor_parallel as tp
+
+    config = transformers.AutoConfig.for_model(
+        model_type, hidden_size=32, intermediate_size=48, moe_intermediate_size=48,
+        shared_expert_intermediate_size=64, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
+        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1, vocab_size=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    block = transformers.AutoModelForCausalLM.from_config(config).model.layers[0].mlp.float().eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    x = torch.randn(1, 5, 32)
+    with torch.no_grad():
+        full = block(x)
+        shards = [tp._shard_moe(copy.deepcopy(block), rank, 2, lambda t: t, "mlp") for rank in range(2)]
+        torch.testing.assert_close(shards[0](x) + shards[1](x), full, rtol=1e-5, atol=1e-5)
+        wrong = copy.deepcopy(shards[0])
+        wrong.block.experts.down_proj.copy_(shards[1].block.experts.down_proj)  # experts' columns swapped
+        assert not torch.allclose(wrong(x) + shards[1](x), full, rtol=1e-3, atol=1e-3)

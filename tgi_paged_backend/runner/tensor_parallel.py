@@ -44,7 +44,7 @@ from tgi_paged_backend.runner.model_loader import LoadedModel, ModelLoadError, l
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.model_spec import ModelSpec
 from tgi_paged_backend.runner.quant.linear import QUANTIZED_LINEARS, QuantizedLinear
-from tgi_paged_backend.runner.tp_fused import shard_fused_linear
+from tgi_paged_backend.runner.tp_fused import ReducedOutput, shard_experts, shard_fused_linear
 
 if TYPE_CHECKING:
     from tgi_paged_backend.distributed import TensorParallelGroup
@@ -176,8 +176,8 @@ def _linear(module: nn.Module, name: str, where: str) -> nn.Linear | QuantizedLi
     layer = getattr(module, name, None)
     if not isinstance(layer, (nn.Linear, *QUANTIZED_LINEARS)):
         raise ModelLoadError(
-            "tensor parallelism does not split this layout (MoE experts, or projections other than those "
-            f"docs/tensor-parallel.md lists); {where} has no nn.Linear {name!r}: use --num-shard 1"
+            "tensor parallelism does not split this layout (projections other than those docs/tensor-parallel.md "
+            f"lists); {where} has no nn.Linear {name!r}: use --num-shard 1"
         )
     return layer
 
@@ -224,6 +224,27 @@ def _shard_mlp(mlp: nn.Module, spec: ModelSpec, rank: int, world_size: int, all_
     for name in up:
         setattr(mlp, name, _shard_columns(_linear(mlp, name, where), rank, world_size, f"{where}.{name}"))
     setattr(mlp, down, _row_parallel(_linear(mlp, down, where), rank, world_size, all_reduce))
+
+
+def _shard_moe(block: nn.Module, rank: int, world_size: int, all_reduce: AllReduce, where: str) -> nn.Module:
+    """A MoE block sharded as stock TGI and vLLM do by default: every expert's intermediate dimension split
+    across the ranks (:func:`.tp_fused.shard_experts`), the router replicated, a shared expert (Qwen2-MoE)
+    split the same way with its down projection left unreduced, and one all-reduce of the block's output
+    (the shared expert's sigmoid gate is replicated, so it scales each rank's part alike)."""
+    shard_experts(cast(nn.Module, block.experts), rank, world_size, f"{where}.experts")
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:
+        for name in ("gate_proj", "up_proj"):
+            setattr(
+                shared,
+                name,
+                _shard_columns(_linear(shared, name, where), rank, world_size, f"{where}.shared_expert.{name}"),
+            )
+        down = _linear(shared, "down_proj", where)
+        if down.bias is not None:
+            raise ModelLoadError(f"tensor parallelism: {where}.shared_expert.down_proj has a bias: use --num-shard 1")
+        shared.down_proj = _row_parallel(down, rank, world_size, lambda t: t)  # reduced with the block's output
+    return ReducedOutput(block, all_reduce)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -280,7 +301,10 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
         ):
             if isinstance(getattr(attn, attr, None), int):
                 setattr(attn, attr, local)
-        _shard_mlp(mlp, spec, rank, world_size, all_reduce, f"{where}.mlp")
+        if hasattr(mlp, "experts"):
+            layer.mlp = _shard_moe(mlp, rank, world_size, all_reduce, f"{where}.mlp")
+        else:
+            _shard_mlp(mlp, spec, rank, world_size, all_reduce, f"{where}.mlp")
         if isinstance(getattr(mlp, "intermediate_size", None), int):
             # torch types Module.__setattr__'s value as Tensor | Module, but it stores any other value
             # (this int) as a plain attribute.

@@ -44,3 +44,43 @@ def shard_fused_linear(linear: nn.Module, sizes: Sequence[int], rank: int, world
     if linear.bias is not None:
         local.bias = nn.Parameter(torch.cat([linear.bias.detach()[r] for r in rows]).clone(), requires_grad=False)
     return local.to(linear.weight.device)
+
+
+def shard_experts(experts: nn.Module, rank: int, world_size: int, what: str) -> None:
+    """Cut every expert's intermediate dimension (in place): ``gate_up_proj`` ``[E, 2I, H]`` keeps this rank's
+    rows of gate and of up side by side, ``down_proj`` ``[E, H, I]`` its columns. The router stays whole, so
+    every rank routes each token to the same experts, and the sum of the ranks' outputs (one all-reduce
+    after the block) is the full output: each expert's down projection is linear in its intermediate."""
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.ndim == down.ndim == 3):
+        raise ModelLoadError(f"tensor parallelism: {what} is not an experts module of [E, 2I, H] / [E, H, I] weights")
+    num_experts, two_i, hidden = gate_up.shape
+    if down.shape != (num_experts, hidden, two_i // 2) or any(
+        getattr(experts, name, None) is not None for name in ("gate_up_proj_bias", "down_proj_bias")
+    ):
+        raise ModelLoadError(
+            f"tensor parallelism: {what} has another experts layout ({tuple(gate_up.shape)}, {tuple(down.shape)}, "
+            "or biases): use --num-shard 1"
+        )
+    rows = fused_row_slices((two_i // 2, two_i // 2), rank, world_size, what)
+    experts.gate_up_proj = nn.Parameter(
+        torch.cat([gate_up.detach()[:, r] for r in rows], dim=1).clone(), requires_grad=False
+    )
+    experts.down_proj = nn.Parameter(down.detach()[:, :, rows[0]].clone(), requires_grad=False)
+    if isinstance(getattr(experts, "intermediate_dim", None), int):
+        experts.intermediate_dim = two_i // 2 // world_size  # type: ignore[assignment]
+
+
+class ReducedOutput(nn.Module):
+    """``all_reduce(block(x))``: a block whose ranks each compute a part of the output (a sharded MoE block)."""
+
+    def __init__(self, block: nn.Module, all_reduce) -> None:  # noqa: ANN001 - AllReduce, see tensor_parallel
+        super().__init__()
+        self.block = block
+        self._all_reduce = all_reduce
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the block's own signature
+        out = self.block(*args, **kwargs)
+        if isinstance(out, tuple):  # (hidden, router logits) in some versions
+            return (self._all_reduce(out[0]), *out[1:])
+        return self._all_reduce(out)
