@@ -19,9 +19,14 @@ MUST_SERVE = {
     "Phi",
     "Phi3",
     "StarCoder2",
+    "Mixtral",
+    "Qwen2-MoE",
+    "Qwen3-MoE",
+    "gpt-oss",
 }
 """The layouts the slicing supports: separate q/k/v/o (Phi: dense) or Phi-3's fused qkv, and gate/up/down, a fused
-gate_up, c_fc/c_proj or fc1/fc2; MoE blocks of [E, 2I, H] / [E, H, I] experts (and a shared expert)."""
+gate_up, c_fc/c_proj or fc1/fc2; MoE blocks (experts split by their intermediate dimension, a shared expert too;
+gpt-oss's interleaved experts and sinks)."""
 
 
 def test_every_family_is_exact_or_refused_at_tensor_parallel_two(tmp_path: Path) -> None:

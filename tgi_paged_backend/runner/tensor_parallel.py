@@ -288,6 +288,11 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
                         _linear(attn, name, f"{where}.self_attn"), rank, world_size, f"{where}.self_attn.{name}"
                     ),
                 )
+        sinks = getattr(attn, "sinks", None)
+        if isinstance(sinks, torch.Tensor) and sinks.numel() == spec.num_q_heads:  # gpt-oss: one per query head
+            attn.sinks = nn.Parameter(
+                sinks.detach()[rank * q_local : (rank + 1) * q_local].clone(), requires_grad=False
+            )
         out_name = "dense" if hasattr(attn, "dense") and not hasattr(attn, "o_proj") else "o_proj"  # Phi: dense
         setattr(
             attn, out_name, _row_parallel(_linear(attn, out_name, f"{where}.self_attn"), rank, world_size, all_reduce)

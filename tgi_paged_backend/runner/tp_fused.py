@@ -9,6 +9,7 @@ the full one, as long as the sizes it splits by are the local ones (see ``shard_
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -54,6 +55,9 @@ def shard_experts(experts: nn.Module, rank: int, world_size: int, what: str) -> 
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.ndim == down.ndim == 3):
         raise ModelLoadError(f"tensor parallelism: {what} is not an experts module of [E, 2I, H] / [E, H, I] weights")
+    if type(experts).__name__ == "GptOssExperts":
+        _shard_interleaved_experts(experts, gate_up, down, rank, world_size, what)
+        return
     num_experts, two_i, hidden = gate_up.shape
     if down.shape != (num_experts, hidden, two_i // 2) or any(
         getattr(experts, name, None) is not None for name in ("gate_up_proj_bias", "down_proj_bias")
@@ -69,6 +73,33 @@ def shard_experts(experts: nn.Module, rank: int, world_size: int, what: str) -> 
     experts.down_proj = nn.Parameter(down.detach()[:, :, rows[0]].clone(), requires_grad=False)
     if isinstance(getattr(experts, "intermediate_dim", None), int):
         experts.intermediate_dim = two_i // 2 // world_size  # type: ignore[assignment]
+
+
+def _shard_interleaved_experts(
+    experts: nn.Module, gate_up: torch.Tensor, down: torch.Tensor, rank: int, world_size: int, what: str
+) -> None:
+    """gpt-oss: ``gate_up_proj`` ``[E, H, 2I]`` (``x @ W``) with gate and up interleaved (columns 2j, 2j + 1),
+    ``down_proj`` ``[E, I, H]``, biases. A rank's intermediate units ``j`` are a contiguous run of column pairs;
+    the down bias stays on rank 0 only (the all-reduce adds it once)."""
+    num_experts, hidden, two_i = gate_up.shape
+    if down.shape != (num_experts, two_i // 2, hidden) or (two_i // 2) % world_size:
+        raise ModelLoadError(f"tensor parallelism: {what}: {tuple(gate_up.shape)} / {tuple(down.shape)} do not split")
+    width = two_i // 2 // world_size
+    units = slice(rank * width, (rank + 1) * width)
+    pairs = slice(2 * units.start, 2 * units.stop)
+
+    def param(tensor: torch.Tensor) -> nn.Parameter:
+        return nn.Parameter(tensor.clone(), requires_grad=False)
+
+    gate_up_bias, down_bias = (
+        cast(torch.Tensor, getattr(experts, n)).detach() for n in ("gate_up_proj_bias", "down_proj_bias")
+    )
+    experts.gate_up_proj = param(gate_up.detach()[:, :, pairs])
+    experts.gate_up_proj_bias = param(gate_up_bias[:, pairs])
+    experts.down_proj = param(down.detach()[:, units])
+    experts.down_proj_bias = param(down_bias if rank == 0 else torch.zeros_like(down_bias))
+    if isinstance(getattr(experts, "intermediate_size", None), int):
+        experts.intermediate_size = width  # type: ignore[assignment]
 
 
 class ReducedOutput(nn.Module):
