@@ -23,10 +23,14 @@ MUST_SERVE = {
     "Qwen2-MoE",
     "Qwen3-MoE",
     "gpt-oss",
+    "GPT-NeoX",
+    "GPT-J",
+    "OPT",
 }
 """The layouts the slicing supports: separate q/k/v/o (Phi: dense) or Phi-3's fused qkv, and gate/up/down, a fused
 gate_up, c_fc/c_proj or fc1/fc2; MoE blocks (experts split by their intermediate dimension, a shared expert too;
-gpt-oss's interleaved experts and sinks)."""
+gpt-oss's interleaved experts and sinks); GPT-NeoX's per-head fused query_key_value, GPT-J's and OPT's out_proj
+with fc_in/fc_out or fc1/fc2 (OPT's on the layer itself)."""
 
 
 def test_every_family_is_exact_or_refused_at_tensor_parallel_two(tmp_path: Path) -> None:

@@ -217,8 +217,12 @@ def _shard_mlp(mlp: nn.Module, spec: ModelSpec, rank: int, world_size: int, all_
         up, down = (), "down_proj"
     elif hasattr(mlp, "c_fc") and hasattr(mlp, "c_proj"):
         up, down = ("c_fc",), "c_proj"
-    elif hasattr(mlp, "fc1") and hasattr(mlp, "fc2"):  # Phi's plain MLP
+    elif hasattr(mlp, "fc1") and hasattr(mlp, "fc2"):  # Phi's plain MLP, OPT's (on the layer itself)
         up, down = ("fc1",), "fc2"
+    elif hasattr(mlp, "fc_in") and hasattr(mlp, "fc_out"):  # GPT-J
+        up, down = ("fc_in",), "fc_out"
+    elif hasattr(mlp, "dense_h_to_4h") and hasattr(mlp, "dense_4h_to_h"):  # GPT-NeoX
+        up, down = ("dense_h_to_4h",), "dense_4h_to_h"
     else:
         up, down = ("gate_proj", "up_proj"), "down_proj"
     for name in up:
@@ -247,8 +251,28 @@ def _shard_moe(block: nn.Module, rank: int, world_size: int, all_reduce: AllRedu
     return ReducedOutput(block, all_reduce)
 
 
+ATTENTION_NAMES = ("self_attn", "attn", "attention")
+"""What decoder layers call their attention (Llama and most: self_attn; GPT-J: attn; GPT-NeoX: attention)."""
+
+
+def _attention(layer: nn.Module) -> nn.Module | None:
+    for name in ATTENTION_NAMES:
+        module = getattr(layer, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    return None
+
+
+def _mlp_owner(layer: nn.Module) -> nn.Module | None:
+    """The module holding the MLP's projections: ``layer.mlp``, or the layer itself (OPT's fc1/fc2)."""
+    mlp = getattr(layer, "mlp", None)
+    if isinstance(mlp, nn.Module):
+        return mlp
+    return layer if isinstance(getattr(layer, "fc1", None), nn.Module) else None
+
+
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+    return [m for m in model.modules() if _attention(m) is not None and _mlp_owner(m) is not None]
 
 
 def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, all_reduce: AllReduce) -> ShardLayout:
@@ -263,7 +287,7 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
     q_local, kv_local = spec.num_q_heads // world_size, spec.num_kv_heads // world_size
     for i, layer in enumerate(layers):
         # _decoder_layers kept the modules that have both; transformers' decoder layers hold them as submodules.
-        attn, mlp = cast(nn.Module, layer.self_attn), cast(nn.Module, layer.mlp)
+        attn, mlp = cast(nn.Module, _attention(layer)), cast(nn.Module, _mlp_owner(layer))
         where = f"layer {i}"
         head_dim = getattr(attn, "head_dim", spec.head_dim)
         if head_dim != spec.head_dim:
@@ -279,6 +303,10 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
                 f"{where}.self_attn.qkv_proj",
             )
             _localize_config(attn, q_local, kv_local)
+        elif hasattr(attn, "query_key_value"):  # GPT-NeoX: per head [q; k; v], so heads are contiguous row runs
+            attn.query_key_value = _shard_columns(
+                _linear(attn, "query_key_value", f"{where}.attention"), rank, world_size, f"{where}.query_key_value"
+            )
         else:
             for name in ("q_proj", "k_proj", "v_proj"):
                 setattr(
@@ -293,7 +321,9 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
             attn.sinks = nn.Parameter(
                 sinks.detach()[rank * q_local : (rank + 1) * q_local].clone(), requires_grad=False
             )
-        out_name = "dense" if hasattr(attn, "dense") and not hasattr(attn, "o_proj") else "o_proj"  # Phi: dense
+        out_name = next(
+            (n for n in ("o_proj", "dense", "out_proj") if hasattr(attn, n)), "o_proj"
+        )  # Phi/NeoX, GPT-J/OPT
         setattr(
             attn, out_name, _row_parallel(_linear(attn, out_name, f"{where}.self_attn"), rank, world_size, all_reduce)
         )
