@@ -44,7 +44,7 @@ from tgi_paged_backend.runner.model_loader import LoadedModel, ModelLoadError, l
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.model_spec import ModelSpec
 from tgi_paged_backend.runner.quant.linear import QUANTIZED_LINEARS, QuantizedLinear
-from tgi_paged_backend.runner.tp_fused import ReducedOutput, shard_experts, shard_fused_linear
+from tgi_paged_backend.runner.tp_fused import ReducedOutput, linearize_conv1d, shard_experts, shard_fused_linear
 
 if TYPE_CHECKING:
     from tgi_paged_backend.distributed import TensorParallelGroup
@@ -293,7 +293,15 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
         if head_dim != spec.head_dim:
             raise ModelLoadError(f"tensor parallelism: {where} has head_dim={head_dim}, expected {spec.head_dim}")
         _refuse_cross_head_norms(attn, head_dim, f"{where}.self_attn")
-        if not hasattr(attn, "q_proj") and hasattr(attn, "qkv_proj"):  # Phi-3: q, k, v in one GEMM
+        linearize_conv1d(layer)  # GPT-2's Conv1D projections as the nn.Linear they are (weight transposed)
+        if hasattr(attn, "c_attn") and isinstance(getattr(attn, "split_size", None), int):  # GPT-2: [q; k; v]
+            q_rows = spec.num_q_heads * head_dim
+            attn.c_attn = shard_fused_linear(
+                cast(nn.Module, attn.c_attn), (q_rows,) * 3, rank, world_size, f"{where}.attn.c_attn"
+            )
+            attn.split_size = q_rows // world_size  # type: ignore[assignment]
+            attn.embed_dim = q_rows // world_size  # type: ignore[assignment]
+        elif not hasattr(attn, "q_proj") and hasattr(attn, "qkv_proj"):  # Phi-3: q, k, v in one GEMM
             q_rows, kv_rows = spec.num_q_heads * head_dim, spec.num_kv_heads * head_dim
             attn.qkv_proj = shard_fused_linear(
                 cast(nn.Module, attn.qkv_proj),
@@ -321,9 +329,9 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
             attn.sinks = nn.Parameter(
                 sinks.detach()[rank * q_local : (rank + 1) * q_local].clone(), requires_grad=False
             )
-        out_name = next(
-            (n for n in ("o_proj", "dense", "out_proj") if hasattr(attn, n)), "o_proj"
-        )  # Phi/NeoX, GPT-J/OPT
+        out_name = next(  # Phi/NeoX: dense, GPT-J/OPT: out_proj, GPT-2: c_proj
+            (n for n in ("o_proj", "dense", "out_proj", "c_proj") if hasattr(attn, n)), "o_proj"
+        )
         setattr(
             attn, out_name, _row_parallel(_linear(attn, out_name, f"{where}.self_attn"), rank, world_size, all_reduce)
         )
