@@ -300,3 +300,25 @@ def test_moe_block_shards_sum_to_the_full_block(model_type: str) -> None:
         wrong = copy.deepcopy(shards[0])
         wrong.block.experts.down_proj.copy_(shards[1].block.experts.down_proj)  # experts' columns swapped
         assert not torch.allclose(wrong(x) + shards[1](x), full, rtol=1e-3, atol=1e-3)
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated_to_the_ranks_that_read_them() -> None:
+    """8 query heads over 2 KV heads at TP=4: ranks 0-1 read KV head 0 and ranks 2-3 KV head 1 (GQA groups of 4
+    query heads); one KV head at TP=2 (multi-query) is on both ranks; 3 KV heads at TP=2 do not split."""
+    from dataclasses import replace
+
+    from tgi_paged_backend.runner.tensor_parallel import _kv_rows, check_divisible
+
+    base = ModelSpec.from_hf_config(
+        SimpleNamespace(
+            model_type="llama", num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, hidden_size=64,
+            intermediate_size=128, vocab_size=32, max_position_embeddings=64,
+        ),
+        torch.float32,
+    )  # fmt: skip
+    assert [_kv_rows(base, r, 4) for r in range(4)] == [slice(0, 8), slice(0, 8), slice(8, 16), slice(8, 16)]
+    check_divisible(base, 4)
+    mqa = replace(base, num_kv_heads=1)
+    assert [_kv_rows(mqa, r, 2) for r in range(2)] == [slice(0, 8), slice(0, 8)]
+    with pytest.raises(ModelLoadError, match="num_key_value_heads=3"):
+        check_divisible(replace(base, num_kv_heads=3, num_q_heads=6), 2)

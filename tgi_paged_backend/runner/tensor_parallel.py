@@ -44,7 +44,13 @@ from tgi_paged_backend.runner.model_loader import LoadedModel, ModelLoadError, l
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.model_spec import ModelSpec
 from tgi_paged_backend.runner.quant.linear import QUANTIZED_LINEARS, QuantizedLinear
-from tgi_paged_backend.runner.tp_fused import ReducedOutput, linearize_conv1d, shard_experts, shard_fused_linear
+from tgi_paged_backend.runner.tp_fused import (
+    ReducedOutput,
+    linearize_conv1d,
+    shard_experts,
+    shard_fused_linear,
+    take_rows,
+)
 
 if TYPE_CHECKING:
     from tgi_paged_backend.distributed import TensorParallelGroup
@@ -76,15 +82,17 @@ def check_divisible(spec: ModelSpec, world_size: int) -> None:
         f"{name}={value}"
         for name, value in (
             ("num_attention_heads", spec.num_q_heads),
-            ("num_key_value_heads", spec.num_kv_heads),
             ("intermediate_size", spec.intermediate_size),
         )
         if value % world_size
     ]
+    if spec.num_kv_heads % world_size and world_size % spec.num_kv_heads:  # fewer KV heads than ranks: replicated
+        problems.append(f"num_key_value_heads={spec.num_kv_heads}")
     if problems:
         raise ModelLoadError(
             f"cannot shard {spec.model_type} over {world_size} ranks: {', '.join(problems)} not divisible by "
-            f"{world_size} (tensor parallelism splits attention heads, KV heads and the MLP evenly); use a "
+            f"{world_size} (tensor parallelism splits attention heads and the MLP evenly, and KV heads evenly or "
+            "replicated when there are fewer than ranks); use a "
             "--num-shard that divides them, or --num-shard 1"
         )
 
@@ -154,12 +162,32 @@ class RowParallelLinear(nn.Module):
         return f"in_features={self.in_features} (local), out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def _kv_rows(spec: ModelSpec, rank: int, world_size: int) -> slice:
+    """This rank's rows of a K (or V) projection: its share of the KV heads, or, with fewer KV heads than ranks,
+    the one head its query heads read (replicated on ``world_size / num_kv_heads`` ranks)."""
+    kv, d = spec.num_kv_heads, spec.head_dim
+    if kv >= world_size:
+        local = kv // world_size
+        return slice(rank * local * d, (rank + 1) * local * d)
+    head = rank * kv // world_size
+    return slice(head * d, (head + 1) * d)
+
+
+def _shift(rows: slice, offset: int) -> slice:
+    return slice(rows.start + offset, rows.stop + offset)
+
+
 def _shard_columns(linear: nn.Linear | QuantizedLinear, rank: int, world_size: int, what: str) -> nn.Module:
     """This rank's contiguous slice of the output features (weight rows, their scales/zeros, bias)."""
     if linear.out_features % world_size:
         raise ModelLoadError(f"{what}: out_features={linear.out_features} not divisible by {world_size}")
     width = linear.out_features // world_size
-    rows = slice(rank * width, (rank + 1) * width)
+    return _take_output_rows(linear, slice(rank * width, (rank + 1) * width))
+
+
+def _take_output_rows(linear: nn.Linear | QuantizedLinear, rows: slice) -> nn.Module:
+    """``linear`` cut to the output features ``rows`` (weight rows, their scales/zeros, bias)."""
+    width = rows.stop - rows.start
     if isinstance(linear, QUANTIZED_LINEARS):
         sharded = linear.output_slice(rows)
         sharded.shard_out_rows = rows  # type: ignore[assignment]  # the unsharded layer's outputs this rank computes (LoRA cuts B to them)
@@ -284,7 +312,8 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
             f"tensor parallelism: found {len(layers)} decoder layers with self_attn and mlp, "
             f"expected {spec.num_layers} ({spec.model_type} is not supported): use --num-shard 1"
         )
-    q_local, kv_local = spec.num_q_heads // world_size, spec.num_kv_heads // world_size
+    q_local, kv_local = spec.num_q_heads // world_size, max(spec.num_kv_heads // world_size, 1)
+    kv_rows = _kv_rows(spec, rank, world_size)
     for i, layer in enumerate(layers):
         # _decoder_layers kept the modules that have both; transformers' decoder layers hold them as submodules.
         attn, mlp = cast(nn.Module, _attention(layer)), cast(nn.Module, _mlp_owner(layer))
@@ -294,7 +323,18 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
             raise ModelLoadError(f"tensor parallelism: {where} has head_dim={head_dim}, expected {spec.head_dim}")
         _refuse_cross_head_norms(attn, head_dim, f"{where}.self_attn")
         linearize_conv1d(layer)  # GPT-2's Conv1D projections as the nn.Linear they are (weight transposed)
-        if hasattr(attn, "c_attn") and isinstance(getattr(attn, "split_size", None), int):  # GPT-2: [q; k; v]
+        q_rows, kv_all = spec.num_q_heads * head_dim, spec.num_kv_heads * head_dim
+        q_part = slice(rank * q_rows // world_size, (rank + 1) * q_rows // world_size)
+        if getattr(attn, "multi_query", False):  # GPT-BigCode: [q; k; v] with one KV head, kept by every rank
+            attn.c_attn = take_rows(
+                cast(nn.Module, attn.c_attn), [q_part, _shift(kv_rows, q_rows), _shift(kv_rows, q_rows + kv_all)],
+                f"{where}.attn.c_attn",
+            )  # fmt: skip
+            attn.embed_dim = q_rows // world_size  # type: ignore[assignment]
+        elif hasattr(attn, "multi_query"):  # GPT-BigCode without MQA: per head [q; k; v], heads contiguous
+            attn.c_attn = _shard_columns(_linear(attn, "c_attn", where), rank, world_size, f"{where}.attn.c_attn")
+            attn.embed_dim = q_rows // world_size  # type: ignore[assignment]
+        elif hasattr(attn, "c_attn") and isinstance(getattr(attn, "split_size", None), int):  # GPT-2: [q; k; v]
             q_rows = spec.num_q_heads * head_dim
             attn.c_attn = shard_fused_linear(
                 cast(nn.Module, attn.c_attn), (q_rows,) * 3, rank, world_size, f"{where}.attn.c_attn"
@@ -302,12 +342,9 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
             attn.split_size = q_rows // world_size  # type: ignore[assignment]
             attn.embed_dim = q_rows // world_size  # type: ignore[assignment]
         elif not hasattr(attn, "q_proj") and hasattr(attn, "qkv_proj"):  # Phi-3: q, k, v in one GEMM
-            q_rows, kv_rows = spec.num_q_heads * head_dim, spec.num_kv_heads * head_dim
-            attn.qkv_proj = shard_fused_linear(
+            attn.qkv_proj = take_rows(
                 cast(nn.Module, attn.qkv_proj),
-                (q_rows, kv_rows, kv_rows),
-                rank,
-                world_size,
+                [q_part, _shift(kv_rows, q_rows), _shift(kv_rows, q_rows + kv_all)],
                 f"{where}.self_attn.qkv_proj",
             )
             _localize_config(attn, q_local, kv_local)
@@ -316,14 +353,9 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
                 _linear(attn, "query_key_value", f"{where}.attention"), rank, world_size, f"{where}.query_key_value"
             )
         else:
-            for name in ("q_proj", "k_proj", "v_proj"):
-                setattr(
-                    attn,
-                    name,
-                    _shard_columns(
-                        _linear(attn, name, f"{where}.self_attn"), rank, world_size, f"{where}.self_attn.{name}"
-                    ),
-                )
+            attn.q_proj = _shard_columns(_linear(attn, "q_proj", where), rank, world_size, f"{where}.self_attn.q_proj")
+            for name in ("k_proj", "v_proj"):  # this rank's KV heads, or its one replicated head
+                setattr(attn, name, _take_output_rows(_linear(attn, name, where), kv_rows))
         sinks = getattr(attn, "sinks", None)
         if isinstance(sinks, torch.Tensor) and sinks.numel() == spec.num_q_heads:  # gpt-oss: one per query head
             attn.sinks = nn.Parameter(

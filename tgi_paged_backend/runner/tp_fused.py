@@ -38,7 +38,16 @@ def shard_fused_linear(linear: nn.Module, sizes: Sequence[int], rank: int, world
         )
     if sum(sizes) != linear.out_features:
         raise ModelLoadError(f"{what}: parts {list(sizes)} do not add up to {linear.out_features} outputs")
-    rows = fused_row_slices(sizes, rank, world_size, what)
+    return take_rows(linear, fused_row_slices(sizes, rank, world_size, what), what)
+
+
+def take_rows(linear: nn.Module, rows: Sequence[slice], what: str) -> nn.Linear:
+    """A new ``nn.Linear`` of ``linear``'s output rows ``rows``, side by side (a plain linear only)."""
+    if type(linear) is not nn.Linear:
+        raise ModelLoadError(
+            f"tensor parallelism: {what} is a {type(linear).__name__}; only plain linears are cut into several "
+            "row runs (quantized fused projections are not): use --num-shard 1"
+        )
     weight = torch.cat([linear.weight.detach()[r] for r in rows])
     local = nn.Linear(linear.in_features, int(weight.shape[0]), bias=linear.bias is not None)
     local.weight = nn.Parameter(weight.clone(), requires_grad=False)
