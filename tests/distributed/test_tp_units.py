@@ -22,12 +22,8 @@ from tgi_paged_backend.engine.types import CachedBatchInfo, StepResult
 from tgi_paged_backend.envs import build_config, read_env
 from tgi_paged_backend.runner.model_loader import ModelLoadError, load_model
 from tgi_paged_backend.runner.model_spec import ModelSpec
-from tgi_paged_backend.runner.tensor_parallel import (
-    RowParallelLinear,
-    TensorParallelRunner,
-    check_divisible,
-    shard_model,
-)
+from tgi_paged_backend.runner.tensor_parallel import TensorParallelRunner
+from tgi_paged_backend.runner.tp_slicing import RowParallelLinear, check_divisible, shard_model
 
 
 class FakeGroup:
@@ -280,7 +276,7 @@ def test_moe_block_shards_sum_to_the_full_block(model_type: str) -> None:
 
     import transformers
 
-    from tgi_paged_backend.runner import tensor_parallel as tp
+    from tgi_paged_backend.runner import tp_slicing as tp
 
     config = transformers.AutoConfig.for_model(
         model_type, hidden_size=32, intermediate_size=48, moe_intermediate_size=48,
@@ -307,7 +303,7 @@ def test_fewer_kv_heads_than_ranks_are_replicated_to_the_ranks_that_read_them() 
     query heads); one KV head at TP=2 (multi-query) is on both ranks; 3 KV heads at TP=2 do not split."""
     from dataclasses import replace
 
-    from tgi_paged_backend.runner.tensor_parallel import _kv_rows, check_divisible
+    from tgi_paged_backend.runner.tp_slicing import _kv_rows, check_divisible
 
     base = ModelSpec.from_hf_config(
         SimpleNamespace(

@@ -11,7 +11,7 @@ small GEMMs per adapter present in the step, on CUDA two Triton kernels over all
 (:func:`tgi_paged_kernels.lora.add_lora_triton`). A step without adapter rows costs one attribute read
 per wrapped layer.
 
-Tensor parallelism: a column-parallel layer (``shard_out_rows`` set by :mod:`..runner.tensor_parallel`)
+Tensor parallelism: a column-parallel layer (``shard_out_rows`` set by :mod:`..runner.tp_slicing`)
 keeps its rows of B; a row-parallel one (``shard_in_columns``) gets the wrapper on its local GEMM with its
 columns of A, so each rank adds its part of the delta before the all-reduce that sums the parts (exact:
 the delta is linear in the input columns), and no extra collective runs.
