@@ -17,12 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_NEW = 8
 ADAPTERS: dict[str, dict] = {
     "full": dict(r=4, alpha=8, seed=21),  # all seven projections
@@ -108,44 +104,17 @@ def _worker() -> None:
 
 def test_two_rank_engine_serves_adapters_exactly(tiny_llama_dir: Path, tmp_path: Path) -> None:
     from tests.helpers.lora_adapters import peft_greedy, write_adapter
-    from tests.helpers.shard_driving import free_port
+    from tests.helpers.tp_spawn import run_two_ranks
 
     adapters = {name: write_adapter(tiny_llama_dir, tmp_path / name, **kw) for name, kw in ADAPTERS.items()}
     lora_env = ",".join(f"{name}={path}" for name, path in adapters.items())
-    out = tmp_path / "result.json"
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.distributed.test_tp_lora",
-                "--rank",
-                str(rank),
-                "--port",
-                str(port),
-                "--model",
-                str(tiny_llama_dir),
-                "--lora-adapters",
-                lora_env,
-                "--out",
-                str(out),
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"},
-        )
-        for rank in range(2)
-    ]
-    try:
-        logs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-4000:] for log in logs)
-    result = json.loads(out.read_text())
+    result = run_two_ranks(
+        "tests.distributed.test_tp_lora",
+        ["--model", str(tiny_llama_dir), "--lora-adapters", lora_env],
+        tmp_path / "result.json",
+        env={"TRITON_INTERPRET": "1"},
+        timeout_s=240,
+    )
 
     assert result["num_unknown"] == 1
     assert result["num_wrapped"] == 3 * 7  # every projection of the three layers, on each rank

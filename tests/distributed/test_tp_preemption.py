@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -84,31 +82,13 @@ def test_sharded_layouts_stay_exact_under_preemption(family: str, preemption: st
     from tests.helpers.family_matrix import write_family_model
     from tests.helpers.family_tp import tp_families
     from tests.helpers.paged_driver import greedy_hf
-    from tests.helpers.shard_driving import free_port
     from tests.helpers.tiny_models import EOS_ID, PAD_ID, load_reference
+    from tests.helpers.tp_spawn import run_two_ranks
 
     (spec,) = [f for f in tp_families() if f.name == family]
     model = write_family_model(spec, tmp_path / family)
-    out, port = tmp_path / "result.json", free_port()
-    argv = ["--port", str(port), "--model", str(model), "--preemption", preemption, "--out", str(out)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.distributed.test_tp_preemption", "--rank", str(rank), *argv],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        for rank in range(2)
-    ]
-    try:
-        logs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-4000:] for log in logs)
-    result = json.loads(out.read_text())
+    argv = ["--model", str(model), "--preemption", preemption]
+    result = run_two_ranks("tests.distributed.test_tp_preemption", argv, tmp_path / "result.json", timeout_s=240)
     assert result["preemptions"][preemption] > 0, f"no {preemption} preemption: the test would prove nothing"
     prompts = [result["prompts"][str(i + 1)] for i in range(len(PROMPT_WORDS))]
     expected = greedy_hf(load_reference(model), prompts, MAX_NEW, [EOS_ID], PAD_ID)

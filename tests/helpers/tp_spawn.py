@@ -1,5 +1,6 @@
-"""Two gloo ranks of ``tests/distributed/tp_worker.py`` over some model directories: the one way the
-tensor-parallel runner tests (plain, quantized, the family matrix) start them and read the result."""
+"""Two gloo ranks of a worker module: the one way the tensor-parallel tests start them and read the result
+(:func:`run_tp_workers` for ``tests/distributed/tp_worker.py``: plain, quantized, the family matrix; the
+engine-level LoRA and preemption tests pass their own module to :func:`run_two_ranks`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,32 @@ from tests.helpers.shard_driving import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_two_ranks(
+    module: str, args: Sequence[str], out: Path, *, env: dict[str, str] | None = None, timeout_s: float = 150
+) -> dict:
+    """Start ``python -m module --rank R --port P *args --out out`` for ranks 0 and 1 (gloo, one free port),
+    wait for both, and return the JSON rank 0 wrote to ``out``; both ranks must exit 0 (else their log tails)."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", module, "--rank", str(rank), "--port", str(port), *args, "--out", str(out)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        )
+        for rank in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-4000:] for log in logs)
+    return json.loads(out.read_text())
+
+
 def run_tp_workers(
     models: Sequence[Path | str],
     prompts: list[list[int]],
@@ -24,41 +51,6 @@ def run_tp_workers(
     extra_args: Sequence[str] = (),
     timeout_s: float = 150,
 ) -> dict:
-    """Rank 0's JSON result (``{model: {"tokens", "sizes"} | {"refused"}}``); both ranks must exit 0."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.distributed.tp_worker",
-                "--rank",
-                str(rank),
-                "--world-size",
-                "2",
-                "--port",
-                str(port),
-                "--prompts",
-                json.dumps(prompts),
-                "--max-new",
-                str(max_new),
-                "--out",
-                str(out),
-                *extra_args,
-                *map(str, models),
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        for rank in range(2)
-    ]
-    try:
-        logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
-    return json.loads(out.read_text())
+    """Rank 0's JSON result (``{model: {"tokens", "sizes"} | {"refused"}}``) of ``tests/distributed/tp_worker.py``."""
+    args = ["--world-size", "2", "--prompts", json.dumps(prompts), "--max-new", str(max_new), *extra_args]
+    return run_two_ranks("tests.distributed.tp_worker", [*args, *map(str, models)], out, timeout_s=timeout_s)

@@ -4,12 +4,12 @@ retained blocks. Prefix-hit rate is asserted (it does not depend on timing); TTF
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 
 from tests.engine.conftest import make_engine
+from tests.helpers.shard_driving import free_port
 
 pytest.importorskip("zmq")
 pytest.importorskip("msgpack")
@@ -19,14 +19,8 @@ from integration.kv_routing import KVIndex, index_router, round_robin, run_conve
 PODS = ("pod-a", "pod-b")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _replicas(model_dir):
-    ports = {pod: _port() for pod in PODS}
+    ports = {pod: free_port() for pod in PODS}
     engines = {
         pod: make_engine(model_dir, num_blocks=96, block_size=8, TGI_PAGED_KV_EVENTS_ENDPOINT=f"tcp://*:{ports[pod]}")
         for pod in PODS

@@ -14,17 +14,12 @@ import time
 import pytest
 
 from tests.engine.conftest import RouterDriver, make_engine, make_text, spec
+from tests.helpers.shard_driving import free_port
 from tgi_paged_backend.engine.types import BatchSpec
 from tgi_paged_backend.telemetry.kv_events import END_SEQ, KVEventPublisher, KVEventsConfig
 
 zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Indexer:
@@ -99,7 +94,7 @@ def _replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
 def test_the_event_stream_rebuilds_the_prefix_cache(request, model, preemption) -> None:
     """Evictions and preemption by recompute and by swap; and a sliding-window model whose requests give
     back the blocks behind the window (holes) while their chains go on."""
-    pub, replay = _port(), _port()
+    pub, replay = free_port(), free_port()
     engine = make_engine(
         request.getfixturevalue(model),
         num_blocks=14,  # small: retained blocks get evicted, requests get preempted

@@ -111,16 +111,16 @@ def _read_config(directory: Path, entry: str) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"LORA_ADAPTERS entry {entry!r}: no {CONFIG_FILE} in {directory}")
     config = json.loads(path.read_text())
-    refusals = {
-        "peft_type": (config.get("peft_type", "LORA") != "LORA", f"peft_type {config.get('peft_type')!r}, not LORA"),
-        "use_dora": (bool(config.get("use_dora")), "DoRA (use_dora) is not supported"),
-        "modules_to_save": (bool(config.get("modules_to_save")), "modules_to_save (fully trained layers)"),
-        "bias": (config.get("bias", "none") != "none", f"trained biases (bias={config.get('bias')!r})"),
-        "fan_in_fan_out": (bool(config.get("fan_in_fan_out")), "fan_in_fan_out (Conv1D layers)"),
-    }
-    for refused, reason in refusals.values():
+    refusals = (  # (refused, what): each is read as "<what> is not supported"
+        (config.get("peft_type", "LORA") != "LORA", f"peft_type {config.get('peft_type')!r} (only LORA)"),
+        (bool(config.get("use_dora")), "DoRA (use_dora)"),
+        (bool(config.get("modules_to_save")), "modules_to_save (fully trained layers)"),
+        (config.get("bias", "none") != "none", f"trained biases (bias={config.get('bias')!r})"),
+        (bool(config.get("fan_in_fan_out")), "fan_in_fan_out (Conv1D layers)"),
+    )
+    for refused, what in refusals:
         if refused:
-            raise ConfigError(f"LORA_ADAPTERS entry {entry!r}: {reason} is not supported")
+            raise ConfigError(f"LORA_ADAPTERS entry {entry!r}: {what} is not supported")
     return config
 
 
