@@ -10,7 +10,11 @@
   boundaries keep only their own groups, act-order ``g_idx`` slices keep the groups their columns use,
   and the summed partial outputs equal the unsharded layer; two gloo ranks decode token-identical to HF
   on the dequantized weights for GPTQ act-order int4, AWQ (``--quantize gptq`` serves it, as TGI) and a
-  compressed-tensors int8 checkpoint, each rank holding about half the code bytes.
+  compressed-tensors int8 checkpoint, each rank holding about half the code bytes;
+- fused projections (issue 26): a quantized fused linear cut into several row runs (a rank's share of q, k
+  and v) computes exactly those columns of the unsharded output; load-time fp8 at two gloo ranks is
+  token-identical to HF on the dequantized weights for the fused layouts (Phi-3's qkv_proj and gate_up_proj,
+  GPT-NeoX's query_key_value, GPT-BigCode's c_attn with its one replicated KV head).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers.family_models import FAMILIES, write_family_model
 from tests.helpers.int_checkpoints import int_reference, write_int_checkpoint
 from tests.helpers.paged_driver import greedy_hf
 from tests.helpers.quant_models import dequantized_reference, write_compressed_fp8
@@ -30,6 +35,7 @@ from tests.helpers.tp_spawn import run_tp_workers
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.quant.linear import Fp8Linear, IntLinear
+from tgi_paged_backend.runner.tp_fused import take_rows
 from tgi_paged_backend.runner.tp_slicing import RowParallelFp8Linear, RowParallelQuantLinear
 from tgi_paged_kernels.int_gemm import pack_codes
 
@@ -137,3 +143,26 @@ def test_two_rank_runner_matches_the_dequantized_int_models(tiny_model_factory, 
             code_bytes = sum(m.qweight.numel() for m in single.model.modules() if isinstance(m, IntLinear))
             for _, _, _, weights in got["sizes"]:
                 assert single.weights_bytes - weights >= code_bytes // 2
+
+
+def test_quantized_fused_rows_are_the_unsharded_columns() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3, 16)
+    runs = [slice(0, 2), slice(6, 7), slice(9, 11)]  # a rank's q rows, then its k and v rows
+    columns = torch.cat([torch.arange(r.start, r.stop) for r in runs])
+    fp8 = Fp8Linear.from_linear(nn.Linear(16, 12, bias=True))
+    int4 = _int_linear((torch.arange(16) // 4).to(torch.int32), 4)
+    int4 = int4.output_rows([slice(0, 6), slice(0, 6)])  # 12 outputs (rows repeat: any run order works)
+    for full in (fp8, int4):
+        part = take_rows(full, runs, "qkv")
+        assert type(part) is type(full) and part.out_features == 5 and part.in_features == 16
+        torch.testing.assert_close(part(x), full(x)[:, columns], rtol=1e-6, atol=1e-6)
+
+
+def test_two_rank_fp8_fused_projections_match_the_dequantized_model(tmp_path: Path) -> None:
+    families = {f.name: f for f in FAMILIES if f.name in ("Phi3", "GPT-NeoX", "GPT-BigCode")}
+    models = [write_family_model(families[name], tmp_path / name) for name in sorted(families)]
+    prompts = [np.random.default_rng(9).integers(4, 320, n).tolist() for n in (6, 19)]
+    result = run_tp_workers(models, prompts, MAX_NEW, tmp_path / "fused.json", extra_args=["--quantize", "fp8"])
+    for model, got in zip(models, result.values()):
+        assert got["tokens"] == greedy_hf(dequantized_reference(model), prompts, MAX_NEW, [EOS_ID], PAD_ID), model

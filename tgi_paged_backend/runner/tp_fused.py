@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tgi_paged_backend.runner.model_loader import ModelLoadError
+from tgi_paged_backend.runner.quant.linear import QUANTIZED_LINEARS
 
 
 def fused_row_slices(sizes: Sequence[int], rank: int, world_size: int, what: str) -> list[slice]:
@@ -29,24 +30,23 @@ def fused_row_slices(sizes: Sequence[int], rank: int, world_size: int, what: str
     return slices
 
 
-def shard_fused_linear(linear: nn.Module, sizes: Sequence[int], rank: int, world_size: int, what: str) -> nn.Linear:
-    """A new ``nn.Linear`` with this rank's rows of each part of ``linear`` (a plain fused linear)."""
-    if type(linear) is not nn.Linear:
-        raise ModelLoadError(
-            f"tensor parallelism: {what} is a fused {type(linear).__name__}; only plain fused linears are "
-            "sliced per part (quantized fused projections are not): use --num-shard 1"
-        )
-    if sum(sizes) != linear.out_features:
-        raise ModelLoadError(f"{what}: parts {list(sizes)} do not add up to {linear.out_features} outputs")
+def shard_fused_linear(linear: nn.Module, sizes: Sequence[int], rank: int, world_size: int, what: str) -> nn.Module:
+    """A new linear with this rank's rows of each part of ``linear`` (plain, fp8 or int)."""
+    out_features = getattr(linear, "out_features", None)
+    if sum(sizes) != out_features:
+        raise ModelLoadError(f"{what}: parts {list(sizes)} do not add up to {out_features} outputs")
     return take_rows(linear, fused_row_slices(sizes, rank, world_size, what), what)
 
 
-def take_rows(linear: nn.Module, rows: Sequence[slice], what: str) -> nn.Linear:
-    """A new ``nn.Linear`` of ``linear``'s output rows ``rows``, side by side (a plain linear only)."""
+def take_rows(linear: nn.Module, rows: Sequence[slice], what: str) -> nn.Module:
+    """A new linear of ``linear``'s output rows ``rows``, side by side: an ``nn.Linear`` for a plain one, the
+    same quantized class (its codes, scales and zeros of those rows) for an ``Fp8Linear``/``IntLinear``."""
+    if isinstance(linear, QUANTIZED_LINEARS):
+        return linear.output_rows(rows)
     if type(linear) is not nn.Linear:
         raise ModelLoadError(
-            f"tensor parallelism: {what} is a {type(linear).__name__}; only plain linears are cut into several "
-            "row runs (quantized fused projections are not): use --num-shard 1"
+            f"tensor parallelism: {what} is a {type(linear).__name__}, not a linear layer this slicing knows: "
+            "use --num-shard 1"
         )
     weight = torch.cat([linear.weight.detach()[r] for r in rows])
     local = nn.Linear(linear.in_features, int(weight.shape[0]), bias=linear.bias is not None)

@@ -14,6 +14,8 @@ each output channel) and int32 ``g_idx`` ``[K]`` (4 bytes per input column).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -49,10 +51,16 @@ class Fp8Linear(nn.Module):
 
     def output_slice(self, rows: slice) -> Fp8Linear:
         """Column-parallel shard: output channels ``rows`` (weight rows, their scales and bias)."""
+        return self.output_rows([rows])
+
+    def output_rows(self, rows: Sequence[slice]) -> Fp8Linear:
+        """The output channels of every run in ``rows``, side by side (a rank's share of each part of a fused
+        projection)."""
+        index = _row_index(rows, self.out_features, self.qweight.device)
         return Fp8Linear(
-            self.qweight[rows].clone(),
-            self.weight_scale[rows].clone(),
-            None if self.bias is None else self.bias.detach()[rows].clone(),
+            self.qweight[index],
+            self.weight_scale[index],
+            None if self.bias is None else self.bias.detach()[index],
         )
 
     def input_slice(self, cols: slice) -> Fp8Linear:
@@ -114,13 +122,19 @@ class IntLinear(nn.Module):
 
     def output_slice(self, rows: slice) -> IntLinear:
         """Column-parallel shard: output channels ``rows`` (their codes, scales, zeros and bias)."""
+        return self.output_rows([rows])
+
+    def output_rows(self, rows: Sequence[slice]) -> IntLinear:
+        """The output channels of every run in ``rows``, side by side (codes pack along the inputs, so whole
+        rows move with their scales and zeros)."""
+        index = _row_index(rows, self.out_features, self.qweight.device)
         return IntLinear(
-            self.qweight[rows].clone(),
-            self.scales[rows].clone(),
-            self.zeros[rows].clone(),
+            self.qweight[index],
+            self.scales[index],
+            self.zeros[index],
             self.g_idx.clone(),
             self.bits,
-            None if self.bias is None else self.bias.detach()[rows].clone(),
+            None if self.bias is None else self.bias.detach()[index],
         )
 
     def input_slice(self, cols: slice) -> IntLinear:
@@ -155,6 +169,12 @@ class IntLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"int{self.bits}, groups={self.scales.shape[1]}"
         )
+
+
+def _row_index(rows: Sequence[slice], out_features: int, device: torch.device) -> torch.Tensor:
+    """The output channels of ``rows`` in order, as an index (advanced indexing copies)."""
+    runs = [range(*r.indices(out_features)) for r in rows]
+    return torch.tensor([i for run in runs for i in run], dtype=torch.long, device=device)
 
 
 QUANTIZED_LINEARS = (Fp8Linear, IntLinear)
