@@ -205,6 +205,7 @@ def plan(
         "--quantize compressed-tensors, means pack-quantized.",
     ),
     group_size: int | None = typer.Option(None, help="Int checkpoints: group size, -1 per channel (default 128)."),
+    num_shard: int = typer.Option(1, help="--num-shard: plan one rank of N (its weights, KV heads and pool)."),
     trace: str | None = typer.Option(None, help="JSONL trace (prompt_tokens, output_tokens, arrival)."),
     workload: str = typer.Option("sharegpt", help="Generator when no --trace: sharegpt, alpaca or tiny."),
     requests: int = typer.Option(300, help="Generated requests."),
@@ -245,6 +246,7 @@ def plan(
             quantize=quantize,
             bits=bits,
             group_size=group_size,
+            num_shard=num_shard,
         )
     except (ValueError, KeyError, OSError) as err:  # ConfigError is a ValueError
         typer.echo(f"plan: {err}", err=True)

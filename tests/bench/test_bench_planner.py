@@ -112,3 +112,24 @@ def test_refusals_name_the_knob() -> None:
             PlanInputs(model="llama-3-8b", device="A10G", kv_budget_bytes=10 * 2**20, max_total_tokens=4096),
             SMALL_TRACE[:3],
         )
+
+
+def test_num_shard_plans_one_rank() -> None:
+    one = make_plan(PlanInputs(model="mixtral-8x7b", device="H200", overcommits=(2.0,)), SMALL_TRACE[:10])
+    two = make_plan(PlanInputs(model="mixtral-8x7b", device="H100", num_shard=2, overcommits=(2.0,)), SMALL_TRACE[:10])
+    eight = make_plan(
+        PlanInputs(model="mixtral-8x7b", device="H100", num_shard=8, overcommits=(2.0,)), SMALL_TRACE[:10]
+    )
+    assert one.facts.num_params > 46e9  # eight experts counted, not one dense MLP
+    assert two.weights_bytes_total == one.weights_bytes and one.weights_bytes > 2 * two.weights_bytes * 0.97
+    assert two.bytes_per_token == one.bytes_per_token // 2  # 4 of the 8 KV heads per rank
+    assert eight.bytes_per_token == one.bytes_per_token // 8 and eight.rank_spec.num_kv_heads == 1
+    replicated = make_plan(
+        PlanInputs(model="qwen3-30b-a3b", device="H100", num_shard=8, overcommits=(2.0,)), SMALL_TRACE[:10]
+    )
+    assert replicated.rank_spec.num_kv_heads == 1  # 4 KV heads over 8 ranks: one replicated head each
+    assert replicated.bytes_per_token == 2 * 48 * 128 * 2
+    with pytest.raises(ValueError, match="no KV memory.*--num-shard"):
+        make_plan(PlanInputs(model="gpt-oss-120b", device="H100", num_shard=2), SMALL_TRACE[:3])
+    with pytest.raises(ValueError, match="not divisible by 3"):
+        make_plan(PlanInputs(model="mixtral-8x7b", device="H100", num_shard=3), SMALL_TRACE[:3])

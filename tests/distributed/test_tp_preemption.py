@@ -1,9 +1,17 @@
-"""The newly sharded layouts at tensor parallel 2 under preemption (issue 26): two ranks each build the
-tensor-parallel shard engine over a pool too small for the batch, so requests are preempted by recompute and
-by swap, and rank 0's greedy tokens equal HF's for every request, for a MoE family (Mixtral), fused
-projections (Phi-3) and a replicated KV head (GPT-BigCode).
+"""Every family served at tensor parallel 2 stays token-exact under preemption (issue 26): for each family of
+``test_tp_families.MUST_SERVE``, two gloo ranks build the tensor-parallel shard engine over a pool too small
+for the batch, so requests are preempted, and rank 0's greedy tokens equal HF's for every request. Each family
+is asserted to have preempted in its mode, or the check would prove nothing.
 
-The worker is this module (``python -m tests.distributed.test_tp_preemption --rank ...``), as in
+The families alternate recompute and swap; those whose sharded layout is most at risk when KV pages leave
+and come back run in both modes: the MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss), the fused
+projections (Phi-3's qkv and gate_up, GPT-NeoX's query_key_value, GPT-2's c_attn) and GPT-BigCode's one KV
+head, replicated on every rank.
+
+One spawn serves every (family, mode) pair: each rank builds an engine per pair through ``build_engine`` and
+closes it, which destroys the process groups, and the next engine joins a fresh group on its own port (a
+rank may still hold the previous store while its peer rendezvouses, so the ports are never reused). The
+worker is this module (``python -m tests.distributed.test_tp_preemption --rank ...``), as in
 ``test_tp_lora.py``: the runner-level harness (``tp_worker.py``) has no engine, so nothing preempts there.
 """
 
@@ -14,19 +22,20 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 MAX_NEW = 10
 PROMPT_WORDS = (5, 8, 4, 7)
+BOTH_MODES = {"Mixtral", "Qwen2-MoE", "Qwen3-MoE", "gpt-oss", "Phi3", "GPT-NeoX", "GPT-2", "GPT-BigCode"}
+"""MoE, fused-projection and replicated-KV-head families: checked under recompute and under swap."""
+POOL = {"TGI_PAGED_NUM_BLOCKS": "10", "TGI_PAGED_BLOCK_SIZE": "4"}
+"""9 usable blocks of 4 tokens for 4 requests of ~20-30 tokens each: one fits, all four do not."""
 
 
 def _worker() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--preemption", required=True)
+    parser.add_argument("--port", type=int, required=True, help="unused: every pair has its own port")
+    parser.add_argument("--pairs", required=True, help="JSON list of [name, model dir, preemption mode, port]")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -35,65 +44,92 @@ def _worker() -> None:
     from tgi_paged_backend.engine.types import BatchSpec, RequestSpec, StoppingParams
     from tgi_paged_backend.envs import build_config
 
-    settings = {
-        "RANK": str(args.rank),
-        "WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(args.port),
-        "TGI_PAGED_DIST_TIMEOUT_S": "60",
-        "TGI_PAGED_NUM_BLOCKS": "10",  # 9 usable blocks of 4 tokens for 4 requests of ~20-30 tokens: preempts
-        "TGI_PAGED_BLOCK_SIZE": "4",
-        "TGI_PAGED_PREEMPTION": args.preemption,
-        "TGI_PAGED_SWAP_SPACE_GB": "0.01",
-    }
-    engine = build_engine(build_config({"model_id": args.model, "sharded": True}, settings))
-    try:
-        texts = [make_text(700 + i, n) for i, n in enumerate(PROMPT_WORDS)]
-        requests = tuple(
-            RequestSpec(
-                id=i + 1,
-                text=text,
-                truncate=10_000,
-                stopping=StoppingParams(max_new_tokens=MAX_NEW, ignore_eos_token=True),
-            )
-            for i, text in enumerate(texts)
+    texts = [make_text(700 + i, n) for i, n in enumerate(PROMPT_WORDS)]
+    requests = tuple(
+        RequestSpec(
+            id=i + 1,
+            text=text,
+            truncate=10_000,
+            stopping=StoppingParams(max_new_tokens=MAX_NEW, ignore_eos_token=True),
         )
-        prompts = {r.id: engine.prompt_tokenizer.encode(r.text, r.truncate, True) for r in requests}
-        tokens: dict[int, list[int]] = {r.id: [] for r in requests}
-        result = engine.prefill(BatchSpec(id=0, requests=requests), None)
-        for _ in range(40 * MAX_NEW):
-            for g in result.generations:  # rank 0 only
-                tokens[g.request_id].extend(g.tokens.ids)
-            if result.batch is None:
-                break
-            result = engine.decode([result.batch.id])
-        assert result.batch is None, "the batch did not finish"
-        preemptions = dict(engine.stats.preemptions)
-    finally:
-        engine.close()
+        for i, text in enumerate(texts)
+    )
+    results = {}
+    for name, model, preemption, port in json.loads(args.pairs):
+        print(f"rank {args.rank}: {name} under {preemption} preemption (port {port})", flush=True)
+        settings = {
+            "RANK": str(args.rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TGI_PAGED_DIST_TIMEOUT_S": "60",
+            "TGI_PAGED_PREEMPTION": preemption,
+            "TGI_PAGED_SWAP_SPACE_GB": "0.01",
+            **POOL,
+        }
+        engine = build_engine(build_config({"model_id": model, "sharded": True}, settings))
+        try:
+            prompts = {r.id: engine.prompt_tokenizer.encode(r.text, r.truncate, True) for r in requests}
+            tokens: dict[int, list[int]] = {r.id: [] for r in requests}
+            result = engine.prefill(BatchSpec(id=0, requests=requests), None)
+            for _ in range(40 * MAX_NEW):
+                for g in result.generations:  # rank 0 only
+                    tokens[g.request_id].extend(g.tokens.ids)
+                if result.batch is None:
+                    break
+                result = engine.decode([result.batch.id])
+            assert result.batch is None, f"{name} under {preemption} preemption: the batch did not finish"
+            preemptions = dict(engine.stats.preemptions)
+        finally:
+            engine.close()
+        results[f"{name}/{preemption}"] = {"prompts": prompts, "tokens": tokens, "preemptions": preemptions}
     if args.rank == 0:
-        Path(args.out).write_text(json.dumps({"prompts": prompts, "tokens": tokens, "preemptions": preemptions}))
+        Path(args.out).write_text(json.dumps(results))
 
 
-@pytest.mark.parametrize(
-    ("family", "preemption"), [("Mixtral", "recompute"), ("Phi3", "swap"), ("GPT-BigCode", "recompute")]
-)
-def test_sharded_layouts_stay_exact_under_preemption(family: str, preemption: str, tmp_path: Path) -> None:
-    from tests.helpers.family_matrix import write_family_model
+def _pairs() -> list[tuple[str, str]]:
+    """(family, mode): MUST_SERVE in the matrix's order, alternating modes, :data:`BOTH_MODES` in both."""
+    from tests.distributed.test_tp_families import MUST_SERVE
     from tests.helpers.family_tp import tp_families
+
+    names = [f.name for f in tp_families() if f.name in MUST_SERVE]
+    assert set(names) == MUST_SERVE, f"not available in this transformers: {sorted(MUST_SERVE - set(names))}"
+    pairs = []
+    for i, name in enumerate(names):
+        modes = ("recompute", "swap") if name in BOTH_MODES else (("recompute", "swap")[i % 2],)
+        pairs += [(name, mode) for mode in modes]
+    return pairs
+
+
+def test_every_served_family_stays_exact_under_preemption(tmp_path: Path) -> None:
+    from tests.helpers.family_models import FAMILIES, write_family_model
     from tests.helpers.paged_driver import greedy_hf
+    from tests.helpers.shard_driving import free_port
     from tests.helpers.tiny_models import EOS_ID, PAD_ID, load_reference
     from tests.helpers.tp_spawn import run_two_ranks
 
-    (spec,) = [f for f in tp_families() if f.name == family]
-    model = write_family_model(spec, tmp_path / family)
-    argv = ["--model", str(model), "--preemption", preemption]
-    result = run_two_ranks("tests.distributed.test_tp_preemption", argv, tmp_path / "result.json", timeout_s=240)
-    assert result["preemptions"][preemption] > 0, f"no {preemption} preemption: the test would prove nothing"
-    prompts = [result["prompts"][str(i + 1)] for i in range(len(PROMPT_WORDS))]
-    expected = greedy_hf(load_reference(model), prompts, MAX_NEW, [EOS_ID], PAD_ID)
-    got = [result["tokens"][str(i + 1)] for i in range(len(PROMPT_WORDS))]
-    assert got == expected, f"{family} at TP=2 under {preemption} preemption differs from HF"
+    pairs = _pairs()
+    families = {f.name: f for f in FAMILIES}
+    models = {name: write_family_model(families[name], tmp_path / name) for name in dict(pairs)}
+    ports: list[int] = []
+    while len(ports) < len(pairs):  # distinct: a port is never rendezvoused on twice
+        port = free_port()
+        ports += [port] if port not in ports else []
+    argv = ["--pairs", json.dumps([[n, str(models[n]), m, p] for (n, m), p in zip(pairs, ports)])]
+    results = run_two_ranks("tests.distributed.test_tp_preemption", argv, tmp_path / "result.json", timeout_s=600)
+
+    failures = []
+    for name, mode in pairs:
+        result = results[f"{name}/{mode}"]
+        if result["preemptions"][mode] == 0:
+            failures.append(f"{name}: no {mode} preemption ({result['preemptions']}): the check would prove nothing")
+            continue
+        prompts = [result["prompts"][str(i + 1)] for i in range(len(PROMPT_WORDS))]
+        expected = greedy_hf(load_reference(models[name]), prompts, MAX_NEW, [EOS_ID], PAD_ID)
+        got = [result["tokens"][str(i + 1)] for i in range(len(PROMPT_WORDS))]
+        if got != expected:
+            failures.append(f"{name} at TP=2 under {mode} preemption differs from HF: {got} != {expected}")
+    assert not failures, "\n".join(failures)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from tgi_paged_backend.bench.allocator_sim import (
     StepCostModel,
     compare,
 )
+from tgi_paged_backend.bench.param_counts import param_counts
 from tgi_paged_backend.bench.weights import weight_bytes
 from tgi_paged_backend.bench.workload import TraceRequest, summarize
 from tgi_paged_backend.config import PreemptionMode
@@ -106,6 +107,52 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=32768,
         tie_word_embeddings=False,
     ),
+    "mixtral-8x7b": dict(
+        model_type="mixtral",
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
+    "gpt-oss-120b": dict(
+        # Sized in the serving dtype: the published checkpoint's MXFP4 experts are not counted as MXFP4.
+        model_type="gpt_oss",
+        num_hidden_layers=36,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_local_experts=128,
+        experts_per_token=4,
+        attention_bias=True,
+        vocab_size=201088,
+        max_position_embeddings=131072,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 18,
+        tie_word_embeddings=False,
+    ),
     "smollm2-135m": dict(
         model_type="llama",
         num_hidden_layers=30,
@@ -132,6 +179,8 @@ class ModelFacts:
     params_exact: bool
     """``True`` when counted from safetensors headers, ``False`` when estimated from the config."""
     tie_word_embeddings: bool
+    config: dict[str, Any] = field(default_factory=dict)
+    """The ``config.json`` fields (text config merged) the sizes came from."""
 
 
 def _read_config(model: str) -> tuple[str, dict[str, Any]]:
@@ -169,18 +218,9 @@ def count_safetensors_params(model_dir: str | Path) -> int | None:
 
 
 def estimate_params(cfg: dict[str, Any]) -> int:
-    """Decoder-only transformer parameters from config fields (attention, gated MLP, norms, embeddings)."""
-    hidden, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    inter = int(cfg.get("intermediate_size") or 4 * hidden)
-    vocab = int(cfg["vocab_size"])
-    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
-    mlp = 3 * hidden * inter
-    per_layer = attn + mlp + 2 * hidden
-    lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * hidden
-    return vocab * hidden + layers * per_layer + hidden + lm_head
+    """Parameters from config fields (attention, dense or MoE MLP, norms, embeddings):
+    :func:`~tgi_paged_backend.bench.param_counts.param_counts` on one shard."""
+    return param_counts(cfg).held
 
 
 def load_model_facts(model: str, dtype: Any) -> ModelFacts:
@@ -191,7 +231,8 @@ def load_model_facts(model: str, dtype: Any) -> ModelFacts:
     spec = ModelSpec.from_hf_config(SimpleNamespace(**cfg), dtype)
     counted = None if model in PRESETS else count_safetensors_params(model)
     num_params = counted if counted is not None else estimate_params(cfg)
-    return ModelFacts(name, spec, int(num_params), counted is not None, bool(cfg.get("tie_word_embeddings", False)))
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    return ModelFacts(name, spec, int(num_params), counted is not None, tied, cfg)
 
 
 def activation_peak_bytes(spec: Any, dtype: Any, num_tokens: int) -> int:
@@ -239,6 +280,8 @@ class PlanInputs:
     """:class:`~tgi_paged_backend.bench.weights.IntLayout` (bits, group size) of an int checkpoint."""
     kv_budget_bytes: int | None = None
     """Skip the memory arithmetic and use this KV budget (what the shard's runner would report)."""
+    num_shard: int = 1
+    """``--num-shard``: the plan is one rank's (its weights, its KV heads, its pool; every rank alike)."""
 
 
 @dataclass(slots=True)
@@ -246,10 +289,14 @@ class Plan:
     inputs: PlanInputs
     device: Device
     facts: ModelFacts
+    rank_spec: Any
+    """The sizes one rank serves (:func:`shard_spec`; ``facts.spec`` at ``--num-shard 1``)."""
     dtype_name: str
     kv_dtype_name: str
     device_bytes: int
     weights_bytes: int
+    """What one rank holds (the whole model at ``--num-shard 1``)."""
+    weights_bytes_total: int
     activation_bytes: int
     kv_budget_bytes: int
     bytes_per_token: int
@@ -274,15 +321,17 @@ class Plan:
         return self.comparison.chosen_overcommit
 
     def to_dict(self) -> dict[str, Any]:
-        s = self.facts.spec
+        s = self.rank_spec
         return {
             "model": self.facts.name,
             "device": self.device.name,
+            "num_shard": self.inputs.num_shard,
             "dtype": self.dtype_name,
             "kv_dtype": self.kv_dtype_name,
             "memory_fraction": self.inputs.memory_fraction,
             "device_bytes": self.device_bytes,
             "weights_bytes": self.weights_bytes,
+            "weights_bytes_total": self.weights_bytes_total,
             "params": self.facts.num_params,
             "params_exact": self.facts.params_exact,
             "activation_bytes": self.activation_bytes,
@@ -313,7 +362,10 @@ def _device(inputs: PlanInputs) -> Device:
 
 
 def cost_model(device: Device, weights_bytes: int, bytes_per_token: int, num_params: int) -> StepCostModel:
-    """Roofline step time on ``device``: weights + attended KV over bandwidth vs 2 FLOPs/param/token."""
+    """Roofline step time on ``device``: weights + attended KV over bandwidth vs 2 FLOPs per multiplied
+    parameter per token (``num_params``: those one token's forward multiplies on this rank; MoE: routed experts
+    only). The weights term reads every held weight each step (an upper bound for MoE at small batches); the
+    all-reduces of tensor parallelism are not modelled."""
     return StepCostModel(
         fixed_s=STEP_OVERHEAD_S,
         weights_bytes=weights_bytes,
@@ -342,15 +394,22 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
     dtype = resolve_dtype(inputs.dtype, torch.device("cpu" if on_cpu else "cuda"))
     kv_dtype = resolve_kv_dtype(inputs.kv_cache_dtype, dtype)
     facts = load_model_facts(inputs.model, dtype)
-    spec = facts.spec
+    spec = shard_spec(facts.spec, inputs.num_shard)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    weights = weight_bytes(spec, facts.num_params, itemsize, inputs.quantize, inputs.int_layout)
+    weights_total = weight_bytes(facts.spec, facts.num_params, itemsize, inputs.quantize, inputs.int_layout)
+    whole, rank = param_counts(facts.config), param_counts(facts.config, inputs.num_shard)
+    weights = weights_total * rank.held // whole.held  # exact unquantized; quantized: scaled by held parameters
     bytes_per_token = spec.kv_bytes_per_token(kv_dtype)
     block_bytes = spec.kv_bytes_per_block(inputs.block_size, kv_dtype)
     activation = activation_peak_bytes(spec, dtype, max(inputs.max_prefill_tokens, 1))
     notes: list[str] = []
     if not facts.params_exact:
         notes.append("weights estimated from the config (no safetensors files read)")
+    if inputs.num_shard > 1:
+        notes.append(
+            f"--num-shard {inputs.num_shard}: one rank's weights, KV heads and pool (every rank alike); heads, MLP "
+            "and experts split, embeddings/lm_head/norms/routers whole on every rank (docs/tensor-parallel.md)"
+        )
     if inputs.kv_budget_bytes is not None:
         device_bytes, budget = 0, int(inputs.kv_budget_bytes)
         notes.append("KV budget given explicitly")
@@ -363,6 +422,12 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
     else:
         device_bytes = int((inputs.memory_gib or device.memory_gib) * GiB)
         budget = max(0, int(inputs.memory_fraction * device_bytes - weights - activation))
+        if budget == 0:
+            raise ValueError(
+                f"weights {weights / GiB:.1f} GiB{' per rank' if inputs.num_shard > 1 else ''} + activations "
+                f"{activation / GiB:.1f} GiB leave no KV memory on {device.name} ({device_bytes / GiB:.0f} GiB x "
+                f"{inputs.memory_fraction:g}): use more shards (--num-shard), a larger device or --quantize"
+            )
         notes.append("CUDA: the shard measures activations at Warmup and caps the budget by free memory")
 
     def capacity(overcommit: float) -> Any:
@@ -388,17 +453,19 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
         num_swap_blocks=int(inputs.swap_space_gib * GiB) // block_bytes if block_bytes else 0,
         block_bytes=block_bytes,
         reclaim_window=spec.reclaim_window,
-        cost=cost_model(device, weights, bytes_per_token, facts.num_params),
+        cost=cost_model(device, weights, bytes_per_token, rank.active),
     )
     comparison = compare(trace, sim_cfg, inputs.overcommits)
     return Plan(
         inputs=inputs,
         device=device,
         facts=facts,
+        rank_spec=spec,
         dtype_name=str(dtype).removeprefix("torch."),
         kv_dtype_name=str(kv_dtype).removeprefix("torch."),
         device_bytes=device_bytes,
         weights_bytes=weights,
+        weights_bytes_total=weights_total,
         activation_bytes=activation,
         kv_budget_bytes=budget,
         bytes_per_token=bytes_per_token,
@@ -411,6 +478,29 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
     )
 
 
+def shard_spec(spec: Any, num_shard: int) -> Any:
+    """The sizes one rank of ``--num-shard`` serves (raises the shard's divisibility error)."""
+    from tgi_paged_backend.runner.tp_slicing import ShardLayout, check_divisible, local_spec
+
+    if num_shard < 1:
+        raise ValueError(f"--num-shard {num_shard} is invalid: at least 1")
+    if num_shard == 1:
+        return spec
+    try:
+        check_divisible(spec, num_shard)
+    except RuntimeError as err:  # ModelLoadError: the shard's own message
+        raise ValueError(str(err)) from None
+    layout = ShardLayout(
+        rank=0,
+        world_size=num_shard,
+        num_q_heads=spec.num_q_heads // num_shard,
+        num_kv_heads=max(spec.num_kv_heads // num_shard, 1),
+        intermediate_size=spec.intermediate_size // num_shard,
+        num_layers=spec.num_layers,
+    )
+    return local_spec(spec, layout)
+
+
 def format_plan(plan: Plan) -> str:
     """The planner's printed report."""
     from tgi_paged_backend.bench.report import comparison_table, fmt_bytes, overcommit_table
@@ -420,11 +510,18 @@ def format_plan(plan: Plan) -> str:
         f"model        {plan.facts.name}: {s.model_type}, {s.num_layers} layers, {s.num_kv_heads} KV heads x "
         f"{s.head_dim}, {plan.facts.num_params / 1e9:.3f} B params "
         f"({'counted' if plan.facts.params_exact else 'estimated'}), weights {fmt_bytes(plan.weights_bytes)} "
-        f"({plan.dtype_name}{f', --quantize {plan.inputs.quantize}' if plan.inputs.quantize else ''})",
+        + (
+            f"per rank of {plan.inputs.num_shard} ({fmt_bytes(plan.weights_bytes_total)} in all) "
+            if plan.inputs.num_shard > 1
+            else ""
+        )
+        + f"({plan.dtype_name}{f', --quantize {plan.inputs.quantize}' if plan.inputs.quantize else ''})",
         f"device       {plan.device.name}"
         + (f", {fmt_bytes(plan.device_bytes)} x {plan.inputs.memory_fraction:g}" if plan.device_bytes else "")
         + f"; activation peak (prefill {plan.capacity.max_prefill_tokens} tokens) {fmt_bytes(plan.activation_bytes)}",
-        f"KV           {plan.bytes_per_token:,} bytes per token ({plan.kv_dtype_name}); block of "
+        f"KV           {plan.bytes_per_token:,} bytes per token"
+        + (f" per rank ({plan.rank_spec.num_kv_heads} KV heads each)" if plan.inputs.num_shard > 1 else "")
+        + f" ({plan.kv_dtype_name}); block of "
         f"{plan.inputs.block_size} tokens = {fmt_bytes(plan.block_bytes)}; budget {fmt_bytes(plan.kv_budget_bytes)}",
         f"pool         {plan.num_blocks:,} physical blocks (incl. scratch) = {plan.physical_tokens:,} tokens "
         f"that fit; max_total_tokens {plan.capacity.max_total_tokens:,}",
@@ -484,6 +581,7 @@ def plan_from_args(
     quantize: str | None = None,
     bits: int | None = None,
     group_size: int | None = None,
+    num_shard: int = 1,
 ) -> Plan:
     """What ``tgi-paged-backend plan`` calls."""
     from tgi_paged_backend.bench.weights import IntLayout
@@ -511,5 +609,6 @@ def plan_from_args(
         overcommits=tuple(overcommits),
         quantize=quantize,
         int_layout=int_layout,
+        num_shard=num_shard,
     )
     return make_plan(inputs, trace)
