@@ -117,7 +117,7 @@ class ModelConfig:
     quantize: str | None = None
     """Quantization method from the launcher; only ``None`` is implemented."""
     speculate: int = 0
-    """Speculative tokens per step; only 0 is implemented."""
+    """``--speculate``: speculative tokens proposed per request and step (n-gram, ``engine.speculation``)."""
     max_input_tokens: int | None = None
     """The launcher's ``--max-input-tokens``; echoed at Warmup."""
     weights_cache_override: str | None = None

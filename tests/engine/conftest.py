@@ -66,6 +66,7 @@ def make_engine(
     block_size: int = 8,
     preemption: str = "recompute",
     swap_gb: float = 0.01,
+    speculate: int = 0,
     **env: str,
 ):
     """Engine on ``model_dir`` with a capped physical pool (``num_blocks`` incl. the scratch block).
@@ -79,7 +80,7 @@ def make_engine(
         "PREFIX_CACHING": "1",
     }
     settings.update({k: str(v) for k, v in env.items()})
-    return build_engine(build_config({"model_id": str(model_dir)}, settings))
+    return build_engine(build_config({"model_id": str(model_dir), "speculate": speculate}, settings))
 
 
 def warmup_batch(
@@ -288,7 +289,8 @@ class RouterDriver:
             assert rid not in seen, f"two Generations for request {rid} in one response"
             seen.add(rid)
             t = g.tokens
-            assert len(t.ids) == 1, "one token per Generation without speculation"
+            speculate = engine.config.model.speculate
+            assert 1 <= len(t.ids) <= 1 + speculate, "one token per Generation, up to 1 + speculate with it"
             assert len(t.ids) == len(t.logprobs) == len(t.texts) == len(t.is_special)
             assert all(math.isfinite(x) for x in t.logprobs)
             self.tokens[rid].extend(t.ids)
@@ -298,7 +300,7 @@ class RouterDriver:
             spec_ = self.entries[rid]
             assert len(self.tokens[rid]) <= spec_.stopping.max_new_tokens
             if spec_.top_n_tokens:
-                assert len(g.top_tokens) == 1
+                assert len(g.top_tokens) == len(t.ids)
             else:
                 assert g.top_tokens == []
             if g.generated_text is None:

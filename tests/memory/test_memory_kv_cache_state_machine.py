@@ -137,6 +137,39 @@ class MemoryMachine(RuleBasedStateMachine):
         self.m.commit_tokens(rid, req.history)
         req.num_written, req.last_step = len(req.history), 1
 
+    @precondition(
+        lambda self: any(r.state == "running" and len(r.history) + 2 <= r.max_len for r in self.reqs.values())
+    )
+    @rule(
+        data=st.data(),
+        token=st.sampled_from(VOCAB),
+        draft=st.lists(st.sampled_from(VOCAB), min_size=1, max_size=4),
+        accepted=st.integers(0, 4),
+    )
+    def speculative_decode(self, data: st.DataObject, token: int, draft: list[int], accepted: int) -> None:
+        """A speculative step as the engine runs it: the next token plus a draft are backed and written, then
+        the token and ``accepted`` draft tokens are kept (``truncate``). Rejected positions are written with
+        other tokens first, so one leaking into a kept or retained block would show in the contents."""
+        rid = data.draw(
+            st.sampled_from([i for i in self._ids("running") if len(self.reqs[i].history) + 2 <= self.reqs[i].max_len])
+        )
+        req = self.reqs[rid]
+        start = len(req.history)
+        draft = draft[: req.max_len - start - 1]
+        accepted = min(accepted, len(draft))
+        allocation = self.m.allocate(rid, start + 1 + len(draft))
+        if allocation is None:
+            return  # a draft never preempts: the engine decodes one token instead
+        assert allocation.copies == ()
+        written = [*req.history, token, *draft[:accepted], *[(t + 1) % len(VOCAB) for t in draft[accepted:]]]
+        self.sim.write(self.m, rid, written, start, len(written))
+        req.history.extend([token, *draft[:accepted]])
+        self.m.commit_tokens(rid, req.history)
+        self.m.truncate(rid, len(req.history))
+        assert self.m.request_memory(rid).num_blocks <= -(-len(req.history) // self.BS)
+        event("draft partly rejected" if accepted < len(draft) else "draft accepted")
+        req.num_written, req.last_step = len(req.history), 1 + len(draft)
+
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:

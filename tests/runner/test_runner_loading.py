@@ -45,13 +45,25 @@ def test_resolve_dtype_defaults() -> None:
         resolve_dtype("float8", torch.device("cpu"))
 
 
-@pytest.mark.parametrize(
-    "field, value, message", [("quantize", "awq", "--quantize awq"), ("speculate", 2, "--speculate 2")]
-)
+@pytest.mark.parametrize("field, value, message", [("quantize", "awq", "--quantize awq")])
 def test_unsupported_options_are_rejected(tiny_llama_dir: Path, field: str, value, message: str) -> None:
     config = ModelConfig(model_id=str(tiny_llama_dir), **{field: value})
     with pytest.raises(ModelLoadError, match=message):
         load_model(config, "cpu")
+
+
+@pytest.mark.parametrize(
+    "extra, kind", [({"medusa_num_heads": 4}, "Medusa heads"), ({"model_type": "mlp_speculator"}, "an MLP speculator")]
+)
+def test_speculator_checkpoints_are_refused(tiny_llama_dir: Path, tmp_path: Path, extra: dict, kind: str) -> None:
+    import json
+    import shutil
+
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "speculator")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **extra}))
+    with pytest.raises(ModelLoadError, match=f"is {kind} checkpoint.*--speculate N"):
+        load_model(ModelConfig(model_id=str(model), speculate=2), "cpu")
 
 
 def test_non_local_model_id_is_rejected(tmp_path: Path) -> None:

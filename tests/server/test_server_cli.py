@@ -137,7 +137,7 @@ BAD_CONFIGS = [
         "--quantize eetq is not supported by tgi-paged-backend: supported fp8, compressed-tensors, gptq, awq",
     ),
     (("--quantize", "exl2"), {}, "--quantize exl2 is not supported"),
-    (("--speculate", "2"), {}, "--speculate"),
+    (("--speculate", "-1"), {}, "--speculate=-1 is invalid"),
     (("--dtype", "int8"), {}, "--dtype"),
     (("--kv-cache-dtype", "fp4"), {}, "kv_cache_dtype"),
     (("--logger-level", "LOUD"), {}, "--logger-level"),

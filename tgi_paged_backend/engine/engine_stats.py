@@ -22,6 +22,10 @@ class EngineStats:
     preempted_wait_s: list[float] = field(default_factory=list)
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
+    draft_tokens: int = 0
+    """Speculative tokens verified (``--speculate``)."""
+    accepted_tokens: int = 0
+    """Of those, the ones accepted."""
     peak_running_requests: int = 0
     """Most requests computing in one step (the admitted concurrency the pool sustained)."""
 
@@ -31,7 +35,9 @@ class EngineStats:
             self.num_idle_steps += 1
         self.computed_tokens += out.num_computed_tokens
         self.recomputed_tokens += out.num_recomputed_tokens
-        self.generated_tokens += len(out.generations)
+        self.generated_tokens += sum(len(g.tokens.ids) for g in out.generations)
+        self.draft_tokens += out.num_draft_tokens
+        self.accepted_tokens += out.num_accepted_tokens
         self.finished_requests += len(out.finished)
         for event in plan.preemptions:
             self.preemptions[event.mode] = self.preemptions.get(event.mode, 0) + 1

@@ -17,8 +17,9 @@ import torch
 from tgi_paged_backend.engine.detokenize import TokenDecoder
 from tgi_paged_backend.engine.grammar import apply_grammar_masks
 from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
-from tgi_paged_backend.engine.sampling import choose_next_tokens
+from tgi_paged_backend.engine.sampling import ChosenToken, choose_next_tokens
 from tgi_paged_backend.engine.scheduler import StepPlan
+from tgi_paged_backend.engine.speculation import accepted_prefix
 from tgi_paged_backend.engine.step_anatomy import StepTimer
 from tgi_paged_backend.engine.types import GeneratedText, Generation, Tokens
 from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
@@ -41,6 +42,10 @@ class StepOutput:
     copy_ns: int = 0
     """Time of this step's block copies (after a device sync on CUDA): with the swapped blocks, a
     measured swap rate for the preemption cost model."""
+    num_draft_tokens: int = 0
+    """Speculative tokens verified this step (``engine.speculation``)."""
+    num_accepted_tokens: int = 0
+    """Of those, the ones the requests' choosers confirmed."""
 
 
 class ModelStep:
@@ -72,10 +77,22 @@ class ModelStep:
         sampled, recomputed = self._advance(plan, rows, logits)
         timer.lap("schedule")
         t1 = time.perf_counter_ns()
-        generations, finished = self._emit(sampled, logits, timer)
+        drafted = sum(len(r.draft) for r, _ in sampled)
+        generations, finished, accepted = self._emit(sampled, logits, timer)
         t2 = time.perf_counter_ns()
         constrained = sum(1 for r, _ in sampled if r.grammar is not None)
-        return StepOutput(generations, finished, plan.num_tokens, recomputed, t1 - t0, t2 - t1, constrained, **copies)
+        return StepOutput(
+            generations,
+            finished,
+            plan.num_tokens,
+            recomputed,
+            t1 - t0,
+            t2 - t1,
+            constrained,
+            **copies,
+            num_draft_tokens=drafted,
+            num_accepted_tokens=accepted,
+        )
 
     # -- phases ------------------------------------------------------------------------------
 
@@ -103,6 +120,12 @@ class ModelStep:
             ids.append(r.id)
             starts.append(start)
             counts.append(n)
+            if r.draft:  # the last sampled token, then the draft; every position's logits are verified
+                chunks.append([r.output_ids[-1], *r.draft])
+                rows.append((len(logits_idx), n, False))
+                logits_idx.extend(range(offset, offset + n))
+                offset += n
+                continue
             if n == 1 and start >= len(r.prompt_ids):
                 chunks.append(r.output_ids[start - len(r.prompt_ids) : start - len(r.prompt_ids) + 1])
             else:
@@ -145,10 +168,18 @@ class ModelStep:
         return np.repeat(adapters - 1, counts) if adapters.any() else None
 
     def _advance(self, plan: StepPlan, rows: list[tuple[int, int, bool]], logits: torch.Tensor):
-        """Account computed tokens; collect (request, row of ``logits``) for those that yield a token."""
+        """Account computed tokens; collect (request, row of ``logits``) for those that yield a token (with a
+        draft: the row of its last sampled token, the draft's rows follow). Draft positions are accounted
+        once verified (:meth:`_emit`)."""
         sampled: list[tuple[RequestState, int]] = []
         recomputed = 0
         for (r, n), (first, count, prompt_rows) in zip(plan.scheduled, rows):
+            if r.draft:
+                start = r.num_computed
+                self.kv.commit_tokens(r.id, r.output_ids[-1:], start)
+                r.advance(1)
+                sampled.append((r, first))
+                continue
             start, end = r.num_computed, r.num_computed + n
             if prompt_rows:
                 self._record_prompt_logprobs(r, start, end, logits[first : first + count])
@@ -181,11 +212,13 @@ class ModelStep:
             r.prefill_logprobs.extend(v if math.isfinite(v) else -1e30 for v in values)
 
     def _emit(self, sampled: list[tuple[RequestState, int]], step_logits: torch.Tensor, timer: StepTimer):
+        """Choose, verify drafts, stop and detokenize; returns (generations, finished, accepted draft tokens)."""
         if not sampled:
-            return [], []
-        picked = [row for _, row in sampled]
-        requests = [r for r, _ in sampled]
-        constrained = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+            return [], [], 0
+        # One row per position to choose: a request's own row, then one per draft token after it.
+        owners = [(r, i) for r, _ in sampled for i in range(len(r.draft) + 1)]
+        picked = [row + i for r, row in sampled for i in range(len(r.draft) + 1)]
+        constrained = [(j, r.grammar) for j, (r, _) in enumerate(owners) if r.grammar is not None]
         # A decode step samples every row in order: no [B, V] copy then, unless grammar masks write into it
         # (the forward's logits are an inference tensor, read-only here).
         if not constrained and picked == list(range(step_logits.shape[0])):
@@ -193,58 +226,78 @@ class ModelStep:
         else:
             logits = step_logits[torch.tensor(picked, device=step_logits.device)]
         apply_grammar_masks(logits, [i for i, _ in constrained], [g for _, g in constrained])  # before sampling
-        params = [r.spec.sampling for r in requests]
+        params = [r.spec.sampling for r, _ in owners]
         needs_history = [p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 for p in params]
-        histories = [r.all_ids if need else [] for r, need in zip(requests, needs_history)]
+        histories = [r.all_ids + r.draft[:i] if need else [] for (r, i), need in zip(owners, needs_history)]
         chosen = choose_next_tokens(
             logits,
             params,
-            [len(r.output_ids) for r in requests],
+            [len(r.output_ids) + i for r, i in owners],  # draft position i is output step len + i: same seeds
             histories if any(needs_history) else None,
-            [r.spec.top_n_tokens for r in requests],
+            [r.spec.top_n_tokens for r, _ in owners],
         )
         timer.lap("sample")
-        generations, finished = [], []
-        for r, c in zip(requests, chosen):
+        generations, finished, accepted_total, j = [], [], 0, 0
+        for r, _ in sampled:
+            draft, mine = r.draft, chosen[j : j + len(r.draft) + 1]
+            j += len(mine)
+            accepted = accepted_prefix(draft, [c.id for c in mine])
+            generation = self._emit_request(r, mine[: accepted + 1])
+            generations.append(generation)
+            accepted_total += accepted
+            if generation.generated_text is not None:
+                finished.append(r)
+                r.draft = []
+            elif draft:  # keep the accepted positions' K/V, give back the rejected ones' blocks
+                self.kv.commit_tokens(r.id, draft[:accepted], r.num_computed)
+                r.accept_draft(accepted)
+                self.kv.truncate(r.id, r.num_computed)
+        timer.lap("detokenize")
+        return generations, finished, accepted_total
+
+    def _emit_request(self, r: RequestState, choices: list[ChosenToken]) -> Generation:
+        """Append ``choices`` in order until a stop condition; one ``Generation`` with every emitted id."""
+        detok, stop = r.detok_state, r.stop_state
+        assert detok is not None and stop is not None  # both set when the request is registered
+        first = not r.output_ids
+        tokens = Tokens(ids=[], logprobs=[], texts=[], is_special=[])
+        top: list[Tokens] = []
+        reason = None
+        for c in choices:
             r.output_ids.append(c.id)
             if r.grammar is not None:
                 r.grammar.advance(c.id)
-            detok, stop = r.detok_state, r.stop_state
-            assert detok is not None and stop is not None  # both set when the request is registered
             text = detok.step(c.id)
-            reason = stop(c.id, text)
-            tokens = Tokens(ids=[c.id], logprobs=[c.logprob], texts=[text], is_special=[self.decoder.is_special(c.id)])
-            top = []
+            tokens.ids.append(c.id)
+            tokens.logprobs.append(c.logprob)
+            tokens.texts.append(text)
+            tokens.is_special.append(self.decoder.is_special(c.id))
             if r.spec.top_n_tokens > 0:
-                top = [
+                top.append(
                     Tokens(
                         ids=c.top_ids,
                         logprobs=c.top_logprobs,
                         texts=self.decoder.token_texts(c.top_ids),
                         is_special=self.decoder.is_special_many(c.top_ids),
                     )
-                ]
-            prefill = None
-            if len(r.output_ids) == 1 and r.wants_prompt_logprobs:
-                prefill = self._prefill_tokens(r)
-            generated = None
-            if reason is not None:
-                r.finish_reason = reason
-                r.status = RequestStatus.FINISHED
-                finished.append(r)
-                generated = GeneratedText(
-                    text=detok.final_text(),
-                    generated_tokens=len(r.output_ids),
-                    finish_reason=reason,
-                    seed=r.spec.sampling.seed if r.spec.sampling.is_sampling else None,
                 )
-            generations.append(
-                Generation(
-                    request_id=r.id, tokens=tokens, prefill_tokens=prefill, generated_text=generated, top_tokens=top
-                )
+            reason = stop(c.id, text)
+            if reason is not None:  # a stop inside the accepted run cuts it there
+                break
+        prefill = self._prefill_tokens(r) if first and r.wants_prompt_logprobs else None
+        generated = None
+        if reason is not None:
+            r.finish_reason = reason
+            r.status = RequestStatus.FINISHED
+            generated = GeneratedText(
+                text=detok.final_text(),
+                generated_tokens=len(r.output_ids),
+                finish_reason=reason,
+                seed=r.spec.sampling.seed if r.spec.sampling.is_sampling else None,
             )
-        timer.lap("detokenize")
-        return generations, finished
+        return Generation(
+            request_id=r.id, tokens=tokens, prefill_tokens=prefill, generated_text=generated, top_tokens=top
+        )
 
     def _prefill_tokens(self, r: RequestState) -> Tokens:
         n = len(r.prompt_ids)

@@ -73,6 +73,9 @@ class RequestState:
     """LoRA adapter index serving the request (0: the base model), resolved once at admission."""
     waiting_for_adapter: bool = False
     """The last step did not run it because ``max_loras`` other adapters ran (set by the scheduler)."""
+    draft: list[int] = field(default_factory=list)
+    """Speculative tokens to verify this step after the last sampled one (``engine.speculation``): set before
+    planning, dropped by the scheduler when the pool cannot back them, consumed by the model step."""
     chunk_len_hint: int | None = None
     """The router's ``chunk_len`` for the first chunk, consumed once."""
     stop_state: StoppingCriteria | None = None
@@ -122,6 +125,13 @@ class RequestState:
             self.prefill_done = True
             return True
         return False
+
+    def accept_draft(self, num_accepted: int) -> None:
+        """The first ``num_accepted`` draft tokens were confirmed (and appended to ``output_ids`` with the
+        token after them): their positions, computed this step, hold valid K/V."""
+        self.num_computed += num_accepted
+        assert self.num_computed <= self.num_tokens - 1, f"request {self.id} accepted past its history"
+        self.draft = []
 
     def drop_computed(self) -> None:
         """A waiting recompute-preempted request gave back the prefix it had matched again."""

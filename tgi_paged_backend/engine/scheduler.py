@@ -8,7 +8,8 @@ request fits in the pool (Warmup guarantees that), so nothing deadlocks.
 
 Per step:
 1. swapped requests try to swap back in (preempting later-admitted ones if needed);
-2. every request gets its token count (1 to decode; a prefill chunk within the token budget);
+2. every request gets its token count (1 to decode, plus its speculative draft when the pool backs it
+   without preempting; a prefill chunk within the token budget);
 3. its physical blocks are allocated, preempting later-admitted victims until they fit; when no
    victim is left it simply waits this step (no Generation, it stays in the batch).
 """
@@ -96,16 +97,20 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.PREEMPTED:  # resume: share what is still retained
                 reuse_cached_prefix(self.kv, request)
+            if request.draft and not self._allocate_draft(request, plan):
+                request.draft = []  # the pool cannot back the draft without preempting: decode one token
             n = self._num_tokens(request, prefill_budget)
-            request.waiting_for_blocks = n > 0 and not self._allocate(
-                request, request.num_computed + n, victims_pool, plan
+            request.waiting_for_blocks = (  # a draft's blocks are allocated already (allocate once per step:
+                n > 0  # the sliding-window release reads where the step's first query is)
+                and not request.draft
+                and not self._allocate(request, request.num_computed + n, victims_pool, plan)
             )
             if n == 0 or request.waiting_for_blocks:
                 self._release_if_waiting(request)
                 continue
             if request.status is RequestStatus.PREEMPTED:
                 plan.resumed_wait_s.append(request.mark_resumed())
-            if n > 1 or request.num_remaining > 1:
+            if request.num_remaining > 1:  # a prefill chunk (a decode's draft tokens do not count)
                 prefill_budget -= n
             plan.scheduled.append((request, n))
             if request.adapter:
@@ -124,7 +129,7 @@ class Scheduler:
     def _num_tokens(self, request: RequestState, prefill_budget: int) -> int:
         remaining = request.num_remaining
         if remaining == 1:
-            return 1
+            return 1 + len(request.draft)
         n = min(remaining, prefill_budget)
         if request.chunk_len_hint is not None:
             n = min(n, request.chunk_len_hint)
@@ -165,6 +170,16 @@ class Scheduler:
         plan.num_new_blocks += len(allocation.new_blocks)
         return True
 
+    def _allocate_draft(self, request: RequestState, plan: StepPlan) -> bool:
+        """Back the next token and the draft after it if the pool has the blocks; never preempts for a draft."""
+        allocation = self.kv.allocate(request.id, request.num_computed + 1 + len(request.draft))
+        if allocation is None:
+            return False
+        for copy in allocation.copies:
+            plan.copy_ops.append(("cow", [copy.src], [copy.dst]))
+        plan.num_new_blocks += len(allocation.new_blocks)
+        return True
+
     def _preempt_one_after(self, request: RequestState, victims_pool: list[RequestState], plan: StepPlan) -> bool:
         """Preempt one request after ``request`` in priority order that holds blocks.
 
@@ -200,6 +215,7 @@ class Scheduler:
 
     def _preempt(self, victim: RequestState, plan: StepPlan) -> None:
         plan.scheduled = [(r, n) for r, n in plan.scheduled if r is not victim]
+        victim.draft = []
         mode, cost = self.choose_mode(victim, self.kv.can_swap_out(victim.id))
         num_tokens = victim.num_computed
         if mode == "swap" and (swap := self.kv.swap_out(victim.id)) is not None:

@@ -28,6 +28,7 @@ from tgi_paged_backend.engine.model_step import ModelStep
 from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
 from tgi_paged_backend.engine.sampling import validate_sampling_params
 from tgi_paged_backend.engine.scheduler import Scheduler, reuse_cached_prefix
+from tgi_paged_backend.engine.speculation import propose_drafts
 from tgi_paged_backend.engine.step_anatomy import StepTimer, device_sync
 from tgi_paged_backend.engine.stopping import StoppingCriteria, eos_token_ids
 from tgi_paged_backend.engine.tokenize import PromptTokenizer
@@ -170,7 +171,7 @@ class PagedShardEngine:
             dtype=str(self.runner.dtype).removeprefix("torch."),
             device_type=self.runner.device.type,
             window_size=None,
-            speculate=0,
+            speculate=self.config.model.speculate,
             support_chunking=True,
             use_prefix_caching=self.config.cache.prefix_caching,
             attention_impl="paged",
@@ -394,6 +395,7 @@ class PagedShardEngine:
         timer = StepTimer(self._sync)
         timer.add("telemetry", self._telemetry_ns)
         step = self._without_compiling([self.requests[rid] for rid in ids])
+        propose_drafts(step, self.config.model.speculate)
         in_step = {r.id for r in step}
         others = [r for rid, r in self.requests.items() if rid not in in_step]
         plan = self.scheduler.plan(step, others)

@@ -73,6 +73,11 @@ class BlockTableArray:
         """Point columns ``[start, end)`` of the row at the scratch block (holes; the length stays)."""
         self.table[row, start:end] = SCRATCH_BLOCK
 
+    def truncate(self, row: int, length: int) -> None:
+        """Keep the row's first ``length`` blocks (the rest unmapped)."""
+        self.table[row, length : self.lengths[row]] = SCRATCH_BLOCK
+        self.lengths[row] = min(int(self.lengths[row]), length)
+
     def clear(self, row: int) -> None:
         """Unmap every block of the row."""
         self.table[row, : self.lengths[row]] = SCRATCH_BLOCK

@@ -210,6 +210,27 @@ class KVCacheManager:
             req.token_ids.extend(int(t) for t in token_ids[have - start :])
         req.num_committed = num
 
+    def truncate(self, request_id: int, num_tokens: int) -> int:
+        """Forget positions from ``num_tokens`` on (rejected speculative tokens): blocks wholly past them go
+        back to the pool (they hold no committed token, so none is retained); returns how many."""
+        req = self._requests[request_id]
+        assert req.swapped is None, f"request {request_id} is swapped out"
+        keep = max(-(-num_tokens // self.block_size), req.num_holes)
+        dropped = req.blocks[keep:]
+        req.num_committed = min(req.num_committed, num_tokens)
+        req.num_allocated_tokens = min(req.num_allocated_tokens, num_tokens)
+        del req.token_ids[num_tokens:]
+        if not dropped:
+            return 0
+        assert req.cow_src is None, f"request {request_id}: a pending copy-on-write past its history"
+        for block_id in reversed(dropped):
+            if block_id != SCRATCH_BLOCK:
+                assert not self._prefix.is_registered(block_id), "a retained block past the committed tokens"
+                self._pool.decref(block_id, retain=False)
+        del req.blocks[keep:]
+        self._table.truncate(req.row, keep)
+        return len(dropped)
+
     def free(self, request_id: int) -> None:
         """Release everything of a finished (or filtered/cleared) request; full blocks are retained."""
         req = self._requests.pop(request_id)

@@ -9,6 +9,7 @@ Phi-3, Gemma). Only safetensors weights from a local directory are read; nothing
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,10 +84,23 @@ def check_supported(model_config: ModelConfig) -> None:
     """Reject options this backend does not implement, naming the launcher flag."""
     if model_config.quantize is not None and model_config.quantize not in SUPPORTED_QUANTIZE:
         raise ModelLoadError(refusal(model_config.quantize))
-    if model_config.speculate:
+
+
+def _refuse_speculator(path: Path) -> None:
+    """Medusa heads and MLP speculators are separate checkpoints stock TGI pairs with a base model; this
+    backend speculates with n-gram proposals only, so it refuses them rather than serve something else."""
+    raw = json.loads((path / "config.json").read_text())
+    kind = (
+        "an MLP speculator"
+        if raw.get("model_type") == "mlp_speculator"
+        else "Medusa heads"
+        if "medusa_num_heads" in raw or (path / "medusa_lm_head.safetensors").is_file()
+        else None
+    )
+    if kind is not None:
         raise ModelLoadError(
-            f"--speculate {model_config.speculate} is not supported by the paged backend; remove it "
-            "(speculative decoding is not implemented)"
+            f"{path} is {kind} checkpoint, which tgi-paged-backend does not serve: point --model-id at the base "
+            "model and pass --speculate N (n-gram proposals from each request's history)"
         )
 
 
@@ -179,6 +193,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
     check_supported(model_config)
     device = torch.device(device)
     path = _model_dir(model_config)
+    _refuse_speculator(path)
     dtype = resolve_dtype(model_config.dtype, device)
     attn_name = register_attention()
     config = transformers.AutoConfig.from_pretrained(

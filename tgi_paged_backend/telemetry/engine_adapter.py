@@ -118,6 +118,8 @@ class StepRecordBuilder:
             num_waiting=counts.waiting,
             max_preempted_wait_s=counts.max_preempted_wait_s,
             constrained_rows=getattr(out, "num_constrained_rows", 0),
+            draft_tokens=getattr(out, "num_draft_tokens", 0),
+            accepted_draft_tokens=getattr(out, "num_accepted_tokens", 0),
             grammar_compile_s=compile_s,
             grammar_cache_hits=hits,
             part_s=part_s,

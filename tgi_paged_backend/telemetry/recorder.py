@@ -104,6 +104,10 @@ METRIC_NAMES: dict[str, str] = {
     "tgi_paged_grammar_compile_seconds": "Time to compile one grammar (regex automaton over the vocabulary)",
     "tgi_paged_grammar_cache_hits_total": "Grammar requests whose automaton was already compiled (or compiling)",
     "tgi_paged_constrained_rows": "Grammar-constrained rows sampled per step (steps with none excluded)",
+    # speculative decoding
+    "tgi_paged_spec_draft_tokens_total": "Speculative tokens proposed and verified (--speculate)",
+    "tgi_paged_spec_accepted_tokens_total": "Speculative tokens accepted (each saves one forward step)",
+    "tgi_paged_spec_acceptance_ratio": "Accepted over proposed speculative tokens since start (0 before any)",
     # LoRA adapters
     "tgi_paged_lora_requests_info": "LoRA adapters in use: labels max_lora, running_lora_adapters and "
     "waiting_lora_adapters (comma-separated names); value: Unix time of the last update",
@@ -223,6 +227,9 @@ class OtelRecorder:
         export_interval_s: Override of the OTLP push interval.
     """
 
+    _spec_totals: tuple[int, int]
+    """(proposed, accepted) speculative tokens since start, for the acceptance-ratio gauge."""
+
     def __init__(self, config: TelemetryConfig, rank: int = 0, *, export_interval_s: float | None = None) -> None:
         self.resource = shard_resource(config, rank)
         readers: list[MetricReader] = []
@@ -302,6 +309,11 @@ class OtelRecorder:
             self._grammar_hits.add(record.grammar_cache_hits)
         if record.constrained_rows:
             self._constrained_rows.record(record.constrained_rows)
+        if record.draft_tokens:
+            self._spec_drafts.add(record.draft_tokens)
+            self._spec_accepted.add(record.accepted_draft_tokens)
+            drafted, accepted = self._spec_totals
+            self._spec_totals = (drafted + record.draft_tokens, accepted + record.accepted_draft_tokens)
 
     def record_memory(
         self,
@@ -385,6 +397,10 @@ class OtelRecorder:
         self._grammar_compile = histogram("tgi_paged_grammar_compile_seconds", "s")
         self._grammar_hits = counter("tgi_paged_grammar_cache_hits_total", "{request}")
         self._constrained_rows = histogram("tgi_paged_constrained_rows", "{request}")
+        self._spec_drafts = counter("tgi_paged_spec_draft_tokens_total", "{token}")
+        self._spec_accepted = counter("tgi_paged_spec_accepted_tokens_total", "{token}")
+        self._spec_totals = (0, 0)
+        gauge("tgi_paged_spec_acceptance_ratio", "1", self._observe_acceptance)
         gauge("tgi_paged_lora_requests_info", "s", self._observe_lora_info)
         gauge("tgi_paged_lora_requests", "{request}", self._observe_lora_requests)
         self._lora_unknown = counter("tgi_paged_lora_unknown_adapter_requests_total", "{request}")
@@ -394,8 +410,19 @@ class OtelRecorder:
             self._preemptions.add(0, attrs)
         for attrs in self._direction_attrs.values():
             self._swap_bytes.add(0, attrs)
-        for instrument in (self._computed, self._recomputed, self._prefix_hit, self._prefix_query):
+        for instrument in (
+            self._computed,
+            self._recomputed,
+            self._prefix_hit,
+            self._prefix_query,
+            self._spec_drafts,
+            self._spec_accepted,
+        ):
             instrument.add(0)
+
+    def _observe_acceptance(self, options: CallbackOptions) -> list[Observation]:
+        drafted, accepted = self._spec_totals
+        return [Observation(accepted / drafted if drafted else 0.0)]
 
     def _pool(self, value):
         def callback(options: CallbackOptions) -> list[Observation]:

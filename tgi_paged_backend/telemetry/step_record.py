@@ -85,6 +85,10 @@ class StepRecord:
     """Longest current wait among requests still preempted after the step (0 when none)."""
     constrained_rows: int = 0
     """Sampled rows masked by a grammar in this step."""
+    draft_tokens: int = 0
+    """Speculative tokens verified in this step (``--speculate``)."""
+    accepted_draft_tokens: int = 0
+    """Of those, the ones accepted."""
     grammar_compile_s: tuple[float, ...] = ()
     """Durations of the grammar compiles that finished since the previous record."""
     grammar_cache_hits: int = 0

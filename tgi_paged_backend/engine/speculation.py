@@ -1,0 +1,92 @@
+"""Speculative decoding (``--speculate N``): proposals from the request's own history, verified in one
+forward, accepted while the request's normal chooser picks them.
+
+Per decoding request and step (``engine.shard_engine`` calls :func:`propose_drafts` before planning):
+
+1. :func:`ngram_draft` proposes up to N tokens: the tokens that followed the **most recent** earlier
+   occurrence of the longest suffix of ``prompt + output`` (suffix lengths :data:`MAX_NGRAM` down to 1).
+   Stock TGI copies after the first occurrence of the last token only; the latest occurrence of a longer
+   suffix is where repetitive text (edits, code, summaries quoting the source) most often continues.
+2. The scheduler computes ``[last token] + draft`` in one step (the chunked-prefill path: several query
+   positions of one request), backing them with blocks only if the pool has them without preempting.
+3. ``engine.model_step`` samples every position with the request's chooser (same seed stream as without
+   speculation: position ``i`` is output step ``len(output) + i``) and accepts draft token ``i`` while the
+   chosen token equals it; the first mismatch (or the position after the last draft) gives the extra
+   token. Greedy and seeded output are therefore exactly the non-speculative output.
+4. The page map keeps the accepted positions only: rejected positions' blocks go back to the pool
+   (``KVCacheManager.truncate``) and only accepted tokens are committed for prefix retention.
+
+Requests with a grammar, with repetition/frequency penalties or asking for prompt logprobs are not
+drafted for (they decode one token per step, exactly as before).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
+
+MAX_NGRAM = 3
+"""Longest history suffix looked up (then shorter ones)."""
+MAX_LOOKBACK = 4096
+"""Tokens of history searched (the most recent ones), bounding the per-step cost."""
+
+
+def ngram_draft(history: Sequence[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of ``history``
+    (of length ``max_ngram`` down to 1); ``[]`` when no suffix recurs."""
+    if k <= 0 or len(history) < 2:
+        return []
+    tail = list(history[-MAX_LOOKBACK:])
+    n_hist = len(tail)
+    for n in range(min(max_ngram, n_hist - 1), 0, -1):
+        suffix = tail[n_hist - n :]
+        first = suffix[0]
+        # latest start s < n_hist - n with tail[s : s + n] == suffix
+        for s in range(n_hist - n - 1, -1, -1):
+            if tail[s] == first and tail[s : s + n] == suffix:
+                follow = tail[s + n : s + n + k]
+                if follow:
+                    return follow
+                break
+    return []
+
+
+def may_speculate(r: RequestState) -> bool:
+    """Whether a request drafts this step: decoding (its next token is due), no grammar, no penalties,
+    no pending prompt logprobs."""
+    p = r.spec.sampling
+    return (
+        r.status is RequestStatus.RUNNING
+        and r.prefill_done
+        and r.num_remaining == 1
+        and bool(r.output_ids)
+        and r.grammar is None
+        and p.grammar is None
+        and p.repetition_penalty == 1.0
+        and p.frequency_penalty == 0.0
+    )
+
+
+def propose_drafts(requests: Iterable[RequestState], speculate: int) -> int:
+    """Set every request's ``draft`` for this step (``[]`` when it does not speculate); returns the number of
+    proposed tokens. A draft never runs past ``max_new_tokens``: the last token is the verified one."""
+    proposed = 0
+    for r in requests:
+        r.draft = []
+        if speculate <= 0 or not may_speculate(r):
+            continue
+        room = r.spec.stopping.max_new_tokens - len(r.output_ids) - 1
+        r.draft = ngram_draft(r.all_ids, min(speculate, room))
+        proposed += len(r.draft)
+    return proposed
+
+
+def accepted_prefix(draft: Sequence[int], chosen: Sequence[int]) -> int:
+    """How many leading draft tokens the chooser confirmed (``chosen[i]`` is the choice at draft position i)."""
+    n = 0
+    for d, c in zip(draft, chosen):
+        if d != c:
+            break
+        n += 1
+    return n
