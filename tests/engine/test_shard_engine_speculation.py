@@ -2,10 +2,11 @@
 without them, token for token (greedy: HF's; seeded sampling: the same seed's tokens), and the page map
 keeps only accepted positions.
 
-Drafts come from an oracle (``_OracleDrafts``: the request's true continuation, with a wrong token planted
-every few steps) so that every path runs: whole drafts accepted, partial acceptance with the rejected
-tail's blocks given back, a draft cut by ``max_new_tokens`` or by a stop inside the accepted run. The
-n-gram proposer itself is covered by ``tests/engine/test_speculation.py`` and the SmolLM2 figures.
+Drafts come from an oracle (``tests/helpers/speculation_oracle.py``: the request's true continuation,
+with a wrong token planted every few steps) so that every path runs: whole drafts accepted, partial
+acceptance with the rejected tail's blocks given back, a draft cut by ``max_new_tokens`` or by a stop
+inside the accepted run. The n-gram proposer itself is covered by ``tests/engine/test_speculation.py``
+and the SmolLM2 figures.
 Scenarios: single request and mixed batch with router reservations at N = 1..4; a pool small enough to
 preempt by recompute and by swap; seeded sampling; stop sequences and EOS; top-n and logprobs per id; a
 grammar-constrained row beside speculating ones. Pool invariants are checked after every RPC.
@@ -27,32 +28,14 @@ from tests.engine.conftest import (
     router_spec,
     spec,
 )
+from tests.helpers.speculation_oracle import OracleDrafts
 from tgi_paged_backend.engine import speculation
 from tgi_paged_backend.engine.types import BatchSpec, GrammarSpec, SamplingParams
 
 
-class _OracleDrafts:
-    """``ngram_draft`` stand-in: the next tokens of the reference run whose history this is, every
-    ``wrong_every``-th draft with its last token replaced (so acceptance stops there)."""
-
-    def __init__(self, sequences: list[list[int]], wrong_every: int = 3) -> None:
-        self.sequences, self.wrong_every, self.calls = sequences, wrong_every, 0
-
-    def __call__(self, history, k, max_ngram=speculation.MAX_NGRAM):  # noqa: ANN001, ANN204 - ngram_draft's
-        history = list(history)
-        for seq in self.sequences:
-            if seq[: len(history)] == history and len(seq) > len(history):
-                draft = list(seq[len(history) : len(history) + k])
-                self.calls += 1
-                if draft and self.calls % self.wrong_every == 0:
-                    draft[-1] = (draft[-1] + 1) % 300
-                return draft
-        return []
-
-
 def _run(model_dir, requests, *, speculate=0, oracle=None, monkeypatch=None, **engine_kw):
     if oracle is not None:
-        monkeypatch.setattr(speculation, "ngram_draft", oracle)
+        monkeypatch.setattr(speculation, "ngram_draft", oracle)  # the context manager's effect, per run
     engine = make_engine(model_dir, speculate=speculate, **engine_kw)
     driver = RouterDriver(engine, check_preempted=False)
     driver.run(BatchSpec(id=0, requests=tuple(requests)))
@@ -75,7 +58,7 @@ def test_greedy_with_drafts_equals_hf(tiny_dir, hf_greedy, monkeypatch, speculat
         for rid, words, max_new in ((1, 3, 13), (2, 17, 7), (3, 9, 16))
     ]
     truth = [prompt_ids(engine, r.text) + hf_greedy(tiny_dir, prompt_ids(engine, r.text), 16) for r in requests]
-    oracle = _OracleDrafts(truth)
+    oracle = OracleDrafts(truth)
     spec_engine, driver = _run(
         tiny_dir, requests, speculate=speculate, oracle=oracle, monkeypatch=monkeypatch, num_blocks=48
     )
@@ -100,7 +83,7 @@ def test_exact_under_preemption(tiny_llama_dir, hf_greedy, monkeypatch, preempti
         tiny_llama_dir,
         requests,
         speculate=3,
-        oracle=_OracleDrafts(truth, wrong_every=2),
+        oracle=OracleDrafts(truth, wrong_every=2),
         monkeypatch=monkeypatch,
         num_blocks=12,  # 11 usable blocks of 4 tokens: one request fits, four do not
         block_size=4,
@@ -122,7 +105,7 @@ def test_seeded_sampling_repeats_the_non_speculative_tokens(tiny_llama_dir, monk
         tiny_llama_dir,
         requests,
         speculate=4,
-        oracle=_OracleDrafts(_sequences(engine, plain, requests)),
+        oracle=OracleDrafts(_sequences(engine, plain, requests)),
         monkeypatch=monkeypatch,
     )
     assert spec_engine.stats.accepted_tokens > 0
@@ -140,7 +123,7 @@ def test_stops_inside_the_accepted_run_cut_it(tiny_llama_dir, monkeypatch):
         spec(3, make_text(5, 8), 20, ignore_eos=False),
     ]
     engine, plain = _run(tiny_llama_dir, requests)
-    oracle = _OracleDrafts([prompt_ids(engine, make_text(5, 8)) + plain.tokens[1] + [0] * 30], wrong_every=10**9)
+    oracle = OracleDrafts([prompt_ids(engine, make_text(5, 8)) + plain.tokens[1] + [0] * 30], wrong_every=10**9)
     _, driver = _run(tiny_llama_dir, requests, speculate=4, oracle=oracle, monkeypatch=monkeypatch)
     for r in requests:
         assert driver.tokens[r.id] == plain.tokens[r.id], f"request {r.id}"
@@ -155,7 +138,7 @@ def test_logprobs_and_top_n_per_accepted_id(tiny_llama_dir, monkeypatch):
         tiny_llama_dir,
         requests,
         speculate=3,
-        oracle=_OracleDrafts(_sequences(engine, plain, requests)),
+        oracle=OracleDrafts(_sequences(engine, plain, requests)),
         monkeypatch=monkeypatch,
     )
     assert driver.tokens[1] == plain.tokens[1]
@@ -177,7 +160,7 @@ def test_grammar_row_beside_speculating_rows(tiny_llama_dir, monkeypatch):
         tiny_llama_dir,
         requests,
         speculate=2,
-        oracle=_OracleDrafts(_sequences(engine, plain, requests)),
+        oracle=OracleDrafts(_sequences(engine, plain, requests)),
         monkeypatch=monkeypatch,
     )
     for r in requests:

@@ -23,6 +23,7 @@ and writes the table (:func:`render_markdown`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import tempfile
 import time
@@ -43,12 +44,22 @@ from tests.engine.conftest import (
 )
 from tests.helpers.family_models import FAMILIES, Family, family_config, is_available, write_family_model
 from tests.helpers.family_tp import TpOutcome, run_tp, tp_families
+from tests.helpers.speculation_oracle import oracle_drafts
 from tests.helpers.tiny_models import load_reference
 from tgi_paged_backend.bench.sliding_window import long_run_table
 from tgi_paged_backend.engine.types import BatchSpec
 from tgi_paged_backend.runner.model_loader import ModelLoadError
 
-SCENARIOS: tuple[str, ...] = ("single", "mixed_batch", "chunked_prefill", "preempt_recompute", "preempt_swap")
+SCENARIOS: tuple[str, ...] = (
+    "single",
+    "mixed_batch",
+    "chunked_prefill",
+    "preempt_recompute",
+    "preempt_swap",
+    "speculate",
+)
+SPECULATE = 3
+"""``--speculate`` of the speculate scenario (drafts from an oracle, preemption by recompute)."""
 BLOCK_SIZE = 4
 
 REFUSED: dict[str, str] = {
@@ -103,13 +114,19 @@ def run_scenario(model_dir: Path, scenario: str) -> ScenarioOutcome:
     """Serve ``model_dir`` through a fresh engine in ``scenario`` and collect tokens and references."""
     torch.manual_seed(0)
     preemption = {"preempt_recompute": "recompute", "preempt_swap": "swap"}.get(scenario, "recompute")
-    num_blocks = 32 // BLOCK_SIZE + 1 if scenario.startswith("preempt") else 48  # + 1: the scratch block
+    preempts = scenario.startswith("preempt") or scenario == "speculate"
+    num_blocks = 32 // BLOCK_SIZE + 1 if preempts else 48  # + 1: the scratch block
     engine = make_engine(
-        model_dir, num_blocks=num_blocks, block_size=BLOCK_SIZE, preemption=preemption, TGI_PAGED_OVERCOMMIT="4"
+        model_dir,
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        preemption=preemption,
+        speculate=SPECULATE if scenario == "speculate" else 0,
+        TGI_PAGED_OVERCOMMIT="4",
     )
     if scenario == "chunked_prefill":
         router_warmup(engine, 16)
-    elif scenario.startswith("preempt"):
+    elif preempts:
         router_warmup(engine, 32)
     blocks = RouterBlocks(engine)
     driver = RouterDriver(engine, blocks)
@@ -121,11 +138,16 @@ def run_scenario(model_dir: Path, scenario: str) -> ScenarioOutcome:
         short = _requests(engine, blocks, [(1, 2, 6, {})])[0]
         n_short = len(prompt_ids(engine, short.text))
         requests = [short, *_requests(engine, blocks, [(2, 14, 5, {"chunk_len": 16 - n_short})])]
-    elif scenario.startswith("preempt"):
+    elif preempts:
         requests = _requests(engine, blocks, [(rid, 3, 12, {}) for rid in (1, 2, 3)])
     else:
         raise ValueError(f"unknown scenario {scenario!r}: allowed {SCENARIOS}")
-    driver.run(BatchSpec(id=0, requests=tuple(requests)))
+    truth = []
+    for r in requests:
+        ids = tuple(prompt_ids(engine, r.text, r.truncate, r.add_special_tokens))
+        truth.append([*ids, *hf_greedy(str(model_dir), ids, r.stopping.max_new_tokens)])
+    with oracle_drafts(truth) if scenario == "speculate" else contextlib.nullcontext():
+        driver.run(BatchSpec(id=0, requests=tuple(requests)))
     driver.assert_idle()
     outcome = ScenarioOutcome(
         premise=True,
@@ -136,6 +158,9 @@ def run_scenario(model_dir: Path, scenario: str) -> ScenarioOutcome:
         outcome.premise = len(prompt_ids(engine, requests[1].text)) > 2 * 16  # three forwards or more
     elif scenario.startswith("preempt"):
         outcome.premise = engine.stats.preemptions[preemption] > 0
+    elif scenario == "speculate":  # some drafts accepted and some rejected (the small pool preempts, except
+        stats = engine.stats  # for windowed families, whose reclaim and fewer steps leave it room)
+        outcome.premise = 0 < stats.accepted_tokens < stats.draft_tokens
     for r in requests:
         ids = tuple(prompt_ids(engine, r.text, r.truncate, r.add_special_tokens))
         outcome.got[r.id] = driver.tokens[r.id]
@@ -222,21 +247,24 @@ def render_markdown(
         "through their paged pools against HF (`tests/distributed/test_tp_families.py`); a layout the",
         "Megatron slicing cannot shard is refused at start with the reason. *Sliding-window block",
         "reclaim*: when every layer is windowed, blocks wholly behind the window go back to the pool as",
-        "decoding moves on (blocks given back over the five scenarios, window 8, block size 4); families",
+        "decoding moves on (blocks given back over the six scenarios, window 8, block size 4); families",
         "that mix sliding and full-attention layers reclaim 0, because one page map serves all layers of a",
         "request and the full layers read every block (a pool per layer group, as vLLM's hybrid allocator,",
-        f"would save the sliding layers' share: see the figure below). transformers {transformers.__version__}.",
+        "would save the sliding layers' share: see the figure below). *Speculation exact*: `--speculate 3` with",
+        "drafts from an oracle (the true continuation, one wrong token planted every third draft), so drafts are",
+        "accepted whole and in part, in the preemption scenario's small pool (`docs/speculation.md`).",
+        f"transformers {transformers.__version__}.",
         "",
-        "| family | architecture class | single-shard exact | preemption exact | TP=2 exact | sliding-window block "
-        "reclaim | notes |",
-        "|---|---|---|---|---|---|---|",
+        "| family | architecture class | single-shard exact | preemption exact | speculation exact | TP=2 exact | "
+        "sliding-window block reclaim | notes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.refusal is not None:
             status = "refused" if not r.refusal.startswith("missing") else "missing"
             reason = r.refusal.replace("|", "\\|")
             lines.append(
-                f"| {r.family.name} | {r.architecture} | {status} | {status} | {status} | n/a | "
+                f"| {r.family.name} | {r.architecture} | {status} | {status} | {status} | {status} | n/a | "
                 f"{r.family.feature}. **{status.capitalize()} at start:** {reason} |"
             )
             continue
@@ -245,6 +273,7 @@ def render_markdown(
         windowed = _reclaim_mark(r)
         lines.append(
             f"| {r.family.name} | {r.architecture} | {_mark(single)} | {_mark(preempt)} | "
+            f"{_mark(r.exact.get('speculate', False))} | "
             f"{_tp_mark(tp.get(r.family.name))} | "
             f"{windowed} | {r.family.feature} |"
         )

@@ -105,20 +105,20 @@ def test_models_doc_agrees_with_the_matrix():
     rows = {}
     for line in (ROOT / "docs" / "models.md").read_text().splitlines():
         cells = [c.strip() for c in line.split("|")[1:-1]]
-        if len(cells) == 7 and cells[0] not in ("family", "---"):
+        if len(cells) == 8 and cells[0] not in ("family", "---"):
             rows[cells[0]] = cells
     assert set(rows) == {f.name for f in FAMILIES}
     for name, cells in rows.items():
         if name in REFUSED:
-            assert cells[2] == "refused" and re.search(r"Refused at start:.*" + re.escape(REFUSED[name]), cells[6])
+            assert cells[2] == "refused" and re.search(r"Refused at start:.*" + re.escape(REFUSED[name]), cells[7])
         elif name in AVAILABLE:
-            assert cells[2:4] == ["yes", "yes"], cells
+            assert cells[2:5] == ["yes", "yes", "yes"], cells  # single shard, preemption, speculation
             if _spec(name).reclaim_window is not None:
-                assert cells[5].startswith("yes: "), cells
+                assert cells[6].startswith("yes: "), cells
             elif _spec(name).sliding_window is not None:
-                assert cells[5].startswith("0 ("), cells
+                assert cells[6].startswith("0 ("), cells
             else:
-                assert cells[5] == "n/a (no window)", cells
+                assert cells[6] == "n/a (no window)", cells
     assert (ROOT / "README.md").read_text().count("docs/models.md") >= 1
 
 
