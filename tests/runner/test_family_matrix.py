@@ -103,7 +103,8 @@ def test_refused_family_stops_at_start_naming_the_architecture(name, family_dir)
 
 def test_models_doc_agrees_with_the_matrix():
     rows = {}
-    for line in (ROOT / "docs" / "models.md").read_text().splitlines():
+    text = (ROOT / "docs" / "models.md").read_text()
+    for line in text.split("## ")[0].splitlines():  # the family table, before the figures' sections
         cells = [c.strip() for c in line.split("|")[1:-1]]
         if len(cells) == 8 and cells[0] not in ("family", "---"):
             rows[cells[0]] = cells
