@@ -22,11 +22,15 @@ gone). Printed per (workload, mode, N), over the whole run:
 - ``step``: median time between a request's successive Generations (the cost of one forward as a request
   sees it: decode path at N=0, the multi-position verify path with a draft), and its ratio to N=0.
 
+Every row runs ``--repeats`` times (interleaved with the other rows, so drift hits all alike); timings are
+the runs' medians and ``range`` is the min-max of the per-run tok/s ratio to N=0 (on 2 shared cores the
+batched ratios move by +-20 % between runs).
+
 Correctness oracle: every request's greedy tokens at N=2 and N=4 must equal N=0's token for token; any
 mismatch is printed loudly and the script exits 1.
 
     .venv/bin/python examples/bench_speculative.py [--requests 8] [--single 4] [--max-new 96] [--threads 2]
-        [--ignore-eos]
+        [--repeats 3] [--ignore-eos]
 """
 
 from __future__ import annotations
@@ -193,6 +197,14 @@ def measure(engine, batches: list[tuple[RequestSpec, ...]], batch_id: int) -> di
     }
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The first run's counts and tokens (identical in every run: greedy) with the runs' median timings."""
+    first = dict(runs[0])
+    for key in ("tok_s", "itl50", "itl99", "step"):
+        first[key] = statistics.median(r[key] for r in runs)
+    return first
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=8, help="requests in the batched run")
@@ -200,6 +212,7 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=96)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every row (interleaved); medians shown")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(describe(host_info(), "float32"))
@@ -221,31 +234,39 @@ def main() -> None:
         f"SmolLM2-135M-Instruct float32, {args.threads} threads, greedy, max_new {args.max_new}, {eos}; "
         f"batch = {args.requests} requests at once, single = {args.single} requests one at a time"
     )
-    results, batch_id = {}, 1
-    for workload, prompts in WORKLOADS.items():
-        texts = [chat(prompts[i % len(prompts)]) for i in range(max(args.requests, args.single))]
-        lengths = [len(tokenizer(t)["input_ids"]) for t in texts]
-        print(f"{workload}: prompts of {min(lengths)}-{max(lengths)} tokens")
-        modes = {
-            "batch": [requests(texts[: args.requests], args.max_new, args.ignore_eos, 1)],
-            "single": [requests([t], args.max_new, args.ignore_eos, 1 + i) for i, t in enumerate(texts[: args.single])],
-        }
-        for mode, batches in modes.items():
-            for n, engine in engines.items():  # N interleaved per (workload, mode): drift hits all alike
-                results[workload, mode, n] = measure(engine, batches, batch_id)
-                batch_id += len(batches)
+    runs: dict[tuple, list[dict]] = {}
+    batch_id = 1
+    for rep in range(args.repeats):
+        for workload, prompts in WORKLOADS.items():
+            texts = [chat(prompts[i % len(prompts)]) for i in range(max(args.requests, args.single))]
+            if rep == 0:
+                lengths = [len(tokenizer(t)["input_ids"]) for t in texts]
+                print(f"{workload}: prompts of {min(lengths)}-{max(lengths)} tokens")
+            modes = {
+                "batch": [requests(texts[: args.requests], args.max_new, args.ignore_eos, 1)],
+                "single": [
+                    requests([t], args.max_new, args.ignore_eos, 1 + i) for i, t in enumerate(texts[: args.single])
+                ],
+            }
+            for mode, batches in modes.items():
+                for n, engine in engines.items():  # N interleaved per (workload, mode): drift hits all alike
+                    runs.setdefault((workload, mode, n), []).append(measure(engine, batches, batch_id))
+                    batch_id += len(batches)
+    results = {key: _median_run(rs) for key, rs in runs.items()}
     print(
-        f"\n{'workload':10} {'mode':6} {'N':>2} {'accept':>7} {'tok/gen':>7} {'steps':>5} {'tokens':>6} "
-        f"{'tok/s':>7} {'vs N=0':>6} {'ITL p50':>8} {'ITL p99':>8} {'step ms':>8} {'vs N=0':>6}"
+        f"\n{args.repeats} runs per row; timings are medians, tok/s range = min-max of the per-run ratio to N=0\n"
+        f"{'workload':10} {'mode':6} {'N':>2} {'accept':>7} {'tok/gen':>7} {'steps':>5} {'tokens':>6} "
+        f"{'tok/s':>7} {'vs N=0':>6} {'range':>11} {'ITL p50':>8} {'ITL p99':>8} {'step ms':>8} {'vs N=0':>6}"
     )
     mismatches = []
     for (workload, mode, n), r in results.items():
         ref = results[workload, mode, 0]
+        ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(runs[workload, mode, n], runs[workload, mode, 0])]
         accept = "-" if r["drafted"] == 0 else f"{100 * r['accept']:6.1f}%"
         print(
             f"{workload:10} {mode:6} {n:2} {accept:>7} {r['tok_per_gen']:7.2f} {r['steps']:5} {r['generated']:6} "
-            f"{r['tok_s']:7.1f} {r['tok_s'] / ref['tok_s']:5.2f}x {r['itl50'] * 1e3:8.1f} {r['itl99'] * 1e3:8.1f} "
-            f"{r['step'] * 1e3:8.1f} {r['step'] / ref['step']:5.2f}x"
+            f"{r['tok_s']:7.1f} {statistics.median(ratios):5.2f}x {min(ratios):5.2f}-{max(ratios):4.2f}x "
+            f"{r['itl50'] * 1e3:8.1f} {r['itl99'] * 1e3:8.1f} {r['step'] * 1e3:8.1f} {r['step'] / ref['step']:5.2f}x"
         )
         for rid, ids in r["tokens"].items():
             if ids != ref["tokens"][rid]:

@@ -65,7 +65,8 @@ def serve(
     sharded: bool = typer.Option(False),
     quantize: str | None = typer.Option(None, help="fp8, compressed-tensors, gptq or awq (others are refused)."),
     speculate: int | None = typer.Option(
-        None, help="Speculative tokens per step (n-gram proposals from the request's history)."
+        None,
+        help="Speculative tokens per step (n-gram drafts from the request's history, or a Medusa checkpoint's heads).",
     ),
     dtype: str | None = typer.Option(None, help="float16, bfloat16 or float32."),
     kv_cache_dtype: str | None = typer.Option(None, help="fp8_e4m3fn or fp8_e5m2."),
@@ -272,8 +273,6 @@ def _check_supported(config: BackendConfig) -> None:
     model = config.model
     if model.quantize is not None and model.quantize not in SUPPORTED_QUANTIZE:
         raise ConfigError(quantize_refusal(model.quantize))
-    if model.speculate < 0:
-        raise ConfigError(f"--speculate={model.speculate} is invalid: allowed 0 or more")
     if model.dtype is not None and model.dtype not in SUPPORTED_DTYPES:
         raise ConfigError(f"--dtype={model.dtype!r} is invalid: allowed {', '.join(SUPPORTED_DTYPES)}")
     parse_lora_adapters(model.lora_adapters)  # a bad entry stops here, before any model is loaded

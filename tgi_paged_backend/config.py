@@ -116,8 +116,12 @@ class ModelConfig:
     """Allow custom modeling code shipped with the model."""
     quantize: str | None = None
     """Quantization method from the launcher; only ``None`` is implemented."""
-    speculate: int = 0
-    """``--speculate``: speculative tokens proposed per request and step (n-gram, ``engine.speculation``)."""
+    speculate: int | None = None
+    """``--speculate``: speculative tokens proposed per request and step (``engine.speculation``); ``None``
+    when not given: 0, or a Medusa checkpoint's head count (``model_files.with_local_model``)."""
+    medusa_dir: str | None = None
+    """The Medusa checkpoint whose heads propose the drafts, when ``--model-id`` named one
+    (``model_files.with_local_model`` then points :attr:`model_id` at its base model); else n-gram drafts."""
     max_input_tokens: int | None = None
     """The launcher's ``--max-input-tokens``; echoed at Warmup."""
     weights_cache_override: str | None = None
@@ -161,6 +165,13 @@ class ModelConfig:
             raise ConfigError(f"rope_scaling={self.rope_scaling!r} is invalid: allowed {ROPE_SCALINGS}")
         if not 0.0 < self.rope_factor < float("inf"):
             raise ConfigError(f"rope_factor={self.rope_factor} is invalid: allowed a finite number > 0")
+        if self.speculate is not None and self.speculate < 0:
+            raise ConfigError(f"--speculate={self.speculate} is invalid: allowed 0 or more")
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens per request and step (0: no speculation)."""
+        return self.speculate or 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,11 +20,47 @@ from tgi_paged_backend.config import BackendConfig, ConfigError, ModelConfig
 
 
 def with_local_model(config: BackendConfig) -> BackendConfig:
-    """``config`` with ``model.model_id`` replaced by :func:`local_model_dir` (``serve`` does this once)."""
-    model_dir = local_model_dir(config.model)
-    if model_dir == config.model.model_id:
-        return config
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, model_id=model_dir))
+    """``config`` with ``model.model_id`` replaced by :func:`local_model_dir` (``serve`` does this once), and
+    a Medusa checkpoint resolved to its base model (:func:`resolve_medusa`)."""
+    model = dataclasses.replace(config.model, model_id=local_model_dir(config.model))
+    model = resolve_medusa(model)
+    return config if model == config.model else dataclasses.replace(config, model=model)
+
+
+def resolve_medusa(model: ModelConfig) -> ModelConfig:
+    """When ``model.model_id`` is a Medusa checkpoint, serve its base model with its heads, as stock does:
+    ``model_id`` becomes the base model's directory, ``medusa_dir`` the checkpoint, and ``speculate`` the
+    head count unless ``--speculate`` asked for fewer (more is refused).
+
+    Raises:
+        ConfigError: the checkpoint is malformed, ``--speculate`` exceeds its heads, or its base model is
+            not on local disk.
+    """
+    from tgi_paged_backend.runner.medusa import MedusaLoadError, read_medusa_config
+
+    path = Path(model.model_id)
+    try:
+        medusa = read_medusa_config(path) if path.is_dir() else None
+    except MedusaLoadError as err:
+        raise ConfigError(str(err)) from None
+    if medusa is None:
+        return model
+    if model.speculate is not None and model.speculate > medusa.num_heads:
+        raise ConfigError(
+            f"--speculate={model.speculate} is invalid for {path}: the Medusa checkpoint has "
+            f"{medusa.num_heads} heads; allowed 0..{medusa.num_heads}"
+        )
+    base = local_model_dir(
+        dataclasses.replace(model, model_id=medusa.base_model, revision=None, weights_cache_override=None)
+    )
+    if not Path(base).is_dir():
+        raise ConfigError(
+            f"{path} is a Medusa checkpoint of base model {medusa.base_model!r}, which is not on local disk: "
+            "download it first (text-generation-server download-weights) or set base_model_name_or_path in "
+            "its config.json to a local directory"
+        )
+    speculate = medusa.num_heads if model.speculate is None else model.speculate
+    return dataclasses.replace(model, model_id=base, medusa_dir=str(path), speculate=speculate)
 
 
 def local_model_dir(model: ModelConfig) -> str:

@@ -16,7 +16,8 @@ worker is this module (``python -m tests.distributed.test_tp_preemption --rank .
 
 Speculative decoding (issue 23) runs the same way for a dense, a MoE, a fused-projection and a one-KV-head
 family with ``--speculate 3``: n-gram drafts verified on both ranks alike, rejected positions given back,
-still token-exact under preemption.
+still token-exact under preemption; and with Medusa heads (``--model-id`` a Medusa checkpoint over a dense
+and a MoE base), every rank computing the same proposals from the same replicated hidden state.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _worker() -> None:
     from tgi_paged_backend.engine import build_engine
     from tgi_paged_backend.engine.types import BatchSpec, RequestSpec, StoppingParams
     from tgi_paged_backend.envs import build_config
+    from tgi_paged_backend.model_files import with_local_model
 
     texts = [make_text(700 + i, n) for i, n in enumerate(PROMPT_WORDS)]
     requests = tuple(
@@ -73,7 +75,8 @@ def _worker() -> None:
             "TGI_PAGED_SWAP_SPACE_GB": "0.01",
             **POOL,
         }
-        engine = build_engine(build_config({"model_id": model, "sharded": True, "speculate": speculate}, settings))
+        config = build_config({"model_id": model, "sharded": True, "speculate": speculate}, settings)
+        engine = build_engine(with_local_model(config))  # a Medusa checkpoint: its base model with its heads
         try:
             prompts = {r.id: engine.prompt_tokenizer.encode(r.text, r.truncate, True) for r in requests}
             tokens: dict[int, list[int]] = {r.id: [] for r in requests}
@@ -126,7 +129,16 @@ def test_speculation_stays_exact_at_tensor_parallel_two(tmp_path: Path) -> None:
     assert sum(r["drafts"][0] for r in results.values()) > 0, "nothing was drafted: the check would prove nothing"
 
 
-def _run_pairs(pairs: list[tuple[str, str]], tmp_path: Path, *, speculate: int) -> dict:
+MEDUSA = [("Llama", "recompute"), ("Qwen3-MoE", "swap")]
+"""Medusa heads (their own projections, and the base lm_head's) over a dense and a MoE base model."""
+
+
+def test_medusa_stays_exact_at_tensor_parallel_two(tmp_path: Path) -> None:
+    results = _run_pairs(MEDUSA, tmp_path, speculate=None, medusa=True)
+    assert all(r["drafts"][0] > 0 for r in results.values()), "nothing was drafted: the check would prove nothing"
+
+
+def _run_pairs(pairs: list[tuple[str, str]], tmp_path: Path, *, speculate: int | None, medusa: bool = False) -> dict:
     from tests.helpers.family_models import FAMILIES, write_family_model
     from tests.helpers.paged_driver import greedy_hf
     from tests.helpers.shard_driving import free_port
@@ -135,11 +147,18 @@ def _run_pairs(pairs: list[tuple[str, str]], tmp_path: Path, *, speculate: int) 
 
     families = {f.name: f for f in FAMILIES}
     models = {name: write_family_model(families[name], tmp_path / name) for name in dict(pairs)}
+    served = dict(models)
+    if medusa:  # --model-id names the heads; each rank serves their base model with them
+        from tests.helpers.medusa_heads import write_medusa
+
+        for i, name in enumerate(models):
+            write_medusa(tmp_path / f"{name}-medusa", models[name], own_out=i % 2 == 0, scale=0.05)
+            served[name] = tmp_path / f"{name}-medusa"
     ports: list[int] = []
     while len(ports) < len(pairs):  # distinct: a port is never rendezvoused on twice
         port = free_port()
         ports += [port] if port not in ports else []
-    argv = ["--pairs", json.dumps([[n, str(models[n]), m, p, speculate] for (n, m), p in zip(pairs, ports)])]
+    argv = ["--pairs", json.dumps([[n, str(served[n]), m, p, speculate] for (n, m), p in zip(pairs, ports)])]
     results = run_two_ranks("tests.distributed.test_tp_preemption", argv, tmp_path / "result.json", timeout_s=600)
 
     failures = []

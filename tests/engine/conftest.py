@@ -32,6 +32,7 @@ from tgi_paged_backend.engine.types import (
     StoppingParams,
 )
 from tgi_paged_backend.envs import build_config
+from tgi_paged_backend.model_files import with_local_model
 
 TINY_KIND_FIXTURES = {"llama": "tiny_llama_dir", "qwen2": "tiny_qwen2_dir", "mistral": "tiny_mistral_dir"}
 
@@ -66,7 +67,7 @@ def make_engine(
     block_size: int = 8,
     preemption: str = "recompute",
     swap_gb: float = 0.01,
-    speculate: int = 0,
+    speculate: int | None = 0,
     **env: str,
 ):
     """Engine on ``model_dir`` with a capped physical pool (``num_blocks`` incl. the scratch block).
@@ -80,7 +81,7 @@ def make_engine(
         "PREFIX_CACHING": "1",
     }
     settings.update({k: str(v) for k, v in env.items()})
-    return build_engine(build_config({"model_id": str(model_dir), "speculate": speculate}, settings))
+    return build_engine(with_local_model(build_config({"model_id": str(model_dir), "speculate": speculate}, settings)))
 
 
 def warmup_batch(
@@ -289,7 +290,7 @@ class RouterDriver:
             assert rid not in seen, f"two Generations for request {rid} in one response"
             seen.add(rid)
             t = g.tokens
-            speculate = engine.config.model.speculate
+            speculate = engine.config.model.num_speculative_tokens
             assert 1 <= len(t.ids) <= 1 + speculate, "one token per Generation, up to 1 + speculate with it"
             assert len(t.ids) == len(t.logprobs) == len(t.texts) == len(t.is_special)
             assert all(math.isfinite(x) for x in t.logprobs)

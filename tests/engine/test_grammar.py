@@ -79,6 +79,38 @@ def test_masks_forbid_exactly_what_the_automaton_forbids():
         assert torch.equal(logits[row][sorted(allowed)], before[row][sorted(allowed)])
 
 
+def test_draft_masks_walk_the_automaton_and_step_back(compiler):
+    """Speculative verification: row ``i`` gets the mask after ``draft[:i]``; a forbidden draft token cuts
+    the valid draft there; EOS is valid only where the automaton accepts, and ends the draft; the
+    automaton is back where it was afterwards."""
+    tok = make_tiny_tokenizer()
+    ids = [tok.convert_tokens_to_ids(t) for t in ("{", "k", "}")]
+    eos = tok.eos_token_id
+    state = compiler.start(1, GrammarSpec("regex", r"\{k+\}"))
+    assert state.valid_draft(ids) == []  # no token constrained yet: no drafting
+    guide = state.guide()
+    before = sorted(guide.get_tokens())
+    assert state.valid_draft(ids) == ids
+    assert state.valid_draft([ids[0], ids[2], ids[1]]) == [ids[0]]  # "{}" is not allowed
+    assert state.valid_draft([*ids, eos, ids[1]]) == [*ids, eos]
+    assert state.valid_draft([ids[0], eos]) == [ids[0]]  # EOS before the text is complete
+    assert sorted(guide.get_tokens()) == before
+
+    words = (512 + 31) // 32
+    draft = [ids[0], ids[1], ids[0]]  # the second "{" is forbidden: rows 3 repeats row 2
+    logits = torch.zeros(4, 512)
+    apply_grammar_masks(logits, [0, 1, 2, 3], [state], [draft])
+    reference = outlines_core.Guide(compiler.submit(r"\{k+\}").result())
+    expected = [set(reference.get_tokens())]
+    reference.advance(ids[0], return_tokens=False)
+    expected.append(set(reference.get_tokens()))
+    reference.advance(ids[1], return_tokens=False)
+    expected += [set(reference.get_tokens())] * 2
+    for row, allowed in enumerate(expected):
+        assert set(torch.isfinite(logits[row]).nonzero().flatten().tolist()) == allowed, f"row {row}"
+    assert sorted(guide.get_tokens()) == before and words == 16
+
+
 def test_json_schema_regex_is_outlines_cores_and_bad_schemas_are_invalid():
     schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
     assert grammar_regex(GrammarSpec("json", schema)) == outlines_core.json_schema.build_regex_from_schema(schema)

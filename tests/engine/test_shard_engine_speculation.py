@@ -8,8 +8,9 @@ acceptance with the rejected tail's blocks given back, a draft cut by ``max_new_
 inside the accepted run. The n-gram proposer itself is covered by ``tests/engine/test_speculation.py``
 and the SmolLM2 figures.
 Scenarios: single request and mixed batch with router reservations at N = 1..4; a pool small enough to
-preempt by recompute and by swap; seeded sampling; stop sequences and EOS; top-n and logprobs per id; a
-grammar-constrained row beside speculating ones. Pool invariants are checked after every RPC.
+preempt by recompute and by swap; seeded sampling; stop sequences and EOS; top-n and logprobs per id;
+grammar-constrained rows and penalised rows drafting beside plain ones (greedy and seeded). Pool
+invariants are checked after every RPC.
 """
 
 from __future__ import annotations
@@ -148,24 +149,43 @@ def test_logprobs_and_top_n_per_accepted_id(tiny_llama_dir, monkeypatch):
     assert [t.ids for t in tops] == [t.ids for t in plain_tops]
 
 
-def test_grammar_row_beside_speculating_rows(tiny_llama_dir, monkeypatch):
-    digits = SamplingParams(grammar=GrammarSpec("regex", r"[0-9]{3}-[0-9]{4}"))
+@pytest.mark.parametrize("sampled", [False, True])
+def test_grammar_rows_draft_and_stay_exact(tiny_llama_dir, monkeypatch, sampled):
+    """Grammar rows are drafted for: a draft token the automaton forbids cuts the draft before the step,
+    every verified position is masked by the automaton advanced along the draft before it, and the
+    automaton advances per accepted id. Output equals the non-speculative run's (greedy and seeded)."""
+    seeded = dict(do_sample=True, temperature=0.9, seed=7) if sampled else {}
+    digits = SamplingParams(grammar=GrammarSpec("regex", r"[0-9]{3}-[0-9]{4}( [a-z]+)*"), **seeded)
+    letters = SamplingParams(grammar=GrammarSpec("regex", r"([a-z]+ ?)+"), **seeded)
     requests = [
         spec(1, make_text(1, 5), 10),
-        spec(2, make_text(2, 4), 12, sampling=digits),
-        spec(3, make_text(3, 9), 10),
+        spec(2, make_text(2, 4), 16, sampling=digits),
+        spec(3, make_text(3, 9), 14, sampling=letters),
     ]
     engine, plain = _run(tiny_llama_dir, requests)
-    _, driver = _run(
-        tiny_llama_dir,
-        requests,
-        speculate=2,
-        oracle=OracleDrafts(_sequences(engine, plain, requests)),
-        monkeypatch=monkeypatch,
-    )
+    oracle = OracleDrafts(_sequences(engine, plain, requests), wrong_every=2)
+    spec_engine, driver = _run(tiny_llama_dir, requests, speculate=3, oracle=oracle, monkeypatch=monkeypatch)
     for r in requests:
         assert driver.tokens[r.id] == plain.tokens[r.id], f"request {r.id}"
-    assert all(len(g.tokens.ids) == 1 for g in driver.generations[2]), "a grammar row is not drafted for"
+    for rid in (2, 3):
+        assert any(len(g.tokens.ids) > 1 for g in driver.generations[rid]), f"grammar row {rid} was not drafted"
+    assert spec_engine.stats.accepted_tokens < spec_engine.stats.draft_tokens
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_penalties_draft_and_stay_exact(tiny_llama_dir, monkeypatch, sampled):
+    """Repetition and frequency penalties see, at every draft position, the history up to it."""
+    seeded = dict(do_sample=True, temperature=0.8, top_k=30, seed=3) if sampled else {}
+    requests = [
+        spec(1, make_text(11, 6), 14, sampling=SamplingParams(repetition_penalty=1.3, **seeded)),
+        spec(2, make_text(12, 8), 14, sampling=SamplingParams(frequency_penalty=0.7, **seeded)),
+    ]
+    engine, plain = _run(tiny_llama_dir, requests)
+    oracle = OracleDrafts(_sequences(engine, plain, requests))
+    spec_engine, driver = _run(tiny_llama_dir, requests, speculate=3, oracle=oracle, monkeypatch=monkeypatch)
+    for r in requests:
+        assert driver.tokens[r.id] == plain.tokens[r.id], f"request {r.id}"
+    assert 0 < spec_engine.stats.accepted_tokens < spec_engine.stats.draft_tokens
 
 
 def test_info_reports_speculate(tiny_llama_dir):

@@ -48,11 +48,20 @@ def test_who_drafts_and_how_far() -> None:
     near_end = _state([3], max_new=3)  # one more token is verified after the draft: room for 1
     propose_drafts([near_end], 4)
     assert len(near_end.draft) == 1
-    assert not may_speculate(_state([3], grammar=GrammarSpec("regex", "[0-9]+")))
-    assert not may_speculate(_state([3], repetition_penalty=1.2))
+    assert not may_speculate(_state([3], grammar=GrammarSpec("regex", "[0-9]+")))  # its automaton is not set up
+    assert may_speculate(_state([3], repetition_penalty=1.2))  # each position's history holds the draft before it
     assert not may_speculate(_state([]))  # the first token comes from the prefill
     preempted = _state([3])
     preempted.status = RequestStatus.PREEMPTED
     prefilling = _state([3])
     prefilling.num_computed = 2
     assert not may_speculate(preempted) and not may_speculate(prefilling)
+
+
+def test_medusa_drafts_come_from_the_pending_proposal() -> None:
+    r = _state([3], max_new=4)
+    r.proposal = [9, 8, 7]
+    assert propose_drafts([r], 3, medusa=True) == 2 and r.draft == [9, 8]  # room for 2 before max_new_tokens
+    assert propose_drafts([r], 1, medusa=True) == 1 and r.draft == [9]
+    r.proposal = []
+    assert propose_drafts([r], 3, medusa=True) == 0 and r.draft == []

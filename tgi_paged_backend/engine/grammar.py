@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import lru_cache
@@ -46,6 +46,8 @@ microseconds), far less than building a large automaton, which goes on in the ba
 WORKER_START_TIMEOUT_S = 60.0
 """The first grammar request waits (once) for the compile process to start."""
 DEFAULT_CACHE_SIZE = 64
+MAX_DRAFT = 32
+"""Draft tokens a grammar row verifies at most per step (the automaton keeps this many states to step back)."""
 
 
 @lru_cache(maxsize=1)
@@ -259,7 +261,7 @@ class GrammarState:
     def guide(self) -> outlines_core.Guide:
         if self._guide is None:
             try:
-                self._guide = outlines_core.Guide(self._future.result())
+                self._guide = outlines_core.Guide(self._future.result(), max_rollback=MAX_DRAFT)
             except Exception as err:  # noqa: BLE001 - a late compile failure (automaton too large)
                 raise InvalidRequestError(f"request {self.request_id}: grammar failed to compile: {err}") from err
         return self._guide
@@ -271,19 +273,71 @@ class GrammarState:
         if token_id != self._eos_token_id:
             self.guide().advance(token_id)
 
+    def _walk(self, draft: Sequence[int]) -> Iterator[int]:
+        """Walk the automaton along ``draft``, yielding before each token the number of tokens passed;
+        stops at the first token it forbids or after an EOS, then steps back to where it was."""
+        guide, advanced = self.guide(), 0
+        try:
+            for i, token in enumerate(draft[:MAX_DRAFT]):
+                yield i
+                if token == self._eos_token_id:
+                    if not guide.is_finished():
+                        return
+                    yield i + 1  # EOS ends the text: nothing after it is a valid draft
+                    return
+                try:
+                    guide.advance(token, return_tokens=False)
+                except ValueError:  # a token the automaton forbids here
+                    return
+                advanced += 1
+            yield min(len(draft), MAX_DRAFT)
+        finally:
+            if advanced:
+                guide.rollback_state(advanced)
 
-def apply_grammar_masks(logits: torch.Tensor, rows: Sequence[int], states: Sequence[GrammarState]) -> torch.Tensor:
+    def valid_draft(self, draft: Sequence[int]) -> list[int]:
+        """The longest prefix of ``draft`` the automaton allows from here (``[]`` before its index is built:
+        a request drafts only once the automaton has constrained a token)."""
+        if self._guide is None:
+            return []
+        *_, n = self._walk(draft)  # the walk's last step: the tokens it passed
+        return list(draft[:n])
+
+    def write_draft_masks(self, out: np.ndarray, draft: Sequence[int]) -> None:
+        """Row ``i`` of ``out`` (``len(draft) + 1`` rows of packed int32 words): the allowed tokens after
+        ``draft[:i]``. Rows past a token the automaton forbids repeat the last allowed state (they cannot
+        be accepted)."""
+        guide, words = self.guide(), out.shape[1]
+        row = -1
+        for row in self._walk(draft):
+            guide.write_mask_into(out[row].ctypes.data, words, 4)
+        out[row + 1 :] = out[row]
+
+
+def apply_grammar_masks(
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    states: Sequence[GrammarState],
+    drafts: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
     """``logits`` with every token the automaton forbids set to ``-inf`` in the constrained ``rows``
-    (in place; other rows untouched). Columns past the tokenizer (padded lm_head) are always
-    forbidden in constrained rows. The bitmasks are written and unpacked with numpy (one thread,
-    microseconds), then applied with one ``masked_fill_``."""
+    (in place; other rows untouched). With ``drafts``, state ``j`` owns ``len(drafts[j]) + 1`` consecutive
+    rows: its mask after each draft prefix (speculative verification). Columns past the tokenizer (padded
+    lm_head) are always forbidden in constrained rows. The bitmasks are written and unpacked with numpy
+    (one thread, microseconds), then applied with one ``masked_fill_``."""
     if not rows:
         return logits
     vocab = logits.shape[1]
     words = (vocab + 31) // 32
     bits = np.zeros((len(rows), words), dtype=np.int32)
-    for j, state in enumerate(states):
-        state.guide().write_mask_into(bits[j].ctypes.data, words, 4)
+    j = 0
+    for state, draft in zip(states, drafts if drafts is not None else [()] * len(states)):
+        if draft:
+            state.write_draft_masks(bits[j : j + len(draft) + 1], draft)
+        else:
+            state.guide().write_mask_into(bits[j].ctypes.data, words, 4)
+        j += len(draft) + 1
+    assert j == len(rows), "one row per state and draft position"
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     forbidden = torch.from_numpy(allowed == 0).to(logits.device)
     if list(rows) == list(range(len(rows))):  # the usual case: constrained rows first, contiguous

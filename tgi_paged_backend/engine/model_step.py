@@ -218,14 +218,15 @@ class ModelStep:
         # One row per position to choose: a request's own row, then one per draft token after it.
         owners = [(r, i) for r, _ in sampled for i in range(len(r.draft) + 1)]
         picked = [row + i for r, row in sampled for i in range(len(r.draft) + 1)]
-        constrained = [(j, r.grammar) for j, (r, _) in enumerate(owners) if r.grammar is not None]
+        constrained = [j for j, (r, _) in enumerate(owners) if r.grammar is not None]
+        grammars = [(r.grammar, r.draft) for r, _ in sampled if r.grammar is not None]
         # A decode step samples every row in order: no [B, V] copy then, unless grammar masks write into it
         # (the forward's logits are an inference tensor, read-only here).
         if not constrained and picked == list(range(step_logits.shape[0])):
             logits = step_logits
         else:
             logits = step_logits[torch.tensor(picked, device=step_logits.device)]
-        apply_grammar_masks(logits, [i for i, _ in constrained], [g for _, g in constrained])  # before sampling
+        apply_grammar_masks(logits, constrained, [g for g, _ in grammars], [d for _, d in grammars])  # before sampling
         params = [r.spec.sampling for r, _ in owners]
         needs_history = [p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 for p in params]
         histories = [r.all_ids + r.draft[:i] if need else [] for (r, i), need in zip(owners, needs_history)]
@@ -238,7 +239,8 @@ class ModelStep:
         )
         timer.lap("sample")
         generations, finished, accepted_total, j = [], [], 0, 0
-        for r, _ in sampled:
+        proposing: list[tuple[RequestState, int]] = []  # (request, logits row of its last emitted token)
+        for r, row in sampled:
             draft, mine = r.draft, chosen[j : j + len(r.draft) + 1]
             j += len(mine)
             accepted = accepted_prefix(draft, [c.id for c in mine])
@@ -248,10 +250,16 @@ class ModelStep:
             if generation.generated_text is not None:
                 finished.append(r)
                 r.draft = []
-            elif draft:  # keep the accepted positions' K/V, give back the rejected ones' blocks
+                continue
+            proposing.append((r, row + accepted))
+            if draft:  # keep the accepted positions' K/V, give back the rejected ones' blocks
                 self.kv.commit_tokens(r.id, draft[:accepted], r.num_computed)
                 r.accept_draft(accepted)
                 self.kv.truncate(r.id, r.num_computed)
+        if self.runner.medusa is not None and proposing:
+            proposals = self.runner.propose_medusa([row for _, row in proposing], self.runner.medusa.num_heads)
+            for (r, _), proposal in zip(proposing, proposals):
+                r.proposal = proposal
         timer.lap("detokenize")
         return generations, finished, accepted_total
 

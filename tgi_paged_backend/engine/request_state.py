@@ -76,6 +76,9 @@ class RequestState:
     draft: list[int] = field(default_factory=list)
     """Speculative tokens to verify this step after the last sampled one (``engine.speculation``): set before
     planning, dropped by the scheduler when the pool cannot back them, consumed by the model step."""
+    proposal: list[int] = field(default_factory=list)
+    """The Medusa heads' guess for the tokens after the last sampled one (set by the model step when the
+    shard has heads); the next step drafts from it. Empty with n-gram drafts."""
     chunk_len_hint: int | None = None
     """The router's ``chunk_len`` for the first chunk, consumed once."""
     stop_state: StoppingCriteria | None = None

@@ -171,7 +171,7 @@ class PagedShardEngine:
             dtype=str(self.runner.dtype).removeprefix("torch."),
             device_type=self.runner.device.type,
             window_size=None,
-            speculate=self.config.model.speculate,
+            speculate=self.config.model.num_speculative_tokens,
             support_chunking=True,
             use_prefix_caching=self.config.cache.prefix_caching,
             attention_impl="paged",
@@ -395,7 +395,7 @@ class PagedShardEngine:
         timer = StepTimer(self._sync)
         timer.add("telemetry", self._telemetry_ns)
         step = self._without_compiling([self.requests[rid] for rid in ids])
-        propose_drafts(step, self.config.model.speculate)
+        propose_drafts(step, self.config.model.num_speculative_tokens, self.runner.medusa is not None)
         in_step = {r.id for r in step}
         others = [r for rid, r in self.requests.items() if rid not in in_step]
         plan = self.scheduler.plan(step, others)

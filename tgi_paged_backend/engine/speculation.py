@@ -7,6 +7,8 @@ Per decoding request and step (``engine.shard_engine`` calls :func:`propose_draf
    occurrence of the longest suffix of ``prompt + output`` (suffix lengths :data:`MAX_NGRAM` down to 1).
    Stock TGI copies after the first occurrence of the last token only; the latest occurrence of a longer
    suffix is where repetitive text (edits, code, summaries quoting the source) most often continues.
+   With a Medusa checkpoint (``runner.medusa``) the draft is instead the heads' argmax at the hidden
+   state of the last sampled token, computed by the previous step (``RequestState.proposal``).
 2. The scheduler computes ``[last token] + draft`` in one step (the chunked-prefill path: several query
    positions of one request), backing them with blocks only if the pool has them without preempting.
 3. ``engine.model_step`` samples every position with the request's chooser (same seed stream as without
@@ -16,8 +18,9 @@ Per decoding request and step (``engine.shard_engine`` calls :func:`propose_draf
 4. The page map keeps the accepted positions only: rejected positions' blocks go back to the pool
    (``KVCacheManager.truncate``) and only accepted tokens are committed for prefix retention.
 
-Requests with a grammar, with repetition/frequency penalties or asking for prompt logprobs are not
-drafted for (they decode one token per step, exactly as before).
+Grammar rows draft too: the draft is cut at the first token their automaton forbids
+(``GrammarState.valid_draft``) and every verified position is masked by the automaton advanced along the
+draft before it. Penalised rows see, at each position, the history up to it.
 """
 
 from __future__ import annotations
@@ -53,31 +56,30 @@ def ngram_draft(history: Sequence[int], k: int, max_ngram: int = MAX_NGRAM) -> l
 
 
 def may_speculate(r: RequestState) -> bool:
-    """Whether a request drafts this step: decoding (its next token is due), no grammar, no penalties,
-    no pending prompt logprobs."""
+    """Whether a request drafts this step: decoding (its next token is due, its prompt is done), and its
+    automaton set up when it has a grammar."""
     p = r.spec.sampling
     return (
         r.status is RequestStatus.RUNNING
         and r.prefill_done
         and r.num_remaining == 1
         and bool(r.output_ids)
-        and r.grammar is None
-        and p.grammar is None
-        and p.repetition_penalty == 1.0
-        and p.frequency_penalty == 0.0
+        and (p.grammar is None or r.grammar is not None)
     )
 
 
-def propose_drafts(requests: Iterable[RequestState], speculate: int) -> int:
-    """Set every request's ``draft`` for this step (``[]`` when it does not speculate); returns the number of
-    proposed tokens. A draft never runs past ``max_new_tokens``: the last token is the verified one."""
+def propose_drafts(requests: Iterable[RequestState], speculate: int, medusa: bool = False) -> int:
+    """Set every request's ``draft`` for this step (``[]`` when it does not speculate): the Medusa heads'
+    ``proposal`` when the shard has heads, else :func:`ngram_draft`. Returns the number of proposed
+    tokens. A draft never runs past ``max_new_tokens``: the last token is the verified one."""
     proposed = 0
     for r in requests:
         r.draft = []
         if speculate <= 0 or not may_speculate(r):
             continue
-        room = r.spec.stopping.max_new_tokens - len(r.output_ids) - 1
-        r.draft = ngram_draft(r.all_ids, min(speculate, room))
+        k = min(speculate, r.spec.stopping.max_new_tokens - len(r.output_ids) - 1)
+        draft = r.proposal[: max(k, 0)] if medusa else ngram_draft(r.all_ids, k)
+        r.draft = r.grammar.valid_draft(draft) if r.grammar is not None and draft else draft
         proposed += len(r.draft)
     return proposed
 

@@ -87,20 +87,20 @@ def check_supported(model_config: ModelConfig) -> None:
 
 
 def _refuse_speculator(path: Path) -> None:
-    """Medusa heads and MLP speculators are separate checkpoints stock TGI pairs with a base model; this
-    backend speculates with n-gram proposals only, so it refuses them rather than serve something else."""
+    """An MLP speculator is a separate checkpoint stock TGI pairs with a base model; this backend does not
+    run one, so it refuses it rather than serve something else. A Medusa checkpoint arrives here only
+    when the config was not resolved (``model_files.with_local_model`` serves its base model with it)."""
     raw = json.loads((path / "config.json").read_text())
-    kind = (
-        "an MLP speculator"
-        if raw.get("model_type") == "mlp_speculator"
-        else "Medusa heads"
-        if "medusa_num_heads" in raw or (path / "medusa_lm_head.safetensors").is_file()
-        else None
-    )
-    if kind is not None:
+    if raw.get("model_type") == "mlp_speculator":
         raise ModelLoadError(
-            f"{path} is {kind} checkpoint, which tgi-paged-backend does not serve: point --model-id at the base "
-            "model and pass --speculate N (n-gram proposals from each request's history)"
+            f"{path} is an MLP speculator checkpoint, which tgi-paged-backend does not serve: point --model-id "
+            "at the base model and pass --speculate N (n-gram proposals from each request's history), or use "
+            "a Medusa checkpoint"
+        )
+    if "medusa_num_heads" in raw:
+        raise ModelLoadError(
+            f"{path} is a Medusa checkpoint: load it through model_files.with_local_model, which serves its "
+            "base model with its heads"
         )
 
 

@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,8 @@ from tgi_paged_backend.runner.decode_graphs import measure_decode_graph_bytes
 from tgi_paged_backend.runner.fast_layers import swap_fast_layers
 from tgi_paged_backend.runner.fused_blocks import fuse_blocks
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
-from tgi_paged_backend.runner.model_loader import LoadedModel, load_model, resident_bytes
+from tgi_paged_backend.runner.medusa import MedusaHeads, MedusaLoadError, load_medusa_heads, read_medusa_config
+from tgi_paged_backend.runner.model_loader import LoadedModel, ModelLoadError, load_model, resident_bytes
 from tgi_paged_backend.runner.model_spec import ModelSpec, resolve_kv_dtype
 from tgi_paged_backend.runner.native_layers import wrap_native_layers
 from tgi_paged_backend.runner.static_decode import CPU_COMPILE_BUCKETS, StaticDecodeStep, blocks_per_request
@@ -101,6 +103,9 @@ class ModelRunner:
             else None
         )
         self.fast_layers = swap_fast_layers(self.model, self.device, self.dtype)
+        self.medusa: MedusaHeads | None = self._load_medusa(model_config)
+        if self.medusa is not None:
+            self.static_decode_supported = False  # the heads read lm_head's input, which a graph does not hand out
         self.k_scale = 1.0
         self.v_scale = 1.0
 
@@ -122,6 +127,36 @@ class ModelRunner:
         loaded = load_model(model_config, self.device)
         self.adapters = self._read_adapters(loaded)
         return loaded
+
+    def _load_medusa(self, model_config: ModelConfig) -> MedusaHeads | None:
+        """The Medusa heads proposing drafts (``model_config.medusa_dir``), the first ``speculate`` of them."""
+        if model_config.medusa_dir is None or model_config.num_speculative_tokens == 0:
+            return None
+        path = Path(model_config.medusa_dir)
+        config = read_medusa_config(path)
+        assert config is not None, f"{path} was resolved as a Medusa checkpoint"
+        hf_model: Any = self.model
+        text = hf_model.config.get_text_config()
+        try:
+            heads = load_medusa_heads(
+                path,
+                config,
+                model_config.num_speculative_tokens,
+                hf_model.get_output_embeddings(),
+                hidden_size=int(text.hidden_size),
+                vocab_size=int(text.vocab_size),
+                device=self.device,
+                dtype=self.dtype,
+            )
+        except MedusaLoadError as err:
+            raise ModelLoadError(str(err)) from None
+        logger.info("speculation: {} Medusa heads from {}", heads.num_heads, path)
+        return heads
+
+    def propose_medusa(self, rows: Sequence[int], k: int) -> list[list[int]]:
+        """The Medusa heads' proposals (up to ``k`` tokens) at logits rows ``rows`` of the last forward."""
+        assert self.medusa is not None
+        return self.medusa.propose(rows, k)
 
     def _read_adapters(self, loaded: LoadedModel) -> tuple[LoraAdapter, ...]:
         """The ``LORA_ADAPTERS`` checkpoints, checked against ``loaded`` (unsharded)."""
