@@ -119,6 +119,10 @@ class ModelConfig:
     speculate: int | None = None
     """``--speculate``: speculative tokens proposed per request and step (``engine.speculation``); ``None``
     when not given: 0, or a Medusa checkpoint's head count (``model_files.with_local_model``)."""
+    speculate_max_batch: int | None = None
+    """``TGI_PAGED_SPECULATE_MAX_BATCH``: requests draft only in steps where at most this many requests
+    decode (a step that prefills anyway always may); ``None``: 1 on CPU, where a step with drafts leaves
+    the one-call native decode path and batched drafting costs more than it saves, no limit on CUDA."""
     medusa_dir: str | None = None
     """The Medusa checkpoint whose heads propose the drafts, when ``--model-id`` named one
     (``model_files.with_local_model`` then points :attr:`model_id` at its base model); else n-gram drafts."""

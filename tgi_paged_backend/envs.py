@@ -62,6 +62,7 @@ class EnvSettings:
     compile_decode: bool
     cpu_decode: str
     native_layers: bool
+    speculate_max_batch: int | None
     lora_adapters: str | None
     max_loras: int | None
     rank: int
@@ -252,6 +253,10 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         ),
         # TGI_PAGED_NATIVE_LAYERS: CPU fp32 decode of small Llama-form layers as one native call per layer.
         native_layers=_parse(e, "TGI_PAGED_NATIVE_LAYERS", True, _on_off, "0, 1, false or true"),
+        # TGI_PAGED_SPECULATE_MAX_BATCH: draft only in steps with at most this many decoding requests.
+        speculate_max_batch=_parse_optional(
+            e, "TGI_PAGED_SPECULATE_MAX_BATCH", int, "an integer >= 1", lambda v: v >= 1
+        ),
         # LORA_ADAPTERS: launcher --lora-adapters; empty means none, as stock.
         lora_adapters=lora if lora else None,
         # TGI_PAGED_MAX_LORAS: adapters that may run in one step (others wait); unset: all.
@@ -323,6 +328,7 @@ def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             compile_decode=s.compile_decode,
             cpu_decode=s.cpu_decode,
             native_layers=s.native_layers,
+            speculate_max_batch=s.speculate_max_batch,
         ),
         cache=CacheConfig(
             block_size=s.block_size,

@@ -32,8 +32,9 @@ MAX_NEW = 10
 PROMPT_WORDS = (5, 8, 4, 7)
 BOTH_MODES = {"Mixtral", "Qwen2-MoE", "Qwen3-MoE", "gpt-oss", "Phi3", "GPT-NeoX", "GPT-2", "GPT-BigCode"}
 """MoE, fused-projection and replicated-KV-head families: checked under recompute and under swap."""
-POOL = {"TGI_PAGED_NUM_BLOCKS": "10", "TGI_PAGED_BLOCK_SIZE": "4"}
-"""9 usable blocks of 4 tokens for 4 requests of ~20-30 tokens each: one fits, all four do not."""
+POOL = {"TGI_PAGED_NUM_BLOCKS": "10", "TGI_PAGED_BLOCK_SIZE": "4", "TGI_PAGED_SPECULATE_MAX_BATCH": "64"}
+"""9 usable blocks of 4 tokens for 4 requests of ~20-30 tokens each: one fits, all four do not (and drafts
+in batched decode steps too)."""
 
 
 def _worker() -> None:

@@ -79,6 +79,7 @@ def make_engine(
         "TGI_PAGED_PREEMPTION": preemption,
         "TGI_PAGED_SWAP_SPACE_GB": str(swap_gb),
         "PREFIX_CACHING": "1",
+        "TGI_PAGED_SPECULATE_MAX_BATCH": "64",  # drafts in batched decode steps too (CPU's default: alone only)
     }
     settings.update({k: str(v) for k, v in env.items()})
     return build_engine(with_local_model(build_config({"model_id": str(model_dir), "speculate": speculate}, settings)))

@@ -188,5 +188,22 @@ def test_penalties_draft_and_stay_exact(tiny_llama_dir, monkeypatch, sampled):
     assert 0 < spec_engine.stats.accepted_tokens < spec_engine.stats.draft_tokens
 
 
+def test_cpu_drafts_only_alone_by_default(tiny_llama_dir, monkeypatch):
+    """``TGI_PAGED_SPECULATE_MAX_BATCH`` unset on CPU: a batch of decoding requests does not draft, the
+    last request left alone does; tokens unchanged."""
+    requests = [spec(1, make_text(1, 5), 6), spec(2, make_text(2, 4), 16)]
+    engine, plain = _run(tiny_llama_dir, requests)
+    oracle = OracleDrafts(_sequences(engine, plain, requests), wrong_every=100)
+    spec_engine, driver = _run(
+        tiny_llama_dir, requests, speculate=2, oracle=oracle, monkeypatch=monkeypatch,
+        TGI_PAGED_SPECULATE_MAX_BATCH="",
+    )  # fmt: skip
+    assert spec_engine.config.model.speculate_max_batch is None
+    assert [len(g.tokens.ids) for g in driver.generations[1]] == [1] * 6  # never alone while it ran
+    assert any(len(g.tokens.ids) > 1 for g in driver.generations[2])  # alone after request 1 finished
+    for r in requests:
+        assert driver.tokens[r.id] == plain.tokens[r.id]
+
+
 def test_info_reports_speculate(tiny_llama_dir):
     assert make_engine(tiny_llama_dir, speculate=3).info().speculate == 3

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
-from tgi_paged_backend.engine.speculation import accepted_prefix, may_speculate, ngram_draft, propose_drafts
+from tgi_paged_backend.engine.speculation import (
+    accepted_prefix,
+    drafting_pays,
+    may_speculate,
+    ngram_draft,
+    propose_drafts,
+)
 from tgi_paged_backend.engine.types import GrammarSpec, RequestSpec, SamplingParams, StoppingParams
 
 
@@ -65,3 +71,14 @@ def test_medusa_drafts_come_from_the_pending_proposal() -> None:
     assert propose_drafts([r], 1, medusa=True) == 1 and r.draft == [9]
     r.proposal = []
     assert propose_drafts([r], 3, medusa=True) == 0 and r.draft == []
+
+
+def test_drafting_in_batched_decode_steps_only_up_to_the_limit() -> None:
+    decoding = [_state([3]) for _ in range(3)]
+    assert drafting_pays(decoding, None) and drafting_pays(decoding, 3)
+    assert not drafting_pays(decoding, 2) and drafting_pays(decoding[:1], 1)
+    prefilling = _state([3])
+    prefilling.num_computed = 2  # its prompt is still being computed: the step takes the multi-position path
+    assert drafting_pays([*decoding, prefilling], 1)
+    prefilling.status = RequestStatus.PREEMPTED  # not in the step's forward
+    assert not drafting_pays([*decoding, prefilling], 1)

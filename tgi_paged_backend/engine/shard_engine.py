@@ -28,7 +28,7 @@ from tgi_paged_backend.engine.model_step import ModelStep
 from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
 from tgi_paged_backend.engine.sampling import validate_sampling_params
 from tgi_paged_backend.engine.scheduler import Scheduler, reuse_cached_prefix
-from tgi_paged_backend.engine.speculation import propose_drafts
+from tgi_paged_backend.engine.speculation import drafting_pays, propose_drafts
 from tgi_paged_backend.engine.step_anatomy import StepTimer, device_sync
 from tgi_paged_backend.engine.stopping import StoppingCriteria, eos_token_ids
 from tgi_paged_backend.engine.tokenize import PromptTokenizer
@@ -86,6 +86,8 @@ class PagedShardEngine:
         """``adapter_id`` -> LoRA adapter index (0: the base model); counts the unknown ids."""
         self.kv_events = build_kv_events(config, self.block_size, runner.device, self.adapter_names.names)
         """KV-cache events for a prefix-aware router (``TGI_PAGED_KV_EVENTS_ENDPOINT``; rank 0), else a no-op."""
+        self._spec_max_batch = config.model.speculate_max_batch or (1 if runner.device.type == "cpu" else None)
+        """Decoding requests up to which a step drafts (``ModelConfig.speculate_max_batch``)."""
         self._pool_built = False
         # A small pool so the engine serves (and warms up) before Warmup sizes the real one.
         self._configure(
@@ -395,7 +397,8 @@ class PagedShardEngine:
         timer = StepTimer(self._sync)
         timer.add("telemetry", self._telemetry_ns)
         step = self._without_compiling([self.requests[rid] for rid in ids])
-        propose_drafts(step, self.config.model.num_speculative_tokens, self.runner.medusa is not None)
+        speculate = self.config.model.num_speculative_tokens if drafting_pays(step, self._spec_max_batch) else 0
+        propose_drafts(step, speculate, self.runner.medusa is not None)
         in_step = {r.id for r in step}
         others = [r for rid, r in self.requests.items() if rid not in in_step]
         plan = self.scheduler.plan(step, others)

@@ -68,6 +68,17 @@ def may_speculate(r: RequestState) -> bool:
     )
 
 
+def drafting_pays(requests: Sequence[RequestState], max_batch: int | None) -> bool:
+    """Whether this step drafts at all: always when a request in it prefills (the step takes the
+    multi-position path anyway, drafts only add positions), else only when at most ``max_batch`` requests
+    decode (``None``: no limit). On CPU a pure decode step runs the one-call native decode path, which a
+    draft leaves for the multi-position path: at batch 8 that costs 1.9-2.7x the step, more than the
+    accepted tokens give back (docs/performance.md §15)."""
+    if max_batch is None or len(requests) <= max_batch:
+        return True
+    return any(r.status is RequestStatus.RUNNING and r.num_remaining > 1 for r in requests)
+
+
 def propose_drafts(requests: Iterable[RequestState], speculate: int, medusa: bool = False) -> int:
     """Set every request's ``draft`` for this step (``[]`` when it does not speculate): the Medusa heads'
     ``proposal`` when the shard has heads, else :func:`ngram_draft`. Returns the number of proposed
