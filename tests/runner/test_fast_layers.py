@@ -108,3 +108,19 @@ def test_a_linear_of_another_dtype_is_left_alone() -> None:
     block.big = block.big.to(torch.bfloat16)
     swap_fast_layers(block, CPU, torch.float32)
     assert type(block.big) is nn.Linear
+
+
+def test_outputs_close_is_relative_to_the_output_scale() -> None:
+    """A fused GEMM's rounding on a large output passes even where an element is near zero (SmolLM2's MLPs
+    failed an element-wise check on 9 of 30 layers); a different function or a NaN does not."""
+    from tgi_paged_backend.runner.fast_layers import outputs_close
+
+    expected = torch.tensor([[900.0, -1.0e-3, 250.0]])
+    assert outputs_close(expected, expected + torch.tensor([[6e-5, 3e-5, -3e-5]]))
+    assert not outputs_close(expected, expected * 1.001)  # 0.9 off on 900: another computation
+    assert not outputs_close(expected, torch.tensor([[900.0, float("nan"), 250.0]]))
+    assert not outputs_close(expected, expected[:, :2])
+    small = torch.tensor([1e-3, 2e-3])  # scale floor 1: absolute 1e-5
+    assert outputs_close(small, small + 5e-6) and not outputs_close(small, small + 5e-5)
+    half = expected.half()
+    assert outputs_close(half, (expected * 1.001).half()) and not outputs_close(half, (expected * 1.1).half())
