@@ -226,6 +226,38 @@ def plan_num_blocks(prompt_lengths: list[int], max_new_tokens: int, fit: int, bl
     return -(-int(fit * (mean + max_new_tokens)) // block_size) + 1
 
 
+WASTE_MEANING = {
+    "internal": (
+        "of the used blocks' slots",
+        "physical: the unwritten tail of each request's last block (under one block per request)",
+    ),
+    "reservation": (
+        "of the router's reserved slots",
+        "NOT physical here: the router's worst-case booking, backed by blocks only as tokens are written",
+    ),
+    "external": ("of the pool", "physical: free blocks too few for the pending all-or-nothing allocation"),
+}
+"""Per waste kind (``tgi_paged_kv_waste_ratio{kind}``): what its ratio is of, and what it costs."""
+
+
+def waste_lines(report: MemoryReport, *, stock_requests: int | None, per_request: int) -> list[str]:
+    """The waste figures, one line each with what it costs in physical memory, and what stock TGI holds."""
+    if not report.waste:
+        return ["waste (internal / reservation / external): n/a"]
+    mean = report.waste_unit == "mean ratio"
+    lines = [f"waste ({'mean over the run' if mean else 'slots, summed over steps'}):"]
+    for kind, value in report.waste.items():
+        of, cost = WASTE_MEANING.get(kind, ("", ""))
+        figure = f"{value:6.1%} {of}" if mean else f"{value:g} slots"
+        lines.append(f"  {kind:<11} {figure}: {cost}" if cost else f"  {kind:<11} {figure}")
+    if "reservation" in report.waste:
+        lines.append(
+            f"  (stock TGI allocates the whole booking: {per_request} token slots per request from the start"
+            + (f", {stock_requests} such requests on this pool)" if stock_requests is not None else ")")
+        )
+    return lines
+
+
 def format_report(
     report: MemoryReport,
     *,
@@ -253,13 +285,7 @@ def format_report(
         f"{show(report.physical_tokens)} tokens (router's virtual budget: {show(report.advertised_tokens)})",
         f"physical blocks used (peak): {show(report.blocks_used_peak)} / {show(report.blocks_total)}",
     ]
-    if report.waste:
-        waste = ", ".join(
-            f"{k} {v:.1%}" if report.waste_unit == "mean ratio" else f"{k} {v:g}" for k, v in report.waste.items()
-        )
-        lines.append(f"waste ({report.waste_unit}): {waste}")
-    else:
-        lines.append("waste (internal / reservation / external): n/a")
+    lines += waste_lines(report, stock_requests=stock, per_request=per_request)
     lines.append(
         f"admitted concurrency: {admitted_peak} (router replay peak; shard peak running: {show(report.running_peak)})"
     )

@@ -84,6 +84,10 @@ def test_metrics_poller_values():
     assert "stock TGI worst-case reservation on the same pool: 4 (= 368 // (42 + 48))" in text
     assert "preemptions by mode: recompute=4, swap=1" in text
     assert "recompute tax: 210 tokens recomputed" in text
+    waste = text[text.index("waste (mean over the run):") :].splitlines()
+    assert waste[1].split()[:2] == ["internal", "10.0%"] and "physical" in waste[1]
+    assert waste[2].split()[:2] == ["reservation", "50.0%"] and "NOT physical here" in waste[2]
+    assert "stock TGI allocates the whole booking: 90 token slots per request" in text
 
 
 def test_plan_num_blocks_fits_about_n_requests():
