@@ -169,3 +169,6 @@ def test_reclaim_window_agrees_with_what_every_layer_passes(name):
     assert len(windows) == config.num_hidden_layers
     spec = _spec(name)
     assert spec.reclaim_window == reclaim_window(spec.sliding_window, windows), windows
+    # the layer groups (memory.layer_groups) read each layer's window from the config: the modeling
+    # code must agree, or a group would keep too little (a full layer grouped as sliding)
+    assert spec.layer_windows == tuple(windows), windows

@@ -11,8 +11,10 @@ the page map.
 
 Models that mix windowed and full-attention layers (Gemma 2/3, gpt-oss, Cohere 2) get no window
 here (``None``): their full layers read every position, and one page map serves all layers of a
-request, so no block is outside every layer's window. A pool per layer group (vLLM's hybrid
-allocator) would save :func:`hybrid_pool_saving` of their KV; this backend does not do that.
+request, so no block is outside every layer's window. A page map per layer group (vLLM's hybrid
+allocator) would save :func:`hybrid_pool_saving` of their KV (less the padding of
+:mod:`.layer_groups`, which computes the groups); the per-group page maps are not built yet
+(``docs/design-layer-groups.md``).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from tgi_paged_backend.memory.layer_groups import LayerGroups
+
 _KV_DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3fn": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
@@ -68,6 +70,20 @@ def _reclaim_window(config: Any) -> int | None:
     return window if str(config.model_type) in EVERY_LAYER_WINDOWED else None
 
 
+def _layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Each attention layer's window (``None``: full attention), from ``layer_types`` when present, else
+    the model's window for every layer of :data:`EVERY_LAYER_WINDOWED` types; full otherwise (errs on the
+    side that keeps memory)."""
+    num_layers = int(config.num_hidden_layers)
+    window = _sliding_window(config)
+    if window is None:
+        return (None,) * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return ((window if str(config.model_type) in EVERY_LAYER_WINDOWED else None),) * num_layers
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
     """Sizes of a decoder-only causal LM, as the KV pool and the attention kernels see them."""
@@ -94,6 +110,8 @@ class ModelSpec:
     """Attention window in tokens when any layer uses one, else ``None``."""
     reclaim_window: int | None = None
     """The window when every attention layer uses it (blocks behind it can be given back), else ``None``."""
+    layer_windows: tuple[int | None, ...] = ()
+    """Each attention layer's window (``None``: full attention); ``()``: every layer full."""
     softcap: float
     """Attention logit soft-cap (Gemma 2); ``0.0`` means none."""
     dtype: torch.dtype
@@ -127,9 +145,17 @@ class ModelSpec:
             max_position_embeddings=int(getattr(config, "max_position_embeddings", 0) or 0),
             sliding_window=_sliding_window(config),
             reclaim_window=_reclaim_window(config),
+            layer_windows=_layer_windows(config),
             softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
             dtype=dtype,
         )
+
+    @property
+    def kv_groups(self) -> LayerGroups:
+        """The layers' KV groups (``memory.layer_groups``): one group unless full and windowed layers mix."""
+        if not self.layer_windows:
+            return LayerGroups.uniform(self.num_layers)
+        return LayerGroups.from_layer_windows(self.layer_windows)
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
         """Bytes of K plus V for one token position over all layers."""
