@@ -47,23 +47,32 @@ class KVSim:
             self.device[dst] = self.cpu[src]
 
     def write(self, manager: KVCacheManager, request_id: int, history: Sequence[int], start: int, end: int) -> None:
-        """Write the codes of positions ``[start, end)`` where the manager maps them."""
+        """Write the codes of positions ``[start, end)`` where the manager maps them, in every layer group
+        (group ``g``'s codes are salted with ``g``: a block read through another group's table shows)."""
         if end <= start:
             return
-        slots = manager.slot_mapping([request_id], [start], [end - start])
-        self.device.reshape(-1)[slots] = content_codes(history)[start:end]
+        codes = content_codes(history)[start:end]
+        for g in range(manager.num_groups):
+            slots = manager.slot_mapping([request_id], [start], [end - start], group=g)
+            self.device.reshape(-1)[slots] = codes + g
 
-    def read(self, manager: KVCacheManager, request_id: int, num_tokens: int, start: int = 0) -> np.ndarray:
+    def read(
+        self, manager: KVCacheManager, request_id: int, num_tokens: int, start: int = 0, group: int = 0
+    ) -> np.ndarray:
         if num_tokens <= start:
             return np.empty(0, dtype=np.int64)
-        slots = manager.slot_mapping([request_id], [start], [num_tokens - start])
-        return self.device.reshape(-1)[slots]
+        slots = manager.slot_mapping([request_id], [start], [num_tokens - start], group=group)
+        return self.device.reshape(-1)[slots] - group
 
     def assert_holds(
         self, manager: KVCacheManager, request_id: int, history: Sequence[int], num_tokens: int, start: int = 0
     ) -> None:
         """Positions ``[start, num_tokens)`` of the request read back as its history (``start`` > 0:
-        the sliding window of the latest query, the blocks before it may be holes)."""
-        got = self.read(manager, request_id, num_tokens, start)
-        want = content_codes(history)[start:num_tokens]
-        assert np.array_equal(got, want), f"request {request_id}: K/V content differs from its history"
+        the sliding window of the latest query, the blocks before it may be holes); in a sliding group
+        from its own window of the latest query on."""
+        for g, window in enumerate(manager.group_windows):
+            # a sliding group: what a query at num_tokens reads (the later of the two callers' queries)
+            first = start if window is None or manager.num_groups == 1 else max(start, num_tokens - window + 1, 0)
+            got = self.read(manager, request_id, num_tokens, first, group=g)
+            want = content_codes(history)[first:num_tokens]
+            assert np.array_equal(got, want), f"request {request_id}: K/V content of group {g} differs from its history"

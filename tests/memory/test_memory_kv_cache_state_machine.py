@@ -49,6 +49,8 @@ class MemoryMachine(RuleBasedStateMachine):
     NUM_VIRTUAL_BLOCKS = 48
     WINDOW: int | None = None
     """Sliding-window reclaim of the manager (``None``: off)."""
+    GROUPS: tuple[int | None, ...] | None = None
+    """Layer groups' windows instead (one page map per group, :mod:`.kv_group`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,7 +58,7 @@ class MemoryMachine(RuleBasedStateMachine):
             num_blocks=self.NUM_BLOCKS,
             block_size=self.BS,
             num_swap_blocks=self.NUM_SWAP_BLOCKS,
-            reclaim_window=self.WINDOW,
+            **({"groups": self.GROUPS} if self.GROUPS is not None else {"reclaim_window": self.WINDOW}),
         )
         self.sim = KVSim(self.NUM_BLOCKS, self.BS, self.NUM_SWAP_BLOCKS)
         self.reqs: dict[int, Req] = {}
@@ -166,7 +168,7 @@ class MemoryMachine(RuleBasedStateMachine):
         req.history.extend([token, *draft[:accepted]])
         self.m.commit_tokens(rid, req.history)
         self.m.truncate(rid, len(req.history))
-        assert self.m.request_memory(rid).num_blocks <= -(-len(req.history) // self.BS)
+        assert self.m.request_memory(rid).num_blocks <= self.m.num_groups * -(-len(req.history) // self.BS)
         event("draft partly rejected" if accepted < len(draft) else "draft accepted")
         req.num_written, req.last_step = len(req.history), 1 + len(draft)
 
@@ -237,7 +239,7 @@ class MemoryMachine(RuleBasedStateMachine):
         self.m.check_invariants()
         stats = self.m.stats()
         assert stats.num_free_blocks + stats.num_used_blocks + stats.num_retained_blocks == self.NUM_BLOCKS - 1
-        if self.WINDOW is None:
+        if self.WINDOW is None and self.GROUPS is None:
             assert stats.num_hole_blocks == 0 and stats.num_reclaimed_blocks_total == 0
         elif stats.num_hole_blocks:
             event("blocks behind the window given back")
@@ -252,12 +254,16 @@ class MemoryMachine(RuleBasedStateMachine):
                 assert slots[i] == self.m.slot_mapping([rid], [pos], [1])[0]
         for rid in running:
             req = self.reqs[rid]
-            self.sim.assert_holds(
-                self.m, rid, req.history, req.num_written, start=self._visible_from(req.num_written - 1)
+            self.sim.assert_holds(  # what the next query (at num_written) reads
+                self.m, rid, req.history, req.num_written, start=self._visible_from(req.num_written)
             )
             if self.WINDOW is not None:
                 held = self.m.request_memory(rid).num_blocks
                 assert held <= max_resident_blocks(self.WINDOW, self.BS, req.last_step), (rid, held)
+            for window, page_map in zip(self.m.group_windows, self.m._maps(rid)):
+                if window is not None and self.GROUPS is not None:  # each sliding group within its bound
+                    held = page_map.num_physical_blocks
+                    assert held <= max_resident_blocks(window, self.BS, req.last_step), (rid, window, held)
             if req.virtual:
                 pos = np.arange(req.num_written)
                 router_slots = np.asarray(req.virtual, dtype=np.int64)[pos // self.BS] * self.BS + pos % self.BS
@@ -341,3 +347,34 @@ WindowedMemoryMachineBlockSize1.TestCase.settings = settings(
     max_examples=30, stateful_step_count=50, deadline=None, derandomize=True
 )
 TestWindowedMemoryMachineBlockSize1 = WindowedMemoryMachineBlockSize1.TestCase
+
+
+class HybridMemoryMachine(MemoryMachine):
+    """Layer groups: a full group beside a sliding one (window 6: not a multiple of the block size), one
+    pool; every group reads back its own history (codes salted per group) and no block is in two groups."""
+
+    NUM_BLOCKS = 25
+    NUM_SWAP_BLOCKS = 12
+    GROUPS = (None, 6)
+
+
+HybridMemoryMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=50, deadline=None, derandomize=True
+)
+TestHybridMemoryMachine = HybridMemoryMachine.TestCase
+
+
+class HybridMemoryMachineBlockSize1(MemoryMachine):
+    """Three groups of two windows at token granularity."""
+
+    BS = 1
+    NUM_BLOCKS = 81
+    NUM_SWAP_BLOCKS = 40
+    NUM_VIRTUAL_BLOCKS = 160
+    GROUPS = (None, 3, 3)
+
+
+HybridMemoryMachineBlockSize1.TestCase.settings = settings(
+    max_examples=25, stateful_step_count=50, deadline=None, derandomize=True
+)
+TestHybridMemoryMachineBlockSize1 = HybridMemoryMachineBlockSize1.TestCase

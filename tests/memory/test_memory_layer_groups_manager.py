@@ -1,0 +1,201 @@
+"""The manager with several layer groups (``KVCacheManager(groups=...)``, :mod:`.kv_group`): one page
+map per group over one pool. A group of full attention keeps every block, a sliding group only its
+window; allocation, swap, recompute, truncation and prefix hits move all groups together.
+
+Each group's K/V is simulated with content codes salted by the group (a block read through the wrong
+group's table shows), written and read through that group's slot mapping; invariants after every call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from memory_sim import KVSim, content_codes
+
+from tgi_paged_backend.memory import KVCacheManager
+from tgi_paged_backend.memory.window_reclaim import max_resident_blocks
+
+BS, W = 4, 8
+GROUPS = (None, W)  # full attention, then a sliding group (Gemma 2's shape)
+
+
+class GroupSim(KVSim):
+    """K/V codes per group: group ``g``'s code of a position is the history code plus ``g``."""
+
+    def write_groups(self, m: KVCacheManager, rid: int, history, start: int, end: int) -> None:
+        for g in range(m.num_groups):
+            slots = m.slot_mapping([rid], [start], [end - start], group=g)
+            self.device.reshape(-1)[slots] = content_codes(history)[start:end] + g
+
+    def assert_groups_hold(self, m: KVCacheManager, rid: int, history) -> None:
+        """Every full group reads the whole history back, every sliding group its latest query's window."""
+        n = len(history)
+        for g, window in enumerate(m.group_windows):
+            start = 0 if window is None else max(n - window, 0)
+            slots = m.slot_mapping([rid], [start], [n - start], group=g)
+            got = self.device.reshape(-1)[slots]
+            assert np.array_equal(got, content_codes(history)[start:n] + g), f"request {rid}, group {g}"
+
+
+def make(num_blocks: int = 40, num_swap_blocks: int = 16, groups=GROUPS) -> tuple[KVCacheManager, GroupSim]:
+    m = KVCacheManager(num_blocks=num_blocks, block_size=BS, num_swap_blocks=num_swap_blocks, groups=groups)
+    return m, GroupSim(num_blocks, BS, num_swap_blocks)
+
+
+def step(m: KVCacheManager, sim: GroupSim, rid: int, history: list[int], new: list[int]) -> bool:
+    """Compute ``new`` tokens after ``history`` (a prefill chunk or one decode token)."""
+    allocation = m.allocate(rid, len(history) + len(new))
+    if allocation is None:
+        m.check_invariants()
+        return False
+    sim.apply_allocation(allocation)
+    start = len(history)
+    history.extend(new)
+    sim.write_groups(m, rid, history, start, len(history))
+    m.commit_tokens(rid, history)
+    m.check_invariants()
+    return True
+
+
+def held(m: KVCacheManager, rid: int) -> list[int]:
+    return [r.num_physical_blocks for r in m._maps(rid)]
+
+
+def test_the_sliding_group_keeps_its_window_and_the_full_group_everything() -> None:
+    m, sim = make()
+    m.add_request(1)
+    history: list[int] = []
+    assert m.match_prefix(1, list(range(6))).num_cached_tokens == 0
+    assert step(m, sim, 1, history, list(range(6)))
+    for t in range(30):
+        assert step(m, sim, 1, history, [100 + t])
+        sim.assert_groups_hold(m, 1, history)
+        full, sliding = held(m, 1)
+        assert full == -(-len(history) // BS)
+        assert sliding <= max_resident_blocks(W, BS)
+    assert m.stats().num_hole_blocks > 0 and m.stats().num_reclaimed_blocks_total > 0
+    assert m.num_used_blocks == sum(held(m, 1))
+    m.free(1)
+    m.check_invariants()
+    assert m.num_used_blocks == 0
+
+
+def test_an_allocation_backs_every_group_or_none() -> None:
+    m, sim = make(num_blocks=6)  # 5 usable: 2 + 2 for 8 tokens, then 3 + 3 does not fit
+    m.add_request(1)
+    history: list[int] = []
+    m.match_prefix(1, list(range(8)))
+    assert step(m, sim, 1, history, list(range(8)))
+    assert m.blocks_needed(1, 9) == 2  # one more block in each group; the sliding group gives none back yet
+    assert not step(m, sim, 1, history, [50])
+    assert held(m, 1) == [2, 2] and m.num_free_blocks == 1  # nothing half-allocated
+
+
+def test_blocks_needed_nets_what_the_sliding_group_gives_back() -> None:
+    m, sim = make()
+    m.add_request(1)
+    history: list[int] = []
+    m.match_prefix(1, list(range(16)))
+    assert step(m, sim, 1, history, list(range(16)))
+    # a query at 16 reads [9, 16]: the sliding group's blocks 0 and 1 (positions 0-7) leave as each group
+    # takes a fifth block, and they serve either group (one pool)
+    assert m.blocks_needed(1, 17) == 2 - 2
+    available = m.num_available_blocks
+    assert step(m, sim, 1, history, [7])
+    assert m.num_available_blocks == available and held(m, 1) == [5, 3]
+
+
+def test_swap_moves_every_groups_live_blocks_and_brings_holes_back() -> None:
+    m, sim = make()
+    m.add_request(1)
+    history: list[int] = []
+    m.match_prefix(1, list(range(20)))
+    assert step(m, sim, 1, history, list(range(20)))
+    assert step(m, sim, 1, history, [5])
+    before = held(m, 1)
+    plan = m.swap_out(1)
+    assert plan is not None and len(plan.src_blocks) == sum(before)
+    sim.apply_swap(plan)
+    m.check_invariants()
+    assert m.num_used_blocks == 0 and m.num_swapped_blocks == sum(before)
+    plan = m.swap_in(1)
+    assert plan is not None
+    sim.apply_swap(plan)
+    m.check_invariants()
+    assert held(m, 1) == before
+    sim.assert_groups_hold(m, 1, history)
+    assert step(m, sim, 1, history, [6])
+    sim.assert_groups_hold(m, 1, history)
+
+
+def test_recompute_then_a_prefix_hit_in_every_group() -> None:
+    m, sim = make()
+    prompt = list(range(12))
+    m.add_request(1)
+    history: list[int] = []
+    m.match_prefix(1, prompt)
+    assert step(m, sim, 1, history, prompt)
+    m.preempt_recompute(1)
+    m.check_invariants()
+    assert held(m, 1) == [0, 0] and m.num_retained_blocks == 6  # 3 full blocks of each group retained
+    hit = m.match_prefix(1, history + [99])
+    assert hit.num_cached_tokens == 12 and hit.num_shared_blocks == 3
+    resumed = list(history)
+    assert step(m, sim, 1, resumed, [99])  # position 12 only; the rest came from the hit
+    sim.assert_groups_hold(m, 1, resumed)
+
+
+def test_a_hit_is_the_shortest_of_the_groups_hits() -> None:
+    m, sim = make()
+    prompt = list(range(12))
+    m.add_request(1)
+    history: list[int] = []
+    m.match_prefix(1, prompt)
+    assert step(m, sim, 1, history, prompt)
+    m.free(1)
+    # drop the sliding group's third retained block: its chain is two blocks long now, the full one three
+    tail = m._groups[1].prefix.match(prompt + [1]).block_ids[-1]
+    m._groups[1].prefix.forget_block(tail)
+    m._pool.discard_retained(tail)
+    m.check_invariants()
+    m.add_request(2)
+    hit = m.match_prefix(2, prompt + [1])
+    assert hit.num_cached_tokens == 8 and hit.num_shared_blocks == 2
+    m.check_invariants()
+    resumed = prompt[:8]
+    assert step(m, sim, 2, resumed, prompt[8:] + [1])
+    sim.assert_groups_hold(m, 2, resumed)
+
+
+def test_truncate_gives_back_rejected_positions_in_every_group() -> None:
+    m, sim = make()
+    m.add_request(1)
+    history: list[int] = []
+    m.match_prefix(1, list(range(7)))
+    assert step(m, sim, 1, history, list(range(7)))
+    draft = [1, 2, 3, 4, 5]  # positions 7..11: a third block in each group
+    assert m.allocate(1, len(history) + len(draft)) is not None
+    assert held(m, 1) == [3, 3]
+    assert m.truncate(1, 9) == 0  # positions < 9 still need block 2 in each group
+    assert m.truncate(1, 8) == 2 and held(m, 1) == [2, 2]
+    m.check_invariants()
+
+
+def test_three_groups_two_windows() -> None:
+    m, sim = make(groups=(None, 4, 8))
+    m.add_request(1)
+    history: list[int] = []
+    m.match_prefix(1, list(range(5)))
+    assert step(m, sim, 1, history, list(range(5)))
+    for t in range(20):
+        assert step(m, sim, 1, history, [t])
+        sim.assert_groups_hold(m, 1, history)
+    full, small, large = held(m, 1)
+    assert small <= max_resident_blocks(4, BS) and large <= max_resident_blocks(8, BS) and full == -(-25 // BS)
+
+
+def test_groups_and_reclaim_window_are_exclusive() -> None:
+    with pytest.raises(ValueError, match="not both"):
+        KVCacheManager(num_blocks=4, block_size=BS, reclaim_window=W, groups=(None, W))
+    with pytest.raises(ValueError, match="groups=.* is invalid"):
+        KVCacheManager(num_blocks=4, block_size=BS, groups=())

@@ -1,0 +1,142 @@
+"""One KV group's books: a page map per request, its block-table rows and its prefix registry.
+
+A model's attention layers form one group, or several when full and sliding-window layers mix
+(:mod:`.layer_groups`). Each group maps every request's positions to blocks of the one shared
+:class:`~.block_pool.BlockPool`; a sliding group gives back the blocks behind its window
+(:mod:`.window_reclaim`). :class:`~.kv_cache_manager.KVCacheManager` runs every operation on every group
+(all or nothing across groups); this module is the part that concerns one group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tgi_paged_backend.memory.block_pool import BlockPool
+from tgi_paged_backend.memory.block_table import BlockTableArray
+from tgi_paged_backend.memory.page_map import PageMap
+from tgi_paged_backend.memory.prefix_cache import NullPrefixCache, PrefixCache, PrefixHit
+from tgi_paged_backend.memory.types import SCRATCH_BLOCK, BlockCopy
+from tgi_paged_backend.memory.window_reclaim import num_blocks_outside_window, release_blocks_outside_window
+
+
+@dataclass(slots=True, eq=False)
+class KVGroup:
+    """The page maps of one layer group over the shared pool."""
+
+    pool: BlockPool
+    block_size: int
+    window: int | None
+    """The group's sliding window (blocks behind it are given back); ``None``: it keeps every block."""
+    prefix: PrefixCache | NullPrefixCache
+    table: BlockTableArray
+    requests: dict[int, PageMap] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------------------- matching
+    def share(self, req: PageMap, shared: Sequence[int], cow_src: int | None, num_cow: int) -> None:
+        """Map the prefix hit's ``shared`` blocks (and pin its copy-on-write source) into ``req``."""
+        for block_id in shared:
+            self.pool.incref(block_id)
+        req.blocks = list(shared)
+        self.table.append(req.row, shared)
+        if cow_src is not None:
+            self.pool.incref(cow_src)
+            req.cow_src, req.num_cow_tokens = cow_src, num_cow
+        req.num_committed = req.num_allocated_tokens = len(shared) * self.block_size + num_cow
+
+    def match(self, req: PageMap) -> PrefixHit:
+        """The registry's hit for ``req``'s token history, within its reservation."""
+        return self.prefix.match(req.token_ids, req.chain_root)
+
+    # ----------------------------------------------------------------------------- allocation
+    def num_outside_window(self, req: PageMap, num_tokens: int) -> int:
+        """Leading page-map blocks no query of a step ending at ``num_tokens`` reads (0 without a window);
+        the step's first query is the position after what the request asked for before."""
+        if self.window is None:
+            return 0
+        first_query = min(req.num_allocated_tokens, num_tokens - 1)
+        return min(num_blocks_outside_window(first_query, self.window, self.block_size), len(req.blocks))
+
+    def release_outside_window(self, req: PageMap, num_tokens: int) -> int:
+        """Give back the blocks behind the window before a step ending at ``num_tokens``; returns how many
+        (full committed ones are registered first: retained, and the chain stays whole)."""
+        end = self.num_outside_window(req, num_tokens)
+        if end <= req.num_holes:
+            return 0
+        self.register(req)
+        return release_blocks_outside_window(
+            req, end, pool=self.pool, table=self.table, is_registered=self.prefix.is_registered
+        )
+
+    def blocks_returned(self, req: PageMap, num_tokens: int) -> int:
+        """Blocks :meth:`release_outside_window` would hand back to the available blocks."""
+        return sum(
+            1
+            for b in req.blocks[req.num_holes : self.num_outside_window(req, num_tokens)]
+            if b != SCRATCH_BLOCK and self.pool.refcount(b) == 1
+        )
+
+    def map_new(self, req: PageMap, new: Sequence[int], num_blocks: int) -> tuple[BlockCopy, ...]:
+        """Extend ``req`` to ``num_blocks`` blocks with the fresh pool blocks ``new``; the pending
+        copy-on-write lands in the first of them."""
+        mapped = req.extension(new, num_blocks)
+        copies: tuple[BlockCopy, ...] = ()
+        if req.cow_src is not None:
+            assert mapped[0] != SCRATCH_BLOCK
+            copies = (BlockCopy(req.cow_src, mapped[0], req.num_cow_tokens),)
+            self.release_cow_source(req)
+        req.blocks.extend(mapped)
+        self.table.append(req.row, mapped)
+        return copies
+
+    def truncate(self, req: PageMap, num_tokens: int) -> int:
+        """Forget positions from ``num_tokens`` on; blocks wholly past them go back. Returns how many."""
+        assert req.swapped is None
+        keep = max(-(-num_tokens // self.block_size), req.num_holes)
+        dropped = req.blocks[keep:]
+        req.num_committed = min(req.num_committed, num_tokens)
+        req.num_allocated_tokens = min(req.num_allocated_tokens, num_tokens)
+        del req.token_ids[num_tokens:]
+        if not dropped:
+            return 0
+        assert req.cow_src is None, "a pending copy-on-write past the history"
+        for block_id in reversed(dropped):
+            if block_id != SCRATCH_BLOCK:
+                assert not self.prefix.is_registered(block_id), "a retained block past the committed tokens"
+                self.pool.decref(block_id, retain=False)
+        del req.blocks[keep:]
+        self.table.truncate(req.row, keep)
+        return len(dropped)
+
+    # ------------------------------------------------------------------------------ release
+    def register(self, req: PageMap) -> None:
+        """Register the full committed blocks: from the root, or past the holes from where the chain
+        ended (it cannot restart behind them)."""
+        num_written = min(req.num_committed, len(req.blocks) * self.block_size)
+        start = req.chain if req.num_holes else req.chain_root
+        req.chain = self.prefix.extend(req.token_ids, req.blocks, num_written, start)[0]
+
+    def release_cow_source(self, req: PageMap) -> None:
+        assert req.cow_src is not None
+        self.pool.decref(req.cow_src, retain=self.prefix.is_registered(req.cow_src))
+        req.cow_src, req.num_cow_tokens = None, 0
+
+    def release_device_blocks(self, req: PageMap, *, register: bool) -> None:
+        """Unpin a pending copy source, optionally register full written blocks, drop all blocks.
+
+        Released last-first so that, once retained, a chain's tail is evicted before its head (a block
+        is only reachable through its parents)."""
+        if req.cow_src is not None:
+            self.release_cow_source(req)
+        if register:
+            self.register(req)
+        is_registered = self.prefix.is_registered
+        for block_id in reversed(req.blocks):
+            if block_id != SCRATCH_BLOCK:
+                self.pool.decref(block_id, retain=is_registered(block_id))
+        req.blocks = []
+        self.table.clear(req.row)
+
+    def exclusive_blocks(self, req: PageMap) -> int:
+        """Blocks only ``req`` holds (what preempting it frees)."""
+        return sum(1 for b in req.blocks if b != SCRATCH_BLOCK and self.pool.refcount(b) == 1)
