@@ -1,11 +1,11 @@
 """Sliding-window block reclaim: peak KV blocks with and without it on long requests (no model, no GPU).
 
 Mistral-7B-v0.1 (every layer windowed, 4096) on long prompts and long generations, and Gemma-2-9B /
-Gemma-3-27B (sliding layers mixed with full ones), each simulated through the real ``KVCacheManager``
-with the reclaim window the engine would use for those layers and without one
-(``tgi_paged_backend.bench.sliding_window``). The last column is what one pool per layer group
-(vLLM's hybrid allocator) would save at the final length; this backend keeps one page map per
-request, so it saves 0 on mixed models. About 20 s.
+Gemma-3-27B / gpt-oss-20b (sliding layers mixed with full ones), each simulated through the real
+``KVCacheManager`` with the reclaim window the engine would use for one page map and without one
+(``tgi_paged_backend.bench.sliding_window``). For the mixed models, the analytic share one page map per
+layer group saves at the final length, and the measured one: the same run through the manager with the
+engine's KV layer groups (KV bytes saved at the peak and at the end). About 15 s.
 
 Usage::
 

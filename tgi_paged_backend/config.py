@@ -64,6 +64,10 @@ class CacheConfig:
     prefix_caching: bool = False
     """``PREFIX_CACHING``: advertise ``use_prefix_caching`` to the router and retain the full prompt
     blocks of finished (and recompute-preempted) requests for reuse; off, nothing is retained."""
+    layer_groups: bool = True
+    """``TGI_PAGED_LAYER_GROUPS``: models that mix full and sliding-window layers (Gemma 2/3, gpt-oss,
+    Cohere 2) get one page map per layer group (``memory.layer_groups``), so the sliding layers keep
+    only their window; ``0`` keeps one page map for all layers."""
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:

@@ -52,6 +52,7 @@ class EnvSettings:
     kv_events_replay_endpoint: str | None
     kv_events_topic: str | None
     prefix_caching: bool
+    layer_groups: bool
     max_batch_size: int | None
     max_total_tokens: int | None
     request_logprobs: bool
@@ -225,6 +226,8 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         # PREFIX_CACHING: set by the launcher (user env wins): advertised in Info.use_prefix_caching
         # and, when off, no prefix blocks are retained either. Stock parsing.
         prefix_caching=_stock_flag(e, "PREFIX_CACHING"),
+        # TGI_PAGED_LAYER_GROUPS: a page map per layer group for models mixing full and sliding layers.
+        layer_groups=_parse(e, "TGI_PAGED_LAYER_GROUPS", True, _on_off, "0, 1, false or true"),
         # MAX_BATCH_SIZE, MAX_TOTAL_TOKENS: set by the launcher when the user gives them, as its
         # `usize` values. Not used by the shard, as stock's CUDA server: the router caps its batches
         # and Warmup carries max_total_tokens.
@@ -340,6 +343,7 @@ def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             watermark=s.watermark,
             kv_cache_dtype=cli.get("kv_cache_dtype") or "auto",
             prefix_caching=s.prefix_caching,
+            layer_groups=s.layer_groups,
         ),
         preemption=PreemptionConfig(mode=s.preemption),  # type: ignore[arg-type]
         server=ServerConfig(

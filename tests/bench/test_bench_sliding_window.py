@@ -33,3 +33,20 @@ def test_mixed_layers_reclaim_nothing_and_hybrid_pools_are_reported_apart() -> N
     assert mixed.hybrid_saving == pytest.approx(0.5 * (1 - 3 / 16))
     table = format_comparisons([all_windowed, mixed], block_bytes={"w": 2**30})
     assert "| m | none (mixed layers) |" in table and "GiB" in table
+
+
+def test_layer_groups_measured_saving_matches_the_analytic_one() -> None:
+    """The engine's KV layer groups through the real manager save what the per-layer analytic says at the
+    end, within a block per request, and at least the bound LayerGroups.saving gives (padding counted)."""
+    from tgi_paged_backend.memory.layer_groups import LayerGroups
+
+    for windows in ([8, None], [8, 8, 8, None], [4, None, 8, None]):
+        r = compare_reclaim(
+            "g", windows, num_requests=3, prompt_tokens=8, output_tokens=57, block_size=4, max_prefill_tokens=8
+        )
+        assert r.grouped is not None and r.grouped_saving is not None
+        at_end = r.grouped_saving[1]
+        per_block = 1 / 16  # one block of a request's 16 (64 positions), as a share
+        assert abs(at_end - r.hybrid_saving) <= per_block, (windows, at_end, r.hybrid_saving)
+        assert at_end >= LayerGroups.from_layer_windows(windows).saving(64, 4, 1) - 1e-9
+    assert compare_reclaim("u", [8, 8], num_requests=1, prompt_tokens=8, output_tokens=8, block_size=4).grouped is None

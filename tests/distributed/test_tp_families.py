@@ -30,6 +30,7 @@ MUST_SERVE = {
     "GPT-BigCode",
     "Granite",
     "Cohere",
+    "Cohere2",
 }
 """The layouts the slicing supports: separate q/k/v/o (Phi: dense) or Phi-3's fused qkv, and gate/up/down, a fused
 gate_up, c_fc/c_proj or fc1/fc2; MoE blocks (experts split by their intermediate dimension, a shared expert too;

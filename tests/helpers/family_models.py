@@ -148,6 +148,18 @@ FAMILIES: tuple[Family, ...] = (
         "parallel residual, LayerNorm, interleaved RoPE",
     ),
     Family(
+        "Cohere2",
+        "cohere2",
+        dict(
+            _LLAMA_LIKE,
+            logit_scale=0.5,
+            tie_word_embeddings=True,
+            sliding_window=_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "sliding/full layers, parallel residual, LayerNorm",
+    ),
+    Family(
         "StarCoder2",
         "starcoder2",
         dict(_LLAMA_LIKE, sliding_window=_WINDOW, initializer_range=0.4),

@@ -73,8 +73,11 @@ def test_the_sliding_group_keeps_its_window_and_the_full_group_everything() -> N
         full, sliding = held(m, 1)
         assert full == -(-len(history) // BS)
         assert sliding <= max_resident_blocks(W, BS)
-    assert m.stats().num_hole_blocks > 0 and m.stats().num_reclaimed_blocks_total > 0
+    stats = m.stats()
+    assert stats.num_hole_blocks > 0 and stats.num_reclaimed_blocks_total > 0
     assert m.num_used_blocks == sum(held(m, 1))
+    assert stats.group_windows == GROUPS and list(stats.group_blocks) == held(m, 1)
+    assert stats.group_hole_blocks[0] == 0 and stats.group_hole_blocks[1] == stats.num_hole_blocks
     m.free(1)
     m.check_invariants()
     assert m.num_used_blocks == 0

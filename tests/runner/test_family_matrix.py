@@ -116,6 +116,8 @@ def test_models_doc_agrees_with_the_matrix():
             assert cells[2:5] == ["yes", "yes", "yes"], cells  # single shard, preemption, speculation
             if _spec(name).reclaim_window is not None:
                 assert cells[6].startswith("yes: "), cells
+            elif _spec(name).kv_groups.is_hybrid:  # sliding beside full layers: one page map per group
+                assert cells[6].startswith("yes: ") and "KV layer groups" in cells[6], cells
             elif _spec(name).sliding_window is not None:
                 assert cells[6].startswith("0 ("), cells
             else:

@@ -124,3 +124,18 @@ def test_outputs_close_is_relative_to_the_output_scale() -> None:
     assert outputs_close(small, small + 5e-6) and not outputs_close(small, small + 5e-5)
     half = expected.half()
     assert outputs_close(half, (expected * 1.001).half()) and not outputs_close(half, (expected * 1.1).half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_wrong_norm_form_is_rejected_even_beside_one_huge_channel(dtype) -> None:
+    """A Gemma norm (``x_hat * (1 + w)``) is not ``w * x_hat``, however large one channel of ``w`` is."""
+    width = 2304
+    weight = torch.zeros(width)
+    weight[7] = 400.0
+    x = torch.randn(3, width, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x_hat = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    gemma, wrong = (x_hat * (1 + weight)).to(dtype), (x_hat * weight).to(dtype)
+    from tgi_paged_backend.runner.fast_layers import outputs_close
+
+    assert not outputs_close(gemma, wrong)
+    assert outputs_close(gemma, gemma.clone())

@@ -20,8 +20,9 @@ BUDGET = MemoryBudget(
 )
 
 
-def memory_stats(**overrides: int) -> MemoryStats:
-    """A plausible pool: 100 blocks x 16 tokens, 75 used (usage 0.75), 5 retained, 3 swapped."""
+def memory_stats(**overrides) -> MemoryStats:
+    """A plausible pool: 100 blocks x 16 tokens, 75 used (usage 0.75), 5 retained, 3 swapped; two KV layer
+    groups (full, and a sliding window of 4096) sharing the used blocks."""
     values = dict(
         block_size=16,
         num_total_blocks=100,
@@ -39,6 +40,9 @@ def memory_stats(**overrides: int) -> MemoryStats:
         external_waste_blocks=0,
         num_prefix_query_tokens=0,
         num_prefix_hit_tokens=0,
+        group_windows=(None, 4096),
+        group_blocks=(60, 15),
+        group_hole_blocks=(0, 45),
     )
     values.update(overrides)
     return MemoryStats(**values)

@@ -77,6 +77,8 @@ def test_metrics_endpoint_serves_every_instrument(recorder: OtelRecorder) -> Non
     assert samples[("tgi_paged_kv_usage_ratio", ())] == 0.75
     assert samples[("tgi_paged_preemptions_total", (("mode", "swap"),))] == 1
     assert samples[("tgi_paged_kv_blocks", (("state", "retained"),))] == 5
+    held = (("group", "1"), ("state", "held"), ("window", "4096"))
+    assert samples[("tgi_paged_kv_group_blocks", held)] == 15
     assert samples[("tgi_paged_step_seconds_count", (("phase", "decode"),))] == 2
     assert samples[("tgi_paged_step_seconds_bucket", (("le", "0.025"), ("phase", "decode")))] == 2
     assert samples[("tgi_paged_step_seconds_bucket", (("le", "0.1"), ("phase", "prefill")))] == 0

@@ -6,8 +6,10 @@ each) through :class:`~tgi_paged_backend.memory.KVCacheManager` on a pool big en
 preempted, and records the peak of physical blocks in use. :func:`compare_reclaim` runs it with the
 reclaim window the engine would use for the model's layers
 (:func:`~tgi_paged_backend.memory.window_reclaim.reclaim_window`) and without one. For models that
-mix sliding and full layers the engine keeps every block (0 saved); :func:`hybrid_pool_saving` gives
-what one pool per layer group (vLLM's hybrid allocator) would save instead. No model, no torch.
+mix sliding and full layers, one page map reclaims nothing (0 saved); :func:`hybrid_pool_saving` gives
+what one page map per layer group saves analytically, and the run with the engine's KV layer groups
+(``KVCacheManager(groups=...)``) measures it, in bytes (a grouped block holds fewer layers). No model, no
+torch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tgi_paged_backend.memory import KVCacheManager
+from tgi_paged_backend.memory.layer_groups import LayerGroups
 from tgi_paged_backend.memory.window_reclaim import hybrid_pool_saving, reclaim_window
 
 
@@ -31,6 +34,8 @@ class LongRunPeak:
     """Most physical blocks one request held at once."""
     num_reclaimed_blocks: int
     """Blocks given back behind the window over the run."""
+    end_blocks: int = 0
+    """Physical blocks in use after the last step (every request at its full length)."""
 
 
 def simulate_long_run(
@@ -41,17 +46,20 @@ def simulate_long_run(
     block_size: int,
     window: int | None,
     max_prefill_tokens: int,
+    groups: Sequence[int | None] | None = None,
 ) -> LongRunPeak:
     """Step ``num_requests`` requests of ``prompt_tokens + output_tokens`` to the end; see module doc.
 
+    ``groups``: KV layer groups' windows instead of ``window`` (one page map per group, the engine's
+    layout for models mixing sliding and full layers; a block then holds one group's layers).
     As in TGI, the last generated token's K/V is never written: each request writes
     ``prompt_tokens + output_tokens - 1`` positions.
     """
     total = prompt_tokens + output_tokens - 1
-    num_blocks = num_requests * -(-total // block_size) + 1
-    kv = KVCacheManager(
-        num_blocks=num_blocks, block_size=block_size, enable_prefix_retention=False, reclaim_window=window
-    )
+    num_groups = 1 if groups is None else len(groups)
+    num_blocks = num_requests * num_groups * -(-total // block_size) + 1
+    layout = {"groups": tuple(groups)} if groups is not None else {"reclaim_window": window}
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size, enable_prefix_retention=False, **layout)
     computed = [0] * num_requests
     held = [0] * num_requests
     for rid in range(num_requests):
@@ -71,12 +79,12 @@ def simulate_long_run(
             allocation = kv.allocate(rid, computed[rid] + n)
             assert allocation is not None, "the pool is sized for every block"
             computed[rid] += n
-            now = kv.stats().num_reclaimed_blocks_total if window is not None else 0
+            now = kv.stats().num_reclaimed_blocks_total
             held[rid] += len(allocation.new_blocks) - (now - reclaimed)  # this call's reclaim is rid's
             reclaimed = now
             peak_request = max(peak_request, held[rid])
         peak = max(peak, kv.num_used_blocks)
-    return LongRunPeak(window, peak, peak_request, reclaimed)
+    return LongRunPeak(window, peak, peak_request, reclaimed, kv.num_used_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +96,22 @@ class ReclaimComparison:
     without: LongRunPeak
     hybrid_saving: float
     """Share of the KV that per-layer-group pools would free at the longest request length."""
+    grouped: LongRunPeak | None = None
+    """The run with the engine's KV layer groups (models mixing sliding and full layers only)."""
+    layers_per_block: int = 0
+    """Layers one block holds with those groups (all layers without)."""
+    num_layers: int = 0
+
+    @property
+    def grouped_saving(self) -> tuple[float, float] | None:
+        """Share of the KV bytes the layer groups save against one page map for all layers: (at the peak,
+        at the end). ``None`` without groups."""
+        if self.grouped is None:
+            return None
+        ratio = self.layers_per_block / self.num_layers
+        peak = 1.0 - self.grouped.peak_blocks * ratio / max(self.without.peak_blocks, 1)
+        end = 1.0 - self.grouped.end_blocks * ratio / max(self.without.end_blocks, 1)
+        return peak, end
 
     @property
     def ratio(self) -> float:
@@ -114,18 +138,27 @@ def compare_reclaim(
     for a full layer) and without reclaim, plus the hybrid-pool saving for comparison."""
     windows = [w for w in layer_windows if w is not None]
     window = reclaim_window(windows[0] if windows else None, layer_windows)
-    run = dict(
-        num_requests=num_requests,
-        prompt_tokens=prompt_tokens,
-        output_tokens=output_tokens,
-        block_size=block_size,
-        max_prefill_tokens=max_prefill_tokens,
-    )
+
+    def run(window: int | None, groups: Sequence[int | None] | None = None) -> LongRunPeak:
+        return simulate_long_run(
+            num_requests=num_requests,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            block_size=block_size,
+            window=window,
+            max_prefill_tokens=max_prefill_tokens,
+            groups=groups,
+        )
+
+    groups = LayerGroups.from_layer_windows(layer_windows)
     return ReclaimComparison(
         label,
-        simulate_long_run(window=window, **run),
-        simulate_long_run(window=None, **run),
+        run(window),
+        run(None),
         hybrid_pool_saving(layer_windows, prompt_tokens + output_tokens - 1, block_size),
+        run(None, groups.windows) if groups.is_hybrid else None,
+        groups.layers_per_block,
+        len(layer_windows),
     )
 
 
@@ -133,8 +166,9 @@ def format_comparisons(rows: Sequence[ReclaimComparison], *, block_bytes: dict[s
     """A markdown table of :func:`compare_reclaim` results (``block_bytes``: label -> bytes per block)."""
     lines = [
         "| model layers | reclaim window | peak blocks, no reclaim | peak blocks, reclaim | ratio | "
-        "KV saved | per request (no reclaim -> reclaim) | per-layer-group pools, at the end |",
-        "|---|---|---|---|---|---|---|---|",
+        "KV saved | per request (no reclaim -> reclaim) | per-layer-group pools, at the end (analytic) | "
+        "layer groups, measured: KV saved at the peak; at the end |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         per_request = f"{r.without.peak_request_blocks} -> {r.with_reclaim.peak_request_blocks} blocks"
@@ -144,9 +178,11 @@ def format_comparisons(rows: Sequence[ReclaimComparison], *, block_bytes: dict[s
                 f" ({r.without.peak_request_blocks * gib:.2f} -> {r.with_reclaim.peak_request_blocks * gib:.2f} GiB)"
             )
         window = "none (mixed layers)" if r.with_reclaim.window is None else str(r.with_reclaim.window)
+        measured = r.grouped_saving
+        groups = "-" if measured is None else f"{measured[0]:.0%}; {measured[1]:.1%}"
         lines.append(
             f"| {r.label} | {window} | {r.without.peak_blocks:,} | {r.with_reclaim.peak_blocks:,} | "
-            f"{r.ratio:.2f}x | {r.saving:.0%} | {per_request} | {r.hybrid_saving:.0%} |"
+            f"{r.ratio:.2f}x | {r.saving:.0%} | {per_request} | {r.hybrid_saving:.1%} | {groups} |"
         )
     return "\n".join(lines)
 
@@ -156,6 +192,7 @@ LONG_RUN_MODELS: dict[str, tuple[list[int | None], int]] = {
     "Mistral-7B-v0.1": ([4096] * 32, 2 * 32 * 8 * 128 * 2),
     "Gemma-2-9B": ([4096, None] * 21, 2 * 42 * 8 * 256 * 2),
     "Gemma-3-27B": (([1024] * 5 + [None]) * 10 + [1024] * 2, 2 * 62 * 16 * 128 * 2),
+    "gpt-oss-20b": ([128, None] * 12, 2 * 24 * 8 * 64 * 2),
 }
 """Layer patterns and KV sizes of the published configs (32 / 42 / 62 layers)."""
 
@@ -165,6 +202,7 @@ LONG_RUN_WORKLOADS: tuple[tuple[str, int, int, int], ...] = (
     ("Mistral-7B-v0.1", 8, 1024, 1024),
     ("Gemma-2-9B", 8, 4096, 4096),
     ("Gemma-3-27B", 4, 8192, 8192),
+    ("gpt-oss-20b", 8, 4096, 4096),
 )
 """``(model, requests, prompt tokens, output tokens)``: long prompts, long generations, a short control."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tgi_paged_backend.config import ConfigError
+from tgi_paged_backend.memory.layer_groups import LayerGroups
 from tgi_paged_backend.memory.window_reclaim import max_request_blocks
 
 
@@ -23,6 +24,9 @@ class Capacity:
     max_total_tokens: int
     max_prefill_tokens: int
     """Server-side chunk budget, a multiple of the block size."""
+    budget_gain: float = 1.0
+    """With KV layer groups: how much further the pool goes for a ``max_total_tokens`` request than if
+    every group kept every block (the advertised budget is multiplied by it)."""
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -41,8 +45,16 @@ def plan_capacity(
     max_total_tokens: int | None,
     max_prefill_tokens: int,
     reclaim_window: int | None = None,
+    groups: LayerGroups | None = None,
 ) -> Capacity:
     """Size the pool and answer Warmup (``reclaim_window``: one request holds at most its window).
+
+    With KV layer groups (``groups``, more than one) a token position takes one block slot in every
+    group that holds it, so ``physical_tokens`` is ``1 / num_groups`` of the blocks' positions (every
+    group keeping every block), one request of ``max_total_tokens`` must fit with each sliding group
+    holding only its window, and the router's budget grows by what the sliding groups no longer hold at
+    that length: ``num_groups * ceil(T / block_size) / request_blocks(T)`` (:attr:`Capacity.budget_gain`;
+    shorter requests gain less, which the admission brake and preemption absorb).
 
     Raises:
         ConfigError: one ``max_total_tokens`` request cannot fit physically, or limits contradict.
@@ -50,7 +62,8 @@ def plan_capacity(
     num_blocks = available_kv_bytes // block_bytes
     if num_blocks_cap is not None:
         num_blocks = min(num_blocks, num_blocks_cap)
-    physical_tokens = max(num_blocks - 1, 0) * block_size
+    num_groups = 1 if groups is None else groups.num_groups
+    physical_tokens = max(num_blocks - 1, 0) // num_groups * block_size
     if max_total_tokens is None:
         max_total_tokens = min(physical_tokens, max_position_embeddings)
         if max_input_tokens is not None:
@@ -60,7 +73,11 @@ def plan_capacity(
     if max_input_tokens >= max_total_tokens or max_input_tokens < 1:
         raise ConfigError(f"max_input_tokens={max_input_tokens} must be in [1, max_total_tokens={max_total_tokens})")
     max_prefill_tokens = round_up(max(max_prefill_tokens, 1), block_size)
-    needed_blocks = max_request_blocks(max_total_tokens, block_size, reclaim_window, max_prefill_tokens) + 1
+    needed_blocks = 1 + (
+        groups.request_blocks(max_total_tokens, block_size, max_prefill_tokens)
+        if groups is not None and groups.num_groups > 1
+        else max_request_blocks(max_total_tokens, block_size, reclaim_window, max_prefill_tokens)
+    )
     if needed_blocks > num_blocks:
         raise ConfigError(
             f"one request of max_total_tokens={max_total_tokens} needs {needed_blocks} KV blocks "
@@ -68,7 +85,11 @@ def plan_capacity(
             "raise TGI_PAGED_NUM_BLOCKS or TGI_PAGED_MEMORY_FRACTION (CUDA_MEMORY_FRACTION), or lower "
             "--max-total-tokens"
         )
-    virtual_tokens = int(physical_tokens * overcommit) // block_size * block_size
+    gain = 1.0
+    if groups is not None and groups.num_groups > 1:
+        full = groups.num_groups * -(-max_total_tokens // block_size)
+        gain = max(1.0, full / groups.request_blocks(max_total_tokens, block_size, max_prefill_tokens))
+    virtual_tokens = int(physical_tokens * gain * overcommit) // block_size * block_size
     advertised = max(virtual_tokens, round_up(max_total_tokens, block_size), max_prefill_tokens)
     return Capacity(
         num_blocks=num_blocks,
@@ -77,4 +98,5 @@ def plan_capacity(
         max_input_tokens=max_input_tokens,
         max_total_tokens=max_total_tokens,
         max_prefill_tokens=max_prefill_tokens,
+        budget_gain=gain,
     )

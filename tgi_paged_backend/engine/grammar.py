@@ -20,6 +20,7 @@ whose ``max_new_tokens`` comes first ends with ``length``, as stock does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import lru_cache
@@ -273,7 +274,7 @@ class GrammarState:
         if token_id != self._eos_token_id:
             self.guide().advance(token_id)
 
-    def _walk(self, draft: Sequence[int]) -> Iterator[int]:
+    def _walk(self, draft: Sequence[int]) -> Generator[int, None, None]:
         """Walk the automaton along ``draft``, yielding before each token the number of tokens passed;
         stops at the first token it forbids or after an EOS, then steps back to where it was."""
         guide, advanced = self.guide(), 0
@@ -307,10 +308,12 @@ class GrammarState:
         """Row ``i`` of ``out`` (``len(draft) + 1`` rows of packed int32 words): the allowed tokens after
         ``draft[:i]``. Rows past a token the automaton forbids repeat the last allowed state (they cannot
         be accepted)."""
+        assert len(draft) <= MAX_DRAFT, "grammar drafts are cut to MAX_DRAFT by valid_draft"
         guide, words = self.guide(), out.shape[1]
         row = -1
-        for row in self._walk(draft):
-            guide.write_mask_into(out[row].ctypes.data, words, 4)
+        with contextlib.closing(self._walk(draft)) as walk:  # steps back even if a mask write raises
+            for row in walk:
+                guide.write_mask_into(out[row].ctypes.data, words, 4)
         out[row + 1 :] = out[row]
 
 

@@ -142,12 +142,15 @@ class ModelStep:
         qsl = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts_np, out=qsl[1:])
         is_decode = bool((counts_np == 1).all())
+        groups = range(1, self.kv.num_groups)  # KV layer groups past the first (memory.layer_groups)
         if is_decode:
             positions = starts_np
             slots = self.kv.decode_slot_mapping(ids, starts_np)
+            group_slots = [self.kv.decode_slot_mapping(ids, starts_np, group=g) for g in groups]
         else:
             positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])
             slots = self.kv.slot_mapping(ids, starts, counts)
+            group_slots = [self.kv.slot_mapping(ids, starts, counts, group=g) for g in groups]
         batch = ForwardBatch.from_numpy(
             input_ids=np.fromiter((t for c in chunks for t in c), dtype=np.int64, count=offset),
             positions=positions,
@@ -158,6 +161,8 @@ class ModelStep:
             logits_indices=np.asarray(logits_idx, dtype=np.int64),
             is_decode=is_decode,
             lora_slots=self._lora_slots(plan, counts_np),
+            group_slot_mappings=group_slots,
+            group_block_tables=self.kv.group_block_tables(ids)[1:] if group_slots else (),
         )
         return batch.to(self.runner.device), rows
 

@@ -110,7 +110,7 @@ class PagedShardEngine:
         caps = [c for c in (cache.num_blocks, max_blocks) if c is not None]
         return plan_capacity(
             available_kv_bytes=self.runner.available_kv_bytes(cache.memory_fraction),
-            block_bytes=self.runner.block_bytes,
+            block_bytes=self.runner.block_bytes_for(self.runner.kv_groups),
             block_size=self.block_size,
             num_blocks_cap=min(caps) if caps else None,
             overcommit=cache.overcommit,
@@ -119,11 +119,12 @@ class PagedShardEngine:
             max_total_tokens=max_total_tokens,
             max_prefill_tokens=max_prefill_tokens,
             reclaim_window=self.runner.spec.reclaim_window,
+            groups=self.runner.kv_groups,
         )
 
     def _configure(self, capacity: Capacity) -> None:
         self.capacity = capacity
-        self.runner.allocate_kv_cache(capacity.num_blocks)
+        self.runner.allocate_kv_cache(capacity.num_blocks, grouped=self.runner.kv_groups.num_groups > 1)
         swap_blocks = self.config.cache.swap_space_bytes // self.runner.block_bytes
         if self.config.preemption.mode == "recompute":
             swap_blocks = 0
@@ -137,8 +138,12 @@ class PagedShardEngine:
             block_size=self.block_size,
             num_swap_blocks=swap_blocks,
             enable_prefix_retention=self.config.cache.prefix_caching,  # PREFIX_CACHING
-            reclaim_window=self.runner.spec.reclaim_window,
             observer=self.kv_events,
+            **(
+                {"groups": self.runner.kv_groups.windows}
+                if self.runner.kv_groups.num_groups > 1
+                else {"reclaim_window": self.runner.spec.reclaim_window}
+            ),
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -237,6 +242,16 @@ class PagedShardEngine:
             capacity.max_supported_total_tokens,
             self.config.cache.overcommit,
         )
+        groups = self.runner.kv_groups
+        if groups.num_groups > 1:
+            logger.info(
+                "warmup: {} KV layer groups (windows {}), {} layers per block; the budget counts x{:.2f} for "
+                "what the sliding groups do not hold at max_total_tokens",
+                groups.num_groups,
+                ", ".join("full" if w is None else str(w) for w in groups.windows),
+                groups.layers_per_block,
+                capacity.budget_gain,
+            )
         return WarmupResult(
             max_supported_total_tokens=capacity.max_supported_total_tokens,
             max_input_tokens=capacity.max_input_tokens,

@@ -34,7 +34,7 @@ from tgi_paged_backend.memory.invariants import check_manager_invariants
 from tgi_paged_backend.memory.kv_group import KVGroup
 from tgi_paged_backend.memory.page_map import PageMap
 from tgi_paged_backend.memory.prefix_cache import NullPrefixCache, PrefixCache, RegistryObserver, chain_root
-from tgi_paged_backend.memory.stats import MemoryStats, stranded_blocks, summarize_waste
+from tgi_paged_backend.memory.stats import MemoryStats, WasteSummary, stranded_blocks, summarize_waste
 from tgi_paged_backend.memory.swap_space import SwapSpace
 from tgi_paged_backend.memory.types import (
     EMPTY_ALLOCATION,
@@ -451,6 +451,17 @@ class KVCacheManager:
             num_prefix_hit_tokens=self._num_prefix_hit_tokens,
             num_hole_blocks=sum(w.num_hole_blocks for w in wastes),
             num_reclaimed_blocks_total=self._num_reclaimed_total,
+            **(self._group_stats(wastes) if len(self._groups) > 1 else {}),
+        )
+
+    def _group_stats(self, wastes: Sequence[WasteSummary]) -> dict:
+        held = [
+            sum(req.num_physical_blocks for req in g.requests.values() if req.swapped is None) for g in self._groups
+        ]
+        return dict(
+            group_windows=self.group_windows,
+            group_blocks=tuple(held),
+            group_hole_blocks=tuple(w.num_hole_blocks for w in wastes),
         )
 
     # ------------------------------------------------------------------------------ invariants

@@ -53,6 +53,12 @@ class MemoryStats:
     """Page-map blocks of live requests given back behind the sliding window (holes)."""
     num_reclaimed_blocks_total: int = 0
     """Cumulative blocks given back to the pool by sliding-window reclaim."""
+    group_windows: tuple[int | None, ...] = ()
+    """With KV layer groups: each group's window (``None``: full attention); ``()`` with one group."""
+    group_blocks: tuple[int, ...] = ()
+    """Device blocks each group's page maps of live requests hold (same order as :attr:`group_windows`)."""
+    group_hole_blocks: tuple[int, ...] = ()
+    """Blocks each group gave back behind its window for live requests (holes)."""
 
     @property
     def usage_ratio(self) -> float:

@@ -13,9 +13,9 @@ Models that mix windowed and full-attention layers (Gemma 2/3, gpt-oss, Cohere 2
 here (``None``): their full layers read every position, and one page map serves all layers of a
 request, so no block is outside every layer's window. A page map per layer group (vLLM's hybrid
 allocator) would save :func:`hybrid_pool_saving` of their KV (less the padding of
-:mod:`.layer_groups`, which computes the groups). The manager can keep one page map per group
-(``KVCacheManager(groups=...)``, :mod:`.kv_group`); the runner and the engine do not use it yet
-(``docs/design-layer-groups.md``).
+:mod:`.layer_groups`, which computes the groups): the engine pages such models by layer group
+(``KVCacheManager(groups=...)``, :mod:`.kv_group`), each sliding group reclaiming here behind its
+own window (``docs/design-layer-groups.md``).
 """
 
 from __future__ import annotations

@@ -78,23 +78,36 @@ class PagedAttentionMetadata:
     k_scale: float = 1.0
     v_scale: float = 1.0
     layer_calls: list[int] | None = None
-    decode_gathers: dict[int | None, Any] = field(default_factory=dict)
+    decode_gathers: dict[tuple[int, int | None], Any] = field(default_factory=dict)
     static: bool = False
     cpu_decode: str = "native"
     seen_options: list[dict[str, Any]] | None = None
     """Check mode (:mod:`.fused_blocks`): each call of the HF hook appends the options its layer passed
     (``scaling``, ``sliding_window``, ``softcap``, ``sinks``) before attending as usual."""
+    layer_groups: tuple[int, ...] | None = None
+    """With KV layer groups: each layer's group, whose slots and tables it uses (:meth:`tables`)."""
 
-    def decode_gather(self, block_size: int, sliding_window: int | None) -> Any:
-        """The step's CPU decode plan for this window (``None`` on CUDA, where kernels need none)."""
+    def group_of(self, layer_idx: int) -> int:
+        return 0 if self.layer_groups is None else self.layer_groups[layer_idx]
+
+    def tables(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slot_mapping, block_tables)`` of the layer's KV group."""
+        group, batch = self.group_of(layer_idx), self.batch
+        if group == 0:
+            return batch.slot_mapping, batch.block_tables
+        return batch.group_slot_mappings[group - 1], batch.group_block_tables[group - 1]
+
+    def decode_gather(self, block_size: int, sliding_window: int | None, layer_idx: int = 0) -> Any:
+        """The step's CPU decode plan for this window and the layer's group (``None`` on CUDA)."""
         if self.batch.block_tables.is_cuda:
             return None
-        plan = self.decode_gathers.get(sliding_window)
+        key = (self.group_of(layer_idx), sliding_window)
+        plan = self.decode_gathers.get(key)
         if plan is None:
             plan = tgi_paged_kernels.plan_decode_gather(
-                self.batch.block_tables, self.batch.seq_lens, block_size, sliding_window, padded=self.static
+                self.tables(layer_idx)[1], self.batch.seq_lens, block_size, sliding_window, padded=self.static
             )
-            self.decode_gathers[sliding_window] = plan
+            self.decode_gathers[key] = plan
         return plan
 
 
@@ -193,9 +206,8 @@ def paged_attention(
         return q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
     k_cache, v_cache = metadata.k_caches[layer_idx], metadata.v_caches[layer_idx]
     batch = metadata.batch
-    tgi_paged_kernels.store_kv(
-        k, v, k_cache, v_cache, batch.slot_mapping, k_scale=metadata.k_scale, v_scale=metadata.v_scale
-    )
+    slot_mapping, block_tables = metadata.tables(layer_idx)
+    tgi_paged_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=metadata.k_scale, v_scale=metadata.v_scale)
     window = int(sliding_window) if sliding_window else None
     options: dict[str, Any] = dict(
         scale=scaling,
@@ -208,13 +220,13 @@ def paged_attention(
     if batch.is_decode:
         # The native kernel reads the block tables as they are; the others share one plan per step.
         native = metadata.cpu_decode == "native" and not metadata.static and native_decode_for(k_cache) is not None
-        gather = None if native else metadata.decode_gather(k_cache.shape[1], window)
+        gather = None if native else metadata.decode_gather(k_cache.shape[1], window, layer_idx)
         return tgi_paged_kernels.paged_decode_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, gather=gather, cpu_kernel=metadata.cpu_decode,
+            q, k_cache, v_cache, block_tables, batch.seq_lens, gather=gather, cpu_kernel=metadata.cpu_decode,
             **options,
         )  # fmt: skip
     return tgi_paged_kernels.paged_prefill_attention(
-        q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, new_kv=(k, v), **options
+        q, k_cache, v_cache, block_tables, batch.query_start_loc, batch.seq_lens, new_kv=(k, v), **options
     )
 
 

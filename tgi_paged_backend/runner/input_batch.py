@@ -43,6 +43,9 @@ class ForwardBatch:
     lora_slots : torch.Tensor or None
         ``[T]`` int64 LoRA slot of each packed token (adapter index - 1; ``-1``: the base model);
         ``None`` when no request of the step has an adapter.
+    group_slot_mappings, group_block_tables : tuple of torch.Tensor
+        With KV layer groups (``memory.layer_groups``): the slots and block tables of groups 1, 2, ...
+        (``slot_mapping`` and ``block_tables`` are group 0's), same shapes; ``()`` with one group.
     """
 
     input_ids: torch.Tensor
@@ -54,6 +57,8 @@ class ForwardBatch:
     is_decode: bool
     logits_indices: torch.Tensor
     lora_slots: torch.Tensor | None = None
+    group_slot_mappings: tuple[torch.Tensor, ...] = ()
+    group_block_tables: tuple[torch.Tensor, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +87,8 @@ class ForwardBatch:
         logits_indices: np.ndarray,
         is_decode: bool | None = None,
         lora_slots: np.ndarray | None = None,
+        group_slot_mappings: Sequence[np.ndarray] = (),
+        group_block_tables: Sequence[np.ndarray] = (),
     ) -> ForwardBatch:
         """Wrap numpy arrays (copied to the canonical dtypes) and check their shapes.
 
@@ -100,6 +107,12 @@ class ForwardBatch:
             is_decode=is_decode,
             logits_indices=torch.from_numpy(np.asarray(logits_indices, dtype=np.int64).copy()),
             lora_slots=None if lora_slots is None else torch.from_numpy(np.asarray(lora_slots, dtype=np.int64).copy()),
+            group_slot_mappings=tuple(
+                torch.from_numpy(np.asarray(m, dtype=np.int64).copy()) for m in group_slot_mappings
+            ),
+            group_block_tables=tuple(
+                torch.from_numpy(np.atleast_2d(np.asarray(t, dtype=np.int32)).copy()) for t in group_block_tables
+            ),
         )
         batch.validate()
         return batch
@@ -131,6 +144,11 @@ class ForwardBatch:
             raise ValueError(f"ForwardBatch.lora_slots: expected int64 ({t},), got {lora.dtype} {tuple(lora.shape)}")
         if self.is_decode and t != b:
             raise ValueError(f"ForwardBatch.is_decode with {t} tokens for {b} requests")
+        if len(self.group_slot_mappings) != len(self.group_block_tables):
+            raise ValueError("ForwardBatch: one slot mapping and one block table per extra layer group")
+        for m, table in zip(self.group_slot_mappings, self.group_block_tables):
+            if m.dtype != torch.int64 or tuple(m.shape) != (t,) or table.dtype != torch.int32 or table.shape[0] != b:
+                raise ValueError("ForwardBatch: a layer group's slots or table has the wrong dtype or shape")
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> ForwardBatch:
         """The same batch on ``device`` (``self`` when already there)."""
@@ -154,6 +172,8 @@ class ForwardBatch:
             is_decode=self.is_decode,
             logits_indices=move(self.logits_indices),
             lora_slots=None if self.lora_slots is None else move(self.lora_slots),
+            group_slot_mappings=tuple(move(m) for m in self.group_slot_mappings),
+            group_block_tables=tuple(move(t) for t in self.group_block_tables),
         )
 
 

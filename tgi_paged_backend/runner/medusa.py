@@ -53,14 +53,17 @@ def read_medusa_config(path: Path) -> MedusaConfig | None:
     raw = json.loads(config_file.read_text())
     if "medusa_num_heads" not in raw:
         return None
+    base = raw.get("base_model_name_or_path")
+    if not isinstance(base, str) or not base:
+        raise MedusaLoadError(f"{config_file} declares medusa_num_heads but no base_model_name_or_path")
     try:
         config = MedusaConfig(
             num_heads=int(raw["medusa_num_heads"]),
             num_layers=int(raw.get("medusa_num_layers", 1)),
-            base_model=str(raw["base_model_name_or_path"]),
+            base_model=base,
         )
-    except KeyError as err:
-        raise MedusaLoadError(f"{config_file} declares medusa_num_heads but has no {err.args[0]}") from None
+    except (TypeError, ValueError):
+        raise MedusaLoadError(f"{config_file}: medusa_num_heads and medusa_num_layers must be integers") from None
     if config.num_heads < 1 or config.num_layers < 0:
         raise MedusaLoadError(f"{config_file}: medusa_num_heads must be >= 1 and medusa_num_layers >= 0")
     if not (path / HEADS_FILE).is_file():
@@ -85,6 +88,14 @@ class MedusaHeads(torch.nn.Module):
     @property
     def num_heads(self) -> int:
         return len(self.blocks)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the heads' own weights (the base ``lm_head`` not counted)."""
+        own = [p for p in self.blocks.parameters()] + [
+            p for out in self.outs if out is not None for p in out.parameters()
+        ]
+        return sum(p.numel() * p.element_size() for p in own)
 
     def _tap(self, _module: torch.nn.Module, args: tuple) -> None:
         """Keep the rows ``lm_head`` is about to project: the hidden states of the forward's logits rows

@@ -29,6 +29,7 @@ from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.lora.checkpoint import LoraAdapter, load_adapters
 from tgi_paged_backend.lora.layers import LoraModel, attach_adapters
 from tgi_paged_backend.lora.sources import parse_lora_adapters
+from tgi_paged_backend.memory.layer_groups import LayerGroups
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
 from tgi_paged_backend.runner.decode_graphs import measure_decode_graph_bytes
 from tgi_paged_backend.runner.fast_layers import swap_fast_layers
@@ -88,6 +89,14 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = loaded.eos_token_ids
         self.dtype = loaded.dtype
         self.spec = ModelSpec.from_hf_config(self.model.config, self.dtype)
+        groups = self.spec.kv_groups
+        self.kv_groups: LayerGroups = (
+            groups if cache_config.layer_groups and groups.is_hybrid else LayerGroups.uniform(self.spec.num_layers)
+        )
+        """The KV layer groups the engine pages by (one page map per group): ``allocate_kv_cache(n, grouped=True)``
+        lays the pool out for them, a block holding ``layers_per_block`` layers."""
+        self.pool_groups: LayerGroups = LayerGroups.uniform(self.spec.num_layers)
+        """The groups the current pool is laid out for (one group of every layer unless allocated grouped)."""
         self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
         # Before the swaps below: the layers it wraps are no longer plain linears, so fusion leaves them.
         self.lora: LoraModel | None = attach_adapters(self.model, self.adapters, self.device)
@@ -108,8 +117,11 @@ class ModelRunner:
             self.static_decode_supported = False  # the heads read lm_head's input, which a graph does not hand out
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self._layer_group: tuple[int, ...] = (0,) * self.spec.num_layers
+        self._k_slots: list[torch.Tensor] = []
+        self._v_slots: list[torch.Tensor] = []
 
-        self.weights_bytes = resident_bytes(self.model)
+        self.weights_bytes = resident_bytes(self.model) + (self.medusa.num_bytes if self.medusa is not None else 0)
         self.activation_peak_bytes: int | None = None
         """Set by :meth:`profile_prefill`; used by :meth:`available_kv_bytes`."""
         self.k_caches: list[torch.Tensor] = []
@@ -171,8 +183,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ memory
     @property
     def block_bytes(self) -> int:
-        """Bytes of one physical block (K and V, all layers) in the pool's dtype."""
-        return self.spec.kv_bytes_per_block(self.block_size, self.kv_dtype)
+        """Bytes of one physical block of the current pool layout (K and V, all its layers) in the pool's dtype."""
+        return self.block_bytes_for(self.pool_groups)
+
+    def block_bytes_for(self, groups: LayerGroups) -> int:
+        """Bytes of one block of a pool laid out for ``groups`` (``layers_per_block`` layers' K and V)."""
+        per_layer = self.spec.kv_bytes_per_block(self.block_size, self.kv_dtype) // self.spec.num_layers
+        return per_layer * groups.layers_per_block
 
     @property
     def num_blocks(self) -> int:
@@ -187,19 +204,29 @@ class ModelRunner:
     def _block_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
         return (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, *, grouped: bool = False) -> None:
         """Allocate (or replace) the pool: per layer K and V of ``[num_blocks, block_size, Hkv, D]``.
 
+        ``grouped``: laid out for :attr:`kv_groups` (their ``layers_per_block`` slot tensors, each layer's
+        ``k_caches`` entry a view of its slot's): every forward then needs the groups' block tables.
         Zero-filled, so blocks never written hold finite values.
         """
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks}: the KV pool needs at least one block")
         self.static_decode = None  # its graphs hold the old pool's addresses
         self.k_caches, self.v_caches = [], []  # free the old pool before allocating the new one
+        self.pool_groups = self.kv_groups if grouped else LayerGroups.uniform(self.spec.num_layers)
+        self._layer_group = tuple(self.pool_groups.layer_group(layer) for layer in range(self.spec.num_layers))
         shape = self._block_shape(num_blocks)
-        for _ in range(self.spec.num_layers):
-            self.k_caches.append(torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-            self.v_caches.append(torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+        slots = self.pool_groups.layers_per_block
+        k_slots = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(slots)]
+        v_slots = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(slots)]
+        self._k_slots, self._v_slots = k_slots, v_slots
+        # Layer l's K/V lives in slot tensor layer_slot(l): a block holds one group's layers (with one
+        # group, slot = layer).
+        for layer in range(self.spec.num_layers):
+            self.k_caches.append(k_slots[self.pool_groups.layer_slot(layer)])
+            self.v_caches.append(v_slots[self.pool_groups.layer_slot(layer)])
         logger.info(
             "KV pool: {} blocks x {} tokens, {:.1f} MiB ({})",
             num_blocks,
@@ -215,7 +242,7 @@ class ModelRunner:
             return
         pin = self.device.type == "cuda"
         shape = self._block_shape(num_cpu_blocks)
-        for _ in range(self.spec.num_layers):
+        for _ in range(self.pool_groups.layers_per_block):  # one per slot tensor of the pool
             self.cpu_k_caches.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
             self.cpu_v_caches.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
 
@@ -266,6 +293,11 @@ class ModelRunner:
         """
         if not self.k_caches:
             raise RuntimeError("allocate_kv_cache() must be called before forward()")
+        if self.pool_groups.num_groups != 1 + len(batch.group_block_tables):
+            raise ValueError(
+                f"the pool is laid out for {self.pool_groups.num_groups} KV layer group(s); the batch carries "
+                f"block tables for {1 + len(batch.group_block_tables)}"
+            )
         if self.static_decode is not None and batch.is_decode and batch.lora_slots is None:
             logits = self.static_decode.run(batch.to(self.device))
             if logits is not None:
@@ -277,6 +309,7 @@ class ModelRunner:
         metadata = PagedAttentionMetadata(
             batch, k_caches, v_caches, self.k_scale, self.v_scale,
             cpu_decode=self.model_config.cpu_decode,
+            layer_groups=self._layer_group if batch.group_block_tables else None,
         )  # fmt: skip
         routing = self.lora.step.open(batch.lora_slots) if self.lora is not None else contextlib.nullcontext()
         with torch.inference_mode(), routing:
@@ -315,13 +348,17 @@ class ModelRunner:
     """Whether decode may run through the static step (not yet the tensor-parallel runner: collectives
     inside a captured graph are untested)."""
 
+    def _static_decode_ok(self) -> bool:
+        """Static decode holds one block table per step: not for a grouped pool (yet)."""
+        return self.static_decode_supported and self.pool_groups.num_groups == 1
+
     def _compiles_decode(self) -> bool:
         """``TGI_PAGED_COMPILE`` on a CPU runner: decode through the compiled static step."""
-        return self.device.type == "cpu" and self.model_config.compile_decode and self.static_decode_supported
+        return self.device.type == "cpu" and self.model_config.compile_decode and self._static_decode_ok()
 
     def _graph_buckets(self) -> tuple[int, ...]:
         """The ``CUDA_GRAPHS`` batch sizes this runner captures (none off CUDA)."""
-        if self.device.type != "cuda" or not self.static_decode_supported:
+        if self.device.type != "cuda" or not self._static_decode_ok():
             return ()
         return self.model_config.cuda_graphs
 
@@ -407,16 +444,16 @@ class ModelRunner:
         if len(src) == 0:
             return
         tgi_paged_kernels.copy_blocks(
-            self.k_caches, self.v_caches, self._ids(src, self.device), self._ids(dst, self.device)
+            self._k_slots, self._v_slots, self._ids(src, self.device), self._ids(dst, self.device)
         )
 
     def swap_out(self, device_ids: BlockIds, cpu_ids: BlockIds) -> None:
-        """Copy pool blocks ``device_ids[i]`` to swap blocks ``cpu_ids[i]`` (all layers, K and V)."""
-        self._swap(self.k_caches + self.v_caches, self.cpu_k_caches + self.cpu_v_caches, device_ids, cpu_ids)
+        """Copy pool blocks ``device_ids[i]`` to swap blocks ``cpu_ids[i]`` (every slot tensor, K and V)."""
+        self._swap(self._k_slots + self._v_slots, self.cpu_k_caches + self.cpu_v_caches, device_ids, cpu_ids)
 
     def swap_in(self, cpu_ids: BlockIds, device_ids: BlockIds) -> None:
         """Copy swap blocks ``cpu_ids[i]`` back to pool blocks ``device_ids[i]``."""
-        self._swap(self.cpu_k_caches + self.cpu_v_caches, self.k_caches + self.v_caches, cpu_ids, device_ids)
+        self._swap(self.cpu_k_caches + self.cpu_v_caches, self._k_slots + self._v_slots, cpu_ids, device_ids)
 
     def _swap(
         self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], src_ids: BlockIds, dst_ids: BlockIds

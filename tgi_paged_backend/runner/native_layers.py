@@ -150,11 +150,11 @@ class NativeDecoderLayer(nn.Module):
         cos_sin = kwargs.get("position_embeddings")
         if metadata is None or cos_sin is None:
             return self.layer(hidden_states, *args, **kwargs)
-        batch = metadata.batch
+        slot_mapping, block_tables = metadata.tables(self.layer_idx)
         out = llama_decode_layer(
             self.native, self.weights, hidden_states[0], cos_sin[0][0], cos_sin[1][0],
             metadata.k_caches[self.layer_idx], metadata.v_caches[self.layer_idx],
-            batch.slot_mapping, batch.block_tables, batch.seq_lens,
+            slot_mapping, block_tables, metadata.batch.seq_lens,
         )  # fmt: skip
         if out is None:  # inputs of another kind (slot dtype, RoPE table layout): the per-op path serves
             return self.layer(hidden_states, *args, **kwargs)

@@ -187,7 +187,7 @@ class StaticDecodeStep:
 
         This is what ``torch.compile`` traces and a CUDA graph captures: shapes come from the views only.
         """
-        batch = ForwardBatch(**dict(zip(VIEW_NAMES, views, strict=True)), is_decode=True)
+        batch = ForwardBatch(**dict(zip(VIEW_NAMES, views, strict=True)), is_decode=True)  # type: ignore[arg-type]
         metadata = PagedAttentionMetadata(batch, self.k_caches, self.v_caches, self.k_scale, self.v_scale, static=True)
         out = self.model(
             input_ids=batch.input_ids.unsqueeze(0),

@@ -72,6 +72,8 @@ METRIC_NAMES: dict[str, str] = {
     "tgi_paged_kv_virtual_reserved_tokens": "Slots the router reserved for live requests",
     "tgi_paged_kv_window_reclaimed_blocks": "Blocks of live requests given back behind the sliding window "
     "(holes: stock TGI would still hold them)",
+    "tgi_paged_kv_group_blocks": "With KV layer groups: blocks each group holds for live requests (state=held) "
+    "and has given back behind its window (state=reclaimed), by group and window",
     "tgi_paged_kv_waste_ratio": "KV waste by kind (internal: unfilled last-block slots; reservation: "
     "reserved but unbacked slots; external: stranded free blocks)",
     "tgi_paged_device_memory_bytes": "Total device memory",
@@ -369,6 +371,7 @@ class OtelRecorder:
         gauge("tgi_paged_kv_physical_tokens", "{token}", self._pool(lambda m: m.num_total_blocks * m.block_size))
         gauge("tgi_paged_kv_virtual_reserved_tokens", "{token}", self._pool(lambda m: m.num_reserved_slots))
         gauge("tgi_paged_kv_window_reclaimed_blocks", "{block}", self._pool(lambda m: m.num_hole_blocks))
+        gauge("tgi_paged_kv_group_blocks", "{block}", self._observe_groups)
         gauge("tgi_paged_kv_waste_ratio", "1", self._observe_waste)
         gauge("tgi_paged_requests", "{request}", self._observe_requests)
         gauge("tgi_paged_queued_requests", "{request}", self._observe_queued)
@@ -441,6 +444,17 @@ class OtelRecorder:
             Observation(m.num_retained_blocks, {"state": "retained"}),
             Observation(m.num_swapped_blocks, {"state": "swapped"}),
         ]
+
+    def _observe_groups(self, options: CallbackOptions) -> list[Observation]:
+        m = self._memory
+        if m is None:
+            return []
+        observations = []
+        for g, (window, held, holes) in enumerate(zip(m.group_windows, m.group_blocks, m.group_hole_blocks)):
+            labels = {"group": str(g), "window": "full" if window is None else str(window)}
+            observations.append(Observation(held, {**labels, "state": "held"}))
+            observations.append(Observation(holes, {**labels, "state": "reclaimed"}))
+        return observations
 
     def _observe_waste(self, options: CallbackOptions) -> list[Observation]:
         m = self._memory
