@@ -208,3 +208,19 @@ def test_heads_module_matches_hand_application(tiny_llama_dir, tmp_path, own_out
         expected.append(guesses)
     assert heads.propose([4, 0, 2], 3) == expected
     assert heads.propose([1], 2)[0] == heads.propose([1], 3)[0][:2]
+
+
+def test_no_proposals_for_a_batch_that_will_not_draft(tiny_llama_dir, hf_greedy, tmp_path, monkeypatch):
+    """CPU default (``TGI_PAGED_SPECULATE_MAX_BATCH`` unset: drafts only alone): while two requests decode
+    the heads are not run; once one is left, they propose again. Tokens stay HF's."""
+    write_medusa(tmp_path / "medusa", tiny_llama_dir, own_out=False, scale=0.0)
+    engine = make_engine(tmp_path / "medusa", speculate=3, TGI_PAGED_SPECULATE_MAX_BATCH="")
+    sizes: list[int] = []
+    propose = engine.runner.propose_medusa
+    monkeypatch.setattr(engine.runner, "propose_medusa", lambda rows, k: sizes.append(len(rows)) or propose(rows, k))
+    requests = [spec(1, make_text(5, 3), 4), spec(2, make_text(6, 3), 16)]
+    driver = RouterDriver(engine, check_preempted=False)
+    driver.run(BatchSpec(id=0, requests=tuple(requests)))
+    assert sizes and set(sizes) == {1}, sizes  # never computed for both
+    for r in requests:
+        assert driver.tokens[r.id] == hf_greedy(tiny_llama_dir, prompt_ids(engine, r.text), r.stopping.max_new_tokens)

@@ -51,10 +51,15 @@ class StepOutput:
 class ModelStep:
     """Turns a plan into generations. Owns no request state; mutates the planned requests."""
 
-    def __init__(self, runner: ModelRunner, kv: KVCacheManager, decoder: TokenDecoder) -> None:
+    def __init__(
+        self, runner: ModelRunner, kv: KVCacheManager, decoder: TokenDecoder, spec_max_batch: int | None = None
+    ) -> None:
         self.runner = runner
         self.kv = kv
         self.decoder = decoder
+        self.spec_max_batch = spec_max_batch
+        """Decoding requests up to which a step drafts (``speculation.drafting_pays``): Medusa proposals are
+        not computed for a batch larger than that (the next step would not draft from them)."""
 
     def run(self, plan: StepPlan, timer: StepTimer | None = None) -> StepOutput:
         """``timer`` (the engine's, for the step anatomy) gets the copy, prepare, forward,
@@ -261,7 +266,8 @@ class ModelStep:
                 self.kv.commit_tokens(r.id, draft[:accepted], r.num_computed)
                 r.accept_draft(accepted)
                 self.kv.truncate(r.id, r.num_computed)
-        if self.runner.medusa is not None and proposing:
+        wanted = self.spec_max_batch is None or len(proposing) <= self.spec_max_batch
+        if self.runner.medusa is not None and proposing and wanted:
             proposals = self.runner.propose_medusa([row for _, row in proposing], self.runner.medusa.num_heads)
             for (r, _), proposal in zip(proposing, proposals):
                 r.proposal = proposal

@@ -153,7 +153,7 @@ class PagedShardEngine:
             cost_aware=self.config.preemption.cost_aware_victims,
             max_loras=self.config.model.max_loras,
         )
-        self.model_step = ModelStep(self.runner, self.kv, self.decoder)
+        self.model_step = ModelStep(self.runner, self.kv, self.decoder, self._spec_max_batch)
 
     def _choose_mode(self, victim: RequestState, swap_has_room: bool) -> tuple[str, float]:
         decision = choose_preemption_mode(

@@ -349,8 +349,9 @@ class ModelRunner:
     inside a captured graph are untested)."""
 
     def _static_decode_ok(self) -> bool:
-        """Static decode holds one block table per step: not for a grouped pool (yet)."""
-        return self.static_decode_supported and self.pool_groups.num_groups == 1
+        """Static decode holds one block table per step: not for a model the engine pages by layer group
+        (yet), nor for a grouped pool."""
+        return self.static_decode_supported and self.kv_groups.num_groups == 1 and self.pool_groups.num_groups == 1
 
     def _compiles_decode(self) -> bool:
         """``TGI_PAGED_COMPILE`` on a CPU runner: decode through the compiled static step."""
