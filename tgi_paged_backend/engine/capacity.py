@@ -47,14 +47,16 @@ def plan_capacity(
     reclaim_window: int | None = None,
     groups: LayerGroups | None = None,
 ) -> Capacity:
-    """Size the pool and answer Warmup (``reclaim_window``: one request holds at most its window).
+    """Size the pool and answer Warmup (``reclaim_window``: one request holds at most its window;
+    ``groups``, when given, carry the windows instead, a single group's being that reclaim window).
 
     With KV layer groups (``groups``, more than one) a token position takes one block slot in every
     group that holds it, so ``physical_tokens`` is ``1 / num_groups`` of the blocks' positions (every
     group keeping every block), one request of ``max_total_tokens`` must fit with each sliding group
     holding only its window, and the router's budget grows by what the sliding groups no longer hold at
     that length: ``num_groups * ceil(T / block_size) / request_blocks(T)`` (:attr:`Capacity.budget_gain`;
-    shorter requests gain less, which the admission brake and preemption absorb).
+    shorter requests gain less, which the admission brake and preemption absorb). A single windowed
+    group (every layer sliding) gets no gain, as before groups.
 
     Raises:
         ConfigError: one ``max_total_tokens`` request cannot fit physically, or limits contradict.
@@ -75,7 +77,7 @@ def plan_capacity(
     max_prefill_tokens = round_up(max(max_prefill_tokens, 1), block_size)
     needed_blocks = 1 + (
         groups.request_blocks(max_total_tokens, block_size, max_prefill_tokens)
-        if groups is not None and groups.num_groups > 1
+        if groups is not None
         else max_request_blocks(max_total_tokens, block_size, reclaim_window, max_prefill_tokens)
     )
     if needed_blocks > num_blocks:

@@ -118,7 +118,6 @@ class PagedShardEngine:
             max_input_tokens=max_input_tokens,
             max_total_tokens=max_total_tokens,
             max_prefill_tokens=max_prefill_tokens,
-            reclaim_window=self.runner.spec.reclaim_window,
             groups=self.runner.kv_groups,
         )
 
@@ -139,11 +138,7 @@ class PagedShardEngine:
             num_swap_blocks=swap_blocks,
             enable_prefix_retention=self.config.cache.prefix_caching,  # PREFIX_CACHING
             observer=self.kv_events,
-            **(
-                {"groups": self.runner.kv_groups.windows}
-                if self.runner.kv_groups.num_groups > 1
-                else {"reclaim_window": self.runner.spec.reclaim_window}
-            ),
+            groups=self.runner.kv_groups.windows,  # one group: the reclaim window of every layer, if any
         )
         self.scheduler = Scheduler(
             self.kv,

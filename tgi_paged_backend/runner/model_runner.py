@@ -91,10 +91,11 @@ class ModelRunner:
         self.spec = ModelSpec.from_hf_config(self.model.config, self.dtype)
         groups = self.spec.kv_groups
         self.kv_groups: LayerGroups = (
-            groups if cache_config.layer_groups and groups.is_hybrid else LayerGroups.uniform(self.spec.num_layers)
+            LayerGroups.uniform(self.spec.num_layers) if groups.is_hybrid and not cache_config.layer_groups else groups
         )
-        """The KV layer groups the engine pages by (one page map per group): ``allocate_kv_cache(n, grouped=True)``
-        lays the pool out for them, a block holding ``layers_per_block`` layers."""
+        """The KV layer groups the engine pages by (one page map per group; one group of every layer, with the
+        window when every layer has it, unless full and sliding layers mix): ``allocate_kv_cache(n,
+        grouped=True)`` lays the pool out for them, a block holding ``layers_per_block`` layers."""
         self.pool_groups: LayerGroups = LayerGroups.uniform(self.spec.num_layers)
         """The groups the current pool is laid out for (one group of every layer unless allocated grouped)."""
         self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)

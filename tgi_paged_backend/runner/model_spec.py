@@ -154,7 +154,7 @@ class ModelSpec:
     def kv_groups(self) -> LayerGroups:
         """The layers' KV groups (``memory.layer_groups``): one group unless full and windowed layers mix."""
         if not self.layer_windows:
-            return LayerGroups.uniform(self.num_layers)
+            return LayerGroups.uniform(self.num_layers, self.reclaim_window)
         return LayerGroups.from_layer_windows(self.layer_windows)
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
