@@ -48,6 +48,7 @@ def _worker() -> None:
     args = parser.parse_args()
 
     from tests.engine.conftest import make_text
+    from tests.helpers.family_models import num_kv_groups
     from tgi_paged_backend.engine import build_engine
     from tgi_paged_backend.engine.types import BatchSpec, RequestSpec, StoppingParams
     from tgi_paged_backend.envs import build_config
@@ -76,7 +77,7 @@ def _worker() -> None:
             "TGI_PAGED_SWAP_SPACE_GB": "0.01",
             **POOL,
             # KV layer groups: a block holds 1/groups of the layers, so the same memory is groups x the blocks
-            "TGI_PAGED_NUM_BLOCKS": str((int(POOL["TGI_PAGED_NUM_BLOCKS"]) - 1) * _num_kv_groups(model) + 1),
+            "TGI_PAGED_NUM_BLOCKS": str((int(POOL["TGI_PAGED_NUM_BLOCKS"]) - 1) * num_kv_groups(model) + 1),
         }
         config = build_config({"model_id": model, "sharded": True, "speculate": speculate}, settings)
         engine = build_engine(with_local_model(config))  # a Medusa checkpoint: its base model with its heads
@@ -103,19 +104,6 @@ def _worker() -> None:
         }
     if args.rank == 0:
         Path(args.out).write_text(json.dumps(results))
-
-
-def _num_kv_groups(model: str) -> int:
-    import torch
-    import transformers
-
-    from tgi_paged_backend.runner.model_spec import ModelSpec
-
-    raw = json.loads((Path(model) / "config.json").read_text())
-    if "medusa_num_heads" in raw:  # a Medusa checkpoint: its base model's layers
-        model = raw["base_model_name_or_path"]
-    config = transformers.AutoConfig.from_pretrained(model, local_files_only=True)
-    return ModelSpec.from_hf_config(config, torch.float32).kv_groups.num_groups
 
 
 def _pairs() -> list[tuple[str, str]]:

@@ -42,14 +42,20 @@ from tests.engine.conftest import (
     router_spec,
     router_warmup,
 )
-from tests.helpers.family_models import FAMILIES, Family, family_config, is_available, write_family_model
+from tests.helpers.family_models import (
+    FAMILIES,
+    Family,
+    family_config,
+    is_available,
+    num_kv_groups,
+    write_family_model,
+)
 from tests.helpers.family_tp import TpOutcome, run_tp, tp_families
 from tests.helpers.speculation_oracle import oracle_drafts
 from tests.helpers.tiny_models import load_reference
 from tgi_paged_backend.bench.sliding_window import long_run_table
 from tgi_paged_backend.engine.types import BatchSpec
 from tgi_paged_backend.runner.model_loader import ModelLoadError
-from tgi_paged_backend.runner.model_spec import ModelSpec
 
 SCENARIOS: tuple[str, ...] = (
     "single",
@@ -113,12 +119,6 @@ def _requests(engine, blocks, specs):
     return [router_spec(engine, blocks, rid, make_text(rid, words), max_new, **kw) for rid, words, max_new, kw in specs]
 
 
-def _num_kv_groups(model_dir: Path) -> int:
-    """The KV layer groups the shard makes of this model (``ModelSpec.kv_groups``)."""
-    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    return ModelSpec.from_hf_config(config, torch.float32).kv_groups.num_groups
-
-
 def run_scenario(model_dir: Path, scenario: str) -> ScenarioOutcome:
     """Serve ``model_dir`` through a fresh engine in ``scenario`` and collect tokens and references."""
     torch.manual_seed(0)
@@ -126,7 +126,7 @@ def run_scenario(model_dir: Path, scenario: str) -> ScenarioOutcome:
     preempts = scenario.startswith("preempt") or scenario == "speculate"
     # + 1: the scratch block. With KV layer groups a block holds 1/num_groups of the layers (the same
     # memory per block-position), so the same memory is num_groups times the blocks.
-    groups = _num_kv_groups(model_dir)
+    groups = num_kv_groups(model_dir)
     num_blocks = 32 // BLOCK_SIZE * groups + 1 if preempts else 48 * groups
     engine = make_engine(
         model_dir,

@@ -11,6 +11,7 @@ A family whose ``model_type`` this transformers lacks is reported as missing, no
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -303,3 +304,18 @@ def family_config(family: Family) -> transformers.PretrainedConfig:
 def write_family_model(family: Family, path: Path | str, *, seed: int = 0) -> Path:
     """Write ``family``'s tiny random model plus the tiny tokenizer to ``path`` and return it."""
     return write_model_from_config(family_config(family), path, seed=seed, param_std=family.param_std)
+
+
+def num_kv_groups(model_dir: Path | str) -> int:
+    """The KV layer groups the shard makes of the model in ``model_dir`` (``ModelSpec.kv_groups``; a Medusa
+    checkpoint: its base model's). A block of a grouped pool holds ``1 / groups`` of the layers, so the same
+    memory is ``groups`` times the blocks."""
+    import torch
+
+    from tgi_paged_backend.runner.model_spec import ModelSpec
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if "medusa_num_heads" in raw:
+        model_dir = raw["base_model_name_or_path"]
+    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    return ModelSpec.from_hf_config(config, torch.float32).kv_groups.num_groups

@@ -57,16 +57,22 @@ def step(m: KVCacheManager, sim: GroupSim, rid: int, history: list[int], new: li
     return True
 
 
+def admit(m: KVCacheManager, sim: GroupSim, rid: int, prompt: list[int]) -> list[int]:
+    """Add request ``rid`` with nothing cached and prefill ``prompt`` in one step; returns its history."""
+    m.add_request(rid)
+    assert m.match_prefix(rid, prompt).num_cached_tokens == 0
+    history: list[int] = []
+    assert step(m, sim, rid, history, prompt)
+    return history
+
+
 def held(m: KVCacheManager, rid: int) -> list[int]:
     return [r.num_physical_blocks for r in m._maps(rid)]
 
 
 def test_the_sliding_group_keeps_its_window_and_the_full_group_everything() -> None:
     m, sim = make()
-    m.add_request(1)
-    history: list[int] = []
-    assert m.match_prefix(1, list(range(6))).num_cached_tokens == 0
-    assert step(m, sim, 1, history, list(range(6)))
+    history = admit(m, sim, 1, list(range(6)))
     for t in range(30):
         assert step(m, sim, 1, history, [100 + t])
         sim.assert_groups_hold(m, 1, history)
@@ -85,10 +91,7 @@ def test_the_sliding_group_keeps_its_window_and_the_full_group_everything() -> N
 
 def test_an_allocation_backs_every_group_or_none() -> None:
     m, sim = make(num_blocks=6)  # 5 usable: 2 + 2 for 8 tokens, then 3 + 3 does not fit
-    m.add_request(1)
-    history: list[int] = []
-    m.match_prefix(1, list(range(8)))
-    assert step(m, sim, 1, history, list(range(8)))
+    history = admit(m, sim, 1, list(range(8)))
     assert m.blocks_needed(1, 9) == 2  # one more block in each group; the sliding group gives none back yet
     assert not step(m, sim, 1, history, [50])
     assert held(m, 1) == [2, 2] and m.num_free_blocks == 1  # nothing half-allocated
@@ -96,10 +99,7 @@ def test_an_allocation_backs_every_group_or_none() -> None:
 
 def test_blocks_needed_nets_what_the_sliding_group_gives_back() -> None:
     m, sim = make()
-    m.add_request(1)
-    history: list[int] = []
-    m.match_prefix(1, list(range(16)))
-    assert step(m, sim, 1, history, list(range(16)))
+    history = admit(m, sim, 1, list(range(16)))
     # a query at 16 reads [9, 16]: the sliding group's blocks 0 and 1 (positions 0-7) leave as each group
     # takes a fifth block, and they serve either group (one pool)
     assert m.blocks_needed(1, 17) == 2 - 2
@@ -110,10 +110,7 @@ def test_blocks_needed_nets_what_the_sliding_group_gives_back() -> None:
 
 def test_swap_moves_every_groups_live_blocks_and_brings_holes_back() -> None:
     m, sim = make()
-    m.add_request(1)
-    history: list[int] = []
-    m.match_prefix(1, list(range(20)))
-    assert step(m, sim, 1, history, list(range(20)))
+    history = admit(m, sim, 1, list(range(20)))
     assert step(m, sim, 1, history, [5])
     before = held(m, 1)
     plan = m.swap_out(1)
@@ -134,10 +131,7 @@ def test_swap_moves_every_groups_live_blocks_and_brings_holes_back() -> None:
 def test_recompute_then_a_prefix_hit_in_every_group() -> None:
     m, sim = make()
     prompt = list(range(12))
-    m.add_request(1)
-    history: list[int] = []
-    m.match_prefix(1, prompt)
-    assert step(m, sim, 1, history, prompt)
+    history = admit(m, sim, 1, prompt)
     m.preempt_recompute(1)
     m.check_invariants()
     assert held(m, 1) == [0, 0] and m.num_retained_blocks == 6  # 3 full blocks of each group retained
@@ -151,10 +145,7 @@ def test_recompute_then_a_prefix_hit_in_every_group() -> None:
 def test_a_hit_is_the_shortest_of_the_groups_hits() -> None:
     m, sim = make()
     prompt = list(range(12))
-    m.add_request(1)
-    history: list[int] = []
-    m.match_prefix(1, prompt)
-    assert step(m, sim, 1, history, prompt)
+    admit(m, sim, 1, prompt)
     m.free(1)
     # drop the sliding group's third retained block: its chain is two blocks long now, the full one three
     tail = m._groups[1].prefix.match(prompt + [1]).block_ids[-1]
@@ -172,10 +163,7 @@ def test_a_hit_is_the_shortest_of_the_groups_hits() -> None:
 
 def test_truncate_gives_back_rejected_positions_in_every_group() -> None:
     m, sim = make()
-    m.add_request(1)
-    history: list[int] = []
-    m.match_prefix(1, list(range(7)))
-    assert step(m, sim, 1, history, list(range(7)))
+    history = admit(m, sim, 1, list(range(7)))
     draft = [1, 2, 3, 4, 5]  # positions 7..11: a third block in each group
     assert m.allocate(1, len(history) + len(draft)) is not None
     assert held(m, 1) == [3, 3]
@@ -186,10 +174,7 @@ def test_truncate_gives_back_rejected_positions_in_every_group() -> None:
 
 def test_three_groups_two_windows() -> None:
     m, sim = make(groups=(None, 4, 8))
-    m.add_request(1)
-    history: list[int] = []
-    m.match_prefix(1, list(range(5)))
-    assert step(m, sim, 1, history, list(range(5)))
+    history = admit(m, sim, 1, list(range(5)))
     for t in range(20):
         assert step(m, sim, 1, history, [t])
         sim.assert_groups_hold(m, 1, history)
