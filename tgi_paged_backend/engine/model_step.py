@@ -19,7 +19,7 @@ from tgi_paged_backend.engine.grammar import apply_grammar_masks
 from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
 from tgi_paged_backend.engine.sampling import ChosenToken, choose_next_tokens
 from tgi_paged_backend.engine.scheduler import StepPlan
-from tgi_paged_backend.engine.speculation import accepted_prefix
+from tgi_paged_backend.engine.speculation import accepted_prefix, drafting_pays
 from tgi_paged_backend.engine.step_anatomy import StepTimer
 from tgi_paged_backend.engine.types import GeneratedText, Generation, Tokens
 from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
@@ -266,8 +266,11 @@ class ModelStep:
                 self.kv.commit_tokens(r.id, draft[:accepted], r.num_computed)
                 r.accept_draft(accepted)
                 self.kv.truncate(r.id, r.num_computed)
-        wanted = self.spec_max_batch is None or len(proposing) <= self.spec_max_batch
-        if self.runner.medusa is not None and proposing and wanted:
+        if (
+            self.runner.medusa is not None
+            and proposing
+            and drafting_pays([r for r, _ in proposing], self.spec_max_batch)  # else the next step will not draft
+        ):
             proposals = self.runner.propose_medusa([row for _, row in proposing], self.runner.medusa.num_heads)
             for (r, _), proposal in zip(proposing, proposals):
                 r.proposal = proposal
