@@ -11,7 +11,9 @@ One command (``python examples/serve_smollm2.py``, or ``python -m integration.se
 4. sends the chat requests concurrently with ``huggingface_hub.InferenceClient(base_url).chat_completion``
    (every second one streaming), greedy, and prints the answers;
 5. prints a KV memory report: physical blocks (peak), waste split, admitted concurrency vs what stock
-   TGI's worst-case reservation admits on the same physical pool, preemptions by mode, recompute tax.
+   TGI's worst-case reservation admits on the same physical pool, preemptions by mode, recompute tax;
+   for a model with KV layer groups (Gemma 2/3, gpt-oss, Cohere 2 with ``--model-dir``), one line per
+   group at the pool's peak (:func:`group_lines`).
 
 The shard-side numbers come from :func:`fetch_shard_memory_report`, which reads, in order of
 preference: the shard's Prometheus endpoint (``TGI_PAGED_METRICS_PORT``, polled during the run), a
@@ -88,8 +90,51 @@ def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]],
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class GroupBlocks:
+    """One KV layer group in one scrape of ``tgi_paged_kv_group_blocks{group,window,state}``."""
+
+    group: int
+    window: int | None
+    """The group's sliding window in tokens, ``None`` for full attention."""
+    held: int
+    """Blocks the group's page maps of live requests hold (``state="held"``)."""
+    reclaimed: int
+    """Blocks the group gave back behind its window for live requests (``state="reclaimed"``)."""
+    internal_waste: float | None = None
+    """Unfilled slots of the blocks it holds over their slots (``tgi_paged_kv_group_waste_ratio``)."""
+
+
+def group_blocks(values: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> list[GroupBlocks]:
+    """The per-group gauges of one scrape, by group (empty for a model of one group: none exported)."""
+    found: dict[int, dict[str, Any]] = {}
+    for (name, labels), value in values.items():
+        label = dict(labels)
+        if name == "tgi_paged_kv_group_waste_ratio" and "group" in label:
+            found.setdefault(int(label["group"]), {"window": label.get("window", "full")})["waste"] = value
+        if name != "tgi_paged_kv_group_blocks":
+            continue
+        if "group" not in label or label.get("state") not in ("held", "reclaimed"):
+            continue
+        entry = found.setdefault(int(label["group"]), {"window": label.get("window", "full")})
+        entry[label["state"]] = int(value)
+    return [
+        GroupBlocks(
+            group,
+            None if entry["window"] == "full" else int(entry["window"]),
+            entry.get("held", 0),
+            entry.get("reclaimed", 0),
+            entry.get("waste"),
+        )
+        for group, entry in sorted(found.items())
+    ]
+
+
 class ShardMetricsPoller:
-    """Scrapes ``http://127.0.0.1:{port}/metrics`` every ``interval_s`` in a thread; keeps peaks and means."""
+    """Scrapes ``http://127.0.0.1:{port}/metrics`` every ``interval_s`` in a thread; keeps peaks and means.
+
+    With KV layer groups, :attr:`peak_groups` is the per-group scrape at the pool's peak (most blocks in
+    use), and :attr:`peak_groups_running` the requests running then."""
 
     def __init__(self, port: int, interval_s: float = 0.2) -> None:
         self.url = f"http://127.0.0.1:{port}/metrics"
@@ -100,6 +145,8 @@ class ShardMetricsPoller:
         self.waste_sums: dict[str, float] = {}
         self.waste_samples = 0
         self.last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self.peak_groups: list[GroupBlocks] = []
+        self.peak_groups_running = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shard-metrics", daemon=True)
 
@@ -122,11 +169,19 @@ class ShardMetricsPoller:
                 values = parse_prometheus(response.read().decode())
         except OSError:
             return
+        self.observe(values)
+
+    def observe(self, values: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> None:
+        """Take one scrape (:func:`parse_prometheus` of the text) into the peaks and means."""
         self.samples += 1
         self.last = values
         used = values.get(("tgi_paged_kv_blocks", (("state", "used"),)), 0.0)
+        running = values.get(("tgi_paged_requests", (("state", "running"),)), 0.0)
+        groups = group_blocks(values)
+        if groups and (used > self.peak_used or not self.peak_groups):
+            self.peak_groups, self.peak_groups_running = groups, int(running)
         self.peak_used = max(self.peak_used, used)
-        self.peak_running = max(self.peak_running, values.get(("tgi_paged_requests", (("state", "running"),)), 0.0))
+        self.peak_running = max(self.peak_running, running)
         if used > 0:
             self.waste_samples += 1
             for kind in ("internal", "reservation", "external"):
@@ -149,6 +204,10 @@ class MemoryReport:
     running_peak: int | None = None
     lora: tuple[float, float, int] | None = None
     """``LORA_ADAPTERS``: (weights MiB, of which adapters MiB, adapters), from the Warmup log line."""
+    groups: list[GroupBlocks] = field(default_factory=list)
+    """KV layer groups at the pool's peak, from ``/metrics`` (empty for a model of one group)."""
+    groups_running: int | None = None
+    """Requests running at that scrape."""
     sources: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
 
@@ -187,6 +246,8 @@ def fetch_shard_memory_report(log_texts: list[str], poller: ShardMetricsPoller |
             r.physical_tokens = int(physical)
         r.blocks_used_peak = int(poller.peak_used)
         r.running_peak = int(poller.peak_running) or r.running_peak
+        if poller.peak_groups:
+            r.groups, r.groups_running = list(poller.peak_groups), poller.peak_groups_running
         if poller.waste_samples:
             r.waste = {k: v / poller.waste_samples for k, v in poller.waste_sums.items()}
             r.waste_unit = "mean ratio"
@@ -258,6 +319,44 @@ def waste_lines(report: MemoryReport, *, stock_requests: int | None, per_request
     return lines
 
 
+def group_lines(report: MemoryReport, *, per_request: int) -> list[str]:
+    """One line per KV layer group at the pool's peak (none for a model of one group): its window, the
+    blocks it held, those it had given back behind its window, and what one page map for all layers (every
+    group keeping every position) would have held for the same positions; then the totals, with what
+    stock TGI (the whole booking of each running request, in every group) would have held.
+
+    Block counts are of the grouped pool's blocks (a block holds one group's layers), so the groups add up."""
+    if len(report.groups) <= 1:
+        return []
+    held = sum(g.held for g in report.groups)
+    running = "" if report.groups_running is None else f", {report.groups_running} requests running"
+    lines = [f"KV layer groups: {len(report.groups)}, blocks at the pool's peak{running}:"]
+    for g in report.groups:
+        kind = "full" if g.window is None else f"window {g.window}"
+        back = f"{g.reclaimed} given back behind the window" if g.window is not None else "keeps every position"
+        waste = "" if g.internal_waste is None else f" (internal waste {g.internal_waste:.1%})"
+        lines.append(
+            f"  group {g.group} ({kind}): {g.held} blocks held{waste}, {back}; "
+            f"one page map for all layers: {g.held + g.reclaimed}"
+        )
+    reclaimed = sum(g.reclaimed for g in report.groups)
+    single = held + reclaimed
+    total = (
+        f"  all groups: {held} held, {reclaimed} given back; one page map for all layers would hold {single} "
+        f"for the same positions"
+    )
+    if single:
+        total += f" ({reclaimed / single:.1%} saved)"
+    lines.append(total)
+    if report.block_size and report.groups_running is not None:
+        stock = report.groups_running * -(-per_request // report.block_size) * len(report.groups)
+        lines.append(
+            f"  (stock TGI holds each running request's whole booking for all layers: {report.groups_running} x "
+            f"{-(-per_request // report.block_size)} blocks x {len(report.groups)} groups = {stock} such blocks)"
+        )
+    return lines
+
+
 def format_report(
     report: MemoryReport,
     *,
@@ -274,6 +373,7 @@ def format_report(
     mean_prompt = round(sum(prompt_lengths) / len(prompt_lengths))
     per_request = mean_prompt + max_new_tokens
     stock = report.physical_tokens // per_request if report.physical_tokens else None
+    over_groups = f" over {len(report.groups)} KV layer groups" if len(report.groups) > 1 else ""
     lines = [
         "",
         "=" * 72,
@@ -281,10 +381,11 @@ def format_report(
         "=" * 72,
         f"requests: {requests} concurrent, mean prompt {mean_prompt} tokens, max_new_tokens {max_new_tokens}, "
         f"{generated_tokens} tokens generated in {elapsed_s:.1f}s",
-        f"physical pool: {show(report.blocks_total)} blocks x {show(report.block_size)} tokens = "
+        f"physical pool: {show(report.blocks_total)} blocks x {show(report.block_size)} tokens{over_groups} = "
         f"{show(report.physical_tokens)} tokens (router's virtual budget: {show(report.advertised_tokens)})",
         f"physical blocks used (peak): {show(report.blocks_used_peak)} / {show(report.blocks_total)}",
     ]
+    lines += group_lines(report, per_request=per_request)
     lines += waste_lines(report, stock_requests=stock, per_request=per_request)
     lines.append(
         f"admitted concurrency: {admitted_peak} (router replay peak; shard peak running: {show(report.running_peak)})"

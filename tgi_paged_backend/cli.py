@@ -193,7 +193,8 @@ def plan(
     model: str = typer.Option(
         ...,
         help="Local model directory (config.json) or a preset: llama-3-8b, llama-3-70b, mistral-7b, "
-        "mixtral-8x7b, qwen3-30b-a3b, gpt-oss-120b, smollm2-135m.",
+        "mixtral-8x7b, qwen3-30b-a3b, gpt-oss-120b, gemma-2-9b, smollm2-135m. Models mixing sliding and full "
+        "layers are planned by KV layer group as the shard pages them (TGI_PAGED_LAYER_GROUPS=0: one page map).",
     ),
     gpu: str = typer.Option("A10G", help="A10G, L4, A100-40, A100-80, H100, H200 or cpu."),
     memory_gb: float | None = typer.Option(None, help="Device memory in GiB (overrides the GPU's)."),

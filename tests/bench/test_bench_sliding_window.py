@@ -49,4 +49,10 @@ def test_layer_groups_measured_saving_matches_the_analytic_one() -> None:
         per_block = 1 / 16  # one block of a request's 16 (64 positions), as a share
         assert abs(at_end - r.hybrid_saving) <= per_block, (windows, at_end, r.hybrid_saving)
         assert at_end >= LayerGroups.from_layer_windows(windows).saving(64, 4, 1) - 1e-9
+        # per request at the end, the blocks held are the groups' arithmetic (padding and partial blocks in)
+        assert r.measured_final_request_blocks == r.final_request_blocks, windows
+    gemma3 = ([16] * 5 + [None]) * 2 + [16] * 2  # 12 sliding, 2 full: U = 2, 1 full + 6 sliding groups
+    r = compare_reclaim("g3", gemma3, num_requests=2, prompt_tokens=40, output_tokens=41, block_size=4)
+    # 80 positions = 20 blocks; the last query (79) reads 64..79, so each sliding group keeps 4
+    assert r.final_request_blocks == 20 + 6 * 4 == r.measured_final_request_blocks
     assert compare_reclaim("u", [8, 8], num_requests=1, prompt_tokens=8, output_tokens=8, block_size=4).grouped is None

@@ -308,10 +308,13 @@ RECLAIM_SECTION = (
     "prompts peak at prefill; long generations settle at `ceil(4096 / 16) + 1 = 257` blocks per request.",
     "Gemma 2/3 and gpt-oss mix sliding and full-attention layers: with one page map per request for all",
     "layers the full layers read every position, so nothing is reclaimed (0). The engine pages them by KV",
-    "layer group instead (`TGI_PAGED_LAYER_GROUPS`, `docs/design-layer-groups.md`): the last two columns",
-    "are the analytic share that frees at the final length and the share measured through the manager",
-    "with the engine's groups (KV bytes, at the peak and at the end; Gemma 3's 0.8 % gap is the padding",
-    "of its 7 groups of 10 layers).",
+    "layer group instead (`TGI_PAGED_LAYER_GROUPS`, `docs/design-layer-groups.md`). The last three columns:",
+    "the share one page map per layer would free at the final length (analytic, per layer); the share the",
+    "engine's groups free, measured through the manager (KV bytes, at the peak and at the end); and the",
+    "blocks one request holds at its end, measured beside the groups' arithmetic",
+    "(`LayerGroups.final_blocks`: a full group every block, a sliding group the blocks its last query",
+    "reads). They agree exactly; Gemma 3's 0.8 % below the per-layer figure is the 8 padded slots of its 7",
+    "groups of 10 layers (equal-sized blocks), which the arithmetic counts.",
 )
 
 

@@ -378,3 +378,17 @@ HybridMemoryMachineBlockSize1.TestCase.settings = settings(
     max_examples=25, stateful_step_count=50, deadline=None, derandomize=True
 )
 TestHybridMemoryMachineBlockSize1 = HybridMemoryMachineBlockSize1.TestCase
+
+
+class HybridMemoryMachineSlidingAnchor(MemoryMachine):
+    """Two sliding groups, no full one: the anchor of prefix retention gives blocks back too."""
+
+    NUM_BLOCKS = 25
+    NUM_SWAP_BLOCKS = 12
+    GROUPS = (6, 3)
+
+
+HybridMemoryMachineSlidingAnchor.TestCase.settings = settings(
+    max_examples=30, stateful_step_count=50, deadline=None, derandomize=True
+)
+TestHybridMemoryMachineSlidingAnchor = HybridMemoryMachineSlidingAnchor.TestCase

@@ -68,6 +68,16 @@ def test_request_blocks_and_saving_match_the_per_layer_analytic_without_padding(
     assert g.request_blocks(8192, bs, 512) == 512 + min(512, -(-(4096 + 511) // 16) + 1)
 
 
+def test_final_blocks_per_group():
+    g = LayerGroups.from_layer_windows(GEMMA2_9B)
+    # 8191 positions written (the last token's K/V never is): 512 blocks; the last query (8190) reads
+    # 4095..8190, so blocks 0..254 are behind it and the sliding group keeps 257 (one partly outside)
+    assert g.final_blocks(8191, 16) == (512, 257)
+    assert g.final_blocks(100, 16) == (7, 7)  # shorter than the window: every block
+    assert LayerGroups.uniform(2, 8).final_blocks(17, 4) == (3,)  # query 16 reads 9..16: blocks 2..4
+    assert LayerGroups.uniform(2).final_blocks(17, 4) == (5,)
+
+
 def test_padding_costs_gemma3_a_little_of_the_per_layer_saving():
     g = LayerGroups.from_layer_windows(GEMMA3_27B)
     padded, per_layer = g.saving(16384, 16, 1), hybrid_pool_saving(GEMMA3_27B, 16384, 16)

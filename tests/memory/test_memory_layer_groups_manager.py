@@ -142,23 +142,132 @@ def test_recompute_then_a_prefix_hit_in_every_group() -> None:
     sim.assert_groups_hold(m, 1, resumed)
 
 
-def test_a_hit_is_the_shortest_of_the_groups_hits() -> None:
+def evict_sliding(m: KVCacheManager, prompt: list[int], indices) -> None:
+    """Evict the sliding group's retained blocks ``indices`` of ``prompt``'s chain, as the LRU would."""
+    attached = m._groups[1].prefix
+    serials = m._groups[0].prefix.match(prompt + [1]).serials
+    for i in indices:
+        block_id = attached.block_for(serials[i])
+        assert block_id is not None and m._pool.is_retained(block_id)
+        attached.forget_block(block_id)
+        m._pool.discard_retained(block_id)
+    m.check_invariants()
+
+
+def test_a_sliding_group_needs_only_the_window_before_the_hit_point() -> None:
+    m, sim = make()
+    prompt = list(range(24))  # 6 blocks; a query at 24 reads 17..24: blocks 4 and 5 in the sliding group
+    admit(m, sim, 1, prompt)
+    m.free(1)
+    evict_sliding(m, prompt, range(4))  # the oldest blocks: what the LRU takes first
+    m.add_request(2)
+    hit = m.match_prefix(2, prompt + [1])
+    assert hit.num_cached_tokens == 24 and hit.num_shared_blocks == 6
+    assert held(m, 2) == [6, 2] and m._maps(2)[1].num_holes == 4
+    m.check_invariants()
+    resumed = list(prompt)
+    assert step(m, sim, 2, resumed, [1])
+    sim.assert_groups_hold(m, 2, resumed)
+
+
+def test_a_hit_stops_where_a_group_lacks_a_block_of_its_window() -> None:
+    m, sim = make()
+    prompt = list(range(24))
+    admit(m, sim, 1, prompt)
+    m.free(1)
+    evict_sliding(m, prompt, [5])  # the last block: a hit at 20 reads 13..20, blocks 3 and 4, still there
+    m.add_request(2)
+    hit = m.match_prefix(2, prompt + [1])
+    assert hit.num_cached_tokens == 20 and held(m, 2) == [5, 2]
+    m.check_invariants()
+    resumed = prompt[:20]
+    assert step(m, sim, 2, resumed, prompt[20:] + [1])
+    sim.assert_groups_hold(m, 2, resumed)
+
+
+def test_a_copy_on_write_run_needs_every_groups_source() -> None:
+    m, sim = make()
+    prompt = list(range(10))  # 2 full blocks and a partial one (positions 8, 9)
+    history = admit(m, sim, 1, prompt)
+    assert step(m, sim, 1, history, [50, 51])  # the third block fills: registered with 8, 9, 50, 51
+    m.free(1)
+    m.add_request(2)
+    hit = m.match_prefix(2, prompt + [60, 61])  # shares 8, 9 of the third block: a copy in each group
+    assert hit.num_cached_tokens == 10 and hit.num_shared_blocks == 2 and hit.num_copy_tokens == 2
+    allocation = m.allocate(2, 12)
+    assert allocation is not None and len(allocation.copies) == 2  # one copy per group
+    sim.apply_allocation(allocation)
+    resumed = list(prompt)
+    resumed.extend([60, 61])
+    sim.write_groups(m, 2, resumed, 10, 12)
+    m.commit_tokens(2, resumed)
+    m.check_invariants()
+    sim.assert_groups_hold(m, 2, resumed)
+    m, sim = make()
+    history = admit(m, sim, 1, list(prompt))
+    assert step(m, sim, 1, history, [50, 51])
+    m.free(1)
+    evict_sliding(m, prompt + [50, 51], [2])  # the sliding group's source of the run goes: whole blocks only
+    m.add_request(2)
+    hit = m.match_prefix(2, prompt + [60, 61])
+    assert hit.num_cached_tokens == 8 and hit.num_copy_tokens == 0
+
+
+def test_evicting_an_anchor_entry_frees_what_other_groups_attached_to_it() -> None:
     m, sim = make()
     prompt = list(range(12))
     admit(m, sim, 1, prompt)
     m.free(1)
-    # drop the sliding group's third retained block: its chain is two blocks long now, the full one three
-    tail = m._groups[1].prefix.match(prompt + [1]).block_ids[-1]
-    m._groups[1].prefix.forget_block(tail)
-    m._pool.discard_retained(tail)
-    m.check_invariants()
+    assert m.num_retained_blocks == 6 and m._groups[1].prefix.num_entries == 3
     m.add_request(2)
-    hit = m.match_prefix(2, prompt + [1])
-    assert hit.num_cached_tokens == 8 and hit.num_shared_blocks == 2
+    assert m.allocate(2, 4 * 39) is None  # 39 usable blocks; 2 x 20 do not fit, and nothing was evicted
+    assert m.num_retained_blocks == 6
+    assert m.allocate(2, 4 * 17) is not None  # 2 x 17 = 34 blocks: 33 free, then evictions (and cascades)
     m.check_invariants()
-    resumed = prompt[:8]
-    assert step(m, sim, 2, resumed, prompt[8:] + [1])
-    sim.assert_groups_hold(m, 2, resumed)
+    assert m._groups[1].prefix.num_entries <= m._groups[0].prefix.num_entries
+
+
+def _decode_past_the_window_and_free(m: KVCacheManager, sim: GroupSim) -> list[int]:
+    """Request 1: a 6-token prompt decoded to 14 tokens (the sliding group gives blocks 0 and 1 back as
+    they leave the window, registered), then freed: 3 full blocks retained in each group."""
+    history = admit(m, sim, 1, list(range(6)))
+    for t in range(8):
+        assert step(m, sim, 1, history, [100 + t])
+    assert m.request_memory(1).num_blocks < 2 * 4 and m.stats().num_reclaimed_blocks_total > 0
+    m.free(1)
+    m.check_invariants()
+    assert m.num_retained_blocks == 2 * 3
+    return history
+
+
+def test_a_hit_ending_mid_block_copies_on_write_in_every_group() -> None:
+    m, sim = make()
+    first = _decode_past_the_window_and_free(m, sim)
+    prompt = first[:10] + [7, 8, 9]  # two full blocks, then two of block 2's four tokens
+    m.add_request(2)
+    hit = m.match_prefix(2, prompt)
+    assert (hit.num_cached_tokens, hit.num_shared_blocks, hit.num_copy_tokens) == (10, 2, 2)
+    sources = [req.cow_src for req in m._maps(2)]
+    assert None not in sources and len(set(sources)) == 2  # each group's own retained block 2, pinned
+    assert all(m._pool.refcount(b) == 1 and not m._pool.is_retained(b) for b in sources)
+    m.check_invariants()
+    history = prompt[:10]
+    allocation = m.allocate(2, len(prompt))
+    assert allocation is not None
+    assert sorted(c.src for c in allocation.copies) == sorted(sources)
+    assert all(c.num_tokens == 2 for c in allocation.copies)
+    by_src = {c.src: c.dst for c in allocation.copies}
+    assert [req.blocks[2] for req in m._maps(2)] == [by_src[src] for src in sources]  # in that group's block 2
+    assert all(m._pool.is_retained(b) for b in sources)  # the sources went back to the retained blocks
+    sim.apply_allocation(allocation)
+    history.extend(prompt[10:])
+    sim.write_groups(m, 2, history, 10, len(history))
+    m.commit_tokens(2, history)
+    m.check_invariants()
+    sim.assert_groups_hold(m, 2, history)  # positions 8, 9 came by copy, in both groups
+    for t in range(6):
+        assert step(m, sim, 2, history, [200 + t])
+        sim.assert_groups_hold(m, 2, history)
 
 
 def test_truncate_gives_back_rejected_positions_in_every_group() -> None:

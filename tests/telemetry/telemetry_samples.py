@@ -43,6 +43,7 @@ def memory_stats(**overrides) -> MemoryStats:
         group_windows=(None, 4096),
         group_blocks=(60, 15),
         group_hole_blocks=(0, 45),
+        group_internal_waste_slots=(60, 40),
     )
     values.update(overrides)
     return MemoryStats(**values)

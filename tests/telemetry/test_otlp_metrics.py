@@ -46,7 +46,7 @@ def test_recorded_steps_arrive_with_design_names_and_values(recorder: OtelRecord
     assert points_by(got["tgi_paged_kv_usage_ratio"])[None].as_double == pytest.approx(0.75)
     blocks = {k: p.as_int for k, p in points_by(got["tgi_paged_kv_blocks"], "state").items()}
     assert blocks == {"free": 17, "used": 75, "retained": 5, "swapped": 3}
-    assert points_by(got["tgi_paged_kv_physical_tokens"])[None].as_int == 1600
+    assert points_by(got["tgi_paged_kv_physical_tokens"])[None].as_int == 800  # 100 blocks x 16 over 2 groups
     assert points_by(got["tgi_paged_kv_virtual_reserved_tokens"])[None].as_int == 4000
     waste = {k: p.as_double for k, p in points_by(got["tgi_paged_kv_waste_ratio"], "kind").items()}
     assert waste == pytest.approx({"internal": 100 / 1200, "reservation": 0.7, "external": 0.0})

@@ -79,6 +79,9 @@ def test_metrics_endpoint_serves_every_instrument(recorder: OtelRecorder) -> Non
     assert samples[("tgi_paged_kv_blocks", (("state", "retained"),))] == 5
     held = (("group", "1"), ("state", "held"), ("window", "4096"))
     assert samples[("tgi_paged_kv_group_blocks", held)] == 15
+    # group 1 holds 15 blocks of 16 slots with 40 unfilled; physical tokens count each position once
+    assert samples[("tgi_paged_kv_group_waste_ratio", (("group", "1"), ("window", "4096")))] == 40 / (15 * 16)
+    assert samples[("tgi_paged_kv_physical_tokens", ())] == 100 // 2 * 16
     assert samples[("tgi_paged_step_seconds_count", (("phase", "decode"),))] == 2
     assert samples[("tgi_paged_step_seconds_bucket", (("le", "0.025"), ("phase", "decode")))] == 2
     assert samples[("tgi_paged_step_seconds_bucket", (("le", "0.1"), ("phase", "prefill")))] == 0

@@ -36,6 +36,16 @@ exports as ``tgi_paged_kv_waste_ratio{kind}``):
 
 "OOM-equivalent failures" are requests whose reservation can never fit the allocator's budget (the
 stock router would leave them queued forever; a contiguous server would fail them).
+
+KV layer groups (``SimConfig.groups``, models mixing sliding-window and full-attention layers): the paged
+allocator runs the manager with one page map per group over the pool, as the shard does; a pool block
+then holds one group's ``layers_per_block`` layers, so the token positions the pool holds when every
+group keeps every block are ``usable_blocks // num_groups x block_size`` (:attr:`SimConfig.kv_tokens`,
+the shard's ``physical_tokens``). Contiguous and stock get those positions of every layer (when the
+grouping pads, e.g. Gemma-3-27B, the same bytes would hold a few more all-layer positions), the router's
+virtual pool is ``overcommit x budget_gain x`` them (the shard's advertised budget), and the paged
+allocator's block slots count ``1 / num_groups`` of a position each in the waste and occupancy figures
+(with windows, positions whose blocks were given back count as held no more).
 """
 
 from __future__ import annotations
@@ -124,20 +134,43 @@ class SimConfig:
     prefix_retention: bool = True
     reclaim_window: int | None = None
     """Paged only: the model's window when every layer is windowed (blocks behind it are given back)."""
+    groups: tuple[int | None, ...] | None = None
+    """Paged only, instead of ``reclaim_window``: each KV layer group's window (``None``: full attention),
+    one page map per group over the pool (``KVCacheManager(groups=...)``; :mod:`~tgi_paged_backend.memory.
+    layer_groups`). ``num_blocks`` are then blocks of one group's layers (see the module docstring)."""
+    budget_gain: float = 1.0
+    """Paged only: the router's pool grows by it with layer groups
+    (:attr:`~tgi_paged_backend.engine.capacity.Capacity.budget_gain`)."""
     cost: StepCostModel = field(default_factory=StepCostModel.unit)
 
     def __post_init__(self) -> None:
-        if self.num_blocks < 2 or self.block_size < 1 or self.overcommit < 1.0:
+        if self.num_blocks < 2 or self.block_size < 1 or self.overcommit < 1.0 or self.budget_gain < 1.0:
             raise ValueError(f"invalid simulation config {self}")
+        if self.groups is not None and (not self.groups or self.reclaim_window is not None):
+            raise ValueError(f"groups={self.groups}: at least one group, and not with reclaim_window")
+        if self.usable_blocks < self.num_groups:
+            raise ValueError(f"num_blocks={self.num_blocks}: fewer usable blocks than the {self.num_groups} groups")
 
     @property
     def usable_blocks(self) -> int:
         return self.num_blocks - 1
 
     @property
+    def num_groups(self) -> int:
+        """KV layer groups (1 without :attr:`groups`)."""
+        return 1 if self.groups is None else len(self.groups)
+
+    @property
     def kv_tokens(self) -> int:
-        """Usable physical token slots (the same budget for every allocator)."""
-        return self.usable_blocks * self.block_size
+        """Usable physical token positions (the same budget for every allocator): with layer groups, those
+        the pool holds when every group keeps every block."""
+        return self.usable_blocks // self.num_groups * self.block_size
+
+    def request_blocks(self, num_tokens: int) -> int:
+        """Pool blocks one request of ``num_tokens`` positions holds at most (prefilled in one chunk):
+        every group's, each sliding one about its window."""
+        windows = self.groups if self.groups is not None else (self.reclaim_window,)
+        return sum(max_request_blocks(num_tokens, self.block_size, w, num_tokens) for w in windows)
 
 
 # -------------------------------------------------------------------------------------- requests
@@ -202,6 +235,14 @@ class _Allocator:
     def waste(self, live: Sequence[_Req]) -> tuple[int, int]:
         """``(internal, reservation)`` slots now."""
         raise NotImplementedError
+
+    def pool_slots(self) -> int:
+        """The usable pool in token slots (what the waste and occupancy shares are of)."""
+        return self.cfg.kv_tokens
+
+    def held_slots(self, live: Sequence[_Req]) -> int:
+        """Slots holding written K/V now (after :meth:`waste`, which samples the step)."""
+        return sum(r.resident for r in live)
 
 
 class ContiguousAllocator(_Allocator):
@@ -268,13 +309,14 @@ class StockAllocator(_Allocator):
 
     def __init__(self, cfg: SimConfig) -> None:
         super().__init__(cfg)
-        self.free = cfg.usable_blocks
+        self.free = cfg.kv_tokens // cfg.block_size  # blocks of every layer on the same memory
+        self.total = self.free
 
     def blocks(self, r: _Req) -> int:
         return -(-r.req.reserved_tokens // self.bs)
 
     def never_fits(self, r: _Req) -> bool:
-        return self.blocks(r) > self.cfg.usable_blocks
+        return self.blocks(r) > self.total
 
     def admit(self, r: _Req) -> bool:
         n = self.blocks(r)
@@ -313,9 +355,14 @@ class PagedAllocator(_Allocator):
             num_swap_blocks=cfg.num_swap_blocks if cfg.preemption != "recompute" else 0,
             enable_prefix_retention=cfg.prefix_retention,
             reclaim_window=cfg.reclaim_window,
+            groups=cfg.groups,
         )
+        self.num_groups = cfg.num_groups
+        """A pool block slot is ``1 / num_groups`` of a position of every layer (module docstring)."""
+        self.hole_blocks = 0
+        """Hole blocks (given back behind a window) at the last :meth:`waste` sample."""
         # The router's pool: floor(advertised / block_size) blocks, block 0 never handed out.
-        advertised = int(cfg.kv_tokens * cfg.overcommit) // cfg.block_size * cfg.block_size
+        advertised = int(cfg.kv_tokens * cfg.budget_gain * cfg.overcommit) // cfg.block_size * cfg.block_size
         self.virtual_free = advertised // cfg.block_size - 1
         self.virtual_total = self.virtual_free
         self.calibrator = cfg.cost.calibrator()
@@ -330,9 +377,7 @@ class PagedAllocator(_Allocator):
     def never_fits(self, r: _Req) -> bool:
         # A reservation bigger than the router's pool, or a request longer than the physical pool.
         return (
-            self.blocks(r) > self.virtual_total
-            or max_request_blocks(r.req.total_tokens, self.bs, self.cfg.reclaim_window, r.req.total_tokens)
-            > self.cfg.usable_blocks
+            self.blocks(r) > self.virtual_total or self.cfg.request_blocks(r.req.total_tokens) > self.cfg.usable_blocks
         )
 
     def braking(self, live: Sequence[_Req]) -> bool:
@@ -363,15 +408,27 @@ class PagedAllocator(_Allocator):
         r.virtual = r.resident = r.backed = 0
 
     def free_slots(self) -> int:
-        return self.kv.num_available_blocks * self.bs
+        return self.kv.num_available_blocks * self.bs // self.num_groups
 
     def waste(self, live: Sequence[_Req]) -> tuple[int, int]:
-        holes = self.kv.stats().num_hole_blocks if self.cfg.reclaim_window is not None else 0
-        internal = (self.kv.num_used_blocks + holes) * self.bs - sum(r.resident for r in live)
-        return max(internal, 0), 0
+        # Every group holds (or has given back: holes) a block slot per written position.
+        windowed = self.cfg.reclaim_window is not None or any(w is not None for w in self.cfg.groups or ())
+        self.hole_blocks = self.kv.stats().num_hole_blocks if windowed else 0
+        internal = (self.kv.num_used_blocks + self.hole_blocks) * self.bs - self.num_groups * sum(
+            r.resident for r in live
+        )
+        return max(internal, 0) // self.num_groups, 0
+
+    def pool_slots(self) -> int:
+        return self.cfg.usable_blocks * self.bs // self.num_groups
+
+    def held_slots(self, live: Sequence[_Req]) -> int:
+        # Written positions less those whose blocks a window gave back (holes), in every group.
+        held = self.num_groups * sum(r.resident for r in live) - self.hole_blocks * self.bs
+        return max(held, 0) // self.num_groups
 
     def virtual_unbacked_slots(self, live: Sequence[_Req]) -> int:
-        return max(sum(r.virtual for r in live) * self.bs - self.kv.num_used_blocks * self.bs, 0)
+        return max(sum(r.virtual for r in live) * self.bs - self.kv.num_used_blocks * self.bs // self.num_groups, 0)
 
     # -- backing and preemption --------------------------------------------------------------
     def back(self, r: _Req, live: Sequence[_Req], preempted_now: set[int]) -> int | None:
@@ -576,7 +633,7 @@ def simulate(trace: Sequence[TraceRequest], allocator: str, cfg: SimConfig) -> S
     paged = alloc if isinstance(alloc, PagedAllocator) else None
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival)
     reqs = [_Req(i, trace[i]) for i in order]
-    pool = cfg.kv_tokens
+    pool = alloc.pool_slots()
     queue: deque[_Req] = deque()
     live: list[_Req] = []  # admitted, in admission order
     clock, nxt, seq, steps = 0.0, 0, 0, 0
@@ -691,7 +748,7 @@ def simulate(trace: Sequence[TraceRequest], allocator: str, cfg: SimConfig) -> S
         external = free if memory_blocked else 0
         if memory_blocked and pending is not None and isinstance(alloc, ContiguousAllocator):
             frag_steps += alloc.pending_fits_total(pending)
-        written = sum(r.resident for r in live)
+        written = alloc.held_slots(live)
         virtual = paged.virtual_unbacked_slots(live) if paged is not None else 0
         acc.add(
             dt,

@@ -7,12 +7,16 @@ KV dtype, and a trace (a JSONL file or the :mod:`~tgi_paged_backend.bench.worklo
 The arithmetic is the shard's own, so the plan agrees with a real shard:
 
 - bytes per token / block: :meth:`ModelSpec.kv_bytes_per_block` (what ``ModelRunner.block_bytes`` is);
+  models mixing sliding-window and full-attention layers (Gemma 2/3, gpt-oss, Cohere 2) are paged by KV
+  layer group (``ModelSpec.kv_groups``, unless ``TGI_PAGED_LAYER_GROUPS=0``), a block holding one group's
+  ``layers_per_block`` layers, as ``ModelRunner.block_bytes_for(kv_groups)``;
 - KV budget: ``memory_fraction x device total - weights - activation peak`` on CUDA (what
   ``ModelRunner.available_kv_bytes`` computes before its "actually free" cap), and on CPU
   ``min(memory_fraction x available RAM - activations, 4 GiB)``; weights from the safetensors
   headers (exact) or from the config (estimate); the activation peak from the runner's own CPU
   estimate (on CUDA the shard measures it, usually a little lower);
-- pool and advertised budget: :func:`tgi_paged_backend.engine.capacity.plan_capacity`.
+- pool and advertised budget: :func:`tgi_paged_backend.engine.capacity.plan_capacity` (with the groups,
+  so the budget gains what the sliding groups no longer hold).
 
 Expected concurrency and waste come from :func:`~tgi_paged_backend.bench.allocator_sim.compare`
 on that pool (so the planner agrees with the simulator by construction), with a roofline step-time
@@ -43,6 +47,7 @@ from tgi_paged_backend.bench.param_counts import param_counts
 from tgi_paged_backend.bench.weights import weight_bytes
 from tgi_paged_backend.bench.workload import TraceRequest, summarize
 from tgi_paged_backend.config import PreemptionMode
+from tgi_paged_backend.memory.layer_groups import LayerGroups
 
 GiB = 1024**3
 
@@ -153,6 +158,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         layer_types=["sliding_attention", "full_attention"] * 18,
         tie_word_embeddings=False,
     ),
+    "gemma-2-9b": dict(
+        # Its config.json lists no layer_types: transformers alternates sliding (4096) and full layers.
+        model_type="gemma2",
+        num_hidden_layers=42,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        hidden_size=3584,
+        intermediate_size=14336,
+        vocab_size=256000,
+        max_position_embeddings=8192,
+        sliding_window=4096,
+        layer_types=["sliding_attention", "full_attention"] * 21,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=256,
+        tie_word_embeddings=True,
+    ),
     "smollm2-135m": dict(
         model_type="llama",
         num_hidden_layers=30,
@@ -193,8 +216,28 @@ def _read_config(model: str) -> tuple[str, dict[str, Any]]:
             f"--model {model!r}: not a preset ({', '.join(PRESETS)}) nor a model directory with config.json"
         )
     raw = json.loads(config_file.read_text())
-    text = raw.get("text_config")
-    return str(path), ({**raw, **text} if isinstance(text, dict) else raw)
+    text = raw.pop("text_config", None)  # a multimodal config: its text model's fields win (ModelSpec reads them)
+    return str(path), _with_layer_types({**raw, **text} if isinstance(text, dict) else raw)
+
+
+def _with_layer_types(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with the per-layer ``layer_types`` transformers derives when a windowed config lists none.
+
+    Gemma 2 and 3 and Cohere 2 checkpoints often predate ``layer_types`` (Gemma 3: ``sliding_window_pattern``);
+    the shard reads the list transformers' config class fills in (``ModelSpec.layer_windows``), so the
+    planner asks the same class. Left as is when the list is there, no window is set, or transformers does
+    not know the model type.
+    """
+    if cfg.get("layer_types") is not None or not cfg.get("sliding_window") or "model_type" not in cfg:
+        return cfg
+    import transformers
+
+    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "text_config", "vision_config")}
+    try:
+        layer_types = getattr(transformers.AutoConfig.for_model(str(cfg["model_type"]), **fields), "layer_types", None)
+    except (ValueError, TypeError, KeyError):  # an unknown model type, or fields its class refuses
+        return cfg
+    return cfg if layer_types is None else {**cfg, "layer_types": list(layer_types)}
 
 
 def count_safetensors_params(model_dir: str | Path) -> int | None:
@@ -282,6 +325,9 @@ class PlanInputs:
     """Skip the memory arithmetic and use this KV budget (what the shard's runner would report)."""
     num_shard: int = 1
     """``--num-shard``: the plan is one rank's (its weights, its KV heads, its pool; every rank alike)."""
+    layer_groups: bool = True
+    """``TGI_PAGED_LAYER_GROUPS``: page models mixing sliding and full layers by KV layer group (off: one
+    page map for all layers, as the shard with ``0``)."""
 
 
 @dataclass(slots=True)
@@ -301,11 +347,15 @@ class Plan:
     kv_budget_bytes: int
     bytes_per_token: int
     block_bytes: int
+    """Bytes of one pool block: all layers' K/V, or one KV layer group's ``layers_per_block`` layers'."""
     capacity: Any
     """:class:`~tgi_paged_backend.engine.capacity.Capacity` at the advised overcommit."""
     trace_summary: dict[str, float]
     comparison: Comparison
     sim_config: SimConfig
+    kv_groups: LayerGroups | None = None
+    """The KV layer groups the shard pages by (``ModelRunner.kv_groups``); ``None`` when the planner was
+    built without them."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -319,6 +369,34 @@ class Plan:
     @property
     def advised_overcommit(self) -> float:
         return self.comparison.chosen_overcommit
+
+    @property
+    def groups(self) -> LayerGroups:
+        """The KV layer groups of the pool (one group of every layer for a uniform model)."""
+        return self.kv_groups or LayerGroups.uniform(self.rank_spec.num_layers, self.rank_spec.reclaim_window)
+
+    def group_request_blocks(self) -> list[int]:
+        """Per group, the blocks one ``max_total_tokens`` request holds at most (prefilled in chunks of
+        ``max_prefill_tokens``): :meth:`LayerGroups.request_blocks` split by group."""
+        from tgi_paged_backend.memory.window_reclaim import max_request_blocks
+
+        c, bs = self.capacity, self.inputs.block_size
+        return [max_request_blocks(c.max_total_tokens, bs, w, c.max_prefill_tokens) for w in self.groups.windows]
+
+    def groups_dict(self) -> dict[str, Any]:
+        """The groups in the JSON: windows (``None``: full), layers, per-group request blocks vs one page map."""
+        g, c = self.groups, self.capacity
+        return {
+            "num_groups": g.num_groups,
+            "layers_per_block": g.layers_per_block,
+            "num_padding": g.num_padding,
+            "windows": list(g.windows),
+            "layers": [list(layers) for layers in g.layers],
+            "budget_gain": c.budget_gain,
+            "max_total_tokens": c.max_total_tokens,
+            "request_blocks": self.group_request_blocks(),
+            "request_blocks_one_page_map": -(-c.max_total_tokens // self.inputs.block_size),
+        }
 
     def to_dict(self) -> dict[str, Any]:
         s = self.rank_spec
@@ -344,7 +422,10 @@ class Plan:
             "block_bytes": self.block_bytes,
             "num_blocks": self.num_blocks,
             "physical_tokens": self.physical_tokens,
+            "max_total_tokens": self.capacity.max_total_tokens,
             "max_supported_total_tokens": self.capacity.max_supported_total_tokens,
+            "budget_gain": self.capacity.budget_gain,
+            "kv_groups": self.groups_dict(),
             "trace": self.trace_summary,
             "simulation": self.comparison.to_dict(),
             "advised_overcommit": self.advised_overcommit,
@@ -395,12 +476,13 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
     kv_dtype = resolve_kv_dtype(inputs.kv_cache_dtype, dtype)
     facts = load_model_facts(inputs.model, dtype)
     spec = shard_spec(facts.spec, inputs.num_shard)
+    groups = kv_groups(facts.spec, inputs.layer_groups)  # the unsharded config's: every rank alike
     itemsize = torch.empty((), dtype=dtype).element_size()
     weights_total = weight_bytes(facts.spec, facts.num_params, itemsize, inputs.quantize, inputs.int_layout)
     whole, rank = param_counts(facts.config), param_counts(facts.config, inputs.num_shard)
     weights = weights_total * rank.held // whole.held  # exact unquantized; quantized: scaled by held parameters
     bytes_per_token = spec.kv_bytes_per_token(kv_dtype)
-    block_bytes = spec.kv_bytes_per_block(inputs.block_size, kv_dtype)
+    block_bytes = group_block_bytes(spec, groups, inputs.block_size, kv_dtype)
     activation = activation_peak_bytes(spec, dtype, max(inputs.max_prefill_tokens, 1))
     notes: list[str] = []
     if not facts.params_exact:
@@ -429,6 +511,8 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
                 f"{inputs.memory_fraction:g}): use more shards (--num-shard), a larger device or --quantize"
             )
         notes.append("CUDA: the shard measures activations at Warmup and caps the budget by free memory")
+    if facts.spec.kv_groups.is_hybrid and not inputs.layer_groups:
+        notes.append("TGI_PAGED_LAYER_GROUPS=0: one page map for all layers, the sliding layers keep every block")
 
     def capacity(overcommit: float) -> Any:
         return plan_capacity(
@@ -441,7 +525,7 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
             max_input_tokens=inputs.max_input_tokens,
             max_total_tokens=inputs.max_total_tokens,
             max_prefill_tokens=inputs.max_prefill_tokens,
-            reclaim_window=spec.reclaim_window,
+            groups=groups,
         )
 
     base = capacity(1.0)  # raises ConfigError with the shard's message when nothing fits
@@ -452,7 +536,9 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
         preemption=inputs.preemption,
         num_swap_blocks=int(inputs.swap_space_gib * GiB) // block_bytes if block_bytes else 0,
         block_bytes=block_bytes,
-        reclaim_window=spec.reclaim_window,
+        reclaim_window=groups.windows[0] if groups.num_groups == 1 else None,
+        groups=groups.windows if groups.num_groups > 1 else None,
+        budget_gain=base.budget_gain,
         cost=cost_model(device, weights, bytes_per_token, rank.active),
     )
     comparison = compare(trace, sim_cfg, inputs.overcommits)
@@ -474,8 +560,22 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
         trace_summary=summarize(trace),
         comparison=comparison,
         sim_config=sim_cfg,
+        kv_groups=groups,
         notes=notes,
     )
+
+
+def kv_groups(spec: Any, layer_groups: bool = True) -> LayerGroups:
+    """The KV layer groups the shard pages ``spec``'s model by (``ModelRunner.kv_groups``): the model's
+    groups, or one group of every layer when full and sliding layers mix and ``layer_groups`` is off."""
+    groups: LayerGroups = spec.kv_groups
+    return LayerGroups.uniform(spec.num_layers) if groups.is_hybrid and not layer_groups else groups
+
+
+def group_block_bytes(spec: Any, groups: LayerGroups, block_size: int, kv_dtype: Any) -> int:
+    """Bytes of one block of a pool laid out for ``groups`` (``ModelRunner.block_bytes_for``): the K/V of
+    ``layers_per_block`` layers."""
+    return int(spec.kv_bytes_per_block(block_size, kv_dtype)) // spec.num_layers * groups.layers_per_block
 
 
 def shard_spec(spec: Any, num_shard: int) -> Any:
@@ -521,10 +621,13 @@ def format_plan(plan: Plan) -> str:
         + f"; activation peak (prefill {plan.capacity.max_prefill_tokens} tokens) {fmt_bytes(plan.activation_bytes)}",
         f"KV           {plan.bytes_per_token:,} bytes per token"
         + (f" per rank ({plan.rank_spec.num_kv_heads} KV heads each)" if plan.inputs.num_shard > 1 else "")
-        + f" ({plan.kv_dtype_name}); block of "
-        f"{plan.inputs.block_size} tokens = {fmt_bytes(plan.block_bytes)}; budget {fmt_bytes(plan.kv_budget_bytes)}",
+        + f" ({plan.kv_dtype_name}); block of {plan.inputs.block_size} tokens"
+        + (f" of one group's {plan.groups.layers_per_block} layers" if plan.groups.num_groups > 1 else "")
+        + f" = {fmt_bytes(plan.block_bytes)}; budget {fmt_bytes(plan.kv_budget_bytes)}",
         f"pool         {plan.num_blocks:,} physical blocks (incl. scratch) = {plan.physical_tokens:,} tokens "
-        f"that fit; max_total_tokens {plan.capacity.max_total_tokens:,}",
+        f"that fit{' (every group keeping every block)' if plan.groups.num_groups > 1 else ''}; max_total_tokens "
+        f"{plan.capacity.max_total_tokens:,}",
+        *group_lines(plan),
         f"trace        {t['requests']} requests, prompt mean {t['prompt_mean']:.0f} (max {t['prompt_max']}), "
         f"output mean {t['output_mean']:.0f} (max {t['output_max']}), max_new_tokens mean "
         f"{t['max_new_tokens_mean']:.0f}, arrivals over {t['duration_s']:.1f} s",
@@ -540,6 +643,28 @@ def format_plan(plan: Plan) -> str:
     ]
     lines += [f"note         {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def group_lines(plan: Plan) -> list[str]:
+    """The KV layer groups' lines of :func:`format_plan` (none for one group)."""
+    g, c = plan.groups, plan.capacity
+    if g.num_groups == 1:
+        return []
+    held = plan.group_request_blocks()
+    one_map = -(-c.max_total_tokens // plan.inputs.block_size)
+    lines = [
+        f"groups       {g.num_groups} KV layer groups, a block holds {g.layers_per_block} layers' K/V"
+        + (f" ({g.num_padding} padding slots)" if g.num_padding else "")
+        + f"; budget gain x{c.budget_gain:.2f}: a max_total_tokens ({c.max_total_tokens:,}) request holds "
+        f"{sum(held):,} blocks, {g.num_groups * one_map:,} with one page map for all layers"
+    ]
+    for i, (window, layers, blocks) in enumerate(zip(g.windows, g.layers, held, strict=True)):
+        kind = "full" if window is None else f"window {window}"
+        lines.append(
+            f"{f'group {i}':<13}{kind}, {len(layers)} layers: {blocks:,} blocks a request "
+            f"(one page map for all layers: {one_map:,})"
+        )
+    return lines
 
 
 def advice_reason(c: Comparison) -> str:
@@ -582,11 +707,20 @@ def plan_from_args(
     bits: int | None = None,
     group_size: int | None = None,
     num_shard: int = 1,
+    layer_groups: bool | None = None,
 ) -> Plan:
-    """What ``tgi-paged-backend plan`` calls."""
+    """What ``tgi-paged-backend plan`` calls (``layer_groups``: ``None`` reads ``TGI_PAGED_LAYER_GROUPS`` as
+    the shard does)."""
     from tgi_paged_backend.bench.weights import IntLayout
     from tgi_paged_backend.bench.workload import generate_trace, load_trace
 
+    if layer_groups is None:
+        import os
+
+        from tgi_paged_backend.envs import read_env
+
+        name = "TGI_PAGED_LAYER_GROUPS"  # parsed (and refused) with the shard's own rule
+        layer_groups = read_env({name: os.environ[name]} if name in os.environ else {}).layer_groups
     int_layout = None
     if bits is not None or group_size is not None:
         int_layout = IntLayout(bits=bits or 4, group_size=group_size or 128)
@@ -610,5 +744,6 @@ def plan_from_args(
         quantize=quantize,
         int_layout=int_layout,
         num_shard=num_shard,
+        layer_groups=layer_groups,
     )
     return make_plan(inputs, trace)

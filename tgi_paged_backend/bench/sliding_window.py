@@ -101,6 +101,15 @@ class ReclaimComparison:
     layers_per_block: int = 0
     """Layers one block holds with those groups (all layers without)."""
     num_layers: int = 0
+    final_request_blocks: int = 0
+    """With groups: the blocks one request holds at its end by the groups' arithmetic
+    (:meth:`LayerGroups.final_blocks`, summed over groups), to set beside the measured ones."""
+    num_requests: int = 1
+
+    @property
+    def measured_final_request_blocks(self) -> float | None:
+        """With groups: the blocks one request holds at its end, measured (all requests' over their count)."""
+        return None if self.grouped is None else self.grouped.end_blocks / self.num_requests
 
     @property
     def grouped_saving(self) -> tuple[float, float] | None:
@@ -151,14 +160,17 @@ def compare_reclaim(
         )
 
     groups = LayerGroups.from_layer_windows(layer_windows)
+    total = prompt_tokens + output_tokens - 1
     return ReclaimComparison(
         label,
         run(window),
         run(None),
-        hybrid_pool_saving(layer_windows, prompt_tokens + output_tokens - 1, block_size),
+        hybrid_pool_saving(layer_windows, total, block_size),
         run(None, groups.windows) if groups.is_hybrid else None,
         groups.layers_per_block,
         len(layer_windows),
+        sum(groups.final_blocks(total, block_size)),
+        num_requests,
     )
 
 
@@ -167,8 +179,9 @@ def format_comparisons(rows: Sequence[ReclaimComparison], *, block_bytes: dict[s
     lines = [
         "| model layers | reclaim window | peak blocks, no reclaim | peak blocks, reclaim | ratio | "
         "KV saved | per request (no reclaim -> reclaim) | per-layer-group pools, at the end (analytic) | "
-        "layer groups, measured: KV saved at the peak; at the end |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "layer groups, measured: KV saved at the peak; at the end | "
+        "layer groups: blocks a request holds at the end, measured / by the groups' arithmetic |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         per_request = f"{r.without.peak_request_blocks} -> {r.with_reclaim.peak_request_blocks} blocks"
@@ -180,9 +193,11 @@ def format_comparisons(rows: Sequence[ReclaimComparison], *, block_bytes: dict[s
         window = "none (mixed layers)" if r.with_reclaim.window is None else str(r.with_reclaim.window)
         measured = r.grouped_saving
         groups = "-" if measured is None else f"{measured[0]:.0%}; {measured[1]:.1%}"
+        final = r.measured_final_request_blocks
+        blocks = "-" if final is None else f"{final:,g} / {r.final_request_blocks:,}"
         lines.append(
             f"| {r.label} | {window} | {r.without.peak_blocks:,} | {r.with_reclaim.peak_blocks:,} | "
-            f"{r.ratio:.2f}x | {r.saving:.0%} | {per_request} | {r.hybrid_saving:.1%} | {groups} |"
+            f"{r.ratio:.2f}x | {r.saving:.0%} | {per_request} | {r.hybrid_saving:.1%} | {groups} | {blocks} |"
         )
     return "\n".join(lines)
 

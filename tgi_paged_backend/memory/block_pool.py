@@ -107,9 +107,12 @@ class BlockPool:
             refcount[block_id] = 1
             taken.append(block_id)
         while len(taken) < num_blocks:
-            block_id, _ = self._retained.popitem(last=False)
-            if self.on_evict is not None:
-                self.on_evict(block_id)
+            if free:  # an eviction may free more blocks (entries attached to the evicted one)
+                block_id = free.pop()
+            else:
+                block_id, _ = self._retained.popitem(last=False)
+                if self.on_evict is not None:
+                    self.on_evict(block_id)
             refcount[block_id] = 1
             taken.append(block_id)
         self._num_used += num_blocks

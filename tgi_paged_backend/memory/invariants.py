@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from tgi_paged_backend.memory.attached_blocks import AttachedBlocks
 from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.page_map import PageMap
 from tgi_paged_backend.memory.swap_space import SwapSpace
@@ -34,7 +35,10 @@ def check_manager_invariants(
     """
     pool.check_invariants()
     for group in groups:
-        group.prefix.check_invariants(every_retained=len(groups) == 1)
+        if isinstance(group.prefix, AttachedBlocks):
+            group.prefix.check_invariants()
+        else:
+            group.prefix.check_invariants(every_retained=len(groups) == 1)
         group.table.check_free_rows()
         assert group.table.num_live_rows == len(group.requests)
         assert group.requests.keys() == groups[0].requests.keys(), "every request has a page map in every group"

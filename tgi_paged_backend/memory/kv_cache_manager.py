@@ -17,9 +17,12 @@ registered just before they go (so they are retained, and the chain goes on past
 
 Layer groups (``groups``, :mod:`.layer_groups`): with several groups every request has one page map
 per group (:class:`~.kv_group.KVGroup`), all over the one pool, and every operation runs on every
-group: an allocation backs all groups or none, a prefix hit is the shortest of the groups' hits,
-swap and recompute move all of them. A sliding group reclaims behind its own window. The runner reads
-group ``g``'s tables and slots for the layers of group ``g`` (:meth:`group_block_tables`).
+group: an allocation backs all groups or none, swap and recompute move all of them. A sliding group
+reclaims behind its own window. Group 0 anchors prefix retention: it registers its chains as its
+blocks fill, the other groups attach their blocks to its entries (:mod:`.attached_blocks`), and a hit
+is the anchor's, cut where a group lacks a block it needs (a sliding group: the window the hit point
+reads). The runner reads group ``g``'s tables and slots for the layers of group ``g``
+(:meth:`group_block_tables`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tgi_paged_backend.memory.attached_blocks import AttachedBlocks
 from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.block_table import BlockTableArray
 from tgi_paged_backend.memory.invariants import check_manager_invariants
@@ -88,20 +92,33 @@ class KVCacheManager:
         self.reclaim_window = windows[0] if len(windows) == 1 else None
         self._num_reclaimed_total = 0
         self._pool = BlockPool(num_blocks)
+        self._anchored = enable_prefix_retention and len(windows) > 1
+        anchor: PrefixCache | NullPrefixCache = (
+            PrefixCache(self._pool, block_size, observer)
+            if enable_prefix_retention
+            else NullPrefixCache(self._pool, block_size)
+        )
+
+        def registry(g: int) -> PrefixCache | NullPrefixCache | AttachedBlocks:
+            if g == 0:
+                return anchor
+            if self._anchored and isinstance(anchor, PrefixCache):
+                return AttachedBlocks(self._pool, anchor)
+            return NullPrefixCache(self._pool, block_size)
+
         self._groups = [
             KVGroup(
                 pool=self._pool,
                 block_size=block_size,
                 window=window,
-                prefix=(
-                    PrefixCache(self._pool, block_size, observer if g == 0 else None)
-                    if enable_prefix_retention
-                    else NullPrefixCache(self._pool, block_size)
-                ),
+                prefix=registry(g),
                 table=BlockTableArray(block_size),
+                tracks_serials=self._anchored and g == 0,
             )
             for g, window in enumerate(windows)
         ]
+        if isinstance(anchor, PrefixCache) and self._anchored:
+            anchor.on_forget = self._forget_serial
         self._pool.on_evict = self._forget_block
         self._swap = SwapSpace(num_swap_blocks)
         first = self._groups[0]
@@ -128,6 +145,21 @@ class KVCacheManager:
                 group.prefix.forget_block(block_id)
                 return
 
+    def _forget_serial(self, serial: int) -> None:
+        """The anchor dropped an entry: the blocks other groups attached to it go too."""
+        for group in self._groups[1:]:
+            assert isinstance(group.prefix, AttachedBlocks)
+            group.prefix.forget_serial(serial)
+
+    def _anchor_serials(self, maps: Sequence[PageMap]) -> list[int]:
+        """Register the anchor's full committed blocks (several groups with retention), and return its
+        entries for the other groups to attach to; ``[]`` otherwise."""
+        if not self._anchored:
+            return []
+        if maps[0].swapped is None:
+            self._groups[0].register(maps[0])
+        return maps[0].serials
+
     # ------------------------------------------------------------------------------- lifecycle
     def add_request(self, request_id: int, virtual_blocks: Sequence[int] = (), namespace: int = 0) -> None:
         """Register a request; ``virtual_blocks`` are the router's blocks (empty: self-managed).
@@ -146,9 +178,11 @@ class KVCacheManager:
     def match_prefix(self, request_id: int, prompt_ids: Sequence[int]) -> PrefixMatch:
         """Share retained blocks matching the leading tokens of ``prompt_ids`` (content decides).
 
-        With several groups the hit is the shortest of the groups' hits (whole blocks unless every group
-        has the same copy-on-write run). Call once after :meth:`add_request` (or after
-        :meth:`preempt_recompute`, with the full token history), before the first :meth:`allocate`.
+        With several groups the hit is group 0's (the anchor's), cut (its copy-on-write run first, then
+        whole blocks) until every other group has the blocks the hit point needs: a full group every one,
+        a sliding group those its window reads there (the rest become holes). Call once after
+        :meth:`add_request` (or after :meth:`preempt_recompute`, with the full token history), before the
+        first :meth:`allocate`.
         """
         maps = self._maps(request_id)
         for req in maps:
@@ -156,20 +190,33 @@ class KVCacheManager:
             req.token_ids = [int(t) for t in prompt_ids]
             req.num_committed = req.num_allocated_tokens = 0
         self._num_prefix_query_tokens += len(prompt_ids)
-        hits = [group.match(req) for group, req in zip(self._groups, maps)]
+        hit = self._groups[0].match(maps[0])
         limit = maps[0].max_mappable_blocks  # never past the reservation or onto virtual block 0
-        num_shared = min(len(h.block_ids) for h in hits)
-        if limit is not None and num_shared >= limit:
-            num_shared = limit
-        same_cow = all(len(h.block_ids) == num_shared and h.cow_src is not None for h in hits)
-        num_cow = min(h.num_cow_tokens for h in hits) if same_cow else 0
-        if num_shared == 0 and num_cow == 0:
+        num_shared = len(hit.block_ids) if limit is None else min(len(hit.block_ids), limit)
+        cow_serial = hit.cow_serial if num_shared == len(hit.block_ids) else None
+        while num_shared > 0 or cow_serial is not None:
+            num_cow = hit.num_cow_tokens if cow_serial is not None else 0
+            serials = hit.serials[:num_shared]
+            parts = [
+                group.attached_hit(serials, cow_serial, num_shared * self.block_size + num_cow)
+                for group in self._groups[1:]
+            ]
+            if all(part is not None for part in parts):
+                break
+            if cow_serial is not None:
+                cow_serial = None
+            else:
+                num_shared -= 1
+        else:
             return NO_MATCH
-        for group, req, hit in zip(self._groups, maps, hits):
-            group.share(req, hit.block_ids[:num_shared], hit.cow_src if num_cow else None, num_cow)
+        cow_src = hit.cow_src if cow_serial is not None else None
+        self._groups[0].share(maps[0], hit.block_ids[:num_shared], cow_src, num_cow)
+        for group, req, part in zip(self._groups[1:], maps[1:], parts):
+            assert part is not None
+            group.share(req, part[0], part[1], num_cow)
         num_cached = maps[0].num_committed
         self._num_prefix_hit_tokens += num_cached
-        return PrefixMatch(num_cached, num_shared, hits[0].cow_src if num_cow else None, num_cow)
+        return PrefixMatch(num_cached, num_shared, cow_src, num_cow)
 
     def allocate(self, request_id: int, num_tokens: int) -> Allocation | None:
         """Back token positions ``[0, num_tokens)`` with physical blocks in every group, all or nothing.
@@ -186,8 +233,9 @@ class KVCacheManager:
             ValueError: ``num_tokens`` exceeds the router's reservation for this request.
         """
         maps = self._maps(request_id)
+        serials = self._anchor_serials(maps)
         for group, req in zip(self._groups, maps):
-            self._num_reclaimed_total += group.release_outside_window(req, num_tokens)
+            self._num_reclaimed_total += group.release_outside_window(req, num_tokens, serials)
         first = maps[0]
         num_want = -(-num_tokens // self.block_size)
         if num_want <= len(first.blocks):
@@ -254,12 +302,14 @@ class KVCacheManager:
     def free(self, request_id: int) -> None:
         """Release everything of a finished (or filtered/cleared) request; full blocks are retained."""
         self._rows_cache = None
-        for group in self._groups:
-            req = group.requests.pop(request_id)
+        maps = self._maps(request_id)
+        serials = self._anchor_serials(maps)
+        for group, req in zip(self._groups, maps):
+            del group.requests[request_id]
             if req.swapped is not None:
                 self._swap.free(req.swapped)
             else:
-                group.release_device_blocks(req, register=True)
+                group.release_device_blocks(req, register=True, anchor_serials=serials)
             group.table.release_row(req.row)
 
     # ------------------------------------------------------------------------------ preemption
@@ -270,11 +320,14 @@ class KVCacheManager:
         """
         maps = self._maps(request_id)
         lost = maps[0].num_committed
+        serials = self._anchor_serials(maps)
         for group, req in zip(self._groups, maps):
             assert req.swapped is None, f"request {request_id} is swapped out"
-            group.release_device_blocks(req, register=True)
+            group.release_device_blocks(req, register=True, anchor_serials=serials)
+        for req in maps:
             req.num_committed = req.num_allocated_tokens = req.num_holes = 0
             req.chain = req.chain_root
+            req.serials = []
         return lost
 
     def can_swap_out(self, request_id: int) -> bool:
@@ -462,6 +515,7 @@ class KVCacheManager:
             group_windows=self.group_windows,
             group_blocks=tuple(held),
             group_hole_blocks=tuple(w.num_hole_blocks for w in wastes),
+            group_internal_waste_slots=tuple(w.internal_slots for w in wastes),
         )
 
     # ------------------------------------------------------------------------------ invariants

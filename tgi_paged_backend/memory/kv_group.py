@@ -5,6 +5,11 @@ A model's attention layers form one group, or several when full and sliding-wind
 :class:`~.block_pool.BlockPool`; a sliding group gives back the blocks behind its window
 (:mod:`.window_reclaim`). :class:`~.kv_cache_manager.KVCacheManager` runs every operation on every group
 (all or nothing across groups); this module is the part that concerns one group.
+
+Prefix registries: group 0 (the *anchor*) keeps the verified token chains (:class:`PrefixCache`); with
+several groups every other group attaches its blocks to the anchor's entries
+(:class:`~.attached_blocks.AttachedBlocks`), so a hit is the anchor's, cut where a group lacks a block
+it needs (:meth:`KVGroup.attached_hit`: a sliding group only the window the hit point reads).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tgi_paged_backend.memory.attached_blocks import AttachedBlocks
 from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.block_table import BlockTableArray
 from tgi_paged_backend.memory.page_map import PageMap
@@ -28,14 +34,21 @@ class KVGroup:
     block_size: int
     window: int | None
     """The group's sliding window (blocks behind it are given back); ``None``: it keeps every block."""
-    prefix: PrefixCache | NullPrefixCache
+    prefix: PrefixCache | NullPrefixCache | AttachedBlocks
+    """The anchor's (group 0) registry of verified chains, or another group's blocks attached to it."""
     table: BlockTableArray
     requests: dict[int, PageMap] = field(default_factory=dict)
+    tracks_serials: bool = False
+    """The anchor of several groups: its page maps keep the serials of their chains (``PageMap.serials``)."""
 
     # ----------------------------------------------------------------------------- matching
     def share(self, req: PageMap, shared: Sequence[int], cow_src: int | None, num_cow: int) -> None:
-        """Map the prefix hit's ``shared`` blocks (and pin its copy-on-write source) into ``req``."""
-        for block_id in shared:
+        """Map the prefix hit's ``shared`` blocks (and pin its copy-on-write source) into ``req``; leading
+        scratch entries are holes (a sliding group's blocks behind the window of the hit point)."""
+        req.num_holes = 0
+        while req.num_holes < len(shared) and shared[req.num_holes] == SCRATCH_BLOCK:
+            req.num_holes += 1
+        for block_id in shared[req.num_holes :]:
             self.pool.incref(block_id)
         req.blocks = list(shared)
         self.table.append(req.row, shared)
@@ -45,8 +58,31 @@ class KVGroup:
         req.num_committed = req.num_allocated_tokens = len(shared) * self.block_size + num_cow
 
     def match(self, req: PageMap) -> PrefixHit:
-        """The registry's hit for ``req``'s token history, within its reservation."""
+        """The registry's hit for ``req``'s token history, within its reservation (the anchor's)."""
+        assert not isinstance(self.prefix, AttachedBlocks), "only the anchor group matches token chains"
         return self.prefix.match(req.token_ids, req.chain_root)
+
+    def attached_hit(
+        self, serials: Sequence[int], cow_serial: int | None, num_tokens: int
+    ) -> tuple[list[int], int | None] | None:
+        """This group's part of an anchor hit of ``num_tokens`` positions over the anchor entries
+        ``serials`` (and ``cow_serial``): its blocks (scratch for those behind the window of the query
+        at ``num_tokens``, which a sliding group does not need) and its copy source, or ``None`` when it
+        lacks one it needs."""
+        assert isinstance(self.prefix, AttachedBlocks)
+        lo = 0
+        if self.window is not None:
+            lo = min(num_blocks_outside_window(max(num_tokens - 1, 0), self.window, self.block_size), len(serials))
+        blocks = [SCRATCH_BLOCK] * lo
+        for serial in serials[lo:]:
+            block_id = self.prefix.block_for(serial)
+            if block_id is None:
+                return None
+            blocks.append(block_id)
+        cow = None if cow_serial is None else self.prefix.block_for(cow_serial)
+        if cow_serial is not None and cow is None:
+            return None
+        return blocks, cow
 
     # ----------------------------------------------------------------------------- allocation
     def num_outside_window(self, req: PageMap, num_tokens: int) -> int:
@@ -57,13 +93,13 @@ class KVGroup:
         first_query = min(req.num_allocated_tokens, num_tokens - 1)
         return min(num_blocks_outside_window(first_query, self.window, self.block_size), len(req.blocks))
 
-    def release_outside_window(self, req: PageMap, num_tokens: int) -> int:
+    def release_outside_window(self, req: PageMap, num_tokens: int, anchor_serials: Sequence[int] = ()) -> int:
         """Give back the blocks behind the window before a step ending at ``num_tokens``; returns how many
         (full committed ones are registered first: retained, and the chain stays whole)."""
         end = self.num_outside_window(req, num_tokens)
         if end <= req.num_holes:
             return 0
-        self.register(req)
+        self.register(req, anchor_serials)
         return release_blocks_outside_window(
             req, end, pool=self.pool, table=self.table, is_registered=self.prefix.is_registered
         )
@@ -109,19 +145,32 @@ class KVGroup:
         return len(dropped)
 
     # ------------------------------------------------------------------------------ release
-    def register(self, req: PageMap) -> None:
+    def register(self, req: PageMap, anchor_serials: Sequence[int] = ()) -> None:
         """Register the full committed blocks: from the root, or past the holes from where the chain
-        ended (it cannot restart behind them)."""
+        ended (it cannot restart behind them). The anchor of several groups goes on from where its chain
+        ended while that entry lives; another group attaches its blocks to ``anchor_serials`` (the
+        anchor's page map's, registered first)."""
         num_written = min(req.num_committed, len(req.blocks) * self.block_size)
+        if isinstance(self.prefix, AttachedBlocks):
+            self.prefix.attach(req.blocks, anchor_serials[: num_written // self.block_size], req.num_holes)
+            return
         start = req.chain if req.num_holes else req.chain_root
-        req.chain = self.prefix.extend(req.token_ids, req.blocks, num_written, start)[0]
+        serials = None
+        if self.tracks_serials:
+            serials = req.serials
+            if req.num_holes or (self.prefix.is_live(req.chain) and len(serials) == req.chain.num_blocks):
+                start = req.chain
+            else:
+                start = req.chain_root
+                serials.clear()
+        req.chain = self.prefix.extend(req.token_ids, req.blocks, num_written, start, serials)[0]
 
     def release_cow_source(self, req: PageMap) -> None:
         assert req.cow_src is not None
         self.pool.decref(req.cow_src, retain=self.prefix.is_registered(req.cow_src))
         req.cow_src, req.num_cow_tokens = None, 0
 
-    def release_device_blocks(self, req: PageMap, *, register: bool) -> None:
+    def release_device_blocks(self, req: PageMap, *, register: bool, anchor_serials: Sequence[int] = ()) -> None:
         """Unpin a pending copy source, optionally register full written blocks, drop all blocks.
 
         Released last-first so that, once retained, a chain's tail is evicted before its head (a block
@@ -129,7 +178,7 @@ class KVGroup:
         if req.cow_src is not None:
             self.release_cow_source(req)
         if register:
-            self.register(req)
+            self.register(req, anchor_serials)
         is_registered = self.prefix.is_registered
         for block_id in reversed(req.blocks):
             if block_id != SCRATCH_BLOCK:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tgi_paged_backend.memory.window_reclaim import max_request_blocks
+from tgi_paged_backend.memory.window_reclaim import max_request_blocks, num_blocks_outside_window
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +104,13 @@ class LayerGroups:
         """Pool blocks one request of ``num_tokens`` positions holds at most, computed in chunks of at most
         ``max_chunk_tokens``: every block in a full group, about a window's worth in a sliding one."""
         return sum(max_request_blocks(num_tokens, block_size, w, max_chunk_tokens) for w in self.windows)
+
+    def final_blocks(self, num_tokens: int, block_size: int) -> tuple[int, ...]:
+        """Per group: the blocks one request holds once its last step, a one-token decode, wrote position
+        ``num_tokens - 1`` (a sliding group has given back every block wholly behind that query's window)."""
+        full = -(-num_tokens // block_size)
+        last = max(num_tokens - 1, 0)
+        return tuple(full - (0 if w is None else num_blocks_outside_window(last, w, block_size)) for w in self.windows)
 
     def saving(self, num_tokens: int, block_size: int, max_chunk_tokens: int) -> float:
         """Share of one request's KV bytes at ``num_tokens`` that the groups free against one page map for

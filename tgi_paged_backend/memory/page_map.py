@@ -18,7 +18,7 @@ blocks wholly outside every layer's window, given back to the pool and mapped to
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -57,6 +57,9 @@ class PageMap:
     """How far the blocks are registered for prefix reuse (the chain goes on past holes from here)."""
     chain_root: ChainCursor = CHAIN_START
     """Where this request's chain starts: its LoRA adapter's root (:func:`.prefix_cache.chain_root`)."""
+    serials: list[int] = field(default_factory=list)
+    """With several KV layer groups, in the anchor group: the registry entry of each block the chain
+    walked (``chain.num_blocks`` of them); the other groups attach their blocks to these."""
     _virtual_lookup: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod

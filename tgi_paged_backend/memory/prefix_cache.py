@@ -21,8 +21,8 @@ entry sharing the longest run of leading tokens with the prompt is returned as a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tgi_paged_backend.memory.block_pool import BlockPool
@@ -82,11 +82,15 @@ class PrefixHit:
         cow_src: A block whose first ``num_cow_tokens`` tokens match the prompt right after
             ``block_ids``; ``None`` when there is none.
         num_cow_tokens: Valid tokens to copy from ``cow_src`` (0 without a source).
+        serials: The entries of ``block_ids`` (what other KV layer groups attach their blocks to).
+        cow_serial: The entry of ``cow_src``.
     """
 
     block_ids: tuple[int, ...] = ()
     cow_src: int | None = None
     num_cow_tokens: int = 0
+    serials: tuple[int, ...] = field(default=(), compare=False)
+    cow_serial: int | None = field(default=None, compare=False)
 
 
 _NO_HIT = PrefixHit()
@@ -134,6 +138,8 @@ class PrefixCache:
         self._by_serial: dict[int, _Entry] = {}
         self._children: dict[int, dict[int, _Entry]] = {}
         self._next_serial = _ROOT_SERIAL + 1
+        self.on_forget: Callable[[int], None] | None = None
+        """Told the serial of every entry dropped (other KV layer groups' blocks attached to it go)."""
 
     @property
     def num_entries(self) -> int:
@@ -141,6 +147,14 @@ class PrefixCache:
 
     def is_registered(self, block_id: int) -> bool:
         return block_id in self._by_block
+
+    def is_live(self, cursor: ChainCursor) -> bool:
+        """Whether a chain may still go on from ``cursor`` (its last entry was not dropped)."""
+        return cursor.parent_serial <= _ROOT_SERIAL or cursor.parent_serial in self._by_serial
+
+    def has_serial(self, serial: int) -> bool:
+        """Whether the entry ``serial`` is held now."""
+        return serial in self._by_serial
 
     # -------------------------------------------------------------------------------- matching
     def match(self, token_ids: Sequence[int], root: ChainCursor = CHAIN_START) -> PrefixHit:
@@ -154,6 +168,7 @@ class PrefixCache:
         if limit <= 0:
             return _NO_HIT
         block_ids: list[int] = []
+        serials: list[int] = []
         parent_hash, parent_serial = root.parent_hash, root.parent_serial
         for start in range(0, limit - bs + 1, bs):
             chunk = tuple(token_ids[start : start + bs])
@@ -162,6 +177,7 @@ class PrefixCache:
             if entry is None or entry.parent_serial != parent_serial or entry.token_ids != chunk:
                 break
             block_ids.append(entry.block_id)
+            serials.append(entry.serial)
             parent_hash, parent_serial = key, entry.serial
         start = len(block_ids) * bs
         want = token_ids[start : min(limit, start + bs)]
@@ -173,7 +189,9 @@ class PrefixCache:
                 best, best_len = child, n
         if not block_ids and best is None:
             return _NO_HIT
-        return PrefixHit(tuple(block_ids), None if best is None else best.block_id, best_len)
+        if best is None:
+            return PrefixHit(tuple(block_ids), serials=tuple(serials))
+        return PrefixHit(tuple(block_ids), best.block_id, best_len, tuple(serials), best.serial)
 
     # ----------------------------------------------------------------------------- registering
     def register(
@@ -192,9 +210,15 @@ class PrefixCache:
         return self.extend(token_ids, block_ids, num_tokens, root)[1]
 
     def extend(
-        self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int, cursor: ChainCursor
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        num_tokens: int,
+        cursor: ChainCursor,
+        serials: list[int] | None = None,
     ) -> tuple[ChainCursor, int]:
         """:meth:`register` from ``cursor`` on (blocks before it are not looked at, and may be holes).
+        ``serials``, when given, gets the entry of every block the chain walks appended.
 
         Returns:
             Where the chain now ends, and how many blocks were newly registered.
@@ -222,6 +246,8 @@ class PrefixCache:
             elif entry.parent_serial != parent_serial or entry.token_ids != chunk:
                 break  # live collision: keep the existing entry, stop the chain here
             parent_hash, parent_serial = key, entry.serial
+            if serials is not None:
+                serials.append(entry.serial)
             index += 1
         return ChainCursor(index, parent_hash, parent_serial), num_new
 
@@ -237,6 +263,8 @@ class PrefixCache:
             del self._children[entry.parent_serial]
         if self._observer is not None:
             self._observer.block_removed(entry.chain_hash)
+        if self.on_forget is not None:
+            self.on_forget(entry.serial)
 
     def _add(self, block_id: int, key: int, parent_serial: int, chunk: tuple[int, ...]) -> _Entry:
         parent = self._by_serial.get(parent_serial) if parent_serial > _ROOT_SERIAL else None
@@ -302,9 +330,17 @@ class NullPrefixCache:
         return 0
 
     def extend(
-        self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int, cursor: ChainCursor
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        num_tokens: int,
+        cursor: ChainCursor,
+        serials: list[int] | None = None,
     ) -> tuple[ChainCursor, int]:
         return cursor, 0
+
+    def is_live(self, cursor: ChainCursor) -> bool:
+        return True
 
     def forget_block(self, block_id: int) -> None:
         raise AssertionError("nothing is retained without prefix retention")

@@ -59,6 +59,18 @@ class MemoryStats:
     """Device blocks each group's page maps of live requests hold (same order as :attr:`group_windows`)."""
     group_hole_blocks: tuple[int, ...] = ()
     """Blocks each group gave back behind its window for live requests (holes)."""
+    group_internal_waste_slots: tuple[int, ...] = ()
+    """Each group's unfilled slots in the blocks it holds (its part of :attr:`internal_waste_slots`)."""
+
+    @property
+    def num_physical_tokens(self) -> int:
+        """Token positions the pool holds: with KV layer groups a position takes a block slot in every
+        group, so the blocks' positions over the groups."""
+        return self.num_total_blocks // max(len(self.group_windows), 1) * self.block_size
+
+    def group_internal_waste_ratio(self, group: int) -> float:
+        """Group ``group``'s internal waste over the slots of the blocks it holds."""
+        return self.group_internal_waste_slots[group] / max(self.group_blocks[group] * self.block_size, 1)
 
     @property
     def usage_ratio(self) -> float:

@@ -68,12 +68,15 @@ METRIC_NAMES: dict[str, str] = {
     # pool (gauges)
     "tgi_paged_kv_blocks": "Physical KV blocks by state (free, used, retained prefix, swapped to CPU)",
     "tgi_paged_kv_usage_ratio": "Used physical blocks over usable physical blocks",
-    "tgi_paged_kv_physical_tokens": "Token capacity of the physical KV pool",
+    "tgi_paged_kv_physical_tokens": "Token capacity of the physical KV pool (with KV layer groups: the "
+    "positions every group can hold)",
     "tgi_paged_kv_virtual_reserved_tokens": "Slots the router reserved for live requests",
     "tgi_paged_kv_window_reclaimed_blocks": "Blocks of live requests given back behind the sliding window "
     "(holes: stock TGI would still hold them)",
     "tgi_paged_kv_group_blocks": "With KV layer groups: blocks each group holds for live requests (state=held) "
     "and has given back behind its window (state=reclaimed), by group and window",
+    "tgi_paged_kv_group_waste_ratio": "With KV layer groups: each group's internal waste (unfilled slots of the "
+    "blocks it holds over their slots), by group and window",
     "tgi_paged_kv_waste_ratio": "KV waste by kind (internal: unfilled last-block slots; reservation: "
     "reserved but unbacked slots; external: stranded free blocks)",
     "tgi_paged_device_memory_bytes": "Total device memory",
@@ -368,10 +371,11 @@ class OtelRecorder:
 
         gauge("tgi_paged_kv_blocks", "{block}", self._observe_blocks)
         gauge("tgi_paged_kv_usage_ratio", "1", self._pool(lambda m: m.usage_ratio))
-        gauge("tgi_paged_kv_physical_tokens", "{token}", self._pool(lambda m: m.num_total_blocks * m.block_size))
+        gauge("tgi_paged_kv_physical_tokens", "{token}", self._pool(lambda m: m.num_physical_tokens))
         gauge("tgi_paged_kv_virtual_reserved_tokens", "{token}", self._pool(lambda m: m.num_reserved_slots))
         gauge("tgi_paged_kv_window_reclaimed_blocks", "{block}", self._pool(lambda m: m.num_hole_blocks))
         gauge("tgi_paged_kv_group_blocks", "{block}", self._observe_groups)
+        gauge("tgi_paged_kv_group_waste_ratio", "1", self._observe_group_waste)
         gauge("tgi_paged_kv_waste_ratio", "1", self._observe_waste)
         gauge("tgi_paged_requests", "{request}", self._observe_requests)
         gauge("tgi_paged_queued_requests", "{request}", self._observe_queued)
@@ -455,6 +459,15 @@ class OtelRecorder:
             observations.append(Observation(held, {**labels, "state": "held"}))
             observations.append(Observation(holes, {**labels, "state": "reclaimed"}))
         return observations
+
+    def _observe_group_waste(self, options: CallbackOptions) -> list[Observation]:
+        m = self._memory
+        if m is None or not m.group_internal_waste_slots:
+            return []
+        return [
+            Observation(m.group_internal_waste_ratio(g), {"group": str(g), "window": "full" if w is None else str(w)})
+            for g, w in enumerate(m.group_windows)
+        ]
 
     def _observe_waste(self, options: CallbackOptions) -> list[Observation]:
         m = self._memory
