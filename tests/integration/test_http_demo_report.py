@@ -14,8 +14,8 @@ from integration.serve_demo import (
     parse_prometheus,
     plan_num_blocks,
 )
+from tests.telemetry.telemetry_samples import memory_stats
 from tgi_paged_backend.config import TelemetryConfig
-from tgi_paged_backend.memory.stats import MemoryStats
 from tgi_paged_backend.telemetry.recorder import OtelRecorder
 from tgi_paged_backend.telemetry.step_record import StepRecord
 
@@ -180,26 +180,13 @@ def test_group_lines_from_the_recorders_real_endpoint():
     """The names and labels the shard's recorder exports are the ones the poller reads."""
     rec = OtelRecorder(TelemetryConfig(metrics_port=0), rank=0)
     try:
-        memory = MemoryStats(
-            block_size=16,
-            num_total_blocks=100,
+        memory = memory_stats(
             num_free_blocks=25,
-            num_used_blocks=75,
             num_retained_blocks=0,
             num_swapped_blocks=0,
             num_swap_total_blocks=0,
-            num_requests=4,
             num_swapped_requests=0,
             num_written_tokens=900,
-            num_reserved_slots=4000,
-            internal_waste_slots=100,
-            reservation_waste_slots=2800,
-            external_waste_blocks=0,
-            num_prefix_query_tokens=0,
-            num_prefix_hit_tokens=0,
-            group_windows=(None, 4096),
-            group_blocks=(60, 15),
-            group_hole_blocks=(0, 45),
         )
         rec.record_step(
             StepRecord(phase="decode", step_s=0.01, batch_size=4, tokens_computed=4, num_running=4, memory=memory)
@@ -212,5 +199,5 @@ def test_group_lines_from_the_recorders_real_endpoint():
     report = fetch_shard_memory_report([WARMUP], poller)
     assert [(g.window, g.held, g.reclaimed) for g in report.groups] == [(None, 60, 0), (4096, 15, 45)]
     text = _report_text(report)
-    assert "group 1 (window 4096): 15 blocks held, 45 given back behind the window" in text
+    assert "group 1 (window 4096): 15 blocks held (internal waste 16.7%), 45 given back behind the window" in text
     assert "one page map for all layers would hold 120 for the same positions (37.5% saved)" in text
