@@ -349,18 +349,13 @@ class ModelRunner:
     """Whether decode may run through the static step (not yet the tensor-parallel runner: collectives
     inside a captured graph are untested)."""
 
-    def _static_decode_ok(self) -> bool:
-        """Static decode holds one block table per step: not for a model the engine pages by layer group
-        (yet), nor for a grouped pool."""
-        return self.static_decode_supported and self.kv_groups.num_groups == 1 and self.pool_groups.num_groups == 1
-
     def _compiles_decode(self) -> bool:
         """``TGI_PAGED_COMPILE`` on a CPU runner: decode through the compiled static step."""
-        return self.device.type == "cpu" and self.model_config.compile_decode and self._static_decode_ok()
+        return self.device.type == "cpu" and self.model_config.compile_decode and self.static_decode_supported
 
     def _graph_buckets(self) -> tuple[int, ...]:
         """The ``CUDA_GRAPHS`` batch sizes this runner captures (none off CUDA)."""
-        if self.device.type != "cuda" or not self._static_decode_ok():
+        if self.device.type != "cuda" or not self.static_decode_supported:
             return ()
         return self.model_config.cuda_graphs
 
@@ -372,11 +367,16 @@ class ModelRunner:
         max_seq_len: int,
         buckets: Sequence[int],
         fixed_width: bool = True,
+        groups: LayerGroups | None = None,
     ) -> StaticDecodeStep:
+        """The static step over ``k_caches``/``v_caches`` laid out for ``groups`` (default: the pool's)."""
+        groups = self.pool_groups if groups is None else groups
+        layer_groups = tuple(groups.layer_group(layer) for layer in range(self.spec.num_layers))
         max_blocks = blocks_per_request(max_seq_len, self.block_size)
         return StaticDecodeStep(
-            self.model, k_caches, v_caches, self.k_scale, self.v_scale, buckets, max_blocks, fixed_width
-        )
+            self.model, k_caches, v_caches, self.k_scale, self.v_scale, buckets, max_blocks, fixed_width,
+            layer_groups=layer_groups if groups.num_groups > 1 else None,
+        )  # fmt: skip
 
     def profile_decode_graphs(self, max_seq_len: int) -> int:
         """Device bytes the decode CUDA graphs will take (0 off CUDA or without ``CUDA_GRAPHS``), measured
@@ -385,7 +385,8 @@ class ModelRunner:
         self.graph_bytes = 0
         buckets = self._graph_buckets()
         if buckets:
-            make = partial(self._static_step, max_seq_len=max_seq_len, buckets=buckets)
+            # Before the pool exists: the step the engine's (grouped) pool will get.
+            make = partial(self._static_step, max_seq_len=max_seq_len, buckets=buckets, groups=self.kv_groups)
             try:
                 self.graph_bytes = measure_decode_graph_bytes(
                     make, self._block_shape(1), self.spec.num_layers, self.kv_dtype, self.device

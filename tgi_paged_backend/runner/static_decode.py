@@ -10,6 +10,11 @@ Padding rows ``B .. bucket-1`` are harmless: token 0 at position 0 writes its K/
 belongs to the scratch block (block 0, never handed out: :mod:`tgi_paged_backend.memory.block_pool`),
 and attends over that one position; their logits are dropped.
 
+With KV layer groups (:mod:`tgi_paged_backend.memory.layer_groups`) the buffers hold a slot mapping and
+a block table per group past the first, padded the same way, and each layer reads its group's (the
+metadata's ``layer_groups``): a sliding group's holes are scratch entries behind its window, which the
+kernels never read and the padded CPU plan masks.
+
 Inside the forward no tensor value is read on the host and no Python branch depends on one: the
 attention metadata is marked ``static``, so the CPU decode plan is the padded one built from shapes
 (``plan_decode_gather(padded=True)``), and on CUDA the Triton kernels choose their split from shapes.
@@ -38,7 +43,8 @@ CPU_COMPILE_BUCKETS = tuple(range(2, 257))
 to two, more than 256 run eagerly); one graph serves them all (``compile(dynamic_rows=True)``)."""
 
 VIEW_NAMES = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices")
-"""The :class:`ForwardBatch` fields of a static step, in the order the forward takes them."""
+"""The :class:`ForwardBatch` fields of a static step, in the order the forward takes them; with layer
+groups the slot mappings of groups 1, 2, ... follow, then their block tables."""
 
 
 def choose_bucket(buckets: Sequence[int], batch_size: int) -> int | None:
@@ -59,65 +65,87 @@ class StaticDecodeInputs:
     ``[max_batch]``) and the block tables are refilled each step (:meth:`fill`); ``query_start_loc``
     (int32 ``0..max_batch``) and ``logits_indices`` (int64 ``0..max_batch-1``) never change: one token
     and one logits row per request. The block tables of a step are a contiguous ``[bucket, width]``
-    view of one flat int32 buffer (``table_storage``), so every width gives the same strides.
-    Allocated all padding.
+    view of one flat int32 buffer per group (``table_storage``), so every width gives the same strides.
+    ``num_groups`` > 1 (KV layer groups): ``group_slot_mappings`` and ``table_storage`` hold one more
+    buffer per group past the first. Allocated all padding.
     """
 
-    def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
-        if max_batch < 1 or max_blocks < 1:
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device, num_groups: int = 1) -> None:
+        if max_batch < 1 or max_blocks < 1 or num_groups < 1:
             raise ValueError(
-                f"static decode inputs need max_batch >= 1 and max_blocks >= 1, got {max_batch}, {max_blocks}"
+                f"static decode inputs need max_batch, max_blocks and num_groups >= 1, "
+                f"got {max_batch}, {max_blocks}, {num_groups}"
             )
         self.max_batch, self.max_blocks, self.device = max_batch, max_blocks, device
+        self.num_groups = num_groups
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.slot_mapping = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.table_storage = torch.zeros(max_batch * max_blocks, dtype=torch.int32, device=device)
+        self.group_slot_mappings = [
+            torch.zeros(max_batch, dtype=torch.int64, device=device) for _ in range(num_groups - 1)
+        ]
+        self.table_storage = [
+            torch.zeros(max_batch * max_blocks, dtype=torch.int32, device=device) for _ in range(num_groups)
+        ]
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
         self._views: dict[tuple[int, int], StaticViews] = {}
 
+    @staticmethod
+    def _tables(batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        return (batch.block_tables, *batch.group_block_tables)
+
+    def used_width(self, batch: ForwardBatch) -> int:
+        """The widest block table of ``batch`` over its groups."""
+        return max(int(table.shape[1]) for table in self._tables(batch))
+
     def fits(self, batch: ForwardBatch) -> bool:
-        """Whether ``batch`` is a decode batch these buffers hold (rows and block-table width)."""
+        """Whether ``batch`` is a decode batch these buffers hold (rows, groups, block-table width)."""
         return (
             batch.is_decode
             and batch.num_requests <= self.max_batch
-            and batch.block_tables.shape[1] <= self.max_blocks
+            and 1 + len(batch.group_block_tables) == self.num_groups
+            and self.used_width(batch) <= self.max_blocks
             and batch.device == self.device
         )
 
-    def block_tables(self, bucket: int, width: int) -> torch.Tensor:
-        """The block tables of a ``bucket`` x ``width`` step (a contiguous view of ``table_storage``)."""
-        return self.table_storage[: bucket * width].view(bucket, width)
+    def block_tables(self, bucket: int, width: int, group: int = 0) -> torch.Tensor:
+        """Group ``group``'s block tables of a ``bucket`` x ``width`` step (a contiguous view of its
+        ``table_storage``)."""
+        return self.table_storage[group][: bucket * width].view(bucket, width)
 
     def fill(self, batch: ForwardBatch, bucket: int, width: int) -> None:
         """Copy ``batch`` (``B <= bucket`` decode rows that :meth:`fits`, tables at most ``width`` wide)
         into rows ``0..B-1``; rows ``B..bucket-1`` become padding (token 0 at position 0 in the scratch
-        slot 0, length 1, table all scratch block)."""
-        b, used = batch.num_requests, batch.block_tables.shape[1]
+        slot 0, length 1, table all scratch block), in every group."""
+        b, used = batch.num_requests, self.used_width(batch)
         if not (self.fits(batch) and b <= bucket <= self.max_batch and used <= width <= self.max_blocks):
             raise ValueError(f"a decode batch of {b} rows x {used} blocks does not fit {bucket} x {width}")
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
             getattr(self, name)[:b].copy_(getattr(batch, name), non_blocking=True)
-        table = self.block_tables(bucket, width)
-        table.zero_()
-        table[:b, :used].copy_(batch.block_tables, non_blocking=True)
+        for buffer, slots in zip(self.group_slot_mappings, batch.group_slot_mappings, strict=True):
+            buffer[:b].copy_(slots, non_blocking=True)
+        for group, source in enumerate(self._tables(batch)):
+            table = self.block_tables(bucket, width, group)
+            table.zero_()
+            table[:b, : source.shape[1]].copy_(source, non_blocking=True)
         self._pad_rows(b, bucket)
 
     def pad(self, bucket: int, width: int) -> None:
         """Make all ``bucket`` rows padding rows (warm-up and capture)."""
-        self.block_tables(bucket, width).zero_()
+        for group in range(self.num_groups):
+            self.block_tables(bucket, width, group).zero_()
         self._pad_rows(0, bucket)
 
     def _pad_rows(self, start: int, stop: int) -> None:
-        for name in ("input_ids", "positions", "slot_mapping"):
-            getattr(self, name)[start:stop].zero_()
+        for buffer in (self.input_ids, self.positions, self.slot_mapping, *self.group_slot_mappings):
+            buffer[start:stop].zero_()
         self.seq_lens[start:stop].fill_(1)
 
     def views(self, bucket: int, width: int) -> StaticViews:
-        """The first ``bucket`` rows, tables ``width`` wide, in :data:`VIEW_NAMES` order (the same view
-        objects for the same arguments)."""
+        """The first ``bucket`` rows, tables ``width`` wide, in :data:`VIEW_NAMES` order, then the groups'
+        slot mappings and tables (the same view objects for the same arguments)."""
         if not (1 <= bucket <= self.max_batch and 1 <= width <= self.max_blocks):
             raise ValueError(f"{bucket} x {width} outside {self.max_batch} x {self.max_blocks}")
         key = (bucket, width)
@@ -125,8 +153,26 @@ class StaticDecodeInputs:
             rows = {name: getattr(self, name)[:bucket] for name in VIEW_NAMES if name != "block_tables"}
             rows["query_start_loc"] = self.query_start_loc[: bucket + 1]
             rows["block_tables"] = self.block_tables(bucket, width)
-            self._views[key] = tuple(rows[name] for name in VIEW_NAMES)
+            groups = range(1, self.num_groups)
+            self._views[key] = (
+                *(rows[name] for name in VIEW_NAMES),
+                *(self.group_slot_mappings[g - 1][:bucket] for g in groups),
+                *(self.block_tables(bucket, width, g) for g in groups),
+            )
         return self._views[key]
+
+
+def batch_of_views(views: Sequence[torch.Tensor]) -> ForwardBatch:
+    """The decode :class:`ForwardBatch` a static step's views (:meth:`StaticDecodeInputs.views`) stand for."""
+    base = dict(zip(VIEW_NAMES, views[: len(VIEW_NAMES)], strict=True))
+    extra = views[len(VIEW_NAMES) :]
+    half = len(extra) // 2
+    return ForwardBatch(
+        **base,
+        is_decode=True,
+        group_slot_mappings=tuple(extra[:half]),
+        group_block_tables=tuple(extra[half:]),
+    )
 
 
 class StaticDecodeStep:
@@ -149,6 +195,9 @@ class StaticDecodeStep:
         stop at each request's length anyway). Otherwise a step reads as many columns as its batch's
         table has (at least 2): the CPU paths' work grows with the width, and ``torch.compile`` then
         keeps the width dynamic (:meth:`compile`).
+    layer_groups : tuple[int, ...], optional
+        With KV layer groups: each layer's group (the pool is laid out for them, and every batch
+        carries the block tables of every group); ``None``: one group.
 
     Attributes
     ----------
@@ -168,6 +217,7 @@ class StaticDecodeStep:
         buckets: Sequence[int],
         max_blocks: int,
         fixed_width: bool = True,
+        layer_groups: tuple[int, ...] | None = None,
     ) -> None:
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets must be distinct sizes >= 1, ascending, got {tuple(buckets)}")
@@ -175,8 +225,10 @@ class StaticDecodeStep:
         self.k_scale, self.v_scale = k_scale, v_scale
         self.buckets = tuple(buckets)
         self.fixed_width = fixed_width
+        self.layer_groups = layer_groups
         self.device = k_caches[0].device
-        self.inputs = StaticDecodeInputs(self.buckets[-1], max_blocks, self.device)
+        num_groups = 1 + max(layer_groups) if layer_groups else 1
+        self.inputs = StaticDecodeInputs(self.buckets[-1], max_blocks, self.device, num_groups)
         self._mask = mask_placeholder(self.device, next(model.parameters()).dtype)
         self.runs: dict[int, Callable[..., torch.Tensor]] = dict.fromkeys(self.buckets, self.forward_views)
         self.counts: dict[int, int] = dict.fromkeys(self.buckets, 0)
@@ -187,8 +239,11 @@ class StaticDecodeStep:
 
         This is what ``torch.compile`` traces and a CUDA graph captures: shapes come from the views only.
         """
-        batch = ForwardBatch(**dict(zip(VIEW_NAMES, views, strict=True)), is_decode=True)  # type: ignore[arg-type]
-        metadata = PagedAttentionMetadata(batch, self.k_caches, self.v_caches, self.k_scale, self.v_scale, static=True)
+        batch = batch_of_views(views)
+        metadata = PagedAttentionMetadata(
+            batch, self.k_caches, self.v_caches, self.k_scale, self.v_scale, static=True,
+            layer_groups=self.layer_groups if batch.group_block_tables else None,
+        )  # fmt: skip
         out = self.model(
             input_ids=batch.input_ids.unsqueeze(0),
             position_ids=batch.positions.unsqueeze(0),
@@ -209,7 +264,7 @@ class StaticDecodeStep:
         width, at least 2 (a width of 1 would be a shape torch.compile specializes)."""
         if self.fixed_width:
             return self.inputs.max_blocks
-        return min(max(batch.block_tables.shape[1], 2), self.inputs.max_blocks)
+        return min(max(self.inputs.used_width(batch), 2), self.inputs.max_blocks)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits of ``batch`` (float32 ``[K, vocab]`` for its ``logits_indices``, a copy) through its
@@ -275,12 +330,15 @@ class StaticDecodeStep:
         for bucket in self.buckets[-1:] if dynamic_rows else self.buckets:
             # Fresh view objects: dynamic-dimension marks shape this graph and stay off the cached views.
             views = tuple(view.view(view.shape) for view in self.inputs.views(bucket, width))
+            names = (*VIEW_NAMES, *(["group"] * (len(views) - len(VIEW_NAMES))))
             if dynamic_rows and bucket > 2:
-                for name, view in zip(VIEW_NAMES, views, strict=True):
+                for name, view in zip(names, views, strict=True):
                     extra = 1 if name == "query_start_loc" else 0
                     torch._dynamo.mark_dynamic(view, 0, min=2 + extra, max=bucket + extra)
             if dynamic_rows and not self.fixed_width and width > 2:
-                torch._dynamo.mark_dynamic(views[VIEW_NAMES.index("block_tables")], 1, min=2, max=width)
+                for view in views:
+                    if view.ndim == 2:  # the block tables, one per group, all the same width
+                        torch._dynamo.mark_dynamic(view, 1, min=2, max=width)
             self.inputs.pad(bucket, width)
             start = time.perf_counter()
             with torch.inference_mode():
