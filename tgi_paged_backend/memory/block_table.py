@@ -106,6 +106,15 @@ class BlockTableArray:
         slots += offset
         return slots
 
+    def chunk_slots(self, rows: np.ndarray, starts: Sequence[int], counts: Sequence[int]) -> np.ndarray:
+        """``int64`` physical slots of positions ``[starts[i], starts[i] + counts[i])`` of row ``rows[i]``,
+        concatenated (a step's chunks)."""
+        start = np.asarray(starts, dtype=np.int64)
+        count = np.asarray(counts, dtype=np.int64)
+        first = np.cumsum(count) - count
+        positions = np.repeat(start - first, count) + np.arange(int(count.sum()), dtype=np.int64)
+        return self.slots(np.repeat(rows, count), positions)
+
     def check_row(self, row: int, block_ids: Sequence[int]) -> None:
         """Assert that ``row`` holds exactly ``block_ids`` followed by zeros."""
         n = len(block_ids)

@@ -35,15 +35,14 @@ from tgi_paged_backend.memory.attached_blocks import AttachedBlocks
 from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.block_table import BlockTableArray
 from tgi_paged_backend.memory.invariants import check_manager_invariants
-from tgi_paged_backend.memory.kv_group import KVGroup
+from tgi_paged_backend.memory.kv_group import KVGroup, cut_hit
 from tgi_paged_backend.memory.page_map import PageMap
 from tgi_paged_backend.memory.prefix_cache import NullPrefixCache, PrefixCache, RegistryObserver, chain_root
-from tgi_paged_backend.memory.stats import MemoryStats, WasteSummary, stranded_blocks, summarize_waste
+from tgi_paged_backend.memory.stats import MemoryStats, pool_stats
 from tgi_paged_backend.memory.swap_space import SwapSpace
 from tgi_paged_backend.memory.types import (
     EMPTY_ALLOCATION,
     NO_MATCH,
-    SCRATCH_BLOCK,
     Allocation,
     BlockCopy,
     PrefixMatch,
@@ -190,33 +189,15 @@ class KVCacheManager:
             req.token_ids = [int(t) for t in prompt_ids]
             req.num_committed = req.num_allocated_tokens = 0
         self._num_prefix_query_tokens += len(prompt_ids)
-        hit = self._groups[0].match(maps[0])
-        limit = maps[0].max_mappable_blocks  # never past the reservation or onto virtual block 0
-        num_shared = len(hit.block_ids) if limit is None else min(len(hit.block_ids), limit)
-        cow_serial = hit.cow_serial if num_shared == len(hit.block_ids) else None
-        while num_shared > 0 or cow_serial is not None:
-            num_cow = hit.num_cow_tokens if cow_serial is not None else 0
-            serials = hit.serials[:num_shared]
-            parts = [
-                group.attached_hit(serials, cow_serial, num_shared * self.block_size + num_cow)
-                for group in self._groups[1:]
-            ]
-            if all(part is not None for part in parts):
-                break
-            if cow_serial is not None:
-                cow_serial = None
-            else:
-                num_shared -= 1
-        else:
+        # never past the reservation or onto virtual block 0
+        cut = cut_hit(self._groups, self._groups[0].match(maps[0]), maps[0].max_mappable_blocks)
+        if cut is None:
             return NO_MATCH
-        cow_src = hit.cow_src if cow_serial is not None else None
-        self._groups[0].share(maps[0], hit.block_ids[:num_shared], cow_src, num_cow)
-        for group, req, part in zip(self._groups[1:], maps[1:], parts):
-            assert part is not None
-            group.share(req, part[0], part[1], num_cow)
+        for group, req, (blocks, cow_src) in zip(self._groups, maps, cut.parts):
+            group.share(req, blocks, cow_src, cut.num_cow_tokens)
         num_cached = maps[0].num_committed
         self._num_prefix_hit_tokens += num_cached
-        return PrefixMatch(num_cached, num_shared, cow_src, num_cow)
+        return PrefixMatch(num_cached, len(cut.parts[0][0]), cut.parts[0][1], cut.num_cow_tokens)
 
     def allocate(self, request_id: int, num_tokens: int) -> Allocation | None:
         """Back token positions ``[0, num_tokens)`` with physical blocks in every group, all or nothing.
@@ -343,18 +324,8 @@ class KVCacheManager:
         when there is no room."""
         if not self.can_swap_out(request_id):
             return None
-        src_all: list[int] = []
-        dst_all: list[int] = []
-        for group, req in zip(self._groups, self._maps(request_id)):
-            src = [b for b in req.blocks if b != SCRATCH_BLOCK]
-            dst = self._swap.allocate(len(src))
-            assert dst is not None
-            req.num_swapped_positions = len(req.blocks)
-            group.release_device_blocks(req, register=False)
-            req.swapped = dst
-            src_all.extend(src)
-            dst_all.extend(dst)
-        return SwapPlan(request_id, "out", tuple(src_all), tuple(dst_all))
+        moves = [group.swap_out(req, self._swap) for group, req in zip(self._groups, self._maps(request_id))]
+        return SwapPlan(request_id, "out", *_concat(moves))
 
     def swap_in(self, request_id: int) -> SwapPlan | None:
         """Bring a swapped-out request back to the device; ``None`` when the pool lacks room."""
@@ -362,20 +333,8 @@ class KVCacheManager:
         assert all(req.swapped is not None for req in maps), f"request {request_id} is not swapped out"
         if sum(len(req.swapped or ()) for req in maps) > self._pool.num_available_blocks:
             return None
-        src_all: list[int] = []
-        dst_all: list[int] = []
-        for group, req in zip(self._groups, maps):
-            src = req.swapped or []
-            dst = self._pool.allocate(len(src))
-            assert dst is not None
-            self._swap.free(src)
-            req.swapped = None
-            req.blocks = [SCRATCH_BLOCK] * req.num_holes  # holes were not swapped: they come back as holes
-            req.blocks.extend(req.extension(dst, req.num_swapped_positions))
-            group.table.append(req.row, req.blocks)
-            src_all.extend(src)
-            dst_all.extend(dst)
-        return SwapPlan(request_id, "in", tuple(src_all), tuple(dst_all))
+        moves = [group.swap_in(req, self._swap) for group, req in zip(self._groups, maps)]
+        return SwapPlan(request_id, "in", *_concat(moves))
 
     # ------------------------------------------------------------------------ runner metadata
     def block_tables(self, request_ids: Sequence[int]) -> np.ndarray:
@@ -391,13 +350,7 @@ class KVCacheManager:
         self, request_ids: Sequence[int], start_positions: Sequence[int], num_tokens: Sequence[int], group: int = 0
     ) -> np.ndarray:
         """``int64`` physical slots of positions ``[start, start + n)`` per request, concatenated."""
-        rows = self._rows(request_ids)
-        starts = np.asarray(start_positions, dtype=np.int64)
-        counts = np.asarray(num_tokens, dtype=np.int64)
-        total = int(counts.sum())
-        first = np.cumsum(counts) - counts
-        positions = np.repeat(starts - first, counts) + np.arange(total, dtype=np.int64)
-        return self._groups[group].table.slots(np.repeat(rows, counts), positions)
+        return self._groups[group].table.chunk_slots(self._rows(request_ids), start_positions, num_tokens)
 
     def decode_slot_mapping(
         self, request_ids: Sequence[int], positions: Sequence[int] | np.ndarray, group: int = 0
@@ -412,17 +365,10 @@ class KVCacheManager:
         request's virtual blocks or one whose block is not backed yet.
         """
         books = self._groups[group]
-        req = books.requests[request_id]
-        slots = np.asarray(router_slots, dtype=np.int64)
-        virtual, offset = np.divmod(slots, self.block_size)
-        physical = np.zeros_like(virtual)
-        real = virtual != SCRATCH_BLOCK
-        if real.any():
-            index = req.virtual_block_indices(virtual[real])
-            if (index >= len(req.blocks)).any():
-                raise ValueError(f"request {request_id}: router slot in a block not backed yet")
-            physical[real] = books.table.table[req.row, index]
-        return physical * self.block_size + offset
+        try:
+            return books.virtual_to_physical_slots(books.requests[request_id], router_slots)
+        except ValueError as e:
+            raise ValueError(f"request {request_id}: {e}") from None
 
     def _rows(self, request_ids: Sequence[int]) -> np.ndarray:
         """Block-table rows of ``request_ids`` (the same row in every group's table); the last answer is
@@ -484,38 +430,15 @@ class KVCacheManager:
     def stats(self, num_pending_blocks: int = 0) -> MemoryStats:
         """Occupancy and waste now (summed over groups); ``num_pending_blocks`` is the head-of-line
         allocation's need."""
-        wastes = [summarize_waste(group.requests.values(), self.block_size) for group in self._groups]
-        return MemoryStats(
+        return pool_stats(
+            pool=self._pool,
+            swap=self._swap,
+            groups=[(g.window, g.requests.values()) for g in self._groups],
             block_size=self.block_size,
-            num_total_blocks=self.num_total_blocks,
-            num_free_blocks=self.num_free_blocks,
-            num_used_blocks=self.num_used_blocks,
-            num_retained_blocks=self.num_retained_blocks,
-            num_swapped_blocks=self.num_swapped_blocks,
-            num_swap_total_blocks=self._swap.num_blocks,
-            num_requests=len(self._requests),
-            num_swapped_requests=wastes[0].num_swapped_requests,
-            num_written_tokens=wastes[0].num_written_tokens,
-            num_reserved_slots=wastes[0].num_reserved_slots,  # the router's booking: one per request
-            internal_waste_slots=sum(w.internal_slots for w in wastes),
-            reservation_waste_slots=wastes[0].reservation_slots,
-            external_waste_blocks=stranded_blocks(self.num_available_blocks, num_pending_blocks),
+            num_pending_blocks=num_pending_blocks,
             num_prefix_query_tokens=self._num_prefix_query_tokens,
             num_prefix_hit_tokens=self._num_prefix_hit_tokens,
-            num_hole_blocks=sum(w.num_hole_blocks for w in wastes),
             num_reclaimed_blocks_total=self._num_reclaimed_total,
-            **(self._group_stats(wastes) if len(self._groups) > 1 else {}),
-        )
-
-    def _group_stats(self, wastes: Sequence[WasteSummary]) -> dict:
-        held = [
-            sum(req.num_physical_blocks for req in g.requests.values() if req.swapped is None) for g in self._groups
-        ]
-        return dict(
-            group_windows=self.group_windows,
-            group_blocks=tuple(held),
-            group_hole_blocks=tuple(w.num_hole_blocks for w in wastes),
-            group_internal_waste_slots=tuple(w.internal_slots for w in wastes),
         )
 
     # ------------------------------------------------------------------------------ invariants
@@ -527,3 +450,8 @@ class KVCacheManager:
             swap=self._swap,
             block_size=self.block_size,
         )
+
+
+def _concat(moves: Sequence[tuple[list[int], list[int]]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Every group's ``(src, dst)`` block moves as one source and one destination tuple."""
+    return tuple(b for src, _ in moves for b in src), tuple(b for _, dst in moves for b in dst)

@@ -17,11 +17,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tgi_paged_backend.memory.attached_blocks import AttachedBlocks
 from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.block_table import BlockTableArray
 from tgi_paged_backend.memory.page_map import PageMap
 from tgi_paged_backend.memory.prefix_cache import NullPrefixCache, PrefixCache, PrefixHit
+from tgi_paged_backend.memory.swap_space import SwapSpace
 from tgi_paged_backend.memory.types import SCRATCH_BLOCK, BlockCopy
 from tgi_paged_backend.memory.window_reclaim import num_blocks_outside_window, release_blocks_outside_window
 
@@ -186,6 +189,76 @@ class KVGroup:
         req.blocks = []
         self.table.clear(req.row)
 
+    # --------------------------------------------------------------------------------- swap
+    def swap_out(self, req: PageMap, swap: SwapSpace) -> tuple[list[int], list[int]]:
+        """Move ``req``'s live blocks (holes stay holes) to swap blocks the caller checked are free;
+        returns ``(device blocks, swap blocks)`` to copy."""
+        src = [b for b in req.blocks if b != SCRATCH_BLOCK]
+        dst = swap.allocate(len(src))
+        assert dst is not None
+        req.num_swapped_positions = len(req.blocks)
+        self.release_device_blocks(req, register=False)
+        req.swapped = dst
+        return src, dst
+
+    def swap_in(self, req: PageMap, swap: SwapSpace) -> tuple[list[int], list[int]]:
+        """Bring ``req`` back onto fresh pool blocks the caller checked are available; returns
+        ``(swap blocks, device blocks)`` to copy."""
+        src = req.swapped or []
+        dst = self.pool.allocate(len(src))
+        assert dst is not None
+        swap.free(src)
+        req.swapped = None
+        req.blocks = [SCRATCH_BLOCK] * req.num_holes  # holes were not swapped: they come back as holes
+        req.blocks.extend(req.extension(dst, req.num_swapped_positions))
+        self.table.append(req.row, req.blocks)
+        return src, dst
+
+    # ----------------------------------------------------------------------------- queries
+    def virtual_to_physical_slots(self, req: PageMap, router_slots: np.ndarray) -> np.ndarray:
+        """``req``'s physical slots of router slots (``virtual_block * block_size + offset``); virtual
+        block 0 goes to the scratch block. ``ValueError`` for a slot outside ``req``'s virtual blocks or
+        in a block not backed yet."""
+        slots = np.asarray(router_slots, dtype=np.int64)
+        virtual, offset = np.divmod(slots, self.block_size)
+        physical = np.zeros_like(virtual)
+        real = virtual != SCRATCH_BLOCK
+        if real.any():
+            index = req.virtual_block_indices(virtual[real])
+            if (index >= len(req.blocks)).any():
+                raise ValueError("router slot in a block not backed yet")
+            physical[real] = self.table.table[req.row, index]
+        return physical * self.block_size + offset
+
     def exclusive_blocks(self, req: PageMap) -> int:
         """Blocks only ``req`` holds (what preempting it frees)."""
         return sum(1 for b in req.blocks if b != SCRATCH_BLOCK and self.pool.refcount(b) == 1)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupHit:
+    """An anchor hit as every group maps it: per group its blocks (scratch for holes) and copy source."""
+
+    parts: tuple[tuple[list[int], int | None], ...]
+    num_cow_tokens: int
+
+
+def cut_hit(groups: Sequence[KVGroup], hit: PrefixHit, limit: int | None) -> GroupHit | None:
+    """The anchor's (``groups[0]``) ``hit``, at most ``limit`` blocks, cut (its copy-on-write run first,
+    then whole blocks) until every other group has the blocks the hit point needs: a full group every
+    one, a sliding group those its window reads there. ``None``: nothing is left."""
+    num_shared = len(hit.block_ids) if limit is None else min(len(hit.block_ids), limit)
+    cow_serial = hit.cow_serial if num_shared == len(hit.block_ids) else None
+    while num_shared > 0 or cow_serial is not None:
+        num_cow = hit.num_cow_tokens if cow_serial is not None else 0
+        num_tokens = num_shared * groups[0].block_size + num_cow
+        parts = [group.attached_hit(hit.serials[:num_shared], cow_serial, num_tokens) for group in groups[1:]]
+        if all(part is not None for part in parts):
+            cow_src = hit.cow_src if cow_serial is not None else None
+            anchor = (list(hit.block_ids[:num_shared]), cow_src)
+            return GroupHit((anchor, *(part for part in parts if part is not None)), num_cow)
+        if cow_serial is not None:
+            cow_serial = None
+        else:
+            num_shared -= 1
+    return None

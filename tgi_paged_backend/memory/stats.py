@@ -18,10 +18,13 @@ they hold nothing and cost nothing. They are counted apart (``num_hole_blocks`` 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.page_map import PageMap
+from tgi_paged_backend.memory.swap_space import SwapSpace
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -159,3 +162,48 @@ def summarize_waste(page_maps: Iterable[PageMap], block_size: int) -> WasteSumma
         internal += slots[0]
         reservation += slots[1]
     return WasteSummary(internal, reservation, written, reserved, swapped, holes)
+
+
+def pool_stats(
+    *,
+    pool: BlockPool,
+    swap: SwapSpace,
+    groups: Sequence[tuple[int | None, Collection[PageMap]]],
+    block_size: int,
+    num_pending_blocks: int,
+    num_prefix_query_tokens: int,
+    num_prefix_hit_tokens: int,
+    num_reclaimed_blocks_total: int,
+) -> MemoryStats:
+    """The snapshot of a pool whose live requests are mapped by ``groups`` (each group's window and page
+    maps; group 0 carries the router's booking and the token counts, one page map per request)."""
+    wastes = [summarize_waste(maps, block_size) for _, maps in groups]
+    per_group: dict[str, Any] = {}
+    if len(groups) > 1:
+        per_group = dict(
+            group_windows=tuple(window for window, _ in groups),
+            group_blocks=tuple(sum(m.num_physical_blocks for m in maps if m.swapped is None) for _, maps in groups),
+            group_hole_blocks=tuple(w.num_hole_blocks for w in wastes),
+            group_internal_waste_slots=tuple(w.internal_slots for w in wastes),
+        )
+    return MemoryStats(
+        block_size=block_size,
+        num_total_blocks=pool.num_usable_blocks,
+        num_free_blocks=pool.num_free_blocks,
+        num_used_blocks=pool.num_used_blocks,
+        num_retained_blocks=pool.num_retained_blocks,
+        num_swapped_blocks=swap.num_used_blocks,
+        num_swap_total_blocks=swap.num_blocks,
+        num_requests=len(groups[0][1]),
+        num_swapped_requests=wastes[0].num_swapped_requests,
+        num_written_tokens=wastes[0].num_written_tokens,
+        num_reserved_slots=wastes[0].num_reserved_slots,  # the router's booking: one per request
+        internal_waste_slots=sum(w.internal_slots for w in wastes),
+        reservation_waste_slots=wastes[0].reservation_slots,
+        external_waste_blocks=stranded_blocks(pool.num_available_blocks, num_pending_blocks),
+        num_prefix_query_tokens=num_prefix_query_tokens,
+        num_prefix_hit_tokens=num_prefix_hit_tokens,
+        num_hole_blocks=sum(w.num_hole_blocks for w in wastes),
+        num_reclaimed_blocks_total=num_reclaimed_blocks_total,
+        **per_group,
+    )
