@@ -128,19 +128,22 @@ def test_hybrid_plan_is_the_shards_grouped_capacity(tmp_path, name, config, wind
     assert PagedAllocator(sim).kv.group_windows == windows
     assert plan.comparison.best.finished == len(TRACE)
 
-    held = plan.group_request_blocks()
+    held, final = plan.group_request_blocks(), plan.group_final_blocks()
     one_map = -(-plan.capacity.max_total_tokens // 16)
-    assert held[0] == one_map and all(h < one_map for h in held[1:])  # the sliding groups keep ~ their window
-    assert plan.capacity.budget_gain == pytest.approx(len(windows) * one_map / sum(held))
+    assert held[0] == final[0] == one_map
+    assert all(e <= h < one_map for e, h in zip(final[1:], held[1:]))  # the sliding groups keep ~ their window
+    assert plan.capacity.budget_gain == pytest.approx(len(windows) * one_map / sum(final))  # at the end
     text = format_plan(plan)
     assert f"{len(windows)} KV layer groups, a block holds {per_block} layers' K/V" in text
     assert f"budget gain x{plan.capacity.budget_gain:.2f}" in text
-    assert f"group 0      full, {per_block} layers: {one_map:,} blocks a request" in text
-    assert f"group 1      window {windows[1]}, {per_block} layers: {held[1]:,} blocks a request" in text
+    assert f"group 0      full, {per_block} layers: {one_map:,} blocks a request at its end (" in text
+    assert f"group 1      window {windows[1]}, {per_block} layers: {final[1]:,} blocks a request at its end" in text
+    assert f"at most {held[1]:,} while a prefill chunk reads its window" in text
     assert f"group {len(windows)}" not in text
     assert ("padding slots" in text) == bool(padding)
     out = json.loads(json.dumps(plan.to_dict()))
     assert out["kv_groups"]["windows"] == list(windows) and out["kv_groups"]["request_blocks"] == held
+    assert out["kv_groups"]["final_blocks"] == final
     assert out["budget_gain"] == plan.capacity.budget_gain
     assert out["kv_groups"]["request_blocks_one_page_map"] == one_map
 
@@ -179,9 +182,10 @@ def test_cli_reads_tgi_paged_layer_groups_as_the_shard(tmp_path: Path) -> None:
     grouped = CliRunner().invoke(tools_app, [*args, "--json", str(out)])
     assert grouped.exit_code == 0, grouped.output
     assert "2 KV layer groups, a block holds 21 layers' K/V" in grouped.output
-    assert "group 1      window 4096, 21 layers: 289 blocks a request (one page map for all layers: 512)" in (
-        grouped.output
-    )
+    assert (
+        "group 1      window 4096, 21 layers: 256 blocks a request at its end, at most 289 while a prefill chunk "
+        "reads its window (one page map for all layers: 512)"
+    ) in grouped.output
     assert json.loads(out.read_text())["kv_groups"]["layers_per_block"] == 21
     off = CliRunner().invoke(tools_app, args, env={"TGI_PAGED_LAYER_GROUPS": "0"})
     assert off.exit_code == 0, off.output

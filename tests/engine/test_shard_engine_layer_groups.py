@@ -83,29 +83,34 @@ def test_one_page_map_for_all_layers_needs_twice_the_memory(hybrid_dir):
 
 def test_warmup_budget_counts_what_the_sliding_groups_do_not_hold():
     """Gemma-2 shape (2 groups), window 4096, 8k-token requests, block size 16: every group keeping every
-    block would need 2 x 512 blocks a request, the groups need 512 + 258 (the window and a 16-token
-    chunk); the budget grows by that ratio."""
+    block would need 2 x 512 blocks a request, the groups hold 512 + 256 at the end (the window); the
+    budget grows by that ratio, also with TGI's default 4096-token prefill chunks, whose peak (the window
+    plus a chunk: every block) only the fit check counts."""
     groups = LayerGroups.from_layer_windows([4096, None] * 21)
 
-    def plan(groups):
+    def plan(groups, max_prefill_tokens=16, num_blocks_cap=20_001):
         return plan_capacity(
             available_kv_bytes=10**12,
             block_bytes=1000,
             block_size=16,
-            num_blocks_cap=20_001,
+            num_blocks_cap=num_blocks_cap,
             overcommit=1.0,
             max_position_embeddings=8192,
             max_input_tokens=4096,
             max_total_tokens=8192,
-            max_prefill_tokens=1,
+            max_prefill_tokens=max_prefill_tokens,
             groups=groups,
         )
 
     grouped, single = plan(groups), plan(None)
     assert grouped.physical_tokens == 20_000 // 2 * 16  # a position takes a block slot in both groups
-    assert grouped.budget_gain == pytest.approx(1024 / 770)
-    assert grouped.max_supported_total_tokens == pytest.approx(160_000 * 1024 / 770, abs=16)
+    assert grouped.budget_gain == pytest.approx(1024 / 768)
+    assert grouped.max_supported_total_tokens == pytest.approx(160_000 * 1024 / 768, abs=16)
     assert single.budget_gain == 1.0 and single.max_supported_total_tokens == 320_000
+    assert plan(groups, max_prefill_tokens=4096).budget_gain == grouped.budget_gain
+    assert plan(groups, num_blocks_cap=1 + 512 + 258).budget_gain == grouped.budget_gain  # 16-token chunks fit
+    with pytest.raises(ConfigError, match="needs 1025 KV blocks"):  # the 4096-token chunk's peak: every block
+        plan(groups, max_prefill_tokens=4096, num_blocks_cap=1 + 512 + 258)
 
 
 def test_a_follow_up_hits_the_prefix_in_every_group(hybrid_dir, hf_greedy):

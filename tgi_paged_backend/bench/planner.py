@@ -383,6 +383,11 @@ class Plan:
         c, bs = self.capacity, self.inputs.block_size
         return [max_request_blocks(c.max_total_tokens, bs, w, c.max_prefill_tokens) for w in self.groups.windows]
 
+    def group_final_blocks(self) -> list[int]:
+        """Per group, the blocks one ``max_total_tokens`` request holds at its end
+        (:meth:`LayerGroups.final_blocks`; what the budget gain counts)."""
+        return list(self.groups.final_blocks(self.capacity.max_total_tokens, self.inputs.block_size))
+
     def groups_dict(self) -> dict[str, Any]:
         """The groups in the JSON: windows (``None``: full), layers, per-group request blocks vs one page map."""
         g, c = self.groups, self.capacity
@@ -395,6 +400,7 @@ class Plan:
             "budget_gain": c.budget_gain,
             "max_total_tokens": c.max_total_tokens,
             "request_blocks": self.group_request_blocks(),
+            "final_blocks": self.group_final_blocks(),
             "request_blocks_one_page_map": -(-c.max_total_tokens // self.inputs.block_size),
         }
 
@@ -650,18 +656,19 @@ def group_lines(plan: Plan) -> list[str]:
     g, c = plan.groups, plan.capacity
     if g.num_groups == 1:
         return []
-    held = plan.group_request_blocks()
+    held, final = plan.group_request_blocks(), plan.group_final_blocks()
     one_map = -(-c.max_total_tokens // plan.inputs.block_size)
     lines = [
         f"groups       {g.num_groups} KV layer groups, a block holds {g.layers_per_block} layers' K/V"
         + (f" ({g.num_padding} padding slots)" if g.num_padding else "")
         + f"; budget gain x{c.budget_gain:.2f}: a max_total_tokens ({c.max_total_tokens:,}) request holds "
-        f"{sum(held):,} blocks, {g.num_groups * one_map:,} with one page map for all layers"
+        f"{sum(final):,} blocks at its end, {g.num_groups * one_map:,} with one page map for all layers"
     ]
-    for i, (window, layers, blocks) in enumerate(zip(g.windows, g.layers, held, strict=True)):
+    for i, (window, layers, peak, end) in enumerate(zip(g.windows, g.layers, held, final, strict=True)):
         kind = "full" if window is None else f"window {window}"
+        at_peak = "" if peak == end else f", at most {peak:,} while a prefill chunk reads its window"
         lines.append(
-            f"{f'group {i}':<13}{kind}, {len(layers)} layers: {blocks:,} blocks a request "
+            f"{f'group {i}':<13}{kind}, {len(layers)} layers: {end:,} blocks a request at its end{at_peak} "
             f"(one page map for all layers: {one_map:,})"
         )
     return lines

@@ -52,11 +52,16 @@ def plan_capacity(
 
     With KV layer groups (``groups``, more than one) a token position takes one block slot in every
     group that holds it, so ``physical_tokens`` is ``1 / num_groups`` of the blocks' positions (every
-    group keeping every block), one request of ``max_total_tokens`` must fit with each sliding group
-    holding only its window, and the router's budget grows by what the sliding groups no longer hold at
-    that length: ``num_groups * ceil(T / block_size) / request_blocks(T)`` (:attr:`Capacity.budget_gain`;
-    shorter requests gain less, which the admission brake and preemption absorb). A single windowed
-    group (every layer sliding) gets no gain, as before groups.
+    group keeping every block), one request of ``max_total_tokens`` must fit at its peak (a sliding
+    group holding its window plus a prefill chunk: ``LayerGroups.request_blocks``), and the router's
+    budget grows by what the sliding groups no longer hold once a request of that length has decoded to
+    its end: ``num_groups * ceil(T / block_size) / sum(final_blocks(T))`` (:attr:`Capacity.budget_gain`).
+    The gain counts the steady state, not the peak: a sliding group holds more than its final blocks only
+    while a prefill chunk (first prefill, or recompute) reads its window, and a step prefills at most
+    ``max_prefill_tokens`` over all requests; with the peak, the TGI default of 4096-token chunks would
+    erase the gain of Gemma 2's 4096-token windows. Shorter requests gain less, and transient peaks
+    happen; the admission brake and preemption absorb both. A single windowed group (every layer
+    sliding) gets no gain, as before groups.
 
     Raises:
         ConfigError: one ``max_total_tokens`` request cannot fit physically, or limits contradict.
@@ -90,7 +95,7 @@ def plan_capacity(
     gain = 1.0
     if groups is not None and groups.num_groups > 1:
         full = groups.num_groups * -(-max_total_tokens // block_size)
-        gain = max(1.0, full / groups.request_blocks(max_total_tokens, block_size, max_prefill_tokens))
+        gain = max(1.0, full / sum(groups.final_blocks(max_total_tokens, block_size)))
     virtual_tokens = int(physical_tokens * gain * overcommit) // block_size * block_size
     advertised = max(virtual_tokens, round_up(max_total_tokens, block_size), max_prefill_tokens)
     return Capacity(
