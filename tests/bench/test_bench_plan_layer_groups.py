@@ -220,3 +220,18 @@ def test_plan_equals_a_tiny_gemma3_shards_warmup(tmp_path: Path) -> None:
     assert plan.block_bytes == runner.block_bytes
     assert plan.capacity == engine.capacity
     assert engine.capacity.num_blocks == 40 and engine.capacity.budget_gain > 1.0
+
+
+def test_the_step_time_model_reads_only_the_window_of_sliding_layers() -> None:
+    """The roofline's attended KV: a sliding layer reads at most its window, a full layer everything."""
+    cost = make_plan(PlanInputs(model="gemma-2-9b", device="H100", block_size=16, overcommits=(2.0,)), TRACE)
+    model = cost.sim_config.cost
+    assert model.kv_windows == ((None, 0.5), (4096, 0.5))  # 21 full layers, 21 sliding ones
+    assert model.attended_tokens(1000) == 1000
+    assert model.attended_tokens(8192) == 0.5 * 8192 + 0.5 * 4096
+    one_map = make_plan(
+        PlanInputs(model="gemma-2-9b", device="H100", block_size=16, overcommits=(2.0,), layer_groups=False), TRACE
+    )
+    assert one_map.sim_config.cost.attended_tokens(8192) == 6144  # the model reads the same, however paged
+    uniform = make_plan(PlanInputs(model="llama-3-8b", device="H100", block_size=16, overcommits=(2.0,)), TRACE)
+    assert uniform.sim_config.cost.kv_windows == () and uniform.sim_config.cost.attended_tokens(8192) == 8192

@@ -77,7 +77,8 @@ class StepCostModel:
     """Seconds of one engine step: ``fixed + max(memory time, compute time) + swap copies``.
 
     memory time = (weights + KV bytes of every attended token) / bandwidth; compute time = FLOPs of
-    every computed token / FLOP rate. :meth:`unit` (the default) makes every step last 1 s.
+    every computed token / FLOP rate. :meth:`unit` (the default) makes every step last 1 s. A layer with a
+    sliding window reads only its window (``kv_windows``, :meth:`attended_tokens`).
     """
 
     fixed_s: float = 1.0
@@ -87,16 +88,25 @@ class StepCostModel:
     mem_bytes_per_s: float = 1.0
     flops_per_s: float = 1.0
     swap_bytes_per_s: float = 25e9
+    kv_windows: tuple[tuple[int | None, float], ...] = ()
+    """Each attention window (``None``: full) with its share of ``kv_bytes_per_token``; ``()``: all full."""
 
     @classmethod
     def unit(cls) -> StepCostModel:
         return cls()
 
+    def attended_tokens(self, num_positions: int) -> float:
+        """Positions a request of ``num_positions`` reads per step, as full-attention equivalents (each
+        windowed layer reads at most its window)."""
+        if not self.kv_windows:
+            return float(num_positions)
+        return sum(share * (num_positions if w is None else min(num_positions, w)) for w, share in self.kv_windows)
+
     @property
     def is_unit(self) -> bool:
         return self.weights_bytes == 0 and self.flops_per_token == 0
 
-    def step_s(self, *, context_tokens: int, computed_tokens: int, swap_bytes: int = 0) -> float:
+    def step_s(self, *, context_tokens: float, computed_tokens: int, swap_bytes: int = 0) -> float:
         memory = (self.weights_bytes + self.kv_bytes_per_token * context_tokens) / self.mem_bytes_per_s
         compute = self.flops_per_token * computed_tokens / self.flops_per_s
         return self.fixed_s + max(memory, compute) + swap_bytes / self.swap_bytes_per_s
@@ -681,7 +691,8 @@ def simulate(trace: Sequence[TraceRequest], allocator: str, cfg: SimConfig) -> S
             paged.step_swap_bytes = 0
         preempted_now: set[int] = set()
         prefill_left = cfg.max_prefill_tokens
-        computed = context = recomputed = 0
+        computed = recomputed = 0
+        context = 0.0  # positions the step's attention reads (cost.attended_tokens)
         produced: list[_Req] = []
         if paged is not None and any(r.num_preemptions >= cfg.max_preemptions for r in live):
             live.sort(key=paged.priority)
@@ -694,7 +705,7 @@ def simulate(trace: Sequence[TraceRequest], allocator: str, cfg: SimConfig) -> S
                     computed += r.req.prompt_tokens
                 else:
                     computed += 1
-                context += len(r.history)
+                context += cfg.cost.attended_tokens(len(r.history))
                 r.state, r.resident = RUNNING, len(r.history)
                 produced.append(r)
                 continue
@@ -718,7 +729,7 @@ def simulate(trace: Sequence[TraceRequest], allocator: str, cfg: SimConfig) -> S
                     memory_blocked = True  # waits this step, keeps its blocks
                     continue
                 computed += 1
-            context += len(r.history)
+            context += cfg.cost.attended_tokens(len(r.history))
             r.state, r.resident = RUNNING, len(r.history)
             produced.append(r)
         running = len(produced)

@@ -448,12 +448,20 @@ def _device(inputs: PlanInputs) -> Device:
     return GPUS[key]
 
 
-def cost_model(device: Device, weights_bytes: int, bytes_per_token: int, num_params: int) -> StepCostModel:
+def cost_model(
+    device: Device, weights_bytes: int, bytes_per_token: int, num_params: int, groups: LayerGroups | None = None
+) -> StepCostModel:
     """Roofline step time on ``device``: weights + attended KV over bandwidth vs 2 FLOPs per multiplied
     parameter per token (``num_params``: those one token's forward multiplies on this rank; MoE: routed experts
-    only). The weights term reads every held weight each step (an upper bound for MoE at small batches); the
-    all-reduces of tensor parallelism are not modelled."""
+    only). The attended KV of a sliding-window layer (``groups``' windows) is at most its window. The weights
+    term reads every held weight each step (an upper bound for MoE at small batches); the all-reduces of
+    tensor parallelism are not modelled."""
+    windows: dict[int | None, int] = {}
+    for window, layers in zip(groups.windows, groups.layers, strict=True) if groups is not None else ():
+        windows[window] = windows.get(window, 0) + len(layers)
+    num_layers = sum(windows.values())
     return StepCostModel(
+        kv_windows=tuple((w, n / num_layers) for w, n in windows.items()) if any(windows) else (),
         fixed_s=STEP_OVERHEAD_S,
         weights_bytes=weights_bytes,
         kv_bytes_per_token=bytes_per_token,
@@ -545,7 +553,7 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
         reclaim_window=groups.windows[0] if groups.num_groups == 1 else None,
         groups=groups.windows if groups.num_groups > 1 else None,
         budget_gain=base.budget_gain,
-        cost=cost_model(device, weights, bytes_per_token, rank.active),
+        cost=cost_model(device, weights, bytes_per_token, rank.active, facts.spec.kv_groups),  # what attention reads
     )
     comparison = compare(trace, sim_cfg, inputs.overcommits)
     return Plan(
