@@ -10,13 +10,12 @@ step really ran (with holes in the sliding group's table).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 
 from tests.engine.conftest import RouterBlocks, RouterDriver, make_engine, make_text, prompt_ids, router_spec
 from tests.helpers.family_models import FAMILIES, write_family_model
+from tests.helpers.static_decode_stand_ins import CountingBackend, fake_cuda_graphs
 from tgi_paged_backend.engine.types import BatchSpec
 from tgi_paged_backend.memory.types import SCRATCH_BLOCK
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
@@ -31,46 +30,6 @@ def hybrid_dir(request, tmp_path_factory):
     family = next(f for f in FAMILIES if f.name == request.param)
     assert family.overrides["sliding_window"] == WINDOW
     return write_family_model(family, tmp_path_factory.mktemp(request.param))
-
-
-class CountingBackend:
-    """A ``torch.compile`` backend that runs the traced graph as is and counts the graphs it was given."""
-
-    def __init__(self) -> None:
-        self.graphs: list[torch.fx.GraphModule] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        self.graphs.append(gm)
-        return gm.forward
-
-
-class FakeGraph:
-    """A CUDA graph's stand-in on CPU: a replay reruns the captured forward (which reads the static
-    buffers) into the capture's output tensor."""
-
-    def __init__(self, forward: Callable[[], torch.Tensor], out: torch.Tensor) -> None:
-        self.forward, self.out, self.replays = forward, out, 0
-
-    def replay(self) -> None:
-        self.out.copy_(self.forward())
-        self.replays += 1
-
-
-def _fake_cuda_graphs(monkeypatch) -> list[FakeGraph]:
-    from tgi_paged_backend.runner import decode_graphs
-
-    graphs: list[FakeGraph] = []
-
-    def capture(forward: Callable[[], torch.Tensor], pool: object) -> tuple[FakeGraph, torch.Tensor]:
-        with torch.inference_mode():
-            graphs.append(FakeGraph(forward, forward()))
-        return graphs[-1], graphs[-1].out
-
-    monkeypatch.setattr(decode_graphs, "_capture", capture)
-    monkeypatch.setattr(decode_graphs, "_warm_up", lambda forward, device: None)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    return graphs
 
 
 def _record_holes(step) -> list[bool]:
@@ -99,7 +58,7 @@ def test_static_decode_over_grouped_pages_is_exact_past_the_window(hybrid_dir, h
         buckets = tuple(range(2, 9))
     else:
         buckets = BUCKETS
-        graphs = _fake_cuda_graphs(monkeypatch) if mode == "graphs" else []
+        graphs = fake_cuda_graphs(monkeypatch) if mode == "graphs" else []
     runner.prepare_static_decode(MAX_SEQ_LEN, mode=mode, buckets=buckets, **options)
     step = runner.static_decode
     assert step is not None and step.inputs.num_groups == 2

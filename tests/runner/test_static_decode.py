@@ -21,6 +21,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from tests.helpers.paged_driver import PagedDriver, greedy_paged
+from tests.helpers.static_decode_stand_ins import CountingBackend, fake_cuda_graphs
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
@@ -37,17 +38,6 @@ MAX_SEQ_LEN = 96
 PROMPT_LENGTHS = (5, 17, 33, 41, 9)
 ARRIVALS = (0, 3, 4, 9, 11)
 """Staggered arrivals and different prompt lengths: decode steps of 1 to 5 rows (5 runs eagerly)."""
-
-
-class CountingBackend:
-    """A ``torch.compile`` backend that runs the traced graph as is and keeps every graph it was given."""
-
-    def __init__(self) -> None:
-        self.graphs: list[torch.fx.GraphModule] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        self.graphs.append(gm)
-        return gm.forward
 
 
 @pytest.fixture(scope="module")
@@ -166,32 +156,8 @@ def test_replays_give_the_eager_paths_tokens(kind: str, tiny_model_factory, prom
     assert step is not None and step.fixed_width and all(step.counts[b] > 0 for b in BUCKETS)
 
 
-class FakeGraph:
-    """A CUDA graph's stand-in on CPU: a replay recomputes the captured forward (which reads the static
-    buffers) into the output tensor of the capture, as a real replay rewrites its captured output."""
-
-    def __init__(self, forward: Callable[[], torch.Tensor], out: torch.Tensor) -> None:
-        self.forward, self.out, self.replays = forward, out, 0
-
-    def replay(self) -> None:
-        self.out.copy_(self.forward())
-        self.replays += 1
-
-
 def test_graph_capture_plumbing_replays_the_refilled_buffers(monkeypatch, tiny_model_factory, prompts) -> None:
-    from tgi_paged_backend.runner import decode_graphs
-
-    graphs: list[FakeGraph] = []
-
-    def capture(forward: Callable[[], torch.Tensor], pool: object) -> tuple[FakeGraph, torch.Tensor]:
-        with torch.inference_mode():
-            graphs.append(FakeGraph(forward, forward()))
-        return graphs[-1], graphs[-1].out
-
-    monkeypatch.setattr(decode_graphs, "_capture", capture)
-    monkeypatch.setattr(decode_graphs, "_warm_up", lambda forward, device: None)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    graphs = fake_cuda_graphs(monkeypatch)
     runner = _runner(tiny_model_factory("llama", num_hidden_layers=2))
     eager = greedy_paged(runner, prompts, 16, arrival_steps=ARRIVALS, num_blocks=64)
     hook = _static_from_first_step("graphs")
