@@ -26,7 +26,7 @@ import torch
 from tgi_paged_backend.bench.decode_step import random_decode_step
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model_runner import ModelRunner
-from tgi_paged_backend.runner.static_decode import CPU_COMPILE_BUCKETS
+from tgi_paged_backend.runner.static.decode_step import CPU_COMPILE_BUCKETS
 
 BLOCK_SIZE = 16
 

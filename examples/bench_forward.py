@@ -7,7 +7,7 @@ rounds, and prints median and min ms per step with the host's CPU and load. Vari
 - ``default``: what serving runs (native C++ kernels, fused attention and MLP blocks, native decode layers
   where they apply, packed linears);
 - ``per-op``: the default without the native decode layers (``TGI_PAGED_NATIVE_LAYERS=0``);
-- ``unfused``: without the block fusion (``runner.fused_blocks``, hence no native decode layers either);
+- ``unfused``: without the block fusion (``runner.cpu.fused_blocks``, hence no native decode layers either);
 - ``all-packed``: the default with every linear packed for any row count (no ``F.linear`` below
   ``fast_layers.PACK_MIN_ELEMENTS``);
 - ``compiled`` / ``sdpa``: ``TGI_PAGED_CPU_DECODE=compiled`` / ``sdpa`` decode attention, unfused, with
@@ -35,7 +35,7 @@ from integration.peers.host import describe, host_info  # noqa: E402
 from integration.peers.hostbound import ensure_hostbound_model  # noqa: E402
 from tgi_paged_backend.bench.decode_step import random_decode_step, random_prefill_step  # noqa: E402
 from tgi_paged_backend.config import CacheConfig, ModelConfig  # noqa: E402
-from tgi_paged_backend.runner import fast_layers, model_runner  # noqa: E402
+from tgi_paged_backend.runner.cpu import fast_layers, model_runner  # noqa: E402
 
 BLOCK_SIZE = 16
 SMOLLM2 = Path.home() / ".cache" / "tgi-paged-backend" / "SmolLM2-135M-Instruct"

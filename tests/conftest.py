@@ -27,7 +27,7 @@ def _pack_every_linear():
     """Tiny test models' linears are all below the packing threshold that serves real models
     (``fast_layers.PACK_MIN_ELEMENTS``); pack them all here so every family's token-exactness test runs
     through the packed oneDNN path too (in-process runners; spawned shards keep the real threshold)."""
-    from tgi_paged_backend.runner import fast_layers
+    from tgi_paged_backend.runner.cpu import fast_layers
 
     saved = fast_layers.PACK_MIN_ELEMENTS
     fast_layers.PACK_MIN_ELEMENTS = 0

@@ -162,7 +162,7 @@ class ModelConfig:
     back to the next when it cannot build here. Not used on CUDA (Triton kernels)."""
     native_layers: bool = True
     """``TGI_PAGED_NATIVE_LAYERS``: on CPU, fp32 decode steps of Llama-form decoder layers with small
-    projections run as one native call per layer (``runner.native_layers``); ``0`` keeps the per-op path."""
+    projections run as one native call per layer (``runner.cpu.native_layers``); ``0`` keeps the per-op path."""
 
     def __post_init__(self) -> None:
         if self.cpu_decode not in CPU_DECODE_KERNELS:

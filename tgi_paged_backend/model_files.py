@@ -36,7 +36,7 @@ def resolve_medusa(model: ModelConfig) -> ModelConfig:
         ConfigError: the checkpoint is malformed, ``--speculate`` exceeds its heads, or its base model is
             not on local disk.
     """
-    from tgi_paged_backend.runner.medusa import MedusaLoadError, read_medusa_config
+    from tgi_paged_backend.runner.model.medusa import MedusaLoadError, read_medusa_config
 
     path = Path(model.model_id)
     try:

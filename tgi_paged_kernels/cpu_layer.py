@@ -5,7 +5,7 @@ make ~10 calls (two norms, four GEMMs, RoPE, the KV store, the attention, SiLU-a
 adds), each with its Python, dispatch and OpenMP fork. :func:`llama_decode_layer` runs all of it in one
 call and one OpenMP region, on weights packed once (:func:`pack_weight`) for a GEMM whose every output is
 one sequential sum of fused multiply-adds (the same on AVX-512, AVX2 and scalar code, whatever the rows
-or threads). fp32 only, fp32 pools; the caller (``runner.native_layers``) decides when it applies.
+or threads). fp32 only, fp32 pools; the caller (``runner.cpu.native_layers``) decides when it applies.
 
 References (the specification; ``tests/kernels/test_cpu_layer.py`` compares them with the kernels):
 :func:`gemm_packed_ref`, :func:`llama_decode_layer_ref`.

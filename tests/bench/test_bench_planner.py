@@ -20,7 +20,7 @@ from tgi_paged_backend.bench.planner import (
 from tgi_paged_backend.bench.workload import generate_trace
 from tgi_paged_backend.config import CacheConfig, ConfigError, ModelConfig
 from tgi_paged_backend.engine.capacity import plan_capacity
-from tgi_paged_backend.runner.model_spec import ModelSpec
+from tgi_paged_backend.runner.model.spec import ModelSpec
 
 SMALL_TRACE = generate_trace("sharegpt", 60, seed=1, max_new_tokens=256)
 

@@ -15,8 +15,8 @@ from tests.helpers.family_models import FAMILIES, is_available, write_family_mod
 from tests.helpers.tiny_models import load_reference
 from tgi_paged_backend.bench.param_counts import param_counts
 from tgi_paged_backend.bench.planner import count_safetensors_params
-from tgi_paged_backend.runner.model_spec import ModelSpec
-from tgi_paged_backend.runner.tp_slicing import shard_model
+from tgi_paged_backend.runner.model.spec import ModelSpec
+from tgi_paged_backend.runner.parallel.slicing import shard_model
 
 EXACT = ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Mixtral", "Qwen2-MoE", "Qwen3-MoE", "gpt-oss")
 

@@ -50,7 +50,7 @@ def _worker() -> None:
     from tgi_paged_backend.engine.types import BatchSpec, RequestSpec, StoppingParams
     from tgi_paged_backend.envs import build_config
     from tgi_paged_backend.lora.layers import LoraLinear
-    from tgi_paged_backend.runner import fast_layers
+    from tgi_paged_backend.runner.cpu import fast_layers
 
     fast_layers.PACK_MIN_ELEMENTS = 0  # pack every linear, the LoRA wrappers' base GEMMs included
     settings = {

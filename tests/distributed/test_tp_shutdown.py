@@ -4,7 +4,8 @@ exits with code 0.
 
 Under load a rank used to exit with SIGABRT ("terminate called without an active exception"): its
 heartbeat thread, or a gloo worker thread dropping a finished collective's tensors, still needed the
-GIL after the interpreter had begun finalizing (see "Shutdown" in ``tgi_paged_backend/distributed.py``).
+GIL after the interpreter had begun finalizing (see "Shutdown" in
+``tgi_paged_backend/runner/parallel/process_group.py``).
 """
 
 from __future__ import annotations

@@ -14,16 +14,16 @@ import pytest
 import torch
 from torch import nn
 
-from tgi_paged_backend import distributed
 from tgi_paged_backend.config import CacheConfig, ConfigError, ModelConfig, ServerConfig
-from tgi_paged_backend.distributed import PeerLostError, RankMismatchError, TensorParallelGroup
 from tgi_paged_backend.engine.tp_engine import SyncedRateCalibrator, TensorParallelShardEngine
 from tgi_paged_backend.engine.types import CachedBatchInfo, StepResult
 from tgi_paged_backend.envs import build_config, read_env
-from tgi_paged_backend.runner.model_loader import ModelLoadError, load_model
-from tgi_paged_backend.runner.model_spec import ModelSpec
-from tgi_paged_backend.runner.tensor_parallel import TensorParallelRunner
-from tgi_paged_backend.runner.tp_slicing import RowParallelLinear, check_divisible, shard_model
+from tgi_paged_backend.runner.model.loader import ModelLoadError, load_model
+from tgi_paged_backend.runner.model.spec import ModelSpec
+from tgi_paged_backend.runner.parallel import process_group as distributed
+from tgi_paged_backend.runner.parallel.process_group import PeerLostError, RankMismatchError, TensorParallelGroup
+from tgi_paged_backend.runner.parallel.slicing import RowParallelLinear, check_divisible, shard_model
+from tgi_paged_backend.runner.parallel.tp_runner import TensorParallelRunner
 
 
 class FakeGroup:
@@ -255,7 +255,7 @@ def test_fused_projections_give_each_rank_its_share_of_every_part() -> None:
     import torch
     from torch import nn
 
-    from tgi_paged_backend.runner.tp_fused import fused_row_slices, shard_fused_linear
+    from tgi_paged_backend.runner.parallel.fused_parts import fused_row_slices, shard_fused_linear
 
     assert fused_row_slices((8, 4, 4), 1, 2, "qkv") == [slice(4, 8), slice(10, 12), slice(14, 16)]
     fused = nn.Linear(3, 16, bias=True)
@@ -276,7 +276,7 @@ def test_moe_block_shards_sum_to_the_full_block(model_type: str) -> None:
 
     import transformers
 
-    from tgi_paged_backend.runner import tp_slicing as tp
+    from tgi_paged_backend.runner.parallel import slicing as tp
 
     config = transformers.AutoConfig.for_model(
         model_type, hidden_size=32, intermediate_size=48, moe_intermediate_size=48,
@@ -303,7 +303,7 @@ def test_fewer_kv_heads_than_ranks_are_replicated_to_the_ranks_that_read_them() 
     query heads); one KV head at TP=2 (multi-query) is on both ranks; 3 KV heads at TP=2 do not split."""
     from dataclasses import replace
 
-    from tgi_paged_backend.runner.tp_slicing import _kv_rows, check_divisible
+    from tgi_paged_backend.runner.parallel.slicing import _kv_rows, check_divisible
 
     base = ModelSpec.from_hf_config(
         SimpleNamespace(

@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # no OpenMP pool: the parent fork
 import torch  # noqa: E402
 
 from tgi_paged_backend.config import ServerConfig  # noqa: E402
-from tgi_paged_backend.distributed import TensorParallelGroup, mark_shutting_down  # noqa: E402
+from tgi_paged_backend.runner.parallel.process_group import TensorParallelGroup, mark_shutting_down  # noqa: E402
 
 WORLD_SIZE = 2
 ROUND_TIMEOUT_S = 60.0

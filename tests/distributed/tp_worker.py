@@ -18,10 +18,10 @@ import torch  # noqa: E402
 
 from tests.helpers.paged_driver import greedy_paged  # noqa: E402
 from tgi_paged_backend.config import CacheConfig, ModelConfig, ServerConfig  # noqa: E402
-from tgi_paged_backend.distributed import TensorParallelGroup  # noqa: E402
-from tgi_paged_backend.runner import fast_layers  # noqa: E402
-from tgi_paged_backend.runner.model_loader import ModelLoadError  # noqa: E402
-from tgi_paged_backend.runner.tensor_parallel import TensorParallelRunner  # noqa: E402
+from tgi_paged_backend.runner.cpu import fast_layers  # noqa: E402
+from tgi_paged_backend.runner.model.loader import ModelLoadError  # noqa: E402
+from tgi_paged_backend.runner.parallel.process_group import TensorParallelGroup  # noqa: E402
+from tgi_paged_backend.runner.parallel.tp_runner import TensorParallelRunner  # noqa: E402
 
 
 def main() -> None:

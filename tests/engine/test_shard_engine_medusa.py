@@ -25,7 +25,7 @@ from tgi_paged_backend.config import ConfigError
 from tgi_paged_backend.engine.types import BatchSpec
 from tgi_paged_backend.envs import build_config
 from tgi_paged_backend.model_files import with_local_model
-from tgi_paged_backend.runner.model_loader import ModelLoadError
+from tgi_paged_backend.runner.model.loader import ModelLoadError
 
 
 def hand_proposals(base: Path, tensors: dict, ids: list[int], k: int) -> list[list[int]]:
@@ -182,7 +182,7 @@ def test_heads_of_another_model_are_refused(tiny_llama_dir, tmp_path):
 @pytest.mark.parametrize("own_out", [True, False])
 def test_heads_module_matches_hand_application(tiny_llama_dir, tmp_path, own_out):
     """``MedusaHeads.propose`` reads the rows ``lm_head`` last projected and applies each head as stock does."""
-    from tgi_paged_backend.runner.medusa import load_medusa_heads, read_medusa_config
+    from tgi_paged_backend.runner.model.medusa import load_medusa_heads, read_medusa_config
 
     tensors = write_medusa(tmp_path / "medusa", tiny_llama_dir, own_out=own_out, scale=2.0)
     config = read_medusa_config(tmp_path / "medusa")

@@ -19,7 +19,7 @@ from tests.helpers.static_decode_stand_ins import CountingBackend, fake_cuda_gra
 from tgi_paged_backend.engine.types import BatchSpec
 from tgi_paged_backend.memory.types import SCRATCH_BLOCK
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
-from tgi_paged_backend.runner.static_decode import StaticDecodeInputs
+from tgi_paged_backend.runner.static.decode_step import StaticDecodeInputs
 
 WINDOW, BLOCK_SIZE, NEW, MAX_SEQ_LEN = 8, 4, 32, 96
 BUCKETS = (1, 2, 4)

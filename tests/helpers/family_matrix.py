@@ -55,7 +55,7 @@ from tests.helpers.speculation_oracle import oracle_drafts
 from tests.helpers.tiny_models import load_reference
 from tgi_paged_backend.bench.sliding_window import long_run_table
 from tgi_paged_backend.engine.types import BatchSpec
-from tgi_paged_backend.runner.model_loader import ModelLoadError
+from tgi_paged_backend.runner.model.loader import ModelLoadError
 
 SCENARIOS: tuple[str, ...] = (
     "single",

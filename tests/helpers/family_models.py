@@ -312,7 +312,7 @@ def num_kv_groups(model_dir: Path | str) -> int:
     memory is ``groups`` times the blocks."""
     import torch
 
-    from tgi_paged_backend.runner.model_spec import ModelSpec
+    from tgi_paged_backend.runner.model.spec import ModelSpec
 
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     if "medusa_num_heads" in raw:

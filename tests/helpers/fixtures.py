@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.tiny_models import write_tiny_model
-from tgi_paged_backend.runner import fast_layers
+from tgi_paged_backend.runner.cpu import fast_layers
 
 SERVING_PACK_MIN_ELEMENTS = fast_layers.PACK_MIN_ELEMENTS
 """The packing threshold spawned shards serve with (read at import, before the suite lowers it to 0 for its

@@ -1,4 +1,4 @@
-"""Tiny Medusa checkpoints in the on-disk layout stock TGI reads (``runner.medusa``), over a tiny base model."""
+"""Tiny Medusa checkpoints in the on-disk layout stock TGI reads (``runner.model.medusa``), over a tiny base model."""
 
 from __future__ import annotations
 

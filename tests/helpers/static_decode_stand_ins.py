@@ -33,7 +33,7 @@ class FakeGraph:
 
 def fake_cuda_graphs(monkeypatch) -> list[FakeGraph]:
     """Patch ``decode_graphs`` to capture ``FakeGraph``s on CPU; returns the list the captures land in."""
-    from tgi_paged_backend.runner import decode_graphs
+    from tgi_paged_backend.runner.static import cuda_graphs as decode_graphs
 
     graphs: list[FakeGraph] = []
 

@@ -19,7 +19,7 @@ from tests.helpers.quant_models import dequantized_reference, write_compressed_f
 from tests.helpers.shard_driving import free_port, run_requests
 from tests.helpers.tiny_models import write_tiny_model
 from tgi_paged_backend.config import CacheConfig, ModelConfig
-from tgi_paged_backend.runner import fast_layers
+from tgi_paged_backend.runner.cpu import fast_layers
 from tgi_paged_backend.runner.model_runner import ModelRunner
 
 PROMPTS = [

@@ -19,7 +19,7 @@ import torch
 from tests.helpers.paged_driver import greedy_paged
 from tests.helpers.tiny_models import load_reference
 from tgi_paged_backend.config import CacheConfig, ModelConfig
-from tgi_paged_backend.runner.fast_layers import can_pack
+from tgi_paged_backend.runner.cpu.fast_layers import can_pack
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
 

@@ -19,7 +19,7 @@ from tests.helpers.family_matrix import REFUSED, SCENARIOS, run_scenario, start_
 from tests.helpers.family_models import FAMILIES, FAMILY_BY_NAME, family_config, is_available, write_family_model
 from tests.helpers.triton_serving import LAUNCHERS, route_to_triton
 from tgi_paged_backend.memory.window_reclaim import reclaim_window
-from tgi_paged_backend.runner.model_spec import ModelSpec
+from tgi_paged_backend.runner.model.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 AVAILABLE = [f.name for f in FAMILIES if is_available(f)]

@@ -1,4 +1,4 @@
-"""Start-up refusal of what the paged path does not serve (``runner/family_support.py``): the
+"""Start-up refusal of what the paged path does not serve (``runner/model/family_support.py``): the
 kinds refused from the config alone (encoder-decoder, multimodal, state-space layers), and the
 generic probe that refuses attention code bypassing transformers' attention interface even
 without a per-family reason.
@@ -15,7 +15,7 @@ import transformers
 
 from tests.helpers.family_matrix import start_error
 from tests.helpers.family_models import FAMILY_BY_NAME, write_family_model
-from tgi_paged_backend.runner import family_support
+from tgi_paged_backend.runner.model import family_support
 
 
 def _config_only_dir(tmp_path: Path, config: transformers.PretrainedConfig) -> Path:

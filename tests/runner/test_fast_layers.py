@@ -1,4 +1,4 @@
-"""The load-time layer swap (``runner.fast_layers``): packed linears compute what ``nn.Linear`` does for
+"""The load-time layer swap (``runner.cpu.fast_layers``): packed linears compute what ``nn.Linear`` does for
 any batch size, RMSNorms are swapped only when the fused form reproduces them, and small or unsupported
 linears stay as they are. (Token-exactness of every family through the swap: test_family_matrix.)"""
 
@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from tests.helpers.fixtures import SERVING_PACK_MIN_ELEMENTS
-from tgi_paged_backend.runner import fast_layers
-from tgi_paged_backend.runner.fast_layers import FusedRMSNorm, PackedLinear, can_pack, swap_fast_layers
+from tgi_paged_backend.runner.cpu import fast_layers
+from tgi_paged_backend.runner.cpu.fast_layers import FusedRMSNorm, PackedLinear, can_pack, swap_fast_layers
 
 CPU = torch.device("cpu")
 
@@ -87,7 +87,7 @@ def test_a_small_weight_runs_plain_below_the_row_threshold_and_packed_from_it(ro
 
 
 def test_packed_weights_count_as_resident_bytes_and_the_plain_weight_is_dropped() -> None:
-    from tgi_paged_backend.runner.model_loader import resident_bytes
+    from tgi_paged_backend.runner.model.loader import resident_bytes
 
     block = nn.Sequential(nn.Linear(512, 384, bias=False))
     before = resident_bytes(block)
@@ -113,7 +113,7 @@ def test_a_linear_of_another_dtype_is_left_alone() -> None:
 def test_outputs_close_is_relative_to_the_output_scale() -> None:
     """A fused GEMM's rounding on a large output passes even where an element is near zero (SmolLM2's MLPs
     failed an element-wise check on 9 of 30 layers); a different function or a NaN does not."""
-    from tgi_paged_backend.runner.fast_layers import outputs_close
+    from tgi_paged_backend.runner.cpu.fast_layers import outputs_close
 
     expected = torch.tensor([[900.0, -1.0e-3, 250.0]])
     assert outputs_close(expected, expected + torch.tensor([[6e-5, 3e-5, -3e-5]]))
@@ -135,7 +135,7 @@ def test_a_wrong_norm_form_is_rejected_even_beside_one_huge_channel(dtype) -> No
     x = torch.randn(3, width, generator=torch.Generator().manual_seed(0)).to(dtype)
     x_hat = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
     gemma, wrong = (x_hat * (1 + weight)).to(dtype), (x_hat * weight).to(dtype)
-    from tgi_paged_backend.runner.fast_layers import outputs_close
+    from tgi_paged_backend.runner.cpu.fast_layers import outputs_close
 
     assert not outputs_close(gemma, wrong)
     assert outputs_close(gemma, gemma.clone())

@@ -1,4 +1,4 @@
-"""The load-time block fusion (``runner.fused_blocks``): which families get one q/k/v GEMM, one RoPE pass and
+"""The load-time block fusion (``runner.cpu.fused_blocks``): which families get one q/k/v GEMM, one RoPE pass and
 one gate/up GEMM, that a block whose forward differs is kept (the numeric check at load), and that fused
 runners give the logits of unfused ones. (Token-exactness of every family against HF: test_family_matrix.)"""
 
@@ -9,8 +9,8 @@ import torch
 
 from tests.helpers.family_models import FAMILIES
 from tgi_paged_backend.config import CacheConfig, ModelConfig
-from tgi_paged_backend.runner import fused_blocks
-from tgi_paged_backend.runner.fused_blocks import FusedGatedMLP, FusedPagedAttention
+from tgi_paged_backend.runner.cpu import fused_blocks
+from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedAttention
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
 

@@ -32,8 +32,8 @@ from tests.helpers.paged_driver import greedy_hf, greedy_paged
 from tests.helpers.quant_models import linear_names
 from tests.helpers.tiny_models import EOS_ID, PAD_ID, load_reference
 from tgi_paged_backend.config import CacheConfig, ModelConfig
-from tgi_paged_backend.runner.fast_layers import PackedLinear
-from tgi_paged_backend.runner.model_loader import ModelLoadError, load_model
+from tgi_paged_backend.runner.cpu.fast_layers import PackedLinear
+from tgi_paged_backend.runner.model.loader import ModelLoadError, load_model
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.quant.linear import IntLinear
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import transformers
 
 from tests.helpers.tiny_models import tiny_config
-from tgi_paged_backend.runner.rope_scaling import apply_rope_scaling
+from tgi_paged_backend.runner.model.rope_scaling import apply_rope_scaling
 
 
 def test_replaces_the_whole_scaling_and_keeps_the_base_rope() -> None:

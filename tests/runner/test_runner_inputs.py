@@ -9,7 +9,7 @@ import transformers
 
 from tests.helpers.tiny_models import tiny_config
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
-from tgi_paged_backend.runner.model_spec import ModelSpec, resolve_kv_dtype
+from tgi_paged_backend.runner.model.spec import ModelSpec, resolve_kv_dtype
 
 
 # ----------------------------------------------------------------------------- ModelSpec

@@ -13,7 +13,7 @@ from tests.helpers.tiny_models import EOS_ID
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.attention import ATTENTION_NAME, register_attention
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
-from tgi_paged_backend.runner.model_loader import ModelLoadError, eos_token_ids, load_model, resolve_dtype
+from tgi_paged_backend.runner.model.loader import ModelLoadError, eos_token_ids, load_model, resolve_dtype
 from tgi_paged_backend.runner.model_runner import CPU_KV_BUDGET_CAP_BYTES, ModelRunner
 
 

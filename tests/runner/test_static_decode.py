@@ -25,7 +25,7 @@ from tests.helpers.static_decode_stand_ins import CountingBackend, fake_cuda_gra
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
-from tgi_paged_backend.runner.static_decode import (
+from tgi_paged_backend.runner.static.decode_step import (
     VIEW_NAMES,
     StaticDecodeInputs,
     blocks_per_request,

@@ -1,6 +1,6 @@
 """Parameters of a decoder-only model from its config, whole and per tensor-parallel rank.
 
-What one rank of ``--num-shard N`` holds is what :mod:`tgi_paged_backend.runner.tp_slicing` leaves it:
+What one rank of ``--num-shard N`` holds is what :mod:`tgi_paged_backend.runner.parallel.slicing` leaves it:
 
 - split over the ranks: query heads (q rows, their biases, gpt-oss's sinks), the output projection's input
   columns, the MLP's intermediate dimension, every expert's intermediate dimension and a shared expert's;

@@ -197,7 +197,7 @@ class ModelFacts:
 
     name: str
     spec: Any
-    """A :class:`~tgi_paged_backend.runner.model_spec.ModelSpec`."""
+    """A :class:`~tgi_paged_backend.runner.model.spec.ModelSpec`."""
     num_params: int
     params_exact: bool
     """``True`` when counted from safetensors headers, ``False`` when estimated from the config."""
@@ -268,7 +268,7 @@ def estimate_params(cfg: dict[str, Any]) -> int:
 
 def load_model_facts(model: str, dtype: Any) -> ModelFacts:
     """Model sizes from a preset name or a local directory (``dtype``: the serving torch dtype)."""
-    from tgi_paged_backend.runner.model_spec import ModelSpec
+    from tgi_paged_backend.runner.model.spec import ModelSpec
 
     name, cfg = _read_config(model)
     spec = ModelSpec.from_hf_config(SimpleNamespace(**cfg), dtype)
@@ -478,8 +478,8 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
 
     from tgi_paged_backend.config import CacheConfig
     from tgi_paged_backend.engine.capacity import plan_capacity
-    from tgi_paged_backend.runner.model_loader import resolve_dtype
-    from tgi_paged_backend.runner.model_spec import resolve_kv_dtype
+    from tgi_paged_backend.runner.model.loader import resolve_dtype
+    from tgi_paged_backend.runner.model.spec import resolve_kv_dtype
 
     CacheConfig(
         block_size=inputs.block_size, memory_fraction=inputs.memory_fraction, kv_cache_dtype=inputs.kv_cache_dtype
@@ -594,7 +594,7 @@ def group_block_bytes(spec: Any, groups: LayerGroups, block_size: int, kv_dtype:
 
 def shard_spec(spec: Any, num_shard: int) -> Any:
     """The sizes one rank of ``--num-shard`` serves (raises the shard's divisibility error)."""
-    from tgi_paged_backend.runner.tp_slicing import ShardLayout, check_divisible, local_spec
+    from tgi_paged_backend.runner.parallel.slicing import ShardLayout, check_divisible, local_spec
 
     if num_shard < 1:
         raise ValueError(f"--num-shard {num_shard} is invalid: at least 1")

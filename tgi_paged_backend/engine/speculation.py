@@ -7,7 +7,7 @@ Per decoding request and step (``engine.shard_engine`` calls :func:`propose_draf
    occurrence of the longest suffix of ``prompt + output`` (suffix lengths :data:`MAX_NGRAM` down to 1).
    Stock TGI copies after the first occurrence of the last token only; the latest occurrence of a longer
    suffix is where repetitive text (edits, code, summaries quoting the source) most often continues.
-   With a Medusa checkpoint (``runner.medusa``) the draft is instead the heads' argmax at the hidden
+   With a Medusa checkpoint (``runner.model.medusa``) the draft is instead the heads' argmax at the hidden
    state of the last sampled token, computed by the previous step (``RequestState.proposal``).
 2. The scheduler computes ``[last token] + draft`` in one step (the chunked-prefill path: several query
    positions of one request), backing them with blocks only if the pool has them without preempting.

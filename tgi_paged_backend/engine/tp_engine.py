@@ -2,7 +2,7 @@
 
 The router sends every RPC to every rank with identical payloads. Each rank runs the same
 :class:`~tgi_paged_backend.engine.shard_engine.PagedShardEngine` over its shard of the model
-(:class:`~tgi_paged_backend.runner.tensor_parallel.TensorParallelRunner`), so the ranks make the same
+(:class:`~tgi_paged_backend.runner.parallel.tp_runner.TensorParallelRunner`), so the ranks make the same
 scheduling, memory and preemption decisions as long as nothing they decide on is measured locally.
 What is measured is agreed on over the control group:
 
@@ -17,7 +17,7 @@ What is measured is agreed on over the control group:
 Every step starts with one small all-gather of ``[batch tag, state digest]``: the batch tag catches
 RPCs that reached the ranks in a different order (the router's ``/health`` liveness Prefill runs
 concurrently with its batching task), which every rank then fails in the same way
-(:class:`~tgi_paged_backend.distributed.RankMismatchError`); the state digest (request states and last
+(:class:`~tgi_paged_backend.runner.parallel.process_group.RankMismatchError`); the state digest (request states and last
 tokens, block tables, pool counters) catches any divergence of the page maps, which is fatal. Each rank logs both
 at DEBUG level.
 
@@ -36,12 +36,12 @@ import torch
 from loguru import logger
 
 from tgi_paged_backend.config import BackendConfig, ConfigError
-from tgi_paged_backend.distributed import RankMismatchError, TensorParallelGroup, mark_shutting_down
 from tgi_paged_backend.engine.request_state import RequestStatus
 from tgi_paged_backend.engine.shard_engine import PagedShardEngine
 from tgi_paged_backend.engine.types import BatchSpec, StepResult
 from tgi_paged_backend.policy.preemption_mode import RateCalibrator
-from tgi_paged_backend.runner.tensor_parallel import TensorParallelRunner
+from tgi_paged_backend.runner.parallel.process_group import RankMismatchError, TensorParallelGroup, mark_shutting_down
+from tgi_paged_backend.runner.parallel.tp_runner import TensorParallelRunner
 
 REPORTING_RANK = 0
 """The rank whose Prefill/Decode answers carry the generations."""

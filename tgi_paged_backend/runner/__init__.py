@@ -1,10 +1,14 @@
-"""Model loading (transformers + safetensors), the paged attention hook and per-step input metadata.
+"""Run a transformers model over the paged KV pool: one folder per concern.
 
-- :mod:`.model_loader`: load a local causal LM with our attention, its tokenizer and stop tokens.
-- :mod:`.model_spec`: :class:`ModelSpec`, the sizes the KV pool and kernels need.
+- :mod:`.model_runner`: :class:`ModelRunner`, model + KV pool: forward, copy, swap, profiling.
 - :mod:`.attention`: the attention function registered with transformers (``"tgi_paged"``).
 - :mod:`.input_batch`: :class:`ForwardBatch`, one step's packed tokens and paged metadata.
-- :mod:`.model_runner`: :class:`ModelRunner`, model + KV pool: forward, copy, swap, profiling.
+- :mod:`.model`: load a checkpoint with our attention (:mod:`.model.loader`), its sizes
+  (:mod:`.model.spec`), which families are served, RoPE scaling, Medusa heads.
+- :mod:`.quant`: quantized weights (``--quantize``, compressed-tensors, GPTQ, AWQ).
+- :mod:`.cpu`: the CPU load-time rewrites (fused blocks, native C++ layers, packed linears).
+- :mod:`.parallel`: tensor parallelism (process group, slicing, the per-rank runner).
+- :mod:`.static`: the static decode step and its CUDA graphs.
 
 Names are imported lazily so that ``input_batch`` users do not pay for importing transformers.
 """
@@ -18,12 +22,12 @@ _EXPORTS = {
     "ForwardBatch": "input_batch",
     "RequestChunk": "input_batch",
     "build_forward_batch": "input_batch",
-    "ModelSpec": "model_spec",
-    "resolve_kv_dtype": "model_spec",
+    "ModelSpec": "model.spec",
+    "resolve_kv_dtype": "model.spec",
     "ModelRunner": "model_runner",
-    "LoadedModel": "model_loader",
-    "ModelLoadError": "model_loader",
-    "load_model": "model_loader",
+    "LoadedModel": "model.loader",
+    "ModelLoadError": "model.loader",
+    "load_model": "model.loader",
     "ATTENTION_NAME": "attention",
     "METADATA_KWARG": "attention",
     "PagedAttentionMetadata": "attention",

@@ -57,7 +57,7 @@ class PagedAttentionMetadata:
     k_scale, v_scale : float
         Dequantization scales of fp8 KV (1.0 otherwise).
     layer_calls : list[int], optional
-        Probe mode (start-up check, :mod:`.family_support`): each call appends its ``layer_idx``
+        Probe mode (start-up check, :mod:`runner.model.family_support`): each call appends its ``layer_idx``
         here and returns zeros, touching no pool (``batch`` and the caches are then unused).
     decode_gathers : dict
         CPU decode only: the step's gather plan per sliding window (``None``: full attention), built
@@ -67,7 +67,7 @@ class PagedAttentionMetadata:
         :mod:`tgi_paged_kernels.cpu_native`), ``compiled`` (inductor, :mod:`tgi_paged_kernels.cpu_decode`)
         or ``sdpa`` (gather + SDPA).
     static : bool
-        The static decode step (:mod:`.static_decode`): the batch is padded to fixed shapes and the
+        The static decode step (:mod:`runner.static.decode_step`): the batch is padded to fixed shapes and the
         block tables to a fixed width, so the CPU plan is the padded one, built from shapes alone
         (nothing read on the host, for ``torch.compile`` and CUDA graphs).
     """
@@ -82,7 +82,7 @@ class PagedAttentionMetadata:
     static: bool = False
     cpu_decode: str = "native"
     seen_options: list[dict[str, Any]] | None = None
-    """Check mode (:mod:`.fused_blocks`): each call of the HF hook appends the options its layer passed
+    """Check mode (:mod:`runner.cpu.fused_blocks`): each call of the HF hook appends the options its layer passed
     (``scaling``, ``sliding_window``, ``softcap``, ``sinks``) before attending as usual."""
     layer_groups: tuple[int, ...] | None = None
     """With KV layer groups: each layer's group, whose slots and tables it uses (:meth:`tables`)."""
@@ -199,7 +199,7 @@ def paged_attention(
     """Store layer ``layer_idx``'s new K/V (``[T, Hkv, D]``) in the pool and attend with ``q`` (``[T, Hq, D]``).
 
     The core shared by the HF hook (:func:`paged_attention_forward`) and the fused attention modules
-    (:mod:`.fused_blocks`). Returns ``[T, Hq, D]`` in ``q``'s dtype.
+    (:mod:`tgi_paged_backend.runner.cpu.fused_blocks`). Returns ``[T, Hq, D]`` in ``q``'s dtype.
     """
     if metadata.layer_calls is not None:  # probe: which layers reach us, nothing computed
         metadata.layer_calls.append(layer_idx)

@@ -31,15 +31,15 @@ from tgi_paged_backend.lora.layers import LoraModel, attach_adapters
 from tgi_paged_backend.lora.sources import parse_lora_adapters
 from tgi_paged_backend.memory.layer_groups import LayerGroups
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
-from tgi_paged_backend.runner.decode_graphs import measure_decode_graph_bytes
-from tgi_paged_backend.runner.fast_layers import swap_fast_layers
-from tgi_paged_backend.runner.fused_blocks import fuse_blocks
+from tgi_paged_backend.runner.cpu.fast_layers import swap_fast_layers
+from tgi_paged_backend.runner.cpu.fused_blocks import fuse_blocks
+from tgi_paged_backend.runner.cpu.native_layers import wrap_native_layers
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
-from tgi_paged_backend.runner.medusa import MedusaHeads, MedusaLoadError, load_medusa_heads, read_medusa_config
-from tgi_paged_backend.runner.model_loader import LoadedModel, ModelLoadError, load_model, resident_bytes
-from tgi_paged_backend.runner.model_spec import ModelSpec, resolve_kv_dtype
-from tgi_paged_backend.runner.native_layers import wrap_native_layers
-from tgi_paged_backend.runner.static_decode import CPU_COMPILE_BUCKETS, StaticDecodeStep, blocks_per_request
+from tgi_paged_backend.runner.model.loader import LoadedModel, ModelLoadError, load_model, resident_bytes
+from tgi_paged_backend.runner.model.medusa import MedusaHeads, MedusaLoadError, load_medusa_heads, read_medusa_config
+from tgi_paged_backend.runner.model.spec import ModelSpec, resolve_kv_dtype
+from tgi_paged_backend.runner.static.cuda_graphs import measure_decode_graph_bytes
+from tgi_paged_backend.runner.static.decode_step import CPU_COMPILE_BUCKETS, StaticDecodeStep, blocks_per_request
 
 CPU_KV_BUDGET_CAP_BYTES = 4 * 1024**3
 """On CPU the pool gets ``memory_fraction`` of the available RAM minus the activation estimate,
@@ -413,7 +413,7 @@ class ModelRunner:
         nothing, and decode stays eager. ``mode`` ``"graphs"``, ``"compile"`` (``torch.compile``
         with ``compile_options``, e.g. ``backend``) or ``"eager"`` with ``buckets`` (default: the
         ``CUDA_GRAPHS`` ones) choose explicitly (tests, benchmarks); ``fixed_width`` (default: only for
-        graphs) as :class:`~.static_decode.StaticDecodeStep` takes it. A failed capture or compile is
+        graphs) as :class:`~runner.static.decode_step.StaticDecodeStep` takes it. A failed capture or compile is
         logged and leaves decode eager (:meth:`.StaticDecodeStep.prepare`).
         """
         self.static_decode = None

@@ -1,6 +1,6 @@
 """CUDA graphs of the static decode step: one per bucket, captured at Warmup, replayed per decode step.
 
-:func:`capture_decode_graphs` captures every bucket of a :class:`~.static_decode.StaticDecodeStep`
+:func:`capture_decode_graphs` captures every bucket of a :class:`~runner.static.decode_step.StaticDecodeStep`
 into one shared graph memory pool, largest bucket first (the smaller ones then fit in memory the
 larger one's capture freed), and points the step's per-bucket callables at the replays. A replay's
 logits live in the pool, where another bucket's replay may later write: the step copies the rows it
@@ -17,12 +17,13 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from loguru import logger
 
-from tgi_paged_backend.runner.static_decode import StaticDecodeStep
+if TYPE_CHECKING:  # decode_step imports this module when it captures: no import back at run time
+    from tgi_paged_backend.runner.static.decode_step import StaticDecodeStep
 
 
 def _replay(graph: torch.cuda.CUDAGraph, logits: torch.Tensor, *views: torch.Tensor) -> torch.Tensor:

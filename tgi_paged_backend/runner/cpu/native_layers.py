@@ -1,8 +1,8 @@
 """Llama-form decoder layers that run on the native CPU kernels (fp32): a decode step as one call.
 
-After :func:`~.fused_blocks.fuse_blocks`, a decoder layer of :data:`LLAMA_FORM_LAYERS` made of the fused
-forms (Llama-form RMSNorms, a :class:`~.fused_blocks.FusedPagedAttention` without q/k norms, a SiLU
-:class:`~.fused_blocks.FusedGatedMLP`, plain fp32 projections) is wrapped by :class:`NativeDecoderLayer`:
+After :func:`~runner.cpu.fused_blocks.fuse_blocks`, a decoder layer of :data:`LLAMA_FORM_LAYERS` made of the fused
+forms (Llama-form RMSNorms, a :class:`~runner.cpu.fused_blocks.FusedPagedAttention` without q/k norms, a SiLU
+:class:`~runner.cpu.fused_blocks.FusedGatedMLP`, plain fp32 projections) is wrapped by :class:`NativeDecoderLayer`:
 
 - a **decode step** (one new token per request, fp32 pools) runs the whole layer through
   :func:`tgi_paged_kernels.cpu_layer.llama_decode_layer`: one call and one OpenMP region instead of ~10
@@ -27,9 +27,9 @@ from loguru import logger
 from torch import nn
 
 from tgi_paged_backend.lora.layers import find_lora_step, lora_base, replace_lora_base
-from tgi_paged_backend.runner import fast_layers
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
-from tgi_paged_backend.runner.fused_blocks import FusedGatedMLP, FusedPagedAttention
+from tgi_paged_backend.runner.cpu import fast_layers
+from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedAttention
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
 from tgi_paged_kernels.cpu_layer import LlamaLayerWeights, gemm_packed, llama_decode_layer, pack_weight
 from tgi_paged_kernels.cpu_native import NativeKernels, native_kernels

@@ -15,7 +15,7 @@ transformers' decoder layers stay the model definition; inside them, :func:`fuse
 
 Both cut the per-layer host time of a decode step (each tensor op costs ~2-30 us of dispatch before
 any math; ``docs/performance.md``, section 12). They run before the linears are packed
-(:mod:`.fast_layers`), so the fused projections are packed too. Quantized or tensor-parallel
+(:mod:`tgi_paged_backend.runner.cpu.fast_layers`), so the fused projections are packed too. Quantized or tensor-parallel
 projections are not plain ``nn.Linear`` and keep their blocks. CPU only: on CUDA the eager modules are
 captured in CUDA graphs instead (not measured with fusion; no GPU was lent).
 """
@@ -31,7 +31,7 @@ from torch import nn
 
 from tgi_paged_backend.lora.layers import lora_base, stack_with_lora
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, paged_attention, step_metadata
-from tgi_paged_backend.runner.fast_layers import outputs_close, same_output
+from tgi_paged_backend.runner.cpu.fast_layers import outputs_close, same_output
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_kernels.cpu_native import native_kernels
 

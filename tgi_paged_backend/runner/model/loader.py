@@ -20,10 +20,10 @@ from loguru import logger
 from packaging.version import Version
 
 from tgi_paged_backend.config import ModelConfig
-from tgi_paged_backend.runner import family_support
 from tgi_paged_backend.runner.attention import register_attention
+from tgi_paged_backend.runner.model import family_support
+from tgi_paged_backend.runner.model.rope_scaling import apply_rope_scaling
 from tgi_paged_backend.runner.quant.methods import SUPPORTED_QUANTIZE, QuantizationError, check_quantize, refusal
-from tgi_paged_backend.runner.rope_scaling import apply_rope_scaling
 
 if TYPE_CHECKING:
     from tgi_paged_backend.runner.quant.compressed_tensors import CompressedFp8Scheme, CompressedIntScheme
@@ -183,7 +183,7 @@ def _quantize(model: transformers.PreTrainedModel, method: str | None, scheme: A
 
 def resident_bytes(model: torch.nn.Module) -> int:
     """Bytes of every parameter and buffer, plus what modules hold outside them (``resident_bytes``: the
-    packed weights of :mod:`.fast_layers`): what the weights take where they are (fp8 bytes included)."""
+    packed weights of :mod:`runner.cpu.fast_layers`): what the weights take where they are (fp8 bytes included)."""
     tensors = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
     return tensors + sum(int(getattr(m, "resident_bytes", 0)) for m in model.modules())
 

@@ -1,7 +1,7 @@
 """Megatron-style slicing of transformers decoder layers for tensor parallelism (the layouts of
 ``docs/tensor-parallel.md``): column-parallel projections keep their output rows, row-parallel ones their
-input columns with one all-reduce, fused projections each part's share (:mod:`.tp_fused`), MoE blocks their
-experts' intermediate share, and fewer KV heads than ranks are replicated. :mod:`.tensor_parallel` holds the
+input columns with one all-reduce, fused projections each part's share (:mod:`.fused_parts`), MoE blocks their
+experts' intermediate share, and fewer KV heads than ranks are replicated. :mod:`.tp_runner` holds the
 runner that loads, slices and serves a shard.
 """
 
@@ -16,16 +16,16 @@ from typing import cast
 import torch
 from torch import nn
 
-from tgi_paged_backend.runner.model_loader import ModelLoadError
-from tgi_paged_backend.runner.model_spec import ModelSpec
-from tgi_paged_backend.runner.quant.linear import QUANTIZED_LINEARS, QuantizedLinear
-from tgi_paged_backend.runner.tp_fused import (
+from tgi_paged_backend.runner.model.loader import ModelLoadError
+from tgi_paged_backend.runner.model.spec import ModelSpec
+from tgi_paged_backend.runner.parallel.fused_parts import (
     ReducedOutput,
     linearize_conv1d,
     shard_experts,
     shard_fused_linear,
     take_rows,
 )
+from tgi_paged_backend.runner.quant.linear import QUANTIZED_LINEARS, QuantizedLinear
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over the ranks in place and returns it."""
@@ -230,7 +230,7 @@ def _shard_mlp(mlp: nn.Module, spec: ModelSpec, rank: int, world_size: int, all_
 
 def _shard_moe(block: nn.Module, rank: int, world_size: int, all_reduce: AllReduce, where: str) -> nn.Module:
     """A MoE block sharded as stock TGI and vLLM do by default: every expert's intermediate dimension split
-    across the ranks (:func:`.tp_fused.shard_experts`), the router replicated, a shared expert (Qwen2-MoE)
+    across the ranks (:func:`.fused_parts.shard_experts`), the router replicated, a shared expert (Qwen2-MoE)
     split the same way with its down projection left unreduced, and one all-reduce of the block's output
     (the shared expert's sigmoid gate is replicated, so it scales each rank's part alike)."""
     shard_experts(cast(nn.Module, block.experts), rank, world_size, f"{where}.experts")

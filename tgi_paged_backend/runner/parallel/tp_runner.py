@@ -1,5 +1,5 @@
 """The tensor-parallel runner: every rank loads the full checkpoint on the CPU, slices each decoder layer in
-place (:mod:`.tp_slicing`: the layouts and how each is cut, ``docs/tensor-parallel.md``), then moves only its
+place (:mod:`.slicing`: the layouts and how each is cut, ``docs/tensor-parallel.md``), then moves only its
 shard to its device (peak device memory: one shard; peak host memory: one full copy per rank).
 
 Embeddings, norms and ``lm_head`` are replicated: every rank computes the full logits, which are
@@ -7,7 +7,7 @@ bit-identical across ranks because the all-reduced hidden states are, so samplin
 picks the same tokens everywhere. transformers' attention modules reshape with ``view(..., -1, head_dim)``,
 so they run on the local heads; our paged attention sees the local query and KV heads and the KV pool holds
 the local KV heads per rank (:class:`TensorParallelRunner` sizes it from a per-rank
-:class:`~tgi_paged_backend.runner.model_spec.ModelSpec`).
+:class:`~tgi_paged_backend.runner.model.spec.ModelSpec`).
 
 Quantized models (``--quantize fp8``, compressed-tensors, GPTQ, AWQ) are quantized or decoded on the
 full CPU copy first, then sliced the same way: column-parallel ``Fp8Linear``/``IntLinear`` keep their
@@ -26,13 +26,13 @@ import torch
 from loguru import logger
 
 from tgi_paged_backend.config import CacheConfig, ModelConfig
-from tgi_paged_backend.runner.model_loader import LoadedModel, load_model, resolve_dtype
+from tgi_paged_backend.runner.model.loader import LoadedModel, load_model, resolve_dtype
+from tgi_paged_backend.runner.model.spec import ModelSpec
 from tgi_paged_backend.runner.model_runner import ModelRunner
-from tgi_paged_backend.runner.model_spec import ModelSpec
-from tgi_paged_backend.runner.tp_slicing import ShardLayout, local_spec, shard_model
+from tgi_paged_backend.runner.parallel.slicing import ShardLayout, local_spec, shard_model
 
 if TYPE_CHECKING:
-    from tgi_paged_backend.distributed import TensorParallelGroup
+    from tgi_paged_backend.runner.parallel.process_group import TensorParallelGroup
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 

@@ -4,7 +4,7 @@ transformers' modules stay the model definition of every served family; after lo
 :func:`swap_fast_layers` walks the module tree once and replaces
 
 - every plain ``nn.Linear`` of at least :data:`PACK_MIN_ELEMENTS` weights (the tensor-parallel slices
-  hold one, see :mod:`.tensor_parallel`) by a
+  hold one, see :mod:`tgi_paged_backend.runner.parallel.tp_runner`) by a
   :class:`PackedLinear`: on CPU its weight is reordered once into oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``, what inductor does on CPU) and every call is one
   ``_linear_pointwise`` primitive, for any batch size. A decode step streams every weight from memory
@@ -17,7 +17,7 @@ transformers' modules stay the model definition of every served family; after lo
   other variants keep their module).
 
 A tied LM head (its weight is the embedding table) keeps the table for the embedding lookup and gets
-its own packed copy: that copy counts in the resident weight bytes (:func:`.model_loader.resident_bytes`,
+its own packed copy: that copy counts in the resident weight bytes (:func:`runner.model.loader.resident_bytes`,
 read after the swap), so it comes out of the KV budget like any weight.
 """
 

@@ -14,8 +14,8 @@ answering with wrong tokens:
   forward: every decoder layer must call our attention function exactly once (catches
   ``trust_remote_code`` code and any family that computes attention its own way).
 
-Both return a reason (or ``None``); :mod:`.model_loader` turns one into
-:class:`~tgi_paged_backend.runner.model_loader.ModelLoadError` with :func:`refusal_message`.
+Both return a reason (or ``None``); :mod:`tgi_paged_backend.runner.model.loader` turns one into
+:class:`~tgi_paged_backend.runner.model.loader.ModelLoadError` with :func:`refusal_message`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from tgi_paged_backend.runner.model_loader import ModelLoadError
+from tgi_paged_backend.runner.model.loader import ModelLoadError
 from tgi_paged_backend.runner.quant.linear import QUANTIZED_LINEARS
 
 

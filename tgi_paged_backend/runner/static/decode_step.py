@@ -19,7 +19,7 @@ Inside the forward no tensor value is read on the host and no Python branch depe
 attention metadata is marked ``static``, so the CPU decode plan is the padded one built from shapes
 (``plan_decode_gather(padded=True)``), and on CUDA the Triton kernels choose their split from shapes.
 :class:`StaticDecodeStep` runs a bucket eagerly (the reference), through ``torch.compile``
-(:meth:`StaticDecodeStep.compile`), or as the replay of its CUDA graph (:mod:`.decode_graphs`).
+(:meth:`StaticDecodeStep.compile`), or as the replay of its CUDA graph (:mod:`.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ class StaticDecodeStep:
             return logits.index_select(0, batch.logits_indices)
 
     def prepare(self, mode: str, **compile_options: Any) -> bool:
-        """Make the buckets run as ``mode``: ``"graphs"`` (capture, :mod:`.decode_graphs`), ``"compile"``
+        """Make the buckets run as ``mode``: ``"graphs"`` (capture, :mod:`.cuda_graphs`), ``"compile"``
         (:meth:`compile` with ``compile_options``) or ``"eager"``; ``False`` (logged) when that fails,
         and then nothing should run through this step."""
         if mode not in ("graphs", "compile", "eager"):
@@ -291,7 +291,7 @@ class StaticDecodeStep:
         start = time.perf_counter()
         try:
             if mode == "graphs":
-                from tgi_paged_backend.runner.decode_graphs import capture_decode_graphs
+                from tgi_paged_backend.runner.static.cuda_graphs import capture_decode_graphs
 
                 capture_decode_graphs(self)
             elif mode == "compile":

@@ -1,0 +1,2 @@
+"""Tensor parallelism (``--num-shard N``): the process group, slicing each layer for a rank, the fused
+parts' layouts and the per-rank runner."""
