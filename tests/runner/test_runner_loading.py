@@ -13,8 +13,9 @@ from tests.helpers.tiny_models import EOS_ID
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.attention import ATTENTION_NAME, register_attention
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
+from tgi_paged_backend.runner.memory_budget import CPU_KV_BUDGET_CAP_BYTES
 from tgi_paged_backend.runner.model.loader import ModelLoadError, eos_token_ids, load_model, resolve_dtype
-from tgi_paged_backend.runner.model_runner import CPU_KV_BUDGET_CAP_BYTES, ModelRunner
+from tgi_paged_backend.runner.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

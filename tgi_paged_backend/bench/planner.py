@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 from tgi_paged_backend.bench.allocator_sim import (
     DEFAULT_OVERCOMMITS,
@@ -281,20 +281,19 @@ def load_model_facts(model: str, dtype: Any) -> ModelFacts:
 def activation_peak_bytes(spec: Any, dtype: Any, num_tokens: int) -> int:
     """The runner's CPU activation estimate for a prefill of ``num_tokens`` (one logits row).
 
-    Calls ``ModelRunner._estimate_prefill_bytes`` itself (with a stand-in holding ``spec`` and
-    ``dtype``) so the planner cannot drift from the shard's formula.
+    The runner's own formula (:func:`~tgi_paged_backend.runner.memory_budget.estimate_prefill_bytes`), so
+    the planner cannot drift from the shard.
     """
-    from tgi_paged_backend.runner.model_runner import ModelRunner
+    from tgi_paged_backend.runner.memory_budget import estimate_prefill_bytes
 
-    stand_in = cast(ModelRunner, SimpleNamespace(spec=spec, dtype=dtype))  # the method reads only these two
-    return int(ModelRunner._estimate_prefill_bytes(stand_in, num_tokens, 1))
+    return estimate_prefill_bytes(spec, dtype, num_tokens, 1)
 
 
 def cpu_available_bytes() -> int:
     """Available RAM now, as the runner reads it."""
-    from tgi_paged_backend.runner import model_runner
+    from tgi_paged_backend.runner.memory_budget import cpu_available_bytes as runner_available_bytes
 
-    return model_runner._cpu_available_bytes()
+    return runner_available_bytes()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -510,10 +509,10 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
         device_bytes, budget = 0, int(inputs.kv_budget_bytes)
         notes.append("KV budget given explicitly")
     elif on_cpu:
-        from tgi_paged_backend.runner.model_runner import CPU_KV_BUDGET_CAP_BYTES
+        from tgi_paged_backend.runner.memory_budget import cpu_kv_budget
 
         device_bytes = int(inputs.memory_gib * GiB) if inputs.memory_gib else cpu_available_bytes()
-        budget = max(0, int(min(inputs.memory_fraction * device_bytes - activation, CPU_KV_BUDGET_CAP_BYTES)))
+        budget = cpu_kv_budget(inputs.memory_fraction, device_bytes, activation)
         notes.append("CPU: budget = min(fraction x available RAM - activations, 4 GiB), as the CPU runner")
     else:
         device_bytes = int((inputs.memory_gib or device.memory_gib) * GiB)

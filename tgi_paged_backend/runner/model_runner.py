@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -30,6 +29,7 @@ from tgi_paged_backend.lora.checkpoint import LoraAdapter, load_adapters
 from tgi_paged_backend.lora.layers import LoraModel, attach_adapters
 from tgi_paged_backend.lora.sources import parse_lora_adapters
 from tgi_paged_backend.memory.layer_groups import LayerGroups
+from tgi_paged_backend.runner import memory_budget
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
 from tgi_paged_backend.runner.cpu.fast_layers import swap_fast_layers
 from tgi_paged_backend.runner.cpu.fused_blocks import fuse_blocks
@@ -41,20 +41,7 @@ from tgi_paged_backend.runner.model.spec import ModelSpec, resolve_kv_dtype
 from tgi_paged_backend.runner.static.cuda_graphs import measure_decode_graph_bytes
 from tgi_paged_backend.runner.static.decode_step import CPU_COMPILE_BUCKETS, StaticDecodeStep, blocks_per_request
 
-CPU_KV_BUDGET_CAP_BYTES = 4 * 1024**3
-"""On CPU the pool gets ``memory_fraction`` of the available RAM minus the activation estimate,
-capped at this many bytes, so a CPU server (tests, demos) keeps a sane pool size."""
-
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
-
-
-def _cpu_available_bytes() -> int:
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:  # psutil is optional; Linux sysconf is enough
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 class ModelRunner:
@@ -249,9 +236,7 @@ class ModelRunner:
 
     def device_total_bytes(self) -> int:
         """Total memory of the device (host RAM on CPU)."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.mem_get_info(self.device)[1])
-        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        return memory_budget.device_total_bytes(self.device)
 
     def available_kv_bytes(self, memory_fraction: float, activation_bytes: int | None = None) -> int:
         """Bytes the KV pool may take.
@@ -263,8 +248,7 @@ class ModelRunner:
 
         ``activation_bytes`` defaults to the last :meth:`profile_prefill` result (0 if none).
         """
-        if not 0.0 < memory_fraction <= 1.0:
-            raise ValueError(f"memory_fraction={memory_fraction} is invalid: allowed (0, 1]")
+        memory_budget.check_memory_fraction(memory_fraction)
         activation = self.activation_peak_bytes if activation_bytes is None else activation_bytes
         activation = activation or 0
         pool_bytes = self.num_blocks * self.block_bytes
@@ -275,7 +259,9 @@ class ModelRunner:
             by_free = free + held + pool_bytes - activation - self.graph_bytes
             budget = min(by_fraction, by_free)
         else:
-            budget = min(memory_fraction * (_cpu_available_bytes() + pool_bytes) - activation, CPU_KV_BUDGET_CAP_BYTES)
+            return memory_budget.cpu_kv_budget(
+                memory_fraction, memory_budget.cpu_available_bytes() + pool_bytes, activation
+            )
         return max(0, int(budget))
 
     # ----------------------------------------------------------------- forward
@@ -501,7 +487,7 @@ class ModelRunner:
         if num_tokens < 1:
             raise ValueError("profile_prefill needs num_tokens >= 1")
         if self.device.type != "cuda":
-            peak = self._estimate_prefill_bytes(num_tokens, num_logits)
+            peak = memory_budget.estimate_prefill_bytes(self.spec, self.dtype, num_tokens, num_logits)
         else:
             batch, nblocks = self._dummy_prefill(num_tokens, num_logits)
             shape = self._block_shape(nblocks)
@@ -520,37 +506,6 @@ class ModelRunner:
         logger.info("prefill of {} tokens: activation peak {:.1f} MiB", num_tokens, peak / 2**20)
         return int(peak)
 
-    def _estimate_prefill_bytes(self, num_tokens: int, num_logits: int) -> int:
-        s = self.spec
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        per_token = (
-            4 * s.hidden_size + 2 * (s.num_q_heads + 2 * s.num_kv_heads) * s.head_dim + 3 * s.intermediate_size
-        ) * itemsize
-        longest = min(num_tokens, s.max_position_embeddings or num_tokens)
-        scores = s.num_q_heads * longest * longest * 4
-        logits = min(num_logits, num_tokens) * s.vocab_size * (itemsize + 4)
-        return int(num_tokens * per_token + scores + logits)
-
     def measure_copy_bandwidth(self, num_bytes: int = 64 * 1024**2, repeats: int = 3) -> float:
-        """Bytes per second of a device <-> CPU copy (the slower direction, best of ``repeats``).
-
-        On CUDA this copies between device memory and pinned host memory, as swapping does; on CPU
-        it is a host memcpy.
-        """
-        cuda = self.device.type == "cuda"
-        dev = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
-        host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=cuda)
-
-        def best(dst: torch.Tensor, src: torch.Tensor) -> float:
-            times = []
-            for _ in range(repeats + 1):  # the first run warms up
-                if cuda:
-                    torch.cuda.synchronize(self.device)
-                start = time.perf_counter()
-                dst.copy_(src, non_blocking=cuda)
-                if cuda:
-                    torch.cuda.synchronize(self.device)
-                times.append(time.perf_counter() - start)
-            return num_bytes / max(min(times[1:]), 1e-9)
-
-        return min(best(host, dev), best(dev, host))
+        """Bytes per second of a device <-> CPU copy (:func:`.memory_budget.measure_copy_bandwidth`)."""
+        return memory_budget.measure_copy_bandwidth(self.device, num_bytes, repeats)
