@@ -35,7 +35,9 @@ from integration.peers.host import describe, host_info  # noqa: E402
 from integration.peers.hostbound import ensure_hostbound_model  # noqa: E402
 from tgi_paged_backend.bench.decode_step import random_decode_step, random_prefill_step  # noqa: E402
 from tgi_paged_backend.config import CacheConfig, ModelConfig  # noqa: E402
-from tgi_paged_backend.runner.cpu import fast_layers, model_runner  # noqa: E402
+from tgi_paged_backend.runner import model_runner  # noqa: E402
+from tgi_paged_backend.runner.cpu import fast_layers  # noqa: E402
+from tgi_paged_backend.runner.rewrites.pipeline import model_rewrites  # noqa: E402
 
 BLOCK_SIZE = 16
 SMOLLM2 = Path.home() / ".cache" / "tgi-paged-backend" / "SmolLM2-135M-Instruct"
@@ -52,9 +54,8 @@ def _model_dir(name: str) -> str:
 
 def build(variant: str, model: str) -> model_runner.ModelRunner:
     """A runner of ``variant`` (see the module docstring)."""
-    real_fuse, real_min = model_runner.fuse_blocks, fast_layers.PACK_MIN_ELEMENTS
-    if variant not in ("default", "all-packed"):
-        model_runner.fuse_blocks = lambda *args: None  # type: ignore[assignment]
+    real_min = fast_layers.PACK_MIN_ELEMENTS
+    without = () if variant in ("default", "all-packed") else ("fuse",)
     if variant == "all-packed":
         fast_layers.PACK_MIN_ELEMENTS = 0
     try:
@@ -62,9 +63,10 @@ def build(variant: str, model: str) -> model_runner.ModelRunner:
         runner = model_runner.ModelRunner(
             ModelConfig(model_id=model, cpu_decode=kernel, native_layers=variant in ("default", "all-packed")),
             CacheConfig(block_size=BLOCK_SIZE),
+            rewrites=model_rewrites(without=without),
         )
     finally:
-        model_runner.fuse_blocks, fast_layers.PACK_MIN_ELEMENTS = real_fuse, real_min
+        fast_layers.PACK_MIN_ELEMENTS = real_min
     if variant in ("compiled", "sdpa"):
         for module in runner.model.modules():
             if isinstance(module, fast_layers.FusedRMSNorm):

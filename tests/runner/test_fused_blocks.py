@@ -13,6 +13,7 @@ from tgi_paged_backend.runner.cpu import fused_blocks
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedAttention
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.runner.rewrites.pipeline import ModelRewrite, model_rewrites
 
 BY_NAME = {family.name: family for family in FAMILIES}
 
@@ -33,8 +34,8 @@ EXPECTED = {
 }
 
 
-def _runner(path) -> ModelRunner:
-    return ModelRunner(ModelConfig(model_id=str(path)), CacheConfig(block_size=4))
+def _runner(path, rewrites: tuple[ModelRewrite, ...] | None = None) -> ModelRunner:
+    return ModelRunner(ModelConfig(model_id=str(path)), CacheConfig(block_size=4), rewrites=rewrites)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -56,11 +57,10 @@ def test_an_attention_that_differs_is_kept(family_dir, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("name", ["Llama", "Qwen3", "Mistral"])
-def test_fused_runners_give_the_logits_of_unfused_ones(family_dir, monkeypatch, name) -> None:
+def test_fused_runners_give_the_logits_of_unfused_ones(family_dir, name) -> None:
     path = family_dir(name)
     fused = _runner(path)
-    monkeypatch.setattr("tgi_paged_backend.runner.model_runner.fuse_blocks", lambda *args: None)
-    plain = _runner(path)
+    plain = _runner(path, rewrites=model_rewrites(without=("fuse",)))
     assert not any(isinstance(m, FusedPagedAttention | FusedGatedMLP) for m in plain.model.modules())
     prompts = [[3, 17, 5, 9, 11, 2, 8, 13, 21, 4, 6], [7, 7, 1, 30, 2]]
     blocks = 8

@@ -1,12 +1,9 @@
-"""Run the model over a paged KV pool: allocation, forward, block copies, swap and profiling.
+"""Run the model over a paged KV pool: the forward step, the static decode step, block moves by id.
 
-The runner owns the model, the per-layer K/V pool tensors and the CPU swap space. It never sees
-virtual blocks or requests: the engine hands it a :class:`ForwardBatch` of physical slots and block
-tables and gets logits back, and asks it to copy or swap physical blocks by id.
-
-Pool layout, per layer: ``k_caches[i]`` and ``v_caches[i]``, each
-``[num_blocks, block_size, num_kv_heads, head_dim]``. The swap space has the same shape with
-``num_cpu_blocks`` rows (pinned when the device is CUDA).
+The runner owns the model (loaded, then rewritten by :mod:`.rewrites`), the KV pool and swap space
+(:class:`~.kv_pool.KVPool`) and the static decode step. It never sees virtual blocks or requests: the engine
+hands it a :class:`ForwardBatch` of physical slots and block tables and gets logits back, and asks it to
+copy or swap physical blocks by id. How big the pool may be: :mod:`.memory_budget`.
 """
 
 from __future__ import annotations
@@ -16,32 +13,38 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from functools import partial
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from loguru import logger
 
-import tgi_paged_kernels
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.lora.checkpoint import LoraAdapter, load_adapters
-from tgi_paged_backend.lora.layers import LoraModel, attach_adapters
+from tgi_paged_backend.lora.layers import LoraModel
 from tgi_paged_backend.lora.sources import parse_lora_adapters
 from tgi_paged_backend.memory.layer_groups import LayerGroups
 from tgi_paged_backend.runner import memory_budget
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
-from tgi_paged_backend.runner.cpu.fast_layers import swap_fast_layers
-from tgi_paged_backend.runner.cpu.fused_blocks import fuse_blocks
-from tgi_paged_backend.runner.cpu.native_layers import wrap_native_layers
+from tgi_paged_backend.runner.cpu.fast_layers import SwapReport
+from tgi_paged_backend.runner.cpu.fused_blocks import FusionReport
+from tgi_paged_backend.runner.cpu.native_layers import NativeLayersReport
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
-from tgi_paged_backend.runner.model.loader import LoadedModel, ModelLoadError, load_model, resident_bytes
-from tgi_paged_backend.runner.model.medusa import MedusaHeads, MedusaLoadError, load_medusa_heads, read_medusa_config
+from tgi_paged_backend.runner.kv_pool import BlockIds, KVPool
+from tgi_paged_backend.runner.model.loader import LoadedModel, load_model, resident_bytes
+from tgi_paged_backend.runner.model.medusa import MedusaHeads, load_medusa_for
 from tgi_paged_backend.runner.model.spec import ModelSpec, resolve_kv_dtype
+from tgi_paged_backend.runner.rewrites.pipeline import (
+    AppliedRewrites,
+    ModelRewrite,
+    RewriteContext,
+    model_rewrites,
+    run_rewrites,
+)
 from tgi_paged_backend.runner.static.cuda_graphs import measure_decode_graph_bytes
 from tgi_paged_backend.runner.static.decode_step import CPU_COMPILE_BUCKETS, StaticDecodeStep, blocks_per_request
 
-BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+if TYPE_CHECKING:
+    from tgi_paged_backend.runner.parallel.process_group import TensorParallelGroup
 
 
 class ModelRunner:
@@ -57,8 +60,16 @@ class ModelRunner:
         ``cpu`` or ``cuda[:n]``.
     """
 
+    group: TensorParallelGroup | None = None
+    """The tensor-parallel process group (set by :class:`~.parallel.tp_runner.TensorParallelRunner`)."""
+
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device | str = "cpu"
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device: torch.device | str = "cpu",
+        *,
+        rewrites: Sequence[ModelRewrite] | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -67,15 +78,25 @@ class ModelRunner:
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
 
-        self.adapters: tuple[LoraAdapter, ...] = ()
-        """``LORA_ADAPTERS``, read and checked by :meth:`_load_model` against the unsharded model."""
         loaded = self._load_model(model_config)
+        self.adapters: tuple[LoraAdapter, ...] = self._read_adapters(loaded)
+        """``LORA_ADAPTERS``, read and checked against the unsharded model."""
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.generation_config = loaded.generation_config
         self.eos_token_ids: tuple[int, ...] = loaded.eos_token_ids
         self.dtype = loaded.dtype
-        self.spec = ModelSpec.from_hf_config(self.model.config, self.dtype)
+        full_spec = ModelSpec.from_hf_config(self.model.config, self.dtype)
+        self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
+        context = RewriteContext(
+            model_config=model_config, device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype,
+            block_size=self.block_size, spec=full_spec, adapters=self.adapters, tp_group=self.group,
+        )  # fmt: skip
+        self.rewrites: AppliedRewrites = run_rewrites(
+            self.model, context, model_rewrites() if rewrites is None else rewrites
+        )
+        self.spec = self._serving_spec(full_spec)
+        """The sizes this runner's pool holds (the local heads under tensor parallelism)."""
         groups = self.spec.kv_groups
         self.kv_groups: LayerGroups = (
             LayerGroups.uniform(self.spec.num_layers) if groups.is_hybrid and not cache_config.layer_groups else groups
@@ -83,85 +104,56 @@ class ModelRunner:
         """The KV layer groups the engine pages by (one page map per group; one group of every layer, with the
         window when every layer has it, unless full and sliding layers mix): ``allocate_kv_cache(n,
         grouped=True)`` lays the pool out for them, a block holding ``layers_per_block`` layers."""
-        self.pool_groups: LayerGroups = LayerGroups.uniform(self.spec.num_layers)
-        """The groups the current pool is laid out for (one group of every layer unless allocated grouped)."""
-        self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
-        # Before the swaps below: the layers it wraps are no longer plain linears, so fusion leaves them.
-        self.lora: LoraModel | None = attach_adapters(self.model, self.adapters, self.device)
-        self.fusion = fuse_blocks(self.model, self.block_size, self.kv_dtype) if self.device.type == "cpu" else None
-        self.native_layers = (
-            wrap_native_layers(self.model, self.block_size)
-            # Not with TGI_PAGED_COMPILE: its static step traces the per-op path, which would unpack the
-            # native layers' weights inside the graph.
-            if self.fusion is not None
-            and model_config.native_layers
-            and self.kv_dtype == torch.float32
-            and not model_config.compile_decode
-            else None
-        )
-        self.fast_layers = swap_fast_layers(self.model, self.device, self.dtype)
-        self.medusa: MedusaHeads | None = self._load_medusa(model_config)
+        self.medusa: MedusaHeads | None = load_medusa_for(self.model, model_config, self.device, self.dtype)
         if self.medusa is not None:
             self.static_decode_supported = False  # the heads read lm_head's input, which a graph does not hand out
         self.k_scale = 1.0
         self.v_scale = 1.0
-        self._layer_group: tuple[int, ...] = (0,) * self.spec.num_layers
-        self._k_slots: list[torch.Tensor] = []
-        self._v_slots: list[torch.Tensor] = []
+        self.pool = KVPool(self.spec, self.block_size, self.kv_dtype, self.device)
 
         self.weights_bytes = resident_bytes(self.model) + (self.medusa.num_bytes if self.medusa is not None else 0)
         self.activation_peak_bytes: int | None = None
         """Set by :meth:`profile_prefill`; used by :meth:`available_kv_bytes`."""
-        self.k_caches: list[torch.Tensor] = []
-        self.v_caches: list[torch.Tensor] = []
-        self.cpu_k_caches: list[torch.Tensor] = []
-        self.cpu_v_caches: list[torch.Tensor] = []
         self.graph_bytes = 0
         """Device bytes of the decode CUDA graphs (:meth:`profile_decode_graphs`), kept out of the KV pool."""
         self.static_decode: StaticDecodeStep | None = None
         """The static decode step decode batches run through when it holds them (:meth:`prepare_static_decode`)."""
 
     def _load_model(self, model_config: ModelConfig) -> LoadedModel:
-        """Load the model onto ``self.device`` and read its adapters (the tensor-parallel runner loads its
-        shard instead)."""
-        loaded = load_model(model_config, self.device)
-        self.adapters = self._read_adapters(loaded)
-        return loaded
+        """Load the model onto ``self.device`` (the tensor-parallel runner loads on the CPU; its ``tp_slice``
+        rewrite moves the shard)."""
+        return load_model(model_config, self.device)
 
-    def _load_medusa(self, model_config: ModelConfig) -> MedusaHeads | None:
-        """The Medusa heads proposing drafts (``model_config.medusa_dir``), the first ``speculate`` of them."""
-        if model_config.medusa_dir is None or model_config.num_speculative_tokens == 0:
-            return None
-        path = Path(model_config.medusa_dir)
-        config = read_medusa_config(path)
-        assert config is not None, f"{path} was resolved as a Medusa checkpoint"
-        hf_model: Any = self.model
-        text = hf_model.config.get_text_config()
-        try:
-            heads = load_medusa_heads(
-                path,
-                config,
-                model_config.num_speculative_tokens,
-                hf_model.get_output_embeddings(),
-                hidden_size=int(text.hidden_size),
-                vocab_size=int(text.vocab_size),
-                device=self.device,
-                dtype=self.dtype,
-            )
-        except MedusaLoadError as err:
-            raise ModelLoadError(str(err)) from None
-        logger.info("speculation: {} Medusa heads from {}", heads.num_heads, path)
-        return heads
-
-    def propose_medusa(self, rows: Sequence[int], k: int) -> list[list[int]]:
-        """The Medusa heads' proposals (up to ``k`` tokens) at logits rows ``rows`` of the last forward."""
-        assert self.medusa is not None
-        return self.medusa.propose(rows, k)
+    def _serving_spec(self, full_spec: ModelSpec) -> ModelSpec:
+        """The sizes of what this runner holds (all of the model here; the tensor-parallel runner its shard)."""
+        return full_spec
 
     def _read_adapters(self, loaded: LoadedModel) -> tuple[LoraAdapter, ...]:
         """The ``LORA_ADAPTERS`` checkpoints, checked against ``loaded`` (unsharded)."""
         sources = parse_lora_adapters(self.model_config.lora_adapters)
         return load_adapters(sources, loaded.model, loaded.dtype) if sources else ()
+
+    # What the load-time rewrites did (``None`` when one did not run).
+    @property
+    def lora(self) -> LoraModel | None:
+        return self.rewrites.get("lora")
+
+    @property
+    def fusion(self) -> FusionReport | None:
+        return self.rewrites.get("fuse")
+
+    @property
+    def native_layers(self) -> NativeLayersReport | None:
+        return self.rewrites.get("native")
+
+    @property
+    def fast_layers(self) -> SwapReport | None:
+        return self.rewrites.get("pack")
+
+    def propose_medusa(self, rows: Sequence[int], k: int) -> list[list[int]]:
+        """The Medusa heads' proposals (up to ``k`` tokens) at logits rows ``rows`` of the last forward."""
+        assert self.medusa is not None
+        return self.medusa.propose(rows, k)
 
     @property
     def lora_bytes(self) -> int:
@@ -169,70 +161,59 @@ class ModelRunner:
         return 0 if self.lora is None else self.lora.num_bytes
 
     # ------------------------------------------------------------------ memory
+    # The pool is :class:`KVPool`'s; these are the engine's handles on it.
     @property
     def block_bytes(self) -> int:
         """Bytes of one physical block of the current pool layout (K and V, all its layers) in the pool's dtype."""
-        return self.block_bytes_for(self.pool_groups)
+        return self.pool.block_bytes
 
     def block_bytes_for(self, groups: LayerGroups) -> int:
         """Bytes of one block of a pool laid out for ``groups`` (``layers_per_block`` layers' K and V)."""
-        per_layer = self.spec.kv_bytes_per_block(self.block_size, self.kv_dtype) // self.spec.num_layers
-        return per_layer * groups.layers_per_block
+        return self.pool.block_bytes_for(groups)
+
+    @property
+    def pool_groups(self) -> LayerGroups:
+        """The groups the current pool is laid out for (one group of every layer unless allocated grouped)."""
+        return self.pool.groups
 
     @property
     def num_blocks(self) -> int:
         """Physical blocks in the pool (0 before :meth:`allocate_kv_cache`)."""
-        return int(self.k_caches[0].shape[0]) if self.k_caches else 0
+        return self.pool.num_blocks
 
     @property
     def num_cpu_blocks(self) -> int:
         """Blocks of swap space (0 before :meth:`allocate_swap_space`)."""
-        return int(self.cpu_k_caches[0].shape[0]) if self.cpu_k_caches else 0
+        return self.pool.num_cpu_blocks
 
-    def _block_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
-        return (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+    @property
+    def k_caches(self) -> list[torch.Tensor]:
+        return self.pool.k_caches
+
+    @property
+    def v_caches(self) -> list[torch.Tensor]:
+        return self.pool.v_caches
+
+    @property
+    def cpu_k_caches(self) -> list[torch.Tensor]:
+        return self.pool.cpu_k_caches
+
+    @property
+    def cpu_v_caches(self) -> list[torch.Tensor]:
+        return self.pool.cpu_v_caches
 
     def allocate_kv_cache(self, num_blocks: int, *, grouped: bool = False) -> None:
         """Allocate (or replace) the pool: per layer K and V of ``[num_blocks, block_size, Hkv, D]``.
 
         ``grouped``: laid out for :attr:`kv_groups` (their ``layers_per_block`` slot tensors, each layer's
         ``k_caches`` entry a view of its slot's): every forward then needs the groups' block tables.
-        Zero-filled, so blocks never written hold finite values.
         """
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks={num_blocks}: the KV pool needs at least one block")
         self.static_decode = None  # its graphs hold the old pool's addresses
-        self.k_caches, self.v_caches = [], []  # free the old pool before allocating the new one
-        self.pool_groups = self.kv_groups if grouped else LayerGroups.uniform(self.spec.num_layers)
-        self._layer_group = tuple(self.pool_groups.layer_group(layer) for layer in range(self.spec.num_layers))
-        shape = self._block_shape(num_blocks)
-        slots = self.pool_groups.layers_per_block
-        k_slots = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(slots)]
-        v_slots = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(slots)]
-        self._k_slots, self._v_slots = k_slots, v_slots
-        # Layer l's K/V lives in slot tensor layer_slot(l): a block holds one group's layers (with one
-        # group, slot = layer).
-        for layer in range(self.spec.num_layers):
-            self.k_caches.append(k_slots[self.pool_groups.layer_slot(layer)])
-            self.v_caches.append(v_slots[self.pool_groups.layer_slot(layer)])
-        logger.info(
-            "KV pool: {} blocks x {} tokens, {:.1f} MiB ({})",
-            num_blocks,
-            self.block_size,
-            num_blocks * self.block_bytes / 2**20,
-            self.kv_dtype,
-        )
+        self.pool.allocate(num_blocks, self.kv_groups if grouped else LayerGroups.uniform(self.spec.num_layers))
 
     def allocate_swap_space(self, num_cpu_blocks: int) -> None:
         """Allocate (or replace) the CPU swap space; pinned when the device is CUDA. 0 frees it."""
-        self.cpu_k_caches, self.cpu_v_caches = [], []
-        if num_cpu_blocks <= 0:
-            return
-        pin = self.device.type == "cuda"
-        shape = self._block_shape(num_cpu_blocks)
-        for _ in range(self.pool_groups.layers_per_block):  # one per slot tensor of the pool
-            self.cpu_k_caches.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
-            self.cpu_v_caches.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
+        self.pool.allocate_swap(num_cpu_blocks)
 
     def device_total_bytes(self) -> int:
         """Total memory of the device (host RAM on CPU)."""
@@ -296,7 +277,7 @@ class ModelRunner:
         metadata = PagedAttentionMetadata(
             batch, k_caches, v_caches, self.k_scale, self.v_scale,
             cpu_decode=self.model_config.cpu_decode,
-            layer_groups=self._layer_group if batch.group_block_tables else None,
+            layer_groups=self.pool.layer_group if batch.group_block_tables else None,
         )  # fmt: skip
         routing = self.lora.step.open(batch.lora_slots) if self.lora is not None else contextlib.nullcontext()
         with torch.inference_mode(), routing:
@@ -375,7 +356,7 @@ class ModelRunner:
             make = partial(self._static_step, max_seq_len=max_seq_len, buckets=buckets, groups=self.kv_groups)
             try:
                 self.graph_bytes = measure_decode_graph_bytes(
-                    make, self._block_shape(1), self.spec.num_layers, self.kv_dtype, self.device
+                    make, self.pool.block_shape(1), self.spec.num_layers, self.kv_dtype, self.device
                 )
             except Exception as e:  # a family whose forward syncs or branches on values: serve it eagerly
                 logger.warning("decode CUDA graphs off: capture failed ({}: {})", type(e).__name__, e)
@@ -420,43 +401,17 @@ class ModelRunner:
             self.static_decode = step
 
     # ------------------------------------------------------------ block moves
-    @staticmethod
-    def _ids(ids: BlockIds, device: torch.device) -> torch.Tensor:
-        if torch.is_tensor(ids):
-            return ids.to(device=device, dtype=torch.int64)
-        return torch.as_tensor(np.asarray(ids, dtype=np.int64), device=device)
-
     def copy_blocks(self, src: BlockIds, dst: BlockIds) -> None:
         """Copy pool blocks ``src[i] -> dst[i]`` in every layer (copy-on-write)."""
-        if len(src) != len(dst):
-            raise ValueError(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
-        if len(src) == 0:
-            return
-        tgi_paged_kernels.copy_blocks(
-            self._k_slots, self._v_slots, self._ids(src, self.device), self._ids(dst, self.device)
-        )
+        self.pool.copy_blocks(src, dst)
 
     def swap_out(self, device_ids: BlockIds, cpu_ids: BlockIds) -> None:
-        """Copy pool blocks ``device_ids[i]`` to swap blocks ``cpu_ids[i]`` (every slot tensor, K and V)."""
-        self._swap(self._k_slots + self._v_slots, self.cpu_k_caches + self.cpu_v_caches, device_ids, cpu_ids)
+        """Copy pool blocks ``device_ids[i]`` to swap blocks ``cpu_ids[i]``."""
+        self.pool.swap_out(device_ids, cpu_ids)
 
     def swap_in(self, cpu_ids: BlockIds, device_ids: BlockIds) -> None:
         """Copy swap blocks ``cpu_ids[i]`` back to pool blocks ``device_ids[i]``."""
-        self._swap(self.cpu_k_caches + self.cpu_v_caches, self._k_slots + self._v_slots, cpu_ids, device_ids)
-
-    def _swap(
-        self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], src_ids: BlockIds, dst_ids: BlockIds
-    ) -> None:
-        if len(src_ids) != len(dst_ids):
-            raise ValueError(f"swap: {len(src_ids)} sources for {len(dst_ids)} destinations")
-        if len(src_ids) == 0:
-            return
-        if not self.cpu_k_caches:
-            raise RuntimeError("allocate_swap_space() must be called before swapping")
-        cpu = torch.device("cpu")
-        # swap_blocks returns once the CPU side is done: swap-out copies have landed in the swap
-        # space, swap-in sources have been read (the device-side scatter is in stream order).
-        tgi_paged_kernels.swap_blocks(src_caches, dst_caches, self._ids(src_ids, cpu), self._ids(dst_ids, cpu))
+        self.pool.swap_in(cpu_ids, device_ids)
 
     # --------------------------------------------------------------- profiling
     def _dummy_prefill(self, num_tokens: int, num_logits: int) -> tuple[ForwardBatch, int]:
@@ -490,7 +445,7 @@ class ModelRunner:
             peak = memory_budget.estimate_prefill_bytes(self.spec, self.dtype, num_tokens, num_logits)
         else:
             batch, nblocks = self._dummy_prefill(num_tokens, num_logits)
-            shape = self._block_shape(nblocks)
+            shape = self.pool.block_shape(nblocks)
             k_tmp = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.spec.num_layers)]
             v_tmp = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.spec.num_layers)]
             batch = batch.to(self.device)

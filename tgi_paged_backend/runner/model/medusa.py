@@ -24,10 +24,14 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from loguru import logger
+
+from tgi_paged_backend.config import ModelConfig
+from tgi_paged_backend.runner.model.loader import ModelLoadError
 
 HEADS_FILE = "medusa_lm_head.safetensors"
 
@@ -176,3 +180,31 @@ def load_medusa_heads(
             out_name = f"{i}.{config.num_layers}.weight"
             outs.append(_linear(tensor(out_name, (vocab_size, hidden_size)), None) if out_name in keys else None)
     return MedusaHeads(blocks, outs, lm_head)
+
+
+def load_medusa_for(
+    model: Any, model_config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> MedusaHeads | None:
+    """The Medusa heads proposing drafts for ``model`` (``model_config.medusa_dir``), the first
+    ``num_speculative_tokens`` of them; ``None`` without a Medusa checkpoint or with ``--speculate 0``."""
+    if model_config.medusa_dir is None or model_config.num_speculative_tokens == 0:
+        return None
+    path = Path(model_config.medusa_dir)
+    config = read_medusa_config(path)
+    assert config is not None, f"{path} was resolved as a Medusa checkpoint"
+    text = model.config.get_text_config()
+    try:
+        heads = load_medusa_heads(
+            path,
+            config,
+            model_config.num_speculative_tokens,
+            model.get_output_embeddings(),
+            hidden_size=int(text.hidden_size),
+            vocab_size=int(text.vocab_size),
+            device=device,
+            dtype=dtype,
+        )
+    except MedusaLoadError as err:
+        raise ModelLoadError(str(err)) from None
+    logger.info("speculation: {} Medusa heads from {}", heads.num_heads, path)
+    return heads

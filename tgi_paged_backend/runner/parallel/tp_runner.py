@@ -29,7 +29,7 @@ from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model.loader import LoadedModel, load_model, resolve_dtype
 from tgi_paged_backend.runner.model.spec import ModelSpec
 from tgi_paged_backend.runner.model_runner import ModelRunner
-from tgi_paged_backend.runner.parallel.slicing import ShardLayout, local_spec, shard_model
+from tgi_paged_backend.runner.parallel.slicing import ShardLayout, local_spec
 
 if TYPE_CHECKING:
     from tgi_paged_backend.runner.parallel.process_group import TensorParallelGroup
@@ -59,12 +59,8 @@ class TensorParallelRunner(ModelRunner):
         device: torch.device | str,
         group: TensorParallelGroup,
     ) -> None:
-        self.group = group
-        self.layout: ShardLayout | None = None
+        self.group: TensorParallelGroup = group
         super().__init__(model_config, cache_config, device)
-        assert self.layout is not None
-        self.full_spec = self.spec
-        self.spec = local_spec(self.spec, self.layout)
         logger.info(
             "Tensor parallel: rank {}/{} holds {} of {} query heads, {} of {} KV heads, MLP {} of {}; "
             "weights {:.1f} MiB",
@@ -79,15 +75,23 @@ class TensorParallelRunner(ModelRunner):
             self.weights_bytes / 2**20,
         )
 
+    @property
+    def layout(self) -> ShardLayout:
+        """What this rank holds (the ``tp_slice`` rewrite's report)."""
+        layout = self.rewrites.get("tp_slice")
+        assert layout is not None, "the tp_slice rewrite runs on every tensor-parallel runner"
+        return layout
+
     def _load_model(self, model_config: ModelConfig) -> LoadedModel:
-        """Load on the CPU in the target dtype, keep this rank's shard, move it to the device."""
+        """Load the full checkpoint on the CPU in the target dtype; the ``tp_slice`` rewrite keeps this rank's
+        shard and moves it to the device."""
         dtype = resolve_dtype(model_config.dtype, self.device)
-        loaded = load_model(dataclasses.replace(model_config, dtype=_DTYPE_NAMES[dtype]), "cpu")
-        self.adapters = self._read_adapters(loaded)  # checked against the unsharded layers
-        spec = ModelSpec.from_hf_config(loaded.model.config, loaded.dtype)
-        self.layout = shard_model(loaded.model, spec, self.group.rank, self.group.world_size, self.group.all_reduce_)
-        loaded.model.to(self.device)
-        return loaded
+        return load_model(dataclasses.replace(model_config, dtype=_DTYPE_NAMES[dtype]), "cpu")
+
+    def _serving_spec(self, full_spec: ModelSpec) -> ModelSpec:
+        """This rank's heads and MLP columns."""
+        self.full_spec = full_spec
+        return local_spec(full_spec, self.layout)
 
     def available_kv_bytes(self, memory_fraction: float, activation_bytes: int | None = None) -> int:
         """The KV budget of the tightest rank (a collective: every rank calls it at the same point)."""

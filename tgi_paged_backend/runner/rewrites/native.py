@@ -1,0 +1,34 @@
+"""Rewrite ``native`` (CPU, fp32): a fused Llama-form decoder layer's decode step as one C++ call
+(:mod:`tgi_paged_backend.runner.cpu.native_layers`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tgi_paged_backend.runner.cpu.native_layers import NativeLayersReport, wrap_native_layers
+from tgi_paged_backend.runner.rewrites.pipeline import Decision, RewriteContext, runs, skip
+
+
+class NativeLayers:
+    name = "native"
+
+    def applies(self, model: nn.Module, ctx: RewriteContext, done: Mapping[str, Any]) -> Decision:
+        if "fuse" not in done:
+            return skip("needs the fused blocks (CPU only)")
+        if not ctx.model_config.native_layers:
+            return skip("TGI_PAGED_NATIVE_LAYERS=0")
+        if ctx.kv_dtype != torch.float32:
+            return skip(f"KV cache in {ctx.kv_dtype}, the native layer is fp32")
+        if ctx.model_config.compile_decode:
+            # Its static step traces the per-op path, which would unpack the native layers' weights inside
+            # the graph.
+            return skip("TGI_PAGED_COMPILE traces the per-op path")
+        return runs()
+
+    def apply(self, model: nn.Module, ctx: RewriteContext) -> tuple[NativeLayersReport, int]:
+        report = wrap_native_layers(model, ctx.block_size)
+        return report, report.wrapped

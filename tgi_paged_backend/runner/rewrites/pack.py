@@ -1,0 +1,23 @@
+"""Rewrite ``pack``: plain linears packed for oneDNN on CPU, Llama-form RMSNorms fused into one call
+(:mod:`tgi_paged_backend.runner.cpu.fast_layers`; on CUDA only the norms change)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from tgi_paged_backend.runner.cpu.fast_layers import SwapReport, swap_fast_layers
+from tgi_paged_backend.runner.rewrites.pipeline import Decision, RewriteContext, runs
+
+
+class PackLinears:
+    name = "pack"
+
+    def applies(self, model: nn.Module, ctx: RewriteContext, done: Mapping[str, Any]) -> Decision:
+        return runs()
+
+    def apply(self, model: nn.Module, ctx: RewriteContext) -> tuple[SwapReport, int]:
+        report = swap_fast_layers(model, ctx.device, ctx.dtype)
+        return report, report.packed_linears + report.fused_norms
