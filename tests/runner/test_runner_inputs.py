@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.helpers.tiny_models import tiny_config
-from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
+from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch, layout_tokens
 from tgi_paged_backend.runner.model.spec import ModelSpec, resolve_kv_dtype
 
 
@@ -110,3 +112,36 @@ def test_from_numpy_validates_shapes() -> None:
 def test_to_same_device_is_identity() -> None:
     batch = build_forward_batch([RequestChunk([1, 2], 0, [0])], block_size=8)
     assert batch.to("cpu") is batch
+
+
+def _layout_by_loops(computed: list[int], lens: list[int], every: list[bool]) -> dict[str, list[int]]:
+    """The packed layout worked out request by request (the reference for layout_tokens)."""
+    positions, qsl, logits, starts, offset = [], [0], [], [], 0
+    for c, n, all_rows in zip(computed, lens, every):
+        positions += list(range(c, c + n))
+        starts.append(len(logits))
+        logits += list(range(offset, offset + n)) if all_rows else [offset + n - 1]
+        offset += n
+        qsl.append(offset)
+    return {"positions": positions, "query_start_loc": qsl, "logits_indices": logits, "logits_start": starts}
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9), st.booleans()), min_size=1, max_size=8),
+)
+def test_layout_tokens_equals_the_request_by_request_layout(requests: list[tuple[int, int, bool]]) -> None:
+    computed, lens, every = (list(x) for x in zip(*requests))
+    layout = layout_tokens(computed, lens, every)
+    expected = _layout_by_loops(computed, lens, every)
+    for name, values in expected.items():
+        assert getattr(layout, name).tolist() == values, name
+    assert layout.seq_lens.tolist() == [c + n for c, n in zip(computed, lens)]
+    assert layout.logits_count.tolist() == [n if e else 1 for n, e in zip(lens, every)]
+    assert layout.is_decode == all(n == 1 for n in lens)
+
+
+def test_layout_tokens_refuses_empty_steps_and_chunks() -> None:
+    with pytest.raises(ValueError, match="at least one request"):
+        layout_tokens([], [])
+    with pytest.raises(ValueError, match="at least one token"):
+        layout_tokens([3, 4], [1, 0])

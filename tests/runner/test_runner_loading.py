@@ -104,7 +104,7 @@ def test_allocate_pool_and_swap_space(llama_runner: ModelRunner) -> None:
     llama_runner.allocate_swap_space(4)
     assert len(llama_runner.k_caches) == len(llama_runner.v_caches) == spec.num_layers == 3
     assert llama_runner.k_caches[0].shape == (10, 8, spec.num_kv_heads, spec.head_dim)
-    assert llama_runner.cpu_v_caches[2].shape == (4, 8, spec.num_kv_heads, spec.head_dim)
+    assert llama_runner.pool.cpu_v_caches[2].shape == (4, 8, spec.num_kv_heads, spec.head_dim)
     assert (llama_runner.num_blocks, llama_runner.num_cpu_blocks) == (10, 4)
     assert llama_runner.block_bytes == spec.kv_bytes_per_block(8, torch.float32)
     with pytest.raises(ValueError):
@@ -179,7 +179,7 @@ def test_cuda_profile_budget_and_swap(tiny_llama_dir: Path) -> None:
     assert budget > 0
     runner.allocate_kv_cache(64)
     runner.allocate_swap_space(8)
-    assert runner.cpu_k_caches[0].is_pinned()
+    assert runner.pool.cpu_k_caches[0].is_pinned()
     runner.k_caches[0][3].normal_()
     runner.swap_out([3], [5])
     runner.swap_in([5], [9])

@@ -23,7 +23,7 @@ from tgi_paged_backend.engine.speculation import accepted_prefix, drafting_pays
 from tgi_paged_backend.engine.step_anatomy import StepTimer
 from tgi_paged_backend.engine.types import GeneratedText, Generation, Tokens
 from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
-from tgi_paged_backend.runner.input_batch import ForwardBatch
+from tgi_paged_backend.runner.input_batch import ForwardBatch, layout_tokens
 from tgi_paged_backend.runner.model_runner import ModelRunner
 
 
@@ -117,9 +117,7 @@ class ModelStep:
     def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple[int, int, bool]]]:
         """Packed inputs; ``rows[i]`` = (first logits row, number of rows, rows are prompt logprobs)
         of scheduled request i."""
-        ids, starts, counts, chunks, rows = [], [], [], [], []
-        logits_idx: list[int] = []
-        offset = 0
+        ids, starts, counts, chunks, every_row, prompt_rows = [], [], [], [], [], []
         for r, n in plan.scheduled:
             start = r.num_computed
             ids.append(r.id)
@@ -127,44 +125,39 @@ class ModelStep:
             counts.append(n)
             if r.draft:  # the last sampled token, then the draft; every position's logits are verified
                 chunks.append([r.output_ids[-1], *r.draft])
-                rows.append((len(logits_idx), n, False))
-                logits_idx.extend(range(offset, offset + n))
-                offset += n
+                every_row.append(True)
+                prompt_rows.append(False)
                 continue
             if n == 1 and start >= len(r.prompt_ids):
                 chunks.append(r.output_ids[start - len(r.prompt_ids) : start - len(r.prompt_ids) + 1])
             else:
                 chunks.append(r.all_ids[start : start + n])
-            if self._wants_prompt_logprobs(r):
-                rows.append((len(logits_idx), n, True))
-                logits_idx.extend(range(offset, offset + n))
-            else:
-                rows.append((len(logits_idx), 1, False))
-                logits_idx.append(offset + n - 1)
-            offset += n
-        starts_np = np.asarray(starts, dtype=np.int64)
+            logprobs = self._wants_prompt_logprobs(r)
+            every_row.append(logprobs)
+            prompt_rows.append(logprobs)
+        layout = layout_tokens(starts, counts, every_row)
+        rows = [
+            (int(first), int(count), logprobs)
+            for first, count, logprobs in zip(layout.logits_start, layout.logits_count, prompt_rows)
+        ]
         counts_np = np.asarray(counts, dtype=np.int64)
-        qsl = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts_np, out=qsl[1:])
-        is_decode = bool((counts_np == 1).all())
         groups = range(1, self.kv.num_groups)  # KV layer groups past the first (memory.layer_groups)
-        if is_decode:
-            positions = starts_np
+        if layout.is_decode:
+            starts_np = layout.positions
             slots = self.kv.decode_slot_mapping(ids, starts_np)
             group_slots = [self.kv.decode_slot_mapping(ids, starts_np, group=g) for g in groups]
         else:
-            positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])
             slots = self.kv.slot_mapping(ids, starts, counts)
             group_slots = [self.kv.slot_mapping(ids, starts, counts, group=g) for g in groups]
         batch = ForwardBatch.from_numpy(
-            input_ids=np.fromiter((t for c in chunks for t in c), dtype=np.int64, count=offset),
-            positions=positions,
+            input_ids=np.fromiter((t for c in chunks for t in c), dtype=np.int64, count=len(layout.positions)),
+            positions=layout.positions,
             slot_mapping=slots,
             block_tables=self.kv.block_tables(ids),
-            query_start_loc=qsl,
-            seq_lens=starts_np + counts_np,
-            logits_indices=np.asarray(logits_idx, dtype=np.int64),
-            is_decode=is_decode,
+            query_start_loc=layout.query_start_loc,
+            seq_lens=layout.seq_lens,
+            logits_indices=layout.logits_indices,
+            is_decode=layout.is_decode,
             lora_slots=self._lora_slots(plan, counts_np),
             group_slot_mappings=group_slots,
             group_block_tables=self.kv.group_block_tables(ids)[1:] if group_slots else (),

@@ -216,6 +216,59 @@ def on_consecutive_blocks(
     return chunks, block
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLayout:
+    """Where each request's tokens and logits rows sit in a packed step (the one place this is worked out:
+    :func:`build_forward_batch`, the engine's step and the static decode buffers use it)."""
+
+    positions: np.ndarray
+    """``[T]`` int64 position of each packed token in its request."""
+    query_start_loc: np.ndarray
+    """``[B + 1]`` int64 prefix sums of the query lengths."""
+    seq_lens: np.ndarray
+    """``[B]`` int64 tokens of each request with K/V after the step."""
+    logits_indices: np.ndarray
+    """``[K]`` int64 packed rows whose logits are returned, request by request."""
+    logits_start: np.ndarray
+    """``[B]`` int64 first logits row of each request."""
+    logits_count: np.ndarray
+    """``[B]`` int64 logits rows of each request (its query length with ``all_logits``, else 1)."""
+    is_decode: bool
+    """Every request has exactly one new token."""
+
+
+def layout_tokens(num_computed: Sequence[int] | np.ndarray, q_lens: Sequence[int] | np.ndarray,
+                  all_logits: Sequence[bool] | np.ndarray | bool = False) -> TokenLayout:  # fmt: skip
+    """The packed layout of requests that already hold ``num_computed[b]`` positions and compute the next
+    ``q_lens[b]``; logits for every new token of the requests with ``all_logits`` (prompt logprobs, draft
+    verification), else for the last one. Raises ``ValueError`` for an empty step or an empty chunk."""
+    computed = np.asarray(num_computed, dtype=np.int64)
+    lens = np.asarray(q_lens, dtype=np.int64)
+    if lens.size == 0:
+        raise ValueError("a step needs at least one request")
+    if (lens < 1).any():
+        raise ValueError("every request chunk needs at least one token")
+    query_start_loc = np.zeros(lens.size + 1, dtype=np.int64)
+    np.cumsum(lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    is_decode = num_tokens == lens.size
+    # Token i of request b sits at packed row query_start_loc[b] + i and position num_computed[b] + i.
+    positions = (
+        computed.copy() if is_decode else np.repeat(computed - query_start_loc[:-1], lens) + np.arange(num_tokens)
+    )
+    every = np.broadcast_to(np.asarray(all_logits, dtype=bool), lens.shape)
+    logits_count = np.where(every, lens, 1)
+    logits_start = np.zeros(lens.size, dtype=np.int64)
+    np.cumsum(logits_count[:-1], out=logits_start[1:])
+    num_logits = int(logits_count.sum())
+    # Row j of request b's logits is packed row (its last token - count + 1) + j.
+    offsets = np.arange(num_logits) - np.repeat(logits_start, logits_count)
+    logits_indices = np.repeat(query_start_loc[1:] - logits_count, logits_count) + offsets
+    return TokenLayout(
+        positions, query_start_loc, computed + lens, logits_indices, logits_start, logits_count, is_decode
+    )
+
+
 def build_forward_batch(chunks: Sequence[RequestChunk], block_size: int) -> ForwardBatch:
     """Pack per-request chunks into a CPU :class:`ForwardBatch` (pure numpy, then one wrap).
 
@@ -224,35 +277,37 @@ def build_forward_batch(chunks: Sequence[RequestChunk], block_size: int) -> Forw
     if not chunks:
         raise ValueError("build_forward_batch needs at least one request")
     q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
-    if (q_lens < 1).any():
-        raise ValueError("every request chunk needs at least one token")
-    query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=query_start_loc[1:])
-    seq_lens = np.array([c.num_computed + len(c.token_ids) for c in chunks], dtype=np.int64)
+    layout = layout_tokens([c.num_computed for c in chunks], q_lens, [c.all_logits for c in chunks])
     max_blocks = max(len(c.block_table) for c in chunks)
     block_tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
-    positions, slots, logits_indices = [], [], []
+    slots = []
     for b, chunk in enumerate(chunks):
         table = np.asarray(chunk.block_table, dtype=np.int64)
-        needed = -(-int(seq_lens[b]) // block_size)
+        needed = -(-int(layout.seq_lens[b]) // block_size)
         if len(table) < needed:
             raise ValueError(
                 f"request {b}: block table has {len(table)} blocks, {needed} needed "
-                f"for {seq_lens[b]} tokens at block_size={block_size}"
+                f"for {layout.seq_lens[b]} tokens at block_size={block_size}"
             )
         block_tables[b, : len(table)] = table
-        pos = np.arange(chunk.num_computed, seq_lens[b], dtype=np.int64)
-        positions.append(pos)
+        pos = layout.positions[layout.query_start_loc[b] : layout.query_start_loc[b + 1]]
         slots.append(table[pos // block_size] * block_size + pos % block_size)
-        start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
-        logits_indices.append(np.arange(start, end) if chunk.all_logits else np.array([end - 1]))
     return ForwardBatch.from_numpy(
         input_ids=np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks]),
-        positions=np.concatenate(positions),
+        positions=layout.positions,
         slot_mapping=np.concatenate(slots),
         block_tables=block_tables,
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        logits_indices=np.concatenate(logits_indices),
+        query_start_loc=layout.query_start_loc,
+        seq_lens=layout.seq_lens,
+        logits_indices=layout.logits_indices,
+        is_decode=layout.is_decode,
         lora_slots=np.repeat([c.lora_slot for c in chunks], q_lens) if any(c.lora_slot >= 0 for c in chunks) else None,
     )
+
+
+def dummy_prefill_chunks(num_tokens: int, block_size: int, max_len: int | None) -> tuple[list[RequestChunk], int]:
+    """A prefill of ``num_tokens`` zero tokens split into requests of at most ``max_len`` tokens, on
+    consecutive blocks from 0 (activation profiling on a temporary pool), and the blocks it takes."""
+    max_len = max_len or num_tokens
+    lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+    return on_consecutive_blocks([([0] * n, 0) for n in lengths], block_size, first_block=0)

@@ -28,7 +28,7 @@ from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMet
 from tgi_paged_backend.runner.cpu.fast_layers import SwapReport
 from tgi_paged_backend.runner.cpu.fused_blocks import FusionReport
 from tgi_paged_backend.runner.cpu.native_layers import NativeLayersReport
-from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
+from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch, dummy_prefill_chunks
 from tgi_paged_backend.runner.kv_pool import BlockIds, KVPool
 from tgi_paged_backend.runner.model.loader import LoadedModel, load_model, resident_bytes
 from tgi_paged_backend.runner.model.medusa import MedusaHeads, load_medusa_for
@@ -193,14 +193,6 @@ class ModelRunner:
     @property
     def v_caches(self) -> list[torch.Tensor]:
         return self.pool.v_caches
-
-    @property
-    def cpu_k_caches(self) -> list[torch.Tensor]:
-        return self.pool.cpu_k_caches
-
-    @property
-    def cpu_v_caches(self) -> list[torch.Tensor]:
-        return self.pool.cpu_v_caches
 
     def allocate_kv_cache(self, num_blocks: int, *, grouped: bool = False) -> None:
         """Allocate (or replace) the pool: per layer K and V of ``[num_blocks, block_size, Hkv, D]``.
@@ -414,23 +406,6 @@ class ModelRunner:
         self.pool.swap_in(cpu_ids, device_ids)
 
     # --------------------------------------------------------------- profiling
-    def _dummy_prefill(self, num_tokens: int, num_logits: int) -> tuple[ForwardBatch, int]:
-        """A prefill of ``num_tokens`` tokens split into requests no longer than the model allows."""
-        max_len = self.spec.max_position_embeddings or num_tokens
-        lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-        chunks, next_block = [], 0
-        for n in lengths:
-            nblocks = -(-n // self.block_size)
-            chunks.append(
-                RequestChunk(token_ids=[0] * n, num_computed=0, block_table=range(next_block, next_block + nblocks))
-            )
-            next_block += nblocks
-        batch = build_forward_batch(chunks, self.block_size)
-        if num_logits > len(lengths):  # prompt logprobs: logits for the last num_logits tokens
-            indices = torch.arange(num_tokens - min(num_logits, num_tokens), num_tokens, dtype=torch.int64)
-            batch = dataclasses.replace(batch, logits_indices=indices)
-        return batch, next_block
-
     def profile_prefill(self, num_tokens: int, *, num_logits: int = 1) -> int:
         """Activation peak in bytes of a prefill of ``num_tokens`` tokens; also stored on the runner.
 
@@ -444,7 +419,11 @@ class ModelRunner:
         if self.device.type != "cuda":
             peak = memory_budget.estimate_prefill_bytes(self.spec, self.dtype, num_tokens, num_logits)
         else:
-            batch, nblocks = self._dummy_prefill(num_tokens, num_logits)
+            chunks, nblocks = dummy_prefill_chunks(num_tokens, self.block_size, self.spec.max_position_embeddings)
+            batch = build_forward_batch(chunks, self.block_size)
+            if num_logits > len(chunks):  # prompt logprobs: logits for the last num_logits tokens
+                indices = torch.arange(num_tokens - min(num_logits, num_tokens), num_tokens, dtype=torch.int64)
+                batch = dataclasses.replace(batch, logits_indices=indices)
             shape = self.pool.block_shape(nblocks)
             k_tmp = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.spec.num_layers)]
             v_tmp = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.spec.num_layers)]

@@ -29,11 +29,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from loguru import logger
 
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
-from tgi_paged_backend.runner.input_batch import ForwardBatch
+from tgi_paged_backend.runner.input_batch import ForwardBatch, layout_tokens
 
 StaticViews = tuple[torch.Tensor, ...]
 """One bucket's inputs in :data:`VIEW_NAMES` order, views of :class:`StaticDecodeInputs`' buffers."""
@@ -88,8 +89,10 @@ class StaticDecodeInputs:
             torch.zeros(max_batch * max_blocks, dtype=torch.int32, device=device) for _ in range(num_groups)
         ]
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
+        # One token and one logits row per request, whatever the step holds.
+        layout = layout_tokens(np.zeros(max_batch, dtype=np.int64), np.ones(max_batch, dtype=np.int64))
+        self.query_start_loc = torch.from_numpy(layout.query_start_loc).to(device=device, dtype=torch.int32)
+        self.logits_indices = torch.from_numpy(layout.logits_indices).to(device)
         self._views: dict[tuple[int, int], StaticViews] = {}
 
     @staticmethod
