@@ -11,6 +11,7 @@ Public functions (``api``), each with a Triton path for CUDA tensors and a plain
   ``cpu_attention``, the SDPA-based CPU attention)
 - ``copy_blocks``: copy-on-write of whole blocks inside the pool, all layers
 - ``swap_blocks``: whole blocks between the pool and the CPU swap space, all layers
+- ``greedy_in_one_pass``: argmax and its log-probability per row of CPU fp32 logits in one native pass
 - ``fp8_linear`` (module ``fp8_gemm``; no submodule is named like a public function, since importing it
   would replace the function on the package): weight-only FP8 linear, a dequantize-GEMM over float8 e4m3
   weights with per-output-channel scales (``--quantize``); its CPU path dequantizes on the fly
@@ -27,9 +28,12 @@ Words as in the package glossary: *slot* = ``block_id * block_size + offset``; *
 request's physical blocks in token order; *pool* = all physical blocks of one layer.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .api import (
     copy_blocks,
     fp8_linear,
+    greedy_in_one_pass,
     int_linear,
     paged_decode_attention,
     paged_prefill_attention,
@@ -38,13 +42,83 @@ from .api import (
     swap_blocks,
 )
 
+if TYPE_CHECKING:  # the lazy names below, for type checkers
+    from .cpu_layer import (
+        LlamaLayerWeights as LlamaLayerWeights,
+    )
+    from .cpu_layer import (
+        gemm_packed as gemm_packed,
+    )
+    from .cpu_layer import (
+        llama_decode_layer as llama_decode_layer,
+    )
+    from .cpu_layer import (
+        pack_weight as pack_weight,
+    )
+    from .cpu_lora import add_lora_cpu as add_lora_cpu
+    from .cpu_lora import cpu_b_stack as cpu_b_stack
+    from .cpu_native import (
+        NativeKernels as NativeKernels,
+    )
+    from .cpu_native import (
+        native_decode_for as native_decode_for,
+    )
+    from .cpu_native import (
+        native_kernels as native_kernels,
+    )
+    from .fp8_gemm import dequantize_fp8 as dequantize_fp8
+    from .int_gemm import (
+        check_int_linear as check_int_linear,
+    )
+    from .int_gemm import (
+        dequantize_int as dequantize_int,
+    )
+    from .int_gemm import (
+        pack_codes as pack_codes,
+    )
+    from .int_gemm import (
+        unpack_codes as unpack_codes,
+    )
+    from .lora import add_lora_triton as add_lora_triton
+
+# The CPU-native, weight-format and LoRA building blocks the model runner uses: public too, imported on
+# first use (some modules bring Triton in when it is installed). The package imports kernels only through
+# these names (tests/install/test_import_rules.py).
+_LAZY = {
+    "NativeKernels": "cpu_native",
+    "native_kernels": "cpu_native",
+    "native_decode_for": "cpu_native",
+    "LlamaLayerWeights": "cpu_layer",
+    "gemm_packed": "cpu_layer",
+    "llama_decode_layer": "cpu_layer",
+    "pack_weight": "cpu_layer",
+    "dequantize_fp8": "fp8_gemm",
+    "check_int_linear": "int_gemm",
+    "dequantize_int": "int_gemm",
+    "pack_codes": "int_gemm",
+    "unpack_codes": "int_gemm",
+    "add_lora_cpu": "cpu_lora",
+    "cpu_b_stack": "cpu_lora",
+    "add_lora_triton": "lora",
+}
+
 __all__ = [
     "copy_blocks",
     "fp8_linear",
+    "greedy_in_one_pass",
     "int_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
     "plan_decode_gather",
     "store_kv",
     "swap_blocks",
+    *sorted(_LAZY),
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)

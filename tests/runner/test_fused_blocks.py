@@ -13,7 +13,8 @@ from tgi_paged_backend.runner.cpu import fused_blocks
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedAttention
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
-from tgi_paged_backend.runner.rewrites.pipeline import ModelRewrite, model_rewrites
+from tgi_paged_backend.runner.rewrites.base import ModelRewrite
+from tgi_paged_backend.runner.rewrites.pipeline import model_rewrites
 
 BY_NAME = {family.name: family for family in FAMILIES}
 

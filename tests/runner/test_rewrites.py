@@ -15,17 +15,11 @@ from torch import nn
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model.spec import ModelSpec
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.runner.rewrites.base import Decision, RewriteContext, runs, skip
 from tgi_paged_backend.runner.rewrites.fuse import FuseBlocks
 from tgi_paged_backend.runner.rewrites.lora_wrap import LoraWrap
 from tgi_paged_backend.runner.rewrites.native import NativeLayers
-from tgi_paged_backend.runner.rewrites.pipeline import (
-    Decision,
-    RewriteContext,
-    model_rewrites,
-    run_rewrites,
-    runs,
-    skip,
-)
+from tgi_paged_backend.runner.rewrites.pipeline import model_rewrites, run_rewrites
 from tgi_paged_backend.runner.rewrites.tp_slice import TensorParallelSlice
 
 SPEC = ModelSpec.from_hf_config(

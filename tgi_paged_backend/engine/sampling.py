@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from tgi_paged_backend.engine.types import InvalidRequestError, SamplingParams
-from tgi_paged_kernels.cpu_native import native_kernels
+from tgi_paged_backend.runner.logits_ops import greedy_in_one_pass
 
 __all__ = [
     "ChosenToken",
@@ -253,8 +253,7 @@ def process_logits(
 
 def _greedy_in_one_pass(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Argmax and its log-probability by the native CPU kernel (one pass over each row), or ``None``."""
-    native = native_kernels() if scores.is_cpu else None
-    return None if native is None else native.greedy(scores)
+    return greedy_in_one_pass(scores)
 
 
 def _finite_logprobs(ids: torch.Tensor, chosen: torch.Tensor) -> tuple[list[int], list[float]]:

@@ -36,9 +36,7 @@ from loguru import logger
 from torch import nn
 
 from tgi_paged_backend.lora.checkpoint import LoraAdapter
-from tgi_paged_kernels.cpu_lora import add_lora_cpu, cpu_b_stack
-from tgi_paged_kernels.cpu_native import native_kernels
-from tgi_paged_kernels.lora import add_lora_triton
+from tgi_paged_kernels import add_lora_cpu, add_lora_triton, cpu_b_stack, native_kernels
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 import tgi_paged_kernels
-from tgi_paged_kernels.cpu_native import native_decode_for
+from tgi_paged_kernels import native_decode_for
 
 ATTENTION_NAME = "tgi_paged"
 """Name under which the attention function (and its no-op mask) are registered."""

@@ -33,13 +33,8 @@ from tgi_paged_backend.runner.kv_pool import BlockIds, KVPool
 from tgi_paged_backend.runner.model.loader import LoadedModel, load_model, resident_bytes
 from tgi_paged_backend.runner.model.medusa import MedusaHeads, load_medusa_for
 from tgi_paged_backend.runner.model.spec import ModelSpec, resolve_kv_dtype
-from tgi_paged_backend.runner.rewrites.pipeline import (
-    AppliedRewrites,
-    ModelRewrite,
-    RewriteContext,
-    model_rewrites,
-    run_rewrites,
-)
+from tgi_paged_backend.runner.rewrites.base import AppliedRewrites, ModelRewrite, RewriteContext
+from tgi_paged_backend.runner.rewrites.pipeline import model_rewrites, run_rewrites
 from tgi_paged_backend.runner.static.cuda_graphs import measure_decode_graph_bytes
 from tgi_paged_backend.runner.static.decode_step import CPU_COMPILE_BUCKETS, StaticDecodeStep, blocks_per_request
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from loguru import logger
 from torch import nn
 
-from tgi_paged_kernels.cpu_native import native_kernels
+from tgi_paged_kernels import native_kernels
 
 _PACK_BATCH_HINT = 32
 """Batch size oneDNN tunes the reordered layout for; the packed weight serves any batch size."""

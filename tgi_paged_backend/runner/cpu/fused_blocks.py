@@ -33,7 +33,7 @@ from tgi_paged_backend.lora.layers import lora_base, stack_with_lora
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, paged_attention, step_metadata
 from tgi_paged_backend.runner.cpu.fast_layers import outputs_close, same_output
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
-from tgi_paged_kernels.cpu_native import native_kernels
+from tgi_paged_kernels import native_kernels
 
 CHECK_TOKENS = 12
 """Prompt length of the attention check (> the tests' windows of 8: a window must show)."""

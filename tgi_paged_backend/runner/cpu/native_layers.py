@@ -31,8 +31,14 @@ from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMet
 from tgi_paged_backend.runner.cpu import fast_layers
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedAttention
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
-from tgi_paged_kernels.cpu_layer import LlamaLayerWeights, gemm_packed, llama_decode_layer, pack_weight
-from tgi_paged_kernels.cpu_native import NativeKernels, native_kernels
+from tgi_paged_kernels import (
+    LlamaLayerWeights,
+    NativeKernels,
+    gemm_packed,
+    llama_decode_layer,
+    native_kernels,
+    pack_weight,
+)
 
 LLAMA_FORM_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
 """Decoder layers whose forward is Llama's: ``h += attn(norm1(h)); h += mlp(norm2(h))`` (Granite's scaled

@@ -21,8 +21,15 @@ from torch import nn
 
 from tgi_paged_backend.runner.quant.fp8 import quantize_fp8_per_channel
 from tgi_paged_backend.runner.quant.int_codes import IntCodes
-from tgi_paged_kernels.fp8_gemm import dequantize_fp8, fp8_linear
-from tgi_paged_kernels.int_gemm import check_int_linear, dequantize_int, int_linear, pack_codes, unpack_codes
+from tgi_paged_kernels import (
+    check_int_linear,
+    dequantize_fp8,
+    dequantize_int,
+    fp8_linear,
+    int_linear,
+    pack_codes,
+    unpack_codes,
+)
 
 
 class Fp8Linear(nn.Module):

@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from tgi_paged_backend.runner.cpu.fused_blocks import FusionReport, fuse_blocks
-from tgi_paged_backend.runner.rewrites.pipeline import Decision, RewriteContext, runs, skip
+from tgi_paged_backend.runner.rewrites.base import Decision, RewriteContext, runs, skip
 
 
 class FuseBlocks:

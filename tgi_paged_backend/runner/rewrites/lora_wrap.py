@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from tgi_paged_backend.lora.layers import LoraModel, attach_adapters
-from tgi_paged_backend.runner.rewrites.pipeline import Decision, RewriteContext, runs, skip
+from tgi_paged_backend.runner.rewrites.base import Decision, RewriteContext, runs, skip
 
 
 class LoraWrap:

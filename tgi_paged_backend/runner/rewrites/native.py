@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tgi_paged_backend.runner.cpu.native_layers import NativeLayersReport, wrap_native_layers
-from tgi_paged_backend.runner.rewrites.pipeline import Decision, RewriteContext, runs, skip
+from tgi_paged_backend.runner.rewrites.base import Decision, RewriteContext, runs, skip
 
 
 class NativeLayers:

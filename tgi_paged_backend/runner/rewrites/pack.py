@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from tgi_paged_backend.runner.cpu.fast_layers import SwapReport, swap_fast_layers
-from tgi_paged_backend.runner.rewrites.pipeline import Decision, RewriteContext, runs
+from tgi_paged_backend.runner.rewrites.base import Decision, RewriteContext, runs
 
 
 class PackLinears:
