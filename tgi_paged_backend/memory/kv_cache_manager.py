@@ -35,7 +35,7 @@ from tgi_paged_backend.memory.attached_blocks import AttachedBlocks
 from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.block_table import BlockTableArray
 from tgi_paged_backend.memory.invariants import check_manager_invariants
-from tgi_paged_backend.memory.kv_group import KVGroup, cut_hit
+from tgi_paged_backend.memory.kv_group import KVGroup, concat_moves, cut_hit
 from tgi_paged_backend.memory.page_map import PageMap
 from tgi_paged_backend.memory.prefix_cache import NullPrefixCache, PrefixCache, RegistryObserver, chain_root
 from tgi_paged_backend.memory.stats import MemoryStats, pool_stats
@@ -325,7 +325,7 @@ class KVCacheManager:
         if not self.can_swap_out(request_id):
             return None
         moves = [group.swap_out(req, self._swap) for group, req in zip(self._groups, self._maps(request_id))]
-        return SwapPlan(request_id, "out", *_concat(moves))
+        return SwapPlan(request_id, "out", *concat_moves(moves))
 
     def swap_in(self, request_id: int) -> SwapPlan | None:
         """Bring a swapped-out request back to the device; ``None`` when the pool lacks room."""
@@ -334,7 +334,7 @@ class KVCacheManager:
         if sum(len(req.swapped or ()) for req in maps) > self._pool.num_available_blocks:
             return None
         moves = [group.swap_in(req, self._swap) for group, req in zip(self._groups, maps)]
-        return SwapPlan(request_id, "in", *_concat(moves))
+        return SwapPlan(request_id, "in", *concat_moves(moves))
 
     # ------------------------------------------------------------------------ runner metadata
     def block_tables(self, request_ids: Sequence[int]) -> np.ndarray:
@@ -444,14 +444,4 @@ class KVCacheManager:
     # ------------------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
         """Pool, prefix registries, swap space and every page map agree; refcount == number of holders."""
-        check_manager_invariants(
-            pool=self._pool,
-            groups=self._groups,
-            swap=self._swap,
-            block_size=self.block_size,
-        )
-
-
-def _concat(moves: Sequence[tuple[list[int], list[int]]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Every group's ``(src, dst)`` block moves as one source and one destination tuple."""
-    return tuple(b for src, _ in moves for b in src), tuple(b for _, dst in moves for b in dst)
+        check_manager_invariants(pool=self._pool, groups=self._groups, swap=self._swap, block_size=self.block_size)

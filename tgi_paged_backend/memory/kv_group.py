@@ -262,3 +262,8 @@ def cut_hit(groups: Sequence[KVGroup], hit: PrefixHit, limit: int | None) -> Gro
         else:
             num_shared -= 1
     return None
+
+
+def concat_moves(moves: Sequence[tuple[list[int], list[int]]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Every group's ``(src, dst)`` block moves as one source and one destination tuple."""
+    return tuple(b for src, _ in moves for b in src), tuple(b for _, dst in moves for b in dst)
