@@ -106,6 +106,11 @@ class PreemptionConfig:
             raise ConfigError("max_preemptions_per_request must be >= 1")
 
 
+DEFAULT_MAX_LORA_RANK = 256
+"""``TGI_PAGED_MAX_LORA_RANK`` when unset: above the ranks adapters are trained with in practice (8 to 128),
+low enough that one adapter cannot make every slot's stacks hundreds of MiB."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
     """What to load and how."""
@@ -140,6 +145,9 @@ class ModelConfig:
     """``ROPE_FACTOR``: the scaling factor that goes with :attr:`rope_scaling`."""
     lora_adapters: str | None = None
     """``LORA_ADAPTERS`` (or ``--lora-adapters``) as given (:func:`..lora.sources.parse_lora_adapters`)."""
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    """``TGI_PAGED_MAX_LORA_RANK``: adapters with a higher rank are refused at start (every slot's stacks are
+    padded to the highest rank loaded; vLLM's ``--max-lora-rank``)."""
     max_loras: int | None = None
     """``TGI_PAGED_MAX_LORAS``: adapters that may run in one step; requests of further adapters wait in
     the batch (holding what they hold) until one of the running adapters has no request left.

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from tgi_paged_backend.config import (
     BLOCK_SIZES,
     CPU_DECODE_KERNELS,
+    DEFAULT_MAX_LORA_RANK,
     DEFAULT_OVERCOMMIT,
     PREEMPTION_MODES,
     ROPE_SCALINGS,
@@ -65,6 +66,7 @@ class EnvSettings:
     native_layers: bool
     speculate_max_batch: int | None
     lora_adapters: str | None
+    max_lora_rank: int
     max_loras: int | None
     rank: int
     world_size: int
@@ -262,6 +264,10 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         ),
         # LORA_ADAPTERS: launcher --lora-adapters; empty means none, as stock.
         lora_adapters=lora if lora else None,
+        # TGI_PAGED_MAX_LORA_RANK: adapters of a higher rank are refused at start.
+        max_lora_rank=_parse(
+            e, "TGI_PAGED_MAX_LORA_RANK", DEFAULT_MAX_LORA_RANK, int, "an integer >= 1", lambda v: v >= 1
+        ),
         # TGI_PAGED_MAX_LORAS: adapters that may run in one step (others wait); unset: all.
         max_loras=_parse_optional(e, "TGI_PAGED_MAX_LORAS", int, "an integer >= 1", lambda v: v >= 1),
         # RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT: set by the launcher for each shard.
@@ -326,6 +332,7 @@ def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             rope_scaling=s.rope_scaling,
             rope_factor=s.rope_factor,
             lora_adapters=cli.get("lora_adapters") or s.lora_adapters,
+            max_lora_rank=s.max_lora_rank,
             max_loras=s.max_loras,
             cuda_graphs=s.cuda_graphs,
             compile_decode=s.compile_decode,

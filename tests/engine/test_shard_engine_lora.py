@@ -319,3 +319,12 @@ def test_adapters_keep_the_fused_and_native_layers(tiny_llama_dir, tmp_path) -> 
     layers = runner.spec.num_layers
     assert runner.fusion.attentions == layers and runner.fusion.mlps == layers
     assert runner.native_layers is not None and runner.native_layers.wrapped == layers
+
+
+def test_an_adapter_above_the_rank_limit_is_refused_at_start(tiny_llama_dir, tmp_path) -> None:
+    adapter = write_adapter(tiny_llama_dir, tmp_path / "r8", r=8, alpha=16, seed=4)
+    with pytest.raises(ConfigError, match="rank 8 is above TGI_PAGED_MAX_LORA_RANK=4"):
+        make_engine(tiny_llama_dir, LORA_ADAPTERS=f"r8={adapter}", TGI_PAGED_MAX_LORA_RANK="4")
+    with pytest.raises(ConfigError, match="TGI_PAGED_MAX_LORA_RANK='0' is invalid"):
+        make_engine(tiny_llama_dir, LORA_ADAPTERS=f"r8={adapter}", TGI_PAGED_MAX_LORA_RANK="0")
+    assert make_engine(tiny_llama_dir, LORA_ADAPTERS=f"r8={adapter}", TGI_PAGED_MAX_LORA_RANK="8").runner.lora

@@ -264,6 +264,13 @@ REFUSALS: dict[str, tuple[dict[str, Any] | None, Any, str]] = {
     ),
     "bias_weight": (None, _add(f"base_model.model.{Q0}.bias", (64,)), "not a LoRA A/B"),
     "no_weights_in_file": (None, lambda t: t.clear(), "holds no LoRA weights"),
+    "alpha_nan": ({"lora_alpha": float("nan")}, None, "lora_alpha nan is not finite"),
+    "alpha_inf": ({"alpha_pattern": {"q_proj": float("inf")}}, None, r"q_proj'.*lora_alpha inf is not finite"),
+    "rank_pattern_list": ({"rank_pattern": ["q_proj"]}, None, "rank_pattern in adapter_config.json is not an object"),
+    "pattern_not_a_regex": ({"rank_pattern": {"(q_proj": 4}}, None, "not a regular expression"),
+    "pattern_too_long": ({"alpha_pattern": {"q" * 600: 8}}, None, "at most 512 chars"),
+    # Catastrophic backtracking on every module name: refused within the time limit instead of hanging.
+    "pattern_too_slow": ({"rank_pattern": {r"(\S|\S)*\s": 4}}, None, "takes more than 0.1 s"),
 }
 
 
@@ -386,3 +393,31 @@ def test_moe_expert_targets_and_rank_zero_are_refused(tmp_path) -> None:
     save_file(weights, adapter / "adapter_model.safetensors")
     with pytest.raises(ConfigError, match="lora_alpha"):
         load_adapter(AdapterSource("a", adapter), 1, model, torch.float32)
+
+
+def test_a_rank_above_the_limit_is_refused(plain_dir: Path, base_model: Any) -> None:
+    source = AdapterSource("big", plain_dir)
+    assert load_adapter(source, 1, base_model, torch.float32, max_rank=4).max_rank == 4
+    with pytest.raises(ConfigError, match=r"'big.*rank 4 is above TGI_PAGED_MAX_LORA_RANK=3"):
+        load_adapter(source, 1, base_model, torch.float32, max_rank=3)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"q_proj"', "{not json"])
+def test_a_config_that_is_no_json_object_is_refused(
+    text: str, plain_dir: Path, base_model: Any, tmp_path: Path
+) -> None:
+    directory = edited_copy(plain_dir, tmp_path / "adapter")
+    (directory / CONFIG).write_text(text)
+    with pytest.raises(ConfigError, match=r"LORA_ADAPTERS entry 'bad.*adapter_config.json (holds a|is not JSON)"):
+        load_adapter(AdapterSource("bad", directory), 1, base_model, torch.float32)
+
+
+@pytest.mark.parametrize("payload", [[torch.zeros(2)], {"w": [1, 2]}])
+def test_bin_weights_that_are_no_tensor_mapping_are_refused(
+    payload: Any, plain_dir: Path, base_model: Any, tmp_path: Path
+) -> None:
+    directory = edited_copy(plain_dir, tmp_path / "adapter")
+    (directory / WEIGHTS).unlink()
+    torch.save(payload, directory / "adapter_model.bin")
+    with pytest.raises(ConfigError, match=r"LORA_ADAPTERS entry 'bad.*adapter_model.bin holds a"):
+        load_adapter(AdapterSource("bad", directory), 1, base_model, torch.float32)

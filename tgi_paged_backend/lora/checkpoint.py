@@ -9,7 +9,11 @@ where ``<module path>`` is the module's name in the transformers model. Each mod
 
 What is refused, with the entry and the reason (every other adapter would be silently wrong): DoRA,
 ``modules_to_save``, trained biases, ``fan_in_fan_out``, LoRA on embeddings or on the LM head, and any
-target that is not a linear layer of the base model with the adapter's shapes.
+target that is not a linear layer of the base model with the adapter's shapes. Files are data from
+outside: a config or weight file of the wrong type, a non-finite ``lora_alpha``, a rank above
+``TGI_PAGED_MAX_LORA_RANK`` (one high-rank adapter would pad every slot's stacks to its rank) and a
+``rank_pattern`` / ``alpha_pattern`` key that is too long or too slow to match (:data:`PATTERN_TIMEOUT_S`;
+they are regular expressions) are refused too.
 """
 
 from __future__ import annotations
@@ -21,14 +25,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import regex
 import torch
 from torch import nn
 
-from tgi_paged_backend.config import ConfigError
+from tgi_paged_backend.config import DEFAULT_MAX_LORA_RANK, ConfigError
 from tgi_paged_backend.lora.sources import AdapterSource
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+MAX_PATTERN_CHARS = 512
+PATTERN_TIMEOUT_S = 0.1
+"""Time one ``rank_pattern`` / ``alpha_pattern`` key may take to match one module name (a catastrophic
+pattern would otherwise hang start-up)."""
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
 
 
@@ -99,9 +108,18 @@ def _is_linear(module: nn.Module | None) -> bool:
 
 def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
     """PEFT's rule: a pattern key (a regex) matches a module whose name is the key or ends with ``.<key>``;
-    the first matching key wins."""
+    the first matching key wins. Keys are matched with a time limit (ValueError when one is too long, too
+    slow or not a regular expression)."""
     for key, value in pattern.items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        if not isinstance(key, str) or len(key) > MAX_PATTERN_CHARS:
+            raise ValueError(f"pattern key {str(key)[:40]!r}... is not a string of at most {MAX_PATTERN_CHARS} chars")
+        try:
+            hit = regex.match(rf"(.*\.)?({key})$", module, timeout=PATTERN_TIMEOUT_S)
+        except TimeoutError:
+            raise ValueError(f"pattern key {key!r} takes more than {PATTERN_TIMEOUT_S} s to match {module!r}") from None
+        except regex.error as e:
+            raise ValueError(f"pattern key {key!r} is not a regular expression ({e})") from None
+        if hit:
             return value
     return default
 
@@ -110,7 +128,17 @@ def _read_config(directory: Path, entry: str) -> dict[str, Any]:
     path = directory / CONFIG_FILE
     if not path.is_file():
         raise ConfigError(f"LORA_ADAPTERS entry {entry!r}: no {CONFIG_FILE} in {directory}")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"LORA_ADAPTERS entry {entry!r}: {CONFIG_FILE} is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"LORA_ADAPTERS entry {entry!r}: {CONFIG_FILE} holds a {type(config).__name__}, not an object"
+        )
+    for name in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(name) or {}, dict):
+            raise ConfigError(f"LORA_ADAPTERS entry {entry!r}: {name} in {CONFIG_FILE} is not an object")
     refusals = (  # (refused, what): each is read as "<what> is not supported"
         (config.get("peft_type", "LORA") != "LORA", f"peft_type {config.get('peft_type')!r} (only LORA)"),
         (bool(config.get("use_dora")), "DoRA (use_dora)"),
@@ -132,12 +160,23 @@ def _read_weights(directory: Path, entry: str) -> dict[str, torch.Tensor]:
                 from safetensors.torch import load_file
 
                 return load_file(str(path))
-            return torch.load(path, map_location="cpu", weights_only=True)
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(loaded, dict) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()
+            ):
+                raise ConfigError(
+                    f"LORA_ADAPTERS entry {entry!r}: {name} holds a {type(loaded).__name__}, "
+                    "not a mapping of names to tensors"
+                )
+            return loaded
     raise ConfigError(f"LORA_ADAPTERS entry {entry!r}: no {' or '.join(WEIGHT_FILES)} in {directory}")
 
 
-def load_adapter(source: AdapterSource, index: int, model: nn.Module, dtype: torch.dtype) -> LoraAdapter:
-    """Read ``source`` and check every module against ``model`` (the unsharded base model)."""
+def load_adapter(
+    source: AdapterSource, index: int, model: nn.Module, dtype: torch.dtype, max_rank: int = DEFAULT_MAX_LORA_RANK
+) -> LoraAdapter:
+    """Read ``source`` and check every module against ``model`` (the unsharded base model); ranks above
+    ``max_rank`` are refused."""
     entry = str(source)
     directory = adapter_directory(source)
     config = _read_config(directory, entry)
@@ -170,6 +209,11 @@ def load_adapter(source: AdapterSource, index: int, model: nn.Module, dtype: tor
         rank = int(a.shape[0]) if a.ndim == 2 else 0
         if rank < 1:
             raise ConfigError(f"{where}: lora_A {tuple(a.shape)} has no rank")
+        if rank > max_rank:
+            raise ConfigError(
+                f"{where}: rank {rank} is above TGI_PAGED_MAX_LORA_RANK={max_rank} (every adapter slot is padded "
+                "to the highest rank loaded; raise the limit to serve it)"
+            )
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_features or b.shape != (out_features, rank):
             raise ConfigError(
                 f"{where}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the base layer "
@@ -179,10 +223,12 @@ def load_adapter(source: AdapterSource, index: int, model: nn.Module, dtype: tor
             expected_rank = _pattern_value(config.get("rank_pattern") or {}, path, config.get("r", rank))
             alpha = float(_pattern_value(config.get("alpha_pattern") or {}, path, config.get("lora_alpha", rank)))
             expected_rank = int(expected_rank)
-        except (re.error, TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise ConfigError(
                 f"{where}: bad r / lora_alpha / rank_pattern / alpha_pattern in {CONFIG_FILE}: {e}"
             ) from None
+        if not math.isfinite(alpha):
+            raise ConfigError(f"{where}: lora_alpha {alpha} is not finite")
         if expected_rank != rank:
             raise ConfigError(f"{where}: rank {rank} in the weights, {expected_rank} in {CONFIG_FILE}")
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
@@ -192,6 +238,8 @@ def load_adapter(source: AdapterSource, index: int, model: nn.Module, dtype: tor
     return LoraAdapter(source.name, index, directory, weights)
 
 
-def load_adapters(sources: tuple[AdapterSource, ...], model: nn.Module, dtype: torch.dtype) -> tuple[LoraAdapter, ...]:
+def load_adapters(
+    sources: tuple[AdapterSource, ...], model: nn.Module, dtype: torch.dtype, max_rank: int = DEFAULT_MAX_LORA_RANK
+) -> tuple[LoraAdapter, ...]:
     """Every adapter of ``LORA_ADAPTERS`` in index order (1, 2, ...)."""
-    return tuple(load_adapter(source, i + 1, model, dtype) for i, source in enumerate(sources))
+    return tuple(load_adapter(source, i + 1, model, dtype, max_rank) for i, source in enumerate(sources))

@@ -126,7 +126,9 @@ class ModelRunner:
     def _read_adapters(self, loaded: LoadedModel) -> tuple[LoraAdapter, ...]:
         """The ``LORA_ADAPTERS`` checkpoints, checked against ``loaded`` (unsharded)."""
         sources = parse_lora_adapters(self.model_config.lora_adapters)
-        return load_adapters(sources, loaded.model, loaded.dtype) if sources else ()
+        if not sources:
+            return ()
+        return load_adapters(sources, loaded.model, loaded.dtype, self.model_config.max_lora_rank)
 
     # What the load-time rewrites did (``None`` when one did not run).
     @property
