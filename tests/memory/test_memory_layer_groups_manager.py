@@ -296,3 +296,20 @@ def test_groups_and_reclaim_window_are_exclusive() -> None:
         KVCacheManager(num_blocks=4, block_size=BS, reclaim_window=W, groups=(None, W))
     with pytest.raises(ValueError, match="groups=.* is invalid"):
         KVCacheManager(num_blocks=4, block_size=BS, groups=())
+
+
+def test_every_group_holds_a_request_at_the_same_block_table_row() -> None:
+    """The step gathers every group's table with one row per request: a group whose free rows moved out of
+    lockstep (here: a row taken behind the manager's back) must not map a request to another row silently."""
+    m, sim = make()
+    admit(m, sim, 1, list(range(2 * BS)))
+    m._groups[1].table.add_row()  # group 1's next free row is no longer group 0's
+    with pytest.raises(ValueError, match="row 1 is already in use"):
+        m.add_request(2)
+    m2, sim2 = make()
+    for rid in (1, 2, 3):
+        admit(m2, sim2, rid, list(range(rid, rid + BS + 1)))
+    m2.free(2)
+    admit(m2, sim2, 4, list(range(7, 7 + 2 * BS)))  # reuses the freed row in every group
+    rows = {g: {rid: m2._groups[g].requests[rid].row for rid in (1, 3, 4)} for g in range(m2.num_groups)}
+    assert all(r == rows[0] for r in rows.values()), rows

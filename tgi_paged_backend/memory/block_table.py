@@ -38,17 +38,27 @@ class BlockTableArray:
         return self.table.shape[0] - len(self._free_rows)
 
     # ------------------------------------------------------------------------------ row upkeep
-    def add_row(self) -> int:
-        """Take an empty row (growing the array when none is free)."""
-        if not self._free_rows:
-            rows, cols = self.table.shape
-            table = np.zeros((2 * rows, cols), dtype=np.int32)
-            table[:rows] = self.table
-            lengths = np.zeros(2 * rows, dtype=np.int32)
-            lengths[:rows] = self.lengths
-            self.table, self.lengths = table, lengths
-            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
-        return self._free_rows.pop()
+    def add_row(self, row: int | None = None) -> int:
+        """Take an empty row (growing the array when none is free); ``row``: take exactly that one (the
+        other KV layer groups take the row group 0 gave the request). ``ValueError`` when it is in use."""
+        while not self._free_rows or (row is not None and row >= self.table.shape[0]):
+            self._grow()
+        if row is None:
+            return self._free_rows.pop()
+        try:
+            self._free_rows.remove(row)
+        except ValueError:
+            raise ValueError(f"block-table row {row} is already in use") from None
+        return row
+
+    def _grow(self) -> None:
+        rows, cols = self.table.shape
+        table = np.zeros((2 * rows, cols), dtype=np.int32)
+        table[:rows] = self.table
+        lengths = np.zeros(2 * rows, dtype=np.int32)
+        lengths[:rows] = self.lengths
+        self.table, self.lengths = table, lengths
+        self._free_rows = list(range(2 * rows - 1, rows - 1, -1)) + self._free_rows
 
     def release_row(self, row: int) -> None:
         """Give back a row (it is cleared first)."""

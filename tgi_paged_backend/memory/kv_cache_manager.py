@@ -170,8 +170,10 @@ class KVCacheManager:
         virtual = tuple(int(b) for b in virtual_blocks)
         if len(set(virtual)) != len(virtual):
             raise ValueError(f"request {request_id}: duplicate virtual blocks {virtual}")
+        row = self._groups[0].table.add_row()  # every group's table holds the request at the same row
         for group in self._groups:
-            group.requests[request_id] = PageMap.create(group.table.add_row(), virtual, chain_root(namespace))
+            table_row = row if group is self._groups[0] else group.table.add_row(row)
+            group.requests[request_id] = PageMap.create(table_row, virtual, chain_root(namespace))
         self._rows_cache = None
 
     def match_prefix(self, request_id: int, prompt_ids: Sequence[int]) -> PrefixMatch:
