@@ -10,7 +10,7 @@ compile time, the logits difference and the step times (median, min), with the l
         [--freezing] [--cpp-wrapper]
 
 ``--dynamic-rows`` compiles what ``TGI_PAGED_COMPILE=1`` serves (one graph for 2..256 rows); otherwise
-one graph for ``--bucket`` rows (default: ``--rows``). docs/performance.md, section 10, has the figures.
+one graph for ``--bucket`` rows (default: ``--rows``). docs/performance.md, "Compiled decode", has the figures.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ LAUNCHER_CUDA_GRAPHS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 """The launcher's default ``--cuda-graphs``, which it puts in the shard's ``CUDA_GRAPHS``; a shard started
 without that variable captures no graphs, as stock's."""
 DEFAULT_OVERCOMMIT = 6.0
-"""Chosen in docs/performance.md. End to end (CPU), 6 and up let the physical pool, not the router's
-virtual budget, limit admission: KV waste falls from ~15 % at 3 to < 2 % with as many tokens/s or more.
-In the simulation (ShareGPT-like, A10G) 6 is the lowest waste (1.9 %) within 3 % of the best throughput;
+"""Chosen in docs/performance.md ("Recommended TGI_PAGED_OVERCOMMIT"). End to end (CPU), 6 and up let the physical
+pool, not the router's virtual budget, limit admission: KV waste falls from 11.3 % at 3 to 1.5 % at 6, with more
+tokens/s. In the simulation (ShareGPT-like, A10G) 6 is the lowest waste (1.9 %) within 3 % of the best throughput;
 higher buys nothing there and adds swap preemptions. Short answers under a large ``max_new_tokens``
 (or none, which the router turns into the whole context) want more: ``tgi-paged-backend plan`` advises."""
 
@@ -161,7 +161,7 @@ class ModelConfig:
     ``torch.compile`` (inductor) graph of the static decode step, compiled at Warmup (minutes cold,
     inductor's disk cache makes restarts faster); the packed linears of the fast-layer swap enter the
     graph as an opaque op (``tgi_paged::packed_linear``). Off by default: not faster than the eager
-    step yet (docs/performance.md, sections 10 and 11). Not used on CUDA."""
+    step yet (docs/performance.md, "Compiled decode"). Not used on CUDA."""
     cpu_decode: str = "native"
     """``TGI_PAGED_CPU_DECODE`` (one of ``CPU_DECODE_KERNELS``): ``native`` runs CPU decode attention
     through the C++ kernel built at first use (``tgi_paged_kernels.cpu_native``; reads the blocks in

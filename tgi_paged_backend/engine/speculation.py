@@ -73,7 +73,7 @@ def drafting_pays(requests: Sequence[RequestState], max_batch: int | None) -> bo
     multi-position path anyway, drafts only add positions), else only when at most ``max_batch`` requests
     decode (``None``: no limit). On CPU a pure decode step runs the one-call native decode path, which a
     draft leaves for the multi-position path: at batch 8 that costs 1.9-2.7x the step, more than the
-    accepted tokens give back (docs/performance.md §15)."""
+    accepted tokens give back (docs/performance.md, "Speculative decoding")."""
     if max_batch is None or len(requests) <= max_batch:
         return True
     return any(r.status is RequestStatus.RUNNING and r.num_remaining > 1 for r in requests)

@@ -13,7 +13,7 @@ forms (Llama-form RMSNorms, a :class:`~runner.cpu.fused_blocks.FusedPagedAttenti
 
 Wrapped only after one decode step over scratch pools gives the original's output and K/V (to 1e-4: the
 GEMM sums in another order than oneDNN/MKL). ``TGI_PAGED_NATIVE_LAYERS=0`` (``ModelConfig.native_layers``)
-keeps the per-op path. Figures: ``docs/performance.md``, section 13.
+keeps the per-op path. Figures: ``docs/performance.md``, "CPU forward".
 """
 
 from __future__ import annotations
