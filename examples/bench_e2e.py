@@ -2,7 +2,7 @@
 
 One seeded trace (default: 24 requests of the ``tiny`` workload -- prompts ~24 tokens, answers ~20
 tokens, ``max_new_tokens`` 96 as the client sets it -- all arriving at once) is served with the same
-physical KV bytes three ways (see ``integration/bench_e2e.py``):
+physical KV bytes three ways (see ``integration/bench_e2e/``):
 
 1. contiguous: HF transformers static padded batches over a max-length cache;
 2. stock-TGI mode: the real shard with ``TGI_PAGED_OVERCOMMIT=1`` behind the v3 router replay;

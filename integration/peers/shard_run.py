@@ -3,7 +3,7 @@
 One shard process serves every run of the job in order (burst, Poisson, the single request; ``--dtype`` the
 job's). Clients send ``max_new_tokens``
 = the trace's cap with ``ignore_eos_token`` and disconnect after ``output_tokens`` tokens (as in
-``integration/bench_e2e.py``). Around each run the shard's Prometheus endpoint is scraped for the step
+``integration/bench_e2e/shard.py``). Around each run the shard's Prometheus endpoint is scraped for the step
 anatomy of each run (``tgi_paged_step_part_seconds{phase="decode"}``, mean per decode step) and, every second,
 for running requests and used blocks: the mean decode batch and context that the bare forward is
 measured at. Peak memory is the shard process's ``VmHWM``.
