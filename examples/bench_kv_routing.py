@@ -14,7 +14,6 @@ retained blocks) and mean time to first token (the prefill call that gave it), p
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from integration.kv_routing import KVIndex, index_router, round_robin, run_conversations  # noqa: E402
+from integration.net import free_port  # noqa: E402
 from integration.peers.host import describe, host_info  # noqa: E402
 from integration.smollm2 import ensure_smollm2  # noqa: E402
 from tgi_paged_backend.engine import build_engine  # noqa: E402
@@ -31,12 +31,6 @@ from tgi_paged_backend.envs import build_config  # noqa: E402
 
 PODS = ("replica-a", "replica-b")
 BLOCK_SIZE = 16
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -51,7 +45,7 @@ def main() -> None:
     model = ensure_smollm2(progress=False)
     rows = []
     for policy in ("kv index", "round robin"):
-        ports = {pod: _port() for pod in PODS}
+        ports = {pod: free_port() for pod in PODS}
         engines = {
             pod: build_engine(
                 build_config(

@@ -164,8 +164,9 @@ def new_compiles(before: dict[str, list[str]], after: dict[str, list[str]]) -> s
 
 def serve(args: argparse.Namespace, model_dir: Path, prompts: list[str], work: Path, time_left: float) -> dict:
     from integration.launcher_spawn import LaunchedShards, LauncherOptions
+    from integration.net import free_port
     from integration.router_replay import Router
-    from tests.helpers.shard_driving import free_port, run_requests
+    from tests.helpers.shard_driving import run_requests
 
     cache_dir = work / "triton-cache-shard"
     metrics_port = free_port()

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import sys
 import tempfile
 import threading
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from integration.net import free_port
 from tgi_paged_backend.config import DEFAULT_OVERCOMMIT
 
 PROMPTS = (
@@ -67,12 +67,6 @@ LOG_SUMMARY_FIELDS = {
 _WARMUP = re.compile(r"warmup: (\d+) physical blocks x (\d+) tokens = (\d+) tokens; advertising (\d+)")
 _PRESSURE = re.compile(r"since start \(([^)]*)\)")
 _LORA = re.compile(r"warmup: weights ([\d.]+) MiB, of which LoRA adapters ([\d.]+) MiB \((\d+) adapters\)")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -54,7 +54,7 @@ from integration.bench_e2e.results import (
     cpu_probe_ms,
 )
 from integration.bench_e2e.run import run_all
-from integration.bench_e2e.scrape import _free_port, _get, scrape
+from integration.bench_e2e.scrape import _get, scrape
 from integration.bench_e2e.shard import run_shard_mode, shard_env
 
 __all__ = [
@@ -64,7 +64,6 @@ __all__ = [
     "E2EReport",
     "ModeResult",
     "RequestRecord",
-    "_free_port",
     "_get",
     "build_prompts",
     "cpu_probe_ms",

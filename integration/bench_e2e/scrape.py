@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 import urllib.request
 from typing import Any
 
 import numpy as np
 
 from integration.bench_e2e.results import STOCK, E2EConfig, ModeResult, RequestRecord, _latency_figures, cpu_probe_ms
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int, timeout: float = 2.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

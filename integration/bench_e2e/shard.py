@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from integration.bench_e2e.results import E2EConfig, ModeResult, RequestRecord, cpu_probe_ms
-from integration.bench_e2e.scrape import _free_port, _get, _shard_result, scrape
+from integration.bench_e2e.scrape import _get, _shard_result, scrape
+from integration.net import free_port
 
 
 def shard_env(cfg: E2EConfig, overcommit: float, metrics_port: int) -> dict[str, str]:
@@ -109,7 +110,7 @@ def run_shard_mode(cfg: E2EConfig, prompts: Sequence[str], overcommit: float, *,
     from integration.launcher_spawn import LaunchedShards, LauncherOptions
     from integration.router_replay import Router
 
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="tgi-bench-") as tmp:
         opts = LauncherOptions(
             uds_path=str(Path(tmp) / "shard"),

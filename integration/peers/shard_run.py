@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from integration.bench_e2e import _free_port, _get, scrape
+from integration.bench_e2e import _get, scrape
+from integration.net import free_port
 from integration.peers.jobs import EngineResult
 from tgi_paged_backend.telemetry.step_record import STEP_PARTS
 
@@ -112,7 +113,7 @@ def run_shard(
     from integration.launcher_spawn import LaunchedShards, LauncherOptions
     from integration.router_replay import Router
 
-    port = _free_port()
+    port = free_port()
     max_input = job["max_model_len"] - job["max_new_tokens"]
     result = EngineResult(engine=f"this shard (launcher spawn + router replay, block {job['block_size']})", key="shard")
     with tempfile.TemporaryDirectory(prefix="tgi-peers-") as tmp:

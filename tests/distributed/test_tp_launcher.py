@@ -27,10 +27,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from integration.launcher_spawn import LaunchedShards, LauncherOptions, LogRecord  # noqa: E402
+from integration.net import free_port  # noqa: E402
 from integration.router_replay import GenerateParameters, Router  # noqa: E402
 from integration.router_replay.client import ShardClient, build_liveness_batch  # noqa: E402
 from tests.distributed.tp_helpers import PROMPTS  # noqa: E402
-from tests.helpers.shard_driving import free_port, hf_greedy, run_requests  # noqa: E402
+from tests.helpers.shard_driving import hf_greedy, run_requests  # noqa: E402
 from tests.helpers.tiny_models import write_tiny_model  # noqa: E402
 from tgi_paged_backend.server.pb import generate_pb2 as pb  # noqa: E402
 

@@ -143,9 +143,9 @@ def test_medusa_stays_exact_at_tensor_parallel_two(tmp_path: Path) -> None:
 
 
 def _run_pairs(pairs: list[tuple[str, str]], tmp_path: Path, *, speculate: int | None, medusa: bool = False) -> dict:
+    from integration.net import free_port
     from tests.helpers.family_models import FAMILIES, write_family_model
     from tests.helpers.paged_driver import greedy_hf
-    from tests.helpers.shard_driving import free_port
     from tests.helpers.tiny_models import EOS_ID, PAD_ID, load_reference
     from tests.helpers.tp_spawn import run_two_ranks
 

@@ -19,7 +19,6 @@ import atexit
 import json
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -29,6 +28,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # no OpenMP pool: the parent fork
 
 import torch  # noqa: E402
 
+from integration.net import free_port  # noqa: E402  (imports only socket: no thread before the forks)
 from tgi_paged_backend.config import ServerConfig  # noqa: E402
 from tgi_paged_backend.runner.parallel.process_group import TensorParallelGroup, mark_shutting_down  # noqa: E402
 
@@ -61,12 +61,6 @@ def _thread_names(tasks: Path) -> list[str]:
         except OSError:  # exited meanwhile
             pass
     return sorted(names)
-
-
-def free_port() -> int:
-    with socket.socket() as s:  # not tests.helpers.shard_driving's: its imports could start threads
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_rank(rank: int, port: int, round_: int) -> None:

@@ -1,4 +1,4 @@
-"""Driving a spawned shard through the router replay: a free port, router traffic, HF greedy references.
+"""Driving a spawned shard through the router replay: router traffic, HF greedy references.
 
 Shared by the single-rank end-to-end tests and the tensor-parallel tests.
 """
@@ -6,18 +6,11 @@ Shared by the single-rank end-to-end tests and the tensor-parallel tests.
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 from integration.router_replay import GenerateParameters, Router
 from integration.router_replay.datatypes import FinalEvent
 from tests.helpers.tiny_models import load_reference
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def hf_greedy(model_dir: Path, prompts: list[str], max_new: int) -> list[list[int]]:

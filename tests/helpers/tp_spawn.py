@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.helpers.shard_driving import free_port
+from integration.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from integration.net import free_port
 from tests.engine.conftest import make_engine
-from tests.helpers.shard_driving import free_port
 
 pytest.importorskip("zmq")
 pytest.importorskip("msgpack")

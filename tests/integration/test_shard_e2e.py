@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from integration.launcher_spawn import LaunchedShards, LauncherOptions
+from integration.net import free_port
 from integration.router_replay import Router
-from tests.helpers.shard_driving import free_port, hf_greedy, run_requests
+from tests.helpers.shard_driving import hf_greedy, run_requests
 from tests.helpers.tiny_models import write_tiny_model
 
 PROMPTS = [

@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 from integration.launcher_spawn import LaunchedShards, LauncherOptions, effective_quantize
+from integration.net import free_port
 from integration.router_replay import Router
 from tests.helpers.fixtures import SERVING_PACK_MIN_ELEMENTS
 from tests.helpers.quant_models import dequantized_reference, write_compressed_fp8
-from tests.helpers.shard_driving import free_port, run_requests
+from tests.helpers.shard_driving import run_requests
 from tests.helpers.tiny_models import write_tiny_model
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.cpu import fast_layers

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from integration.net import free_port
 from tests.engine.conftest import RouterDriver, make_engine, make_text, spec
-from tests.helpers.shard_driving import free_port
 from tgi_paged_backend.engine.types import BatchSpec
 from tgi_paged_backend.telemetry.kv_events import END_SEQ, KVEventPublisher, KVEventsConfig
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -24,16 +23,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from telemetry_samples import BUDGET, EXAMPLES, memory_stats, sample_steps
 
+from integration.net import free_port
 from tgi_paged_backend.config import TelemetryConfig
 from tgi_paged_backend.telemetry.recorder import METRIC_NAMES, OtelRecorder
 
 INSTALL_HINT = "prometheus/promtool not on PATH: run scripts/install_prometheus.sh"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 5.0) -> bytes:
@@ -100,7 +94,7 @@ def test_dashboard_and_alerts_use_only_exported_names(recorder: OtelRecorder) ->
 
 
 def test_port_is_offset_by_rank_and_registries_are_private() -> None:
-    port = _free_port()
+    port = free_port()
     a = OtelRecorder(TelemetryConfig(metrics_port=port - 1), rank=1)
     b = OtelRecorder(TelemetryConfig(metrics_port=0), rank=0)
     try:
@@ -155,7 +149,7 @@ class PrometheusServer:
     """A throwaway Prometheus on 127.0.0.1 scraping one target every second."""
 
     def __init__(self, binary: str, workdir: Path, target_port: int) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(EXAMPLES / "alerts.yml")],

@@ -8,22 +8,16 @@ RPC parented to the router's ``traceparent`` plus the metrics, flushed on SIGTER
 from __future__ import annotations
 
 import asyncio
-import socket
 import urllib.request
 from pathlib import Path
 
 from integration.launcher_spawn import LaunchedShards, LauncherOptions
+from integration.net import free_port
 from integration.router_replay import GenerateParameters, Router
 from tests.helpers.tiny_models import write_tiny_model
 from tests.telemetry.otlp_sink import OtlpSink, attributes
 
 PROMPTS = ["hello world this is a test", "the quick brown fox jumps", "one two three four", "paged blocks"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:
