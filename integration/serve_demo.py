@@ -32,13 +32,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from integration.net import free_port
+from integration.prometheus_text import Samples, scrape
 from tgi_paged_backend.config import DEFAULT_OVERCOMMIT
 
 PROMPTS = (
@@ -69,21 +69,6 @@ _PRESSURE = re.compile(r"since start \(([^)]*)\)")
 _LORA = re.compile(r"warmup: weights ([\d.]+) MiB, of which LoRA adapters ([\d.]+) MiB \((\d+) adapters\)")
 
 
-def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """``{(name, sorted labels): value}`` from the text exposition (comments skipped)."""
-    out = {}
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)
-        if not match or line.startswith("#"):
-            continue
-        labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', match.group(2) or "")))
-        try:
-            out[(match.group(1), labels)] = float(match.group(3))
-        except ValueError:
-            continue
-    return out
-
-
 @dataclass(frozen=True, slots=True)
 class GroupBlocks:
     """One KV layer group in one scrape of ``tgi_paged_kv_group_blocks{group,window,state}``."""
@@ -99,7 +84,7 @@ class GroupBlocks:
     """Unfilled slots of the blocks it holds over their slots (``tgi_paged_kv_group_waste_ratio``)."""
 
 
-def group_blocks(values: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> list[GroupBlocks]:
+def group_blocks(values: Samples) -> list[GroupBlocks]:
     """The per-group gauges of one scrape, by group (empty for a model of one group: none exported)."""
     found: dict[int, dict[str, Any]] = {}
     for (name, labels), value in values.items():
@@ -131,14 +116,14 @@ class ShardMetricsPoller:
     use), and :attr:`peak_groups_running` the requests running then."""
 
     def __init__(self, port: int, interval_s: float = 0.2) -> None:
-        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.port = port
         self.interval_s = interval_s
         self.samples = 0
         self.peak_used = 0.0
         self.peak_running = 0.0
         self.waste_sums: dict[str, float] = {}
         self.waste_samples = 0
-        self.last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self.last: Samples = {}
         self.peak_groups: list[GroupBlocks] = []
         self.peak_groups_running = 0
         self._stop = threading.Event()
@@ -159,14 +144,13 @@ class ShardMetricsPoller:
 
     def scrape(self) -> None:
         try:
-            with urllib.request.urlopen(self.url, timeout=2) as response:
-                values = parse_prometheus(response.read().decode())
-        except OSError:
+            values = scrape(self.port, timeout=2)
+        except (OSError, ValueError):  # no answer yet, or a text cut short: the next scrape counts
             return
         self.observe(values)
 
-    def observe(self, values: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> None:
-        """Take one scrape (:func:`parse_prometheus` of the text) into the peaks and means."""
+    def observe(self, values: Samples) -> None:
+        """Take one scrape (:func:`integration.prometheus_text.scrape`) into the peaks and means."""
         self.samples += 1
         self.last = values
         used = values.get(("tgi_paged_kv_blocks", (("state", "used"),)), 0.0)

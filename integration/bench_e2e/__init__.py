@@ -34,8 +34,8 @@ wheel does not ship: run it from a checkout (``examples/bench_e2e.py``; pytest p
 root on ``sys.path`` through ``pythonpath``).
 
 The modules, by concern: :mod:`.results` (the configuration and per-mode figures), :mod:`.prompts`,
-:mod:`.contiguous` (the HF baseline), :mod:`.shard` (the spawn and the replay), :mod:`.scrape` (the
-Prometheus endpoint and a shard mode's figures from it), :mod:`.report` (the recommendation, table and
+:mod:`.contiguous` (the HF baseline), :mod:`.shard` (the spawn and the replay), :mod:`.shard_figures`
+(a shard mode's figures from its scrapes), :mod:`.report` (the recommendation, table and
 targets), :mod:`.run` (every mode in turn) and :mod:`.plots` (the figure and the JSON).
 """
 
@@ -54,7 +54,6 @@ from integration.bench_e2e.results import (
     cpu_probe_ms,
 )
 from integration.bench_e2e.run import run_all
-from integration.bench_e2e.scrape import _get, scrape
 from integration.bench_e2e.shard import run_shard_mode, shard_env
 
 __all__ = [
@@ -64,7 +63,6 @@ __all__ = [
     "E2EReport",
     "ModeResult",
     "RequestRecord",
-    "_get",
     "build_prompts",
     "cpu_probe_ms",
     "format_report",
@@ -73,7 +71,6 @@ __all__ = [
     "run_all",
     "run_contiguous",
     "run_shard_mode",
-    "scrape",
     "shard_env",
     "write_outputs",
 ]

@@ -13,8 +13,8 @@ from integration.bench_e2e.results import (
     E2EConfig,
     ModeResult,
     RequestRecord,
-    _latency_figures,
     cpu_probe_ms,
+    latency_figures,
 )
 
 
@@ -139,7 +139,7 @@ def run_contiguous(cfg: E2EConfig, prompts: Sequence[str], *, log=print) -> Mode
         useful_tokens=useful_tokens,
         tokens_per_s=useful_tokens / wall,
         requests_per_s=len(records) / wall,
-        **_latency_figures(list(records.values())),
+        **latency_figures(list(records.values())),
         peak_admitted=peak,
         peak_running=peak,
         mean_batch=float(np.mean(rows_per_step)),

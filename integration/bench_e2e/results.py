@@ -144,7 +144,7 @@ def _pct(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else math.nan
 
 
-def _latency_figures(records: Sequence[RequestRecord]) -> dict[str, float]:
+def latency_figures(records: Sequence[RequestRecord]) -> dict[str, float]:
     ttft = [r.token_times[0] - r.arrival for r in records if r.token_times]
     itl = [b - a for r in records for a, b in zip(r.token_times, r.token_times[1:])]
     return {

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from integration.bench_e2e.results import E2EConfig, ModeResult, RequestRecord, cpu_probe_ms
-from integration.bench_e2e.scrape import _get, _shard_result, scrape
+from integration.bench_e2e.shard_figures import shard_result
 from integration.net import free_port
+from integration.prometheus_text import Samples, sample_value, scrape, scrape_every
 
 
 def shard_env(cfg: E2EConfig, overcommit: float, metrics_port: int) -> dict[str, str]:
@@ -75,29 +76,22 @@ async def _drive(router: Any, cfg: E2EConfig, prompts: Sequence[str], port: int)
             await stream.aclose()
             live["done"] += 1
 
-    async def sampler() -> None:
-        while True:
-            try:
-                m = await asyncio.to_thread(scrape, port)
-            except OSError:
-                m = None
-            if m is not None:
-                samples["t"].append(time.perf_counter() - t0)
-                samples["running"].append(_get(m, "tgi_paged_requests", state="running"))
-                samples["preempted"].append(_get(m, "tgi_paged_requests", state="preempted"))
-                samples["waiting"].append(_get(m, "tgi_paged_requests", state="waiting"))
-                stats = router.stats
-                samples["queued"].append(float(stats.queue_length))
-                samples["queue_blocked_on_kv"].append(float(stats.queue_blocked_on_kv))
-                for state in ("used", "free", "retained"):
-                    samples[f"{state}_blocks"].append(_get(m, "tgi_paged_kv_blocks", state=state))
-                samples["pool_tokens"].append(_get(m, "tgi_paged_kv_physical_tokens"))
-                samples["reserved_tokens"].append(_get(m, "tgi_paged_kv_virtual_reserved_tokens"))
-                for kind in ("internal", "reservation", "external"):
-                    samples[f"{kind}_ratio"].append(_get(m, "tgi_paged_kv_waste_ratio", kind=kind))
-            await asyncio.sleep(cfg.scrape_interval_s)
+    def take(m: Samples) -> None:
+        samples["t"].append(time.perf_counter() - t0)
+        samples["running"].append(sample_value(m, "tgi_paged_requests", state="running"))
+        samples["preempted"].append(sample_value(m, "tgi_paged_requests", state="preempted"))
+        samples["waiting"].append(sample_value(m, "tgi_paged_requests", state="waiting"))
+        stats = router.stats
+        samples["queued"].append(float(stats.queue_length))
+        samples["queue_blocked_on_kv"].append(float(stats.queue_blocked_on_kv))
+        for state in ("used", "free", "retained"):
+            samples[f"{state}_blocks"].append(sample_value(m, "tgi_paged_kv_blocks", state=state))
+        samples["pool_tokens"].append(sample_value(m, "tgi_paged_kv_physical_tokens"))
+        samples["reserved_tokens"].append(sample_value(m, "tgi_paged_kv_virtual_reserved_tokens"))
+        for kind in ("internal", "reservation", "external"):
+            samples[f"{kind}_ratio"].append(sample_value(m, "tgi_paged_kv_waste_ratio", kind=kind))
 
-    sampling = asyncio.create_task(sampler())
+    sampling = asyncio.create_task(scrape_every(port, cfg.scrape_interval_s, take))
     try:
         await asyncio.gather(*(one(r) for r in records))
     finally:
@@ -147,7 +141,7 @@ def run_shard_mode(cfg: E2EConfig, prompts: Sequence[str], overcommit: float, *,
             records, samples, counters, stats, setup_s = asyncio.run(scenario())
             info_line = next((r.text for r in shards.logs if "warmup:" in r.text), "")
         log(f"  {mode} (overcommit {overcommit:g}): {info_line}")
-    return _shard_result(cfg, mode, overcommit, records, samples, counters, stats, setup_s)
+    return shard_result(cfg, mode, overcommit, records, samples, counters, stats, setup_s)
 
 
 def _params(n: int):

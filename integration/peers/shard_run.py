@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from integration.bench_e2e import _get, scrape
 from integration.net import free_port
 from integration.peers.jobs import EngineResult
+from integration.prometheus_text import Samples, counter_delta, sample_value, scrape, scrape_every
 from tgi_paged_backend.telemetry.step_record import STEP_PARTS
 
 
@@ -70,20 +70,13 @@ async def _drive(
         finally:
             await stream.aclose()
 
-    async def sampler() -> None:
-        while True:
-            try:
-                m = await asyncio.to_thread(scrape, port)
-            except OSError:
-                m = None
-            if m is not None:
-                running = _get(m, "tgi_paged_requests", state="running")
-                if running > 0:
-                    samples["running"].append(running)
-                    samples["used_tokens"].append(_get(m, "tgi_paged_kv_blocks", state="used") * block_size)
-            await asyncio.sleep(1.0)  # light: the router replay shares the CPU with the shard
+    def take(m: Samples) -> None:
+        running = sample_value(m, "tgi_paged_requests", state="running")
+        if running > 0:
+            samples["running"].append(running)
+            samples["used_tokens"].append(sample_value(m, "tgi_paged_kv_blocks", state="used") * block_size)
 
-    task = asyncio.create_task(sampler())
+    task = asyncio.create_task(scrape_every(port, 1.0, take))  # light: the router replay shares the CPU
     try:
         await asyncio.gather(*(one(i) for i in range(len(requests))))
     finally:
@@ -95,7 +88,7 @@ def anatomy(before: dict, after: dict) -> tuple[dict[str, float], int]:
     """Mean seconds per decode step by part over the run, and the number of decode steps."""
 
     def delta(name: str, **labels: str) -> float:
-        return _get(after, name, **labels) - _get(before, name, **labels)
+        return counter_delta(before, after, name, **labels)
 
     steps = int(delta("tgi_paged_step_seconds_count", phase="decode"))
     parts = {

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 
+from integration.prometheus_text import parse_prometheus
 from integration.serve_demo import (
     MemoryReport,
     ShardMetricsPoller,
     fetch_shard_memory_report,
     format_report,
     group_lines,
-    parse_prometheus,
     plan_num_blocks,
 )
 from tests.telemetry.telemetry_samples import memory_stats

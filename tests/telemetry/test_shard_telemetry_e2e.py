@@ -8,26 +8,16 @@ RPC parented to the router's ``traceparent`` plus the metrics, flushed on SIGTER
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from pathlib import Path
 
 from integration.launcher_spawn import LaunchedShards, LauncherOptions
 from integration.net import free_port
+from integration.prometheus_text import scrape
 from integration.router_replay import GenerateParameters, Router
 from tests.helpers.tiny_models import write_tiny_model
 from tests.telemetry.otlp_sink import OtlpSink, attributes
 
 PROMPTS = ["hello world this is a test", "the quick brown fox jumps", "one two three four", "paged blocks"]
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
 
 
 def test_real_shard_exports_metrics_and_parented_spans(tmp_path: Path) -> None:
@@ -65,15 +55,15 @@ def test_real_shard_exports_metrics_and_parented_spans(tmp_path: Path) -> None:
     try:
         with LaunchedShards(str(model), opts, ready_timeout=120) as shards:
             asyncio.run(asyncio.wait_for(drive(), 240))
-            samples = scrape(port)
+            samples = scrape(port, timeout=10)
             shards.terminate()
             assert shards.exit_codes == {0: 0}, shards.stderr
         # Prometheus endpoint: pool usage gauge, preemptions by mode, steps.
-        assert 0.0 <= samples["tgi_paged_kv_usage_ratio"] <= 1.0
-        preempted = {k: v for k, v in samples.items() if k.startswith("tgi_paged_preemptions_total")}
+        assert 0.0 <= samples[("tgi_paged_kv_usage_ratio", ())] <= 1.0
+        preempted = {labels: v for (name, labels), v in samples.items() if name == "tgi_paged_preemptions_total"}
         assert sum(preempted.values()) > 0, preempted
-        assert any('mode="recompute"' in k for k, v in preempted.items() if v > 0)
-        assert samples['tgi_paged_kv_blocks{state="free"}'] >= 0
+        assert any(("mode", "recompute") in labels for labels, v in preempted.items() if v > 0)
+        assert samples[("tgi_paged_kv_blocks", (("state", "free"),))] >= 0
         # OTLP: spans parented to the router's traceparent, metrics flushed at shutdown.
         assert sink.wait_for(lambda: any(s.name.endswith("Decode") for _, s in sink.spans()), timeout=20)
         spans = sink.spans()

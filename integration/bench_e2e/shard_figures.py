@@ -1,38 +1,18 @@
-"""The shard's Prometheus endpoint: one scrape, one sample, and a shard mode's figures from the scrapes."""
+"""A shard mode's figures: its requests' token times and the scrapes of its Prometheus endpoint into a
+:class:`ModeResult` (waste from the pool gauges, counters as deltas over the run)."""
 
 from __future__ import annotations
 
 import os
-import urllib.request
 from typing import Any
 
 import numpy as np
 
-from integration.bench_e2e.results import STOCK, E2EConfig, ModeResult, RequestRecord, _latency_figures, cpu_probe_ms
+from integration.bench_e2e.results import STOCK, E2EConfig, ModeResult, RequestRecord, cpu_probe_ms, latency_figures
+from integration.prometheus_text import counter_delta, sample_value
 
 
-def scrape(port: int, timeout: float = 2.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """``{(sample name, sorted labels): value}`` from ``http://127.0.0.1:PORT/metrics``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as resp:
-        text = resp.read().decode("utf-8")
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
-    return out
-
-
-def _get(metrics: dict, name: str, **labels: str) -> float:
-    want = tuple(sorted(labels.items()))
-    for (n, lab), v in metrics.items():
-        if n == name and all(item in lab for item in want):
-            return v
-    return 0.0
-
-
-def _shard_result(
+def shard_result(
     cfg: E2EConfig,
     mode: str,
     overcommit: float,
@@ -45,7 +25,7 @@ def _shard_result(
     before, after = counters["before"], counters["after"]
 
     def delta(name: str, **labels: str) -> float:
-        return _get(after, name, **labels) - _get(before, name, **labels)
+        return counter_delta(before, after, name, **labels)
 
     preemptions = {m: int(delta("tgi_paged_preemptions_total", mode=m)) for m in ("recompute", "swap")}
     recomputed = int(delta("tgi_paged_recomputed_tokens_total"))
@@ -59,7 +39,7 @@ def _shard_result(
     useful = sum(r.output_tokens for r in records)
     # Waste from the gauges, in slots of the physical pool, averaged over samples with live work.
     bs = cfg.block_size
-    pool_tokens = int(_get(after, "tgi_paged_kv_physical_tokens"))
+    pool_tokens = int(sample_value(after, "tgi_paged_kv_physical_tokens"))
     acc = {"internal": [], "reservation": [], "external": [], "idle_queued": [], "virtual": [], "used": []}
     gauges: dict[str, list[float]] = {"internal": [], "reservation": [], "external": []}
     for k in range(len(samples["t"])):
@@ -102,7 +82,7 @@ def _shard_result(
         useful_tokens=useful,
         tokens_per_s=useful / wall,
         requests_per_s=len(records) / wall,
-        **_latency_figures(records),
+        **latency_figures(records),
         peak_admitted=int(stats.concurrency_peak),
         peak_running=peak_running,
         mean_batch=batch_sum / batch_count if batch_count else 0.0,
