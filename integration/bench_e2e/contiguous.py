@@ -13,8 +13,8 @@ from integration.bench_e2e.results import (
     E2EConfig,
     ModeResult,
     RequestRecord,
+    client_figures,
     cpu_probe_ms,
-    latency_figures,
 )
 
 
@@ -127,19 +127,13 @@ def run_contiguous(cfg: E2EConfig, prompts: Sequence[str], *, log=print) -> Mode
                 f"  contiguous: batch of {rows} (prompt pad {P}, cache {L} tokens/row) ran {steps} steps, "
                 f"{time.perf_counter() - t0:.1f} s"
             )
-    wall = max(t for r in records.values() for t in r.token_times)
-    useful_tokens = sum(r.output_tokens for r in records.values())
     share = {
         k: acc[k] / acc["t"] / kv_tokens if acc["t"] else 0.0 for k in ("internal", "reservation", "external", "used")
     }
     return ModeResult(
         mode=CONTIGUOUS,
         overcommit=None,
-        wall_s=wall,
-        useful_tokens=useful_tokens,
-        tokens_per_s=useful_tokens / wall,
-        requests_per_s=len(records) / wall,
-        **latency_figures(list(records.values())),
+        **client_figures(list(records.values())),
         peak_admitted=peak,
         peak_running=peak,
         mean_batch=float(np.mean(rows_per_step)),

@@ -144,10 +144,18 @@ def _pct(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else math.nan
 
 
-def latency_figures(records: Sequence[RequestRecord]) -> dict[str, float]:
+def client_figures(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """What the clients saw, the same in every mode: wall time to the last token, useful tokens and the
+    rates, TTFT and inter-token latency percentiles (keyword arguments of :class:`ModeResult`)."""
+    wall = max(t for r in records for t in r.token_times)
+    useful = sum(r.output_tokens for r in records)
     ttft = [r.token_times[0] - r.arrival for r in records if r.token_times]
     itl = [b - a for r in records for a, b in zip(r.token_times, r.token_times[1:])]
     return {
+        "wall_s": wall,
+        "useful_tokens": useful,
+        "tokens_per_s": useful / wall,
+        "requests_per_s": len(records) / wall,
         "ttft_p50_s": _pct(ttft, 50),
         "ttft_p99_s": _pct(ttft, 99),
         "itl_p50_s": _pct(itl, 50),

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from integration.bench_e2e.results import STOCK, E2EConfig, ModeResult, RequestRecord, cpu_probe_ms, latency_figures
+from integration.bench_e2e.results import STOCK, E2EConfig, ModeResult, RequestRecord, client_figures, cpu_probe_ms
 from integration.prometheus_text import counter_delta, sample_value
 
 
@@ -35,8 +35,6 @@ def shard_result(
     # The shard's own counter when it has one; else prompt + generated (+1 for the token a disconnect
     # costs) + recomputed, counted client-side.
     computed = computed_counter or sum(r.input_length for r in records) + received + len(records) + recomputed
-    wall = max(t for r in records for t in r.token_times)
-    useful = sum(r.output_tokens for r in records)
     # Waste from the gauges, in slots of the physical pool, averaged over samples with live work.
     bs = cfg.block_size
     pool_tokens = int(sample_value(after, "tgi_paged_kv_physical_tokens"))
@@ -78,11 +76,7 @@ def shard_result(
     return ModeResult(
         mode=mode,
         overcommit=overcommit,
-        wall_s=wall,
-        useful_tokens=useful,
-        tokens_per_s=useful / wall,
-        requests_per_s=len(records) / wall,
-        **latency_figures(records),
+        **client_figures(records),
         peak_admitted=int(stats.concurrency_peak),
         peak_running=peak_running,
         mean_batch=batch_sum / batch_count if batch_count else 0.0,

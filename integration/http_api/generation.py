@@ -237,6 +237,13 @@ async def generate(
         body["details"] = details_json(best, with_top_tokens=bool(p.top_n_tokens), prompt=prompt, best_of=others)
     now = time.monotonic()
     headers = timing_headers(ctx, start=start, now=now, final=final, characters=len(req.inputs))
+    record_success(ctx, final, start=start, now=now, max_new_tokens=p.max_new_tokens)
+    return GenerateResult(body, headers, best)
+
+
+def record_success(ctx: ApiContext, final: FinalEvent, *, start: float, now: float, max_new_tokens: int | None) -> None:
+    """One request answered, into the stock router's request histograms: validation until the router queued
+    it, queue until its first step, inference until ``now`` (streamed or not)."""
     ctx.metrics.success(
         total_s=now - start,
         validation_s=final.queued - start,
@@ -244,9 +251,8 @@ async def generate(
         inference_s=now - final.start,
         generated_tokens=final.generated_tokens,
         input_length=final.input_length,
-        max_new_tokens=p.max_new_tokens,
+        max_new_tokens=max_new_tokens,
     )
-    return GenerateResult(body, headers, best)
 
 
 def timing_headers(ctx: ApiContext, *, start: float, now: float, final: FinalEvent, characters: int) -> dict[str, str]:

@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from integration.router_replay import FinalEvent, PrefillEvent
 
-from .generation import ApiContext, counted, open_stream, token_json
+from .generation import ApiContext, counted, open_stream, record_success, token_json
 from .schemas import ApiError, GenerateRequest, api_error, check_stream, router_parameters
 
 KEEPALIVE = b":\n\n"
@@ -138,15 +138,7 @@ async def stream_events(
                 item["top_tokens"] = [token_json(t) for t in event.top_tokens]
             if isinstance(event, FinalEvent):
                 now = time.monotonic()
-                ctx.metrics.success(
-                    total_s=now - start,
-                    validation_s=event.queued - start,
-                    queue_s=event.start - event.queued,
-                    inference_s=now - event.start,
-                    generated_tokens=event.generated_tokens,
-                    input_length=event.input_length,
-                    max_new_tokens=p.max_new_tokens,
-                )
+                record_success(ctx, event, start=start, now=now, max_new_tokens=p.max_new_tokens)
                 item["generated_text"] = (prompt or "") + event.generated_text
                 item["details"] = (
                     {
