@@ -2,7 +2,7 @@
 
 For each workload a seeded trace (default 1000 ShareGPT-like and 1000 Alpaca-like requests, all
 arriving at once, ``max_new_tokens`` 1024 as clients set it) goes through the three allocators of
-``tgi_paged_backend.bench.allocator_sim`` on the KV pool the capacity planner computes for the model
+``tgi_paged_backend.planning.allocator_sim`` on the KV pool the capacity planner computes for the model
 and GPU (default: Llama-3-8B shapes on an A10G 24 GB at memory fraction 0.9). The paged allocator is
 the real ``KVCacheManager`` with the admission brake and preemption policies; it runs at several
 overcommits and the advised one is reported. Step time is a roofline model of the GPU (``--unit-cost``
@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tgi_paged_backend.bench.allocator_sim import StepCostModel, compare  # noqa: E402
-from tgi_paged_backend.bench.planner import PlanInputs, format_plan, make_plan  # noqa: E402
-from tgi_paged_backend.bench.report import comparison_table, overcommit_table, plot_comparison  # noqa: E402
-from tgi_paged_backend.bench.workload import generate_trace, save_trace  # noqa: E402
+from tgi_paged_backend.planning.allocator_sim import StepCostModel, compare  # noqa: E402
+from tgi_paged_backend.planning.planner import PlanInputs, format_plan, make_plan  # noqa: E402
+from tgi_paged_backend.planning.report import comparison_table, overcommit_table, plot_comparison  # noqa: E402
+from tgi_paged_backend.planning.workload import generate_trace, save_trace  # noqa: E402
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from integration.bench_e2e import E2EConfig, format_report, run_all, write_outputs  # noqa: E402
-from tgi_paged_backend.bench.workload import generate_trace, load_trace, save_trace  # noqa: E402
+from tgi_paged_backend.planning.workload import generate_trace, load_trace, save_trace  # noqa: E402
 
 
 def main() -> None:

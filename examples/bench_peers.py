@@ -4,7 +4,7 @@ Report-only (never a CI gate). One run prints, after the host's CPU model and IS
 AVX512-BF16, AMX: whether bf16 is native here) and load average, for each scenario (``--scenarios``):
 
 - ``burst``: one seeded trace (default 32 requests, prompts 16-200 tokens, answers 16-128,
-  ``tgi_paged_backend.bench.workload``) of SmolLM2-135M-Instruct, all at once: tokens/s;
+  ``tgi_paged_backend.planning.workload``) of SmolLM2-135M-Instruct, all at once: tokens/s;
 - ``poisson``: the same requests arriving at ``--rate`` requests/s: TTFT and ITL under arrivals;
 - ``single``: one request, 64-token prompt, 128 new tokens: the per-token latency (mean ITL);
 - ``hostbound``: the burst on a host-bound model (Llama, 30 layers, hidden 128, head_dim 64, random seeded

@@ -1,6 +1,6 @@
 """Per-rank weights, KV and admitted concurrency of MoE models under ``--num-shard N`` on H100s.
 
-Each row is one ``tgi-paged-backend plan`` (:func:`tgi_paged_backend.bench.planner.make_plan`) of a preset
+Each row is one ``tgi-paged-backend plan`` (:func:`tgi_paged_backend.planning.planner.make_plan`) of a preset
 at N ranks: the weights one rank holds (heads, MLP and experts split; embeddings, lm_head, norms and
 routers whole), the KV bytes per token one rank stores (its KV heads; one replicated head when the model
 has fewer KV heads than ranks), the pool that fits beside them, and what the allocator simulator predicts
@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tgi_paged_backend.bench.planner import PlanInputs, make_plan  # noqa: E402
-from tgi_paged_backend.bench.report import fmt_bytes, table  # noqa: E402
-from tgi_paged_backend.bench.workload import generate_trace  # noqa: E402
+from tgi_paged_backend.planning.planner import PlanInputs, make_plan  # noqa: E402
+from tgi_paged_backend.planning.report import fmt_bytes, table  # noqa: E402
+from tgi_paged_backend.planning.workload import generate_trace  # noqa: E402
 
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-120b")
 

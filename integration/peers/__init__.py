@@ -1,6 +1,6 @@
 """Peer comparison harness for ``examples/bench_peers.py`` (report-only; never a CI gate).
 
-One trace from :mod:`tgi_paged_backend.bench.workload` is served by this shard (launcher-exact spawn +
+One trace from :mod:`tgi_paged_backend.planning.workload` is served by this shard (launcher-exact spawn +
 v3 router replay, :mod:`integration.peers.shard_run`), by vLLM's CPU build (a subprocess in the peer
 venv that ``scripts/build_peer_venvs.sh`` builds, :mod:`integration.peers.vllm_worker`) and by
 transformers' own continuous batching (:mod:`integration.peers.hf_worker`, which also computes the HF

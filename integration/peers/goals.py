@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from integration.peers.jobs import EngineResult
-from tgi_paged_backend.bench.report import table
+from tgi_paged_backend.planning.report import table
 from tgi_paged_backend.telemetry.step_record import STEP_PARTS
 
 

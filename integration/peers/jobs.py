@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from tgi_paged_backend.bench.workload import LengthDist, TraceRequest, WorkloadSpec, generate_trace
+from tgi_paged_backend.planning.workload import LengthDist, TraceRequest, WorkloadSpec, generate_trace
 
 PEERS_WORKLOAD = WorkloadSpec("peers", LengthDist(80.0, 0.6, 16, 200), LengthDist(56.0, 0.6, 16, 128), 128)
 """Prompts 16-200 tokens (mean 80), answers 16-128 (mean 56), clients cap at 128 new tokens."""

@@ -9,7 +9,7 @@ from typing import Any
 from integration.peers.goals import engines_by_key, goals_table, issue21_goals, overhead
 from integration.peers.host import describe
 from integration.peers.jobs import EngineResult, RunFigures
-from tgi_paged_backend.bench.report import table
+from tgi_paged_backend.planning.report import table
 from tgi_paged_backend.telemetry.step_record import STEP_PARTS
 
 

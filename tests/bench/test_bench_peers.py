@@ -19,7 +19,7 @@ import pytest
 
 from integration.peers.jobs import EngineResult, figures, peer_traces
 from integration.peers.report import format_report
-from tgi_paged_backend.bench.workload import TraceRequest
+from tgi_paged_backend.planning.workload import TraceRequest
 from tgi_paged_backend.telemetry.step_record import STEP_PARTS
 
 PEERS = Path(__file__).resolve().parents[2] / "integration" / "peers"

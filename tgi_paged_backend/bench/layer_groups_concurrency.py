@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tgi_paged_backend.bench.report import fmt_bytes, table
 from tgi_paged_backend.engine.types import (
     BatchSpec,
     CachedBatchInfo,
@@ -33,6 +32,7 @@ from tgi_paged_backend.engine.types import (
     StepResult,
     StoppingParams,
 )
+from tgi_paged_backend.planning.report import fmt_bytes, table
 
 
 @dataclass(frozen=True, slots=True)

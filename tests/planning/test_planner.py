@@ -9,17 +9,17 @@ import pytest
 import torch
 import transformers
 
-from tgi_paged_backend.bench.allocator_sim import simulate
-from tgi_paged_backend.bench.planner import (
+from tgi_paged_backend.config import CacheConfig, ConfigError, ModelConfig
+from tgi_paged_backend.engine.capacity import plan_capacity
+from tgi_paged_backend.planning.allocator_sim import simulate
+from tgi_paged_backend.planning.planner import (
     PlanInputs,
     count_safetensors_params,
     estimate_params,
     format_plan,
     make_plan,
 )
-from tgi_paged_backend.bench.workload import generate_trace
-from tgi_paged_backend.config import CacheConfig, ConfigError, ModelConfig
-from tgi_paged_backend.engine.capacity import plan_capacity
+from tgi_paged_backend.planning.workload import generate_trace
 from tgi_paged_backend.runner.model.spec import ModelSpec
 
 SMALL_TRACE = generate_trace("sharegpt", 60, seed=1, max_new_tokens=256)

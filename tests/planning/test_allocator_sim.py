@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from tgi_paged_backend.bench.allocator_sim import (
+from tgi_paged_backend.planning.allocator_sim import (
     ContiguousAllocator,
     PagedAllocator,
     SimConfig,
@@ -17,7 +17,7 @@ from tgi_paged_backend.bench.allocator_sim import (
     compare,
     simulate,
 )
-from tgi_paged_backend.bench.workload import TraceRequest, generate_trace
+from tgi_paged_backend.planning.workload import TraceRequest, generate_trace
 
 
 @pytest.fixture(scope="module")

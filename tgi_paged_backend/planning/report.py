@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tgi_paged_backend.bench.allocator_sim import Comparison, SimResult
+    from tgi_paged_backend.planning.allocator_sim import Comparison, SimResult
 
 SEED_CLAIMS = {
     "waste": "60-80 % -> < 4 %",

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from tgi_paged_backend.bench.workload import generate_trace, save_trace
 from tgi_paged_backend.cli import tools_app
+from tgi_paged_backend.planning.workload import generate_trace, save_trace
 
 
 def test_plan_with_a_model_dir_and_a_trace_file(tiny_llama_dir: Path, tmp_path: Path) -> None:

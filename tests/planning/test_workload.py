@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from tgi_paged_backend.bench.workload import (
+from tgi_paged_backend.planning.workload import (
     WORKLOADS,
     TraceRequest,
     clipped_lognormal_mean,

@@ -2,7 +2,7 @@
 
 Inputs: a model config (a local model directory, or a preset of public architecture numbers), a
 device (a GPU name from :data:`GPUS`, ``--memory-gb``, or ``cpu``), the memory fraction, block size,
-KV dtype, and a trace (a JSONL file or the :mod:`~tgi_paged_backend.bench.workload` generator).
+KV dtype, and a trace (a JSONL file or the :mod:`~tgi_paged_backend.planning.workload` generator).
 
 The arithmetic is the shard's own, so the plan agrees with a real shard:
 
@@ -18,10 +18,10 @@ The arithmetic is the shard's own, so the plan agrees with a real shard:
 - pool and advertised budget: :func:`tgi_paged_backend.engine.capacity.plan_capacity` (with the groups,
   so the budget gains what the sliding groups no longer hold).
 
-Expected concurrency and waste come from :func:`~tgi_paged_backend.bench.allocator_sim.compare`
+Expected concurrency and waste come from :func:`~tgi_paged_backend.planning.allocator_sim.compare`
 on that pool (so the planner agrees with the simulator by construction), with a roofline step-time
 model of the device; the advised overcommit is
-:func:`~tgi_paged_backend.bench.allocator_sim.advise_overcommit` over a sweep.
+:func:`~tgi_paged_backend.planning.allocator_sim.advise_overcommit` over a sweep.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tgi_paged_backend.bench.allocator_sim import (
+from tgi_paged_backend.config import PreemptionMode
+from tgi_paged_backend.memory.layer_groups import LayerGroups
+from tgi_paged_backend.planning.allocator_sim import (
     DEFAULT_OVERCOMMITS,
     THROUGHPUT_TOLERANCE,
     WASTE_TOLERANCE,
@@ -43,11 +45,9 @@ from tgi_paged_backend.bench.allocator_sim import (
     StepCostModel,
     compare,
 )
-from tgi_paged_backend.bench.param_counts import param_counts
-from tgi_paged_backend.bench.weights import weight_bytes
-from tgi_paged_backend.bench.workload import TraceRequest, summarize
-from tgi_paged_backend.config import PreemptionMode
-from tgi_paged_backend.memory.layer_groups import LayerGroups
+from tgi_paged_backend.planning.param_counts import param_counts
+from tgi_paged_backend.planning.weights import weight_bytes
+from tgi_paged_backend.planning.workload import TraceRequest, summarize
 
 GiB = 1024**3
 
@@ -262,7 +262,7 @@ def count_safetensors_params(model_dir: str | Path) -> int | None:
 
 def estimate_params(cfg: dict[str, Any]) -> int:
     """Parameters from config fields (attention, dense or MoE MLP, norms, embeddings):
-    :func:`~tgi_paged_backend.bench.param_counts.param_counts` on one shard."""
+    :func:`~tgi_paged_backend.planning.param_counts.param_counts` on one shard."""
     return param_counts(cfg).held
 
 
@@ -317,9 +317,9 @@ class PlanInputs:
     overcommits: Sequence[float] = DEFAULT_OVERCOMMITS
     quantize: str | None = None
     """``--quantize`` (``fp8``, ``compressed-tensors``, ``gptq``, ``awq``): weights as
-    :mod:`~tgi_paged_backend.bench.weights` sizes them."""
+    :mod:`~tgi_paged_backend.planning.weights` sizes them."""
     int_layout: Any = None
-    """:class:`~tgi_paged_backend.bench.weights.IntLayout` (bits, group size) of an int checkpoint."""
+    """:class:`~tgi_paged_backend.planning.weights.IntLayout` (bits, group size) of an int checkpoint."""
     kv_budget_bytes: int | None = None
     """Skip the memory arithmetic and use this KV budget (what the shard's runner would report)."""
     num_shard: int = 1
@@ -616,7 +616,7 @@ def shard_spec(spec: Any, num_shard: int) -> Any:
 
 def format_plan(plan: Plan) -> str:
     """The planner's printed report."""
-    from tgi_paged_backend.bench.report import comparison_table, fmt_bytes, overcommit_table
+    from tgi_paged_backend.planning.report import comparison_table, fmt_bytes, overcommit_table
 
     s, t = plan.facts.spec, plan.trace_summary
     lines = [
@@ -725,8 +725,8 @@ def plan_from_args(
 ) -> Plan:
     """What ``tgi-paged-backend plan`` calls (``layer_groups``: ``None`` reads ``TGI_PAGED_LAYER_GROUPS`` as
     the shard does)."""
-    from tgi_paged_backend.bench.weights import IntLayout
-    from tgi_paged_backend.bench.workload import generate_trace, load_trace
+    from tgi_paged_backend.planning.weights import IntLayout
+    from tgi_paged_backend.planning.workload import generate_trace, load_trace
 
     if layer_groups is None:
         import os

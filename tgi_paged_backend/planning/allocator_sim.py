@@ -59,10 +59,10 @@ from typing import Any
 
 import numpy as np
 
-from tgi_paged_backend.bench.workload import TraceRequest
 from tgi_paged_backend.config import PreemptionMode
 from tgi_paged_backend.memory import KVCacheManager
 from tgi_paged_backend.memory.window_reclaim import max_request_blocks
+from tgi_paged_backend.planning.workload import TraceRequest
 from tgi_paged_backend.policy.admission import should_brake
 from tgi_paged_backend.policy.preemption_mode import RateCalibrator, choose_preemption_mode
 from tgi_paged_backend.policy.victims import VictimCandidate, victim_order
