@@ -31,9 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tgi_paged_backend.planning.allocator_sim import StepCostModel, compare  # noqa: E402
-from tgi_paged_backend.planning.planner import PlanInputs, format_plan, make_plan  # noqa: E402
-from tgi_paged_backend.planning.report import comparison_table, overcommit_table, plot_comparison  # noqa: E402
+from tgi_paged_backend.bench.plots import plot_comparison  # noqa: E402
+from tgi_paged_backend.planning.allocator_sim import compare  # noqa: E402
+from tgi_paged_backend.planning.plan import PlanInputs  # noqa: E402
+from tgi_paged_backend.planning.plan_report import format_plan  # noqa: E402
+from tgi_paged_backend.planning.planner import make_plan  # noqa: E402
+from tgi_paged_backend.planning.report import comparison_table, overcommit_table  # noqa: E402
+from tgi_paged_backend.planning.sim_config import StepCostModel  # noqa: E402
 from tgi_paged_backend.planning.workload import generate_trace, save_trace  # noqa: E402
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tgi_paged_backend.planning.planner import PlanInputs, make_plan  # noqa: E402
+from tgi_paged_backend.planning.plan import PlanInputs  # noqa: E402
+from tgi_paged_backend.planning.planner import make_plan  # noqa: E402
 from tgi_paged_backend.planning.report import fmt_bytes, table  # noqa: E402
 from tgi_paged_backend.planning.workload import generate_trace  # noqa: E402
 

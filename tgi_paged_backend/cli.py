@@ -226,7 +226,8 @@ def plan(
     json_out: str | None = typer.Option(None, "--json", help="Also write the plan as JSON to this file."),
 ) -> None:
     """Capacity plan: bytes per token, pool size, expected concurrency and waste, advised overcommit."""
-    from tgi_paged_backend.planning.planner import format_plan, plan_from_args  # lazy: torch, the simulator
+    from tgi_paged_backend.planning.plan_report import format_plan  # lazy: torch, the simulator
+    from tgi_paged_backend.planning.planner import plan_from_args
 
     try:
         ocs = [float(x) for x in overcommits.split(",") if x.strip()]

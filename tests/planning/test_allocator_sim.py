@@ -6,17 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from tgi_paged_backend.planning.allocator_sim import (
-    ContiguousAllocator,
-    PagedAllocator,
-    SimConfig,
-    SimResult,
-    StepCostModel,
-    _Req,
-    advise_overcommit,
-    compare,
-    simulate,
-)
+from tgi_paged_backend.planning.allocator_sim import compare, simulate
+from tgi_paged_backend.planning.sim_allocators import ContiguousAllocator, PagedAllocator, SimRequest
+from tgi_paged_backend.planning.sim_config import SimConfig, StepCostModel
+from tgi_paged_backend.planning.sim_results import SimResult, advise_overcommit
 from tgi_paged_backend.planning.workload import TraceRequest, generate_trace
 
 
@@ -100,13 +93,13 @@ def test_arrival_gaps_are_skipped_and_costs_add_up() -> None:
 
 def test_first_fit_merges_holes() -> None:
     alloc = ContiguousAllocator(SimConfig(num_blocks=11, block_size=10))  # 100 slots
-    reqs = [_Req(i, TraceRequest(10, 1, 0.0, 15)) for i in range(4)]  # 25 slots each
+    reqs = [SimRequest(i, TraceRequest(10, 1, 0.0, 15)) for i in range(4)]  # 25 slots each
     assert all(alloc.admit(r) for r in reqs)
-    assert not alloc.admit(_Req(9, TraceRequest(1, 1, 0.0, 1)))
+    assert not alloc.admit(SimRequest(9, TraceRequest(1, 1, 0.0, 1)))
     alloc.release(reqs[1])
     alloc.release(reqs[3])
     assert alloc.holes == [(25, 25), (75, 25)]
-    assert not alloc.admit(_Req(5, TraceRequest(30, 1, 0.0, 10)))  # 40 free only in two holes
+    assert not alloc.admit(SimRequest(5, TraceRequest(30, 1, 0.0, 10)))  # 40 free only in two holes
     alloc.release(reqs[2])
     assert alloc.holes == [(25, 75)]
 

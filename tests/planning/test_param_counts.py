@@ -13,8 +13,8 @@ import torch
 
 from tests.helpers.family_models import FAMILIES, is_available, write_family_model
 from tests.helpers.tiny_models import load_reference
+from tgi_paged_backend.planning.model_facts import count_safetensors_params
 from tgi_paged_backend.planning.param_counts import param_counts
-from tgi_paged_backend.planning.planner import count_safetensors_params
 from tgi_paged_backend.runner.model.spec import ModelSpec
 from tgi_paged_backend.runner.parallel.slicing import shard_model
 

@@ -15,8 +15,11 @@ from typer.testing import CliRunner
 from tgi_paged_backend.cli import tools_app
 from tgi_paged_backend.engine.capacity import plan_capacity
 from tgi_paged_backend.memory.layer_groups import LayerGroups
-from tgi_paged_backend.planning.allocator_sim import PagedAllocator
-from tgi_paged_backend.planning.planner import PlanInputs, format_plan, load_model_facts, make_plan
+from tgi_paged_backend.planning.model_facts import load_model_facts
+from tgi_paged_backend.planning.plan import PlanInputs
+from tgi_paged_backend.planning.plan_report import format_plan
+from tgi_paged_backend.planning.planner import make_plan
+from tgi_paged_backend.planning.sim_allocators import PagedAllocator
 from tgi_paged_backend.planning.workload import generate_trace
 
 TRACE = generate_trace("sharegpt", 40, seed=3, max_new_tokens=256)

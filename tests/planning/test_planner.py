@@ -12,13 +12,10 @@ import transformers
 from tgi_paged_backend.config import CacheConfig, ConfigError, ModelConfig
 from tgi_paged_backend.engine.capacity import plan_capacity
 from tgi_paged_backend.planning.allocator_sim import simulate
-from tgi_paged_backend.planning.planner import (
-    PlanInputs,
-    count_safetensors_params,
-    estimate_params,
-    format_plan,
-    make_plan,
-)
+from tgi_paged_backend.planning.model_facts import count_safetensors_params, estimate_params
+from tgi_paged_backend.planning.plan import PlanInputs
+from tgi_paged_backend.planning.plan_report import format_plan
+from tgi_paged_backend.planning.planner import make_plan
 from tgi_paged_backend.planning.workload import generate_trace
 from tgi_paged_backend.runner.model.spec import ModelSpec
 

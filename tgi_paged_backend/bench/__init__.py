@@ -3,6 +3,7 @@
 - ``sliding_window``: window reclaim vs keeping every block, analytic and through the memory manager.
 - ``layer_groups_concurrency``: the engine with and without KV layer groups on the same pool bytes.
 - ``decode_step``: random decode and prefill steps for the forward benchmarks.
+- ``plots``: PNG plots (matplotlib, the ``bench`` extra), e.g. of the allocator simulation's comparison.
 
 The end-to-end comparison with a real model is ``integration/bench_e2e.py``.
 
