@@ -12,9 +12,9 @@ from integration.bench_e2e.results import CONTIGUOUS, STOCK
 
 
 def plot_report(report: E2EReport, path: str | Path) -> Path:
-    from tgi_paged_backend.bench.report import _pyplot
+    from tgi_paged_backend.bench.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     res = report.results
     labels = [r.label for r in res]
     colors = ["#d62728" if r.mode == CONTIGUOUS else "#ff7f0e" if r.mode == STOCK else "#2ca02c" for r in res]

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from tgi_paged_backend.bench.workload import TraceRequest
+from tgi_paged_backend.planning.workload import TraceRequest
 
 
 def build_prompts(tokenizer: Any, trace: Sequence[TraceRequest], seed: int = 0) -> list[str]:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from integration.bench_e2e.results import CONTIGUOUS, STOCK, ModeResult
-from tgi_paged_backend.bench.allocator_sim import pick_overcommit
 from tgi_paged_backend.config import DEFAULT_OVERCOMMIT
+from tgi_paged_backend.planning.sim_results import pick_overcommit
 
 
 @dataclass(slots=True)
@@ -72,7 +72,7 @@ def recommend(
 
 
 def format_report(report: E2EReport) -> str:
-    from tgi_paged_backend.bench.report import pct, ratio, table
+    from tgi_paged_backend.planning.report import pct, ratio, table
 
     res = report.results
     base = next((r for r in res if r.mode == CONTIGUOUS), None)

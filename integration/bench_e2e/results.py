@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from tgi_paged_backend.bench.workload import TraceRequest
+from tgi_paged_backend.planning.workload import TraceRequest
 
 STOCK = "stock-tgi"
 CONTIGUOUS = "contiguous"

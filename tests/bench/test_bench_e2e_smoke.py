@@ -21,8 +21,9 @@ from integration.bench_e2e import (
     run_contiguous,
     run_shard_mode,
 )
-from tgi_paged_backend.bench.planner import PlanInputs, make_plan
-from tgi_paged_backend.bench.workload import TraceRequest
+from tgi_paged_backend.planning.plan import PlanInputs
+from tgi_paged_backend.planning.planner import make_plan
+from tgi_paged_backend.planning.workload import TraceRequest
 
 pytestmark = pytest.mark.slow
 

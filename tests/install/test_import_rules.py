@@ -206,3 +206,15 @@ def test_runner_folders_hold_few_files() -> None:
             continue
         files = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
         assert len(files) <= MAX_FILES_PER_RUNNER_FOLDER, (folder.name, sorted(files))
+
+
+def test_the_planner_imports_no_benchmark() -> None:
+    """``tgi-paged-backend plan`` ships; the benchmarks' shared code (``bench/``) is not part of it."""
+    bad = [
+        f"{module}:{imp.line} imports {imp.target}"
+        for module in _product_modules()
+        if _package_of(module) == "planning"
+        for imp in _imports(module)
+        if _package_of(imp.target) == "bench" and _ours(imp.target)
+    ]
+    assert not bad, "\n".join(bad)
