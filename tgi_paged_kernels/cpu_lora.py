@@ -51,13 +51,15 @@ def add_lora_cpu(
         raise ValueError(f"ranks must be [{a_stack.shape[0]}], got {tuple(ranks.shape)}")
     if out.stride(-1) != 1 or x.stride(-1) != 1 or not (a_stack.is_contiguous() and _is_cpu_layout(b_stack)):
         return False
+    # Every tensor whose address goes to C++ is held in a local until the call returns: a copy made inside
+    # the argument list (``t.contiguous().data_ptr()``) is freed before the kernel reads it.
     slots = token_slots if token_slots.dtype == torch.int64 else token_slots.long()
-    slots, ranks = slots.contiguous(), ranks.to(torch.int32).contiguous()
+    slots, ranks, scales = slots.contiguous(), ranks.to(torch.int32).contiguous(), scales.contiguous()
     num_slots, max_rank, in_features = a_stack.shape
     status = native.lora_add(
         out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), slots.data_ptr(),
         out.shape[0], in_features, out.shape[1], a_stack.data_ptr(), b_stack.data_ptr(),
-        num_slots, max_rank, scales.contiguous().data_ptr(), ranks.data_ptr(), torch.get_num_threads(),
+        num_slots, max_rank, scales.data_ptr(), ranks.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise ValueError(f"add_lora_cpu: a slot is >= {num_slots} or a rank exceeds {max_rank} (status {status})")

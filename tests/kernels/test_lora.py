@@ -207,6 +207,23 @@ def test_cpu_native_lora_matches_the_reference(native) -> None:
     assert torch.equal(alone, out[4:5])
 
 
+def test_cpu_native_lora_reads_strided_scales_that_it_copied(native) -> None:
+    """A strided ``scales`` view is copied to contiguous memory for the kernel; that copy must live until the
+    C++ call returns (issue 43: a temporary freed inside the argument list gave garbage scales every call)."""
+    from tgi_paged_kernels.cpu_lora import add_lora_cpu
+
+    base, x, slots, a, b, scales, ranks = _cpu_case(6, [0, 1, 2, 3, 2, 0], [8, 3, 5, 6])
+    spread = torch.zeros(2 * scales.numel())
+    spread[::2] = scales
+    strided = spread[::2]
+    assert not strided.is_contiguous() and torch.equal(strided, scales)
+    expected = base + lora_delta_reference(x, slots, a, b, scales)
+    for _ in range(20):
+        out = base.clone()
+        assert add_lora_cpu(native, out, x, slots, a, b, strided, ranks)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_native_lora_writes_a_column_slice_and_refuses_what_it_cannot_run(native) -> None:
     from tgi_paged_kernels.cpu_lora import add_lora_cpu
 
