@@ -158,7 +158,10 @@ class NativeKernels:
     def cache_dtype(self, cache: torch.Tensor) -> tuple[int, int | None]:
         """``(storage dtype code, address of its decode table or None)`` of a pool :meth:`supports_cache` takes."""
         code = DTYPE_CODES.get(cache.dtype, 2)  # else one byte per value, decoded through a table
-        return code, self.decode_table(cache.dtype).data_ptr() if code == 2 else None
+        if code != 2:
+            return code, None
+        table = self.decode_table(cache.dtype)  # held by ``self._tables`` for the process: the address stays valid
+        return code, table.data_ptr()
 
     def supports_cache(self, cache: torch.Tensor) -> bool:
         """Whether the decode kernel reads this pool (fp32, bf16 or a one-byte dtype, head_dim contiguous)."""
