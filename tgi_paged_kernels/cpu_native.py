@@ -3,8 +3,12 @@
 The sources are plain C++ with OpenMP and no torch headers (the build takes about 10 s); the shared
 library is cached under ``$TGI_PAGED_KERNEL_CACHE`` (default ``~/.cache/tgi-paged-backend/kernels``),
 keyed by the source, the compiler, the flags and this CPU's instruction sets (``-march=native``), so a
-cache carried to another CPU builds again. OpenMP: the library links ``libgomp.so.1``, which torch has
-already loaded (same soname), so both share one thread pool and ``torch.get_num_threads()`` threads.
+cache carried to another CPU builds again. The directory is created ``0700``; a library is loaded from it
+only while the directory and the file are owned by this user and writable by no one else (the name is
+predictable: anyone who can write there could make this process run their code), else
+:class:`UnsafeKernelCache` says what is wrong and the plain-torch paths serve. OpenMP: the library links
+``libgomp.so.1``, which torch has already loaded (same soname), so both share one thread pool and
+``torch.get_num_threads()`` threads.
 
 :func:`native_kernels` returns the loaded :class:`NativeKernels`, or ``None`` when no compiler can build
 them here (the reason logged once); callers then take their plain-torch path. ``TGI_PAGED_NATIVE_CPU=0``
@@ -58,26 +62,67 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("TGI_PAGED_KERNEL_CACHE", default))
 
 
+class UnsafeKernelCache(RuntimeError):
+    """The kernel cache directory or a library in it is another user's or writable by others: not loaded."""
+
+
+def _stat(path: Path) -> os.stat_result:
+    return os.stat(path)
+
+
+def check_private(directory: Path, library: Path | None = None) -> None:
+    """Raise :class:`UnsafeKernelCache` unless ``directory`` (and ``library`` in it) are owned by this user and
+    not writable by group or others: what is loaded from there runs as this process."""
+    if not hasattr(os, "getuid"):  # not POSIX: no owners to compare
+        return
+    uid = os.getuid()
+    for path in (directory, library):
+        if path is None:
+            continue
+        st = _stat(path)
+        if st.st_uid != uid:
+            problem = f"{path} is owned by uid {st.st_uid}, not by this user (uid {uid})"
+            fix = f"set TGI_PAGED_KERNEL_CACHE to a directory this user owns, or have {path} removed"
+        elif st.st_mode & 0o022:
+            problem = f"{path} is writable by {'group and others' if st.st_mode & 0o002 else 'its group'}"
+            fix = f"run `chmod go-w {path}`, or set TGI_PAGED_KERNEL_CACHE to a directory only this user can write"
+        else:
+            continue
+        raise UnsafeKernelCache(
+            f"refusing to load native CPU kernels from the kernel cache {directory}: {problem} "
+            f"(mode {oct(st.st_mode & 0o777)}), so another user could replace the library this process runs; {fix}"
+        )
+
+
+def library_path(compiler: str) -> Path:
+    """Where the build of :data:`SOURCES` by ``compiler`` for this CPU is cached."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, compiler, version, *FLAGS, _cpu_signature()]).encode()).hexdigest()
+    return _cache_dir() / f"cpu_kernels-{key[:24]}.so"
+
+
 def build_library(compiler: str | None = None) -> Path:
     """Compile :data:`SOURCES` (or reuse the cached build) and return the shared library's path.
 
-    Raises ``RuntimeError`` with the compiler's message when no compiler is found or the build fails.
+    Raises ``RuntimeError`` with the compiler's message when no compiler is found or the build fails, and
+    :class:`UnsafeKernelCache` (before building or returning a cached build) when :func:`check_private` fails.
     """
     compiler = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         raise RuntimeError("no C++ compiler (set CXX or install g++)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, compiler, version, *FLAGS, _cpu_signature()]).encode()).hexdigest()
-    target = _cache_dir() / f"cpu_kernels-{key[:24]}.so"
+    target = library_path(compiler)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the mode applies when it is created here
+    check_private(target.parent)
     if target.is_file():
+        check_private(target.parent, target)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         staged = Path(tmp) / target.name
         done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(staged)], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        staged.chmod(0o755)  # not group-writable whatever the umask, or the next start would refuse it
         os.replace(staged, target)  # atomic: a concurrent build of the same key writes the same bytes
     return target
 
@@ -380,7 +425,8 @@ def native_decode_for(cache: torch.Tensor) -> NativeKernels | None:
 
 @functools.cache
 def native_kernels() -> NativeKernels | None:
-    """This process's :class:`NativeKernels`, or ``None`` when they cannot be built or are turned off."""
+    """This process's :class:`NativeKernels`, or ``None`` when they cannot be built, are turned off or the
+    cache is unsafe (:class:`UnsafeKernelCache`); the reason is logged at warning level."""
     if os.environ.get("TGI_PAGED_NATIVE_CPU", "1").strip().lower() in ("0", "false", "off", "no"):
         return None
     try:

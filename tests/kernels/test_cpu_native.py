@@ -3,6 +3,10 @@ cache, and the fallbacks when they cannot build."""
 
 from __future__ import annotations
 
+import logging
+import os
+import stat
+
 import pytest
 import torch
 
@@ -101,15 +105,83 @@ def test_bad_tables_raise_before_any_read_outside_them(native):
 
 
 def test_the_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("TGI_PAGED_KERNEL_CACHE", str(tmp_path))
+    """Cached in a directory it creates 0700, the library not group-writable even under a umask of 002 (so
+    the next start, which checks both, loads it)."""
+    cache = tmp_path / "cache" / "kernels"
+    monkeypatch.setenv("TGI_PAGED_KERNEL_CACHE", str(cache))
+    umask = os.umask(0o002)
     try:
         first = cpu_native.build_library()
     except RuntimeError as e:
         pytest.skip(f"cannot build here: {e}")
-    assert first.parent == tmp_path and first.is_file()
+    finally:
+        os.umask(umask)
+    assert first.parent == cache and first.is_file()
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700 and not first.stat().st_mode & 0o022
     stamp = first.stat().st_mtime_ns
     assert cpu_native.build_library() == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no staging leftovers
+    assert [p.name for p in cache.iterdir()] == [first.name]  # no staging leftovers
+
+
+@pytest.mark.parametrize(("mode", "who"), [(0o777, "group and others"), (0o775, "its group")])
+def test_a_cache_directory_others_can_write_is_refused(tmp_path, monkeypatch, mode, who):
+    """Refused before anything is built or loaded (``false`` as the compiler: it is never run)."""
+    monkeypatch.setenv("TGI_PAGED_KERNEL_CACHE", str(tmp_path))
+    tmp_path.chmod(mode)
+    with pytest.raises(RuntimeError, match=f"refusing .* {tmp_path}: {tmp_path} is writable by {who}.*chmod"):
+        cpu_native.build_library(compiler="false")
+
+
+def test_a_cached_library_others_can_write_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TGI_PAGED_KERNEL_CACHE", str(tmp_path))
+    planted = cpu_native.library_path("false")
+    planted.write_bytes(b"not a library")
+    planted.chmod(0o666)
+    with pytest.raises(cpu_native.UnsafeKernelCache, match=f"{planted} is writable by group and others"):
+        cpu_native.build_library(compiler="false")
+    planted.chmod(0o644)
+    assert cpu_native.build_library(compiler="false") == planted  # private: the cached build is used
+
+
+def test_a_cache_of_another_user_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TGI_PAGED_KERNEL_CACHE", str(tmp_path))
+    uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+    with pytest.raises(RuntimeError, match=f"{tmp_path} is owned by uid {uid}, not by this user .*TGI_PAGED_KERNEL"):
+        cpu_native.build_library(compiler="false")
+
+
+def test_a_cached_library_of_another_user_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TGI_PAGED_KERNEL_CACHE", str(tmp_path))
+    planted = cpu_native.library_path("false")
+    planted.write_bytes(b"not a library")
+    planted.chmod(0o755)
+
+    def stat_as_planted_by_another(path):
+        real = os.stat(path)
+        if path != planted:
+            return real
+        return os.stat_result((real.st_mode, real.st_ino, real.st_dev, real.st_nlink, real.st_uid + 1, *real[5:10]))
+
+    monkeypatch.setattr(cpu_native, "_stat", stat_as_planted_by_another)
+    with pytest.raises(cpu_native.UnsafeKernelCache, match=f"{planted} is owned by uid {os.getuid() + 1}"):
+        cpu_native.build_library(compiler="false")
+
+
+def test_an_unsafe_cache_leaves_serving_to_the_torch_paths_with_a_warning(tmp_path, monkeypatch, caplog):
+    """As without a compiler: ``native_kernels()`` is ``None`` and the reason is logged at warning level."""
+    monkeypatch.setenv("TGI_PAGED_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # refused before it would build
+    tmp_path.chmod(0o777)
+    cpu_native.native_kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+            assert cpu_native.native_kernels() is None
+    finally:
+        cpu_native.native_kernels.cache_clear()
+    [record] = [r for r in caplog.records if r.name == cpu_native.__name__]
+    assert record.levelno == logging.WARNING
+    assert f"refusing to load native CPU kernels from the kernel cache {tmp_path}" in record.getMessage()
 
 
 def test_a_failing_compiler_names_itself(tmp_path, monkeypatch):
