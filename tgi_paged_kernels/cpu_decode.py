@@ -82,11 +82,13 @@ def decode_attention_math(
 
 
 class CompiledDecode:
-    """The compiled :func:`decode_attention_math`, turned off for the process after one failure.
+    """The compiled :func:`decode_attention_math`, turned off for the process when compiling fails.
 
     Compilation happens at the first call (seconds; Warmup makes that call). When it fails (no C++
     compiler for inductor, an unsupported torch) the failure is logged once and :meth:`__call__` returns
-    ``None`` from then on, so the caller's gather + SDPA path serves instead.
+    ``None`` from then on, so the caller's gather + SDPA path serves instead. A failure the input causes
+    (a query that does not fit the pool, a block id outside it) is not a compile failure: the eager math
+    fails on it too, and that error is raised, the same for the same input on every call; the kernel stays on.
     """
 
     def __init__(self, backend: Any = "inductor") -> None:
@@ -97,29 +99,49 @@ class CompiledDecode:
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
         seq_lens: torch.Tensor, *options: Any,
     ) -> torch.Tensor | None:  # fmt: skip
-        """:func:`decode_attention_math` compiled, or ``None`` once compiling has failed in this process."""
+        """:func:`decode_attention_math` compiled, or ``None`` once compiling has failed in this process.
+
+        Raises what the eager :func:`decode_attention_math` raises for an input it cannot take."""
         if self.failed is not None:
             return None
         if torch.compiler.is_compiling():  # inside a compiled step: trace the math into the outer graph
             return decode_attention_math(query, k_cache, v_cache, block_tables, seq_lens, *options)
-        num_requests = query.shape[0]
-        # Sizes 0 and 1 get graphs of their own under dynamic shapes: give the kernel >= 2 requests and
-        # >= 2 block columns (a repeated row, a column of the scratch block that no position reaches).
-        if num_requests == 1:
-            query, block_tables, seq_lens = query.expand(2, -1, -1), block_tables.expand(2, -1), seq_lens.expand(2)
-        if block_tables.shape[1] == 1:
-            block_tables = torch.cat([block_tables, torch.zeros_like(block_tables)], dim=1)
-        # Dynamic: batch size, block-table width, pool size. Static: heads, head_dim, block size, so the
-        # generated loops are specialised (vectorised) for this model's geometry.
-        for tensor, dims in ((query, (0,)), (block_tables, (0, 1)), (seq_lens, (0,)), (k_cache, (0,)), (v_cache, (0,))):
-            for dim in dims:
-                torch._dynamo.mark_dynamic(tensor, dim)
+        given = (query, k_cache, v_cache, block_tables, seq_lens, *options)
         try:
+            num_requests = query.shape[0]
+            # Sizes 0 and 1 get graphs of their own under dynamic shapes: give the kernel >= 2 requests and
+            # >= 2 block columns (a repeated row, a column of the scratch block that no position reaches).
+            if num_requests == 1:
+                query, block_tables, seq_lens = query.expand(2, -1, -1), block_tables.expand(2, -1), seq_lens.expand(2)
+            if block_tables.shape[1] == 1:
+                block_tables = torch.cat([block_tables, torch.zeros_like(block_tables)], dim=1)
+            # Dynamic: batch size, block-table width, pool size. Static: heads, head_dim, block size, so the
+            # generated loops are specialised (vectorised) for this model's geometry.
+            dynamic = ((query, (0,)), (block_tables, (0, 1)), (seq_lens, (0,)), (k_cache, (0,)), (v_cache, (0,)))
+            for tensor, dims in dynamic:
+                for dim in dims:
+                    torch._dynamo.mark_dynamic(tensor, dim)
             return self._fn(query, k_cache, v_cache, block_tables, seq_lens, *options)[:num_requests]
-        except Exception as e:  # noqa: BLE001 - any compile failure means: use the eager path
-            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            logger.warning("compiled CPU decode attention off, gather + SDPA serves instead (%s)", self.failed)
-            return None
+        except Exception as e:  # noqa: BLE001 - told apart below: the input's fault or the compiler's
+            failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            compiler_failed = isinstance(e, _compile_failures())
+        if not compiler_failed:
+            # Dynamo reports a bad input as an error of its own (a fake-tensor TorchRuntimeError) or as what
+            # the generated code's checks raise, so that type does not say whose fault it is; the eager math
+            # does. Run on the same input outside the handler, it raises the input's own error (what the eager
+            # path raises) and the kernel stays on; when it succeeds, compiling is what failed.
+            decode_attention_math(*given)
+        self.failed = failure
+        logger.warning("compiled CPU decode attention off, gather + SDPA serves instead (%s)", self.failed)
+        return None
+
+
+def _compile_failures() -> tuple[type[BaseException], ...]:
+    """Dynamo's errors for a failed compile: the backend (inductor: no C++ compiler, a lowering bug) raised,
+    or dynamo cannot trace the math (an older torch). Not raised for an input's fault."""
+    from torch._dynamo import exc
+
+    return (exc.BackendCompilerFailed, exc.Unsupported, exc.InternalTorchDynamoError)
 
 
 @functools.cache

@@ -112,5 +112,77 @@ def test_a_failed_compile_falls_back_to_gather_sdpa_for_good(monkeypatch):
     assert calls == [1]  # tried once, then the gather path serves without retrying
 
 
+BAD_INPUTS = {
+    "head_dim": dict(query=(2, 4, 16)),  # the pool's head_dim is 8
+    "heads": dict(query=(2, 3, 8)),  # 3 query heads over 2 KV heads
+    "sinks": dict(sinks=3),  # one per query head (4)
+    "block_id": dict(block_id=99),  # outside the pool
+}
+
+
+def _bad_call(kind):
+    kv = make_paged_kv([6, 11], num_kv_heads=2, head_dim=8, block_size=4, kv_dtype=torch.float32)
+    bad = BAD_INPUTS[kind]
+    table = kv.block_tables.long()
+    if "block_id" in bad:
+        table[1, 1] = bad["block_id"]
+    query = torch.randn(*bad.get("query", (2, 4, 8)))
+    sinks = torch.randn(bad["sinks"]) if "sinks" in bad else None
+    return (query, kv.k_cache, kv.v_cache, table, kv.seq_lens, 0.3, 0.0, None, sinks, 1.0, 1.0), kv
+
+
+@pytest.mark.parametrize("kind", list(BAD_INPUTS))
+def test_an_input_error_is_raised_as_the_eager_math_raises_it_and_the_kernel_stays_on(kind):
+    """Issue 43: any error at call time used to turn the compiled kernel off for the process (and the gather
+    path then reported another error). A bad input now raises the eager math's own error, every time."""
+    kernel = CompiledDecode(backend="eager")  # dynamo traces as for inductor; no C++ build needed
+    args, kv = _bad_call(kind)
+    with pytest.raises(Exception) as eager:
+        decode_attention_math(*args)
+    for _ in range(2):
+        with pytest.raises(Exception) as compiled:
+            kernel(*args)
+        assert type(compiled.value) is type(eager.value) and str(compiled.value) == str(eager.value)
+    assert kernel.failed is None
+    query = torch.randn(2, 4, 8)  # still on: a good input is served compiled
+    got = kernel(query, kv.k_cache, kv.v_cache, kv.block_tables.long(), kv.seq_lens, 0.3, 0.0, None, None, 1.0, 1.0)
+    assert got is not None
+    expected = paged_decode_attention_reference(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale=0.3)
+    assert_attention_close(got, expected, torch.float32)
+
+
+def test_a_bad_input_gets_one_error_through_the_compiled_path(monkeypatch):
+    """A block id outside the pool passes the API's checks: the compiled path raises the eager math's error on
+    every call (it used to turn itself off, and the gather path then said "index out of range in self")."""
+    kernel = CompiledDecode(backend="eager")
+    monkeypatch.setattr("tgi_paged_kernels.torch_impl.compiled_decode_attention", lambda: kernel)
+    kv = make_paged_kv([6, 11], num_kv_heads=2, head_dim=8, block_size=4, kv_dtype=torch.float32)
+    table = kv.block_tables.clone()
+    table[1, 1] = 99
+    args = (torch.randn(2, 4, 8), kv.k_cache, kv.v_cache, table, kv.seq_lens)
+    for _ in range(2):
+        with pytest.raises(IndexError, match="^index 99 is out of bounds for dimension 0 with size 8$"):
+            paged_decode_attention(*args, scale=0.3, cpu_kernel="compiled")
+    assert kernel.failed is None
+
+
+def test_a_backend_that_cannot_compile_turns_the_kernel_off(monkeypatch):
+    """A real compile failure (the backend raises, dynamo reports BackendCompilerFailed): off for good, without
+    running the eager math on the batch (it materialises every request's K/V: Warmup's batch is large)."""
+    attempts = []
+
+    def no_compiler(gm, example_inputs):
+        attempts.append(1)
+        raise RuntimeError("no C++ compiler")
+
+    kernel = CompiledDecode(backend=no_compiler)
+    monkeypatch.setattr("tgi_paged_kernels.cpu_decode.decode_attention_math", None)  # the compiled copy is kept
+    kv = make_paged_kv([6, 11], num_kv_heads=2, head_dim=8, block_size=4, kv_dtype=torch.float32)
+    args = (torch.randn(2, 4, 8), kv.k_cache, kv.v_cache, kv.block_tables.long(), kv.seq_lens)
+    assert kernel(*args, 0.3, 0.0, None, None, 1.0, 1.0) is None
+    assert kernel.failed is not None and kernel.failed.startswith("BackendCompilerFailed")
+    assert kernel(*args, 0.3, 0.0, None, None, 1.0, 1.0) is None and attempts == [1]
+
+
 def test_the_process_shares_one_compiled_kernel():
     assert compiled_decode_attention() is compiled_decode_attention()
