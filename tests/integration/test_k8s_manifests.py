@@ -89,3 +89,27 @@ def test_ports_path_labels_and_settings_agree() -> None:
     assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
     assert "--model-server-metrics-port=9400" in (K8S / "endpoint-picker-config.yaml").read_text()
     assert ports["metrics"] == 9400
+
+
+def test_only_the_indexer_reaches_the_kv_event_ports() -> None:
+    """The events carry users' token ids: the policy selects the shard's pods, admits the event and replay
+    ports only from the indexer's pods, and keeps every other container port open (serving goes on)."""
+    deployment, env, ports = _container()
+    policy = _docs("tgi-paged.yaml")["NetworkPolicy"]["spec"]
+    assert policy["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert policy["policyTypes"] == ["Ingress"]
+    event_ports = {"kv-events", "kv-replay"}
+    assert env["TGI_PAGED_KV_EVENTS_ENDPOINT"].endswith(f":{ports['kv-events']}")
+    assert env["TGI_PAGED_KV_EVENTS_REPLAY_ENDPOINT"].endswith(f":{ports['kv-replay']}")
+    admitted: dict[str, list] = {}
+    for rule in policy["ingress"]:
+        for port in rule["ports"]:
+            admitted.setdefault(port["port"], []).append(rule.get("from"))
+    assert set(admitted) == set(ports), "every container port has a rule, and only those"
+    for name in event_ports:
+        for sources in admitted[name]:
+            assert sources, f"{name} is open to every pod"
+            for source in sources:
+                assert source["podSelector"]["matchLabels"] == {"llm-d.ai/kv-cache-indexer": "true"}, source
+    for name in set(ports) - event_ports:
+        assert None in admitted[name], f"{name} should stay open to the cluster"

@@ -204,3 +204,99 @@ def test_only_rank_zero_publishes(tmp_path) -> None:
         assert isinstance(rank0, KVEventPublisher) and rank0.config.topic == f"kv@{socket.gethostname()}@/m"
     finally:
         rank0.close()
+
+
+def _published(publisher: KVEventPublisher, endpoint: str) -> bool:
+    """Whether a subscriber of ``endpoint`` receives what ``publisher`` sends (the PUB side is bound there)."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    try:
+        for _ in range(40):  # a slow joiner misses the first batches: keep publishing until one arrives
+            publisher.block_removed(7)
+            publisher.flush()
+            if sub.poll(100):
+                return True
+        return False
+    finally:
+        sub.close(0)
+
+
+@pytest.mark.parametrize("host", ["*", "0.0.0.0"])
+def test_an_endpoint_on_a_wildcard_host_is_bound(host: str) -> None:
+    port = free_port()
+    publisher = KVEventPublisher(KVEventsConfig(endpoint=f"tcp://{host}:{port}", topic="t"), block_size=2, medium="CPU")
+    try:
+        assert _published(publisher, f"tcp://127.0.0.1:{port}")
+    finally:
+        publisher.close()
+
+
+def test_a_connection_nothing_accepts_is_reported() -> None:
+    from loguru import logger
+
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="WARNING")
+    config = KVEventsConfig(endpoint=f"tcp://127.0.0.1:{free_port()}", topic="t", connect_warn_s=0.2)
+    publisher = KVEventPublisher(config, block_size=2, medium="CPU")
+    try:
+        deadline = time.monotonic() + 10
+        while not any("nothing accepted the connection" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any(f"tcp://127.0.0.1:{config.endpoint.rsplit(':', 1)[1]}" in line for line in lines), lines
+    finally:
+        publisher.close()
+        logger.remove(sink)
+
+
+def test_a_stopped_sender_queues_nothing_and_close_ends_the_context(tmp_path) -> None:
+    publisher = KVEventPublisher(
+        KVEventsConfig(endpoint=f"ipc://{tmp_path}/pub", topic="t"), block_size=2, medium="CPU"
+    )
+    publisher._queue.put(None)  # the sender thread ends as if it had died
+    publisher._thread.join(5)
+    for _ in range(3):
+        publisher.block_removed(1)
+        publisher.flush()
+    assert publisher.num_dropped == 3 and publisher._queue.qsize() == 0
+    publisher.close()
+    assert publisher._context.closed
+
+
+def test_the_queue_is_bounded_in_bytes(tmp_path) -> None:
+    config = KVEventsConfig(endpoint=f"ipc://{tmp_path}/pub", topic="t", max_queue_bytes=1000)
+    publisher = KVEventPublisher(config, block_size=2, medium="CPU")
+    try:
+        with publisher._bytes_lock:  # hold the sender back: what it would dequeue stays counted
+            publisher._queued_bytes = 900
+        publisher.block_stored(1, None, tuple(range(200)), 0)  # one batch of well over 100 bytes
+        publisher.flush()
+        assert publisher.num_dropped == 1
+    finally:
+        with publisher._bytes_lock:
+            publisher._queued_bytes = 0
+        publisher.close()
+
+
+def test_an_oversized_replay_request_is_cut_off_and_replay_goes_on(tmp_path) -> None:
+    config = KVEventsConfig(endpoint=f"ipc://{tmp_path}/pub", topic="t", replay_endpoint=f"ipc://{tmp_path}/replay")
+    publisher = KVEventPublisher(config, block_size=2, medium="CPU")
+    try:
+        publisher.block_removed(3)
+        publisher.flush()
+        import zmq.utils.monitor
+
+        big = zmq.Context.instance().socket(zmq.DEALER)
+        monitor = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        big.connect(config.replay_endpoint)
+        big.send_multipart([b"", b"x" * 1_000_000])  # the shard hangs up instead of taking a megabyte
+        assert monitor.poll(5000), "the replay socket kept a sender of an oversized frame"
+        assert zmq.utils.monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        assert not big.poll(200), "an oversized request got an answer"
+        big.disable_monitor()
+        monitor.close(0)
+        big.close(0)
+        batches = _replay(config.replay_endpoint, 0)
+        assert [seq for seq, _ in batches] == [0]
+    finally:
+        publisher.close()

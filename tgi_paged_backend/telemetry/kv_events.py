@@ -7,7 +7,8 @@ cache's registry exactly, so a subscriber that applies it holds the same set of 
 
 Wire format (vLLM's ``vllm/distributed/kv_events.py``, the positional encoding llm-d's decoder reads):
 
-- a ZMQ PUB socket (binds ``tcp://*:PORT``-style endpoints, connects to others) sends multipart messages
+- a ZMQ PUB socket (binds endpoints on a wildcard host -- ``*``, ``0.0.0.0``, ``::`` -- and ipc/inproc ones,
+  connects to others, and warns when nothing accepts that connection) sends multipart messages
   ``[topic, 8-byte big-endian sequence number, msgpack(batch)]``, one batch per engine step with events;
 - ``batch = [timestamp, [event, ...], data_parallel_rank]``;
 - ``["BlockStored", [block_hash], parent_block_hash | None, token_ids, block_size, lora_id | None, medium,
@@ -17,8 +18,13 @@ Wire format (vLLM's ``vllm/distributed/kv_events.py``, the positional encoding l
 - an optional ROUTER replay socket: a request ``[client, b"", start_seq (8 bytes)]`` gets every buffered
   batch from ``start_seq`` on, ``[client, b"", seq, payload]``, then ``[client, b"", -1 (8 bytes), b""]``.
 
-Never stalls a step: events go to a bounded queue that a background thread sends; a full queue drops the
-batch and counts it (:attr:`KVEventPublisher.num_dropped`); the PUB socket drops at its high-water mark.
+Never stalls a step: events go to a queue bounded in batches and in bytes that a background thread sends; a
+full queue, or a sender thread that has stopped, drops the batch and counts it
+(:attr:`KVEventPublisher.num_dropped`); the PUB socket drops at its high-water mark. The replay socket takes
+requests of at most :data:`MAX_REPLAY_REQUEST_BYTES` (a larger frame disconnects its sender).
+
+The stream carries users' token ids (every ``BlockStored`` holds a block's tokens): bind it only where the
+indexer alone can reach it (``integration/DEPLOY.md``, "KV events").
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from loguru import logger
 try:  # optional (the `serve` extra): only TGI_PAGED_KV_EVENTS_ENDPOINT needs them, and build_kv_events says so
     import msgpack
     import zmq
+    import zmq.utils.monitor
 except ImportError:
     msgpack = zmq = None  # type: ignore[assignment]
 
@@ -45,6 +52,9 @@ if TYPE_CHECKING:
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay socket's end marker."""
+MAX_REPLAY_REQUEST_BYTES = 64
+"""ZMQ_MAXMSGSIZE of the replay socket: a request frame is an 8-byte sequence number."""
+WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +71,10 @@ class KVEventsConfig:
     """Batches kept for replay."""
     max_queue: int = 100_000
     """Batches waiting for the sender thread before new ones are dropped."""
+    max_queue_bytes: int = 64 * 1024**2
+    """Bytes of batches waiting for the sender thread before new ones are dropped."""
+    connect_warn_s: float = 10.0
+    """A connected PUB endpoint that nothing accepted after this long gets a warning."""
 
 
 class KVEventSink(Protocol):
@@ -112,15 +126,19 @@ class KVEventPublisher:
         """Batches dropped because the queue was full (a slow sender; the stream then has a gap)."""
         self._events: list[list[Any]] = []
         self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=config.max_queue)
+        self._queued_bytes = 0
+        self._bytes_lock = threading.Lock()
+        self._closed = False
         self._context = zmq.Context()
         try:  # the sockets move to the sender thread when it starts, and are used there only
             self._pub = self._context.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
-            _attach(self._pub, config.endpoint)
+            self._monitor = None if _attach(self._pub, config.endpoint) else self._pub.get_monitor_socket()
             self._replay = None
             if config.replay_endpoint is not None:
                 self._replay = self._context.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REPLAY_REQUEST_BYTES)
                 self._replay.bind(config.replay_endpoint)
         except Exception:
             self._context.destroy(linger=0)
@@ -156,9 +174,17 @@ class KVEventPublisher:
             return
         payload = msgpack.packb([time.time(), self._events, 0], use_bin_type=True)
         self._events = []
+        with self._bytes_lock:
+            fits = self._queued_bytes + len(payload) <= self.config.max_queue_bytes
+            if fits:
+                self._queued_bytes += len(payload)
         try:
+            if not (fits and self._thread.is_alive()):  # a stopped sender would never drain the queue
+                raise queue.Full
             self._queue.put_nowait(payload)
         except queue.Full:
+            if fits:
+                self._sent(len(payload))
             self.num_dropped += 1
             if self.num_dropped == 1 or self.num_dropped % 1000 == 0:  # an index missing blocks must be visible
                 logger.warning(
@@ -166,17 +192,24 @@ class KVEventPublisher:
                     self.num_dropped,
                 )
 
+    def _sent(self, num_bytes: int) -> None:
+        with self._bytes_lock:
+            self._queued_bytes -= num_bytes
+
     def close(self) -> None:
-        """Send what is queued, stop the thread (it closes the sockets), end the ZMQ context. Idempotent."""
-        if not self._thread.is_alive():
+        """Send what is queued, stop the thread (it closes the sockets), end the ZMQ context. Idempotent;
+        a sender thread that already stopped leaves only the context to end."""
+        if self._closed:
             return
-        self.flush()
-        try:
-            self._queue.put(None, timeout=5)
-        except queue.Full:  # the sender is stuck: it is a daemon thread, the process may end without it
-            logger.warning("KV events: the sender thread did not drain its queue; events are lost")
-            return
-        self._thread.join(timeout=5)
+        self._closed = True
+        if self._thread.is_alive():
+            self.flush()
+            try:
+                self._queue.put(None, timeout=5)
+            except queue.Full:  # the sender is stuck: it is a daemon thread, the process may end without it
+                logger.warning("KV events: the sender thread did not drain its queue; events are lost")
+                return
+            self._thread.join(timeout=5)
         if not self._thread.is_alive():
             self._context.term()
 
@@ -187,6 +220,9 @@ class KVEventPublisher:
         except Exception as e:  # noqa: BLE001 - never silent: the stream stops, serving goes on
             logger.opt(exception=e).error("KV events: the sender thread stopped: {}", e)
         finally:
+            if self._monitor is not None:
+                self._pub.disable_monitor()
+                self._monitor.close(linger=0)
             self._pub.close(linger=0)
             if self._replay is not None:
                 self._replay.close(linger=0)
@@ -198,6 +234,7 @@ class KVEventPublisher:
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         seq = 0
+        connect_deadline = time.monotonic() + self.config.connect_warn_s if self._monitor is not None else None
         while True:
             try:
                 payload = self._queue.get(timeout=0.05)
@@ -205,7 +242,9 @@ class KVEventPublisher:
                 payload = b""
             if payload is None:
                 return
+            connect_deadline = self._watch_connection(connect_deadline)
             if payload:
+                self._sent(len(payload))
                 seq_bytes = seq.to_bytes(8, "big")
                 try:
                     self._pub.send_multipart([topic, seq_bytes, payload], flags=zmq.NOBLOCK)
@@ -215,6 +254,26 @@ class KVEventPublisher:
                 seq += 1
             if self._replay is not None and poller.poll(0):
                 self._serve_replay(buffer)
+
+    def _watch_connection(self, deadline: float | None) -> float | None:
+        """Until a connected endpoint is accepted: its monitor's events; a warning once ``deadline`` passes
+        (events published meanwhile went nowhere). Returns the deadline still to watch, ``None`` when done."""
+        if deadline is None or self._monitor is None:
+            return None
+        while self._monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_CONNECTED:
+                logger.info("KV events: connected to {}", self.config.endpoint)
+                return None
+        if time.monotonic() < deadline:
+            return deadline
+        logger.warning(
+            "KV events: nothing accepted the connection to {} after {:.0f} s, so events are dropped until "
+            "something does; to listen on that port instead, use a wildcard host (tcp://*:PORT)",
+            self.config.endpoint,
+            self.config.connect_warn_s,
+        )
+        return None
 
     def _serve_replay(self, buffer: deque[tuple[int, bytes]]) -> None:
         assert self._replay is not None
@@ -228,12 +287,21 @@ class KVEventPublisher:
         self._replay.send_multipart([client, b"", END_SEQ, b""])
 
 
-def _attach(socket: Any, endpoint: str) -> None:
-    """Bind endpoints that name no remote host (``*``, ``::``, ipc, inproc), connect to the others (as vLLM)."""
-    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+def binds(endpoint: str) -> bool:
+    """Whether ``endpoint`` is bound (ipc, inproc, or a tcp endpoint on a wildcard host) or connected to."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.partition("://")[2].rpartition(":")[0]
+    return host in WILDCARD_HOSTS or "*" in host
+
+
+def _attach(socket: Any, endpoint: str) -> bool:
+    """Bind or connect ``socket`` to ``endpoint`` (:func:`binds`); ``True`` when bound."""
+    if binds(endpoint):
         socket.bind(endpoint)
-    else:
-        socket.connect(endpoint)
+        return True
+    socket.connect(endpoint)
+    return False
 
 
 def build_kv_events(
