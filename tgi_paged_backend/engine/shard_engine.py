@@ -8,6 +8,9 @@ their batch runs next.
 Failure rule: validation happens before any state changes (``InvalidRequestError``). An unexpected
 error inside a step frees every request of that call and re-raises: the router fails exactly those
 requests (it also ``ClearCache``s the batch id), and the shard keeps serving everyone else.
+
+The request table, the pool's parts and the step itself are :class:`~.step_engine.StepEngine`'s; this
+module adds the batches, the RPC rules and Warmup.
 """
 
 from __future__ import annotations
@@ -21,17 +24,9 @@ from opentelemetry import trace
 
 from tgi_paged_backend.config import BackendConfig
 from tgi_paged_backend.engine.capacity import Capacity, plan_capacity
-from tgi_paged_backend.engine.detokenize import TokenDecoder
-from tgi_paged_backend.engine.engine_stats import EngineStats
-from tgi_paged_backend.engine.grammar import GrammarCompiler, GrammarState, TokenVocabulary
-from tgi_paged_backend.engine.model_step import ModelStep
-from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
+from tgi_paged_backend.engine.request_state import RequestState
 from tgi_paged_backend.engine.sampling import validate_sampling_params
-from tgi_paged_backend.engine.scheduler import Scheduler, reuse_cached_prefix
-from tgi_paged_backend.engine.speculation import drafting_pays, propose_drafts
-from tgi_paged_backend.engine.step_anatomy import StepTimer, device_sync
-from tgi_paged_backend.engine.stopping import StoppingCriteria, eos_token_ids
-from tgi_paged_backend.engine.tokenize import PromptTokenizer
+from tgi_paged_backend.engine.step_engine import StepEngine
 from tgi_paged_backend.engine.types import (
     U64_MAX,
     BatchNotFoundError,
@@ -44,51 +39,21 @@ from tgi_paged_backend.engine.types import (
     WarmupResult,
 )
 from tgi_paged_backend.engine.validation import validate_batch, validate_tokenized
-from tgi_paged_backend.lora.sources import AdapterNames
-from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
 from tgi_paged_backend.policy.admission import reported_batch_tokens, should_brake
-from tgi_paged_backend.policy.preemption_mode import RateCalibrator, choose_preemption_mode
 from tgi_paged_backend.runner.model_runner import ModelRunner
-from tgi_paged_backend.telemetry.engine_adapter import StepRecordBuilder, count_requests
-from tgi_paged_backend.telemetry.kv_events import build_kv_events
-from tgi_paged_backend.telemetry.lora_usage import lora_usage
-from tgi_paged_backend.telemetry.recorder import MetricsRecorder, build_recorder
 from tgi_paged_backend.telemetry.spans import annotate_step
-from tgi_paged_backend.telemetry.step_record import MemoryBudget, StepRecord
+from tgi_paged_backend.telemetry.step_record import MemoryBudget
 
 BOOTSTRAP_BLOCKS = 1024
 """Pool size before Warmup (enough for the router's warmup batch at the default prefill budget)."""
-IDLE_WAIT_S = 0.005
-"""Pause when a step could do nothing (every request waits), so back-to-back Decodes don't spin."""
 
 
-class PagedShardEngine:
+class PagedShardEngine(StepEngine):
     """Implements :class:`~tgi_paged_backend.engine.interface.ShardEngine`."""
 
     def __init__(self, config: BackendConfig, runner: ModelRunner) -> None:
-        self.config = config
-        self.runner = runner
-        self.block_size = config.cache.block_size
-        self.prompt_tokenizer = PromptTokenizer(runner.tokenizer)
-        self.decoder = TokenDecoder(runner.tokenizer)
-        self.eos_ids = eos_token_ids(runner.tokenizer, runner.generation_config) or frozenset(runner.eos_token_ids)
-        self.calibrator = RateCalibrator()
-        self.stats = EngineStats()
-        self.recorder: MetricsRecorder = build_recorder(config.telemetry, config.server.rank)
-        self.step_records = StepRecordBuilder()
-        self.last_step: StepRecord | None = None
-        self._sync, self._telemetry_ns = device_sync(runner.device.type), 0  # step anatomy
+        super().__init__(config, runner)
         self.batches: dict[int, list[int]] = {}
-        self.requests: dict[int, RequestState] = {}
-        self._admitted = 0
-        self._grammar: GrammarCompiler | None = None
-        self.adapter_names = AdapterNames(runner.lora.names if runner.lora is not None else ())
-        """``adapter_id`` -> LoRA adapter index (0: the base model); counts the unknown ids."""
-        self.kv_events = build_kv_events(config, self.block_size, runner.device, self.adapter_names.names)
-        """KV-cache events for a prefix-aware router (``TGI_PAGED_KV_EVENTS_ENDPOINT``; rank 0), else a no-op."""
-        self._spec_max_batch = config.model.speculate_max_batch or (1 if runner.device.type == "cpu" else None)
-        """Decoding requests up to which a step drafts (``ModelConfig.speculate_max_batch``)."""
-        self._pool_built = False
         # A small pool so the engine serves (and warms up) before Warmup sizes the real one.
         self._configure(
             self._plan(
@@ -120,46 +85,6 @@ class PagedShardEngine:
             max_prefill_tokens=max_prefill_tokens,
             groups=self.runner.kv_groups,
         )
-
-    def _configure(self, capacity: Capacity) -> None:
-        self.capacity = capacity
-        self.runner.allocate_kv_cache(capacity.num_blocks, grouped=self.runner.kv_groups.num_groups > 1)
-        swap_blocks = self.config.cache.swap_space_bytes // self.runner.block_bytes
-        if self.config.preemption.mode == "recompute":
-            swap_blocks = 0
-        self.runner.allocate_swap_space(swap_blocks)
-        if self._pool_built:  # a new pool: every block the old one retained is gone
-            self.kv_events.all_cleared()
-            self.kv_events.flush()
-        self._pool_built = True
-        self.kv = KVCacheManager(
-            num_blocks=capacity.num_blocks,
-            block_size=self.block_size,
-            num_swap_blocks=swap_blocks,
-            enable_prefix_retention=self.config.cache.prefix_caching,  # PREFIX_CACHING
-            observer=self.kv_events,
-            groups=self.runner.kv_groups.windows,  # one group: the reclaim window of every layer, if any
-        )
-        self.scheduler = Scheduler(
-            self.kv,
-            max_batch_tokens=capacity.max_prefill_tokens,
-            max_preemptions=self.config.preemption.max_preemptions_per_request,
-            choose_mode=self._choose_mode,
-            cost_aware=self.config.preemption.cost_aware_victims,
-            max_loras=self.config.model.max_loras,
-        )
-        self.model_step = ModelStep(self.runner, self.kv, self.decoder, self._spec_max_batch)
-
-    def _choose_mode(self, victim: RequestState, swap_has_room: bool) -> tuple[str, float]:
-        decision = choose_preemption_mode(
-            self.config.preemption.mode,
-            num_tokens_to_reprefill=victim.num_computed + 1,
-            num_swap_bytes=self.kv.request_memory(victim.id).num_blocks * self.runner.block_bytes,
-            swap_has_room=swap_has_room,
-            calibrator=self.calibrator,
-        )
-        cost = decision.swap_cost_s if decision.mode == "swap" else decision.recompute_cost_s
-        return decision.mode, float(cost or 0.0)
 
     @property
     def num_virtual_blocks(self) -> int:
@@ -318,24 +243,6 @@ class PagedShardEngine:
             self._free(self.batches.pop(batch_id, []))
         self._record_memory()
 
-    def close(self) -> None:
-        """Flush telemetry (the last OTLP export, pending preemption summaries, KV events); stop grammar compiles."""
-        try:
-            self.kv_events.close()
-        except Exception as e:  # noqa: BLE001 - the rest must still shut down
-            logger.warning("KV events: close failed: {}", e)
-        if self._grammar is not None:
-            self._grammar.close()
-        self.recorder.shutdown()
-
-    @property
-    def grammar_compiler(self) -> GrammarCompiler:
-        """Built at the first grammar request (the vocabulary scan costs a few hundred ms)."""
-        if self._grammar is None:
-            eos = self.runner.tokenizer.eos_token_id
-            self._grammar = GrammarCompiler(TokenVocabulary(self.runner.tokenizer, eos))
-        return self._grammar
-
     # -- internals --------------------------------------------------------------------------
 
     def _add_requests(self, batch: BatchSpec, *, max_input_tokens: int | None) -> None:
@@ -360,25 +267,6 @@ class PagedShardEngine:
             self._free(registered)
             raise
 
-    def _register(self, spec: RequestSpec, prompt_ids: list[int], grammar: GrammarState | None) -> None:
-        """Create the request state and its page map; share retained prefix blocks."""
-        self._admitted += 1
-        state = RequestState(
-            spec=spec,
-            prompt_ids=prompt_ids,
-            admitted_seq=self._admitted,
-            chunk_len_hint=spec.chunk_len,
-            grammar=grammar,
-            wants_prompt_logprobs=spec.prefill_logprobs and self.config.server.request_logprobs,
-        )
-        state.stop_state = StoppingCriteria(spec.stopping, self.eos_ids)
-        state.detok_state = self.decoder.new_request(prompt_ids)
-        state.adapter = self.adapter_names.resolve(spec.adapter_id)
-        self.kv.add_request(spec.id, spec.blocks, namespace=state.adapter)
-        self.requests[spec.id] = state
-        self.stats.prefix_hit_tokens += reuse_cached_prefix(self.kv, state)
-        self.stats.prefix_query_tokens += len(prompt_ids)
-
     def _run(self, batch_id: int, ids: list[int], start_ns: int, concat_ns: int | None) -> StepResult:
         try:
             generations, forward_ns, decode_ns = self._step(ids)
@@ -402,73 +290,6 @@ class PagedShardEngine:
             concat_ns=concat_ns,
         )
 
-    def _step(self, ids: list[int]):
-        t0 = time.perf_counter()
-        timer = StepTimer(self._sync)
-        timer.add("telemetry", self._telemetry_ns)
-        step = self._without_compiling([self.requests[rid] for rid in ids])
-        speculate = self.config.model.num_speculative_tokens if drafting_pays(step, self._spec_max_batch) else 0
-        propose_drafts(step, speculate, self.runner.medusa is not None)
-        in_step = {r.id for r in step}
-        others = [r for rid, r in self.requests.items() if rid not in in_step]
-        plan = self.scheduler.plan(step, others)
-        timer.lap("schedule")
-        out = self.model_step.run(plan, timer)
-        step_s = time.perf_counter() - t0
-        if not plan.scheduled:
-            time.sleep(IDLE_WAIT_S)
-        elif out.num_computed_tokens > len(plan.scheduled):  # depends on the plan only (same on every rank)
-            self.calibrator.observe_prefill(out.num_computed_tokens, out.forward_ns / 1e9)
-        if out.num_swapped_blocks:  # measured swap rate (the plan decides: same on every rank)
-            self.calibrator.observe_copy(out.num_swapped_blocks * self.runner.block_bytes, out.copy_ns / 1e9)
-        self.stats.record_step(plan, out, swap_block_bytes=self.runner.block_bytes)
-        self._free([r.id for r in out.finished])
-        timer.lap("schedule")
-        t_telemetry = time.perf_counter_ns()
-        self.last_step = self.step_records.build(
-            plan=plan,
-            out=out,
-            memory=self.kv.stats(),
-            step_s=step_s,
-            swap_block_bytes=self.runner.block_bytes,
-            requests=self.requests.values(),
-            grammar=self._grammar,
-            part_s=timer.seconds(),
-        )
-        self.recorder.record_step(self.last_step)
-        self._record_lora()
-        self.kv_events.flush()
-        self._telemetry_ns = time.perf_counter_ns() - t_telemetry
-        return out.generations, out.forward_ns, out.decode_ns
-
-    def _without_compiling(self, step: list[RequestState]) -> list[RequestState]:
-        """``step`` less the requests whose grammar is still compiling: those wait in the batch (as
-        others of this step), holding nothing new and yielding no token, while the rest step."""
-        constrained = [r for r in step if r.grammar is not None]
-        if not constrained:
-            return step
-        ready = self._agree_ready([r.grammar.ready for r in constrained])  # type: ignore[union-attr]
-        compiling = {r.id for r, ok in zip(constrained, ready) if not ok}
-        return [r for r in step if r.id not in compiling]
-
-    def _agree_ready(self, flags: list[bool]) -> list[bool]:
-        """Which grammars every rank has compiled (one rank: this one's view)."""
-        return flags
-
-    def _record_memory(self) -> None:
-        counts = count_requests(self.requests.values(), time.monotonic())
-        self.recorder.record_memory(
-            self.kv.stats(), num_running=counts.running, num_preempted=counts.preempted, num_waiting=counts.waiting
-        )
-        self._record_lora()
-        self.kv_events.flush()
-
-    def _record_lora(self) -> None:
-        names = self.adapter_names
-        self.recorder.record_lora(
-            lora_usage(self.requests.values(), names.names, self.config.model.max_loras, names.num_unknown)
-        )
-
     def _liveness(self, batch: BatchSpec, start_ns: int) -> StepResult:
         """The router's health probe: one token on the scratch block, nothing kept."""
         self._add_requests(batch, max_input_tokens=None)
@@ -484,14 +305,6 @@ class PagedShardEngine:
             decode_ns=decode_ns,
             total_ns=time.perf_counter_ns() - start_ns,
         )
-
-    def _free(self, request_ids: list[int]) -> None:
-        for rid in request_ids:
-            state = self.requests.pop(rid, None)
-            if state is not None:
-                if state.status is not RequestStatus.FINISHED:
-                    state.status = RequestStatus.FINISHED
-                self.kv.free(rid)
 
     def _batch_info(self, batch_id: int) -> CachedBatchInfo:
         ids = self.batches[batch_id]
