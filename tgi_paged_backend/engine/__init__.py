@@ -21,6 +21,7 @@ def build_engine(config: BackendConfig) -> PagedShardEngine:
 
     from tgi_paged_backend.engine.shard_engine import PagedShardEngine
     from tgi_paged_backend.runner.model_runner import ModelRunner
+    from tgi_paged_backend.telemetry.sinks import build_shard_telemetry
 
     device = torch.device(
         f"cuda:{config.server.rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
@@ -31,7 +32,9 @@ def build_engine(config: BackendConfig) -> PagedShardEngine:
 
         return build_tensor_parallel_engine(config, device)
     runner = ModelRunner(config.model, config.cache, device)
-    return PagedShardEngine(config, runner)
+    # The engine reports to one observer; the sinks listening to it are chosen here, from the config.
+    names = runner.lora.names if runner.lora is not None else ()
+    return PagedShardEngine(config, runner, build_shard_telemetry(config, device=device, adapter_names=names))
 
 
 def cap_device_memory(device: torch.device, fraction: float) -> None:

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from loguru import logger
-from opentelemetry import trace
 
 from tgi_paged_backend.config import BackendConfig
 from tgi_paged_backend.engine.capacity import Capacity, plan_capacity
@@ -41,8 +41,10 @@ from tgi_paged_backend.engine.types import (
 from tgi_paged_backend.engine.validation import validate_batch, validate_tokenized
 from tgi_paged_backend.policy.admission import reported_batch_tokens, should_brake
 from tgi_paged_backend.runner.model_runner import ModelRunner
-from tgi_paged_backend.telemetry.spans import annotate_step
 from tgi_paged_backend.telemetry.step_record import MemoryBudget
+
+if TYPE_CHECKING:
+    from tgi_paged_backend.telemetry.sinks import ShardTelemetry
 
 BOOTSTRAP_BLOCKS = 1024
 """Pool size before Warmup (enough for the router's warmup batch at the default prefill budget)."""
@@ -51,8 +53,8 @@ BOOTSTRAP_BLOCKS = 1024
 class PagedShardEngine(StepEngine):
     """Implements :class:`~tgi_paged_backend.engine.interface.ShardEngine`."""
 
-    def __init__(self, config: BackendConfig, runner: ModelRunner) -> None:
-        super().__init__(config, runner)
+    def __init__(self, config: BackendConfig, runner: ModelRunner, telemetry: ShardTelemetry) -> None:
+        super().__init__(config, runner, telemetry)
         self.batches: dict[int, list[int]] = {}
         # A small pool so the engine serves (and warms up) before Warmup sizes the real one.
         self._configure(
@@ -137,7 +139,7 @@ class PagedShardEngine(StepEngine):
         self._configure(capacity)
         self.runner.prepare_static_decode(capacity.max_total_tokens)  # captures the graphs over the new pool
         self.runner.warm_decode()  # compiles the CPU decode kernel now, not at the first request
-        self.recorder.record_budget(
+        self.observer.on_budget(
             MemoryBudget(
                 device_total_bytes=self.runner.device_total_bytes(),
                 weights_bytes=self.runner.weights_bytes,
@@ -269,13 +271,11 @@ class PagedShardEngine(StepEngine):
 
     def _run(self, batch_id: int, ids: list[int], start_ns: int, concat_ns: int | None) -> StepResult:
         try:
-            generations, forward_ns, decode_ns = self._step(ids)
+            generations, forward_ns, decode_ns = self._step(ids, batch_id)
         except Exception:
             logger.exception("step failed for batch {}; failing its {} requests", batch_id, len(ids))
             self._free(ids)
             raise
-        if self.last_step is not None:
-            annotate_step(trace.get_current_span(), self.last_step, batch_id, len(ids))
         live = [rid for rid in ids if rid in self.requests]
         batch = None
         if live:

@@ -2,15 +2,16 @@
 
 :class:`StepEngine` holds the live requests (:class:`RequestState` by id) and, over a pool of a given
 capacity (``_configure``), the memory manager, the scheduler and the model step. ``_step`` runs one
-step for a list of request ids: drafts, plan, forward, the bookkeeping after it, the step's telemetry.
-It knows nothing of batches, RPCs or Warmup: :class:`~.shard_engine.PagedShardEngine` adds them.
+step for a list of request ids: drafts, plan, forward, the bookkeeping after it, and one
+:class:`~tgi_paged_backend.telemetry.step_record.StepRecord` handed to the one telemetry observer
+(``observer``; which sinks listen is decided where the engine is built). It knows nothing of batches,
+RPCs or Warmup: :class:`~.shard_engine.PagedShardEngine` adds them.
 """
 
 from __future__ import annotations
 
 import time
-
-from loguru import logger
+from typing import TYPE_CHECKING
 
 from tgi_paged_backend.config import BackendConfig
 from tgi_paged_backend.engine.capacity import Capacity
@@ -29,11 +30,11 @@ from tgi_paged_backend.lora.sources import AdapterNames
 from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
 from tgi_paged_backend.policy.preemption_mode import RateCalibrator, choose_preemption_mode
 from tgi_paged_backend.runner.model_runner import ModelRunner
-from tgi_paged_backend.telemetry.engine_adapter import StepRecordBuilder, count_requests
-from tgi_paged_backend.telemetry.kv_events import build_kv_events
-from tgi_paged_backend.telemetry.lora_usage import lora_usage
-from tgi_paged_backend.telemetry.recorder import MetricsRecorder, build_recorder
+from tgi_paged_backend.telemetry.engine_adapter import StepRecordBuilder
 from tgi_paged_backend.telemetry.step_record import StepRecord
+
+if TYPE_CHECKING:
+    from tgi_paged_backend.telemetry.sinks import ShardTelemetry
 
 IDLE_WAIT_S = 0.005
 """Pause when a step could do nothing (every request waits), so back-to-back Decodes don't spin."""
@@ -42,7 +43,7 @@ IDLE_WAIT_S = 0.005
 class StepEngine:
     """Live requests and the step over them; :class:`~.shard_engine.PagedShardEngine` is the one to build."""
 
-    def __init__(self, config: BackendConfig, runner: ModelRunner) -> None:
+    def __init__(self, config: BackendConfig, runner: ModelRunner, telemetry: ShardTelemetry) -> None:
         self.config = config
         self.runner = runner
         self.block_size = config.cache.block_size
@@ -51,8 +52,10 @@ class StepEngine:
         self.eos_ids = eos_token_ids(runner.tokenizer, runner.generation_config) or frozenset(runner.eos_token_ids)
         self.calibrator = RateCalibrator()
         self.stats = EngineStats()
-        self.recorder: MetricsRecorder = build_recorder(config.telemetry, config.server.rank)
-        self.step_records = StepRecordBuilder()
+        self.observer = telemetry.observer
+        """The one telemetry observer: each step's record, snapshots after RPCs, the budget, a new pool."""
+        self.recorder = telemetry.recorder
+        """The metrics recorder (subscribed to :attr:`observer`; the engine reports only to the observer)."""
         self.last_step: StepRecord | None = None
         self._sync, self._telemetry_ns = device_sync(runner.device.type), 0  # step anatomy
         self.requests: dict[int, RequestState] = {}
@@ -60,8 +63,9 @@ class StepEngine:
         self._grammar: GrammarCompiler | None = None
         self.adapter_names = AdapterNames(runner.lora.names if runner.lora is not None else ())
         """``adapter_id`` -> LoRA adapter index (0: the base model); counts the unknown ids."""
-        self.kv_events = build_kv_events(config, self.block_size, runner.device, self.adapter_names.names)
-        """KV-cache events for a prefix-aware router (``TGI_PAGED_KV_EVENTS_ENDPOINT``; rank 0), else a no-op."""
+        self.step_records = StepRecordBuilder(adapters=self.adapter_names, max_loras=config.model.max_loras)
+        self.kv_events = telemetry.kv_events
+        """KV-cache events for a prefix-aware router, else a no-op: the memory manager reports to it."""
         self._spec_max_batch = config.model.speculate_max_batch or (1 if runner.device.type == "cpu" else None)
         """Decoding requests up to which a step drafts (``ModelConfig.speculate_max_batch``)."""
         self._pool_built = False
@@ -76,8 +80,7 @@ class StepEngine:
             swap_blocks = 0
         self.runner.allocate_swap_space(swap_blocks)
         if self._pool_built:  # a new pool: every block the old one retained is gone
-            self.kv_events.all_cleared()
-            self.kv_events.flush()
+            self.observer.on_pool_reset()
         self._pool_built = True
         self.kv = KVCacheManager(
             num_blocks=capacity.num_blocks,
@@ -111,14 +114,12 @@ class StepEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Flush telemetry (the last OTLP export, pending preemption summaries, KV events); stop grammar compiles."""
+        """Stop grammar compiles; close telemetry (the last OTLP export, pending preemption summaries, KV events)."""
         try:
-            self.kv_events.close()
-        except Exception as e:  # noqa: BLE001 - the rest must still shut down
-            logger.warning("KV events: close failed: {}", e)
-        if self._grammar is not None:
-            self._grammar.close()
-        self.recorder.shutdown()
+            if self._grammar is not None:
+                self._grammar.close()
+        finally:
+            self.observer.close()
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -149,7 +150,8 @@ class StepEngine:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def _step(self, ids: list[int]):
+    def _step(self, ids: list[int], batch_id: int | None = None):
+        """One step for ``ids``; ``batch_id``: the router's batch they are (``None``: Warmup, liveness)."""
         t0 = time.perf_counter()
         timer = StepTimer(self._sync)
         timer.add("telemetry", self._telemetry_ns)
@@ -181,10 +183,10 @@ class StepEngine:
             requests=self.requests.values(),
             grammar=self._grammar,
             part_s=timer.seconds(),
+            batch_id=batch_id,
+            batch_requests=len(ids),
         )
-        self.recorder.record_step(self.last_step)
-        self._record_lora()
-        self.kv_events.flush()
+        self.observer.on_step(self.last_step)
         self._telemetry_ns = time.perf_counter_ns() - t_telemetry
         return out.generations, out.forward_ns, out.decode_ns
 
@@ -203,18 +205,8 @@ class StepEngine:
         return flags
 
     def _record_memory(self) -> None:
-        counts = count_requests(self.requests.values(), time.monotonic())
-        self.recorder.record_memory(
-            self.kv.stats(), num_running=counts.running, num_preempted=counts.preempted, num_waiting=counts.waiting
-        )
-        self._record_lora()
-        self.kv_events.flush()
-
-    def _record_lora(self) -> None:
-        names = self.adapter_names
-        self.recorder.record_lora(
-            lora_usage(self.requests.values(), names.names, self.config.model.max_loras, names.num_unknown)
-        )
+        """Report the pool and the live requests after an RPC freed requests outside a step."""
+        self.observer.on_snapshot(self.step_records.snapshot(memory=self.kv.stats(), requests=self.requests.values()))
 
     def _free(self, request_ids: list[int]) -> None:
         for rid in request_ids:

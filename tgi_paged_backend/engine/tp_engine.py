@@ -42,6 +42,7 @@ from tgi_paged_backend.engine.types import BatchSpec, StepResult
 from tgi_paged_backend.policy.preemption_mode import RateCalibrator
 from tgi_paged_backend.runner.parallel.process_group import RankMismatchError, TensorParallelGroup, mark_shutting_down
 from tgi_paged_backend.runner.parallel.tp_runner import TensorParallelRunner
+from tgi_paged_backend.telemetry.sinks import ShardTelemetry, build_shard_telemetry
 
 REPORTING_RANK = 0
 """The rank whose Prefill/Decode answers carry the generations."""
@@ -74,11 +75,13 @@ def _digest(*parts: bytes) -> int:
 class TensorParallelShardEngine(PagedShardEngine):
     """:class:`PagedShardEngine` plus the cross-rank agreements described in the module docstring."""
 
-    def __init__(self, config: BackendConfig, runner: TensorParallelRunner, group: TensorParallelGroup) -> None:
+    def __init__(
+        self, config: BackendConfig, runner: TensorParallelRunner, group: TensorParallelGroup, telemetry: ShardTelemetry
+    ) -> None:
         self.group = group
         self.num_steps = 0
         """Steps run (and checked) so far, warmup included; equal on every rank."""
-        super().__init__(config, runner)
+        super().__init__(config, runner, telemetry)
         self.calibrator = SyncedRateCalibrator(
             lambda seconds: group.max_float(seconds, "agreeing on the measured prefill time")
         )
@@ -108,9 +111,9 @@ class TensorParallelShardEngine(PagedShardEngine):
             return result
         return dataclasses.replace(result, generations=[])
 
-    def _step(self, ids: list[int]):
+    def _step(self, ids: list[int], batch_id: int | None = None):
         self._check_step(ids)
-        return super()._step(ids)
+        return super()._step(ids, batch_id)
 
     def _agree_ready(self, flags: list[bool]) -> list[bool]:
         """A grammar counts as compiled once every rank has it (compile times differ per rank)."""
@@ -193,7 +196,9 @@ def build_tensor_parallel_engine(config: BackendConfig, device: torch.device) ->
     group.startup_barrier("loaded")
     group.start_heartbeat()
     try:
-        return TensorParallelShardEngine(config, runner, group)
+        names = runner.lora.names if runner.lora is not None else ()
+        telemetry = build_shard_telemetry(config, device=device, adapter_names=names)
+        return TensorParallelShardEngine(config, runner, group, telemetry)
     except BaseException:
         group.close()
         raise

@@ -9,7 +9,9 @@ reads:
   (``engine.scheduler.StepPlan``);
 - ``out``: ``num_computed_tokens``, ``num_recomputed_tokens`` (``engine.model_step.StepOutput``);
 - ``requests``: the engine's live requests, each with ``is_waiting``, ``is_preempted`` and
-  ``preempted_at`` (a ``time.monotonic()`` stamp; ``engine.request_state.RequestState``).
+  ``preempted_at`` (a ``time.monotonic()`` stamp; ``engine.request_state.RequestState``), and for LoRA
+  usage ``adapter`` and ``waiting_for_adapter``;
+- ``adapters``: ``names`` and ``num_unknown`` (``lora.sources.AdapterNames``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tgi_paged_backend.memory.stats import MemoryStats
-from tgi_paged_backend.telemetry.step_record import Phase, PreemptionRecord, StepRecord
+from tgi_paged_backend.telemetry.lora_usage import LoraUsage, lora_usage
+from tgi_paged_backend.telemetry.step_record import Phase, PreemptionRecord, SnapshotRecord, StepRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +59,17 @@ class StepRecordBuilder:
     ``MemoryStats`` carries prefix-cache counters cumulative over the memory manager's life; records
     carry deltas. When the manager is rebuilt (Warmup re-sizes the pool) its counters restart at 0,
     and the next delta is the new cumulative value.
+
+    With ``adapters`` (the engine's adapter names, see the module docstring) the records also count
+    live requests per LoRA adapter, at most ``max_loras`` of them running in one step.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, *, adapters: Any = None, max_loras: int | None = None
+    ) -> None:
         self._clock = clock
+        self._adapters = adapters
+        self._max_loras = max_loras
         self._last_prefix_hit = 0
         self._last_grammar_hits = 0
         self._last_prefix_query = 0
@@ -76,9 +86,13 @@ class StepRecordBuilder:
         phase: Phase | None = None,
         grammar: Any = None,
         part_s: tuple[tuple[str, float], ...] = (),
+        batch_id: int | None = None,
+        batch_requests: int = 0,
     ) -> StepRecord:
         """Record one step; ``phase=None`` infers it (prefill when any request computed > 1 token);
-        ``grammar``: the engine's grammar compiler once it has one; ``part_s``: the step anatomy."""
+        ``grammar``: the engine's grammar compiler once it has one; ``part_s``: the step anatomy;
+        ``batch_id``, ``batch_requests``: the router's batch the step ran for (``None``: the engine's own)."""
+        requests = tuple(requests)
         batch_size = len(plan.scheduled)
         if phase is None:
             phase = "prefill" if out.num_computed_tokens > batch_size else "decode"
@@ -124,7 +138,28 @@ class StepRecordBuilder:
             grammar_cache_hits=hits,
             part_s=part_s,
             memory=memory,
+            lora=self._lora(requests),
+            batch_id=batch_id,
+            batch_requests=batch_requests,
         )
+
+    def snapshot(self, *, memory: MemoryStats, requests: Iterable[Any]) -> SnapshotRecord:
+        """The pool and the live requests outside a step."""
+        requests = tuple(requests)
+        counts = count_requests(requests, self._clock())
+        return SnapshotRecord(
+            memory=memory,
+            num_running=counts.running,
+            num_preempted=counts.preempted,
+            num_waiting=counts.waiting,
+            lora=self._lora(requests),
+        )
+
+    def _lora(self, requests: Iterable[Any]) -> LoraUsage | None:
+        adapters = self._adapters
+        if adapters is None:
+            return None
+        return lora_usage(requests, adapters.names, self._max_loras, adapters.num_unknown)
 
     def _delta_grammar_hits(self, cumulative: int) -> int:
         delta, self._last_grammar_hits = cumulative - self._last_grammar_hits, cumulative

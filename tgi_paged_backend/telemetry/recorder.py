@@ -1,4 +1,5 @@
-"""Metric recorders: the engine calls one per step; implementations turn records into instruments.
+"""Metric recorders: the metrics sink (:class:`~.sinks.MetricsSink`) calls one per step; implementations turn
+records into instruments.
 
 :func:`build_recorder` picks the implementation from :class:`TelemetryConfig`:
 
@@ -44,7 +45,7 @@ __all__ = [
 
 
 class MetricsRecorder(Protocol):
-    """What the engine calls. Implementations must be cheap: ``record_step`` runs on every step."""
+    """What the metrics sink calls. Implementations must be cheap: ``record_step`` runs on every step."""
 
     def record_step(self, record: StepRecord) -> None: ...
 

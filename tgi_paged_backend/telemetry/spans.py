@@ -1,9 +1,9 @@
 """Step details on the RPC's span: attributes for sizes, one event per preemption and per swap.
 
 Uses only ``opentelemetry-api`` (no provider): when tracing is off the current span is the API's
-non-recording span and every call below is a cheap no-op. The engine may call
-``annotate_step(trace.get_current_span(), ...)`` from its worker thread: the servicer copies the
-RPC's context there, so the current span is the RPC's server span.
+non-recording span and every call below is a cheap no-op. :class:`~.sinks.SpanSink` calls
+``annotate_step(trace.get_current_span(), ...)`` for each Prefill and Decode step, on the engine's worker
+thread: the servicer copies the RPC's context there, so the current span is the RPC's server span.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What the engine reports to telemetry: one :class:`StepRecord` per step, one :class:`MemoryBudget` per sizing.
+"""What the engine reports to telemetry: one :class:`StepRecord` per step, one :class:`MemoryBudget` per sizing,
+one :class:`SnapshotRecord` after an RPC that freed requests outside a step.
 
 Pure data (no OpenTelemetry imports), so the engine can build records whether or not an exporter is
 configured. Counts in a record are for that step only (deltas); the pool snapshot in ``memory`` is the
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tgi_paged_backend.memory.stats import MemoryStats
+from tgi_paged_backend.telemetry.lora_usage import LoraUsage
 
 Phase = Literal["prefill", "decode"]
 PHASES: tuple[str, ...] = ("prefill", "decode")
@@ -97,6 +99,13 @@ class StepRecord:
     """Step anatomy: ``(part, seconds)`` for parts of :data:`STEP_PARTS` (empty: not timed)."""
     memory: MemoryStats
     """Pool occupancy and waste right after the step."""
+    lora: LoraUsage | None = None
+    """Live requests per LoRA adapter right after the step (``None``: not counted)."""
+    batch_id: int | None = None
+    """The router's batch the step ran for (Prefill, Decode); ``None`` for the engine's own steps (Warmup's,
+    the liveness probe's), which no RPC span describes."""
+    batch_requests: int = 0
+    """Requests in that batch, preempted ones included (:attr:`batch_size` counts only the ones computed)."""
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -118,9 +127,24 @@ class StepRecord:
             "num_waiting",
             "num_preempted",
             "max_preempted_wait_s",
+            "batch_requests",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: allowed >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SnapshotRecord:
+    """The pool and the live requests outside a step: after FilterBatch, ClearCache or a released batch."""
+
+    memory: MemoryStats
+    """Pool occupancy and waste now."""
+    num_running: int
+    num_preempted: int
+    num_waiting: int
+    """Live requests by state, as in :class:`StepRecord`."""
+    lora: LoraUsage | None = None
+    """Live requests per LoRA adapter (``None``: not counted)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
