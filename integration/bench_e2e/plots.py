@@ -12,7 +12,7 @@ from integration.bench_e2e.results import CONTIGUOUS, STOCK
 
 
 def plot_report(report: E2EReport, path: str | Path) -> Path:
-    from tgi_paged_backend.bench.plots import pyplot
+    from tgi_paged_backend.bench.plots import pyplot, save_figure
 
     plt = pyplot()
     res = report.results
@@ -55,12 +55,7 @@ def plot_report(report: E2EReport, path: str | Path) -> Path:
     fig.suptitle(
         f"end to end on CPU: {c['requests']} requests, KV {c['kv_tokens']} tokens, max_new_tokens {c['max_new_tokens']}"
     )
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_outputs(report: E2EReport, out_dir: str | Path) -> tuple[Path, Path]:

@@ -88,9 +88,14 @@ def plot_comparison(c: Comparison, path: str | Path, *, title: str, time_unit: s
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="lower right")
     ax.set_title("overcommit sweep")
     fig.suptitle(title)
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` as a PNG (parent folders made), close it; returns the path."""
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
     return path
