@@ -211,10 +211,13 @@ def test_public_names_are_the_functions_after_every_submodule_import():
     import tgi_paged_kernels
 
     for module in ("api", "block_copy", "cpu_attention", "fp8_gemm", "int_gemm", "kv_store", "paged_decode",
-                   "paged_prefill", "reference", "testing", "torch_impl"):  # fmt: skip
+                   "paged_prefill", "reference", "testing", "torch_impl", "cpu_native", "cpu_layer", "cpu_lora",
+                   "lora", "cpu_decode", "cpu_prefill"):  # fmt: skip
         importlib.import_module(f"tgi_paged_kernels.{module}")
+    lazy = tgi_paged_kernels._LAZY  # names served from their own module on first use
     for name in tgi_paged_kernels.__all__:
-        assert getattr(tgi_paged_kernels, name) is getattr(tgi_paged_kernels.api, name)
+        home = importlib.import_module(f"tgi_paged_kernels.{lazy[name]}") if name in lazy else tgi_paged_kernels.api
+        assert getattr(tgi_paged_kernels, name) is getattr(home, name), name
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
