@@ -44,13 +44,16 @@ from .api import (
 
 if TYPE_CHECKING:  # the lazy names below, for type checkers
     from .cpu_layer import (
-        LlamaLayerWeights as LlamaLayerWeights,
+        LayerForm as LayerForm,
+    )
+    from .cpu_layer import (
+        LayerWeights as LayerWeights,
+    )
+    from .cpu_layer import (
+        decode_layer as decode_layer,
     )
     from .cpu_layer import (
         gemm_packed as gemm_packed,
-    )
-    from .cpu_layer import (
-        llama_decode_layer as llama_decode_layer,
     )
     from .cpu_layer import (
         pack_weight as pack_weight,
@@ -88,9 +91,10 @@ _LAZY = {
     "NativeKernels": "cpu_native",
     "native_kernels": "cpu_native",
     "native_decode_for": "cpu_native",
-    "LlamaLayerWeights": "cpu_layer",
+    "LayerForm": "cpu_layer",
+    "LayerWeights": "cpu_layer",
+    "decode_layer": "cpu_layer",
     "gemm_packed": "cpu_layer",
-    "llama_decode_layer": "cpu_layer",
     "pack_weight": "cpu_layer",
     "dequantize_fp8": "fp8_gemm",
     "check_int_linear": "int_gemm",

@@ -1,19 +1,28 @@
-"""A Llama-form decoder layer's decode step as one native call (``csrc/cpu_layer.cpp``), with its torch references.
+"""A decoder layer's decode step as one native call (``csrc/cpu_layer.cpp``), for every layer form a
+:class:`LayerForm` describes, with its torch references.
 
 On a small model a decode step is host time: per layer transformers' modules and our fused blocks still
-make ~10 calls (two norms, four GEMMs, RoPE, the KV store, the attention, SiLU-and-mul, two residual
-adds), each with its Python, dispatch and OpenMP fork. :func:`llama_decode_layer` runs all of it in one
+make ~10 calls (two to four norms, four GEMMs, RoPE, the KV store, the attention, the activation, two
+residual adds), each with its Python, dispatch and OpenMP fork. :func:`decode_layer` runs all of it in one
 call and one OpenMP region, on weights packed once (:func:`pack_weight`) for a GEMM whose every output is
 one sequential sum of fused multiply-adds (the same on AVX-512, AVX2 and scalar code, whatever the rows
 or threads). fp32 only, fp32 pools; the caller (``runner.cpu.native_layers``) decides when it applies.
 
+The layer is data, not code: :class:`LayerForm` says which norms the layer has and where (before and
+after attention and MLP: Llama's two pre-norms, Gemma 2/3's sandwich, OLMo2's post-norms), their kind
+(``w`` or Gemma's ``1 + w``), q/k norms per head or over all heads, the gated MLP's activation, the q/k/v
+bias, the attention's scale, soft-cap and window, and a residual scale (Granite). The Llama form is
+``LayerForm(scale=head_dim ** -0.5)``.
+
 References (the specification; ``tests/kernels/test_cpu_layer.py`` compares them with the kernels):
-:func:`gemm_packed_ref`, :func:`llama_decode_layer_ref`.
+:func:`gemm_packed_ref`, :func:`decode_layer_ref`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,14 +75,105 @@ def gemm_packed_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return (out if bias is None else out + bias.double()).float()
 
 
-@dataclass(frozen=True, slots=True)
-class LlamaLayerWeights:
-    """One Llama-form decoder layer, packed for :func:`llama_decode_layer` (fp32 CPU tensors)."""
+NORM_KINDS = ("rms", "rms_1p")
+"""RMSNorm kinds: ``rms`` is ``w * x / rms(x)`` (Llama), ``rms_1p`` is ``(1 + w) * x / rms(x)`` (Gemma)."""
+QK_NORMS = ("none", "head", "all")
+"""q/k norms: none, per head over ``head_dim`` (Qwen3, Gemma 3), over all query / all key heads (OLMo2)."""
+ACTIVATIONS = ("silu", "gelu_tanh")
+"""The gated MLP's activation: SiLU (Llama) or GeLU with the tanh approximation (Gemma)."""
 
-    ln1: torch.Tensor
-    eps1: float
-    ln2: torch.Tensor
-    eps2: float
+
+@dataclass(frozen=True, slots=True)
+class LayerForm:
+    """What one decoder layer computes, as data: the native step runs any form, the reference specifies it.
+
+    ``h += residual_scale * attn_out(attention(h'))`` with ``h' = attn_in(h)``, then
+    ``h += residual_scale * mlp_out(down(act(gate) * up)(mlp_in(h)))``, where each of the four norms is an
+    RMSNorm of kind :attr:`norm` or absent (identity).
+    """
+
+    scale: float
+    """Attention softmax scale (``head_dim ** -0.5``; Gemma's ``query_pre_attn_scalar ** -0.5``; Granite's
+    attention multiplier)."""
+    norm: str = "rms"
+    """Kind of the layer's four norms (:data:`NORM_KINDS`)."""
+    eps: float = 1e-6
+    attn_in_norm: bool = True
+    """A norm before attention (``input_layernorm``)."""
+    attn_out_norm: bool = False
+    """A norm of the attention's output before the residual add (Gemma 2/3 sandwich, OLMo2)."""
+    mlp_in_norm: bool = True
+    """A norm before the MLP (Llama's ``post_attention_layernorm``, Gemma's ``pre_feedforward_layernorm``)."""
+    mlp_out_norm: bool = False
+    """A norm of the MLP's output before the residual add (Gemma 2/3, OLMo2)."""
+    qk_norm: str = "none"
+    """q/k RMSNorms after the q/k/v projection, before RoPE (:data:`QK_NORMS`)."""
+    qk_norm_kind: str = "rms"
+    qk_eps: float = 1e-6
+    activation: str = "silu"
+    qkv_bias: bool = False
+    softcap: float = 0.0
+    """Attention logit soft-cap (Gemma 2), 0 for none."""
+    window: int = 0
+    """Sliding window in positions, 0 for full attention."""
+    residual_scale: float = 1.0
+    """Each block's output is multiplied by this before the residual add (Granite's ``residual_multiplier``)."""
+
+    def __post_init__(self) -> None:
+        if self.norm not in NORM_KINDS or self.qk_norm_kind not in NORM_KINDS:
+            raise ValueError(f"LayerForm: norm kinds are {NORM_KINDS}, got {self.norm!r} / {self.qk_norm_kind!r}")
+        if self.qk_norm not in QK_NORMS or self.activation not in ACTIVATIONS:
+            raise ValueError(f"LayerForm: q/k norm {self.qk_norm!r} or activation {self.activation!r} unknown")
+        if self.window < 0 or self.softcap < 0:
+            raise ValueError(f"LayerForm: window {self.window} and softcap {self.softcap} must be >= 0")
+
+    @property
+    def norms(self) -> tuple[str, ...]:
+        """Names of the layer norms this form has, of :data:`LAYER_NORMS`."""
+        flags = (self.attn_in_norm, self.attn_out_norm, self.mlp_in_norm, self.mlp_out_norm)
+        return tuple(name for name, on in zip(LAYER_NORMS, flags) if on)
+
+
+LAYER_NORMS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+"""Where a layer norm can sit (:class:`LayerForm`'s flags, :class:`LayerWeights`' fields)."""
+
+
+def norm_weight(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """The weight an RMSNorm of ``kind`` multiplies by, fp32 contiguous: ``w``, or ``1 + w`` (rounded as
+    transformers' Gemma norms round it)."""
+    w = weight.detach().float()
+    return (w if kind == "rms" else 1.0 + w).contiguous()
+
+
+class _Spec(ctypes.Structure):
+    """``LayerSpec`` of ``csrc/cpu_layer.cpp``, field for field."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("hidden_size", "intermediate")),
+        *((name, ctypes.c_int32) for name in ("hq", "hkv", "head_dim", "window", "activation", "qk_norm")),
+        *((name, ctypes.c_float) for name in ("scale", "softcap", "residual_scale")),
+        *((f"eps_{name}", ctypes.c_float) for name in (*LAYER_NORMS, "q", "k")),
+        *((name, ctypes.c_void_p) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias", "o", "gu", "down")),
+    ]
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One decoder layer of ``form``, packed for :func:`decode_layer` (fp32 CPU tensors).
+
+    Norm weights are the ones the norm multiplies by (:func:`norm_weight`: ``1 + w`` folded in for Gemma's
+    kind); a norm the form lacks is ``None``. Build with :meth:`pack` from the module's weights."""
+
+    form: LayerForm
+    hidden_size: int
+    intermediate: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
     qkv: torch.Tensor
     """Packed ``[(Hq + 2 Hkv) D, H]``: query, key and value heads in order."""
     qkv_bias: torch.Tensor | None
@@ -81,23 +181,73 @@ class LlamaLayerWeights:
     gate_up: torch.Tensor
     """Packed ``[2 I, H]``, gate rows first."""
     down: torch.Tensor
-    hidden_size: int
-    intermediate: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float
-    window: int
-    """Sliding window in positions, 0 for full attention."""
+    attn_in: torch.Tensor | None = None
+    attn_out: torch.Tensor | None = None
+    mlp_in: torch.Tensor | None = None
+    mlp_out: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    spec: Any = field(default=None, init=False, repr=False, compare=False)
+    """The ``LayerSpec`` the native call reads (addresses of the tensors above, which this object keeps)."""
+
+    @classmethod
+    def pack(
+        cls, form: LayerForm, raw: dict[str, torch.Tensor | None], *, num_q_heads: int, num_kv_heads: int, head_dim: int
+    ) -> LayerWeights:
+        """From the module's weights: ``qkv``, ``qkv_bias``, ``o``, ``gate_up``, ``down`` (``[N, K]``) and the
+        norms' own weights (``attn_in`` ..., ``q_norm``, ``k_norm``, as the modules hold them)."""
+
+        def need(name: str) -> torch.Tensor:
+            t = raw.get(name)
+            if t is None:
+                raise ValueError(f"LayerWeights.pack: the form needs {name!r}")
+            return t
+
+        hidden, intermediate = int(need("o").shape[0]), int(need("down").shape[1])
+        norms = {name: norm_weight(need(name), form.norm) for name in form.norms}
+        if form.qk_norm != "none":
+            norms.update({n: norm_weight(need(n), form.qk_norm_kind) for n in ("q_norm", "k_norm")})
+        bias = need("qkv_bias").detach().float().contiguous() if form.qkv_bias else None
+        return cls(
+            form, hidden, intermediate, num_q_heads, num_kv_heads, head_dim,
+            qkv=pack_weight(need("qkv")), qkv_bias=bias, o=pack_weight(need("o")),
+            gate_up=pack_weight(need("gate_up")), down=pack_weight(need("down")), **norms,
+        )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        f, h, d = self.form, self.hidden_size, self.head_dim
+        widths = {"head": (d, d), "all": (self.num_q_heads * d, self.num_kv_heads * d)}.get(f.qk_norm)
+        expected = {
+            **{name: h if name in f.norms else None for name in LAYER_NORMS},
+            "q_norm": widths and widths[0],
+            "k_norm": widths and widths[1],
+            "qkv_bias": (self.num_q_heads + 2 * self.num_kv_heads) * d if f.qkv_bias else None,
+        }
+        for name, width in expected.items():
+            t = getattr(self, name)
+            if (t is None) != (width is None) or (
+                t is not None and (t.dtype != torch.float32 or t.shape != (width,) or not t.is_contiguous())
+            ):
+                raise ValueError(f"LayerWeights: {name} does not fit the form (want an fp32 [{width}] or None)")
+        if self.num_q_heads % self.num_kv_heads or d % 2:
+            raise ValueError(f"LayerWeights: {self.num_q_heads} query heads over {self.num_kv_heads}, head_dim {d}")
+        spec = _Spec(
+            h, self.intermediate, self.num_q_heads, self.num_kv_heads, d, f.window,
+            ACTIVATIONS.index(f.activation), QK_NORMS.index(f.qk_norm), f.scale, f.softcap, f.residual_scale,
+            *(f.eps for _ in LAYER_NORMS), f.qk_eps, f.qk_eps,
+            *(_address(getattr(self, name)) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias")),
+            self.o.data_ptr(), self.gate_up.data_ptr(), self.down.data_ptr(),
+        )  # fmt: skip
+        object.__setattr__(self, "spec", spec)
 
     def scratch_floats(self, tokens: int) -> int:
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         return tokens * (self.hidden_size + (2 * hq + 3 * hkv) * d + hq * d + 3 * self.intermediate)
 
 
-def llama_decode_layer(
+def decode_layer(
     native: NativeKernels,
-    w: LlamaLayerWeights,
+    w: LayerWeights,
     hidden: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -145,31 +295,32 @@ def llama_decode_layer(
         block_tables = block_tables.contiguous()
     scratch = torch.empty(w.scratch_floats(tokens), dtype=torch.float32)
     block_size = k_cache.shape[1]
-    status = native.llama_decode_layer(
-        out.data_ptr(), tokens, w.hidden_size, w.intermediate,
-        w.ln1.data_ptr(), w.eps1, w.ln2.data_ptr(), w.eps2,
-        w.qkv.data_ptr(), None if w.qkv_bias is None else w.qkv_bias.data_ptr(), w.o.data_ptr(),
-        w.gate_up.data_ptr(), w.down.data_ptr(),
-        cos.data_ptr(), sin.data_ptr(),
+    status = native.decode_layer(
+        ctypes.addressof(w.spec), out.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2),
         slot_mapping.data_ptr(), block_tables.data_ptr(), int(block_tables.dtype == torch.int64),
         block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64),
-        w.num_q_heads, w.num_kv_heads, d, block_size, w.scale, w.window,
-        scratch.data_ptr(), torch.get_num_threads(),
+        block_size, scratch.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status == 5:
         raise ValueError(
-            f"llama_decode_layer: slot_mapping holds a slot outside the pool's {k_cache.shape[0] * block_size} slots"
+            f"decode_layer: slot_mapping holds a slot outside the pool's {k_cache.shape[0] * block_size} slots"
         )
     if status != 0:
         raise ValueError(native.decode_error(status, block_tables, seq_lens, block_size, k_cache.shape[0]))
     return out
 
 
-def llama_decode_layer_ref(
+def _rms_ref(x: torch.Tensor, weight: torch.Tensor | None, kind: str, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of ``kind`` over the last dimension (fp32)."""
+    assert weight is not None
+    return F.rms_norm(x, (x.shape[-1],), norm_weight(weight, kind), eps)
+
+
+def decode_layer_ref(
     weights: dict[str, torch.Tensor | None],
-    w: LlamaLayerWeights,
+    w: LayerWeights,
     hidden: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -179,9 +330,10 @@ def llama_decode_layer_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> torch.Tensor:
-    """Reference of :func:`llama_decode_layer` in torch ops, on the unpacked ``weights`` (``qkv``,
-    ``qkv_bias``, ``o``, ``gate_up``, ``down``, as ``[N, K]``): transformers' Llama decoder layer over the
-    paged pools (same arguments otherwise; writes the pools too)."""
+    """Reference of :func:`decode_layer` in torch ops, on the module's ``weights`` as :meth:`LayerWeights.pack`
+    takes them (unpacked ``[N, K]`` projections, the norms' own weights): the decoder layer ``w.form``
+    describes, over the paged pools (same arguments otherwise; writes the pools too)."""
+    form = w.form
     tokens, hq, hkv, d = hidden.shape[0], w.num_q_heads, w.num_kv_heads, w.head_dim
 
     def linear(x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,20 +341,32 @@ def llama_decode_layer_ref(
         assert weight is not None
         return F.linear(x, weight, bias)
 
-    x = F.rms_norm(hidden, (w.hidden_size,), w.ln1, w.eps1)
-    qkv = linear(x, "qkv", weights.get("qkv_bias")).view(tokens, hq + 2 * hkv, d)
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        return _rms_ref(x, weights[name], form.norm, form.eps) if name in form.norms else x
+
+    qkv = linear(norm(hidden, "attn_in"), "qkv", weights.get("qkv_bias") if form.qkv_bias else None)
+    qkv = qkv.view(tokens, hq + 2 * hkv, d)
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    if form.qk_norm == "head":
+        q, k = (_rms_ref(t, weights[n], form.qk_norm_kind, form.qk_eps) for t, n in ((q, "q_norm"), (k, "k_norm")))
+    elif form.qk_norm == "all":
+        q, k = (
+            _rms_ref(t.reshape(tokens, -1), weights[n], form.qk_norm_kind, form.qk_eps).view(t.shape)
+            for t, n in ((q, "q_norm"), (k, "k_norm"))
+        )
+    qk = torch.cat((q, k), dim=1)
     half = d // 2
-    qk = qkv[:, : hq + hkv]
     qk = qk * cos[:, None] + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin[:, None]
-    k, v = qk[:, hq:], qkv[:, hq + hkv :]
+    k = qk[:, hq:]
     block_size, keep = k_cache.shape[1], slot_mapping >= 0  # negative slots: nothing written
     blocks, offsets = slot_mapping[keep] // block_size, slot_mapping[keep] % block_size
     k_cache[blocks, offsets] = k[keep]
     v_cache[blocks, offsets] = v[keep]
     attn = decode_attention_math(
-        qk[:, :hq], k_cache, v_cache, block_tables.long(), seq_lens, w.scale, 0.0, w.window or None, None, 1.0, 1.0
-    )
-    hidden = hidden + linear(attn.reshape(tokens, hq * d), "o")
-    x = F.rms_norm(hidden, (w.hidden_size,), w.ln2, w.eps2)
-    gate, up = linear(x, "gate_up").chunk(2, dim=-1)
-    return hidden + linear(F.silu(gate) * up, "down")
+        qk[:, :hq], k_cache, v_cache, block_tables.long(), seq_lens, form.scale, form.softcap, form.window or None,
+        None, 1.0, 1.0,
+    )  # fmt: skip
+    hidden = hidden + norm(linear(attn.reshape(tokens, hq * d), "o"), "attn_out") * form.residual_scale
+    gate, up = linear(norm(hidden, "mlp_in"), "gate_up").chunk(2, dim=-1)
+    act = F.silu(gate) if form.activation == "silu" else F.gelu(gate, approximate="tanh")
+    return hidden + norm(linear(act * up, "down"), "mlp_out") * form.residual_scale

@@ -161,16 +161,12 @@ class NativeKernels:
             "tgi_paged_gemm_packed", _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int
         )
         """Raw entry points of ``csrc/cpu_layer.cpp``; :mod:`tgi_paged_kernels.cpu_layer` wraps them."""
-        self.llama_decode_layer = bind(
-            "tgi_paged_llama_decode_layer",
-            _ptr, _i64, _i64, _i64,  # hidden, T, H, I
-            _ptr, _float, _ptr, _float,  # norms
-            _ptr, _ptr, _ptr, _ptr, _ptr,  # packed weights, qkv bias
-            _ptr, _ptr,  # cos, sin
+        self.decode_layer = bind(
+            "tgi_paged_decode_layer",
+            _ptr, _ptr, _i64, _ptr, _ptr,  # layer spec, hidden, T, cos, sin
             _ptr, _ptr, _i64, _i64, _i64, _i64,  # pools, blocks, strides
             _ptr, _ptr, _int, _i64, _i64, _ptr, _int,  # slots, tables, seq lens
-            _int, _int, _int, _int, _float, _int,  # heads, head_dim, block size, scale, window
-            _ptr, _int,  # scratch, threads
+            _int, _ptr, _int,  # block size, scratch, threads
         )  # fmt: skip
         self.prefill_attention = bind(
             "tgi_paged_prefill_attention",

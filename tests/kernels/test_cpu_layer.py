@@ -1,18 +1,23 @@
 """The native decoder-layer kernels (``tgi_paged_kernels.cpu_layer``) against their torch references: the packed
-GEMM, the whole Llama-form decode layer (K/V written included), a row's result independent of its batch, and
-the errors on bad inputs."""
+GEMM, the whole decode layer of every form (Llama, Qwen3's q/k norms, Gemma's 1 + w norms and GeGLU, Gemma 2/3's
+sandwich norms and soft-cap, OLMo2's post-norms, Granite's residual scale; K/V written included), a row's result
+independent of its batch, and the errors on bad inputs."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from tgi_paged_kernels.cpu_layer import (
-    LlamaLayerWeights,
+    LAYER_NORMS,
+    LayerForm,
+    LayerWeights,
+    decode_layer,
+    decode_layer_ref,
     gemm_packed,
     gemm_packed_ref,
-    llama_decode_layer,
-    llama_decode_layer_ref,
     pack_weight,
 )
 
@@ -49,26 +54,28 @@ def test_pack_weight_refuses_other_kinds() -> None:
     assert not packed[0, :, 3:].any()
 
 
-def _layer(hq: int, hkv: int, d: int, hidden: int, inter: int, window: int, bias: bool, seed: int = 0):
+def _layer(hq: int, hkv: int, d: int, hidden: int, inter: int, form: LayerForm, seed: int = 0):
+    """Random module weights of ``form`` (norm weights around 1 for ``w``, around 0 for ``1 + w``) and their packing."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
         return torch.randn(*shape, generator=g) * 0.2
 
+    def norm(width: int, kind: str):
+        return torch.rand(width, generator=g) + (0.5 if kind == "rms" else -0.5)
+
+    qk_width = {"head": (d, d), "all": (hq * d, hkv * d), "none": (0, 0)}[form.qk_norm]
     raw = dict(
         qkv=rand((hq + 2 * hkv) * d, hidden),
-        qkv_bias=rand((hq + 2 * hkv) * d) if bias else None,
+        qkv_bias=rand((hq + 2 * hkv) * d) if form.qkv_bias else None,
         o=rand(hidden, hq * d),
         gate_up=rand(2 * inter, hidden),
         down=rand(hidden, inter),
+        **{name: norm(hidden, form.norm) for name in LAYER_NORMS},
+        q_norm=norm(qk_width[0], form.qk_norm_kind) if qk_width[0] else None,
+        k_norm=norm(qk_width[1], form.qk_norm_kind) if qk_width[1] else None,
     )
-    packed = LlamaLayerWeights(
-        ln1=torch.rand(hidden, generator=g) + 0.5, eps1=1e-5, ln2=torch.rand(hidden, generator=g) + 0.5, eps2=1e-6,
-        qkv=pack_weight(raw["qkv"]), qkv_bias=raw["qkv_bias"], o=pack_weight(raw["o"]),
-        gate_up=pack_weight(raw["gate_up"]), down=pack_weight(raw["down"]), hidden_size=hidden, intermediate=inter,
-        num_q_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d**-0.5, window=window,
-    )  # fmt: skip
-    return raw, packed
+    return raw, LayerWeights.pack(form, raw, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
 
 
 def _step(lengths: list[int], block_size: int, kv_heads: int, d: int, index_dtype: torch.dtype, seed: int = 0):
@@ -85,43 +92,120 @@ def _step(lengths: list[int], block_size: int, kv_heads: int, d: int, index_dtyp
     return pools, tables, torch.tensor(lengths, dtype=index_dtype), slots
 
 
+def _llama(d: int, **changes) -> LayerForm:
+    return LayerForm(scale=d**-0.5, eps=1e-5, **changes)
+
+
+FORMS = {
+    # name: (hq, hkv, d, form)
+    "Llama": (2, 1, 64, _llama(64)),  # the host-bound model's geometry
+    "SmolLM2": (9, 3, 64, _llama(64)),
+    "Mistral+Qwen2": (4, 2, 32, _llama(32, window=7, qkv_bias=True)),  # a window, q/k/v biases, generic head_dim
+    "head_dim 128": (4, 4, 128, _llama(128)),
+    "Qwen3": (4, 2, 64, _llama(64, qk_norm="head", qk_eps=1e-6)),
+    "Gemma": (2, 1, 256, LayerForm(scale=0.0625, norm="rms_1p", activation="gelu_tanh")),
+    "Gemma2": (
+        4, 2, 32,
+        LayerForm(
+            scale=24**-0.5, norm="rms_1p", attn_out_norm=True, mlp_out_norm=True, activation="gelu_tanh",
+            softcap=2.0, window=6,
+        ),
+    ),
+    "Gemma3": (
+        4, 2, 32,
+        LayerForm(
+            scale=16**-0.5, norm="rms_1p", attn_out_norm=True, mlp_out_norm=True, qk_norm="head",
+            qk_norm_kind="rms_1p", activation="gelu_tanh", window=9,
+        ),
+    ),
+    "OLMo2": (4, 2, 32, _llama(32, attn_in_norm=False, mlp_in_norm=False, attn_out_norm=True, mlp_out_norm=True,
+                               qk_norm="all")),
+    "Granite": (4, 2, 32, LayerForm(scale=0.2, residual_scale=0.5)),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    ("hq", "hkv", "d", "window", "bias", "block_size", "index_dtype"),
+    ("form_name", "block_size", "index_dtype"),
     [
-        (2, 1, 64, 0, False, 16, torch.int32),  # the host-bound model's geometry
-        (9, 3, 64, 0, False, 16, torch.int64),  # SmolLM2's
-        (4, 2, 32, 7, True, 4, torch.int32),  # a window (Mistral) and q/k/v biases (Qwen2), a generic head_dim
-        (4, 4, 128, 0, False, 1, torch.int64),  # one token per block
+        ("Llama", 16, torch.int32),
+        ("SmolLM2", 16, torch.int64),
+        ("Mistral+Qwen2", 4, torch.int32),
+        ("head_dim 128", 1, torch.int64),  # one token per block
+        ("Qwen3", 16, torch.int32),
+        ("Gemma", 16, torch.int64),
+        ("Gemma2", 4, torch.int32),
+        ("Gemma3", 4, torch.int64),
+        ("OLMo2", 8, torch.int32),
+        ("Granite", 16, torch.int32),
     ],
 )
-def test_layer_matches_the_reference(native, hq, hkv, d, window, bias, block_size, index_dtype) -> None:
+def test_layer_matches_the_reference(native, form_name, block_size, index_dtype) -> None:
+    hq, hkv, d, form = FORMS[form_name]
     hidden, inter = 96, 160
-    raw, packed = _layer(hq, hkv, d, hidden, inter, window, bias)
+    raw, packed = _layer(hq, hkv, d, hidden, inter, form)
     lengths = [1, 5, 17, 40, 33, 3, 16]
     (k_pool, v_pool), tables, seq_lens, slots = _step(lengths, block_size, hkv, d, index_dtype)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(len(lengths), hidden, generator=g)
     cos, sin = torch.randn(len(lengths), d, generator=g), torch.randn(len(lengths), d, generator=g)
     ref_k, ref_v, k_before = k_pool.clone(), v_pool.clone(), k_pool.clone()
-    got = llama_decode_layer(native, packed, x, cos, sin, k_pool, v_pool, slots, tables, seq_lens)
-    expected = llama_decode_layer_ref(raw, packed, x, cos, sin, ref_k, ref_v, slots, tables, seq_lens)
+    got = decode_layer(native, packed, x, cos, sin, k_pool, v_pool, slots, tables, seq_lens)
+    expected = decode_layer_ref(raw, packed, x, cos, sin, ref_k, ref_v, slots, tables, seq_lens)
     # Four GEMMs summed in another order than torch's: within 1e-4 (the load-time check's tolerance).
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(k_pool, ref_k, rtol=1e-4, atol=1e-4)  # RoPE'd keys written to their slots
+    torch.testing.assert_close(k_pool, ref_k, rtol=1e-4, atol=1e-4)  # normed, RoPE'd keys written to their slots
     torch.testing.assert_close(v_pool, ref_v, rtol=1e-4, atol=1e-4)
     assert (k_pool != k_before).any(dim=(1, 2, 3)).sum() == len(lengths)  # one slot per request, nothing else
 
 
+def test_each_part_of_the_form_changes_the_result(native) -> None:
+    """The form is not ignored: flipping any one of its parts changes the step's output."""
+    hq, hkv, d, base = FORMS["Gemma3"]
+    raw, packed = _layer(hq, hkv, d, 64, 96, base)
+    (k_pool, v_pool), tables, seq_lens, slots = _step([20, 11], 4, hkv, d, torch.int32)
+    x, cs = torch.randn(2, 64, generator=torch.Generator().manual_seed(3)), torch.rand(2, d)
+
+    def run(form: LayerForm) -> torch.Tensor:
+        w = LayerWeights.pack(form, raw, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        out = decode_layer(native, w, x, cs, cs, k_pool.clone(), v_pool.clone(), slots, tables, seq_lens)
+        assert out is not None
+        return out
+
+    reference = run(base)
+    changes = [
+        dict(norm="rms"), dict(attn_in_norm=False), dict(attn_out_norm=False), dict(mlp_in_norm=False),
+        dict(mlp_out_norm=False), dict(qk_norm="none"), dict(qk_norm_kind="rms"), dict(activation="silu"),
+        dict(softcap=1.0), dict(window=0), dict(residual_scale=0.5), dict(scale=0.3), dict(eps=0.5),
+        dict(qk_eps=0.5),
+    ]  # fmt: skip
+    for change in changes:
+        assert not torch.allclose(run(dataclasses.replace(base, **change)), reference, rtol=1e-3, atol=1e-3), change
+
+
+def test_layer_weights_must_fit_their_form() -> None:
+    raw, packed = _layer(2, 1, 16, 32, 48, FORMS["Gemma3"][3])
+    with pytest.raises(ValueError, match="q_norm"):
+        dataclasses.replace(packed, q_norm=None)
+    with pytest.raises(ValueError, match="attn_out"):
+        dataclasses.replace(packed, form=dataclasses.replace(packed.form, attn_out_norm=False))
+    with pytest.raises(ValueError, match="needs 'qkv_bias'"):
+        LayerWeights.pack(LayerForm(scale=1.0, qkv_bias=True), raw, num_q_heads=2, num_kv_heads=1, head_dim=16)
+    with pytest.raises(ValueError, match="activation"):
+        LayerForm(scale=1.0, activation="relu")
+    # Gemma's 1 + w is folded into the packed norm weight, as transformers rounds it
+    assert torch.equal(packed.attn_in, 1.0 + raw["attn_in"])
+
+
 def test_layer_refuses_a_slot_outside_the_pool(native) -> None:
-    raw, packed = _layer(2, 1, 64, 128, 64, 0, False)
+    raw, packed = _layer(2, 1, 64, 128, 64, _llama(64))
     (k_pool, v_pool), tables, seq_lens, slots = _step([4, 9], 16, 1, 64, torch.int32)
     x, cs = torch.randn(2, 128), torch.randn(2, 64)
     bad = slots.clone()
     bad[1] = k_pool.shape[0] * 16
     with pytest.raises(ValueError, match="slot outside the pool's"):
-        llama_decode_layer(native, packed, x, cs, cs, k_pool, v_pool, bad, tables, seq_lens)
+        decode_layer(native, packed, x, cs, cs, k_pool, v_pool, bad, tables, seq_lens)
     # inputs of another kind: None, and the caller runs the per-op path
-    assert llama_decode_layer(native, packed, x.double(), cs, cs, k_pool, v_pool, slots, tables, seq_lens) is None
-    assert llama_decode_layer(native, packed, x, cs, cs, k_pool, v_pool, slots.int(), tables, seq_lens) is None
+    assert decode_layer(native, packed, x.double(), cs, cs, k_pool, v_pool, slots, tables, seq_lens) is None
+    assert decode_layer(native, packed, x, cs, cs, k_pool, v_pool, slots.int(), tables, seq_lens) is None
     with pytest.raises(ValueError, match="blocks"):  # a seq_len beyond the table's width
-        llama_decode_layer(native, packed, x, cs, cs, k_pool, v_pool, slots, tables, seq_lens * 10)
+        decode_layer(native, packed, x, cs, cs, k_pool, v_pool, slots, tables, seq_lens * 10)

@@ -88,12 +88,12 @@ def test_another_cpu_decode_kernel_keeps_the_per_op_decode(family_dir) -> None:
 
 def test_a_layer_that_differs_keeps_the_python_path(family_dir, monkeypatch) -> None:
     """The load-time check compares one decode step with the original's: a wrong kernel is not used."""
-    real = native_layers.llama_decode_layer
+    real = native_layers.decode_layer
 
     def off_by_a_bit(*args, **kwargs):
         return real(*args, **kwargs) * 1.001
 
-    monkeypatch.setattr(native_layers, "llama_decode_layer", off_by_a_bit)
+    monkeypatch.setattr(native_layers, "decode_layer", off_by_a_bit)
     runner = _runner(family_dir("Llama"))
     assert runner.native_layers is not None and runner.native_layers.wrapped == 0
     assert any("differs" in reason for reason in runner.native_layers.kept)

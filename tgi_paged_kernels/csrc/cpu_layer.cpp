@@ -1,6 +1,7 @@
-// A Llama-form decoder layer's decode step as one call (fp32), on weights packed once for the GEMM of
-// cpu_gemm.h. Built into the same library as cpu_kernels.cpp (cpu_native.py). Torch references:
-// tgi_paged_kernels.cpu_layer (gemm_packed_ref, llama_decode_layer_ref), compared in
+// A decoder layer's decode step as one call (fp32), for any layer form the LayerSpec describes (norm
+// placement, q/k norms, activation, biases, attention scale, soft-cap, window, residual scale), on weights
+// packed once for the GEMM of cpu_gemm.h. Built into the same library as cpu_kernels.cpp (cpu_native.py).
+// Torch references: tgi_paged_kernels.cpu_layer (gemm_packed_ref, decode_layer_ref), compared in
 // tests/kernels/test_cpu_layer.py.
 
 #include "cpu_gemm.h"
@@ -8,30 +9,105 @@
 namespace {
 
 constexpr int kSlotOutOfRange = 5;  // a slot_mapping entry past the pool
+constexpr int kBadSpec = 6;         // an activation or q/k norm code this library does not know
 
-struct LayerArgs {
-  float* hidden;  // [T, H] in/out: the residual stream
-  int64_t tokens, hidden_size, intermediate;
-  const float *ln1, *ln2;
-  float eps1, eps2;
+// What one decoder layer computes, as data (cpu_layer.LayerForm, packed by cpu_layer.LayerWeights; the
+// ctypes mirror is cpu_layer._Spec, field for field). Norm weights are RMSNorm weights with the form's
+// offset folded in (Gemma's 1 + w is stored as 1 + w); a null norm is a norm the layer does not have.
+struct LayerSpec {
+  int64_t hidden_size, intermediate;
+  int32_t num_q_heads, num_kv_heads, head_dim, window;
+  int32_t activation;  // 0 SiLU, 1 GeLU (tanh approximation)
+  int32_t qk_norm;     // 0 none, 1 per head (weights [D]), 2 over all query / all key heads ([Hq D], [Hkv D])
+  float scale, softcap, residual_scale;
+  float eps_attn_in, eps_attn_out, eps_mlp_in, eps_mlp_out, eps_q, eps_k;
+  const float *attn_in, *attn_out, *mlp_in, *mlp_out;  // before / after attention, before / after the MLP
+  const float *q_norm, *k_norm;
   const float *w_qkv, *b_qkv, *w_o, *w_gate_up, *w_down;  // packed; b_qkv may be null
+};
+
+struct StepArgs {
+  float* hidden;  // [T, H] in/out: the residual stream
+  int64_t tokens;
   const float *cos, *sin;  // [T, D]
   const int64_t* slot_mapping;
   float* scratch;
 };
 
+// 1 / sqrt(mean(x^2) + eps) over `width` values (the RMSNorm's scale, summed as rms_row_f32 does).
+inline float rms_inv(const float* x, int64_t width, float eps) {
+  float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < width; ++i) total += x[i] * x[i];
+  return 1.0f / std::sqrt(total / static_cast<float>(width) + eps);
+}
+
+// x[i] = w[i] * (x[i] * inv), in place.
+inline void scale_row(float* x, const float* w, float inv, int64_t width) {
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) x[i] = w[i] * (x[i] * inv);
+}
+
+// q/k RMSNorm of `heads` heads of D values at `x`, in place: each head over its own D values (mode 1, one
+// [D] weight) or all heads as one row (mode 2, weight [heads * D]).
+inline void qk_norm_heads(float* x, int heads, int64_t D, int mode, const float* w, float eps) {
+  if (mode == 1) {
+    for (int h = 0; h < heads; ++h) scale_row(x + h * D, w, rms_inv(x + h * D, D, eps), D);
+  } else {
+    scale_row(x, w, rms_inv(x, heads * D, eps), heads * D);
+  }
+}
+
+// One fp32 row of gelu_tanh(gate) * up: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) as torch's
+// F.gelu(approximate="tanh") writes it, with tanh(|u|) = (1 - e) / (1 + e), e = exp(-2|u|) (vectorized;
+// within a few ulp of tanh where it matters, ~1e-7 absolute near 0).
+inline void gelu_tanh_mul_row_f32(const float* g, const float* u, float* o, int64_t width) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) {
+    const float x = g[i], cube = x * x * x;
+    const float inner = kBeta * (x + kKappa * cube);
+    const float e = exp_nonpositive(-2.0f * std::fabs(inner));
+    const float t = (1.0f - e) / (1.0f + e);
+    const float gelu = 0.5f * x * (1.0f + (inner >= 0.0f ? t : -t));
+    o[i] = gelu * u[i];
+  }
+}
+
+// hidden[t] += scale * norm(y[t]) (norm: RMSNorm with weight w, skipped when w is null) for T rows of H;
+// y is scratch, normed in place. The sum rounds like torch's residual + y * scale.
+inline void add_residual(float* hidden, float* y, int64_t T, int64_t H, const float* w, float eps, float scale) {
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    float* yt = y + t * H;
+    float* ht = hidden + t * H;
+    if (w) scale_row(yt, w, rms_inv(yt, H, eps), H);
+    if (scale == 1.0f) {
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) ht[i] = ht[i] + yt[i];
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) ht[i] = ht[i] + yt[i] * scale;
+    }
+  }
+}
+
 template <int kHeadDim>
-int layer_impl(const LayerArgs& L, DecodeArgs d, int num_threads) {
-  const int64_t T = L.tokens, H = L.hidden_size, I = L.intermediate;
+int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_threads) {
+  const int64_t T = A.tokens, H = S.hidden_size, I = S.intermediate;
   const int hq = d.num_q_heads, hkv = d.num_kv_heads, D = d.head_dim;
   const int64_t n_qkv = static_cast<int64_t>(hq + 2 * hkv) * D, n_q = static_cast<int64_t>(hq) * D;
   const int64_t num_slots = d.num_blocks * d.block_size;
-  float* x = L.scratch;              // [T, H] normed
+  float* x = A.scratch;              // [T, H] normed input of a block, then a block's output before its add
   float* qkv = x + T * H;            // [T, n_qkv]
-  float* qk = qkv + T * n_qkv;       // [T, hq + hkv, D] after RoPE
+  float* qk = qkv + T * n_qkv;       // [T, hq + hkv, D] after the q/k norms and RoPE
   float* attn = qk + T * (n_q + static_cast<int64_t>(hkv) * D);  // [T, hq * D]
   float* gate_up = attn + T * n_q;   // [T, 2I]
   float* act = gate_up + T * 2 * I;  // [T, I]
+  // A block's output goes straight onto the residual stream in the GEMM's epilogue unless it is normed or
+  // scaled first (sandwich norms, residual multipliers): then through x and add_residual.
+  const bool direct_attn = !S.attn_out && S.residual_scale == 1.0f;
+  const bool direct_mlp = !S.mlp_out && S.residual_scale == 1.0f;
   d.query = qk;
   d.q_sb = static_cast<int64_t>(hq + hkv) * D;
   d.q_sh = D;
@@ -39,15 +115,23 @@ int layer_impl(const LayerArgs& L, DecodeArgs d, int num_threads) {
   int status = kOk;
 #pragma omp parallel num_threads(num_threads)
   {
+    const float* attn_x = A.hidden;
+    if (S.attn_in) {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) rms_row_f32(L.hidden + t * H, L.ln1, x + t * H, H, L.eps1);
-    gemm_packed(x, H, T, H, L.w_qkv, n_qkv, L.b_qkv, nullptr, 0, qkv, n_qkv);
+      for (int64_t t = 0; t < T; ++t) rms_row_f32(A.hidden + t * H, S.attn_in, x + t * H, H, S.eps_attn_in);
+      attn_x = x;
+    }
+    gemm_packed(attn_x, H, T, H, S.w_qkv, n_qkv, S.b_qkv, nullptr, 0, qkv, n_qkv);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
-      const float* row = qkv + t * n_qkv;
+      float* row = qkv + t * n_qkv;
       float* rotated = qk + t * d.q_sb;
-      for (int h = 0; h < hq + hkv; ++h) rope_row_f32(row + h * D, L.cos + t * D, L.sin + t * D, rotated + h * D, D);
-      const int64_t slot = L.slot_mapping[t];
+      if (S.qk_norm) {
+        qk_norm_heads(row, hq, D, S.qk_norm, S.q_norm, S.eps_q);
+        qk_norm_heads(row + n_q, hkv, D, S.qk_norm, S.k_norm, S.eps_k);
+      }
+      for (int h = 0; h < hq + hkv; ++h) rope_row_f32(row + h * D, A.cos + t * D, A.sin + t * D, rotated + h * D, D);
+      const int64_t slot = A.slot_mapping[t];
       if (slot < 0) continue;
       if (slot >= num_slots) {
 #pragma omp atomic write
@@ -61,13 +145,34 @@ int layer_impl(const LayerArgs& L, DecodeArgs d, int num_threads) {
       }
     }
     decode_tasks<0, kHeadDim>(d, num_threads, status);
-    gemm_packed(attn, n_q, T, n_q, L.w_o, H, nullptr, L.hidden, H, L.hidden, H);
+    if (direct_attn) {
+      gemm_packed(attn, n_q, T, n_q, S.w_o, H, nullptr, A.hidden, H, A.hidden, H);
+    } else {
+      gemm_packed(attn, n_q, T, n_q, S.w_o, H, nullptr, nullptr, 0, x, H);
+      add_residual(A.hidden, x, T, H, S.attn_out, S.eps_attn_out, S.residual_scale);
+    }
+    const float* mlp_x = A.hidden;
+    if (S.mlp_in) {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) rms_row_f32(L.hidden + t * H, L.ln2, x + t * H, H, L.eps2);
-    gemm_packed(x, H, T, H, L.w_gate_up, 2 * I, nullptr, nullptr, 0, gate_up, 2 * I);
+      for (int64_t t = 0; t < T; ++t) rms_row_f32(A.hidden + t * H, S.mlp_in, x + t * H, H, S.eps_mlp_in);
+      mlp_x = x;
+    }
+    gemm_packed(mlp_x, H, T, H, S.w_gate_up, 2 * I, nullptr, nullptr, 0, gate_up, 2 * I);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) silu_mul_row_f32(gate_up + t * 2 * I, gate_up + t * 2 * I + I, act + t * I, I);
-    gemm_packed(act, I, T, I, L.w_down, H, nullptr, L.hidden, H, L.hidden, H);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* g = gate_up + t * 2 * I;
+      if (S.activation == 0) {
+        silu_mul_row_f32(g, g + I, act + t * I, I);
+      } else {
+        gelu_tanh_mul_row_f32(g, g + I, act + t * I, I);
+      }
+    }
+    if (direct_mlp) {
+      gemm_packed(act, I, T, I, S.w_down, H, nullptr, A.hidden, H, A.hidden, H);
+    } else {
+      gemm_packed(act, I, T, I, S.w_down, H, nullptr, nullptr, 0, x, H);
+      add_residual(A.hidden, x, T, H, S.mlp_out, S.eps_mlp_out, S.residual_scale);
+    }
   }
   return status;
 }
@@ -85,36 +190,37 @@ int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, con
   return kOk;
 }
 
-// One decode step of a Llama-form decoder layer over T requests (one token each), fp32 throughout (torch
-// reference: cpu_layer_ref.llama_decode_layer_ref):
-//   h += o_proj(attention(rope(qkv_proj(rms_norm(h, ln1))))); h += down(silu(gate) * up)(rms_norm(h, ln2))
-// hidden [T, H] contiguous, updated in place; w_qkv packed [(Hq + 2 Hkv) D, H] (q, k, v heads in order) with
-// optional bias; w_o [H, Hq D]; w_gate_up [2I, H] (gate rows first); w_down [H, I]; cos/sin [T, D]; the
-// new K (after RoPE) and V are written to their slots of fp32 pools [num_blocks, block_size, Hkv, D]
-// (element strides c_sblock, c_sslot, c_shead; negative slots skipped) before request b attends over its
-// seq_lens[b] positions (window > 0: the last `window`). scratch: T * (H + (2 Hq + 3 Hkv) D + Hq D + 3I)
-// floats. Returns 0; 2 for a table too narrow for a seq_len, 3 for a block id outside the pool, 5 for a slot
-// outside the pool.
-int tgi_paged_llama_decode_layer(
-    float* hidden, int64_t tokens, int64_t hidden_size, int64_t intermediate,
-    const float* ln1, float eps1, const float* ln2, float eps2,
-    const float* w_qkv, const float* b_qkv, const float* w_o, const float* w_gate_up, const float* w_down,
-    const float* cos, const float* sin,
+// One decode step of the decoder layer `spec` describes over T requests (one token each), fp32 throughout
+// (torch reference: cpu_layer.decode_layer_ref):
+//   h += rs * n_ao(o_proj(attention(rope(qk_norm(qkv_proj(n_ai(h)))))))
+//   h += rs * n_mo(down(act(gate) * up)(n_mi(h)))
+// with n_* the spec's RMSNorms (identity where absent) and rs its residual scale. hidden [T, H] contiguous,
+// updated in place; w_qkv packed [(Hq + 2 Hkv) D, H] (q, k, v heads in order) with optional bias; w_o
+// [H, Hq D]; w_gate_up [2I, H] (gate rows first); w_down [H, I]; cos/sin [T, D]; the new K (after its
+// norm and RoPE) and V are written to their slots of fp32 pools [num_blocks, block_size, Hkv, D] (element
+// strides c_sblock, c_sslot, c_shead; negative slots skipped) before request b attends over its
+// seq_lens[b] positions (window > 0: the last `window`; softcap > 0: scores soft-capped). scratch:
+// T * (H + (2 Hq + 3 Hkv) D + Hq D + 3I) floats. Returns 0; 2 for a table too narrow for a seq_len, 3 for a
+// block id outside the pool, 5 for a slot outside the pool, 6 for a spec this library does not know.
+int tgi_paged_decode_layer(
+    const LayerSpec* spec, float* hidden, int64_t tokens, const float* cos, const float* sin,
     void* k_cache, void* v_cache, int64_t num_blocks, int64_t c_sblock, int64_t c_sslot, int64_t c_shead,
     const int64_t* slot_mapping, const void* block_tables, int bt_int64, int64_t bt_stride, int64_t bt_width,
-    const void* seq_lens, int sl_int64,
-    int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,
-    float* scratch, int num_threads) {
-  const LayerArgs L{hidden, tokens, hidden_size, intermediate, ln1, ln2, eps1, eps2, w_qkv, b_qkv, w_o,
-                    w_gate_up, w_down, cos, sin, slot_mapping, scratch};
+    const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads) {
+  const LayerSpec& S = *spec;
+  if (S.activation < 0 || S.activation > 1 || S.qk_norm < 0 || S.qk_norm > 2 ||
+      (S.qk_norm && (!S.q_norm || !S.k_norm)))
+    return kBadSpec;
+  const StepArgs A{hidden, tokens, cos, sin, slot_mapping, scratch};
   const DecodeArgs d{nullptr, 0, 0, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), nullptr,
                      c_sblock, c_sslot, c_shead, num_blocks, block_tables, bt_int64, bt_stride, bt_width,
-                     seq_lens, sl_int64, nullptr, static_cast<int>(tokens), num_q_heads, num_kv_heads, head_dim,
-                     block_size, scale, 0.0f, window, nullptr, 1.0f, 1.0f};
-  switch (head_dim) {
-    case 64: return layer_impl<64>(L, d, num_threads);
-    case 128: return layer_impl<128>(L, d, num_threads);
-    default: return layer_impl<0>(L, d, num_threads);
+                     seq_lens, sl_int64, nullptr, static_cast<int>(tokens), S.num_q_heads, S.num_kv_heads,
+                     S.head_dim, block_size, S.scale, S.softcap, S.window, nullptr, 1.0f, 1.0f};
+  switch (S.head_dim) {
+    case 64: return layer_impl<64>(S, A, d, num_threads);
+    case 128: return layer_impl<128>(S, A, d, num_threads);
+    case 256: return layer_impl<256>(S, A, d, num_threads);
+    default: return layer_impl<0>(S, A, d, num_threads);
   }
 }
 

@@ -5,7 +5,7 @@ forms (Llama-form RMSNorms, a :class:`~runner.cpu.fused_blocks.FusedPagedAttenti
 :class:`~runner.cpu.fused_blocks.FusedGatedMLP`, plain fp32 projections) is wrapped by :class:`NativeDecoderLayer`:
 
 - a **decode step** (one new token per request, fp32 pools) runs the whole layer through
-  :func:`tgi_paged_kernels.cpu_layer.llama_decode_layer`: one call and one OpenMP region instead of ~10
+  :func:`tgi_paged_kernels.cpu_layer.decode_layer`: one call and one OpenMP region instead of ~10
   calls, each with its Python, dispatch and thread wake-up;
 - every other step (prefill, chunks, the static step, probes and checks) runs the wrapped layer, whose four
   projections are :class:`NativeLinear` over the same packed weights (the native GEMM, as fast as oneDNN
@@ -32,12 +32,12 @@ from tgi_paged_backend.runner.cpu import fast_layers
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedAttention
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
 from tgi_paged_kernels import (
-    LlamaLayerWeights,
+    LayerForm,
+    LayerWeights,
     NativeKernels,
+    decode_layer,
     gemm_packed,
-    llama_decode_layer,
     native_kernels,
-    pack_weight,
 )
 
 LLAMA_FORM_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
@@ -58,7 +58,7 @@ def _plain(linear: Any, bias: bool = False) -> bool:
     return type(linear) is nn.Linear and linear.weight.dtype == torch.float32 and (bias or linear.bias is None)
 
 
-def layer_weights(layer: nn.Module) -> LlamaLayerWeights | None:
+def layer_weights(layer: nn.Module) -> LayerWeights | None:
     """The packed weights of a Llama-form ``layer`` made of the fused blocks, or ``None`` when it is not one
     (another class, q/k norms, another activation, biased o/gate/up/down projections, not fp32)."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -77,25 +77,23 @@ def layer_weights(layer: nn.Module) -> LlamaLayerWeights | None:
     ):
         return None
     (ln1, eps1), (ln2, eps2) = norms  # type: ignore[misc]
-    if ln1.dtype != torch.float32 or ln2.dtype != torch.float32:
+    if ln1.dtype != torch.float32 or ln2.dtype != torch.float32 or eps1 != eps2:
         return None
     qkv, o, gate_up, down = (
         cast(nn.Linear, lora_base(m)) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up, mlp.down_proj)
     )
-    return LlamaLayerWeights(
-        ln1=ln1.contiguous(), eps1=eps1, ln2=ln2.contiguous(), eps2=eps2,
-        qkv=pack_weight(qkv.weight), qkv_bias=None if qkv.bias is None else qkv.bias.detach().contiguous(),
-        o=pack_weight(o.weight), gate_up=pack_weight(gate_up.weight), down=pack_weight(down.weight),
-        hidden_size=int(ln1.shape[0]), intermediate=mlp.intermediate,
+    form = LayerForm(scale=attn.scaling, eps=eps1, window=int(attn.sliding_window or 0), qkv_bias=qkv.bias is not None)
+    raw = dict(qkv=qkv.weight, qkv_bias=qkv.bias, o=o.weight, gate_up=gate_up.weight, down=down.weight)
+    return LayerWeights.pack(
+        form, {**raw, "attn_in": ln1, "mlp_in": ln2},
         num_q_heads=attn.num_q_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-        scale=attn.scaling, window=int(attn.sliding_window or 0),
     )  # fmt: skip
 
 
 class NativeDecoderLayer(nn.Module):
     """A decoder layer whose decode steps run natively; every other step runs the wrapped ``layer``."""
 
-    def __init__(self, layer: nn.Module, weights: LlamaLayerWeights, native: NativeKernels) -> None:
+    def __init__(self, layer: nn.Module, weights: LayerWeights, native: NativeKernels) -> None:
         super().__init__()
         self.layer = layer
         self.weights = weights
@@ -157,7 +155,7 @@ class NativeDecoderLayer(nn.Module):
         if metadata is None or cos_sin is None:
             return self.layer(hidden_states, *args, **kwargs)
         slot_mapping, block_tables = metadata.tables(self.layer_idx)
-        out = llama_decode_layer(
+        out = decode_layer(
             self.native, self.weights, hidden_states[0], cos_sin[0][0], cos_sin[1][0],
             metadata.k_caches[self.layer_idx], metadata.v_caches[self.layer_idx],
             slot_mapping, block_tables, metadata.batch.seq_lens,
@@ -201,7 +199,7 @@ class NativeLayersReport:
     """Why candidates kept their Python path (one line per distinct reason)."""
 
 
-def _check_metadata(w: LlamaLayerWeights, layer_idx: int, block_size: int) -> PagedAttentionMetadata:
+def _check_metadata(w: LayerWeights, layer_idx: int, block_size: int) -> PagedAttentionMetadata:
     """A decode step of 3 requests (contexts 5, block_size + 3, 2 * block_size) over random fp32 pools."""
     lengths = (5, block_size + 3, 2 * block_size)
     chunks, block = on_consecutive_blocks([([0], length - 1) for length in lengths], block_size)
