@@ -26,7 +26,10 @@ EXPECTED = {
     "Qwen2": (2, 2),  # q/k/v biases
     "Qwen3": (2, 2),  # per-head q/k norms
     "Granite": (2, 2),  # attention multiplier as the scale
-    "Gemma": (0, 2),  # its attention is not in the Llama-form list; GeGLU MLP fuses
+    "Gemma": (2, 2),  # GeGLU MLP
+    "Gemma2": (2, 2),  # the attention's soft-cap carried
+    "Gemma3": (2, 2),  # q/k norms of the 1 + w kind
+    "OLMo2": (2, 2),  # q/k norms over all heads
     "Cohere": (0, 2),  # interleaved RoPE: not Llama-form
     "Phi3": (0, 0),  # already fused in the checkpoint
     "Mixtral": (2, 0),  # experts are not a gated MLP module of plain linears

@@ -4,6 +4,8 @@ Python path. (Token-exactness of every family against HF: test_family_matrix, wh
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,9 +19,23 @@ from tgi_paged_kernels.cpu_native import native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="no C++ compiler here: no native kernels")
 
-WRAPPED = {"Llama": 2, "Mistral": 2, "Qwen2": 2, "Qwen3": 0, "Granite": 0, "Gemma": 0, "Mixtral": 0, "Phi3": 0}
-"""Layers of the 2 of each tiny family that decode natively (Qwen3: q/k norms; Granite: scaled residuals;
-Gemma: its attention is not fused; Mixtral: experts; Phi3: fused checkpoint projections)."""
+WRAPPED = {
+    "Llama": 2,
+    "Mistral": 2,
+    "Qwen2": 2,
+    "Qwen3": 2,  # q/k norms per head
+    "Granite": 2,  # residual multiplier, attention multiplier as the scale
+    "Gemma": 2,  # 1 + w norms, GeGLU
+    "Gemma2": 2,  # sandwich norms, soft-cap, a sliding and a full layer
+    "Gemma3": 2,  # sandwich norms, q/k norms (1 + w), a sliding and a full layer
+    "OLMo2": 2,  # post-norms only, q/k norms over all heads
+    "Mixtral": 0,  # experts
+    "Phi3": 0,  # fused checkpoint projections: not fused blocks
+    "Cohere": 0,  # parallel attention and MLP, LayerNorm, interleaved RoPE
+}
+"""Layers of the 2 of each tiny family that decode natively, and why the others do not."""
+
+KEPT = {"Mixtral": "MixtralDecoderLayer: no layer form", "Phi3": "Phi3DecoderLayer: no layer form"}
 
 
 def _runner(path, **model_options) -> ModelRunner:
@@ -32,6 +48,8 @@ def test_which_layers_decode_natively(family_dir, name) -> None:
     wrapped = [m for m in runner.model.modules() if isinstance(m, NativeDecoderLayer)]
     assert len(wrapped) == WRAPPED[name]
     assert runner.native_layers is not None and runner.native_layers.wrapped == WRAPPED[name]
+    if name in KEPT:  # the start-up log says why
+        assert any(KEPT[name] in line for line in runner.native_layers.kept)
     if wrapped:  # the wrapped layer's parts read through (transformers' model loop and our tools use them)
         assert isinstance(runner.model.model.layers[0].self_attn, FusedPagedAttention)
 
@@ -59,7 +77,9 @@ def _steps(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> li
     return logits
 
 
-@pytest.mark.parametrize("name", ["Llama", "Mistral", "Qwen2"])
+@pytest.mark.parametrize(
+    "name", ["Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Gemma3", "Granite", "OLMo2"]
+)
 def test_native_runners_give_the_logits_and_tokens_of_the_per_op_path(family_dir, name) -> None:
     path = family_dir(name)
     prompts = [[3, 17, 5, 9, 11, 2, 8, 13, 21, 4, 6], [7, 7, 1, 30, 2], [12]]
@@ -97,3 +117,34 @@ def test_a_layer_that_differs_keeps_the_python_path(family_dir, monkeypatch) -> 
     runner = _runner(family_dir("Llama"))
     assert runner.native_layers is not None and runner.native_layers.wrapped == 0
     assert any("differs" in reason for reason in runner.native_layers.kept)
+
+
+@pytest.mark.parametrize(
+    ("name", "change"),
+    [
+        ("Gemma3", dict(norm="rms")),
+        ("Gemma3", dict(qk_norm_kind="rms")),
+        ("Gemma3", dict(attn_out_norm=False)),
+        ("Gemma3", dict(qk_norm="none")),
+        ("Gemma", dict(activation="silu")),
+        ("Gemma2", dict(softcap=0.0)),
+        ("Gemma2", dict(window=4)),  # the sliding layer's 8, the full layer's 0
+        ("Granite", dict(residual_scale=1.0)),
+        ("OLMo2", dict(qk_norm="head")),
+        ("Qwen2", dict(qkv_bias=False)),
+    ],
+)
+def test_a_wrong_description_is_never_served(family_dir, monkeypatch, name, change) -> None:
+    """The form derived from the module, with one part wrong: the load-time check (or the weights' fit to
+    the form) keeps every layer on the Python path."""
+    real = native_layers.layer_form
+
+    def wrong(layer):
+        found = real(layer)
+        assert not isinstance(found, str)
+        return dataclasses.replace(found[0], **change), found[1]
+
+    monkeypatch.setattr(native_layers, "layer_form", wrong)
+    runner = _runner(family_dir(name))
+    assert runner.native_layers is not None and runner.native_layers.wrapped == 0
+    assert runner.native_layers.kept

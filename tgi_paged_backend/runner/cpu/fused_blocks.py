@@ -6,7 +6,8 @@ transformers' decoder layers stay the model definition; inside them, :func:`fuse
   by :class:`FusedGatedMLP`: gate and up become one GEMM of both weights stacked, so a step makes one
   call where it made two. Swapped only after it reproduces the original on a random input.
 - a **Llama-form attention** (:data:`LLAMA_FORM_ATTENTION`: separate plain q/k/v/o linears, optional
-  per-head q/k RMSNorms, neox RoPE from the model's ``position_embeddings``) by
+  q/k RMSNorms per head or over all heads, neox RoPE from the model's ``position_embeddings``, optional
+  logit soft-cap) by
   :class:`FusedPagedAttention`: q, k and v become one GEMM, RoPE runs once over the query and key
   heads together (the same arithmetic as transformers', 7 tensor ops instead of 16), and the step's
   paged attention is called directly on ``[T, heads, head_dim]`` views (no transposes, no attention
@@ -41,18 +42,23 @@ CHECK_TOKENS = 12
 LLAMA_FORM_ATTENTION = frozenset(
     {
         "LlamaAttention",
+        "GemmaAttention",
+        "Gemma2Attention",
+        "Gemma3Attention",
         "GraniteAttention",
         "MistralAttention",
         "MixtralAttention",
+        "Olmo2Attention",
         "Qwen2Attention",
         "Qwen2MoeAttention",
         "Qwen3Attention",
         "Qwen3MoeAttention",
     }
 )
-"""Attention classes whose forward is Llama's (q/k/v/o, optional per-head q/k norm, neox RoPE on
-``position_embeddings``). The scale and sliding window are not read from the module: the load-time check
-records what its forward passes to the attention function and the fused module uses exactly that."""
+"""Attention classes whose forward is Llama's (q/k/v/o, optional q/k norm per head or over all heads, neox
+RoPE on ``position_embeddings``). The scale, sliding window and soft-cap are not read from the module: the
+load-time check records what its forward passes to the attention function and the fused module uses exactly
+that."""
 
 
 def _stacked(parts: list[nn.Module]) -> nn.Module:
@@ -125,7 +131,7 @@ class FusedPagedAttention(nn.Module):
 
     o_proj: nn.Module
 
-    def __init__(self, attn: nn.Module, *, scaling: float, sliding_window: int | None) -> None:
+    def __init__(self, attn: nn.Module, *, scaling: float, sliding_window: int | None, softcap: float = 0.0) -> None:
         super().__init__()
         self.layer_idx = int(attn.layer_idx)  # type: ignore[arg-type]
         self.head_dim = int(attn.head_dim)  # type: ignore[arg-type]
@@ -133,10 +139,15 @@ class FusedPagedAttention(nn.Module):
         self.num_kv_heads = int(attn.k_proj.out_features) // self.head_dim  # type: ignore[union-attr, arg-type]
         self.scaling = scaling
         self.sliding_window = sliding_window
+        self.softcap = softcap
+        """Attention logit soft-cap (Gemma 2), 0 for none."""
         self.qkv_proj = _stacked([attn.q_proj, attn.k_proj, attn.v_proj])  # type: ignore[list-item]
         self.o_proj = cast(nn.Module, attn.o_proj)
         self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
         self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
+        q_width = getattr(self.q_norm, "weight", torch.empty(0)).shape[-1]
+        self.qk_norm_over_heads = self.num_q_heads > 1 and q_width == self.num_q_heads * self.head_dim
+        """OLMo2's q/k norms: each over all query (key) heads of a token at once, not head by head."""
         on_cpu = cast(nn.Linear, lora_base(self.qkv_proj)).weight.device.type == "cpu"
         self.native = native_kernels() if on_cpu else None
         """On CPU, RoPE runs as one C++ call (the same roundings as transformers' five tensor ops)."""
@@ -153,7 +164,10 @@ class FusedPagedAttention(nn.Module):
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(hidden_states[0]).view(tokens, hq + 2 * hkv, d)
         q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and self.qk_norm_over_heads:
+            q, k = self.q_norm(q.reshape(tokens, hq * d)), self.k_norm(k.reshape(tokens, hkv * d))
+            qk = torch.cat([q.view(tokens, hq, d), k.view(tokens, hkv, d)], dim=1)
+        elif self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         else:
             qk = qkv[:, : hq + hkv]
@@ -166,6 +180,7 @@ class FusedPagedAttention(nn.Module):
             v,
             scaling=self.scaling,
             sliding_window=self.sliding_window,
+            softcap=self.softcap,
         )
         return self.o_proj(out.reshape(1, tokens, hq * d)), None
 
@@ -230,9 +245,12 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
             metadata = _scratch_metadata(geometry, int(attn.layer_idx), weight.device, block_size, kv_dtype)  # type: ignore[arg-type]
             expected = attn(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: metadata})[0]
             seen = metadata.seen_options or []
-            if len(seen) != 1 or seen[0]["softcap"] or seen[0]["sinks"]:  # not one plain paged call
+            if len(seen) != 1 or seen[0]["sinks"]:  # not one plain paged call
                 return None
-            fused = FusedPagedAttention(attn, scaling=seen[0]["scaling"], sliding_window=seen[0]["sliding_window"])
+            options = seen[0]
+            fused = FusedPagedAttention(
+                attn, scaling=options["scaling"], sliding_window=options["sliding_window"], softcap=options["softcap"]
+            )
             metadata = _scratch_metadata(geometry, fused.layer_idx, weight.device, block_size, kv_dtype)
             got = fused(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: metadata})[0]
     except Exception as e:  # noqa: BLE001 - any failure means: keep the original

@@ -1,8 +1,10 @@
-"""Llama-form decoder layers that run on the native CPU kernels (fp32): a decode step as one call.
+"""Decoder layers that run on the native CPU kernels (fp32): a decode step as one call, for every layer form.
 
-After :func:`~runner.cpu.fused_blocks.fuse_blocks`, a decoder layer of :data:`LLAMA_FORM_LAYERS` made of the fused
-forms (Llama-form RMSNorms, a :class:`~runner.cpu.fused_blocks.FusedPagedAttention` without q/k norms, a SiLU
-:class:`~runner.cpu.fused_blocks.FusedGatedMLP`, plain fp32 projections) is wrapped by :class:`NativeDecoderLayer`:
+After :func:`~runner.cpu.fused_blocks.fuse_blocks`, a decoder layer whose form :mod:`.layer_forms` can describe
+(a class of :data:`~.layer_forms.NORM_PLACES` made of a :class:`~runner.cpu.fused_blocks.FusedPagedAttention`, a
+:class:`~runner.cpu.fused_blocks.FusedGatedMLP` of SiLU or GeLU-tanh, RMSNorms of the ``w`` or ``1 + w`` kind,
+plain fp32 projections: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite, OLMo2) is wrapped by
+:class:`NativeDecoderLayer`:
 
 - a **decode step** (one new token per request, fp32 pools) runs the whole layer through
   :func:`tgi_paged_kernels.cpu_layer.decode_layer`: one call and one OpenMP region instead of ~10
@@ -12,8 +14,9 @@ forms (Llama-form RMSNorms, a :class:`~runner.cpu.fused_blocks.FusedPagedAttenti
   at every shape we measured): one copy of the weights, no extra memory.
 
 Wrapped only after one decode step over scratch pools gives the original's output and K/V (to 1e-4: the
-GEMM sums in another order than oneDNN/MKL). ``TGI_PAGED_NATIVE_LAYERS=0`` (``ModelConfig.native_layers``)
-keeps the per-op path. Figures: ``docs/performance.md``, "CPU forward".
+GEMM sums in another order than oneDNN/MKL): a description that is wrong is never served.
+``TGI_PAGED_NATIVE_LAYERS=0`` (``ModelConfig.native_layers``) keeps the per-op path. Figures:
+``docs/performance.md``, "CPU forward".
 """
 
 from __future__ import annotations
@@ -26,13 +29,12 @@ import torch.nn.functional as F
 from loguru import logger
 from torch import nn
 
-from tgi_paged_backend.lora.layers import find_lora_step, lora_base, replace_lora_base
+from tgi_paged_backend.lora.layers import find_lora_step, replace_lora_base
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
-from tgi_paged_backend.runner.cpu import fast_layers
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedAttention
+from tgi_paged_backend.runner.cpu.layer_forms import NORM_PLACES, layer_form
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
 from tgi_paged_kernels import (
-    LayerForm,
     LayerWeights,
     NativeKernels,
     decode_layer,
@@ -40,54 +42,23 @@ from tgi_paged_kernels import (
     native_kernels,
 )
 
-LLAMA_FORM_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
-"""Decoder layers whose forward is Llama's: ``h += attn(norm1(h)); h += mlp(norm2(h))`` (Granite's scaled
-residuals are not)."""
-
 MAX_ROWS = 256
 """Decode batches up to this many requests run natively (scratch and tiles sized for decode)."""
 
 
-def _rms(module: nn.Module) -> tuple[torch.Tensor, float] | None:
-    eps = fast_layers.rms_norm_eps(module)
-    weight = getattr(module, "weight", None)
-    return None if eps is None or not isinstance(weight, torch.Tensor) else (weight.detach(), eps)
-
-
-def _plain(linear: Any, bias: bool = False) -> bool:
-    return type(linear) is nn.Linear and linear.weight.dtype == torch.float32 and (bias or linear.bias is None)
-
-
-def layer_weights(layer: nn.Module) -> LayerWeights | None:
-    """The packed weights of a Llama-form ``layer`` made of the fused blocks, or ``None`` when it is not one
-    (another class, q/k norms, another activation, biased o/gate/up/down projections, not fp32)."""
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    norms = [_rms(getattr(layer, n, nn.Identity())) for n in ("input_layernorm", "post_attention_layernorm")]
-    if (
-        type(layer).__name__ not in LLAMA_FORM_LAYERS
-        or not isinstance(attn, FusedPagedAttention)
-        or not isinstance(mlp, FusedGatedMLP)
-        or attn.q_norm is not None
-        or attn.k_norm is not None
-        or mlp.native is None  # SiLU only
-        or not (_plain(lora_base(attn.qkv_proj), bias=True) and _plain(lora_base(attn.o_proj)))
-        or not (_plain(lora_base(mlp.gate_up)) and _plain(lora_base(mlp.down_proj)))
-        or norms[0] is None
-        or norms[1] is None
-    ):
-        return None
-    (ln1, eps1), (ln2, eps2) = norms  # type: ignore[misc]
-    if ln1.dtype != torch.float32 or ln2.dtype != torch.float32 or eps1 != eps2:
-        return None
-    qkv, o, gate_up, down = (
-        cast(nn.Linear, lora_base(m)) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up, mlp.down_proj)
-    )
-    form = LayerForm(scale=attn.scaling, eps=eps1, window=int(attn.sliding_window or 0), qkv_bias=qkv.bias is not None)
-    raw = dict(qkv=qkv.weight, qkv_bias=qkv.bias, o=o.weight, gate_up=gate_up.weight, down=down.weight)
-    return LayerWeights.pack(
-        form, {**raw, "attn_in": ln1, "mlp_in": ln2},
-        num_q_heads=attn.num_q_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-    )  # fmt: skip
+def layer_weights(layer: nn.Module) -> LayerWeights | str:
+    """The packed weights of ``layer``'s form (:func:`~.layer_forms.layer_form`), or why it has none."""
+    found = layer_form(layer)
+    if isinstance(found, str):
+        return found
+    form, raw = found
+    attn = cast(FusedPagedAttention, layer.self_attn)
+    try:
+        return LayerWeights.pack(
+            form, raw, num_q_heads=attn.num_q_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim
+        )
+    except ValueError as e:  # weights that do not fit the form
+        return str(e)
 
 
 class NativeDecoderLayer(nn.Module):
@@ -199,9 +170,14 @@ class NativeLayersReport:
     """Why candidates kept their Python path (one line per distinct reason)."""
 
 
+def _check_lengths(block_size: int) -> tuple[int, ...]:
+    """Contexts of the check's decode step: within a block, across blocks, and past the tests' windows of 8."""
+    return (5, block_size + 3, 2 * block_size, 3 * block_size + 5)
+
+
 def _check_metadata(w: LayerWeights, layer_idx: int, block_size: int) -> PagedAttentionMetadata:
-    """A decode step of 3 requests (contexts 5, block_size + 3, 2 * block_size) over random fp32 pools."""
-    lengths = (5, block_size + 3, 2 * block_size)
+    """A decode step of :func:`_check_lengths` requests over random fp32 pools."""
+    lengths = _check_lengths(block_size)
     chunks, block = on_consecutive_blocks([([0], length - 1) for length in lengths], block_size)
     generator = torch.Generator().manual_seed(layer_idx)
     shape = (block, block_size, w.num_kv_heads, w.head_dim)
@@ -215,8 +191,9 @@ def _reproduces(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int) 
     the layer returns a tuple)."""
     w = wrapped.weights
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 3, w.hidden_size, generator=generator)
-    cos, sin = (torch.randn(1, 3, w.head_dim, generator=generator) for _ in range(2))
+    rows = len(_check_lengths(block_size))
+    x = torch.randn(1, rows, w.hidden_size, generator=generator)
+    cos, sin = (torch.randn(1, rows, w.head_dim, generator=generator) for _ in range(2))
     with torch.inference_mode():
         ref_meta = _check_metadata(w, wrapped.layer_idx, block_size)
         expected = layer(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: ref_meta})
@@ -237,16 +214,19 @@ def _reproduces(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int) 
 
 
 def wrap_native_layers(model: nn.Module, block_size: int) -> NativeLayersReport:
-    """Wrap the Llama-form decoder layers of ``model`` (see the module docstring) in place."""
+    """Wrap the decoder layers of ``model`` whose form is described and reproduced (see the module docstring) in
+    place; other decoder layers are reported as kept, with the reason."""
     native = native_kernels()
     wrapped, kept = 0, set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child).__name__ not in LLAMA_FORM_LAYERS:
+            kind = type(child).__name__
+            layer_like = kind.endswith(("DecoderLayer", "Block")) and hasattr(child, "mlp")
+            if isinstance(child, NativeDecoderLayer) or (kind not in NORM_PLACES and not layer_like):
                 continue
-            weights = layer_weights(child) if native is not None else None
-            if weights is None:
-                kept.add(f"{type(child).__name__}: not the fused fp32 Llama form")
+            weights = layer_weights(child) if native is not None else "no native kernels"
+            if isinstance(weights, str):
+                kept.add(f"{kind}: {weights}")
                 continue
             candidate = NativeDecoderLayer(child, weights, native)  # type: ignore[arg-type]
             try:

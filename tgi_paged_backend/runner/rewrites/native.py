@@ -1,5 +1,5 @@
-"""Rewrite ``native`` (CPU, fp32): a fused Llama-form decoder layer's decode step as one C++ call
-(:mod:`tgi_paged_backend.runner.cpu.native_layers`)."""
+"""Rewrite ``native`` (CPU, fp32): a fused decoder layer's decode step as one C++ call, for every layer form
+:mod:`tgi_paged_backend.runner.cpu.layer_forms` describes (:mod:`tgi_paged_backend.runner.cpu.native_layers`)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ The order matters and is the order of :data:`MODEL_REWRITES`:
 2. ``lora``: wrap the linears the adapters target (the fusion then leaves those layers, no longer plain
    linears, alone);
 3. ``fuse``: one q/k/v and one gate/up GEMM per layer on CPU;
-4. ``native``: the fused Llama-form layers' decode step as one C++ call (needs ``fuse``);
+4. ``native``: the fused layers' decode step as one C++ call, any described layer form (needs ``fuse``);
 5. ``pack``: the remaining plain linears packed for oneDNN, Llama-form RMSNorms fused.
 """
 

@@ -1,0 +1,125 @@
+"""The :class:`~tgi_paged_kernels.LayerForm` of a transformers decoder layer made of the fused blocks.
+
+A decoder layer is described as data for the native decode step (:mod:`.native_layers`): where its norms sit
+(:data:`NORM_PLACES`, by layer class: Llama's two pre-norms, Gemma 2/3's sandwich of four, OLMo2's two
+post-norms), and, read from the modules themselves, each norm's kind (``w`` or Gemma's ``1 + w``, found by
+running the norm on a random input against both) and epsilon, the q/k norms (per head or over all heads),
+the gated MLP's activation (SiLU or GeLU-tanh, found the same way), the q/k/v bias, the attention's scale,
+window and soft-cap (what the fused attention's load-time check recorded) and Granite's residual multiplier.
+
+Nothing here is trusted: a layer is served natively only after :func:`.native_layers._reproduces` has shown
+one decode step of the description gives the module's output and K/V.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tgi_paged_backend.lora.layers import lora_base
+from tgi_paged_backend.runner.cpu.fast_layers import outputs_close, rms_norm_eps
+from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedAttention
+from tgi_paged_kernels import LayerForm
+
+_PRE = ("input_layernorm", None, "post_attention_layernorm", None)
+_SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = {
+    **dict.fromkeys(
+        ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "GemmaDecoderLayer"),
+        _PRE,
+    ),
+    "GraniteDecoderLayer": _PRE,  # h += residual_multiplier * block(norm(h))
+    "Gemma2DecoderLayer": _SANDWICH,
+    "Gemma3DecoderLayer": _SANDWICH,
+    "Olmo2DecoderLayer": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+}
+"""Decoder layer classes of the form ``h += s * n_ao(attn(n_ai(h))); h += s * n_mo(mlp(n_mi(h)))``: the
+attributes holding their norms before / after attention and before / after the MLP (``None``: no norm
+there). Other classes keep the Python path."""
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def _norm(module: Any, width: int) -> tuple[str, float, torch.Tensor] | str:
+    """``(kind, eps, weight)`` of an RMSNorm module over ``width`` fp32 values, or why it is not one we run."""
+    eps = rms_norm_eps(module) if isinstance(module, nn.Module) else None
+    weight = getattr(module, "weight", None)
+    if eps is None or not isinstance(weight, torch.Tensor):
+        return f"{type(module).__name__} is not an RMSNorm"
+    if weight.dtype != torch.float32 or weight.shape != (width,):
+        return f"{type(module).__name__} is not an fp32 RMSNorm over {width} values"
+    x = torch.randn(3, width, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        y = module(x)
+        for kind, w in (("rms", weight), ("rms_1p", 1.0 + weight.float())):
+            if outputs_close(y, F.rms_norm(x, (width,), w, eps)):
+                return kind, eps, weight.detach()
+    return f"{type(module).__name__} is neither w * x / rms(x) nor (1 + w) * x / rms(x)"
+
+
+def _activation(act_fn: nn.Module) -> str | None:
+    x = torch.linspace(-6.0, 6.0, 193)
+    with torch.inference_mode():
+        y = act_fn(x)
+        return next((name for name, fn in _ACTIVATIONS.items() if outputs_close(y, fn(x))), None)
+
+
+def _plain(linear: Any, bias: bool = False) -> bool:
+    return type(linear) is nn.Linear and linear.weight.dtype == torch.float32 and (bias or linear.bias is None)
+
+
+def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | None]] | str:
+    """The form of ``layer`` and its weights as :meth:`~tgi_paged_kernels.LayerWeights.pack` takes them, or
+    why the native step cannot run it (one line, for the start-up log)."""
+    places = NORM_PLACES.get(type(layer).__name__)
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if places is None:
+        return "no layer form for this class"
+    if not isinstance(attn, FusedPagedAttention) or not isinstance(mlp, FusedGatedMLP):
+        return "its attention or MLP is not fused"
+    parts = [lora_base(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up, mlp.down_proj)]
+    if not (_plain(parts[0], bias=True) and all(_plain(p) for p in parts[1:])):
+        return "its projections are not plain fp32 linears (quantized, sliced or biased)"
+    qkv, o, gate_up, down = cast(list[nn.Linear], parts)
+    hidden, hq, hkv, d = int(o.out_features), attn.num_q_heads, attn.num_kv_heads, attn.head_dim
+    raw: dict[str, torch.Tensor | None] = dict(
+        qkv=qkv.weight, qkv_bias=qkv.bias, o=o.weight, gate_up=gate_up.weight, down=down.weight
+    )
+    layer_norms: list[tuple[str, float]] = []
+    for place, attr in zip(("attn_in", "attn_out", "mlp_in", "mlp_out"), places):
+        if attr is None:
+            continue
+        found = _norm(getattr(layer, attr, None), hidden)
+        if isinstance(found, str):
+            return f"{attr}: {found}"
+        layer_norms.append(found[:2])
+        raw[place] = found[2]
+    qk: list[tuple[str, float]] = []
+    qk_norm = "none"
+    if attn.q_norm is not None or attn.k_norm is not None:
+        qk_norm = "all" if attn.qk_norm_over_heads else "head"
+        widths = (hq * d, hkv * d) if qk_norm == "all" else (d, d)
+        for name, module, width in zip(("q_norm", "k_norm"), (attn.q_norm, attn.k_norm), widths):
+            found = _norm(module, width)
+            if isinstance(found, str):
+                return f"{name}: {found}"
+            qk.append(found[:2])
+            raw[name] = found[2]
+    activation = _activation(mlp.act_fn)
+    if activation is None:
+        return f"its MLP's activation {type(mlp.act_fn).__name__} is neither SiLU nor GeLU-tanh"
+    if len(set(layer_norms)) > 1 or len(set(qk)) > 1:
+        return "its norms differ in kind or epsilon"
+    (kind, eps), (qk_kind, qk_eps) = (layer_norms or [("rms", 1e-6)])[0], (qk or [("rms", 1e-6)])[0]
+    form = LayerForm(
+        scale=float(attn.scaling), norm=kind, eps=eps,
+        attn_in_norm=places[0] is not None, attn_out_norm=places[1] is not None,
+        mlp_in_norm=places[2] is not None, mlp_out_norm=places[3] is not None,
+        qk_norm=qk_norm, qk_norm_kind=qk_kind, qk_eps=qk_eps, activation=activation,
+        qkv_bias=qkv.bias is not None, softcap=float(attn.softcap or 0.0), window=int(attn.sliding_window or 0),
+        residual_scale=float(cast(float, getattr(layer, "residual_multiplier", 1.0))),
+    )  # fmt: skip
+    return form, raw
