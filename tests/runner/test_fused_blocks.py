@@ -31,7 +31,7 @@ EXPECTED = {
     "Gemma3": (2, 2),  # q/k norms of the 1 + w kind
     "OLMo2": (2, 2),  # q/k norms over all heads
     "Cohere": (0, 2),  # interleaved RoPE: not Llama-form
-    "Phi3": (0, 0),  # already fused in the checkpoint
+    "Phi3": (2, 2),  # q/k/v and gate/up already one projection each in the checkpoint: taken as they are
     "Mixtral": (2, 0),  # experts are not a gated MLP module of plain linears
     "Qwen2-MoE": (2, 2),  # the shared expert of each layer is a gated MLP
     "Qwen3-MoE": (2, 0),

@@ -30,12 +30,12 @@ WRAPPED = {
     "Gemma3": 2,  # sandwich norms, q/k norms (1 + w), a sliding and a full layer
     "OLMo2": 2,  # post-norms only, q/k norms over all heads
     "Mixtral": 0,  # experts
-    "Phi3": 0,  # fused checkpoint projections: not fused blocks
+    "Phi3": 2,  # q/k/v and gate/up fused in the checkpoint
     "Cohere": 0,  # parallel attention and MLP, LayerNorm, interleaved RoPE
 }
 """Layers of the 2 of each tiny family that decode natively, and why the others do not."""
 
-KEPT = {"Mixtral": "MixtralDecoderLayer: no layer form", "Phi3": "Phi3DecoderLayer: no layer form"}
+KEPT = {"Mixtral": "MixtralDecoderLayer: no layer form", "Cohere": "CohereDecoderLayer: no layer form"}
 
 
 def _runner(path, **model_options) -> ModelRunner:

@@ -4,15 +4,15 @@ transformers' decoder layers stay the model definition; inside them, :func:`fuse
 
 - a **gated MLP** (``down(act(gate(x)) * up(x))`` with plain ``nn.Linear`` projections, any activation)
   by :class:`FusedGatedMLP`: gate and up become one GEMM of both weights stacked, so a step makes one
-  call where it made two. Swapped only after it reproduces the original on a random input.
-- a **Llama-form attention** (:data:`LLAMA_FORM_ATTENTION`: separate plain q/k/v/o linears, optional
-  q/k RMSNorms per head or over all heads, neox RoPE from the model's ``position_embeddings``, optional
-  logit soft-cap) by
-  :class:`FusedPagedAttention`: q, k and v become one GEMM, RoPE runs once over the query and key
-  heads together (the same arithmetic as transformers', 7 tensor ops instead of 16), and the step's
-  paged attention is called directly on ``[T, heads, head_dim]`` views (no transposes, no attention
-  interface dispatch). Swapped only after it reproduces the original, through the same paged
-  attention, on a random prompt over a scratch pool.
+  call where it made two (Phi-3's ``gate_up_proj`` already is one: it is taken as it is). Swapped only
+  after it reproduces the original on a random input.
+- a **Llama-form attention** (:data:`LLAMA_FORM_ATTENTION`: separate plain q/k/v/o linears or Phi-3's one
+  q/k/v projection, optional q/k RMSNorms per head or over all heads, neox RoPE from the model's
+  ``position_embeddings``, optional logit soft-cap) by :class:`FusedPagedAttention`: q, k and v become one
+  GEMM, RoPE runs once over the query and key heads together (the same arithmetic as transformers', 7
+  tensor ops instead of 16), and the step's paged attention is called directly on ``[T, heads, head_dim]``
+  views (no transposes, no attention interface dispatch). Swapped only after it reproduces the original,
+  through the same paged attention, on a random prompt over a scratch pool.
 
 Both cut the per-layer host time of a decode step (each tensor op costs ~2-30 us of dispatch before
 any math; ``docs/performance.md``, "CPU forward"). They run before the linears are packed
@@ -49,16 +49,17 @@ LLAMA_FORM_ATTENTION = frozenset(
         "MistralAttention",
         "MixtralAttention",
         "Olmo2Attention",
+        "Phi3Attention",
         "Qwen2Attention",
         "Qwen2MoeAttention",
         "Qwen3Attention",
         "Qwen3MoeAttention",
     }
 )
-"""Attention classes whose forward is Llama's (q/k/v/o, optional q/k norm per head or over all heads, neox
-RoPE on ``position_embeddings``). The scale, sliding window and soft-cap are not read from the module: the
-load-time check records what its forward passes to the attention function and the fused module uses exactly
-that."""
+"""Attention classes whose forward is Llama's (q/k/v/o, or Phi-3's q/k/v in one projection; optional q/k
+norm per head or over all heads, neox RoPE on ``position_embeddings``). The scale, sliding window and soft-cap
+are not read from the module: the load-time check records what its forward passes to the attention function
+and the fused module uses exactly that."""
 
 
 def _stacked(parts: list[nn.Module]) -> nn.Module:
@@ -101,10 +102,15 @@ class FusedGatedMLP(nn.Module):
 
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
-        self.gate_up = _stacked([mlp.gate_proj, mlp.up_proj])  # type: ignore[list-item]
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate and up already one projection in the checkpoint
+            self.gate_up = cast(nn.Module, mlp.gate_up_proj)
+            self.act_fn = cast(nn.Module, mlp.activation_fn)
+            self.intermediate = int(cast(nn.Linear, lora_base(self.gate_up)).out_features) // 2
+        else:
+            self.gate_up = _stacked([mlp.gate_proj, mlp.up_proj])  # type: ignore[list-item]
+            self.act_fn = cast(nn.Module, mlp.act_fn)
+            self.intermediate = int(mlp.gate_proj.out_features)  # type: ignore[union-attr, arg-type]
         self.down_proj = cast(nn.Module, mlp.down_proj)
-        self.act_fn = cast(nn.Module, mlp.act_fn)
-        self.intermediate = int(mlp.gate_proj.out_features)  # type: ignore[union-attr, arg-type]
         silu = isinstance(self.act_fn, nn.SiLU) or type(self.act_fn).__name__ == "SiLUActivation"
         on_cpu = cast(nn.Linear, lora_base(self.gate_up)).weight.device.type == "cpu"
         self.native = native_kernels() if silu and on_cpu else None
@@ -120,10 +126,31 @@ class FusedGatedMLP(nn.Module):
 
 
 def _gated_mlp(module: nn.Module) -> bool:
+    if all(hasattr(module, n) for n in ("gate_up_proj", "down_proj", "activation_fn")):  # Phi-3
+        gate_up = module.gate_up_proj
+        if not isinstance(gate_up, nn.Module) or not _plain(gate_up, module.down_proj):
+            return False  # experts' stacked weights (a parameter), quantized or sliced projections
+        return cast(nn.Linear, lora_base(gate_up)).out_features % 2 == 0
     if not all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return False
     gate, up = module.gate_proj, module.up_proj
     return _stackable(gate, up) and _plain(module.down_proj) and gate.out_features == up.out_features  # type: ignore[union-attr]
+
+
+def _heads(attn: nn.Module) -> tuple[int, int]:
+    """Query and KV heads of a Llama-form attention, from its projections' widths."""
+    head_dim = int(attn.head_dim)  # type: ignore[arg-type]
+    if hasattr(attn, "q_proj"):
+        return int(attn.q_proj.out_features) // head_dim, int(attn.k_proj.out_features) // head_dim  # type: ignore[union-attr, arg-type]
+    kv_heads = int(attn.num_key_value_heads)  # type: ignore[arg-type]
+    return int(lora_base(attn.qkv_proj).out_features) // head_dim - 2 * kv_heads, kv_heads  # type: ignore[arg-type]
+
+
+def _fusable_attention(attn: nn.Module) -> bool:
+    """Separate q/k/v linears one GEMM can compute, or one plain q/k/v projection (Phi-3)."""
+    if hasattr(attn, "q_proj"):
+        return _stackable(attn.q_proj, attn.k_proj, attn.v_proj)
+    return hasattr(attn, "qkv_proj") and hasattr(attn, "num_key_value_heads") and _plain(attn.qkv_proj)
 
 
 class FusedPagedAttention(nn.Module):
@@ -135,13 +162,15 @@ class FusedPagedAttention(nn.Module):
         super().__init__()
         self.layer_idx = int(attn.layer_idx)  # type: ignore[arg-type]
         self.head_dim = int(attn.head_dim)  # type: ignore[arg-type]
-        self.num_q_heads = int(attn.q_proj.out_features) // self.head_dim  # type: ignore[union-attr, arg-type]
-        self.num_kv_heads = int(attn.k_proj.out_features) // self.head_dim  # type: ignore[union-attr, arg-type]
+        self.num_q_heads, self.num_kv_heads = _heads(attn)
         self.scaling = scaling
         self.sliding_window = sliding_window
         self.softcap = softcap
         """Attention logit soft-cap (Gemma 2), 0 for none."""
-        self.qkv_proj = _stacked([attn.q_proj, attn.k_proj, attn.v_proj])  # type: ignore[list-item]
+        if hasattr(attn, "q_proj"):
+            self.qkv_proj = _stacked([attn.q_proj, attn.k_proj, attn.v_proj])  # type: ignore[list-item]
+        else:  # Phi-3: q, k and v already one projection in the checkpoint
+            self.qkv_proj = cast(nn.Module, attn.qkv_proj)
         self.o_proj = cast(nn.Module, attn.o_proj)
         self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
         self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
@@ -234,9 +263,9 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
     cos/sin) through the paged attention over scratch pools, recording the options it passes; the fused
     module is built with exactly those and must give the same output. ``None`` otherwise (or on any error:
     a forward of another signature keeps its module)."""
-    weight = cast(nn.Linear, lora_base(cast(nn.Module, attn.q_proj))).weight
+    weight = cast(nn.Linear, lora_base(cast(nn.Module, getattr(attn, "q_proj", None) or attn.qkv_proj))).weight
     head_dim = int(attn.head_dim)  # type: ignore[arg-type]
-    geometry = (int(attn.k_proj.out_features) // head_dim, head_dim)  # type: ignore[union-attr, arg-type]
+    geometry = (_heads(attn)[1], head_dim)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1, CHECK_TOKENS, int(weight.shape[1]), generator=generator).to(weight.dtype)
     cos, sin = (torch.randn(1, CHECK_TOKENS, head_dim, generator=generator).to(weight.dtype) for _ in range(2))
@@ -270,7 +299,7 @@ def fuse_blocks(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> Fus
             if _gated_mlp(child):
                 candidate = _fused_mlp(child)
                 mlps += candidate is not None
-            elif type(child).__name__ in LLAMA_FORM_ATTENTION and _stackable(child.q_proj, child.k_proj, child.v_proj):
+            elif type(child).__name__ in LLAMA_FORM_ATTENTION and _fusable_attention(child):
                 candidate = _fused_attention(child, block_size, kv_dtype)
                 attentions += candidate is not None
             else:

@@ -31,6 +31,7 @@ NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = 
         ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "GemmaDecoderLayer"),
         _PRE,
     ),
+    "Phi3DecoderLayer": _PRE,  # its residual dropouts are the identity at inference
     "GraniteDecoderLayer": _PRE,  # h += residual_multiplier * block(norm(h))
     "Gemma2DecoderLayer": _SANDWICH,
     "Gemma3DecoderLayer": _SANDWICH,
