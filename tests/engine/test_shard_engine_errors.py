@@ -164,7 +164,8 @@ CASES = {
     ),
 }
 
-# Regressions: each once left requests behind that no batch owned (fixed in the engine).
+# Regressions (fixed in the engine): each once left requests behind that no batch owned, or let one request stall
+# the shard for good.
 REGRESSIONS = {
     "decode_same_batch_twice": (
         InvalidRequestError,
@@ -181,6 +182,24 @@ REGRESSIONS = {
         "BUG validation.validate_request_spec does not reject repeated virtual blocks; "
         "KVCacheManager.add_request raises ValueError inside shard_engine._add_requests' registration "
         "loop, after the earlier requests of the batch were registered: they leak (no batch owns them)",
+    ),
+    "new_batch_reuses_the_cached_batch_id": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(BatchSpec(id=run.id, requests=(good(e, b),)), None),
+        "BUG (found by tests/server/test_rpc_fuzz.py) shard_engine.prefill stored the new batch under an id "
+        "that was already cached, replacing that batch: its requests kept their blocks, owned by no batch",
+    ),
+    "request_longer_than_the_pool_with_router_blocks": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(router_spec(e, b, 53, make_text(92, 3), 200),)), None),
+        "BUG (found by tests/server/test_rpc_fuzz.py) a request needing more blocks than the whole pool was "
+        "accepted (its router reservation fits the overcommitted virtual space); once the oldest it preempted "
+        "everyone and waited forever, and no request got a token again",
+    ),
+    "request_longer_than_the_pool_without_blocks": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(spec(53, make_text(92, 3), 10_000),)), None),
+        "BUG (found by tests/server/test_rpc_fuzz.py) the same without router blocks (nothing bounded it)",
     ),
 }
 

@@ -38,7 +38,7 @@ from tgi_paged_backend.engine.types import (
     StepResult,
     WarmupResult,
 )
-from tgi_paged_backend.engine.validation import validate_batch, validate_tokenized
+from tgi_paged_backend.engine.validation import validate_batch, validate_fits_pool, validate_tokenized
 from tgi_paged_backend.policy.admission import reported_batch_tokens, should_brake
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.telemetry.step_record import MemoryBudget
@@ -187,7 +187,11 @@ class PagedShardEngine(StepEngine):
         if cached_batch_id is not None and cached_batch_id not in self.batches:
             raise BatchNotFoundError(f"cached batch {cached_batch_id} not found")
         try:
-            self._add_requests(batch, max_input_tokens=self.capacity.max_input_tokens)
+            if batch.id in self.batches and batch.id != cached_batch_id:  # would orphan the cached batch's requests
+                raise InvalidRequestError(f"batch {batch.id} is already cached: a new batch needs a new id")
+            self._add_requests(
+                batch, max_input_tokens=self.capacity.max_input_tokens, usable_blocks=self.capacity.num_blocks - 1
+            )
         except Exception:
             # The router fails every request of this call, the cached batch's too, but only clears
             # the new batch id: release the cached batch here (stock has popped it already).
@@ -247,13 +251,22 @@ class PagedShardEngine(StepEngine):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _add_requests(self, batch: BatchSpec, *, max_input_tokens: int | None) -> None:
-        """Validate everything, then register (no state changes before validation passes)."""
+    def _add_requests(
+        self, batch: BatchSpec, *, max_input_tokens: int | None, usable_blocks: int | None = None
+    ) -> None:
+        """Validate everything, then register (no state changes before validation passes). With
+        ``usable_blocks``, a request whose whole history cannot fit the pool is refused."""
         validate_batch(batch, live_ids=set(self.requests), num_virtual_blocks=self.num_virtual_blocks)
         prompts = self.prompt_tokenizer.encode_requests(batch.requests)
         for spec, prompt_ids in zip(batch.requests, prompts):
             validate_sampling_params(spec.sampling)
             validate_tokenized(spec, prompt_ids, block_size=self.block_size, max_input_tokens=max_input_tokens)
+            if usable_blocks is not None:
+                positions = len(prompt_ids) + spec.stopping.max_new_tokens - 1
+                peak = self.runner.kv_groups.request_blocks(
+                    positions, self.block_size, self.capacity.max_prefill_tokens
+                )
+                validate_fits_pool(spec, len(prompt_ids), peak_blocks=peak, usable_blocks=usable_blocks)
         # Compiles start here (cached per regex); a grammar refused at once fails the call before
         # anything is registered.
         grammars = [

@@ -84,3 +84,16 @@ def validate_tokenized(
                 f"request {rid}: slot {request.slots[bad]} at position {bad} is not in block "
                 f"{request.blocks[bad // block_size]} (slot = block * {block_size} + offset)"
             )
+
+
+def validate_fits_pool(request: RequestSpec, num_prompt: int, *, peak_blocks: int, usable_blocks: int) -> None:
+    """A request that needs more KV blocks at its peak (``peak_blocks`` for ``prompt + max_new_tokens - 1``
+    positions) than the pool's ``usable_blocks`` could never finish: once it is the oldest it preempts every
+    other request and then waits forever, and everyone behind it with it. Warmup guarantees room only for
+    ``max_total_tokens``, which the router enforces; the shard checks it too."""
+    if peak_blocks > usable_blocks:
+        raise InvalidRequestError(
+            f"request {request.id}: prompt {num_prompt} + max_new_tokens {request.stopping.max_new_tokens} "
+            f"needs {peak_blocks} KV blocks at its peak, more than the {usable_blocks} of the pool: it could never "
+            "finish"
+        )
