@@ -56,6 +56,7 @@ from tests.helpers.tiny_models import load_reference
 from tgi_paged_backend.bench.sliding_window import long_run_table
 from tgi_paged_backend.engine.types import BatchSpec
 from tgi_paged_backend.runner.model.loader import ModelLoadError
+from tgi_paged_backend.runner.model_runner import ModelRunner
 
 SCENARIOS: tuple[str, ...] = (
     "single",
@@ -109,6 +110,8 @@ class ScenarioOutcome:
     """KV layer groups of the engine's manager (``memory.layer_groups``)."""
     num_reclaimed_blocks: int = 0
     """Blocks the engine gave back behind the window during the scenario."""
+    cpu_decode: str = ""
+    """How the engine's runner takes an fp32 decode step (:func:`cpu_decode_mark`)."""
 
     @property
     def exact(self) -> bool:
@@ -166,6 +169,7 @@ def run_scenario(model_dir: Path, scenario: str) -> ScenarioOutcome:
         reclaim_window=engine.kv.reclaim_window,
         num_groups=engine.kv.num_groups,
         num_reclaimed_blocks=engine.kv.stats().num_reclaimed_blocks_total,
+        cpu_decode=cpu_decode_mark(engine.runner),
     )
     if scenario == "chunked_prefill":
         outcome.premise = len(prompt_ids(engine, requests[1].text)) > 2 * 16  # three forwards or more
@@ -195,7 +199,41 @@ class FamilyResult:
     num_groups: int = 1
     num_reclaimed_blocks: int = 0
     """Blocks given back behind the window, over all scenarios."""
+    cpu_decode: str = "n/a"
+    """How the served engines' runner takes an fp32 decode step (:func:`cpu_decode_mark`)."""
     seconds: float = 0.0
+
+
+NATIVE_DECODE = "native (one C++ call per layer)"
+
+
+def _decoder_layer_class(runner: ModelRunner) -> str | None:
+    """The class of the model's decoder layers (the first module list with one entry per layer)."""
+    for module in runner.model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == runner.spec.num_layers:
+            return type(module[0]).__name__
+    return None
+
+
+def cpu_decode_mark(runner: ModelRunner) -> str:
+    """How ``runner`` takes an fp32 decode step, from what its load-time rewrites report
+    (``ModelRunner.native_layers``, ``rewrites``): :data:`NATIVE_DECODE` when its decoder layers are wrapped
+    and none kept, else ``per-op: <why>`` (the report's reasons, shortened)."""
+    report = runner.native_layers
+    if report is None:  # the native rewrite did not run: its outcome says why
+        reason = next((o.reason for o in runner.rewrites.outcomes if o.name == "native" and not o.ran), "not run")
+        return f"per-op: {reason}".replace("|", "\\|")
+    reasons = [
+        f"no layer form for {line.split(':')[0]}" if line.endswith(": no layer form for this class") else line
+        for line in report.kept
+    ]
+    if not reasons and not report.wrapped:  # no layer of a class it takes for a decoder layer: nothing logged
+        kind = _decoder_layer_class(runner)
+        reasons = [f"no layer form for {kind}" if kind else "no decoder layer with a layer form"]
+    if not reasons:
+        return NATIVE_DECODE
+    per_op = f"per-op: {'; '.join(reasons)}".replace("|", "\\|")
+    return f"native in {report.wrapped} layers, {per_op}" if report.wrapped else per_op
 
 
 def start_error(model_dir: Path) -> str | None:
@@ -225,6 +263,7 @@ def run_family(family: Family, workdir: Path, scenarios: tuple[str, ...] = SCENA
             result.reclaim_window = outcome.reclaim_window
             result.num_groups = outcome.num_groups
             result.num_reclaimed_blocks += outcome.num_reclaimed_blocks
+            result.cpu_decode = outcome.cpu_decode
     result.seconds = time.perf_counter() - start
     return result
 
@@ -268,18 +307,22 @@ def render_markdown(
         "is behind the window the same way. *Speculation exact*: `--speculate 3` with",
         "drafts from an oracle (the true continuation, one wrong token planted every third draft), so drafts are",
         "accepted whole and in part, in the preemption scenario's small pool (`docs/speculation.md`).",
+        "*CPU fp32 decode step*: what the served engine's runner reports (`ModelRunner.native_layers`):",
+        "`native (one C++ call per layer)` when every decoder layer's form is described by",
+        "`runner/cpu/layer_forms.py` and reproduced at load, so a decode step runs each layer as one",
+        "`tgi_paged_kernels.cpu_layer.decode_layer` call; else `per-op` (one Python call per operation) and why.",
         f"transformers {transformers.__version__}.",
         "",
         "| family | architecture class | single-shard exact | preemption exact | speculation exact | TP=2 exact | "
-        "sliding-window block reclaim | notes |",
-        "|---|---|---|---|---|---|---|---|",
+        "sliding-window block reclaim | CPU fp32 decode step | notes |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.refusal is not None:
             status = "refused" if not r.refusal.startswith("missing") else "missing"
             reason = r.refusal.replace("|", "\\|")
             lines.append(
-                f"| {r.family.name} | {r.architecture} | {status} | {status} | {status} | {status} | n/a | "
+                f"| {r.family.name} | {r.architecture} | {status} | {status} | {status} | {status} | n/a | n/a | "
                 f"{r.family.feature}. **{status.capitalize()} at start:** {reason} |"
             )
             continue
@@ -290,7 +333,7 @@ def render_markdown(
             f"| {r.family.name} | {r.architecture} | {_mark(single)} | {_mark(preempt)} | "
             f"{_mark(r.exact.get('speculate', False))} | "
             f"{_tp_mark(tp.get(r.family.name))} | "
-            f"{windowed} | {r.family.feature} |"
+            f"{windowed} | {r.cpu_decode} | {r.family.feature} |"
         )
     if reclaim_table is not None:
         lines += ["", *RECLAIM_SECTION, "", reclaim_table]

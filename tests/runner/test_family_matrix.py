@@ -15,11 +15,14 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.family_matrix import REFUSED, SCENARIOS, run_scenario, start_error
+from tests.helpers.family_matrix import NATIVE_DECODE, REFUSED, SCENARIOS, cpu_decode_mark, run_scenario, start_error
 from tests.helpers.family_models import FAMILIES, FAMILY_BY_NAME, family_config, is_available, write_family_model
 from tests.helpers.triton_serving import LAUNCHERS, route_to_triton
+from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.memory.window_reclaim import reclaim_window
 from tgi_paged_backend.runner.model.spec import ModelSpec
+from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_kernels.cpu_native import native_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 AVAILABLE = [f.name for f in FAMILIES if is_available(f)]
@@ -101,18 +104,26 @@ def test_refused_family_stops_at_start_naming_the_architecture(name, family_dir)
     assert "TGI_BACKEND=stock" in error
 
 
-def test_models_doc_agrees_with_the_matrix():
+def test_models_doc_agrees_with_the_matrix(family_dir):
     rows = {}
     text = (ROOT / "docs" / "models.md").read_text()
     for line in text.split("## ")[0].splitlines():  # the family table, before the figures' sections
         cells = [c.strip() for c in line.split("|")[1:-1]]
-        if len(cells) == 8 and cells[0] not in ("family", "---"):
+        if len(cells) == 9 and cells[0] not in ("family", "---"):
             rows[cells[0]] = cells
     assert set(rows) == {f.name for f in FAMILIES}
+    native = native_kernels() is not None  # the doc is written where the C++ kernels build
     for name, cells in rows.items():
         if name in REFUSED:
-            assert cells[2] == "refused" and re.search(r"Refused at start:.*" + re.escape(REFUSED[name]), cells[7])
+            assert cells[2] == "refused" and re.search(r"Refused at start:.*" + re.escape(REFUSED[name]), cells[8])
+            assert cells[7] == "n/a", cells
         elif name in AVAILABLE:
+            # the CPU decode step, as a runner of the same tiny model reports it now (well under a second each)
+            runner = ModelRunner(ModelConfig(model_id=str(family_dir(name))), CacheConfig(block_size=4), "cpu")
+            if native and runner.dtype == torch.float32:
+                assert cells[7] == cpu_decode_mark(runner), (name, cells)
+            else:
+                assert cells[7] == NATIVE_DECODE or cells[7].startswith("per-op: "), cells
             assert cells[2:5] == ["yes", "yes", "yes"], cells  # single shard, preemption, speculation
             if _spec(name).reclaim_window is not None:
                 assert cells[6].startswith("yes: "), cells
