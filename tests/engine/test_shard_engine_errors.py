@@ -201,6 +201,17 @@ REGRESSIONS = {
         lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(spec(53, make_text(92, 3), 10_000),)), None),
         "BUG (found by tests/server/test_rpc_fuzz.py) the same without router blocks (nothing bounded it)",
     ),
+    "ordinary_request_on_the_probes_block_zero": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(with_blocks(good(e, b), 0, e.block_size),)), None),
+        "BUG (noticed by the RPC fuzzer) virtual block 0, which the shard backs with its scratch block for the "
+        "liveness probe, was accepted in an ordinary request: two such requests read each other's KV",
+    ),
+    "ordinary_request_with_the_probes_id": (
+        InvalidRequestError,
+        lambda e, b, run: e.prefill(BatchSpec(id=11, requests=(dataclasses.replace(good(e, b), id=2**64 - 1),)), None),
+        "BUG (noticed by the RPC fuzzer) a live request with id U64_MAX made every liveness probe fail",
+    ),
 }
 
 

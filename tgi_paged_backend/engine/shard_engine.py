@@ -252,11 +252,12 @@ class PagedShardEngine(StepEngine):
     # -- internals --------------------------------------------------------------------------
 
     def _add_requests(
-        self, batch: BatchSpec, *, max_input_tokens: int | None, usable_blocks: int | None = None
+        self, batch: BatchSpec, *, max_input_tokens: int | None, usable_blocks: int | None = None, probe: bool = False
     ) -> None:
         """Validate everything, then register (no state changes before validation passes). With
-        ``usable_blocks``, a request whose whole history cannot fit the pool is refused."""
-        validate_batch(batch, live_ids=set(self.requests), num_virtual_blocks=self.num_virtual_blocks)
+        ``usable_blocks``, a request whose whole history cannot fit the pool is refused; only the liveness
+        ``probe`` may use its reserved id and block."""
+        validate_batch(batch, live_ids=set(self.requests), num_virtual_blocks=self.num_virtual_blocks, probe=probe)
         prompts = self.prompt_tokenizer.encode_requests(batch.requests)
         for spec, prompt_ids in zip(batch.requests, prompts):
             validate_sampling_params(spec.sampling)
@@ -305,7 +306,7 @@ class PagedShardEngine(StepEngine):
 
     def _liveness(self, batch: BatchSpec, start_ns: int) -> StepResult:
         """The router's health probe: one token on the scratch block, nothing kept."""
-        self._add_requests(batch, max_input_tokens=None)
+        self._add_requests(batch, max_input_tokens=None, probe=True)
         ids = [r.id for r in batch.requests]
         try:
             generations, forward_ns, decode_ns = self._step(ids)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tgi_paged_backend.engine.types import BatchSpec, InvalidRequestError, RequestSpec
+from tgi_paged_backend.engine.types import U64_MAX, BatchSpec, InvalidRequestError, RequestSpec
 
 
-def validate_batch(batch: BatchSpec, *, live_ids: set[int], num_virtual_blocks: int) -> None:
-    """Batch-level checks: non-empty, no duplicate ids, none already live, per-request checks."""
+def validate_batch(batch: BatchSpec, *, live_ids: set[int], num_virtual_blocks: int, probe: bool = False) -> None:
+    """Batch-level checks: non-empty, no duplicate ids, none already live, per-request checks. What the router
+    keeps for its liveness probe (request id ``U64_MAX``, virtual block 0, which the shard backs with its
+    scratch block) only the probe (``probe``) may use: two requests on block 0 would read each other's KV."""
     if not batch.requests:
         raise InvalidRequestError(f"batch {batch.id} has no requests")
     seen: set[int] = set()
@@ -23,6 +25,12 @@ def validate_batch(batch: BatchSpec, *, live_ids: set[int], num_virtual_blocks: 
             raise InvalidRequestError(f"batch {batch.id}: request id {request.id} is already in a cached batch")
         seen.add(request.id)
         validate_request_spec(request, num_virtual_blocks=num_virtual_blocks)
+        if not probe and request.id == U64_MAX:
+            raise InvalidRequestError(f"batch {batch.id}: request id {U64_MAX} is the router's liveness probe's")
+        if not probe and 0 in request.blocks:
+            raise InvalidRequestError(
+                f"request {request.id}: block 0 is reserved for the router's liveness probe (the shard's scratch block)"
+            )
 
 
 def validate_request_spec(request: RequestSpec, *, num_virtual_blocks: int) -> None:
