@@ -300,3 +300,35 @@ def test_an_oversized_replay_request_is_cut_off_and_replay_goes_on(tmp_path) -> 
         assert [seq for seq, _ in batches] == [0]
     finally:
         publisher.close()
+
+
+def test_a_late_indexer_gets_the_stream_and_the_monitor_is_let_go() -> None:
+    """After the connection watch ends (here: nothing accepted within the limit), the monitor is read out and
+    detached: left unread, its reconnect events would stall the socket for good (and ``close`` with it). An
+    indexer that binds later then receives the events."""
+    port = free_port()
+    config = KVEventsConfig(endpoint=f"tcp://127.0.0.1:{port}", topic="t", connect_warn_s=0.2)
+    publisher = KVEventPublisher(config, block_size=2, medium="CPU")
+    try:
+        deadline = time.monotonic() + 10
+        while publisher._monitor is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert publisher._monitor is None, "the monitor is still attached after the watch ended"
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.bind(f"tcp://127.0.0.1:{port}")  # the indexer binds; the shard connects
+        try:
+            received = False
+            for _ in range(100):
+                publisher.block_removed(7)
+                publisher.flush()
+                if sub.poll(100):
+                    received = True
+                    break
+            assert received, "a late indexer got nothing"
+        finally:
+            sub.close(0)
+    finally:
+        started = time.monotonic()
+        publisher.close()
+        assert time.monotonic() - started < 10

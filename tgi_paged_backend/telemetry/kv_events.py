@@ -220,9 +220,7 @@ class KVEventPublisher:
         except Exception as e:  # noqa: BLE001 - never silent: the stream stops, serving goes on
             logger.opt(exception=e).error("KV events: the sender thread stopped: {}", e)
         finally:
-            if self._monitor is not None:
-                self._pub.disable_monitor()
-                self._monitor.close(linger=0)
+            self._stop_monitor()
             self._pub.close(linger=0)
             if self._replay is not None:
                 self._replay.close(linger=0)
@@ -264,9 +262,11 @@ class KVEventPublisher:
             event = zmq.utils.monitor.recv_monitor_message(self._monitor)
             if event["event"] == zmq.EVENT_CONNECTED:
                 logger.info("KV events: connected to {}", self.config.endpoint)
+                self._stop_monitor()
                 return None
         if time.monotonic() < deadline:
             return deadline
+        self._stop_monitor()
         logger.warning(
             "KV events: nothing accepted the connection to {} after {:.0f} s, so events are dropped until "
             "something does; to listen on that port instead, use a wildcard host (tcp://*:PORT)",
@@ -274,6 +274,17 @@ class KVEventPublisher:
             self.config.connect_warn_s,
         )
         return None
+
+    def _stop_monitor(self) -> None:
+        """Read what the monitor queued, then detach it: unread, its events (one per reconnect attempt while the
+        peer is away) fill its queue, and then libzmq stalls the socket's I/O, and ``disable_monitor`` with it."""
+        if self._monitor is None:
+            return
+        while self._monitor.poll(0):
+            self._monitor.recv_multipart()
+        self._pub.disable_monitor()
+        self._monitor.close(linger=0)
+        self._monitor = None
 
     def _serve_replay(self, buffer: deque[tuple[int, bytes]]) -> None:
         assert self._replay is not None
