@@ -11,7 +11,8 @@ or threads). fp32 only, fp32 pools; the caller (``runner.cpu.native_layers``) de
 The layer is data, not code: :class:`LayerForm` says which norms the layer has and where (before and
 after attention and MLP: Llama's two pre-norms, Gemma 2/3's sandwich, OLMo2's post-norms), their kind
 (``w`` or Gemma's ``1 + w``), q/k norms per head or over all heads, the gated MLP's activation, the q/k/v
-bias, the attention's scale, soft-cap and window, and a residual scale (Granite). The Llama form is
+bias, the attention's scale, soft-cap and window, a residual scale (Granite), the rotary kind (neox, Cohere's
+interleaved pairs, none), LayerNorms without bias and a parallel attention + MLP block (Cohere). The Llama form is
 ``LayerForm(scale=head_dim ** -0.5)``.
 
 References (the specification; ``tests/kernels/test_cpu_layer.py`` compares them with the kernels):
@@ -75,8 +76,12 @@ def gemm_packed_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return (out if bias is None else out + bias.double()).float()
 
 
-NORM_KINDS = ("rms", "rms_1p")
-"""RMSNorm kinds: ``rms`` is ``w * x / rms(x)`` (Llama), ``rms_1p`` is ``(1 + w) * x / rms(x)`` (Gemma)."""
+NORM_KINDS = ("rms", "rms_1p", "layer")
+"""Norm kinds: ``rms`` is ``w * x / rms(x)`` (Llama), ``rms_1p`` is ``(1 + w) * x / rms(x)`` (Gemma), ``layer``
+a LayerNorm without bias, ``w * (x - mean) / std`` (Cohere; layer norms only, not q/k norms)."""
+ROPE_KINDS = ("neox", "interleaved", "none")
+"""Rotary kinds: neox (halves rotate, Llama), interleaved (pairs ``2i, 2i + 1``, Cohere), none (Cohere2's full
+layers)."""
 QK_NORMS = ("none", "head", "all")
 """q/k norms: none, per head over ``head_dim`` (Qwen3, Gemma 3), over all query / all key heads (OLMo2)."""
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -118,12 +123,22 @@ class LayerForm:
     """Sliding window in positions, 0 for full attention."""
     residual_scale: float = 1.0
     """Each block's output is multiplied by this before the residual add (Granite's ``residual_multiplier``)."""
+    rope: str = "neox"
+    """Rotary kind (:data:`ROPE_KINDS`)."""
+    parallel: bool = False
+    """Attention and MLP read the same normed input: ``h += attn(x) + mlp(x)``, ``x = attn_in(h)`` (Cohere;
+    needs ``attn_in`` only, no other norm, residual scale 1)."""
 
     def __post_init__(self) -> None:
         if self.norm not in NORM_KINDS or self.qk_norm_kind not in NORM_KINDS:
             raise ValueError(f"LayerForm: norm kinds are {NORM_KINDS}, got {self.norm!r} / {self.qk_norm_kind!r}")
         if self.qk_norm not in QK_NORMS or self.activation not in ACTIVATIONS:
             raise ValueError(f"LayerForm: q/k norm {self.qk_norm!r} or activation {self.activation!r} unknown")
+        if self.qk_norm_kind == "layer" or self.rope not in ROPE_KINDS:
+            raise ValueError(f"LayerForm: q/k norm kind {self.qk_norm_kind!r} or rotary {self.rope!r} not run")
+        others = self.attn_out_norm or self.mlp_in_norm or self.mlp_out_norm or self.residual_scale != 1
+        if self.parallel and (not self.attn_in_norm or others):
+            raise ValueError("LayerForm: a parallel block has one norm before both blocks and residual scale 1")
         if self.window < 0 or self.softcap < 0:
             raise ValueError(f"LayerForm: window {self.window} and softcap {self.softcap} must be >= 0")
 
@@ -142,7 +157,7 @@ def norm_weight(weight: torch.Tensor, kind: str) -> torch.Tensor:
     """The weight an RMSNorm of ``kind`` multiplies by, fp32 contiguous: ``w``, or ``1 + w`` (rounded as
     transformers' Gemma norms round it)."""
     w = weight.detach().float()
-    return (w if kind == "rms" else 1.0 + w).contiguous()
+    return (1.0 + w if kind == "rms_1p" else w).contiguous()
 
 
 class _Spec(ctypes.Structure):
@@ -150,7 +165,10 @@ class _Spec(ctypes.Structure):
 
     _fields_ = [
         *((name, ctypes.c_int64) for name in ("hidden_size", "intermediate")),
-        *((name, ctypes.c_int32) for name in ("hq", "hkv", "head_dim", "window", "activation", "qk_norm")),
+        *(
+            (name, ctypes.c_int32)
+            for name in ("hq", "hkv", "head_dim", "window", "activation", "qk_norm", "rope", "parallel", "layer_norm")
+        ),
         *((name, ctypes.c_float) for name in ("scale", "softcap", "residual_scale")),
         *((f"eps_{name}", ctypes.c_float) for name in (*LAYER_NORMS, "q", "k")),
         *((name, ctypes.c_void_p) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias", "o", "gu", "down")),
@@ -233,7 +251,8 @@ class LayerWeights:
             raise ValueError(f"LayerWeights: {self.num_q_heads} query heads over {self.num_kv_heads}, head_dim {d}")
         spec = _Spec(
             h, self.intermediate, self.num_q_heads, self.num_kv_heads, d, f.window,
-            ACTIVATIONS.index(f.activation), QK_NORMS.index(f.qk_norm), f.scale, f.softcap, f.residual_scale,
+            ACTIVATIONS.index(f.activation), QK_NORMS.index(f.qk_norm), ROPE_KINDS.index(f.rope), int(f.parallel),
+            int(f.norm == "layer"), f.scale, f.softcap, f.residual_scale,
             *(f.eps for _ in LAYER_NORMS), f.qk_eps, f.qk_eps,
             *(_address(getattr(self, name)) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias")),
             self.o.data_ptr(), self.gate_up.data_ptr(), self.down.data_ptr(),
@@ -313,8 +332,10 @@ def decode_layer(
 
 
 def _rms_ref(x: torch.Tensor, weight: torch.Tensor | None, kind: str, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm of ``kind`` over the last dimension (fp32)."""
+    """transformers' RMSNorm (or LayerNorm without bias) of ``kind`` over the last dimension (fp32)."""
     assert weight is not None
+    if kind == "layer":
+        return F.layer_norm(x, (x.shape[-1],), norm_weight(weight, kind), None, eps)
     return F.rms_norm(x, (x.shape[-1],), norm_weight(weight, kind), eps)
 
 
@@ -344,7 +365,8 @@ def decode_layer_ref(
     def norm(x: torch.Tensor, name: str) -> torch.Tensor:
         return _rms_ref(x, weights[name], form.norm, form.eps) if name in form.norms else x
 
-    qkv = linear(norm(hidden, "attn_in"), "qkv", weights.get("qkv_bias") if form.qkv_bias else None)
+    attn_in = norm(hidden, "attn_in")
+    qkv = linear(attn_in, "qkv", weights.get("qkv_bias") if form.qkv_bias else None)
     qkv = qkv.view(tokens, hq + 2 * hkv, d)
     q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
     if form.qk_norm == "head":
@@ -356,7 +378,10 @@ def decode_layer_ref(
         )
     qk = torch.cat((q, k), dim=1)
     half = d // 2
-    qk = qk * cos[:, None] + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin[:, None]
+    if form.rope == "neox":
+        qk = qk * cos[:, None] + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin[:, None]
+    elif form.rope == "interleaved":
+        qk = qk * cos[:, None] + torch.stack((-qk[..., 1::2], qk[..., ::2]), dim=-1).flatten(-2) * sin[:, None]
     k = qk[:, hq:]
     block_size, keep = k_cache.shape[1], slot_mapping >= 0  # negative slots: nothing written
     blocks, offsets = slot_mapping[keep] // block_size, slot_mapping[keep] % block_size
@@ -367,6 +392,6 @@ def decode_layer_ref(
         None, 1.0, 1.0,
     )  # fmt: skip
     hidden = hidden + norm(linear(attn.reshape(tokens, hq * d), "o"), "attn_out") * form.residual_scale
-    gate, up = linear(norm(hidden, "mlp_in"), "gate_up").chunk(2, dim=-1)
+    gate, up = linear(attn_in if form.parallel else norm(hidden, "mlp_in"), "gate_up").chunk(2, dim=-1)
     act = F.silu(gate) if form.activation == "silu" else F.gelu(gate, approximate="tanh")
     return hidden + norm(linear(act * up, "down"), "mlp_out") * form.residual_scale

@@ -62,7 +62,7 @@ def _layer(hq: int, hkv: int, d: int, hidden: int, inter: int, form: LayerForm, 
         return torch.randn(*shape, generator=g) * 0.2
 
     def norm(width: int, kind: str):
-        return torch.rand(width, generator=g) + (0.5 if kind == "rms" else -0.5)
+        return torch.rand(width, generator=g) + (-0.5 if kind == "rms_1p" else 0.5)
 
     qk_width = {"head": (d, d), "all": (hq * d, hkv * d), "none": (0, 0)}[form.qk_norm]
     raw = dict(
@@ -121,6 +121,9 @@ FORMS = {
     "OLMo2": (4, 2, 32, _llama(32, attn_in_norm=False, mlp_in_norm=False, attn_out_norm=True, mlp_out_norm=True,
                                qk_norm="all")),
     "Granite": (4, 2, 32, LayerForm(scale=0.2, residual_scale=0.5)),
+    "Cohere": (4, 2, 32, _llama(32, norm="layer", mlp_in_norm=False, parallel=True, rope="interleaved")),
+    "Cohere2 full": (4, 2, 32, _llama(32, norm="layer", mlp_in_norm=False, parallel=True, rope="none")),
+    "LayerNorm sandwich": (4, 2, 32, _llama(32, norm="layer", attn_out_norm=True, mlp_out_norm=True)),
 }  # fmt: skip
 
 
@@ -137,6 +140,9 @@ FORMS = {
         ("Gemma3", 4, torch.int64),
         ("OLMo2", 8, torch.int32),
         ("Granite", 16, torch.int32),
+        ("Cohere", 4, torch.int64),  # parallel block, LayerNorm, interleaved RoPE
+        ("Cohere2 full", 16, torch.int32),  # no RoPE
+        ("LayerNorm sandwich", 8, torch.int32),
     ],
 )
 def test_layer_matches_the_reference(native, form_name, block_size, index_dtype) -> None:
@@ -176,7 +182,7 @@ def test_each_part_of_the_form_changes_the_result(native) -> None:
         dict(norm="rms"), dict(attn_in_norm=False), dict(attn_out_norm=False), dict(mlp_in_norm=False),
         dict(mlp_out_norm=False), dict(qk_norm="none"), dict(qk_norm_kind="rms"), dict(activation="silu"),
         dict(softcap=1.0), dict(window=0), dict(residual_scale=0.5), dict(scale=0.3), dict(eps=0.5),
-        dict(qk_eps=0.5),
+        dict(qk_eps=0.5), dict(rope="interleaved"), dict(rope="none"),
     ]  # fmt: skip
     for change in changes:
         assert not torch.allclose(run(dataclasses.replace(base, **change)), reference, rtol=1e-3, atol=1e-3), change
@@ -192,6 +198,8 @@ def test_layer_weights_must_fit_their_form() -> None:
         LayerWeights.pack(LayerForm(scale=1.0, qkv_bias=True), raw, num_q_heads=2, num_kv_heads=1, head_dim=16)
     with pytest.raises(ValueError, match="activation"):
         LayerForm(scale=1.0, activation="relu")
+    with pytest.raises(ValueError, match="parallel"):  # the MLP reads the attention's normed input
+        LayerForm(scale=1.0, parallel=True)
     # Gemma's 1 + w is folded into the packed norm weight, as transformers rounds it
     assert torch.equal(packed.attn_in, 1.0 + raw["attn_in"])
 

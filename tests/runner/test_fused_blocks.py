@@ -30,7 +30,8 @@ EXPECTED = {
     "Gemma2": (2, 2),  # the attention's soft-cap carried
     "Gemma3": (2, 2),  # q/k norms of the 1 + w kind
     "OLMo2": (2, 2),  # q/k norms over all heads
-    "Cohere": (0, 2),  # interleaved RoPE: not Llama-form
+    "Cohere": (2, 2),  # interleaved RoPE (ROPE_TRIES)
+    "Cohere2": (2, 2),  # interleaved RoPE on the sliding layer, none on the full one
     "Phi3": (2, 2),  # q/k/v and gate/up already one projection each in the checkpoint: taken as they are
     "Mixtral": (2, 0),  # experts are not a gated MLP module of plain linears
     "Qwen2-MoE": (2, 2),  # the shared expert of each layer is a gated MLP
@@ -53,14 +54,14 @@ def test_which_blocks_fuse(family_dir, name) -> None:
 
 
 def test_an_attention_that_differs_is_kept(family_dir, monkeypatch) -> None:
-    """Cohere's interleaved RoPE declared Llama-form by mistake: the load-time check refuses it."""
-    monkeypatch.setattr(fused_blocks, "LLAMA_FORM_ATTENTION", fused_blocks.LLAMA_FORM_ATTENTION | {"CohereAttention"})
+    """Cohere's interleaved RoPE taken for neox by mistake: the load-time check refuses it."""
+    monkeypatch.setattr(fused_blocks, "ROPE_TRIES", {})
     runner = _runner(family_dir("Cohere"))
     assert runner.fusion is not None and runner.fusion.attentions == 0
     assert "CohereAttention" in runner.fusion.kept
 
 
-@pytest.mark.parametrize("name", ["Llama", "Qwen3", "Mistral"])
+@pytest.mark.parametrize("name", ["Llama", "Qwen3", "Mistral", "Cohere2"])
 def test_fused_runners_give_the_logits_of_unfused_ones(family_dir, name) -> None:
     path = family_dir(name)
     fused = _runner(path)

@@ -31,11 +31,12 @@ WRAPPED = {
     "OLMo2": 2,  # post-norms only, q/k norms over all heads
     "Mixtral": 0,  # experts
     "Phi3": 2,  # q/k/v and gate/up fused in the checkpoint
-    "Cohere": 0,  # parallel attention and MLP, LayerNorm, interleaved RoPE
+    "Cohere": 2,  # parallel attention and MLP, LayerNorm without bias, interleaved RoPE
+    "Cohere2": 2,  # the same, a sliding layer (interleaved RoPE) and a full layer (no RoPE)
 }
 """Layers of the 2 of each tiny family that decode natively, and why the others do not."""
 
-KEPT = {"Mixtral": "MixtralDecoderLayer: no layer form", "Cohere": "CohereDecoderLayer: no layer form"}
+KEPT = {"Mixtral": "MixtralDecoderLayer: no layer form"}
 
 
 def _runner(path, **model_options) -> ModelRunner:
@@ -78,7 +79,7 @@ def _steps(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> li
 
 
 @pytest.mark.parametrize(
-    "name", ["Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Gemma3", "Granite", "OLMo2"]
+    "name", ["Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Gemma3", "Granite", "OLMo2", "Cohere", "Cohere2"]
 )
 def test_native_runners_give_the_logits_and_tokens_of_the_per_op_path(family_dir, name) -> None:
     path = family_dir(name)
@@ -132,6 +133,9 @@ def test_a_layer_that_differs_keeps_the_python_path(family_dir, monkeypatch) -> 
         ("Granite", dict(residual_scale=1.0)),
         ("OLMo2", dict(qk_norm="head")),
         ("Qwen2", dict(qkv_bias=False)),
+        ("Cohere", dict(rope="neox")),
+        ("Cohere", dict(norm="rms")),
+        ("Cohere", dict(parallel=False)),
     ],
 )
 def test_a_wrong_description_is_never_served(family_dir, monkeypatch, name, change) -> None:

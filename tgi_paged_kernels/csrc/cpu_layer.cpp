@@ -19,6 +19,9 @@ struct LayerSpec {
   int32_t num_q_heads, num_kv_heads, head_dim, window;
   int32_t activation;  // 0 SiLU, 1 GeLU (tanh approximation)
   int32_t qk_norm;     // 0 none, 1 per head (weights [D]), 2 over all query / all key heads ([Hq D], [Hkv D])
+  int32_t rope;        // 0 neox (halves), 1 interleaved (pairs 2i, 2i + 1: Cohere), 2 none (Cohere2's full layers)
+  int32_t parallel;    // 1: the MLP reads the attention's normed input, h += attn + mlp (Cohere)
+  int32_t layer_norm;  // 1: the four layer norms are LayerNorms without bias ((x - mean) / std * w), not RMSNorms
   float scale, softcap, residual_scale;
   float eps_attn_in, eps_attn_out, eps_mlp_in, eps_mlp_out, eps_q, eps_k;
   const float *attn_in, *attn_out, *mlp_in, *mlp_out;  // before / after attention, before / after the MLP
@@ -40,6 +43,41 @@ inline float rms_inv(const float* x, int64_t width, float eps) {
 #pragma omp simd reduction(+ : total)
   for (int64_t i = 0; i < width; ++i) total += x[i] * x[i];
   return 1.0f / std::sqrt(total / static_cast<float>(width) + eps);
+}
+
+// LayerNorm without bias of one row, as torch's (x - mean) * rsqrt(var + eps) * w (mean and variance summed
+// in order; the reference is F.layer_norm, within the load-time check's tolerance).
+inline void layer_norm_row_f32(const float* x, const float* w, float* o, int64_t width, float eps) {
+  float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < width; ++i) total += x[i];
+  const float mean = total / static_cast<float>(width);
+  float var = 0.0f;
+#pragma omp simd reduction(+ : var)
+  for (int64_t i = 0; i < width; ++i) var += (x[i] - mean) * (x[i] - mean);
+  const float inv = 1.0f / std::sqrt(var / static_cast<float>(width) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) o[i] = w[i] * ((x[i] - mean) * inv);
+}
+
+// The layer's norm of one row: RMSNorm, or LayerNorm without bias when `layer_norm`.
+inline void norm_row(const float* x, const float* w, float* o, int64_t width, float eps, bool layer_norm) {
+  if (layer_norm) {
+    layer_norm_row_f32(x, w, o, width, eps);
+  } else {
+    rms_row_f32(x, w, o, width, eps);
+  }
+}
+
+// One fp32 head of interleaved RoPE (Cohere): pairs (2i, 2i + 1) rotate, o = x * cos + rot(x) * sin with
+// rot(x)[2i] = -x[2i + 1], rot(x)[2i + 1] = x[2i]; each product and the sum rounded apart, as torch's.
+inline void rope_interleaved_row_f32(const float* x, const float* c, const float* s, float* o, int64_t head_dim) {
+  for (int64_t i = 0; i < head_dim; i += 2) {
+    const float a0 = x[i] * c[i], b0 = -x[i + 1] * s[i];
+    const float a1 = x[i + 1] * c[i + 1], b1 = x[i] * s[i + 1];
+    o[i] = a0 + b0;
+    o[i + 1] = a1 + b1;
+  }
 }
 
 // x[i] = w[i] * (x[i] * inv), in place.
@@ -76,12 +114,17 @@ inline void gelu_tanh_mul_row_f32(const float* g, const float* u, float* o, int6
 
 // hidden[t] += scale * norm(y[t]) (norm: RMSNorm with weight w, skipped when w is null) for T rows of H;
 // y is scratch, normed in place. The sum rounds like torch's residual + y * scale.
-inline void add_residual(float* hidden, float* y, int64_t T, int64_t H, const float* w, float eps, float scale) {
+inline void add_residual(float* hidden, float* y, int64_t T, int64_t H, const float* w, float eps, float scale,
+                         bool layer_norm) {
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     float* yt = y + t * H;
     float* ht = hidden + t * H;
-    if (w) scale_row(yt, w, rms_inv(yt, H, eps), H);
+    if (w && layer_norm) {
+      layer_norm_row_f32(yt, w, yt, H, eps);
+    } else if (w) {
+      scale_row(yt, w, rms_inv(yt, H, eps), H);
+    }
     if (scale == 1.0f) {
 #pragma omp simd
       for (int64_t i = 0; i < H; ++i) ht[i] = ht[i] + yt[i];
@@ -118,7 +161,8 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
     const float* attn_x = A.hidden;
     if (S.attn_in) {
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) rms_row_f32(A.hidden + t * H, S.attn_in, x + t * H, H, S.eps_attn_in);
+      for (int64_t t = 0; t < T; ++t)
+        norm_row(A.hidden + t * H, S.attn_in, x + t * H, H, S.eps_attn_in, S.layer_norm);
       attn_x = x;
     }
     gemm_packed(attn_x, H, T, H, S.w_qkv, n_qkv, S.b_qkv, nullptr, 0, qkv, n_qkv);
@@ -130,7 +174,14 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
         qk_norm_heads(row, hq, D, S.qk_norm, S.q_norm, S.eps_q);
         qk_norm_heads(row + n_q, hkv, D, S.qk_norm, S.k_norm, S.eps_k);
       }
-      for (int h = 0; h < hq + hkv; ++h) rope_row_f32(row + h * D, A.cos + t * D, A.sin + t * D, rotated + h * D, D);
+      const float *c = A.cos + t * D, *s = A.sin + t * D;
+      if (S.rope == 0) {
+        for (int h = 0; h < hq + hkv; ++h) rope_row_f32(row + h * D, c, s, rotated + h * D, D);
+      } else if (S.rope == 1) {
+        for (int h = 0; h < hq + hkv; ++h) rope_interleaved_row_f32(row + h * D, c, s, rotated + h * D, D);
+      } else {
+        std::memcpy(rotated, row, static_cast<size_t>(hq + hkv) * D * 4);
+      }
       const int64_t slot = A.slot_mapping[t];
       if (slot < 0) continue;
       if (slot >= num_slots) {
@@ -149,12 +200,15 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
       gemm_packed(attn, n_q, T, n_q, S.w_o, H, nullptr, A.hidden, H, A.hidden, H);
     } else {
       gemm_packed(attn, n_q, T, n_q, S.w_o, H, nullptr, nullptr, 0, x, H);
-      add_residual(A.hidden, x, T, H, S.attn_out, S.eps_attn_out, S.residual_scale);
+      add_residual(A.hidden, x, T, H, S.attn_out, S.eps_attn_out, S.residual_scale, S.layer_norm);
     }
     const float* mlp_x = A.hidden;
-    if (S.mlp_in) {
+    if (S.parallel) {
+      mlp_x = attn_x;  // x still holds the normed input: the attention's output went straight onto h
+    } else if (S.mlp_in) {
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) rms_row_f32(A.hidden + t * H, S.mlp_in, x + t * H, H, S.eps_mlp_in);
+      for (int64_t t = 0; t < T; ++t)
+        norm_row(A.hidden + t * H, S.mlp_in, x + t * H, H, S.eps_mlp_in, S.layer_norm);
       mlp_x = x;
     }
     gemm_packed(mlp_x, H, T, H, S.w_gate_up, 2 * I, nullptr, nullptr, 0, gate_up, 2 * I);
@@ -171,7 +225,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
       gemm_packed(act, I, T, I, S.w_down, H, nullptr, A.hidden, H, A.hidden, H);
     } else {
       gemm_packed(act, I, T, I, S.w_down, H, nullptr, nullptr, 0, x, H);
-      add_residual(A.hidden, x, T, H, S.mlp_out, S.eps_mlp_out, S.residual_scale);
+      add_residual(A.hidden, x, T, H, S.mlp_out, S.eps_mlp_out, S.residual_scale, S.layer_norm);
     }
   }
   return status;
@@ -194,6 +248,8 @@ int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, con
 // (torch reference: cpu_layer.decode_layer_ref):
 //   h += rs * n_ao(o_proj(attention(rope(qk_norm(qkv_proj(n_ai(h)))))))
 //   h += rs * n_mo(down(act(gate) * up)(n_mi(h)))
+// or, parallel (Cohere): x = n_ai(h); h += o_proj(attention(...x...)) + down(act(gate) * up)(x).
+// Norms are RMSNorms or (layer_norm) LayerNorms without bias; rope: neox, interleaved or none.
 // with n_* the spec's RMSNorms (identity where absent) and rs its residual scale. hidden [T, H] contiguous,
 // updated in place; w_qkv packed [(Hq + 2 Hkv) D, H] (q, k, v heads in order) with optional bias; w_o
 // [H, Hq D]; w_gate_up [2I, H] (gate rows first); w_down [H, I]; cos/sin [T, D]; the new K (after its
@@ -209,7 +265,9 @@ int tgi_paged_decode_layer(
     const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads) {
   const LayerSpec& S = *spec;
   if (S.activation < 0 || S.activation > 1 || S.qk_norm < 0 || S.qk_norm > 2 ||
-      (S.qk_norm && (!S.q_norm || !S.k_norm)))
+      (S.qk_norm && (!S.q_norm || !S.k_norm)) || S.rope < 0 || S.rope > 2 ||
+      // parallel: the attention's normed input must survive its output (kept in scratch, added directly)
+      (S.parallel && (!S.attn_in || S.attn_out || S.mlp_in || S.residual_scale != 1.0f)))
     return kBadSpec;
   const StepArgs A{hidden, tokens, cos, sin, slot_mapping, scratch};
   const DecodeArgs d{nullptr, 0, 0, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), nullptr,

@@ -41,6 +41,8 @@ CHECK_TOKENS = 12
 
 LLAMA_FORM_ATTENTION = frozenset(
     {
+        "CohereAttention",
+        "Cohere2Attention",
         "LlamaAttention",
         "GemmaAttention",
         "Gemma2Attention",
@@ -59,7 +61,14 @@ LLAMA_FORM_ATTENTION = frozenset(
 """Attention classes whose forward is Llama's (q/k/v/o, or Phi-3's q/k/v in one projection; optional q/k
 norm per head or over all heads, neox RoPE on ``position_embeddings``). The scale, sliding window and soft-cap
 are not read from the module: the load-time check records what its forward passes to the attention function
-and the fused module uses exactly that."""
+and the fused module uses exactly that. Neither is the rotary kind: :data:`ROPE_TRIES` lists the kinds the
+check tries, in order."""
+
+ROPE_TRIES: dict[str, tuple[str, ...]] = {
+    "CohereAttention": ("interleaved",),
+    "Cohere2Attention": ("interleaved", "none"),
+}
+"""Classes whose rotary is not neox: the kinds to try (Cohere's interleaved pairs; Cohere2's full layers have none)."""
 
 
 def _stacked(parts: list[nn.Module]) -> nn.Module:
@@ -158,8 +167,12 @@ class FusedPagedAttention(nn.Module):
 
     o_proj: nn.Module
 
-    def __init__(self, attn: nn.Module, *, scaling: float, sliding_window: int | None, softcap: float = 0.0) -> None:
+    def __init__(
+        self, attn: nn.Module, *, scaling: float, sliding_window: int | None, softcap: float = 0.0, rope: str = "neox"
+    ) -> None:
         super().__init__()
+        self.rope = rope
+        """Rotary kind: ``neox`` (halves), ``interleaved`` (pairs ``2i, 2i + 1``: Cohere) or ``none``."""
         self.layer_idx = int(attn.layer_idx)  # type: ignore[arg-type]
         self.head_dim = int(attn.head_dim)  # type: ignore[arg-type]
         self.num_q_heads, self.num_kv_heads = _heads(attn)
@@ -215,6 +228,11 @@ class FusedPagedAttention(nn.Module):
 
     def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """transformers' ``apply_rotary_pos_emb`` on the query and key heads at once (``cos``/``sin`` ``[T, D]``)."""
+        if self.rope == "none":
+            return qk
+        if self.rope == "interleaved":  # Cohere's: computed in fp32, rounded back
+            pairs = torch.stack((-qk[..., 1::2], qk[..., ::2]), dim=-1).flatten(-2).float()
+            return (qk.float() * cos.unsqueeze(1) + pairs * sin.unsqueeze(1)).to(qk.dtype)
         if self.native is not None and not torch.compiler.is_compiling():
             rotated = self.native.rope_neox(qk, cos, sin)
             if rotated is not None:
@@ -277,15 +295,18 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
             if len(seen) != 1 or seen[0]["sinks"]:  # not one plain paged call
                 return None
             options = seen[0]
-            fused = FusedPagedAttention(
-                attn, scaling=options["scaling"], sliding_window=options["sliding_window"], softcap=options["softcap"]
-            )
-            metadata = _scratch_metadata(geometry, fused.layer_idx, weight.device, block_size, kv_dtype)
-            got = fused(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: metadata})[0]
+            for rope in ROPE_TRIES.get(type(attn).__name__, ("neox",)):
+                fused = FusedPagedAttention(
+                    attn, scaling=options["scaling"], sliding_window=options["sliding_window"],
+                    softcap=options["softcap"], rope=rope,
+                )  # fmt: skip
+                metadata = _scratch_metadata(geometry, fused.layer_idx, weight.device, block_size, kv_dtype)
+                got = fused(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: metadata})[0]
+                if outputs_close(expected, got):
+                    return fused
     except Exception as e:  # noqa: BLE001 - any failure means: keep the original
         logger.debug("attention {} not fused: {}: {}", type(attn).__name__, type(e).__name__, e)
-        return None
-    return fused if outputs_close(expected, got) else None
+    return None
 
 
 def fuse_blocks(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> FusionReport:

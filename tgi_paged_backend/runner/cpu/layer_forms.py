@@ -36,29 +36,48 @@ NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = 
     "Gemma2DecoderLayer": _SANDWICH,
     "Gemma3DecoderLayer": _SANDWICH,
     "Olmo2DecoderLayer": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+    # parallel: h += attn(x) + mlp(x), x = input_layernorm(h) (PARALLEL)
+    "CohereDecoderLayer": ("input_layernorm", None, None, None),
+    "Cohere2DecoderLayer": ("input_layernorm", None, None, None),
 }
 """Decoder layer classes of the form ``h += s * n_ao(attn(n_ai(h))); h += s * n_mo(mlp(n_mi(h)))``: the
 attributes holding their norms before / after attention and before / after the MLP (``None``: no norm
 there). Other classes keep the Python path."""
 
+PARALLEL = frozenset({"CohereDecoderLayer", "Cohere2DecoderLayer"})
+"""Classes of :data:`NORM_PLACES` whose attention and MLP read the same normed input and add to ``h`` together."""
+
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-def _norm(module: Any, width: int) -> tuple[str, float, torch.Tensor] | str:
-    """``(kind, eps, weight)`` of an RMSNorm module over ``width`` fp32 values, or why it is not one we run."""
-    eps = rms_norm_eps(module) if isinstance(module, nn.Module) else None
+def _eps(module: Any) -> float | None:
+    """The epsilon of an RMSNorm, or of a LayerNorm-named module without bias (Cohere's)."""
+    if not isinstance(module, nn.Module):
+        return None
+    if not type(module).__name__.endswith("LayerNorm") or getattr(module, "bias", None) is not None:
+        return rms_norm_eps(module)
+    found = [getattr(module, n, None) for n in ("variance_epsilon", "eps")]
+    return next((eps for eps in found if isinstance(eps, float)), None)
+
+
+def _norm(module: Any, width: int, kinds: tuple[str, ...] = ("rms", "rms_1p")) -> tuple[str, float, torch.Tensor] | str:
+    """``(kind, eps, weight)`` of an RMSNorm (or LayerNorm without bias, when ``kinds`` allow it) over ``width``
+    fp32 values, or why it is not one we run."""
+    eps = _eps(module)
     weight = getattr(module, "weight", None)
     if eps is None or not isinstance(weight, torch.Tensor):
-        return f"{type(module).__name__} is not an RMSNorm"
+        return f"{type(module).__name__} is not an RMSNorm or a LayerNorm without bias"
     if weight.dtype != torch.float32 or weight.shape != (width,):
         return f"{type(module).__name__} is not an fp32 RMSNorm over {width} values"
     x = torch.randn(3, width, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         y = module(x)
-        for kind, w in (("rms", weight), ("rms_1p", 1.0 + weight.float())):
-            if outputs_close(y, F.rms_norm(x, (width,), w, eps)):
+        for kind in kinds:
+            w = 1.0 + weight.float() if kind == "rms_1p" else weight
+            ref = F.layer_norm(x, (width,), w, None, eps) if kind == "layer" else F.rms_norm(x, (width,), w, eps)
+            if outputs_close(y, ref):
                 return kind, eps, weight.detach()
-    return f"{type(module).__name__} is neither w * x / rms(x) nor (1 + w) * x / rms(x)"
+    return f"{type(module).__name__} is none of {', '.join(kinds)}"
 
 
 def _activation(act_fn: nn.Module) -> str | None:
@@ -93,7 +112,7 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
     for place, attr in zip(("attn_in", "attn_out", "mlp_in", "mlp_out"), places):
         if attr is None:
             continue
-        found = _norm(getattr(layer, attr, None), hidden)
+        found = _norm(getattr(layer, attr, None), hidden, ("rms", "rms_1p", "layer"))
         if isinstance(found, str):
             return f"{attr}: {found}"
         layer_norms.append(found[:2])
@@ -122,5 +141,6 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
         qk_norm=qk_norm, qk_norm_kind=qk_kind, qk_eps=qk_eps, activation=activation,
         qkv_bias=qkv.bias is not None, softcap=float(attn.softcap or 0.0), window=int(attn.sliding_window or 0),
         residual_scale=float(cast(float, getattr(layer, "residual_multiplier", 1.0))),
+        rope=attn.rope, parallel=type(layer).__name__ in PARALLEL,
     )  # fmt: skip
     return form, raw

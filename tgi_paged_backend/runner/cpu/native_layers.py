@@ -3,7 +3,8 @@
 After :func:`~runner.cpu.fused_blocks.fuse_blocks`, a decoder layer whose form :mod:`.layer_forms` can describe
 (a class of :data:`~.layer_forms.NORM_PLACES` made of a :class:`~runner.cpu.fused_blocks.FusedPagedAttention`, a
 :class:`~runner.cpu.fused_blocks.FusedGatedMLP` of SiLU or GeLU-tanh, RMSNorms of the ``w`` or ``1 + w`` kind,
-plain fp32 projections: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite, OLMo2, Phi-3) is wrapped by
+LayerNorms without bias, plain fp32 projections: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite,
+OLMo2, Phi-3, Cohere and Cohere 2 with their parallel blocks and interleaved RoPE) is wrapped by
 :class:`NativeDecoderLayer`:
 
 - a **decode step** (one new token per request, fp32 pools) runs the whole layer through
