@@ -78,7 +78,7 @@ def gemm_packed_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 NORM_KINDS = ("rms", "rms_1p", "layer")
 """Norm kinds: ``rms`` is ``w * x / rms(x)`` (Llama), ``rms_1p`` is ``(1 + w) * x / rms(x)`` (Gemma), ``layer``
-a LayerNorm without bias, ``w * (x - mean) / std`` (Cohere; layer norms only, not q/k norms)."""
+a LayerNorm, ``w * (x - mean) / std (+ b)`` (Cohere without bias, Phi with; layer norms only, not q/k norms)."""
 ROPE_KINDS = ("neox", "interleaved", "none")
 """Rotary kinds: neox (halves rotate, Llama), interleaved (pairs ``2i, 2i + 1``, Cohere), none (Cohere2's full
 layers)."""
@@ -128,6 +128,14 @@ class LayerForm:
     parallel: bool = False
     """Attention and MLP read the same normed input: ``h += attn(x) + mlp(x)``, ``x = attn_in(h)`` (Cohere;
     needs ``attn_in`` only, no other norm, residual scale 1)."""
+    rotary_dim: int = 0
+    """RoPE on the first ``rotary_dim`` values of each head, the rest kept (Phi's partial rotary); 0: all."""
+    gated: bool = True
+    """``down(act(gate) * up)``; False: ``down(act(up))`` with one up projection (Phi's fc1/fc2; GeLU-tanh only)."""
+    norm_bias: bool = False
+    """The layer norms (``layer`` kind) add a bias (Phi's ``nn.LayerNorm``)."""
+    proj_bias: bool = False
+    """The o, gate/up and down projections add a bias (Phi)."""
 
     def __post_init__(self) -> None:
         if self.norm not in NORM_KINDS or self.qk_norm_kind not in NORM_KINDS:
@@ -139,8 +147,10 @@ class LayerForm:
         others = self.attn_out_norm or self.mlp_in_norm or self.mlp_out_norm or self.residual_scale != 1
         if self.parallel and (not self.attn_in_norm or others):
             raise ValueError("LayerForm: a parallel block has one norm before both blocks and residual scale 1")
-        if self.window < 0 or self.softcap < 0:
-            raise ValueError(f"LayerForm: window {self.window} and softcap {self.softcap} must be >= 0")
+        if (not self.gated and self.activation != "gelu_tanh") or (self.norm_bias and self.norm != "layer"):
+            raise ValueError("LayerForm: an ungated MLP is GeLU-tanh; only LayerNorms have a bias")
+        if self.window < 0 or self.softcap < 0 or self.rotary_dim < 0 or self.rotary_dim % 2:
+            raise ValueError(f"LayerForm: window {self.window}, softcap {self.softcap} >= 0, rotary_dim even")
 
     @property
     def norms(self) -> tuple[str, ...]:
@@ -151,6 +161,8 @@ class LayerForm:
 
 LAYER_NORMS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 """Where a layer norm can sit (:class:`LayerForm`'s flags, :class:`LayerWeights`' fields)."""
+BIASES = tuple(f"{name}_bias" for name in LAYER_NORMS)
+"""The layer norms' biases (:attr:`LayerForm.norm_bias`)."""
 
 
 def norm_weight(weight: torch.Tensor, kind: str) -> torch.Tensor:
@@ -165,13 +177,12 @@ class _Spec(ctypes.Structure):
 
     _fields_ = [
         *((name, ctypes.c_int64) for name in ("hidden_size", "intermediate")),
-        *(
-            (name, ctypes.c_int32)
-            for name in ("hq", "hkv", "head_dim", "window", "activation", "qk_norm", "rope", "parallel", "layer_norm")
-        ),
+        *((name, ctypes.c_int32) for name in "hq hkv head_dim window activation qk_norm rope parallel".split()),
+        *((name, ctypes.c_int32) for name in ("layer_norm", "rotary_dim", "gated")),
         *((name, ctypes.c_float) for name in ("scale", "softcap", "residual_scale")),
         *((f"eps_{name}", ctypes.c_float) for name in (*LAYER_NORMS, "q", "k")),
         *((name, ctypes.c_void_p) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias", "o", "gu", "down")),
+        *((name, ctypes.c_void_p) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias")),
     ]
 
 
@@ -197,7 +208,7 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     gate_up: torch.Tensor
-    """Packed ``[2 I, H]``, gate rows first."""
+    """Packed ``[2 I, H]``, gate rows first (``[I, H]`` for an ungated MLP)."""
     down: torch.Tensor
     attn_in: torch.Tensor | None = None
     attn_out: torch.Tensor | None = None
@@ -205,6 +216,13 @@ class LayerWeights:
     mlp_out: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    attn_in_bias: torch.Tensor | None = None
+    attn_out_bias: torch.Tensor | None = None
+    mlp_in_bias: torch.Tensor | None = None
+    mlp_out_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
     spec: Any = field(default=None, init=False, repr=False, compare=False)
     """The ``LayerSpec`` the native call reads (addresses of the tensors above, which this object keeps)."""
 
@@ -226,6 +244,9 @@ class LayerWeights:
         if form.qk_norm != "none":
             norms.update({n: norm_weight(need(n), form.qk_norm_kind) for n in ("q_norm", "k_norm")})
         bias = need("qkv_bias").detach().float().contiguous() if form.qkv_bias else None
+        biases = [f"{name}_bias" for name in form.norms] if form.norm_bias else []
+        biases += ["o_bias", "gate_up_bias", "down_bias"] if form.proj_bias else []
+        norms.update({name: need(name).detach().float().contiguous() for name in biases})
         return cls(
             form, hidden, intermediate, num_q_heads, num_kv_heads, head_dim,
             qkv=pack_weight(need("qkv")), qkv_bias=bias, o=pack_weight(need("o")),
@@ -240,6 +261,9 @@ class LayerWeights:
             "q_norm": widths and widths[0],
             "k_norm": widths and widths[1],
             "qkv_bias": (self.num_q_heads + 2 * self.num_kv_heads) * d if f.qkv_bias else None,
+            **{f"{name}_bias": h if f.norm_bias and name in f.norms else None for name in LAYER_NORMS},
+            **dict.fromkeys(("o_bias", "down_bias"), h if f.proj_bias else None),
+            "gate_up_bias": (2 if f.gated else 1) * self.intermediate if f.proj_bias else None,
         }
         for name, width in expected.items():
             t = getattr(self, name)
@@ -247,15 +271,16 @@ class LayerWeights:
                 t is not None and (t.dtype != torch.float32 or t.shape != (width,) or not t.is_contiguous())
             ):
                 raise ValueError(f"LayerWeights: {name} does not fit the form (want an fp32 [{width}] or None)")
-        if self.num_q_heads % self.num_kv_heads or d % 2:
+        if self.num_q_heads % self.num_kv_heads or d % 2 or f.rotary_dim > d:
             raise ValueError(f"LayerWeights: {self.num_q_heads} query heads over {self.num_kv_heads}, head_dim {d}")
         spec = _Spec(
             h, self.intermediate, self.num_q_heads, self.num_kv_heads, d, f.window,
             ACTIVATIONS.index(f.activation), QK_NORMS.index(f.qk_norm), ROPE_KINDS.index(f.rope), int(f.parallel),
-            int(f.norm == "layer"), f.scale, f.softcap, f.residual_scale,
+            int(f.norm == "layer"), f.rotary_dim or d, int(f.gated), f.scale, f.softcap, f.residual_scale,
             *(f.eps for _ in LAYER_NORMS), f.qk_eps, f.qk_eps,
             *(_address(getattr(self, name)) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias")),
             self.o.data_ptr(), self.gate_up.data_ptr(), self.down.data_ptr(),
+            *(_address(getattr(self, name)) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias")),
         )  # fmt: skip
         object.__setattr__(self, "spec", spec)
 
@@ -280,8 +305,8 @@ def decode_layer(
     writing the tokens' K/V into fp32 pools ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (int64;
     negative slots skipped).
 
-    ``cos``/``sin`` ``[T, D]`` fp32 contiguous; ``block_tables`` ``[T, *]`` and ``seq_lens`` ``[T]``, int32
-    or int64. ``None`` for inputs of another kind (the caller runs the per-op path); ``ValueError`` for a
+    ``cos``/``sin`` ``[T, rotary_dim or D]`` fp32 contiguous; ``block_tables`` ``[T, *]`` and ``seq_lens``
+    ``[T]``, int32 or int64. ``None`` for inputs of another kind (the caller runs the per-op path); ``ValueError`` for a
     slot or block id outside the pool or a table too narrow (as the single kernels do).
     """
     tokens = hidden.shape[0]
@@ -294,8 +319,8 @@ def decode_layer(
         or k_cache.stride() != v_cache.stride()
         or k_cache.shape[2:] != (w.num_kv_heads, d)
         or k_cache.stride(-1) != 1
-        or cos.shape != (tokens, d)
-        or sin.shape != (tokens, d)
+        or cos.shape != (tokens, w.form.rotary_dim or d)
+        or sin.shape != cos.shape
         or not (cos.is_contiguous() and sin.is_contiguous())
         or cos.dtype != torch.float32
         or sin.dtype != torch.float32
@@ -331,11 +356,13 @@ def decode_layer(
     return out
 
 
-def _rms_ref(x: torch.Tensor, weight: torch.Tensor | None, kind: str, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm (or LayerNorm without bias) of ``kind`` over the last dimension (fp32)."""
+def _rms_ref(
+    x: torch.Tensor, weight: torch.Tensor | None, kind: str, eps: float, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """transformers' RMSNorm (or LayerNorm, with ``bias`` if any) of ``kind`` over the last dimension (fp32)."""
     assert weight is not None
     if kind == "layer":
-        return F.layer_norm(x, (x.shape[-1],), norm_weight(weight, kind), None, eps)
+        return F.layer_norm(x, (x.shape[-1],), norm_weight(weight, kind), bias, eps)
     return F.rms_norm(x, (x.shape[-1],), norm_weight(weight, kind), eps)
 
 
@@ -360,10 +387,14 @@ def decode_layer_ref(
     def linear(x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         weight = weights[name]
         assert weight is not None
+        if bias is None and form.proj_bias and name != "qkv":
+            bias = weights[f"{name}_bias"]
         return F.linear(x, weight, bias)
 
     def norm(x: torch.Tensor, name: str) -> torch.Tensor:
-        return _rms_ref(x, weights[name], form.norm, form.eps) if name in form.norms else x
+        if name not in form.norms:
+            return x
+        return _rms_ref(x, weights[name], form.norm, form.eps, weights[f"{name}_bias"] if form.norm_bias else None)
 
     attn_in = norm(hidden, "attn_in")
     qkv = linear(attn_in, "qkv", weights.get("qkv_bias") if form.qkv_bias else None)
@@ -377,11 +408,13 @@ def decode_layer_ref(
             for t, n in ((q, "q_norm"), (k, "k_norm"))
         )
     qk = torch.cat((q, k), dim=1)
-    half = d // 2
+    r = form.rotary_dim or d
+    rot, half = qk[..., :r], r // 2
     if form.rope == "neox":
-        qk = qk * cos[:, None] + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin[:, None]
+        rot = rot * cos[:, None] + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin[:, None]
     elif form.rope == "interleaved":
-        qk = qk * cos[:, None] + torch.stack((-qk[..., 1::2], qk[..., ::2]), dim=-1).flatten(-2) * sin[:, None]
+        rot = rot * cos[:, None] + torch.stack((-rot[..., 1::2], rot[..., ::2]), dim=-1).flatten(-2) * sin[:, None]
+    qk = torch.cat((rot, qk[..., r:]), dim=-1)
     k = qk[:, hq:]
     block_size, keep = k_cache.shape[1], slot_mapping >= 0  # negative slots: nothing written
     blocks, offsets = slot_mapping[keep] // block_size, slot_mapping[keep] % block_size
@@ -392,6 +425,9 @@ def decode_layer_ref(
         None, 1.0, 1.0,
     )  # fmt: skip
     hidden = hidden + norm(linear(attn.reshape(tokens, hq * d), "o"), "attn_out") * form.residual_scale
-    gate, up = linear(attn_in if form.parallel else norm(hidden, "mlp_in"), "gate_up").chunk(2, dim=-1)
+    gate_up = linear(attn_in if form.parallel else norm(hidden, "mlp_in"), "gate_up")
+    if not form.gated:
+        return hidden + norm(linear(F.gelu(gate_up, approximate="tanh"), "down"), "mlp_out") * form.residual_scale
+    gate, up = gate_up.chunk(2, dim=-1)
     act = F.silu(gate) if form.activation == "silu" else F.gelu(gate, approximate="tanh")
     return hidden + norm(linear(act * up, "down"), "mlp_out") * form.residual_scale

@@ -1,6 +1,7 @@
 """The native decoder-layer kernels (``tgi_paged_kernels.cpu_layer``) against their torch references: the packed
 GEMM, the whole decode layer of every form (Llama, Qwen3's q/k norms, Gemma's 1 + w norms and GeGLU, Gemma 2/3's
-sandwich norms and soft-cap, OLMo2's post-norms, Granite's residual scale; K/V written included), a row's result
+sandwich norms and soft-cap, OLMo2's post-norms, Granite's residual scale, Cohere's parallel block with LayerNorms
+and interleaved RoPE, Phi's partial rotary, biases and ungated MLP; K/V written included), a row's result
 independent of its batch, and the errors on bad inputs."""
 
 from __future__ import annotations
@@ -69,8 +70,12 @@ def _layer(hq: int, hkv: int, d: int, hidden: int, inter: int, form: LayerForm, 
         qkv=rand((hq + 2 * hkv) * d, hidden),
         qkv_bias=rand((hq + 2 * hkv) * d) if form.qkv_bias else None,
         o=rand(hidden, hq * d),
-        gate_up=rand(2 * inter, hidden),
+        gate_up=rand((2 if form.gated else 1) * inter, hidden),
         down=rand(hidden, inter),
+        o_bias=rand(hidden),
+        gate_up_bias=rand((2 if form.gated else 1) * inter),
+        down_bias=rand(hidden),
+        **{f"{name}_bias": rand(hidden) for name in LAYER_NORMS},
         **{name: norm(hidden, form.norm) for name in LAYER_NORMS},
         q_norm=norm(qk_width[0], form.qk_norm_kind) if qk_width[0] else None,
         k_norm=norm(qk_width[1], form.qk_norm_kind) if qk_width[1] else None,
@@ -124,6 +129,14 @@ FORMS = {
     "Cohere": (4, 2, 32, _llama(32, norm="layer", mlp_in_norm=False, parallel=True, rope="interleaved")),
     "Cohere2 full": (4, 2, 32, _llama(32, norm="layer", mlp_in_norm=False, parallel=True, rope="none")),
     "LayerNorm sandwich": (4, 2, 32, _llama(32, norm="layer", attn_out_norm=True, mlp_out_norm=True)),
+    "Phi": (
+        4, 4, 32,
+        _llama(32, norm="layer", norm_bias=True, mlp_in_norm=False, parallel=True, rotary_dim=16, gated=False,
+               activation="gelu_tanh", qkv_bias=True, proj_bias=True),
+    ),
+    "LayerNorm+bias, partial interleaved": (
+        4, 2, 32, _llama(32, norm="layer", norm_bias=True, mlp_out_norm=True, rotary_dim=8, rope="interleaved"),
+    ),
 }  # fmt: skip
 
 
@@ -143,6 +156,8 @@ FORMS = {
         ("Cohere", 4, torch.int64),  # parallel block, LayerNorm, interleaved RoPE
         ("Cohere2 full", 16, torch.int32),  # no RoPE
         ("LayerNorm sandwich", 8, torch.int32),
+        ("Phi", 4, torch.int64),  # parallel, LayerNorm with bias, partial rotary, ungated GeLU MLP, biases
+        ("LayerNorm+bias, partial interleaved", 16, torch.int32),
     ],
 )
 def test_layer_matches_the_reference(native, form_name, block_size, index_dtype) -> None:
@@ -153,7 +168,8 @@ def test_layer_matches_the_reference(native, form_name, block_size, index_dtype)
     (k_pool, v_pool), tables, seq_lens, slots = _step(lengths, block_size, hkv, d, index_dtype)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(len(lengths), hidden, generator=g)
-    cos, sin = torch.randn(len(lengths), d, generator=g), torch.randn(len(lengths), d, generator=g)
+    r = form.rotary_dim or d
+    cos, sin = torch.randn(len(lengths), r, generator=g), torch.randn(len(lengths), r, generator=g)
     ref_k, ref_v, k_before = k_pool.clone(), v_pool.clone(), k_pool.clone()
     got = decode_layer(native, packed, x, cos, sin, k_pool, v_pool, slots, tables, seq_lens)
     expected = decode_layer_ref(raw, packed, x, cos, sin, ref_k, ref_v, slots, tables, seq_lens)

@@ -32,6 +32,7 @@ EXPECTED = {
     "OLMo2": (2, 2),  # q/k norms over all heads
     "Cohere": (2, 2),  # interleaved RoPE (ROPE_TRIES)
     "Cohere2": (2, 2),  # interleaved RoPE on the sliding layer, none on the full one
+    "Phi": (2, 0),  # partial rotary, `dense` as o_proj; its MLP is not gated
     "Phi3": (2, 2),  # q/k/v and gate/up already one projection each in the checkpoint: taken as they are
     "Mixtral": (2, 0),  # experts are not a gated MLP module of plain linears
     "Qwen2-MoE": (2, 2),  # the shared expert of each layer is a gated MLP

@@ -33,6 +33,7 @@ WRAPPED = {
     "Phi3": 2,  # q/k/v and gate/up fused in the checkpoint
     "Cohere": 2,  # parallel attention and MLP, LayerNorm without bias, interleaved RoPE
     "Cohere2": 2,  # the same, a sliding layer (interleaved RoPE) and a full layer (no RoPE)
+    "Phi": 2,  # parallel, LayerNorm with bias, partial rotary, biases everywhere, ungated GeLU MLP (fc1, fc2)
 }
 """Layers of the 2 of each tiny family that decode natively, and why the others do not."""
 
@@ -79,7 +80,8 @@ def _steps(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> li
 
 
 @pytest.mark.parametrize(
-    "name", ["Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Gemma3", "Granite", "OLMo2", "Cohere", "Cohere2"]
+    "name",
+    ["Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Gemma3", "Granite", "OLMo2", "Cohere", "Cohere2", "Phi"],
 )
 def test_native_runners_give_the_logits_and_tokens_of_the_per_op_path(family_dir, name) -> None:
     path = family_dir(name)
@@ -136,6 +138,9 @@ def test_a_layer_that_differs_keeps_the_python_path(family_dir, monkeypatch) -> 
         ("Cohere", dict(rope="neox")),
         ("Cohere", dict(norm="rms")),
         ("Cohere", dict(parallel=False)),
+        ("Phi", dict(rotary_dim=0)),
+        ("Phi", dict(norm_bias=False)),
+        ("Phi", dict(proj_bias=False)),
     ],
 )
 def test_a_wrong_description_is_never_served(family_dir, monkeypatch, name, change) -> None:

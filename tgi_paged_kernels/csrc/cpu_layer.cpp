@@ -21,12 +21,16 @@ struct LayerSpec {
   int32_t qk_norm;     // 0 none, 1 per head (weights [D]), 2 over all query / all key heads ([Hq D], [Hkv D])
   int32_t rope;        // 0 neox (halves), 1 interleaved (pairs 2i, 2i + 1: Cohere), 2 none (Cohere2's full layers)
   int32_t parallel;    // 1: the MLP reads the attention's normed input, h += attn + mlp (Cohere)
-  int32_t layer_norm;  // 1: the four layer norms are LayerNorms without bias ((x - mean) / std * w), not RMSNorms
+  int32_t layer_norm;  // 1: the four layer norms are LayerNorms ((x - mean) / std * w (+ b)), not RMSNorms
+  int32_t rotary_dim;  // RoPE on the first rotary_dim values of each head (cos/sin [T, rotary_dim]), the rest kept
+  int32_t gated;       // 1: act(gate) * up from w_gate_up [2I, H]; 0: act(up) from w_gate_up [I, H] (Phi's fc1)
   float scale, softcap, residual_scale;
   float eps_attn_in, eps_attn_out, eps_mlp_in, eps_mlp_out, eps_q, eps_k;
   const float *attn_in, *attn_out, *mlp_in, *mlp_out;  // before / after attention, before / after the MLP
   const float *q_norm, *k_norm;
   const float *w_qkv, *b_qkv, *w_o, *w_gate_up, *w_down;  // packed; b_qkv may be null
+  const float *attn_in_b, *attn_out_b, *mlp_in_b, *mlp_out_b;  // LayerNorm biases (null: none)
+  const float *b_o, *b_gate_up, *b_down;                       // projection biases (null: none)
 };
 
 struct StepArgs {
@@ -45,9 +49,9 @@ inline float rms_inv(const float* x, int64_t width, float eps) {
   return 1.0f / std::sqrt(total / static_cast<float>(width) + eps);
 }
 
-// LayerNorm without bias of one row, as torch's (x - mean) * rsqrt(var + eps) * w (mean and variance summed
-// in order; the reference is F.layer_norm, within the load-time check's tolerance).
-inline void layer_norm_row_f32(const float* x, const float* w, float* o, int64_t width, float eps) {
+// LayerNorm of one row, as torch's (x - mean) * rsqrt(var + eps) * w (+ b, when not null) (mean and variance
+// summed in order; the reference is F.layer_norm, within the load-time check's tolerance).
+inline void layer_norm_row_f32(const float* x, const float* w, const float* b, float* o, int64_t width, float eps) {
   float total = 0.0f;
 #pragma omp simd reduction(+ : total)
   for (int64_t i = 0; i < width; ++i) total += x[i];
@@ -58,12 +62,17 @@ inline void layer_norm_row_f32(const float* x, const float* w, float* o, int64_t
   const float inv = 1.0f / std::sqrt(var / static_cast<float>(width) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < width; ++i) o[i] = w[i] * ((x[i] - mean) * inv);
+  if (b) {
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) o[i] = o[i] + b[i];
+  }
 }
 
 // The layer's norm of one row: RMSNorm, or LayerNorm without bias when `layer_norm`.
-inline void norm_row(const float* x, const float* w, float* o, int64_t width, float eps, bool layer_norm) {
+inline void norm_row(const float* x, const float* w, const float* b, float* o, int64_t width, float eps,
+                     bool layer_norm) {
   if (layer_norm) {
-    layer_norm_row_f32(x, w, o, width, eps);
+    layer_norm_row_f32(x, w, b, o, width, eps);
   } else {
     rms_row_f32(x, w, o, width, eps);
   }
@@ -99,6 +108,8 @@ inline void qk_norm_heads(float* x, int heads, int64_t D, int mode, const float*
 // One fp32 row of gelu_tanh(gate) * up: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) as torch's
 // F.gelu(approximate="tanh") writes it, with tanh(|u|) = (1 - e) / (1 + e), e = exp(-2|u|) (vectorized;
 // within a few ulp of tanh where it matters, ~1e-7 absolute near 0).
+// kMul false: gelu_tanh(g) alone (an ungated MLP; u unused).
+template <bool kMul = true>
 inline void gelu_tanh_mul_row_f32(const float* g, const float* u, float* o, int64_t width) {
   constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
 #pragma omp simd
@@ -108,20 +119,20 @@ inline void gelu_tanh_mul_row_f32(const float* g, const float* u, float* o, int6
     const float e = exp_nonpositive(-2.0f * std::fabs(inner));
     const float t = (1.0f - e) / (1.0f + e);
     const float gelu = 0.5f * x * (1.0f + (inner >= 0.0f ? t : -t));
-    o[i] = gelu * u[i];
+    o[i] = kMul ? gelu * u[i] : gelu;
   }
 }
 
 // hidden[t] += scale * norm(y[t]) (norm: RMSNorm with weight w, skipped when w is null) for T rows of H;
 // y is scratch, normed in place. The sum rounds like torch's residual + y * scale.
-inline void add_residual(float* hidden, float* y, int64_t T, int64_t H, const float* w, float eps, float scale,
-                         bool layer_norm) {
+inline void add_residual(float* hidden, float* y, int64_t T, int64_t H, const float* w, const float* b, float eps,
+                         float scale, bool layer_norm) {
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     float* yt = y + t * H;
     float* ht = hidden + t * H;
     if (w && layer_norm) {
-      layer_norm_row_f32(yt, w, yt, H, eps);
+      layer_norm_row_f32(yt, w, b, yt, H, eps);
     } else if (w) {
       scale_row(yt, w, rms_inv(yt, H, eps), H);
     }
@@ -162,7 +173,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
     if (S.attn_in) {
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t)
-        norm_row(A.hidden + t * H, S.attn_in, x + t * H, H, S.eps_attn_in, S.layer_norm);
+        norm_row(A.hidden + t * H, S.attn_in, S.attn_in_b, x + t * H, H, S.eps_attn_in, S.layer_norm);
       attn_x = x;
     }
     gemm_packed(attn_x, H, T, H, S.w_qkv, n_qkv, S.b_qkv, nullptr, 0, qkv, n_qkv);
@@ -174,13 +185,17 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
         qk_norm_heads(row, hq, D, S.qk_norm, S.q_norm, S.eps_q);
         qk_norm_heads(row + n_q, hkv, D, S.qk_norm, S.k_norm, S.eps_k);
       }
-      const float *c = A.cos + t * D, *s = A.sin + t * D;
+      const int R = S.rotary_dim;
+      const float *c = A.cos + t * R, *s = A.sin + t * R;
       if (S.rope == 0) {
-        for (int h = 0; h < hq + hkv; ++h) rope_row_f32(row + h * D, c, s, rotated + h * D, D);
+        for (int h = 0; h < hq + hkv; ++h) rope_row_f32(row + h * D, c, s, rotated + h * D, R);
       } else if (S.rope == 1) {
-        for (int h = 0; h < hq + hkv; ++h) rope_interleaved_row_f32(row + h * D, c, s, rotated + h * D, D);
+        for (int h = 0; h < hq + hkv; ++h) rope_interleaved_row_f32(row + h * D, c, s, rotated + h * D, R);
       } else {
         std::memcpy(rotated, row, static_cast<size_t>(hq + hkv) * D * 4);
+      }
+      if (S.rope != 2 && R < D) {  // partial rotary: the rest of each head as it is
+        for (int h = 0; h < hq + hkv; ++h) std::memcpy(rotated + h * D + R, row + h * D + R, (D - R) * 4);
       }
       const int64_t slot = A.slot_mapping[t];
       if (slot < 0) continue;
@@ -197,10 +212,10 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
     }
     decode_tasks<0, kHeadDim>(d, num_threads, status);
     if (direct_attn) {
-      gemm_packed(attn, n_q, T, n_q, S.w_o, H, nullptr, A.hidden, H, A.hidden, H);
+      gemm_packed(attn, n_q, T, n_q, S.w_o, H, S.b_o, A.hidden, H, A.hidden, H);
     } else {
-      gemm_packed(attn, n_q, T, n_q, S.w_o, H, nullptr, nullptr, 0, x, H);
-      add_residual(A.hidden, x, T, H, S.attn_out, S.eps_attn_out, S.residual_scale, S.layer_norm);
+      gemm_packed(attn, n_q, T, n_q, S.w_o, H, S.b_o, nullptr, 0, x, H);
+      add_residual(A.hidden, x, T, H, S.attn_out, S.attn_out_b, S.eps_attn_out, S.residual_scale, S.layer_norm);
     }
     const float* mlp_x = A.hidden;
     if (S.parallel) {
@@ -208,24 +223,27 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
     } else if (S.mlp_in) {
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t)
-        norm_row(A.hidden + t * H, S.mlp_in, x + t * H, H, S.eps_mlp_in, S.layer_norm);
+        norm_row(A.hidden + t * H, S.mlp_in, S.mlp_in_b, x + t * H, H, S.eps_mlp_in, S.layer_norm);
       mlp_x = x;
     }
-    gemm_packed(mlp_x, H, T, H, S.w_gate_up, 2 * I, nullptr, nullptr, 0, gate_up, 2 * I);
+    const int64_t n_gu = S.gated ? 2 * I : I;
+    gemm_packed(mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
-      const float* g = gate_up + t * 2 * I;
-      if (S.activation == 0) {
+      const float* g = gate_up + t * n_gu;
+      if (!S.gated) {
+        gelu_tanh_mul_row_f32<false>(g, nullptr, act + t * I, I);
+      } else if (S.activation == 0) {
         silu_mul_row_f32(g, g + I, act + t * I, I);
       } else {
         gelu_tanh_mul_row_f32(g, g + I, act + t * I, I);
       }
     }
     if (direct_mlp) {
-      gemm_packed(act, I, T, I, S.w_down, H, nullptr, A.hidden, H, A.hidden, H);
+      gemm_packed(act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
     } else {
-      gemm_packed(act, I, T, I, S.w_down, H, nullptr, nullptr, 0, x, H);
-      add_residual(A.hidden, x, T, H, S.mlp_out, S.eps_mlp_out, S.residual_scale, S.layer_norm);
+      gemm_packed(act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
+      add_residual(A.hidden, x, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm);
     }
   }
   return status;
@@ -249,7 +267,9 @@ int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, con
 //   h += rs * n_ao(o_proj(attention(rope(qk_norm(qkv_proj(n_ai(h)))))))
 //   h += rs * n_mo(down(act(gate) * up)(n_mi(h)))
 // or, parallel (Cohere): x = n_ai(h); h += o_proj(attention(...x...)) + down(act(gate) * up)(x).
-// Norms are RMSNorms or (layer_norm) LayerNorms without bias; rope: neox, interleaved or none.
+// Norms are RMSNorms or (layer_norm) LayerNorms with optional biases; rope: neox, interleaved or none, on the
+// first rotary_dim values of each head; the MLP gated (act(gate) * up) or not (gelu_tanh(up): Phi); the o, MLP
+// projections optionally biased.
 // with n_* the spec's RMSNorms (identity where absent) and rs its residual scale. hidden [T, H] contiguous,
 // updated in place; w_qkv packed [(Hq + 2 Hkv) D, H] (q, k, v heads in order) with optional bias; w_o
 // [H, Hq D]; w_gate_up [2I, H] (gate rows first); w_down [H, I]; cos/sin [T, D]; the new K (after its
@@ -266,6 +286,7 @@ int tgi_paged_decode_layer(
   const LayerSpec& S = *spec;
   if (S.activation < 0 || S.activation > 1 || S.qk_norm < 0 || S.qk_norm > 2 ||
       (S.qk_norm && (!S.q_norm || !S.k_norm)) || S.rope < 0 || S.rope > 2 ||
+      S.rotary_dim <= 0 || S.rotary_dim > S.head_dim || S.rotary_dim % 2 || (!S.gated && S.activation != 1) ||
       // parallel: the attention's normed input must survive its output (kept in scratch, added directly)
       (S.parallel && (!S.attn_in || S.attn_out || S.mlp_in || S.residual_scale != 1.0f)))
     return kBadSpec;

@@ -52,6 +52,7 @@ LLAMA_FORM_ATTENTION = frozenset(
         "MixtralAttention",
         "Olmo2Attention",
         "Phi3Attention",
+        "PhiAttention",
         "Qwen2Attention",
         "Qwen2MoeAttention",
         "Qwen3Attention",
@@ -184,7 +185,9 @@ class FusedPagedAttention(nn.Module):
             self.qkv_proj = _stacked([attn.q_proj, attn.k_proj, attn.v_proj])  # type: ignore[list-item]
         else:  # Phi-3: q, k and v already one projection in the checkpoint
             self.qkv_proj = cast(nn.Module, attn.qkv_proj)
-        self.o_proj = cast(nn.Module, attn.o_proj)
+        self.o_proj = cast(nn.Module, getattr(attn, "o_proj", None) or attn.dense)  # Phi's is `dense`
+        self.rotary_dim = int(getattr(attn, "rotary_ndims", None) or self.head_dim)
+        """RoPE on the first ``rotary_dim`` values of each head (Phi's partial rotary), the rest kept."""
         self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
         self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
         q_width = getattr(self.q_norm, "weight", torch.empty(0)).shape[-1]
@@ -213,7 +216,11 @@ class FusedPagedAttention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         else:
             qk = qkv[:, : hq + hkv]
-        qk = self._rope(qk, position_embeddings[0][0], position_embeddings[1][0])
+        cos, sin = position_embeddings[0][0], position_embeddings[1][0]
+        if self.rotary_dim < d:
+            qk = torch.cat((self._rope(qk[..., : self.rotary_dim], cos, sin), qk[..., self.rotary_dim :]), dim=-1)
+        else:
+            qk = self._rope(qk, cos, sin)
         out = paged_attention(
             metadata,
             self.layer_idx,
@@ -237,7 +244,7 @@ class FusedPagedAttention(nn.Module):
             rotated = self.native.rope_neox(qk, cos, sin)
             if rotated is not None:
                 return rotated
-        half = self.head_dim // 2
+        half = qk.shape[-1] // 2
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return (qk * cos) + (torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin)
 
@@ -284,9 +291,10 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
     weight = cast(nn.Linear, lora_base(cast(nn.Module, getattr(attn, "q_proj", None) or attn.qkv_proj))).weight
     head_dim = int(attn.head_dim)  # type: ignore[arg-type]
     geometry = (_heads(attn)[1], head_dim)
+    rotary_dim = int(getattr(attn, "rotary_ndims", None) or head_dim)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1, CHECK_TOKENS, int(weight.shape[1]), generator=generator).to(weight.dtype)
-    cos, sin = (torch.randn(1, CHECK_TOKENS, head_dim, generator=generator).to(weight.dtype) for _ in range(2))
+    cos, sin = (torch.randn(1, CHECK_TOKENS, rotary_dim, generator=generator).to(weight.dtype) for _ in range(2))
     try:
         with torch.inference_mode():
             metadata = _scratch_metadata(geometry, int(attn.layer_idx), weight.device, block_size, kv_dtype)  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from tgi_paged_backend.runner.cpu.fast_layers import outputs_close, rms_norm_eps
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedAttention
 from tgi_paged_kernels import LayerForm
 
+_PLACES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 _PRE = ("input_layernorm", None, "post_attention_layernorm", None)
 _SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = {
@@ -38,35 +39,39 @@ NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = 
     "Olmo2DecoderLayer": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
     # parallel: h += attn(x) + mlp(x), x = input_layernorm(h) (PARALLEL)
     "CohereDecoderLayer": ("input_layernorm", None, None, None),
+    "PhiDecoderLayer": ("input_layernorm", None, None, None),  # resid_dropout: the identity at inference
     "Cohere2DecoderLayer": ("input_layernorm", None, None, None),
 }
 """Decoder layer classes of the form ``h += s * n_ao(attn(n_ai(h))); h += s * n_mo(mlp(n_mi(h)))``: the
 attributes holding their norms before / after attention and before / after the MLP (``None``: no norm
 there). Other classes keep the Python path."""
 
-PARALLEL = frozenset({"CohereDecoderLayer", "Cohere2DecoderLayer"})
+MLP_PROJECTIONS = {True: ("gate_up", "down_proj"), False: ("fc1", "fc2")}
+"""The MLP's up and down projections: a :class:`FusedGatedMLP`'s (gated), or an ungated ``fc1``/``fc2`` MLP's (Phi)."""
+
+PARALLEL = frozenset({"CohereDecoderLayer", "Cohere2DecoderLayer", "PhiDecoderLayer"})
 """Classes of :data:`NORM_PLACES` whose attention and MLP read the same normed input and add to ``h`` together."""
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def _eps(module: Any) -> float | None:
-    """The epsilon of an RMSNorm, or of a LayerNorm-named module without bias (Cohere's)."""
+    """The epsilon of an RMSNorm, or of a LayerNorm-named module (Cohere's, ``nn.LayerNorm``)."""
     if not isinstance(module, nn.Module):
         return None
-    if not type(module).__name__.endswith("LayerNorm") or getattr(module, "bias", None) is not None:
+    if not type(module).__name__.endswith("LayerNorm"):
         return rms_norm_eps(module)
     found = [getattr(module, n, None) for n in ("variance_epsilon", "eps")]
     return next((eps for eps in found if isinstance(eps, float)), None)
 
 
 def _norm(module: Any, width: int, kinds: tuple[str, ...] = ("rms", "rms_1p")) -> tuple[str, float, torch.Tensor] | str:
-    """``(kind, eps, weight)`` of an RMSNorm (or LayerNorm without bias, when ``kinds`` allow it) over ``width``
-    fp32 values, or why it is not one we run."""
+    """``(kind, eps, weight)`` of an RMSNorm (or LayerNorm, when ``kinds`` allow it; its bias: :func:`_bias`) over
+    ``width`` fp32 values, or why it is not one we run."""
     eps = _eps(module)
-    weight = getattr(module, "weight", None)
-    if eps is None or not isinstance(weight, torch.Tensor):
-        return f"{type(module).__name__} is not an RMSNorm or a LayerNorm without bias"
+    weight, bias = getattr(module, "weight", None), _bias(module)
+    if eps is None or not isinstance(weight, torch.Tensor) or (bias is not None and "layer" not in kinds):
+        return f"{type(module).__name__} is not an RMSNorm or a LayerNorm"
     if weight.dtype != torch.float32 or weight.shape != (width,):
         return f"{type(module).__name__} is not an fp32 RMSNorm over {width} values"
     x = torch.randn(3, width, generator=torch.Generator().manual_seed(0))
@@ -74,10 +79,15 @@ def _norm(module: Any, width: int, kinds: tuple[str, ...] = ("rms", "rms_1p")) -
         y = module(x)
         for kind in kinds:
             w = 1.0 + weight.float() if kind == "rms_1p" else weight
-            ref = F.layer_norm(x, (width,), w, None, eps) if kind == "layer" else F.rms_norm(x, (width,), w, eps)
+            ref = F.layer_norm(x, (width,), w, bias, eps) if kind == "layer" else F.rms_norm(x, (width,), w, eps)
             if outputs_close(y, ref):
                 return kind, eps, weight.detach()
     return f"{type(module).__name__} is none of {', '.join(kinds)}"
+
+
+def _bias(module: Any) -> torch.Tensor | None:
+    bias = getattr(module, "bias", None)
+    return bias.detach() if isinstance(bias, torch.Tensor) else None
 
 
 def _activation(act_fn: nn.Module) -> str | None:
@@ -98,25 +108,32 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if places is None:
         return "no layer form for this class"
-    if not isinstance(attn, FusedPagedAttention) or not isinstance(mlp, FusedGatedMLP):
+    gated = isinstance(mlp, FusedGatedMLP)
+    ungated = all(hasattr(mlp, n) for n in ("fc1", "fc2", "activation_fn"))
+    if not isinstance(attn, FusedPagedAttention) or mlp is None or not (gated or ungated):
         return "its attention or MLP is not fused"
-    parts = [lora_base(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up, mlp.down_proj)]
-    if not (_plain(parts[0], bias=True) and all(_plain(p) for p in parts[1:])):
-        return "its projections are not plain fp32 linears (quantized, sliced or biased)"
+    up, down_name = MLP_PROJECTIONS[gated]
+    parts = [lora_base(m) for m in (attn.qkv_proj, attn.o_proj, getattr(mlp, up), getattr(mlp, down_name))]
+    proj_bias = _plain(parts[1], bias=True) and parts[1].bias is not None
+    if not (_plain(parts[0], bias=True) and all(_plain(p, bias=proj_bias) for p in parts[1:])) or (
+        proj_bias and any(p.bias is None for p in parts[2:])
+    ):
+        return "its projections are not plain fp32 linears (quantized, sliced or biased in part)"
     qkv, o, gate_up, down = cast(list[nn.Linear], parts)
     hidden, hq, hkv, d = int(o.out_features), attn.num_q_heads, attn.num_kv_heads, attn.head_dim
     raw: dict[str, torch.Tensor | None] = dict(
-        qkv=qkv.weight, qkv_bias=qkv.bias, o=o.weight, gate_up=gate_up.weight, down=down.weight
-    )
+        qkv=qkv.weight, qkv_bias=qkv.bias, o=o.weight, gate_up=gate_up.weight, down=down.weight,
+        o_bias=o.bias, gate_up_bias=gate_up.bias, down_bias=down.bias,
+    )  # fmt: skip
     layer_norms: list[tuple[str, float]] = []
-    for place, attr in zip(("attn_in", "attn_out", "mlp_in", "mlp_out"), places):
+    for place, attr in zip(_PLACES, places):
         if attr is None:
             continue
         found = _norm(getattr(layer, attr, None), hidden, ("rms", "rms_1p", "layer"))
         if isinstance(found, str):
             return f"{attr}: {found}"
         layer_norms.append(found[:2])
-        raw[place] = found[2]
+        raw[place], raw[f"{place}_bias"] = found[2], _bias(getattr(layer, attr))
     qk: list[tuple[str, float]] = []
     qk_norm = "none"
     if attn.q_norm is not None or attn.k_norm is not None:
@@ -128,11 +145,13 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
                 return f"{name}: {found}"
             qk.append(found[:2])
             raw[name] = found[2]
-    activation = _activation(mlp.act_fn)
-    if activation is None:
-        return f"its MLP's activation {type(mlp.act_fn).__name__} is neither SiLU nor GeLU-tanh"
-    if len(set(layer_norms)) > 1 or len(set(qk)) > 1:
-        return "its norms differ in kind or epsilon"
+    act_fn = cast(nn.Module, mlp.act_fn if gated else mlp.activation_fn)
+    activation = _activation(act_fn)
+    if activation is None or (not gated and activation != "gelu_tanh"):
+        return f"its MLP's activation {type(act_fn).__name__} is not SiLU or GeLU-tanh (gated) or GeLU-tanh"
+    norm_biases = {raw.get(f"{place}_bias") is not None for place, attr in zip(_PLACES, places) if attr}
+    if len(set(layer_norms)) > 1 or len(set(qk)) > 1 or len(norm_biases) > 1:
+        return "its norms differ in kind, epsilon or bias"
     (kind, eps), (qk_kind, qk_eps) = (layer_norms or [("rms", 1e-6)])[0], (qk or [("rms", 1e-6)])[0]
     form = LayerForm(
         scale=float(attn.scaling), norm=kind, eps=eps,
@@ -141,6 +160,7 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
         qk_norm=qk_norm, qk_norm_kind=qk_kind, qk_eps=qk_eps, activation=activation,
         qkv_bias=qkv.bias is not None, softcap=float(attn.softcap or 0.0), window=int(attn.sliding_window or 0),
         residual_scale=float(cast(float, getattr(layer, "residual_multiplier", 1.0))),
-        rope=attn.rope, parallel=type(layer).__name__ in PARALLEL,
+        rope=attn.rope, parallel=type(layer).__name__ in PARALLEL, gated=gated, proj_bias=proj_bias,
+        rotary_dim=attn.rotary_dim if attn.rotary_dim < d else 0, norm_bias=True in norm_biases,
     )  # fmt: skip
     return form, raw

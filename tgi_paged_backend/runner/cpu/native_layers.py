@@ -3,9 +3,9 @@
 After :func:`~runner.cpu.fused_blocks.fuse_blocks`, a decoder layer whose form :mod:`.layer_forms` can describe
 (a class of :data:`~.layer_forms.NORM_PLACES` made of a :class:`~runner.cpu.fused_blocks.FusedPagedAttention`, a
 :class:`~runner.cpu.fused_blocks.FusedGatedMLP` of SiLU or GeLU-tanh, RMSNorms of the ``w`` or ``1 + w`` kind,
-LayerNorms without bias, plain fp32 projections: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite,
-OLMo2, Phi-3, Cohere and Cohere 2 with their parallel blocks and interleaved RoPE) is wrapped by
-:class:`NativeDecoderLayer`:
+LayerNorms, plain fp32 projections: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite, OLMo2, Phi-3,
+Cohere and Cohere 2 (parallel blocks, interleaved RoPE), Phi (partial rotary, biases, an ungated GeLU MLP))
+is wrapped by :class:`NativeDecoderLayer`:
 
 - a **decode step** (one new token per request, fp32 pools) runs the whole layer through
   :func:`tgi_paged_kernels.cpu_layer.decode_layer`: one call and one OpenMP region instead of ~10
@@ -32,8 +32,8 @@ from torch import nn
 
 from tgi_paged_backend.lora.layers import find_lora_step, replace_lora_base
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
-from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedAttention
-from tgi_paged_backend.runner.cpu.layer_forms import NORM_PLACES, layer_form
+from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention
+from tgi_paged_backend.runner.cpu.layer_forms import MLP_PROJECTIONS, NORM_PLACES, layer_form
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
 from tgi_paged_kernels import (
     LayerWeights,
@@ -80,17 +80,14 @@ class NativeDecoderLayer(nn.Module):
     def own_projections(self) -> None:
         """Make the packed weights the only copy: the wrapped layer's four projections become
         :class:`NativeLinear` views of them (prefills then run the native GEMM too)."""
-        attn, mlp, w = (
-            cast(FusedPagedAttention, self.layer.self_attn),
-            cast(FusedGatedMLP, self.layer.mlp),
-            self.weights,
-        )
+        attn, mlp, w = cast(FusedPagedAttention, self.layer.self_attn), self.layer.mlp, self.weights
         qkv_width = (w.num_q_heads + 2 * w.num_kv_heads) * w.head_dim
+        up, down = MLP_PROJECTIONS[w.form.gated]
         native = {
             (attn, "qkv_proj"): NativeLinear(w.qkv, qkv_width, w.qkv_bias, self.native),
-            (attn, "o_proj"): NativeLinear(w.o, w.hidden_size, None, self.native),
-            (mlp, "gate_up"): NativeLinear(w.gate_up, 2 * w.intermediate, None, self.native),
-            (mlp, "down_proj"): NativeLinear(w.down, w.hidden_size, None, self.native),
+            (attn, "o_proj"): NativeLinear(w.o, w.hidden_size, w.o_bias, self.native),
+            (mlp, up): NativeLinear(w.gate_up, (1 + w.form.gated) * w.intermediate, w.gate_up_bias, self.native),
+            (mlp, down): NativeLinear(w.down, w.hidden_size, w.down_bias, self.native),
         }
         for (owner, name), linear in native.items():  # under any LoRA wrappers, which stay
             setattr(owner, name, replace_lora_base(getattr(owner, name), linear))
@@ -194,7 +191,7 @@ def _reproduces(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int) 
     generator = torch.Generator().manual_seed(0)
     rows = len(_check_lengths(block_size))
     x = torch.randn(1, rows, w.hidden_size, generator=generator)
-    cos, sin = (torch.randn(1, rows, w.head_dim, generator=generator) for _ in range(2))
+    cos, sin = (torch.randn(1, rows, w.form.rotary_dim or w.head_dim, generator=generator) for _ in range(2))
     with torch.inference_mode():
         ref_meta = _check_metadata(w, wrapped.layer_idx, block_size)
         expected = layer(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: ref_meta})
