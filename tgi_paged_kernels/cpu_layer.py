@@ -84,8 +84,8 @@ ROPE_KINDS = ("neox", "interleaved", "none")
 layers)."""
 QK_NORMS = ("none", "head", "all")
 """q/k norms: none, per head over ``head_dim`` (Qwen3, Gemma 3), over all query / all key heads (OLMo2)."""
-ACTIVATIONS = ("silu", "gelu_tanh")
-"""The gated MLP's activation: SiLU (Llama) or GeLU with the tanh approximation (Gemma)."""
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+"""The MLP's activation: SiLU (Llama), GeLU with the tanh approximation (Gemma, Phi) or exact (GPT-NeoX)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,12 +126,12 @@ class LayerForm:
     rope: str = "neox"
     """Rotary kind (:data:`ROPE_KINDS`)."""
     parallel: bool = False
-    """Attention and MLP read the same normed input: ``h += attn(x) + mlp(x)``, ``x = attn_in(h)`` (Cohere;
-    needs ``attn_in`` only, no other norm, residual scale 1)."""
+    """Attention and MLP both read ``h``: ``h += attn(attn_in(h)) + mlp(mlp_in(h))``, ``mlp_in`` the same norm as
+    ``attn_in`` when absent (Cohere, Phi; GPT-NeoX has both). Needs ``attn_in``, no post-norm, residual scale 1."""
     rotary_dim: int = 0
     """RoPE on the first ``rotary_dim`` values of each head, the rest kept (Phi's partial rotary); 0: all."""
     gated: bool = True
-    """``down(act(gate) * up)``; False: ``down(act(up))`` with one up projection (Phi's fc1/fc2; GeLU-tanh only)."""
+    """``down(act(gate) * up)``; False: ``down(act(up))`` with one up projection (Phi's fc1/fc2; GeLU only)."""
     norm_bias: bool = False
     """The layer norms (``layer`` kind) add a bias (Phi's ``nn.LayerNorm``)."""
     proj_bias: bool = False
@@ -144,11 +144,11 @@ class LayerForm:
             raise ValueError(f"LayerForm: q/k norm {self.qk_norm!r} or activation {self.activation!r} unknown")
         if self.qk_norm_kind == "layer" or self.rope not in ROPE_KINDS:
             raise ValueError(f"LayerForm: q/k norm kind {self.qk_norm_kind!r} or rotary {self.rope!r} not run")
-        others = self.attn_out_norm or self.mlp_in_norm or self.mlp_out_norm or self.residual_scale != 1
+        others = self.attn_out_norm or self.mlp_out_norm or self.residual_scale != 1
         if self.parallel and (not self.attn_in_norm or others):
             raise ValueError("LayerForm: a parallel block has one norm before both blocks and residual scale 1")
-        if (not self.gated and self.activation != "gelu_tanh") or (self.norm_bias and self.norm != "layer"):
-            raise ValueError("LayerForm: an ungated MLP is GeLU-tanh; only LayerNorms have a bias")
+        if (not self.gated and self.activation == "silu") or (self.norm_bias and self.norm != "layer"):
+            raise ValueError("LayerForm: an ungated MLP is GeLU; only LayerNorms have a bias")
         if self.window < 0 or self.softcap < 0 or self.rotary_dim < 0 or self.rotary_dim % 2:
             raise ValueError(f"LayerForm: window {self.window}, softcap {self.softcap} >= 0, rotary_dim even")
 
@@ -286,7 +286,7 @@ class LayerWeights:
 
     def scratch_floats(self, tokens: int) -> int:
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
-        return tokens * (self.hidden_size + (2 * hq + 3 * hkv) * d + hq * d + 3 * self.intermediate)
+        return tokens * (2 * self.hidden_size + (2 * hq + 3 * hkv) * d + hq * d + 3 * self.intermediate)
 
 
 def decode_layer(
@@ -397,6 +397,7 @@ def decode_layer_ref(
         return _rms_ref(x, weights[name], form.norm, form.eps, weights[f"{name}_bias"] if form.norm_bias else None)
 
     attn_in = norm(hidden, "attn_in")
+    mlp_in = norm(hidden, "mlp_in") if form.mlp_in_norm else attn_in  # a parallel block's MLP input
     qkv = linear(attn_in, "qkv", weights.get("qkv_bias") if form.qkv_bias else None)
     qkv = qkv.view(tokens, hq + 2 * hkv, d)
     q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
@@ -425,9 +426,10 @@ def decode_layer_ref(
         None, 1.0, 1.0,
     )  # fmt: skip
     hidden = hidden + norm(linear(attn.reshape(tokens, hq * d), "o"), "attn_out") * form.residual_scale
-    gate_up = linear(attn_in if form.parallel else norm(hidden, "mlp_in"), "gate_up")
+    gate_up = linear(mlp_in if form.parallel else norm(hidden, "mlp_in"), "gate_up")
+    gelu = "tanh" if form.activation == "gelu_tanh" else "none"
     if not form.gated:
-        return hidden + norm(linear(F.gelu(gate_up, approximate="tanh"), "down"), "mlp_out") * form.residual_scale
+        return hidden + norm(linear(F.gelu(gate_up, approximate=gelu), "down"), "mlp_out") * form.residual_scale
     gate, up = gate_up.chunk(2, dim=-1)
-    act = F.silu(gate) if form.activation == "silu" else F.gelu(gate, approximate="tanh")
+    act = F.silu(gate) if form.activation == "silu" else F.gelu(gate, approximate=gelu)
     return hidden + norm(linear(act * up, "down"), "mlp_out") * form.residual_scale

@@ -134,6 +134,12 @@ FORMS = {
         _llama(32, norm="layer", norm_bias=True, mlp_in_norm=False, parallel=True, rotary_dim=16, gated=False,
                activation="gelu_tanh", qkv_bias=True, proj_bias=True),
     ),
+    "GPT-NeoX": (
+        4, 4, 16,
+        _llama(16, norm="layer", norm_bias=True, parallel=True, rotary_dim=4, gated=False, activation="gelu",
+               qkv_bias=True, proj_bias=True),
+    ),
+    "GeGLU exact": (4, 2, 32, _llama(32, activation="gelu")),
     "LayerNorm+bias, partial interleaved": (
         4, 2, 32, _llama(32, norm="layer", norm_bias=True, mlp_out_norm=True, rotary_dim=8, rope="interleaved"),
     ),
@@ -158,6 +164,8 @@ FORMS = {
         ("LayerNorm sandwich", 8, torch.int32),
         ("Phi", 4, torch.int64),  # parallel, LayerNorm with bias, partial rotary, ungated GeLU MLP, biases
         ("LayerNorm+bias, partial interleaved", 16, torch.int32),
+        ("GPT-NeoX", 4, torch.int32),  # parallel with two LayerNorms, exact GeLU
+        ("GeGLU exact", 16, torch.int64),
     ],
 )
 def test_layer_matches_the_reference(native, form_name, block_size, index_dtype) -> None:
@@ -214,8 +222,8 @@ def test_layer_weights_must_fit_their_form() -> None:
         LayerWeights.pack(LayerForm(scale=1.0, qkv_bias=True), raw, num_q_heads=2, num_kv_heads=1, head_dim=16)
     with pytest.raises(ValueError, match="activation"):
         LayerForm(scale=1.0, activation="relu")
-    with pytest.raises(ValueError, match="parallel"):  # the MLP reads the attention's normed input
-        LayerForm(scale=1.0, parallel=True)
+    with pytest.raises(ValueError, match="parallel"):  # both blocks add to h at once: no post-norm
+        LayerForm(scale=1.0, parallel=True, attn_out_norm=True)
     # Gemma's 1 + w is folded into the packed norm weight, as transformers rounds it
     assert torch.equal(packed.attn_in, 1.0 + raw["attn_in"])
 

@@ -17,10 +17,10 @@ constexpr int kBadSpec = 6;         // an activation or q/k norm code this libra
 struct LayerSpec {
   int64_t hidden_size, intermediate;
   int32_t num_q_heads, num_kv_heads, head_dim, window;
-  int32_t activation;  // 0 SiLU, 1 GeLU (tanh approximation)
+  int32_t activation;  // 0 SiLU, 1 GeLU (tanh approximation), 2 GeLU (erf, exact)
   int32_t qk_norm;     // 0 none, 1 per head (weights [D]), 2 over all query / all key heads ([Hq D], [Hkv D])
   int32_t rope;        // 0 neox (halves), 1 interleaved (pairs 2i, 2i + 1: Cohere), 2 none (Cohere2's full layers)
-  int32_t parallel;    // 1: the MLP reads the attention's normed input, h += attn + mlp (Cohere)
+  int32_t parallel;    // 1: h += attn(n_ai(h)) + mlp(n_mi(h)), n_mi the attention's n_ai when absent (Cohere)
   int32_t layer_norm;  // 1: the four layer norms are LayerNorms ((x - mean) / std * w (+ b)), not RMSNorms
   int32_t rotary_dim;  // RoPE on the first rotary_dim values of each head (cos/sin [T, rotary_dim]), the rest kept
   int32_t gated;       // 1: act(gate) * up from w_gate_up [2I, H]; 0: act(up) from w_gate_up [I, H] (Phi's fc1)
@@ -123,6 +123,16 @@ inline void gelu_tanh_mul_row_f32(const float* g, const float* u, float* o, int6
   }
 }
 
+// One fp32 row of gelu(g) (* u when kMul), exact: 0.5 g (1 + erf(g / sqrt(2))), as torch's F.gelu.
+template <bool kMul>
+inline void gelu_erf_mul_row_f32(const float* g, const float* u, float* o, int64_t width) {
+  constexpr float kInvSqrt2 = 0.7071067811865476f;
+  for (int64_t i = 0; i < width; ++i) {
+    const float gelu = g[i] * 0.5f * (1.0f + std::erf(g[i] * kInvSqrt2));
+    o[i] = kMul ? gelu * u[i] : gelu;
+  }
+}
+
 // hidden[t] += scale * norm(y[t]) (norm: RMSNorm with weight w, skipped when w is null) for T rows of H;
 // y is scratch, normed in place. The sum rounds like torch's residual + y * scale.
 inline void add_residual(float* hidden, float* y, int64_t T, int64_t H, const float* w, const float* b, float eps,
@@ -158,6 +168,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
   float* attn = qk + T * (n_q + static_cast<int64_t>(hkv) * D);  // [T, hq * D]
   float* gate_up = attn + T * n_q;   // [T, 2I]
   float* act = gate_up + T * 2 * I;  // [T, I]
+  float* x_mlp = act + T * I;        // [T, H] a parallel block's MLP input (its own norm of h)
   // A block's output goes straight onto the residual stream in the GEMM's epilogue unless it is normed or
   // scaled first (sandwich norms, residual multipliers): then through x and add_residual.
   const bool direct_attn = !S.attn_out && S.residual_scale == 1.0f;
@@ -175,6 +186,11 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
       for (int64_t t = 0; t < T; ++t)
         norm_row(A.hidden + t * H, S.attn_in, S.attn_in_b, x + t * H, H, S.eps_attn_in, S.layer_norm);
       attn_x = x;
+    }
+    if (S.parallel && S.mlp_in) {  // GPT-NeoX: the MLP's own norm of h, before the attention adds to it
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; ++t)
+        norm_row(A.hidden + t * H, S.mlp_in, S.mlp_in_b, x_mlp + t * H, H, S.eps_mlp_in, S.layer_norm);
     }
     gemm_packed(attn_x, H, T, H, S.w_qkv, n_qkv, S.b_qkv, nullptr, 0, qkv, n_qkv);
 #pragma omp for schedule(static)
@@ -218,8 +234,8 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
       add_residual(A.hidden, x, T, H, S.attn_out, S.attn_out_b, S.eps_attn_out, S.residual_scale, S.layer_norm);
     }
     const float* mlp_x = A.hidden;
-    if (S.parallel) {
-      mlp_x = attn_x;  // x still holds the normed input: the attention's output went straight onto h
+    if (S.parallel) {  // x still holds the normed input: the attention's output went straight onto h
+      mlp_x = S.mlp_in ? x_mlp : attn_x;
     } else if (S.mlp_in) {
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t)
@@ -231,12 +247,14 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       const float* g = gate_up + t * n_gu;
-      if (!S.gated) {
-        gelu_tanh_mul_row_f32<false>(g, nullptr, act + t * I, I);
-      } else if (S.activation == 0) {
-        silu_mul_row_f32(g, g + I, act + t * I, I);
+      if (S.activation == 0) {
+        silu_mul_row_f32(g, g + I, act + t * I, I);  // gated only
+      } else if (S.activation == 1) {
+        S.gated ? gelu_tanh_mul_row_f32<true>(g, g + I, act + t * I, I)
+                : gelu_tanh_mul_row_f32<false>(g, nullptr, act + t * I, I);
       } else {
-        gelu_tanh_mul_row_f32(g, g + I, act + t * I, I);
+        S.gated ? gelu_erf_mul_row_f32<true>(g, g + I, act + t * I, I)
+                : gelu_erf_mul_row_f32<false>(g, nullptr, act + t * I, I);
       }
     }
     if (direct_mlp) {
@@ -266,7 +284,7 @@ int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, con
 // (torch reference: cpu_layer.decode_layer_ref):
 //   h += rs * n_ao(o_proj(attention(rope(qk_norm(qkv_proj(n_ai(h)))))))
 //   h += rs * n_mo(down(act(gate) * up)(n_mi(h)))
-// or, parallel (Cohere): x = n_ai(h); h += o_proj(attention(...x...)) + down(act(gate) * up)(x).
+// or, parallel: h += o_proj(attention(...n_ai(h)...)) + mlp(n_mi(h)) (Cohere, Phi: n_mi is n_ai; GPT-NeoX).
 // Norms are RMSNorms or (layer_norm) LayerNorms with optional biases; rope: neox, interleaved or none, on the
 // first rotary_dim values of each head; the MLP gated (act(gate) * up) or not (gelu_tanh(up): Phi); the o, MLP
 // projections optionally biased.
@@ -276,7 +294,7 @@ int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, con
 // norm and RoPE) and V are written to their slots of fp32 pools [num_blocks, block_size, Hkv, D] (element
 // strides c_sblock, c_sslot, c_shead; negative slots skipped) before request b attends over its
 // seq_lens[b] positions (window > 0: the last `window`; softcap > 0: scores soft-capped). scratch:
-// T * (H + (2 Hq + 3 Hkv) D + Hq D + 3I) floats. Returns 0; 2 for a table too narrow for a seq_len, 3 for a
+// T * (2H + (2 Hq + 3 Hkv) D + Hq D + 3I) floats. Returns 0; 2 for a table too narrow for a seq_len, 3 for a
 // block id outside the pool, 5 for a slot outside the pool, 6 for a spec this library does not know.
 int tgi_paged_decode_layer(
     const LayerSpec* spec, float* hidden, int64_t tokens, const float* cos, const float* sin,
@@ -284,11 +302,11 @@ int tgi_paged_decode_layer(
     const int64_t* slot_mapping, const void* block_tables, int bt_int64, int64_t bt_stride, int64_t bt_width,
     const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads) {
   const LayerSpec& S = *spec;
-  if (S.activation < 0 || S.activation > 1 || S.qk_norm < 0 || S.qk_norm > 2 ||
+  if (S.activation < 0 || S.activation > 2 || S.qk_norm < 0 || S.qk_norm > 2 ||
       (S.qk_norm && (!S.q_norm || !S.k_norm)) || S.rope < 0 || S.rope > 2 ||
-      S.rotary_dim <= 0 || S.rotary_dim > S.head_dim || S.rotary_dim % 2 || (!S.gated && S.activation != 1) ||
+      S.rotary_dim <= 0 || S.rotary_dim > S.head_dim || S.rotary_dim % 2 || (!S.gated && S.activation == 0) ||
       // parallel: the attention's normed input must survive its output (kept in scratch, added directly)
-      (S.parallel && (!S.attn_in || S.attn_out || S.mlp_in || S.residual_scale != 1.0f)))
+      (S.parallel && (!S.attn_in || S.attn_out || S.mlp_out || S.residual_scale != 1.0f)))
     return kBadSpec;
   const StepArgs A{hidden, tokens, cos, sin, slot_mapping, scratch};
   const DecodeArgs d{nullptr, 0, 0, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), nullptr,

@@ -52,7 +52,7 @@ MLP_PROJECTIONS = {True: ("gate_up", "down_proj"), False: ("fc1", "fc2")}
 PARALLEL = frozenset({"CohereDecoderLayer", "Cohere2DecoderLayer", "PhiDecoderLayer"})
 """Classes of :data:`NORM_PLACES` whose attention and MLP read the same normed input and add to ``h`` together."""
 
-_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
 
 def _eps(module: Any) -> float | None:
@@ -147,8 +147,8 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
             raw[name] = found[2]
     act_fn = cast(nn.Module, mlp.act_fn if gated else mlp.activation_fn)
     activation = _activation(act_fn)
-    if activation is None or (not gated and activation != "gelu_tanh"):
-        return f"its MLP's activation {type(act_fn).__name__} is not SiLU or GeLU-tanh (gated) or GeLU-tanh"
+    if activation is None or (not gated and activation == "silu"):
+        return f"its MLP's activation {type(act_fn).__name__} is not SiLU or GeLU (gated) or GeLU"
     norm_biases = {raw.get(f"{place}_bias") is not None for place, attr in zip(_PLACES, places) if attr}
     if len(set(layer_norms)) > 1 or len(set(qk)) > 1 or len(norm_biases) > 1:
         return "its norms differ in kind, epsilon or bias"
