@@ -134,8 +134,10 @@ class LayerForm:
     """``down(act(gate) * up)``; False: ``down(act(up))`` with one up projection (Phi's fc1/fc2; GeLU only)."""
     norm_bias: bool = False
     """The layer norms (``layer`` kind) add a bias (Phi's ``nn.LayerNorm``)."""
-    proj_bias: bool = False
-    """The o, gate/up and down projections add a bias (Phi)."""
+    o_bias: bool = False
+    """The o projection adds a bias (Phi)."""
+    mlp_bias: bool = False
+    """The gate/up and down projections add a bias (Phi, GPT-NeoX)."""
 
     def __post_init__(self) -> None:
         if self.norm not in NORM_KINDS or self.qk_norm_kind not in NORM_KINDS:
@@ -245,7 +247,7 @@ class LayerWeights:
             norms.update({n: norm_weight(need(n), form.qk_norm_kind) for n in ("q_norm", "k_norm")})
         bias = need("qkv_bias").detach().float().contiguous() if form.qkv_bias else None
         biases = [f"{name}_bias" for name in form.norms] if form.norm_bias else []
-        biases += ["o_bias", "gate_up_bias", "down_bias"] if form.proj_bias else []
+        biases += (["o_bias"] if form.o_bias else []) + (["gate_up_bias", "down_bias"] if form.mlp_bias else [])
         norms.update({name: need(name).detach().float().contiguous() for name in biases})
         return cls(
             form, hidden, intermediate, num_q_heads, num_kv_heads, head_dim,
@@ -262,8 +264,9 @@ class LayerWeights:
             "k_norm": widths and widths[1],
             "qkv_bias": (self.num_q_heads + 2 * self.num_kv_heads) * d if f.qkv_bias else None,
             **{f"{name}_bias": h if f.norm_bias and name in f.norms else None for name in LAYER_NORMS},
-            **dict.fromkeys(("o_bias", "down_bias"), h if f.proj_bias else None),
-            "gate_up_bias": (2 if f.gated else 1) * self.intermediate if f.proj_bias else None,
+            "o_bias": h if f.o_bias else None,
+            "down_bias": h if f.mlp_bias else None,
+            "gate_up_bias": (2 if f.gated else 1) * self.intermediate if f.mlp_bias else None,
         }
         for name, width in expected.items():
             t = getattr(self, name)
@@ -387,7 +390,7 @@ def decode_layer_ref(
     def linear(x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         weight = weights[name]
         assert weight is not None
-        if bias is None and form.proj_bias and name != "qkv":
+        if bias is None and (form.o_bias if name == "o" else form.mlp_bias and name != "qkv"):
             bias = weights[f"{name}_bias"]
         return F.linear(x, weight, bias)
 

@@ -132,12 +132,12 @@ FORMS = {
     "Phi": (
         4, 4, 32,
         _llama(32, norm="layer", norm_bias=True, mlp_in_norm=False, parallel=True, rotary_dim=16, gated=False,
-               activation="gelu_tanh", qkv_bias=True, proj_bias=True),
+               activation="gelu_tanh", qkv_bias=True, o_bias=True, mlp_bias=True),
     ),
     "GPT-NeoX": (
         4, 4, 16,
         _llama(16, norm="layer", norm_bias=True, parallel=True, rotary_dim=4, gated=False, activation="gelu",
-               qkv_bias=True, proj_bias=True),
+               qkv_bias=True, mlp_bias=True),
     ),
     "GeGLU exact": (4, 2, 32, _llama(32, activation="gelu")),
     "LayerNorm+bias, partial interleaved": (

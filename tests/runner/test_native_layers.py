@@ -33,6 +33,7 @@ WRAPPED = {
     "Phi3": 2,  # q/k/v and gate/up fused in the checkpoint
     "Cohere": 2,  # parallel attention and MLP, LayerNorm without bias, interleaved RoPE
     "Cohere2": 2,  # the same, a sliding layer (interleaved RoPE) and a full layer (no RoPE)
+    "GPT-NeoX": 2,  # parallel with two LayerNorms, per-head q/k/v rows, partial rotary, exact GeLU
     "Phi": 2,  # parallel, LayerNorm with bias, partial rotary, biases everywhere, ungated GeLU MLP (fc1, fc2)
 }
 """Layers of the 2 of each tiny family that decode natively, and why the others do not."""
@@ -53,7 +54,7 @@ def test_which_layers_decode_natively(family_dir, name) -> None:
     if name in KEPT:  # the start-up log says why
         assert any(KEPT[name] in line for line in runner.native_layers.kept)
     if wrapped:  # the wrapped layer's parts read through (transformers' model loop and our tools use them)
-        assert isinstance(runner.model.model.layers[0].self_attn, FusedPagedAttention)
+        assert isinstance(getattr(wrapped[0], "self_attn", None) or wrapped[0].attention, FusedPagedAttention)
 
 
 def test_off_by_config_with_fp8_kv_and_with_the_compiled_step(family_dir) -> None:
@@ -81,7 +82,21 @@ def _steps(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> li
 
 @pytest.mark.parametrize(
     "name",
-    ["Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Gemma3", "Granite", "OLMo2", "Cohere", "Cohere2", "Phi"],
+    [
+        "Llama",
+        "Mistral",
+        "Qwen2",
+        "Qwen3",
+        "Gemma",
+        "Gemma2",
+        "Gemma3",
+        "Granite",
+        "OLMo2",
+        "Cohere",
+        "Cohere2",
+        "Phi",
+        "GPT-NeoX",
+    ],
 )
 def test_native_runners_give_the_logits_and_tokens_of_the_per_op_path(family_dir, name) -> None:
     path = family_dir(name)
@@ -140,7 +155,10 @@ def test_a_layer_that_differs_keeps_the_python_path(family_dir, monkeypatch) -> 
         ("Cohere", dict(parallel=False)),
         ("Phi", dict(rotary_dim=0)),
         ("Phi", dict(norm_bias=False)),
-        ("Phi", dict(proj_bias=False)),
+        ("Phi", dict(o_bias=False)),
+        ("Phi", dict(mlp_bias=False)),
+        ("GPT-NeoX", dict(mlp_in_norm=False)),
+        ("GPT-NeoX", dict(activation="gelu_tanh")),
     ],
 )
 def test_a_wrong_description_is_never_served(family_dir, monkeypatch, name, change) -> None:

@@ -47,6 +47,7 @@ LLAMA_FORM_ATTENTION = frozenset(
         "GemmaAttention",
         "Gemma2Attention",
         "Gemma3Attention",
+        "GPTNeoXAttention",
         "GraniteAttention",
         "MistralAttention",
         "MixtralAttention",
@@ -147,9 +148,26 @@ def _gated_mlp(module: nn.Module) -> bool:
     return _stackable(gate, up) and _plain(module.down_proj) and gate.out_features == up.out_features  # type: ignore[union-attr]
 
 
+def _head_dim(attn: nn.Module) -> int:
+    return int(getattr(attn, "head_dim", None) or attn.head_size)  # type: ignore[arg-type]  # GPT-NeoX: head_size
+
+
+def _per_head_qkv(linear: nn.Linear, heads: int, head_dim: int) -> nn.Linear:
+    """GPT-NeoX's ``query_key_value`` (rows per head: its q, k, v) with its rows as all q, all k, all v."""
+    fused = _stacked_linear([linear])
+    with torch.no_grad():
+        fused.weight.copy_(linear.weight.view(heads, 3, head_dim, -1).transpose(0, 1).reshape_as(linear.weight))
+        if linear.bias is not None:
+            fused.bias.copy_(linear.bias.view(heads, 3, head_dim).transpose(0, 1).reshape(-1))
+    return fused
+
+
 def _heads(attn: nn.Module) -> tuple[int, int]:
     """Query and KV heads of a Llama-form attention, from its projections' widths."""
-    head_dim = int(attn.head_dim)  # type: ignore[arg-type]
+    head_dim = _head_dim(attn)
+    if hasattr(attn, "query_key_value"):
+        heads = int(attn.query_key_value.out_features) // (3 * head_dim)  # type: ignore[union-attr, arg-type]
+        return heads, heads
     if hasattr(attn, "q_proj"):
         return int(attn.q_proj.out_features) // head_dim, int(attn.k_proj.out_features) // head_dim  # type: ignore[union-attr, arg-type]
     kv_heads = int(attn.num_key_value_heads)  # type: ignore[arg-type]
@@ -160,6 +178,8 @@ def _fusable_attention(attn: nn.Module) -> bool:
     """Separate q/k/v linears one GEMM can compute, or one plain q/k/v projection (Phi-3)."""
     if hasattr(attn, "q_proj"):
         return _stackable(attn.q_proj, attn.k_proj, attn.v_proj)
+    if hasattr(attn, "query_key_value"):  # GPT-NeoX: no LoRA wrapper (its rows are reordered)
+        return type(attn.query_key_value) is nn.Linear
     return hasattr(attn, "qkv_proj") and hasattr(attn, "num_key_value_heads") and _plain(attn.qkv_proj)
 
 
@@ -175,7 +195,7 @@ class FusedPagedAttention(nn.Module):
         self.rope = rope
         """Rotary kind: ``neox`` (halves), ``interleaved`` (pairs ``2i, 2i + 1``: Cohere) or ``none``."""
         self.layer_idx = int(attn.layer_idx)  # type: ignore[arg-type]
-        self.head_dim = int(attn.head_dim)  # type: ignore[arg-type]
+        self.head_dim = _head_dim(attn)
         self.num_q_heads, self.num_kv_heads = _heads(attn)
         self.scaling = scaling
         self.sliding_window = sliding_window
@@ -183,6 +203,8 @@ class FusedPagedAttention(nn.Module):
         """Attention logit soft-cap (Gemma 2), 0 for none."""
         if hasattr(attn, "q_proj"):
             self.qkv_proj = _stacked([attn.q_proj, attn.k_proj, attn.v_proj])  # type: ignore[list-item]
+        elif hasattr(attn, "query_key_value"):
+            self.qkv_proj = _per_head_qkv(cast(nn.Linear, attn.query_key_value), self.num_q_heads, self.head_dim)
         else:  # Phi-3: q, k and v already one projection in the checkpoint
             self.qkv_proj = cast(nn.Module, attn.qkv_proj)
         self.o_proj = cast(nn.Module, getattr(attn, "o_proj", None) or attn.dense)  # Phi's is `dense`
@@ -288,8 +310,9 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
     cos/sin) through the paged attention over scratch pools, recording the options it passes; the fused
     module is built with exactly those and must give the same output. ``None`` otherwise (or on any error:
     a forward of another signature keeps its module)."""
-    weight = cast(nn.Linear, lora_base(cast(nn.Module, getattr(attn, "q_proj", None) or attn.qkv_proj))).weight
-    head_dim = int(attn.head_dim)  # type: ignore[arg-type]
+    qkv = getattr(attn, "q_proj", None) or getattr(attn, "qkv_proj", None) or attn.query_key_value
+    weight = cast(nn.Linear, lora_base(cast(nn.Module, qkv))).weight
+    head_dim = _head_dim(attn)
     geometry = (_heads(attn)[1], head_dim)
     rotary_dim = int(getattr(attn, "rotary_ndims", None) or head_dim)
     generator = torch.Generator().manual_seed(0)

@@ -40,14 +40,28 @@ NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = 
     # parallel: h += attn(x) + mlp(x), x = input_layernorm(h) (PARALLEL)
     "CohereDecoderLayer": ("input_layernorm", None, None, None),
     "PhiDecoderLayer": ("input_layernorm", None, None, None),  # resid_dropout: the identity at inference
+    "GPTNeoXLayer": ("input_layernorm", None, "post_attention_layernorm", None),  # parallel: use_parallel_residual
     "Cohere2DecoderLayer": ("input_layernorm", None, None, None),
 }
 """Decoder layer classes of the form ``h += s * n_ao(attn(n_ai(h))); h += s * n_mo(mlp(n_mi(h)))``: the
 attributes holding their norms before / after attention and before / after the MLP (``None``: no norm
 there). Other classes keep the Python path."""
 
-MLP_PROJECTIONS = {True: ("gate_up", "down_proj"), False: ("fc1", "fc2")}
-"""The MLP's up and down projections: a :class:`FusedGatedMLP`'s (gated), or an ungated ``fc1``/``fc2`` MLP's (Phi)."""
+_UNGATED = (("fc1", "fc2", "activation_fn"), ("dense_h_to_4h", "dense_4h_to_h", "act"))
+"""Ungated MLPs' up and down projections and activation: Phi's, GPT-NeoX's."""
+
+
+def mlp_parts(mlp: Any) -> tuple[str, str, str] | None:
+    """The names of ``mlp``'s up (or gate/up), down projections and activation, ``None`` if we do not run it."""
+    if isinstance(mlp, FusedGatedMLP):
+        return "gate_up", "down_proj", "act_fn"
+    return next((names for names in _UNGATED if all(hasattr(mlp, n) for n in names)), None)
+
+
+def layer_attention(layer: nn.Module) -> Any:
+    """A decoder layer's attention (``self_attn``; GPT-NeoX's ``attention``)."""
+    return getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+
 
 PARALLEL = frozenset({"CohereDecoderLayer", "Cohere2DecoderLayer", "PhiDecoderLayer"})
 """Classes of :data:`NORM_PLACES` whose attention and MLP read the same normed input and add to ``h`` together."""
@@ -105,19 +119,18 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
     """The form of ``layer`` and its weights as :meth:`~tgi_paged_kernels.LayerWeights.pack` takes them, or
     why the native step cannot run it (one line, for the start-up log)."""
     places = NORM_PLACES.get(type(layer).__name__)
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    attn, mlp = layer_attention(layer), getattr(layer, "mlp", None)
     if places is None:
         return "no layer form for this class"
-    gated = isinstance(mlp, FusedGatedMLP)
-    ungated = all(hasattr(mlp, n) for n in ("fc1", "fc2", "activation_fn"))
-    if not isinstance(attn, FusedPagedAttention) or mlp is None or not (gated or ungated):
+    gated, names = isinstance(mlp, FusedGatedMLP), mlp_parts(mlp)
+    if not isinstance(attn, FusedPagedAttention) or names is None:
         return "its attention or MLP is not fused"
-    up, down_name = MLP_PROJECTIONS[gated]
+    up, down_name, act_name = names
     parts = [lora_base(m) for m in (attn.qkv_proj, attn.o_proj, getattr(mlp, up), getattr(mlp, down_name))]
-    proj_bias = _plain(parts[1], bias=True) and parts[1].bias is not None
-    if not (_plain(parts[0], bias=True) and all(_plain(p, bias=proj_bias) for p in parts[1:])) or (
-        proj_bias and any(p.bias is None for p in parts[2:])
-    ):
+    mlp_bias = _plain(parts[2], bias=True) and parts[2].bias is not None
+    if not (
+        _plain(parts[0], bias=True) and _plain(parts[1], bias=True) and all(_plain(p, mlp_bias) for p in parts[2:])
+    ) or (mlp_bias and parts[3].bias is None):
         return "its projections are not plain fp32 linears (quantized, sliced or biased in part)"
     qkv, o, gate_up, down = cast(list[nn.Linear], parts)
     hidden, hq, hkv, d = int(o.out_features), attn.num_q_heads, attn.num_kv_heads, attn.head_dim
@@ -145,7 +158,7 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
                 return f"{name}: {found}"
             qk.append(found[:2])
             raw[name] = found[2]
-    act_fn = cast(nn.Module, mlp.act_fn if gated else mlp.activation_fn)
+    act_fn = cast(nn.Module, getattr(mlp, act_name))
     activation = _activation(act_fn)
     if activation is None or (not gated and activation == "silu"):
         return f"its MLP's activation {type(act_fn).__name__} is not SiLU or GeLU (gated) or GeLU"
@@ -153,6 +166,7 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
     if len(set(layer_norms)) > 1 or len(set(qk)) > 1 or len(norm_biases) > 1:
         return "its norms differ in kind, epsilon or bias"
     (kind, eps), (qk_kind, qk_eps) = (layer_norms or [("rms", 1e-6)])[0], (qk or [("rms", 1e-6)])[0]
+    parallel = bool(getattr(layer, "use_parallel_residual", type(layer).__name__ in PARALLEL))
     form = LayerForm(
         scale=float(attn.scaling), norm=kind, eps=eps,
         attn_in_norm=places[0] is not None, attn_out_norm=places[1] is not None,
@@ -160,7 +174,7 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
         qk_norm=qk_norm, qk_norm_kind=qk_kind, qk_eps=qk_eps, activation=activation,
         qkv_bias=qkv.bias is not None, softcap=float(attn.softcap or 0.0), window=int(attn.sliding_window or 0),
         residual_scale=float(cast(float, getattr(layer, "residual_multiplier", 1.0))),
-        rope=attn.rope, parallel=type(layer).__name__ in PARALLEL, gated=gated, proj_bias=proj_bias,
+        rope=attn.rope, parallel=parallel, gated=gated, o_bias=o.bias is not None, mlp_bias=mlp_bias,
         rotary_dim=attn.rotary_dim if attn.rotary_dim < d else 0, norm_bias=True in norm_biases,
     )  # fmt: skip
     return form, raw

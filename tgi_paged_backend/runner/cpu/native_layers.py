@@ -33,7 +33,7 @@ from torch import nn
 from tgi_paged_backend.lora.layers import find_lora_step, replace_lora_base
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention
-from tgi_paged_backend.runner.cpu.layer_forms import MLP_PROJECTIONS, NORM_PLACES, layer_form
+from tgi_paged_backend.runner.cpu.layer_forms import NORM_PLACES, layer_attention, layer_form, mlp_parts
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
 from tgi_paged_kernels import (
     LayerWeights,
@@ -53,7 +53,7 @@ def layer_weights(layer: nn.Module) -> LayerWeights | str:
     if isinstance(found, str):
         return found
     form, raw = found
-    attn = cast(FusedPagedAttention, layer.self_attn)
+    attn = cast(FusedPagedAttention, layer_attention(layer))
     try:
         return LayerWeights.pack(
             form, raw, num_q_heads=attn.num_q_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim
@@ -70,7 +70,7 @@ class NativeDecoderLayer(nn.Module):
         self.layer = layer
         self.weights = weights
         self.native = native
-        self.layer_idx = int(layer.self_attn.layer_idx)  # type: ignore[union-attr, arg-type]
+        self.layer_idx = int(layer_attention(layer).layer_idx)
         self.lora_step = find_lora_step(layer)
         """The adapters' routing when the layer has LoRA wrappers: steps with adapter rows run the per-op path."""
         self.as_tuple = False
@@ -80,9 +80,9 @@ class NativeDecoderLayer(nn.Module):
     def own_projections(self) -> None:
         """Make the packed weights the only copy: the wrapped layer's four projections become
         :class:`NativeLinear` views of them (prefills then run the native GEMM too)."""
-        attn, mlp, w = cast(FusedPagedAttention, self.layer.self_attn), self.layer.mlp, self.weights
+        attn, mlp, w = cast(FusedPagedAttention, layer_attention(self.layer)), self.layer.mlp, self.weights
         qkv_width = (w.num_q_heads + 2 * w.num_kv_heads) * w.head_dim
-        up, down = MLP_PROJECTIONS[w.form.gated]
+        up, down, _ = cast(tuple[str, str, str], mlp_parts(mlp))
         native = {
             (attn, "qkv_proj"): NativeLinear(w.qkv, qkv_width, w.qkv_bias, self.native),
             (attn, "o_proj"): NativeLinear(w.o, w.hidden_size, w.o_bias, self.native),
