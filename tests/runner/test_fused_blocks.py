@@ -32,6 +32,8 @@ EXPECTED = {
     "OLMo2": (2, 2),  # q/k norms over all heads
     "Cohere": (2, 2),  # interleaved RoPE (ROPE_TRIES)
     "Cohere2": (2, 2),  # interleaved RoPE on the sliding layer, none on the full one
+    "GPT-NeoX": (2, 0),  # query_key_value's per-head rows reordered; its MLP is not gated
+    "GPT-J": (2, 0),  # GPT-J's (sin, cos) half-width tables, interleaved pairs
     "Phi": (2, 0),  # partial rotary, `dense` as o_proj; its MLP is not gated
     "Phi3": (2, 2),  # q/k/v and gate/up already one projection each in the checkpoint: taken as they are
     "Mixtral": (2, 0),  # experts are not a gated MLP module of plain linears
@@ -62,7 +64,7 @@ def test_an_attention_that_differs_is_kept(family_dir, monkeypatch) -> None:
     assert "CohereAttention" in runner.fusion.kept
 
 
-@pytest.mark.parametrize("name", ["Llama", "Qwen3", "Mistral", "Cohere2"])
+@pytest.mark.parametrize("name", ["Llama", "Qwen3", "Mistral", "Cohere2", "GPT-NeoX", "GPT-J", "Phi"])
 def test_fused_runners_give_the_logits_of_unfused_ones(family_dir, name) -> None:
     path = family_dir(name)
     fused = _runner(path)

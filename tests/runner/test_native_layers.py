@@ -12,6 +12,7 @@ import torch
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.cpu import native_layers
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention
+from tgi_paged_backend.runner.cpu.layer_forms import layer_attention
 from tgi_paged_backend.runner.cpu.native_layers import NativeDecoderLayer
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
@@ -33,6 +34,7 @@ WRAPPED = {
     "Phi3": 2,  # q/k/v and gate/up fused in the checkpoint
     "Cohere": 2,  # parallel attention and MLP, LayerNorm without bias, interleaved RoPE
     "Cohere2": 2,  # the same, a sliding layer (interleaved RoPE) and a full layer (no RoPE)
+    "GPT-J": 2,  # parallel, one LayerNorm with bias, partial interleaved rotary from (sin, cos) half tables
     "GPT-NeoX": 2,  # parallel with two LayerNorms, per-head q/k/v rows, partial rotary, exact GeLU
     "Phi": 2,  # parallel, LayerNorm with bias, partial rotary, biases everywhere, ungated GeLU MLP (fc1, fc2)
 }
@@ -54,7 +56,7 @@ def test_which_layers_decode_natively(family_dir, name) -> None:
     if name in KEPT:  # the start-up log says why
         assert any(KEPT[name] in line for line in runner.native_layers.kept)
     if wrapped:  # the wrapped layer's parts read through (transformers' model loop and our tools use them)
-        assert isinstance(getattr(wrapped[0], "self_attn", None) or wrapped[0].attention, FusedPagedAttention)
+        assert isinstance(layer_attention(wrapped[0]), FusedPagedAttention)
 
 
 def test_off_by_config_with_fp8_kv_and_with_the_compiled_step(family_dir) -> None:
@@ -96,6 +98,7 @@ def _steps(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> li
         "Cohere2",
         "Phi",
         "GPT-NeoX",
+        "GPT-J",
     ],
 )
 def test_native_runners_give_the_logits_and_tokens_of_the_per_op_path(family_dir, name) -> None:
@@ -159,6 +162,7 @@ def test_a_layer_that_differs_keeps_the_python_path(family_dir, monkeypatch) -> 
         ("Phi", dict(mlp_bias=False)),
         ("GPT-NeoX", dict(mlp_in_norm=False)),
         ("GPT-NeoX", dict(activation="gelu_tanh")),
+        ("GPT-J", dict(rope="neox")),
     ],
 )
 def test_a_wrong_description_is_never_served(family_dir, monkeypatch, name, change) -> None:

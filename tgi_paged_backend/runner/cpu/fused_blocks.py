@@ -47,6 +47,7 @@ LLAMA_FORM_ATTENTION = frozenset(
         "GemmaAttention",
         "Gemma2Attention",
         "Gemma3Attention",
+        "GPTJAttention",
         "GPTNeoXAttention",
         "GraniteAttention",
         "MistralAttention",
@@ -69,8 +70,24 @@ check tries, in order."""
 ROPE_TRIES: dict[str, tuple[str, ...]] = {
     "CohereAttention": ("interleaved",),
     "Cohere2Attention": ("interleaved", "none"),
+    "GPTJAttention": ("gptj",),
 }
-"""Classes whose rotary is not neox: the kinds to try (Cohere's interleaved pairs; Cohere2's full layers have none)."""
+"""Classes whose rotary is not neox: the kinds to try (Cohere's interleaved pairs; Cohere2's full layers have none;
+GPT-J's interleaved pairs from a ``(sin, cos)`` table of half width, :func:`rope_tables`)."""
+
+
+def rope_tables(position_embeddings: Any, rope: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``, ``sin`` ``[T, rotary_dim]`` of a step's ``position_embeddings`` (``(cos, sin)`` ``[1, T, R]``;
+    GPT-J's: ``(sin, cos)`` ``[1, T, R / 2]``, each angle once for its pair)."""
+    if rope == "gptj":
+        sin, cos = position_embeddings
+        return cos[0].repeat_interleave(2, dim=-1), sin[0].repeat_interleave(2, dim=-1)
+    return position_embeddings[0][0], position_embeddings[1][0]
+
+
+def rope_table_width(rope: str, rotary_dim: int) -> int:
+    """The width of the ``position_embeddings`` tables the model passes for ``rope`` (:func:`rope_tables`)."""
+    return rotary_dim // 2 if rope == "gptj" else rotary_dim
 
 
 def _stacked(parts: list[nn.Module]) -> nn.Module:
@@ -148,6 +165,11 @@ def _gated_mlp(module: nn.Module) -> bool:
     return _stackable(gate, up) and _plain(module.down_proj) and gate.out_features == up.out_features  # type: ignore[union-attr]
 
 
+def _rotary_dim(attn: nn.Module) -> int:
+    """RoPE's width per head: Phi's and GPT-NeoX's ``rotary_ndims``, GPT-J's ``rotary_dim``, else all of it."""
+    return int(getattr(attn, "rotary_ndims", None) or getattr(attn, "rotary_dim", None) or _head_dim(attn))
+
+
 def _head_dim(attn: nn.Module) -> int:
     return int(getattr(attn, "head_dim", None) or attn.head_size)  # type: ignore[arg-type]  # GPT-NeoX: head_size
 
@@ -193,7 +215,8 @@ class FusedPagedAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.rope = rope
-        """Rotary kind: ``neox`` (halves), ``interleaved`` (pairs ``2i, 2i + 1``: Cohere) or ``none``."""
+        """Rotary kind: ``neox`` (halves), ``interleaved`` (pairs ``2i, 2i + 1``: Cohere), ``gptj`` (the same
+        pairs, GPT-J's tables: :func:`rope_tables`) or ``none``."""
         self.layer_idx = int(attn.layer_idx)  # type: ignore[arg-type]
         self.head_dim = _head_dim(attn)
         self.num_q_heads, self.num_kv_heads = _heads(attn)
@@ -207,8 +230,8 @@ class FusedPagedAttention(nn.Module):
             self.qkv_proj = _per_head_qkv(cast(nn.Linear, attn.query_key_value), self.num_q_heads, self.head_dim)
         else:  # Phi-3: q, k and v already one projection in the checkpoint
             self.qkv_proj = cast(nn.Module, attn.qkv_proj)
-        self.o_proj = cast(nn.Module, getattr(attn, "o_proj", None) or attn.dense)  # Phi's is `dense`
-        self.rotary_dim = int(getattr(attn, "rotary_ndims", None) or self.head_dim)
+        self.o_proj = cast(nn.Module, getattr(attn, "o_proj", None) or getattr(attn, "dense", None) or attn.out_proj)
+        self.rotary_dim = _rotary_dim(attn)
         """RoPE on the first ``rotary_dim`` values of each head (Phi's partial rotary), the rest kept."""
         self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
         self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
@@ -238,7 +261,7 @@ class FusedPagedAttention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         else:
             qk = qkv[:, : hq + hkv]
-        cos, sin = position_embeddings[0][0], position_embeddings[1][0]
+        cos, sin = rope_tables(position_embeddings, self.rope)
         if self.rotary_dim < d:
             qk = torch.cat((self._rope(qk[..., : self.rotary_dim], cos, sin), qk[..., self.rotary_dim :]), dim=-1)
         else:
@@ -259,9 +282,10 @@ class FusedPagedAttention(nn.Module):
         """transformers' ``apply_rotary_pos_emb`` on the query and key heads at once (``cos``/``sin`` ``[T, D]``)."""
         if self.rope == "none":
             return qk
-        if self.rope == "interleaved":  # Cohere's: computed in fp32, rounded back
-            pairs = torch.stack((-qk[..., 1::2], qk[..., ::2]), dim=-1).flatten(-2).float()
-            return (qk.float() * cos.unsqueeze(1) + pairs * sin.unsqueeze(1)).to(qk.dtype)
+        if self.rope in ("interleaved", "gptj"):  # Cohere's computed in fp32 and rounded back, GPT-J's as it is
+            x = qk.float() if self.rope == "interleaved" else qk
+            pairs = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+            return (x * cos.unsqueeze(1) + pairs * sin.unsqueeze(1)).to(qk.dtype)
         if self.native is not None and not torch.compiler.is_compiling():
             rotated = self.native.rope_neox(qk, cos, sin)
             if rotated is not None:
@@ -314,10 +338,11 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
     weight = cast(nn.Linear, lora_base(cast(nn.Module, qkv))).weight
     head_dim = _head_dim(attn)
     geometry = (_heads(attn)[1], head_dim)
-    rotary_dim = int(getattr(attn, "rotary_ndims", None) or head_dim)
+    tries = ROPE_TRIES.get(type(attn).__name__, ("neox",))
+    table = rope_table_width(tries[0], _rotary_dim(attn))
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1, CHECK_TOKENS, int(weight.shape[1]), generator=generator).to(weight.dtype)
-    cos, sin = (torch.randn(1, CHECK_TOKENS, rotary_dim, generator=generator).to(weight.dtype) for _ in range(2))
+    cos, sin = (torch.randn(1, CHECK_TOKENS, table, generator=generator).to(weight.dtype) for _ in range(2))
     try:
         with torch.inference_mode():
             metadata = _scratch_metadata(geometry, int(attn.layer_idx), weight.device, block_size, kv_dtype)  # type: ignore[arg-type]
@@ -326,7 +351,7 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
             if len(seen) != 1 or seen[0]["sinks"]:  # not one plain paged call
                 return None
             options = seen[0]
-            for rope in ROPE_TRIES.get(type(attn).__name__, ("neox",)):
+            for rope in tries:
                 fused = FusedPagedAttention(
                     attn, scaling=options["scaling"], sliding_window=options["sliding_window"],
                     softcap=options["softcap"], rope=rope,

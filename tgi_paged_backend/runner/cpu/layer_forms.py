@@ -41,14 +41,15 @@ NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = 
     "CohereDecoderLayer": ("input_layernorm", None, None, None),
     "PhiDecoderLayer": ("input_layernorm", None, None, None),  # resid_dropout: the identity at inference
     "GPTNeoXLayer": ("input_layernorm", None, "post_attention_layernorm", None),  # parallel: use_parallel_residual
+    "GPTJBlock": ("ln_1", None, None, None),
     "Cohere2DecoderLayer": ("input_layernorm", None, None, None),
 }
 """Decoder layer classes of the form ``h += s * n_ao(attn(n_ai(h))); h += s * n_mo(mlp(n_mi(h)))``: the
 attributes holding their norms before / after attention and before / after the MLP (``None``: no norm
 there). Other classes keep the Python path."""
 
-_UNGATED = (("fc1", "fc2", "activation_fn"), ("dense_h_to_4h", "dense_4h_to_h", "act"))
-"""Ungated MLPs' up and down projections and activation: Phi's, GPT-NeoX's."""
+_UNGATED = (("fc1", "fc2", "activation_fn"), ("dense_h_to_4h", "dense_4h_to_h", "act"), ("fc_in", "fc_out", "act"))
+"""Ungated MLPs' up and down projections and activation: Phi's, GPT-NeoX's, GPT-J's."""
 
 
 def mlp_parts(mlp: Any) -> tuple[str, str, str] | None:
@@ -59,11 +60,11 @@ def mlp_parts(mlp: Any) -> tuple[str, str, str] | None:
 
 
 def layer_attention(layer: nn.Module) -> Any:
-    """A decoder layer's attention (``self_attn``; GPT-NeoX's ``attention``)."""
-    return getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+    """A decoder layer's attention (``self_attn``; GPT-NeoX's ``attention``, GPT-J's ``attn``)."""
+    return next((getattr(layer, n) for n in ("self_attn", "attention", "attn") if hasattr(layer, n)), None)
 
 
-PARALLEL = frozenset({"CohereDecoderLayer", "Cohere2DecoderLayer", "PhiDecoderLayer"})
+PARALLEL = frozenset({"CohereDecoderLayer", "Cohere2DecoderLayer", "PhiDecoderLayer", "GPTJBlock"})
 """Classes of :data:`NORM_PLACES` whose attention and MLP read the same normed input and add to ``h`` together."""
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
@@ -167,6 +168,7 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
         return "its norms differ in kind, epsilon or bias"
     (kind, eps), (qk_kind, qk_eps) = (layer_norms or [("rms", 1e-6)])[0], (qk or [("rms", 1e-6)])[0]
     parallel = bool(getattr(layer, "use_parallel_residual", type(layer).__name__ in PARALLEL))
+    rope = "interleaved" if attn.rope == "gptj" else attn.rope  # GPT-J's tables are read by the layer's wrapper
     form = LayerForm(
         scale=float(attn.scaling), norm=kind, eps=eps,
         attn_in_norm=places[0] is not None, attn_out_norm=places[1] is not None,
@@ -174,7 +176,7 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
         qk_norm=qk_norm, qk_norm_kind=qk_kind, qk_eps=qk_eps, activation=activation,
         qkv_bias=qkv.bias is not None, softcap=float(attn.softcap or 0.0), window=int(attn.sliding_window or 0),
         residual_scale=float(cast(float, getattr(layer, "residual_multiplier", 1.0))),
-        rope=attn.rope, parallel=parallel, gated=gated, o_bias=o.bias is not None, mlp_bias=mlp_bias,
+        rope=rope, parallel=parallel, gated=gated, o_bias=o.bias is not None, mlp_bias=mlp_bias,
         rotary_dim=attn.rotary_dim if attn.rotary_dim < d else 0, norm_bias=True in norm_biases,
     )  # fmt: skip
     return form, raw

@@ -4,7 +4,7 @@ After :func:`~runner.cpu.fused_blocks.fuse_blocks`, a decoder layer whose form :
 (a class of :data:`~.layer_forms.NORM_PLACES` made of a :class:`~runner.cpu.fused_blocks.FusedPagedAttention`, a
 :class:`~runner.cpu.fused_blocks.FusedGatedMLP` of SiLU or GeLU-tanh, RMSNorms of the ``w`` or ``1 + w`` kind,
 LayerNorms, plain fp32 projections: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite, OLMo2, Phi-3,
-Cohere and Cohere 2 (parallel blocks, interleaved RoPE), Phi (partial rotary, biases, an ungated GeLU MLP))
+Cohere, Cohere 2, Phi, GPT-NeoX and GPT-J (parallel blocks, LayerNorms, partial or interleaved RoPE, ungated MLPs))
 is wrapped by :class:`NativeDecoderLayer`:
 
 - a **decode step** (one new token per request, fp32 pools) runs the whole layer through
@@ -32,7 +32,7 @@ from torch import nn
 
 from tgi_paged_backend.lora.layers import find_lora_step, replace_lora_base
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
-from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention
+from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention, rope_table_width, rope_tables
 from tgi_paged_backend.runner.cpu.layer_forms import NORM_PLACES, layer_attention, layer_form, mlp_parts
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
 from tgi_paged_kernels import (
@@ -71,6 +71,8 @@ class NativeDecoderLayer(nn.Module):
         self.weights = weights
         self.native = native
         self.layer_idx = int(layer_attention(layer).layer_idx)
+        self.rope = cast(FusedPagedAttention, layer_attention(layer)).rope
+        """The attention's rotary kind: how the step's ``position_embeddings`` read (:func:`rope_tables`)."""
         self.lora_step = find_lora_step(layer)
         """The adapters' routing when the layer has LoRA wrappers: steps with adapter rows run the per-op path."""
         self.as_tuple = False
@@ -120,12 +122,13 @@ class NativeDecoderLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         metadata = self._native_step(hidden_states, kwargs)
-        cos_sin = kwargs.get("position_embeddings")
-        if metadata is None or cos_sin is None:
+        tables = kwargs.get("position_embeddings")
+        if metadata is None or tables is None:
             return self.layer(hidden_states, *args, **kwargs)
+        cos, sin = rope_tables(tables, self.rope)
         slot_mapping, block_tables = metadata.tables(self.layer_idx)
         out = decode_layer(
-            self.native, self.weights, hidden_states[0], cos_sin[0][0], cos_sin[1][0],
+            self.native, self.weights, hidden_states[0], cos, sin,
             metadata.k_caches[self.layer_idx], metadata.v_caches[self.layer_idx],
             slot_mapping, block_tables, metadata.batch.seq_lens,
         )  # fmt: skip
@@ -191,7 +194,8 @@ def _reproduces(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int) 
     generator = torch.Generator().manual_seed(0)
     rows = len(_check_lengths(block_size))
     x = torch.randn(1, rows, w.hidden_size, generator=generator)
-    cos, sin = (torch.randn(1, rows, w.form.rotary_dim or w.head_dim, generator=generator) for _ in range(2))
+    table = rope_table_width(wrapped.rope, w.form.rotary_dim or w.head_dim)
+    cos, sin = (torch.randn(1, rows, table, generator=generator) for _ in range(2))
     with torch.inference_mode():
         ref_meta = _check_metadata(w, wrapped.layer_idx, block_size)
         expected = layer(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: ref_meta})
