@@ -34,6 +34,7 @@ EXPECTED = {
     "Cohere2": (2, 2),  # interleaved RoPE on the sliding layer, none on the full one
     "GPT-NeoX": (2, 0),  # query_key_value's per-head rows reordered; its MLP is not gated
     "GPT-J": (2, 0),  # GPT-J's (sin, cos) half-width tables, interleaved pairs
+    "StarCoder2": (2, 0),  # biases everywhere; its MLP is not gated
     "Phi": (2, 0),  # partial rotary, `dense` as o_proj; its MLP is not gated
     "Phi3": (2, 2),  # q/k/v and gate/up already one projection each in the checkpoint: taken as they are
     "Mixtral": (2, 0),  # experts are not a gated MLP module of plain linears

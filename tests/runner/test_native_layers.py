@@ -34,6 +34,7 @@ WRAPPED = {
     "Phi3": 2,  # q/k/v and gate/up fused in the checkpoint
     "Cohere": 2,  # parallel attention and MLP, LayerNorm without bias, interleaved RoPE
     "Cohere2": 2,  # the same, a sliding layer (interleaved RoPE) and a full layer (no RoPE)
+    "StarCoder2": 2,  # LayerNorms with bias, biases everywhere, ungated GeLU-tanh MLP, sliding window
     "GPT-J": 2,  # parallel, one LayerNorm with bias, partial interleaved rotary from (sin, cos) half tables
     "GPT-NeoX": 2,  # parallel with two LayerNorms, per-head q/k/v rows, partial rotary, exact GeLU
     "Phi": 2,  # parallel, LayerNorm with bias, partial rotary, biases everywhere, ungated GeLU MLP (fc1, fc2)
@@ -99,6 +100,7 @@ def _steps(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> li
         "Phi",
         "GPT-NeoX",
         "GPT-J",
+        "StarCoder2",
     ],
 )
 def test_native_runners_give_the_logits_and_tokens_of_the_per_op_path(family_dir, name) -> None:

@@ -59,6 +59,7 @@ LLAMA_FORM_ATTENTION = frozenset(
         "Qwen2MoeAttention",
         "Qwen3Attention",
         "Qwen3MoeAttention",
+        "Starcoder2Attention",
     }
 )
 """Attention classes whose forward is Llama's (q/k/v/o, or Phi-3's q/k/v in one projection; optional q/k

@@ -34,6 +34,7 @@ NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = 
     ),
     "Phi3DecoderLayer": _PRE,  # its residual dropouts are the identity at inference
     "GraniteDecoderLayer": _PRE,  # h += residual_multiplier * block(norm(h))
+    "Starcoder2DecoderLayer": _PRE,  # LayerNorms with bias, biases everywhere, ungated c_fc/c_proj MLP
     "Gemma2DecoderLayer": _SANDWICH,
     "Gemma3DecoderLayer": _SANDWICH,
     "Olmo2DecoderLayer": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
@@ -48,8 +49,13 @@ NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = 
 attributes holding their norms before / after attention and before / after the MLP (``None``: no norm
 there). Other classes keep the Python path."""
 
-_UNGATED = (("fc1", "fc2", "activation_fn"), ("dense_h_to_4h", "dense_4h_to_h", "act"), ("fc_in", "fc_out", "act"))
-"""Ungated MLPs' up and down projections and activation: Phi's, GPT-NeoX's, GPT-J's."""
+_UNGATED = (
+    ("fc1", "fc2", "activation_fn"),
+    ("dense_h_to_4h", "dense_4h_to_h", "act"),
+    ("fc_in", "fc_out", "act"),
+    ("c_fc", "c_proj", "act"),
+)
+"""Ungated MLPs' up and down projections and activation: Phi's, GPT-NeoX's, GPT-J's, StarCoder2's."""
 
 
 def mlp_parts(mlp: Any) -> tuple[str, str, str] | None:

@@ -4,7 +4,8 @@ After :func:`~runner.cpu.fused_blocks.fuse_blocks`, a decoder layer whose form :
 (a class of :data:`~.layer_forms.NORM_PLACES` made of a :class:`~runner.cpu.fused_blocks.FusedPagedAttention`, a
 :class:`~runner.cpu.fused_blocks.FusedGatedMLP` of SiLU or GeLU-tanh, RMSNorms of the ``w`` or ``1 + w`` kind,
 LayerNorms, plain fp32 projections: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite, OLMo2, Phi-3,
-Cohere, Cohere 2, Phi, GPT-NeoX and GPT-J (parallel blocks, LayerNorms, partial or interleaved RoPE, ungated MLPs))
+Cohere, Cohere 2, Phi, GPT-NeoX, GPT-J, StarCoder2 (parallel blocks, LayerNorms, partial or interleaved RoPE,
+ungated MLPs))
 is wrapped by :class:`NativeDecoderLayer`:
 
 - a **decode step** (one new token per request, fp32 pools) runs the whole layer through
