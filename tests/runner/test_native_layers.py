@@ -16,6 +16,7 @@ from tgi_paged_backend.runner.cpu.layer_forms import layer_attention
 from tgi_paged_backend.runner.cpu.native_layers import NativeDecoderLayer
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.runner.rewrites.pipeline import model_rewrites
 from tgi_paged_kernels.cpu_native import native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="no C++ compiler here: no native kernels")
@@ -181,3 +182,24 @@ def test_a_wrong_description_is_never_served(family_dir, monkeypatch, name, chan
     runner = _runner(family_dir(name))
     assert runner.native_layers is not None and runner.native_layers.wrapped == 0
     assert runner.native_layers.kept
+
+
+def test_a_partial_rotary_phi3_is_served_as_transformers_computes_it(tmp_path) -> None:
+    """Phi-4-mini's form: Phi-3 layers whose rotary covers part of each head (``partial_rotary_factor``). The
+    load-time checks must see the rotary width the model really has, or a fusion that rotates whole heads
+    passes them and then fails (or differs) when serving."""
+    from tests.helpers.family_models import FAMILIES, write_family_model
+
+    family = next(f for f in FAMILIES if f.name == "Phi3")
+    partial = dataclasses.replace(family, overrides={**family.overrides, "partial_rotary_factor": 0.5})
+    path = write_family_model(partial, tmp_path / "phi3-partial")
+    prompts = [[3, 17, 5, 9, 11, 2, 8, 13, 21, 4, 6], [7, 7, 1, 30, 2]]
+    runner = _runner(path)
+    assert runner.native_layers is not None and runner.native_layers.wrapped == 2  # the native layer rotates part too
+    served = _steps(runner, prompts, 6)
+    plain = ModelRunner(
+        ModelConfig(model_id=str(path)), CacheConfig(block_size=4), rewrites=model_rewrites(without=("fuse",))
+    )
+    reference = _steps(plain, prompts, 6)
+    for got, want in zip(served, reference):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -167,8 +167,16 @@ def _gated_mlp(module: nn.Module) -> bool:
 
 
 def _rotary_dim(attn: nn.Module) -> int:
-    """RoPE's width per head: Phi's and GPT-NeoX's ``rotary_ndims``, GPT-J's ``rotary_dim``, else all of it."""
-    return int(getattr(attn, "rotary_ndims", None) or getattr(attn, "rotary_dim", None) or _head_dim(attn))
+    """RoPE's width per head: Phi's and GPT-NeoX's ``rotary_ndims``, GPT-J's ``rotary_dim``, the config's
+    ``partial_rotary_factor`` of the head (Phi-3's, e.g. Phi-4-mini), else all of it."""
+    explicit = getattr(attn, "rotary_ndims", None) or getattr(attn, "rotary_dim", None)
+    if explicit:
+        return int(explicit)
+    config = getattr(attn, "config", None)
+    factor = getattr(config, "partial_rotary_factor", None)
+    if factor is None:
+        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    return int(_head_dim(attn) * float(factor)) if factor else _head_dim(attn)
 
 
 def _head_dim(attn: nn.Module) -> int:

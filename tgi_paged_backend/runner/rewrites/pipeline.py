@@ -7,8 +7,8 @@ changed); :mod:`.base` defines the shape.
 The order matters and is the order of :data:`MODEL_REWRITES`:
 
 1. ``tp_slice``: cut each decoder layer to this rank (before anything wraps a linear);
-2. ``lora``: wrap the linears the adapters target (the fusion then leaves those layers, no longer plain
-   linears, alone);
+2. ``lora``: wrap the linears the adapters target (the fusion stacks the wrapped layers' bases and keeps
+   each projection's adapters on its own columns);
 3. ``fuse``: one q/k/v and one gate/up GEMM per layer on CPU;
 4. ``native``: the fused layers' decode step as one C++ call, any described layer form (needs ``fuse``);
 5. ``pack``: the remaining plain linears packed for oneDNN, Llama-form RMSNorms fused.
