@@ -180,14 +180,7 @@ def test_no_import_cycle_in_the_product() -> None:
     for node in sorted(graph):
         if node not in state:
             visit(node, [])
-    # A package __init__ importing its own submodules is how packages re-export: not a cycle of concerns.
-    real = [c for c in cycles if not _only_init_reexport(c)]
-    assert not real, "\n".join(real)
-
-
-def _only_init_reexport(cycle: str) -> bool:
-    nodes = cycle.split(" -> ")
-    return any(_sources()[n][0].name == "__init__.py" for n in nodes if n in _sources())
+    assert not cycles, "\n".join(cycles)
 
 
 def test_product_files_stay_small() -> None:
