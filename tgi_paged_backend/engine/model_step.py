@@ -140,12 +140,10 @@ class ModelStep:
             (int(first), int(count), logprobs)
             for first, count, logprobs in zip(layout.logits_start, layout.logits_count, prompt_rows)
         ]
-        counts_np = np.asarray(counts, dtype=np.int64)
         groups = range(1, self.kv.num_groups)  # KV layer groups past the first (memory.layer_groups)
-        if layout.is_decode:
-            starts_np = layout.positions
-            slots = self.kv.decode_slot_mapping(ids, starts_np)
-            group_slots = [self.kv.decode_slot_mapping(ids, starts_np, group=g) for g in groups]
+        if layout.is_decode:  # a decode step's positions are its requests' computed counts
+            slots = self.kv.decode_slot_mapping(ids, layout.positions)
+            group_slots = [self.kv.decode_slot_mapping(ids, layout.positions, group=g) for g in groups]
         else:
             slots = self.kv.slot_mapping(ids, starts, counts)
             group_slots = [self.kv.slot_mapping(ids, starts, counts, group=g) for g in groups]
@@ -158,7 +156,7 @@ class ModelStep:
             seq_lens=layout.seq_lens,
             logits_indices=layout.logits_indices,
             is_decode=layout.is_decode,
-            lora_slots=self._lora_slots(plan, counts_np),
+            lora_slots=self._lora_slots(plan, np.asarray(counts, dtype=np.int64)),
             group_slot_mappings=group_slots,
             group_block_tables=self.kv.group_block_tables(ids)[1:] if group_slots else (),
         )
