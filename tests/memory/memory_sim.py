@@ -30,10 +30,25 @@ def content_codes(token_ids: Sequence[int]) -> np.ndarray:
 class KVSim:
     """Device pool and swap space as ``int64 [num_blocks, block_size]`` code arrays (-1 = garbage)."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0, num_host_rows: int = 0) -> None:
         self.block_size = block_size
         self.device = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self.cpu = np.full((max(num_swap_blocks, 1), block_size), -1, dtype=np.int64)
+        self.host = np.full((max(num_host_rows, 1), block_size), -1, dtype=np.int64)
+        self.tier_moves: dict[str, int] = {"offload": 0, "load": 0}
+
+    def apply_tier_moves(self, manager: KVCacheManager) -> None:
+        """Run the host-tier copies the manager issued since the last call (issue order), then mark them
+        landed, as the engine does after a step's copies."""
+        for kind, src, dst in manager.take_tier_moves():
+            if kind == "offload":
+                self.host[dst] = self.device[src]
+            else:
+                assert kind == "load", kind
+                self.device[dst] = self.host[src]
+            self.tier_moves[kind] += 1
+        if manager.tiers is not None:
+            manager.tiers.moves_landed()
 
     def apply_allocation(self, allocation: Allocation) -> None:
         for copy in allocation.copies:

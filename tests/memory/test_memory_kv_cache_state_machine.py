@@ -23,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from memory_sim import KVSim
 
 from tgi_paged_backend.memory import KVCacheManager
+from tgi_paged_backend.memory.prefix_tiers import TierSetup
 from tgi_paged_backend.memory.window_reclaim import first_visible_position, max_resident_blocks
 
 VOCAB = (0, 1)
@@ -51,6 +52,8 @@ class MemoryMachine(RuleBasedStateMachine):
     """Sliding-window reclaim of the manager (``None``: off)."""
     GROUPS: tuple[int | None, ...] | None = None
     """Layer groups' windows instead (one page map per group, :mod:`.kv_group`)."""
+    HOST_ROWS = 0
+    """Rows of a host tier below the pool (0: none, :mod:`.prefix_tiers`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -59,8 +62,9 @@ class MemoryMachine(RuleBasedStateMachine):
             block_size=self.BS,
             num_swap_blocks=self.NUM_SWAP_BLOCKS,
             **({"groups": self.GROUPS} if self.GROUPS is not None else {"reclaim_window": self.WINDOW}),
+            tiers=TierSetup(self.HOST_ROWS, b"machine") if self.HOST_ROWS else None,
         )
-        self.sim = KVSim(self.NUM_BLOCKS, self.BS, self.NUM_SWAP_BLOCKS)
+        self.sim = KVSim(self.NUM_BLOCKS, self.BS, self.NUM_SWAP_BLOCKS, self.HOST_ROWS)
         self.reqs: dict[int, Req] = {}
         self.next_id = 0
         self.virtual_free = list(range(self.NUM_VIRTUAL_BLOCKS - 1, 0, -1))  # the router's pool
@@ -75,7 +79,11 @@ class MemoryMachine(RuleBasedStateMachine):
 
     def _start(self, rid: int) -> None:
         req = self.reqs[rid]
+        loads = self.sim.tier_moves["load"]
         match = self.m.match_prefix(rid, req.history)
+        self.sim.apply_tier_moves(self.m)
+        if self.sim.tier_moves["load"] > loads:
+            event("prefix loaded from the host tier")
         assert 0 <= match.num_cached_tokens < len(req.history)
         if match.num_shared_blocks:
             event("prefix blocks shared")
@@ -87,6 +95,7 @@ class MemoryMachine(RuleBasedStateMachine):
     def _try_prefill(self, rid: int) -> None:
         req = self.reqs[rid]
         allocation = self.m.allocate(rid, len(req.history))
+        self.sim.apply_tier_moves(self.m)
         if allocation is None:
             event("prefill allocation refused")
             return
@@ -131,6 +140,7 @@ class MemoryMachine(RuleBasedStateMachine):
         )
         req = self.reqs[rid]
         allocation = self.m.allocate(rid, len(req.history) + 1)
+        self.sim.apply_tier_moves(self.m)
         if allocation is None:
             return  # pool exhausted: the engine would preempt (another rule does)
         assert allocation.copies == ()
@@ -160,6 +170,7 @@ class MemoryMachine(RuleBasedStateMachine):
         draft = draft[: req.max_len - start - 1]
         accepted = min(accepted, len(draft))
         allocation = self.m.allocate(rid, start + 1 + len(draft))
+        self.sim.apply_tier_moves(self.m)
         if allocation is None:
             return  # a draft never preempts: the engine decodes one token instead
         assert allocation.copies == ()
@@ -214,6 +225,7 @@ class MemoryMachine(RuleBasedStateMachine):
         req = self.reqs[rid]
         if req.state == "swapped":
             plan = self.m.swap_in(rid)
+            self.sim.apply_tier_moves(self.m)
             if plan is not None:
                 event("swapped in")
                 self.sim.apply_swap(plan)
@@ -277,6 +289,7 @@ class MemoryMachine(RuleBasedStateMachine):
         assert self.m.num_free_blocks + self.m.num_retained_blocks == self.NUM_BLOCKS - 1
         if evict:
             self.m.reset_prefix_cache()
+            self.sim.apply_tier_moves(self.m)
             assert self.m.num_free_blocks == self.NUM_BLOCKS - 1
         self.m.check_invariants()
 
@@ -392,3 +405,31 @@ HybridMemoryMachineSlidingAnchor.TestCase.settings = settings(
     max_examples=30, stateful_step_count=50, deadline=None, derandomize=True
 )
 TestHybridMemoryMachineSlidingAnchor = HybridMemoryMachineSlidingAnchor.TestCase
+
+
+class TieredMemoryMachine(MemoryMachine):
+    """A host tier of 6 rows below a 13-block pool: evicted retained blocks are offloaded and loaded back
+    (issue order); every request still reads back exactly its own history."""
+
+    HOST_ROWS = 6
+
+
+TieredMemoryMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None, derandomize=True
+)
+TestTieredMemoryMachine = TieredMemoryMachine.TestCase
+
+
+class TieredHybridMemoryMachine(MemoryMachine):
+    """The host tier with a full and a sliding group: an entry keeps each group's block (or its hole)."""
+
+    NUM_BLOCKS = 25
+    NUM_SWAP_BLOCKS = 12
+    GROUPS = (None, 6)
+    HOST_ROWS = 10
+
+
+TieredHybridMemoryMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=50, deadline=None, derandomize=True
+)
+TestTieredHybridMemoryMachine = TieredHybridMemoryMachine.TestCase

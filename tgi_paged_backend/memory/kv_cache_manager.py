@@ -9,20 +9,18 @@ prompt *and* generated tokens, since a chat follow-up re-sends both -- are regis
 cache and become retained (reclaimable, LRU, last block evicted first). Swapping out does not
 register anything. The runner must follow the copy ordering rule of :mod:`.types`.
 
-Sliding-window reclaim (``reclaim_window``, set when every attention layer is windowed): each
-:meth:`allocate` first gives back the request's blocks that no query of the step reads
-(:mod:`.window_reclaim`); their entries become scratch-mapped holes. Full committed blocks are
-registered just before they go (so they are retained, and the chain goes on past the holes from
-``PageMap.chain``). Holes are never swapped or matched; a recompute preemption starts afresh.
+Sliding-window reclaim (``reclaim_window``, every attention layer windowed): each :meth:`allocate` first
+gives back the blocks no query of the step reads (:mod:`.window_reclaim`), registering full committed ones
+first; their entries become scratch-mapped holes, never swapped or matched.
 
-Layer groups (``groups``, :mod:`.layer_groups`): with several groups every request has one page map
-per group (:class:`~.kv_group.KVGroup`), all over the one pool, and every operation runs on every
-group: an allocation backs all groups or none, swap and recompute move all of them. A sliding group
-reclaims behind its own window. Group 0 anchors prefix retention: it registers its chains as its
-blocks fill, the other groups attach their blocks to its entries (:mod:`.attached_blocks`), and a hit
-is the anchor's, cut where a group lacks a block it needs (a sliding group: the window the hit point
-reads). The runner reads group ``g``'s tables and slots for the layers of group ``g``
-(:meth:`group_block_tables`).
+Layer groups (``groups``, :mod:`.layer_groups`, :mod:`.kv_group`): one page map per group and request over
+the one pool; every operation runs on every group (all or nothing). Group 0 anchors prefix retention, the
+others attach their blocks to its entries (:mod:`.attached_blocks`); the runner reads group ``g``'s tables
+for the layers of group ``g`` (:meth:`group_block_tables`).
+
+KV tiers (``tiers``, :mod:`.prefix_tiers`): retained blocks the pool evicts are copied to a host tier
+first, and a prompt whose chain goes on there is loaded back before the match; the copies come from
+:meth:`take_tier_moves`.
 """
 
 from __future__ import annotations
@@ -35,9 +33,10 @@ from tgi_paged_backend.memory.attached_blocks import AttachedBlocks
 from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.block_table import BlockTableArray
 from tgi_paged_backend.memory.invariants import check_manager_invariants
-from tgi_paged_backend.memory.kv_group import KVGroup, concat_moves, cut_hit
+from tgi_paged_backend.memory.kv_group import KVGroup, concat_moves, cut_hit, group_windows
 from tgi_paged_backend.memory.page_map import PageMap
 from tgi_paged_backend.memory.prefix_cache import NullPrefixCache, PrefixCache, RegistryObserver, chain_root
+from tgi_paged_backend.memory.prefix_tiers import TierMove, TierSetup, build_tiers
 from tgi_paged_backend.memory.stats import MemoryStats, pool_stats
 from tgi_paged_backend.memory.swap_space import SwapSpace
 from tgi_paged_backend.memory.types import (
@@ -65,6 +64,7 @@ class KVCacheManager:
             behind it are given back as decoding moves on. ``None``: keep the whole history.
         groups: Instead of ``reclaim_window``: each layer group's window (``None``: full attention), one
             page map per group and request (:mod:`.layer_groups`).
+        tiers: A host tier below the pool for evicted prefix blocks (:mod:`.prefix_tiers`; needs retention).
     """
 
     def __init__(
@@ -77,23 +77,16 @@ class KVCacheManager:
         observer: RegistryObserver | None = None,
         reclaim_window: int | None = None,
         groups: Sequence[int | None] | None = None,
+        tiers: TierSetup | None = None,
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size={block_size} is invalid: allowed >= 1")
-        if groups is not None and reclaim_window is not None:
-            raise ValueError("give reclaim_window or groups, not both")
-        if reclaim_window is not None and reclaim_window < 1:
-            raise ValueError(f"reclaim_window={reclaim_window} is invalid: allowed >= 1 or None")
-        windows = tuple(groups) if groups is not None else (reclaim_window,)
-        if not windows or any(w is not None and w < 1 for w in windows):
-            raise ValueError(f"groups={windows} is invalid: allowed windows >= 1 or None, at least one group")
+        windows = group_windows(block_size, reclaim_window, groups)
         self.block_size = block_size
         self.reclaim_window = windows[0] if len(windows) == 1 else None
         self._num_reclaimed_total = 0
         self._pool = BlockPool(num_blocks)
         self._anchored = enable_prefix_retention and len(windows) > 1
         anchor: PrefixCache | NullPrefixCache = (
-            PrefixCache(self._pool, block_size, observer)
+            PrefixCache(self._pool, block_size, observer, salt=tiers.salt if tiers else None)
             if enable_prefix_retention
             else NullPrefixCache(self._pool, block_size)
         )
@@ -119,6 +112,8 @@ class KVCacheManager:
         if isinstance(anchor, PrefixCache) and self._anchored:
             anchor.on_forget = self._forget_serial
         self._pool.on_evict = self._forget_block
+        self.tiers = build_tiers(tiers, self._pool, [g.prefix for g in self._groups], block_size)
+        """The host tier below the pool (``None``: off); the engine asks it what the disk tier may add."""
         self._swap = SwapSpace(num_swap_blocks)
         first = self._groups[0]
         self._prefix, self._table, self._requests = first.prefix, first.table, first.requests  # group 0's
@@ -138,7 +133,9 @@ class KVCacheManager:
         return [g.requests[request_id] for g in self._groups]
 
     def _forget_block(self, block_id: int) -> None:
-        """The pool evicted a retained block: the registry that knows it forgets it."""
+        """The pool evicted a retained block: the host tier keeps it, the registry that knows it forgets it."""
+        if self.tiers is not None:
+            self.tiers.pool_evicting(block_id)
         for group in self._groups:
             if group.prefix.is_registered(block_id):
                 group.prefix.forget_block(block_id)
@@ -177,13 +174,10 @@ class KVCacheManager:
         self._rows_cache = None
 
     def match_prefix(self, request_id: int, prompt_ids: Sequence[int]) -> PrefixMatch:
-        """Share retained blocks matching the leading tokens of ``prompt_ids`` (content decides).
-
-        With several groups the hit is group 0's (the anchor's), cut (its copy-on-write run first, then
-        whole blocks) until every other group has the blocks the hit point needs: a full group every one,
-        a sliding group those its window reads there (the rest become holes). Call once after
-        :meth:`add_request` (or after :meth:`preempt_recompute`, with the full token history), before the
-        first :meth:`allocate`.
+        """Share retained blocks matching the leading tokens of ``prompt_ids`` (content decides; the host
+        tier's continuation is loaded first). With several groups the hit is the anchor's, cut until every
+        group has the blocks the hit point needs (:func:`.kv_group.cut_hit`). Call once after
+        :meth:`add_request` (or :meth:`preempt_recompute`, with the full history), before :meth:`allocate`.
         """
         maps = self._maps(request_id)
         for req in maps:
@@ -191,6 +185,8 @@ class KVCacheManager:
             req.token_ids = [int(t) for t in prompt_ids]
             req.num_committed = req.num_allocated_tokens = 0
         self._num_prefix_query_tokens += len(prompt_ids)
+        if self.tiers is not None:
+            self.tiers.promote(maps[0].token_ids, maps[0], maps[0].max_mappable_blocks)
         # never past the reservation or onto virtual block 0
         cut = cut_hit(self._groups, self._groups[0].match(maps[0]), maps[0].max_mappable_blocks)
         if cut is None:
@@ -338,6 +334,9 @@ class KVCacheManager:
         moves = [group.swap_in(req, self._swap) for group, req in zip(self._groups, maps)]
         return SwapPlan(request_id, "in", *concat_moves(moves))
 
+    def take_tier_moves(self) -> list[TierMove]:
+        """Host-tier copies issued since the last call, in issue order (run before later-issued copies)."""
+        return self.tiers.take_moves() if self.tiers is not None else []
     # ------------------------------------------------------------------------ runner metadata
     def block_tables(self, request_ids: Sequence[int]) -> np.ndarray:
         """``int32 [len(request_ids), max_blocks]`` physical ids in token order, 0-padded (group 0)."""
@@ -447,3 +446,5 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Pool, prefix registries, swap space and every page map agree; refcount == number of holders."""
         check_manager_invariants(pool=self._pool, groups=self._groups, swap=self._swap, block_size=self.block_size)
+        if self.tiers is not None:
+            self.tiers.host.check_invariants()

@@ -267,3 +267,20 @@ def cut_hit(groups: Sequence[KVGroup], hit: PrefixHit, limit: int | None) -> Gro
 def concat_moves(moves: Sequence[tuple[list[int], list[int]]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Every group's ``(src, dst)`` block moves as one source and one destination tuple."""
     return tuple(b for src, _ in moves for b in src), tuple(b for _, dst in moves for b in dst)
+
+
+def group_windows(
+    block_size: int, reclaim_window: int | None, groups: Sequence[int | None] | None
+) -> tuple[int | None, ...]:
+    """The windows of a manager's groups from its arguments (one group of ``reclaim_window`` without
+    ``groups``); ``ValueError`` for a bad combination."""
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} is invalid: allowed >= 1")
+    if groups is not None and reclaim_window is not None:
+        raise ValueError("give reclaim_window or groups, not both")
+    if reclaim_window is not None and reclaim_window < 1:
+        raise ValueError(f"reclaim_window={reclaim_window} is invalid: allowed >= 1 or None")
+    windows = tuple(groups) if groups is not None else (reclaim_window,)
+    if not windows or any(w is not None and w < 1 for w in windows):
+        raise ValueError(f"groups={windows} is invalid: allowed windows >= 1 or None, at least one group")
+    return windows

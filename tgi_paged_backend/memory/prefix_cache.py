@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tgi_paged_backend.memory.block_keys import TierBlock, block_key, root_key
 from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.types import SCRATCH_BLOCK
 
@@ -60,6 +61,8 @@ class _Entry:
     token_ids: tuple[int, ...]
     namespace: int = 0
     """The LoRA adapter index whose chain holds the entry (0: the base model)."""
+    key: bytes = b""
+    """Its chain digest (:mod:`.block_keys`) when KV tiers are on, else empty."""
 
 
 class RegistryObserver(Protocol):
@@ -129,10 +132,14 @@ class PrefixCache:
         block_size: Tokens per block.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, observer: RegistryObserver | None = None) -> None:
+    def __init__(
+        self, pool: BlockPool, block_size: int, observer: RegistryObserver | None = None, salt: bytes | None = None
+    ) -> None:
         self._pool = pool
         self.block_size = block_size
         self._observer = observer
+        self._salt = salt
+        """With KV tiers: every entry also gets its chain digest, salted with this (``None``: no digests)."""
         self._by_hash: dict[int, _Entry] = {}
         self._by_block: dict[int, _Entry] = {}
         self._by_serial: dict[int, _Entry] = {}
@@ -155,6 +162,31 @@ class PrefixCache:
     def has_serial(self, serial: int) -> bool:
         """Whether the entry ``serial`` is held now."""
         return serial in self._by_serial
+
+    # ------------------------------------------------------------------------ KV tiers' view
+    def tier_block(self, block_id: int) -> TierBlock | None:
+        """The identity of the registered ``block_id`` outside the pool (``None`` without digests)."""
+        entry = self._by_block.get(block_id)
+        if entry is None or self._salt is None:
+            return None
+        parent = self._by_serial.get(entry.parent_serial)
+        parent_key = parent.key if parent is not None else root_key(self._salt, entry.namespace)
+        parent_hash = parent.chain_hash if parent is not None else None
+        return TierBlock(entry.key, parent_key, entry.token_ids, entry.namespace, entry.chain_hash, parent_hash)
+
+    def serial_of(self, block_id: int) -> int:
+        """The entry serial of the registered ``block_id``."""
+        return self._by_block[block_id].serial
+
+    def cursor_after(self, serials: Sequence[int], root: ChainCursor) -> tuple[ChainCursor, bytes, int | None]:
+        """Where a chain that matched the entries ``serials`` from ``root`` goes on: its cursor, its chain
+        digest there and the chain hash of its last entry (``None`` at the root). Needs digests."""
+        assert self._salt is not None, "chain digests are off"
+        if not serials:
+            namespace = max(_ROOT_SERIAL - root.parent_serial, 0)
+            return root, root_key(self._salt, namespace), None
+        last = self._by_serial[serials[-1]]
+        return ChainCursor(len(serials), last.chain_hash, last.serial), last.key, last.chain_hash
 
     # -------------------------------------------------------------------------------- matching
     def match(self, token_ids: Sequence[int], root: ChainCursor = CHAIN_START) -> PrefixHit:
@@ -269,7 +301,10 @@ class PrefixCache:
     def _add(self, block_id: int, key: int, parent_serial: int, chunk: tuple[int, ...]) -> _Entry:
         parent = self._by_serial.get(parent_serial) if parent_serial > _ROOT_SERIAL else None
         namespace = parent.namespace if parent is not None else max(_ROOT_SERIAL - parent_serial, 0)
-        entry = _Entry(block_id, key, self._next_serial, parent_serial, chunk, namespace)
+        digest = b""
+        if self._salt is not None:
+            digest = block_key(parent.key if parent is not None else root_key(self._salt, namespace), chunk)
+        entry = _Entry(block_id, key, self._next_serial, parent_serial, chunk, namespace, digest)
         if self._observer is not None:
             self._observer.block_stored(key, None if parent is None else parent.chain_hash, chunk, namespace)
         self._next_serial += 1
