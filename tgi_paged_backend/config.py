@@ -57,6 +57,15 @@ class CacheConfig:
     """Advertised virtual tokens divided by physical tokens (>= 1)."""
     swap_space_bytes: int = 4 * 1024**3
     """Bytes of CPU memory for swapped-out blocks (0 disables swapping)."""
+    host_cache_bytes: int | None = None
+    """``TGI_PAGED_HOST_CACHE_GB``: host RAM for the prefix blocks the pool evicts (``memory.host_tier``;
+    needs prefix caching). ``None``: automatic, :func:`~tgi_paged_backend.offload.tier_sizing.host_tier_bytes`
+    (on CUDA half the host RAM available at start less the swap space, at most 64 GiB; on CPU 0, since the
+    pool itself lives in host RAM there). A separate arena from the swap space, never counted twice."""
+    disk_cache_dir: str | None = None
+    """``TGI_PAGED_DISK_CACHE_DIR``: opt-in disk tier below the host tier (kept across restarts)."""
+    disk_cache_bytes: int = 16 * 1024**3
+    """``TGI_PAGED_DISK_CACHE_GB``: size cap of the disk tier's files."""
     watermark: float = 0.01
     """Share of physical blocks kept free for running requests before admission is braked."""
     kv_cache_dtype: str = "auto"
@@ -82,6 +91,10 @@ class CacheConfig:
             raise ConfigError(f"overcommit={self.overcommit} is invalid: allowed >= 1.0")
         if self.swap_space_bytes < 0:
             raise ConfigError(f"swap_space_bytes={self.swap_space_bytes} is invalid: allowed >= 0")
+        if self.host_cache_bytes is not None and self.host_cache_bytes < 0:
+            raise ConfigError(f"host_cache_bytes={self.host_cache_bytes} is invalid: allowed >= 0 or None")
+        if self.disk_cache_bytes <= 0:
+            raise ConfigError(f"disk_cache_bytes={self.disk_cache_bytes} is invalid: allowed > 0")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark={self.watermark} is invalid: allowed [0, 1)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -46,6 +46,9 @@ class EnvSettings:
     overcommit: float
     preemption: str
     swap_space_gb: float
+    host_cache_gb: float | None
+    disk_cache_dir: str | None
+    disk_cache_gb: float
     watermark: float
     metrics_port: int | None
     metrics_host: str
@@ -211,6 +214,11 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         ),
         # TGI_PAGED_SWAP_SPACE_GB: CPU swap space in GiB (0 disables swap).
         swap_space_gb=_parse(e, "TGI_PAGED_SWAP_SPACE_GB", 4.0, float, "a number >= 0", lambda v: v >= 0.0),
+        # TGI_PAGED_HOST_CACHE_GB: host-RAM tier for prefix blocks the pool evicts (unset: auto, see CacheConfig).
+        host_cache_gb=_parse_optional(e, "TGI_PAGED_HOST_CACHE_GB", float, "a number >= 0", lambda v: v >= 0.0),
+        # TGI_PAGED_DISK_CACHE_DIR / _GB: opt-in disk tier below the host tier, kept across restarts.
+        disk_cache_dir=_parse_optional(e, "TGI_PAGED_DISK_CACHE_DIR", str, "a directory path"),
+        disk_cache_gb=_parse(e, "TGI_PAGED_DISK_CACHE_GB", 16.0, float, "a number > 0", lambda v: v > 0.0),
         # TGI_PAGED_WATERMARK: free-block share kept before braking admission.
         watermark=_parse(e, "TGI_PAGED_WATERMARK", 0.01, float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0),
         # TGI_PAGED_METRICS_PORT: Prometheus /metrics on 127.0.0.1:PORT.
@@ -347,6 +355,9 @@ def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             num_blocks=s.num_blocks,
             overcommit=s.overcommit,
             swap_space_bytes=int(s.swap_space_gb * 1024**3),
+            host_cache_bytes=None if s.host_cache_gb is None else int(s.host_cache_gb * 1024**3),
+            disk_cache_dir=s.disk_cache_dir,
+            disk_cache_bytes=int(s.disk_cache_gb * 1024**3),
             watermark=s.watermark,
             kv_cache_dtype=cli.get("kv_cache_dtype") or "auto",
             prefix_caching=s.prefix_caching,

@@ -21,6 +21,8 @@ class EngineStats:
     swap_bytes: dict[str, int] = field(default_factory=lambda: {"out": 0, "in": 0})
     preempted_wait_s: list[float] = field(default_factory=list)
     prefix_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    """Prompt tokens whose blocks the disk tier supplied (read into the host tier at admission)."""
     prefix_query_tokens: int = 0
     draft_tokens: int = 0
     """Speculative tokens verified (``--speculate``)."""

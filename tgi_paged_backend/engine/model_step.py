@@ -23,6 +23,7 @@ from tgi_paged_backend.engine.speculation import accepted_prefix, drafting_pays
 from tgi_paged_backend.engine.step_anatomy import StepTimer
 from tgi_paged_backend.engine.types import GeneratedText, Generation, Tokens
 from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
+from tgi_paged_backend.offload.tier_io import TierIO
 from tgi_paged_backend.runner.input_batch import ForwardBatch, layout_tokens
 from tgi_paged_backend.runner.model_runner import ModelRunner
 
@@ -52,9 +53,16 @@ class ModelStep:
     """Turns a plan into generations. Owns no request state; mutates the planned requests."""
 
     def __init__(
-        self, runner: ModelRunner, kv: KVCacheManager, decoder: TokenDecoder, spec_max_batch: int | None = None
+        self,
+        runner: ModelRunner,
+        kv: KVCacheManager,
+        decoder: TokenDecoder,
+        spec_max_batch: int | None = None,
+        tier_io: TierIO | None = None,
     ) -> None:
         self.runner = runner
+        self.tier_io = tier_io
+        """Runs the host tier's moves (``offload``, ``load``) of the copy list."""
         self.kv = kv
         self.decoder = decoder
         self.spec_max_batch = spec_max_batch
@@ -71,7 +79,8 @@ class ModelStep:
             timer.device_lap("copy")
         t0 = time.perf_counter_ns()
         copies = dict(
-            num_swapped_blocks=sum(len(src) for kind, src, _ in plan.copy_ops if kind != "cow"), copy_ns=t0 - t_copy
+            num_swapped_blocks=sum(len(src) for kind, src, _ in plan.copy_ops if kind in ("out", "in")),
+            copy_ns=t0 - t_copy,
         )
         if not plan.scheduled:
             return StepOutput([], [], 0, 0, 0, 0, **copies)
@@ -107,8 +116,11 @@ class ModelStep:
                 self.runner.swap_out(src, dst)
             elif kind == "in":
                 self.runner.swap_in(src, dst)
-            else:
+            elif kind == "cow":
                 self.runner.copy_blocks(src, dst)
+            else:
+                assert self.tier_io is not None, f"a {kind} move without a host tier"
+                self.tier_io.run(kind, src, dst)
 
     @staticmethod
     def _wants_prompt_logprobs(r: RequestState) -> bool:

@@ -42,7 +42,8 @@ class StepPlan:
     scheduled: list[tuple[RequestState, int]] = field(default_factory=list)
     copy_ops: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     """``(kind, src ids, dst ids)`` in the order the memory manager issued them (a block released by
-    one may be reused by a later one): ``out`` device -> cpu, ``in`` cpu -> device, ``cow`` in-pool."""
+    one may be reused by a later one): ``out`` device -> cpu, ``in`` cpu -> device, ``cow`` in-pool,
+    ``offload`` pool -> host tier, ``load`` host tier -> pool."""
     preemptions: list[PreemptionEvent] = field(default_factory=list)
     resumed_wait_s: list[float] = field(default_factory=list)
     num_new_blocks: int = 0
@@ -79,6 +80,7 @@ class Scheduler:
     def plan(self, step: list[RequestState], others: Iterable[RequestState]) -> StepPlan:
         """Plan one step for ``step`` (the merged batch); ``others`` may lose blocks to it."""
         plan = StepPlan()
+        self._take_tier_moves(plan)  # issued at admission (a match's loads), before anything of this step
         live = sorted((r for r in step if r.status is not RequestStatus.FINISHED), key=self.priority)
         victims_pool = sorted(
             {id(r): r for r in [*live, *others] if r.status is not RequestStatus.FINISHED}.values(), key=self.priority
@@ -97,6 +99,7 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.PREEMPTED:  # resume: share what is still retained
                 reuse_cached_prefix(self.kv, request)
+                self._take_tier_moves(plan)
             if request.draft and not self._allocate_draft(request, plan):
                 request.draft = []  # the pool cannot back the draft without preempting: decode one token
             n = self._num_tokens(request, prefill_budget)
@@ -139,9 +142,15 @@ class Scheduler:
         while (swap := self.kv.swap_in(request.id)) is None:
             if not self._preempt_one_after(request, victims_pool, plan):
                 return False
+        self._take_tier_moves(plan)
         plan.copy_ops.append(("in", list(swap.src_blocks), list(swap.dst_blocks)))
         plan.resumed_wait_s.append(request.mark_resumed())
         return True
+
+    def _take_tier_moves(self, plan: StepPlan) -> None:
+        """The host tier's copies issued by the last manager call go before that call's own copies
+        (an evicted block is offloaded before it is written again)."""
+        plan.copy_ops.extend(self.kv.take_tier_moves())
 
     def _release_if_waiting(self, request: RequestState) -> None:
         """A request that could not run this step and has computed nothing of its own gives back the
@@ -165,6 +174,7 @@ class Scheduler:
         while (allocation := self.kv.allocate(request.id, num_tokens)) is None:
             if not self._preempt_one_after(request, victims_pool, plan):
                 return False
+        self._take_tier_moves(plan)
         for copy in allocation.copies:
             plan.copy_ops.append(("cow", [copy.src], [copy.dst]))
         plan.num_new_blocks += len(allocation.new_blocks)
@@ -175,6 +185,7 @@ class Scheduler:
         allocation = self.kv.allocate(request.id, request.num_computed + 1 + len(request.draft))
         if allocation is None:
             return False
+        self._take_tier_moves(plan)
         for copy in allocation.copies:
             plan.copy_ops.append(("cow", [copy.src], [copy.dst]))
         plan.num_new_blocks += len(allocation.new_blocks)

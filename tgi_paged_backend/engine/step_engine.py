@@ -28,6 +28,8 @@ from tgi_paged_backend.engine.tokenize import PromptTokenizer
 from tgi_paged_backend.engine.types import RequestSpec
 from tgi_paged_backend.lora.sources import AdapterNames
 from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
+from tgi_paged_backend.offload.disk_store import DiskStore
+from tgi_paged_backend.offload.tier_setup import build_kv_tiers
 from tgi_paged_backend.policy.preemption_mode import RateCalibrator, choose_preemption_mode
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.telemetry.engine_adapter import StepRecordBuilder
@@ -69,6 +71,8 @@ class StepEngine:
         self._spec_max_batch = config.model.speculate_max_batch or (1 if runner.device.type == "cpu" else None)
         """Decoding requests up to which a step drafts (``ModelConfig.speculate_max_batch``)."""
         self._pool_built = False
+        self._disk: DiskStore | None = None
+        """The disk tier's store, opened at the first pool and kept when Warmup rebuilds it."""
 
     # -- the pool ---------------------------------------------------------------------------
 
@@ -79,6 +83,9 @@ class StepEngine:
         if self.config.preemption.mode == "recompute":
             swap_blocks = 0
         self.runner.allocate_swap_space(swap_blocks)
+        self.tier_io, tiers, self._disk = build_kv_tiers(
+            self.config, self.runner, swap_bytes=swap_blocks * self.runner.block_bytes, disk=self._disk
+        )
         if self._pool_built:  # a new pool: every block the old one retained is gone
             self.observer.on_pool_reset()
         self._pool_built = True
@@ -89,6 +96,7 @@ class StepEngine:
             enable_prefix_retention=self.config.cache.prefix_caching,  # PREFIX_CACHING
             observer=self.kv_events,
             groups=self.runner.kv_groups.windows,  # one group: the reclaim window of every layer, if any
+            tiers=tiers,  # TGI_PAGED_HOST_CACHE_GB, TGI_PAGED_DISK_CACHE_DIR
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -98,7 +106,7 @@ class StepEngine:
             cost_aware=self.config.preemption.cost_aware_victims,
             max_loras=self.config.model.max_loras,
         )
-        self.model_step = ModelStep(self.runner, self.kv, self.decoder, self._spec_max_batch)
+        self.model_step = ModelStep(self.runner, self.kv, self.decoder, self._spec_max_batch, self.tier_io)
 
     def _choose_mode(self, victim: RequestState, swap_has_room: bool) -> tuple[str, float]:
         decision = choose_preemption_mode(
@@ -114,10 +122,14 @@ class StepEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop grammar compiles; close telemetry (the last OTLP export, pending preemption summaries, KV events)."""
+        """Stop grammar compiles; finish the disk tier's writes; close telemetry (the last OTLP export,
+        pending preemption summaries, KV events)."""
         try:
             if self._grammar is not None:
                 self._grammar.close()
+            if self._disk is not None:
+                self.tier_io.persist(self.kv)  # the pool's retained blocks, to disk (bounded)
+                self._disk.close()
         finally:
             self.observer.close()
 
@@ -145,6 +157,8 @@ class StepEngine:
         state.adapter = self.adapter_names.resolve(spec.adapter_id)
         self.kv.add_request(spec.id, spec.blocks, namespace=state.adapter)
         self.requests[spec.id] = state
+        if self.tier_io.disk is not None and state.may_reuse_prefix:  # the disk tier's blocks go to the host tier
+            self.stats.disk_hit_tokens += self.tier_io.fetch(self.kv, prompt_ids, state.adapter) * self.block_size
         self.stats.prefix_hit_tokens += reuse_cached_prefix(self.kv, state)
         self.stats.prefix_query_tokens += len(prompt_ids)
 
@@ -163,6 +177,8 @@ class StepEngine:
         plan = self.scheduler.plan(step, others)
         timer.lap("schedule")
         out = self.model_step.run(plan, timer)
+        if self.kv.tiers is not None:
+            self.kv.tiers.moves_landed()  # the step's copies ran: what they offloaded is loadable
         step_s = time.perf_counter() - t0
         if not plan.scheduled:
             time.sleep(IDLE_WAIT_S)

@@ -23,7 +23,9 @@ KEY_BYTES = 16
 
 def root_key(salt: bytes, namespace: int) -> bytes:
     """Where the chains of LoRA adapter index ``namespace`` (0: the base model) start."""
-    return blake2b(b"tgi-paged-root" + salt + int(namespace).to_bytes(8, "little", signed=True), digest_size=KEY_BYTES).digest()
+    return blake2b(
+        b"tgi-paged-root" + salt + int(namespace).to_bytes(8, "little", signed=True), digest_size=KEY_BYTES
+    ).digest()
 
 
 def block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:

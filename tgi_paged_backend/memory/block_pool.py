@@ -150,10 +150,10 @@ class BlockPool:
         del self._retained[block_id]
         self._free.append(block_id)
 
-    def evict_all_retained(self) -> int:
-        """Evict every retained block (calling ``on_evict``); returns how many."""
+    def evict_all_retained(self, limit: int | None = None) -> int:
+        """Evict every retained block (at most ``limit``), oldest first, calling ``on_evict``; returns how many."""
         count = 0
-        while self._retained:
+        while self._retained and (limit is None or count < limit):
             block_id, _ = self._retained.popitem(last=False)
             if self.on_evict is not None:
                 self.on_evict(block_id)

@@ -99,11 +99,18 @@ class HostTier:
         self._pending.append(entry)
         return entry
 
-    def mark_landed(self) -> None:
-        """The copies issued for every pending entry have run: they become loadable."""
-        for entry in self._pending:
+    def mark_landed(self) -> list[HostEntry]:
+        """The copies issued for every pending entry have run: they become loadable. Returns them."""
+        landed, self._pending = self._pending, []
+        for entry in landed:
             entry.landed = True
-        self._pending.clear()
+        return landed
+
+    def land(self, entry: HostEntry) -> None:
+        """One pending entry's rows are written (a disk fetch): it becomes loadable now."""
+        if entry in self._pending:
+            self._pending.remove(entry)
+        entry.landed = True
 
     def pin(self, key: bytes) -> None:
         self._pinned[key] = self._pinned.get(key, 0) + 1

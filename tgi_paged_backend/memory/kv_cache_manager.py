@@ -18,9 +18,8 @@ the one pool; every operation runs on every group (all or nothing). Group 0 anch
 others attach their blocks to its entries (:mod:`.attached_blocks`); the runner reads group ``g``'s tables
 for the layers of group ``g`` (:meth:`group_block_tables`).
 
-KV tiers (``tiers``, :mod:`.prefix_tiers`): retained blocks the pool evicts are copied to a host tier
-first, and a prompt whose chain goes on there is loaded back before the match; the copies come from
-:meth:`take_tier_moves`.
+KV tiers (``tiers``, :mod:`.prefix_tiers`): evicted retained blocks are copied to a host tier first, a
+prompt whose chain goes on there is loaded back before the match (copies: :meth:`take_tier_moves`).
 """
 
 from __future__ import annotations
@@ -186,7 +185,7 @@ class KVCacheManager:
             req.num_committed = req.num_allocated_tokens = 0
         self._num_prefix_query_tokens += len(prompt_ids)
         if self.tiers is not None:
-            self.tiers.promote(maps[0].token_ids, maps[0], maps[0].max_mappable_blocks)
+            self.tiers.promote(maps[0].token_ids, maps[0].chain_root, maps[0].max_mappable_blocks)
         # never past the reservation or onto virtual block 0
         cut = cut_hit(self._groups, self._groups[0].match(maps[0]), maps[0].max_mappable_blocks)
         if cut is None:
@@ -337,6 +336,7 @@ class KVCacheManager:
     def take_tier_moves(self) -> list[TierMove]:
         """Host-tier copies issued since the last call, in issue order (run before later-issued copies)."""
         return self.tiers.take_moves() if self.tiers is not None else []
+
     # ------------------------------------------------------------------------ runner metadata
     def block_tables(self, request_ids: Sequence[int]) -> np.ndarray:
         """``int32 [len(request_ids), max_blocks]`` physical ids in token order, 0-padded (group 0)."""

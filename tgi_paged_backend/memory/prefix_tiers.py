@@ -13,9 +13,10 @@ ordering rule of :mod:`.types`):
   ends: the entries are copied into fresh pool blocks, registered in the pool's registries as retained
   blocks, and the pool's ordinary match then shares them (:meth:`PrefixTiers.promote`).
 
-Entries the host tier evicts go to ``spill`` (the disk tier, when one is configured) while their rows
-still hold them. Keys are chain digests (:mod:`.block_keys`), so a host or disk entry is found by
-content, never by a serial of the pool that wrote it.
+Entries go to ``spill`` (the disk tier, when one is configured) once their copy has landed
+(write-through), and again when the host tier evicts them (the disk store ignores what it holds). Keys
+are chain digests (:mod:`.block_keys`), so a host or disk entry is found by content, never by a serial of
+the pool that wrote it.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from tgi_paged_backend.memory.attached_blocks import AttachedBlocks
 from tgi_paged_backend.memory.block_keys import TierBlock, block_key
 from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.host_tier import HostEntry, HostTier
-from tgi_paged_backend.memory.page_map import PageMap
-from tgi_paged_backend.memory.prefix_cache import PrefixCache, chain_hash
+from tgi_paged_backend.memory.prefix_cache import ChainCursor, PrefixCache, chain_hash
 from tgi_paged_backend.memory.types import SCRATCH_BLOCK
 
 TierMove = tuple[str, list[int], list[int]]
@@ -93,8 +93,17 @@ class PrefixTiers:
         return moves
 
     def moves_landed(self) -> None:
-        """Every move taken so far has run: the entries they filled become loadable."""
-        self.host.mark_landed()
+        """Every move taken so far has run: the entries they filled become loadable, and go to ``spill``
+        (write-through: the disk tier holds what the host tier holds, so a restart finds whole chains, not
+        only the tails the host tier happened to evict)."""
+        for entry in self.host.mark_landed():
+            if self._spill is not None:
+                self._spill(entry)
+
+    def evict_retained(self, limit: int) -> int:
+        """Evict up to ``limit`` retained pool blocks, oldest first (their offloads join :attr:`moves`);
+        returns how many. At shutdown the engine pushes the pool's retained blocks down to disk this way."""
+        return self._pool.evict_all_retained(limit)
 
     # -------------------------------------------------------------------------- pool -> host
     def pool_evicting(self, block_id: int) -> None:
@@ -124,12 +133,12 @@ class PrefixTiers:
             self._spill(entry)
 
     # -------------------------------------------------------------------------- host -> pool
-    def host_chain(self, token_ids: Sequence[int], req: PageMap, limit: int | None) -> tuple[int, list[HostEntry]]:
+    def host_chain(self, token_ids: Sequence[int], root: ChainCursor, limit: int | None) -> tuple[int, list[HostEntry]]:
         """Where the pool's hit for ``token_ids`` ends (in blocks) and the landed host entries that go on
         from there, in order (full blocks of ``token_ids[:-1]``, at most ``limit`` blocks in all)."""
-        hit = self._anchor.match(token_ids, req.chain_root)
+        hit = self._anchor.match(token_ids, root)
         num_pool = len(hit.block_ids) if limit is None else min(len(hit.block_ids), limit)
-        _, key, _ = self._anchor.cursor_after(hit.serials[:num_pool], req.chain_root)
+        _, key, _ = self._anchor.cursor_after(hit.serials[:num_pool], root)
         found: list[HostEntry] = []
         bs, index = self.block_size, num_pool
         while (index + 1) * bs <= len(token_ids) - 1 and (limit is None or index < limit):
@@ -142,14 +151,14 @@ class PrefixTiers:
             key, index = next_key, index + 1
         return num_pool, found
 
-    def promote(self, token_ids: Sequence[int], req: PageMap, limit: int | None) -> int:
+    def promote(self, token_ids: Sequence[int], root: ChainCursor, limit: int | None) -> int:
         """Load the host entries that extend the pool's hit for ``token_ids`` into fresh pool blocks and
         register them there as retained (the caller's pool match then shares them). Returns the anchor
         blocks loaded (as many as the pool can take without evicting the hit itself)."""
-        num_pool, found = self.host_chain(token_ids, req, limit)
+        num_pool, found = self.host_chain(token_ids, root, limit)
         if not found:
             return 0
-        hit = self._anchor.match(token_ids, req.chain_root)
+        hit = self._anchor.match(token_ids, root)
         pinned = self._pin_hit(hit.block_ids[:num_pool], hit.serials[:num_pool])
         for entry in found:
             self.host.pin(entry.block.key)
@@ -157,7 +166,7 @@ class PrefixTiers:
             while found and sum(len(e.used_rows) for e in found) > self._pool.num_available_blocks:
                 self.host.unpin(found.pop().block.key)
             if found:
-                self._load(token_ids, req, hit.serials[:num_pool], found)
+                self._load(token_ids, root, hit.serials[:num_pool], found)
         finally:
             for entry in found:
                 self.host.unpin(entry.block.key)
@@ -174,7 +183,9 @@ class PrefixTiers:
             self._pool.incref(block_id)
         return pinned
 
-    def _load(self, token_ids: Sequence[int], req: PageMap, hit_serials: Sequence[int], found: list[HostEntry]) -> None:
+    def _load(
+        self, token_ids: Sequence[int], root: ChainCursor, hit_serials: Sequence[int], found: list[HostEntry]
+    ) -> None:
         new = self._pool.allocate(sum(len(e.used_rows) for e in found))
         assert new is not None, "the pool had the blocks a moment ago"
         per_group: list[list[int]] = [[] for _ in range(1 + len(self._attached))]
@@ -189,7 +200,7 @@ class PrefixTiers:
                     src.append(row)
                     dst.append(block_id)
         self.moves.append(("load", src, dst))
-        start, _, _ = self._anchor.cursor_after(hit_serials, req.chain_root)
+        start, _, _ = self._anchor.cursor_after(hit_serials, root)
         num_tokens = (start.num_blocks + len(found)) * self.block_size
         serials: list[int] = []
         anchor_blocks = [SCRATCH_BLOCK] * start.num_blocks + per_group[0]
@@ -205,17 +216,17 @@ class PrefixTiers:
         self.counters.loaded_rows += len(src)
 
     # ------------------------------------------------------------------------------ disk
-    def missing_blocks(self, token_ids: Sequence[int], req: PageMap, limit: int | None) -> list[TierBlock]:
+    def missing_blocks(self, token_ids: Sequence[int], root: ChainCursor, limit: int | None) -> list[TierBlock]:
         """The full blocks of ``token_ids[:-1]`` past what the pool and the host tier hold, in chain order
         (the disk tier is asked for these, and stops at the first it lacks)."""
-        num_pool, found = self.host_chain(token_ids, req, limit)
+        num_pool, found = self.host_chain(token_ids, root, limit)
         index = num_pool + len(found)
-        hit = self._anchor.match(token_ids, req.chain_root)
-        _, key, parent_hash = self._anchor.cursor_after(hit.serials[:num_pool], req.chain_root)
+        hit = self._anchor.match(token_ids, root)
+        _, key, parent_hash = self._anchor.cursor_after(hit.serials[:num_pool], root)
         for entry in found:
             key, parent_hash = entry.block.key, entry.block.chain_hash
-        chash = req.chain_root.parent_hash if parent_hash is None else parent_hash
-        namespace = found[-1].block.namespace if found else _namespace(req)
+        chash = root.parent_hash if parent_hash is None else parent_hash
+        namespace = max(-root.parent_serial, 0)
         missing: list[TierBlock] = []
         bs = self.block_size
         while (index + 1) * bs <= len(token_ids) - 1 and (limit is None or index < limit):
@@ -224,10 +235,6 @@ class PrefixTiers:
             missing.append(TierBlock(next_key, key, chunk, namespace, next_hash, parent_hash))
             key, chash, parent_hash, index = next_key, next_hash, next_hash, index + 1
         return missing
-
-
-def _namespace(req: PageMap) -> int:
-    return max(-req.chain_root.parent_serial, 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,9 @@ class KVPool:
         self.v_caches: list[torch.Tensor] = []
         self.cpu_k_caches: list[torch.Tensor] = []
         self.cpu_v_caches: list[torch.Tensor] = []
+        self.host_k: list[torch.Tensor] = []
+        self.host_v: list[torch.Tensor] = []
+        """The host tier's arena (``memory.host_tier``): the swap space's shape, ``num_host_rows`` rows."""
 
     def block_bytes_for(self, groups: LayerGroups) -> int:
         """Bytes of one block of a pool laid out for ``groups`` (``layers_per_block`` layers' K and V)."""
@@ -102,6 +105,53 @@ class KVPool:
             self.cpu_k_caches.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
             self.cpu_v_caches.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
 
+    @property
+    def num_host_rows(self) -> int:
+        return int(self.host_k[0].shape[0]) if self.host_k else 0
+
+    def allocate_host_tier(self, num_rows: int) -> None:
+        """Allocate (or replace) the host tier's arena, pinned on CUDA; 0 frees it. Pages are committed as
+        offloads write them (``torch.empty``), so an idle tier costs address space, not RAM."""
+        self.host_k, self.host_v = [], []
+        if num_rows <= 0:
+            return
+        pin = self.device.type == "cuda"
+        shape = self.block_shape(num_rows)
+        for _ in range(self.groups.layers_per_block):
+            self.host_k.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
+            self.host_v.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
+
+    def offload(self, device_ids: BlockIds, host_rows: BlockIds) -> None:
+        """Copy pool blocks ``device_ids[i]`` to host-tier rows ``host_rows[i]``."""
+        self._swap(self.k_slots + self.v_slots, self.host_k + self.host_v, device_ids, host_rows)
+
+    def load(self, host_rows: BlockIds, device_ids: BlockIds) -> None:
+        """Copy host-tier rows ``host_rows[i]`` into pool blocks ``device_ids[i]``."""
+        self._swap(self.host_k + self.host_v, self.k_slots + self.v_slots, host_rows, device_ids)
+
+    def read_host_rows(self, rows: Sequence[int]) -> np.ndarray:
+        """The host rows' K/V as raw bytes, ``uint8 [len(rows), 2 * slots, block_size, Hkv, D * itemsize]``
+        (what the disk tier stores; a copy, so the rows may be reused at once)."""
+        index = torch.as_tensor(list(rows), dtype=torch.int64)
+        stacked = torch.stack([t.index_select(0, index) for t in self.host_k + self.host_v], dim=1)
+        return stacked.view(torch.uint8).numpy().copy()
+
+    def write_host_rows(self, rows: Sequence[int], payload: np.ndarray) -> None:
+        """Write :meth:`read_host_rows`' bytes back into host rows ``rows``."""
+        data = torch.from_numpy(np.ascontiguousarray(payload)).view(self.kv_dtype)
+        for i, tensor in enumerate(self.host_k + self.host_v):
+            tensor[list(rows)] = data[:, i]
+
+    def host_row_shape(self) -> tuple[int, ...]:
+        """Shape of one row of :meth:`read_host_rows`."""
+        itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
+        return (
+            2 * self.groups.layers_per_block,
+            self.block_size,
+            self.spec.num_kv_heads,
+            self.spec.head_dim * itemsize,
+        )
+
     def copy_blocks(self, src: BlockIds, dst: BlockIds) -> None:
         """Copy pool blocks ``src[i] -> dst[i]`` in every layer (copy-on-write)."""
         if len(src) != len(dst):
@@ -123,8 +173,8 @@ class KVPool:
             raise ValueError(f"swap: {len(src_ids)} sources for {len(dst_ids)} destinations")
         if len(src_ids) == 0:
             return
-        if not self.cpu_k_caches:
-            raise RuntimeError("allocate_swap_space() must be called before swapping")
+        if not dst or not src:
+            raise RuntimeError("the swap space or host tier must be allocated before copying to it")
         cpu = torch.device("cpu")
         # swap_blocks returns once the CPU side is done: swap-out copies have landed in the swap space,
         # swap-in sources have been read (the device-side scatter is in stream order).
