@@ -1,7 +1,8 @@
 """Megatron-style slicing of transformers decoder layers for tensor parallelism (the layouts of
 ``docs/tensor-parallel.md``): column-parallel projections keep their output rows, row-parallel ones their
 input columns with one all-reduce, fused projections each part's share (:mod:`.fused_parts`), MoE blocks their
-experts' intermediate share, and fewer KV heads than ranks are replicated. :mod:`.tp_runner` holds the
+experts' intermediate share, fewer KV heads than ranks are replicated, and q/k norms over all heads (OLMo2)
+keep their slice of the weight with the sum of squares all-reduced (:mod:`.head_norm`). :mod:`.tp_runner` holds the
 runner that loads, slices and serves a shard.
 """
 
@@ -25,6 +26,7 @@ from tgi_paged_backend.runner.parallel.fused_parts import (
     shard_fused_linear,
     take_rows,
 )
+from tgi_paged_backend.runner.parallel.head_norm import shard_all_heads_norm
 from tgi_paged_backend.runner.quant.linear import QUANTIZED_LINEARS, QuantizedLinear
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -180,16 +182,29 @@ def _linear(module: nn.Module, name: str, where: str) -> nn.Linear | QuantizedLi
     return layer
 
 
-def _refuse_cross_head_norms(attn: nn.Module, head_dim: int, where: str) -> None:
-    """q/k norms over all heads at once (OLMo2) cannot run on a head shard; per-head ones (Qwen3) can."""
-    for name in ("q_norm", "k_norm"):
-        weight = getattr(getattr(attn, name, None), "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.numel() != head_dim:
+def _shard_cross_head_norms(
+    attn: nn.Module,
+    head_dim: int,
+    rows: dict[str, tuple[slice, int]],
+    world_size: int,
+    all_reduce: AllReduce,
+    where: str,
+) -> None:
+    """q/k norms over all heads at once (OLMo2) become this rank's :class:`.head_norm.AllHeadsNormShard` (its
+    slice of the weight, the sum of squares all-reduced); per-head ones (Qwen3) run on a head shard as they are.
+    ``rows``: per norm, this rank's output rows of its projection and the projection's full width."""
+    for name, (local, full) in rows.items():
+        norm = getattr(attn, name, None)
+        weight = getattr(norm, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.numel() == head_dim:
+            continue
+        if weight.numel() != full:
             raise ModelLoadError(
-                f"tensor parallelism: {where}.{name} normalizes across all heads ({weight.numel()} "
-                f"features, head_dim {head_dim}), which a shard of the heads cannot compute: "
-                "use --num-shard 1"
+                f"tensor parallelism: {where}.{name} normalizes {weight.numel()} features, neither one head "
+                f"({head_dim}) nor all of its projection ({full}): use --num-shard 1"
             )
+        shard = shard_all_heads_norm(cast(nn.Module, norm), local, world_size, all_reduce, f"{where}.{name}")
+        setattr(attn, name, shard)
 
 
 def _localize_config(attn: nn.Module, q_local: int, kv_local: int) -> None:
@@ -291,7 +306,6 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
         head_dim = getattr(attn, "head_dim", spec.head_dim)
         if head_dim != spec.head_dim:
             raise ModelLoadError(f"tensor parallelism: {where} has head_dim={head_dim}, expected {spec.head_dim}")
-        _refuse_cross_head_norms(attn, head_dim, f"{where}.self_attn")
         linearize_conv1d(layer)  # GPT-2's Conv1D projections as the nn.Linear they are (weight transposed)
         q_rows, kv_all = spec.num_q_heads * head_dim, spec.num_kv_heads * head_dim
         q_part = slice(rank * q_rows // world_size, (rank + 1) * q_rows // world_size)
@@ -326,6 +340,8 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
             attn.q_proj = _shard_columns(_linear(attn, "q_proj", where), rank, world_size, f"{where}.self_attn.q_proj")
             for name in ("k_proj", "v_proj"):  # this rank's KV heads, or its one replicated head
                 setattr(attn, name, _take_output_rows(_linear(attn, name, where), kv_rows))
+        norm_rows = {"q_norm": (q_part, q_rows), "k_norm": (kv_rows, kv_all)}
+        _shard_cross_head_norms(attn, head_dim, norm_rows, world_size, all_reduce, f"{where}.self_attn")
         sinks = getattr(attn, "sinks", None)
         if isinstance(sinks, torch.Tensor) and sinks.numel() == spec.num_q_heads:  # gpt-oss: one per query head
             attn.sinks = nn.Parameter(
