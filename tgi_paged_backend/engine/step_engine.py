@@ -158,7 +158,8 @@ class StepEngine:
         self.kv.add_request(spec.id, spec.blocks, namespace=state.adapter)
         self.requests[spec.id] = state
         if self.tier_io.disk is not None and state.may_reuse_prefix:  # the disk tier's blocks go to the host tier
-            self.stats.disk_hit_tokens += self.tier_io.fetch(self.kv, prompt_ids, state.adapter) * self.block_size
+            fetched = self.tier_io.fetch(self.kv, prompt_ids, state.adapter, self._agree_min)
+            self.stats.disk_hit_tokens += fetched * self.block_size
         self.stats.prefix_hit_tokens += reuse_cached_prefix(self.kv, state)
         self.stats.prefix_query_tokens += len(prompt_ids)
 
@@ -215,6 +216,10 @@ class StepEngine:
         ready = self._agree_ready([r.grammar.ready for r in constrained])  # type: ignore[union-attr]
         compiling = {r.id for r, ok in zip(constrained, ready) if not ok}
         return [r for r in step if r.id not in compiling]
+
+    def _agree_min(self, value: int) -> int:
+        """The smallest ``value`` over every rank (one rank: this one's)."""
+        return value
 
     def _agree_ready(self, flags: list[bool]) -> list[bool]:
         """Which grammars every rank has compiled (one rank: this one's view)."""

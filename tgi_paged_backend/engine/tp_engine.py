@@ -115,6 +115,10 @@ class TensorParallelShardEngine(PagedShardEngine):
         self._check_step(ids)
         return super()._step(ids, batch_id)
 
+    def _agree_min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (disk-tier blocks read: each rank has its own files)."""
+        return min(rank[0] for rank in self.group.all_gather_ints([value], "agreeing on disk-tier reads"))
+
     def _agree_ready(self, flags: list[bool]) -> list[bool]:
         """A grammar counts as compiled once every rank has it (compile times differ per rank)."""
         gathered = self.group.all_gather_ints([int(f) for f in flags], "agreeing on compiled grammars")

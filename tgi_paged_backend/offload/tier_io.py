@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +27,8 @@ from tgi_paged_backend.memory.prefix_cache import chain_root
 from tgi_paged_backend.offload.disk_store import BlockRecord, DiskStore
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
     from tgi_paged_backend.runner.kv_pool import KVPool
 
@@ -113,42 +115,51 @@ class TierIO:
             pushed += count
         return pushed
 
-    def fetch(self, kv: KVCacheManager, token_ids: Sequence[int], namespace: int) -> int:
+    def fetch(
+        self, kv: KVCacheManager, token_ids: Sequence[int], namespace: int, agree: Callable[[int], int] = int
+    ) -> int:
         """Read the prompt's blocks the disk tier has (past the pool's and the host tier's) into host rows;
-        returns how many. Stops at the first block the disk lacks, finds invalid or has no room for."""
+        returns how many. Stops at the first block the disk lacks or finds invalid. ``agree``: the number
+        every TP rank read (the minimum: a rank's files may differ, its books may not)."""
         if self.disk is None or kv.tiers is None:
             return 0
-        fetched = 0
         t0 = time.perf_counter()
-        for block in kv.tiers.missing_blocks(token_ids, chain_root(namespace), None):
-            if not self.disk.contains(block.key) or not self._fetch_one(kv, block):
+        reads = self._read_chain(kv, token_ids, namespace)
+        fetched = 0
+        for block, mask, payload in reads[: agree(len(reads))]:
+            entry = kv.tiers.host.reserve(block, mask)
+            if entry is None:  # deterministic on every rank: the books agree
                 break
+            self.pool.write_host_rows(entry.used_rows, payload)
+            kv.tiers.host.land(entry)
+            self.traffic.fetch_bytes += payload.nbytes
             fetched += 1
         self.traffic.fetch_s += time.perf_counter() - t0
         self.traffic.fetched_blocks += fetched
         return fetched
 
-    def _fetch_one(self, kv: KVCacheManager, block: TierBlock) -> bool:
+    def _read_chain(
+        self, kv: KVCacheManager, token_ids: Sequence[int], namespace: int
+    ) -> list[tuple[TierBlock, tuple[bool, ...], np.ndarray]]:
+        """The disk's valid records of the prompt's missing blocks, in chain order (at most what the host
+        tier holds)."""
         assert self.disk is not None and kv.tiers is not None
-        got = self.disk.get(block.key)
-        if got is None:
-            return False
-        record, payload = got
-        mask = tuple(record.group_mask)
-        if (
-            tuple(record.token_ids) != block.token_ids
-            or record.parent != block.parent
-            or not mask
-            or not mask[0]
-            or len(mask) != kv.num_groups
-            or payload.shape[0] != sum(mask)
-        ):
-            self.traffic.invalid_fetches += 1
-            return False
-        entry = kv.tiers.host.reserve(block, mask)
-        if entry is None:
-            return False
-        self.pool.write_host_rows(entry.used_rows, payload)
-        kv.tiers.host.land(entry)
-        self.traffic.fetch_bytes += payload.nbytes
-        return True
+        reads: list[tuple[TierBlock, tuple[bool, ...], np.ndarray]] = []
+        room = kv.tiers.host.num_rows // max(kv.num_groups, 1)
+        for block in kv.tiers.missing_blocks(token_ids, chain_root(namespace), None)[:room]:
+            got = self.disk.get(block.key) if self.disk.contains(block.key) else None
+            if got is None:
+                break
+            record, payload = got
+            mask = tuple(record.group_mask)
+            if (
+                tuple(record.token_ids) != block.token_ids
+                or record.parent != block.parent
+                or len(mask) != kv.num_groups
+                or not mask[0]
+                or payload.shape[0] != sum(mask)
+            ):
+                self.traffic.invalid_fetches += 1
+                break
+            reads.append((block, mask, payload))
+        return reads
