@@ -45,6 +45,7 @@ def _worker() -> None:
         "--pairs", required=True, help="JSON list of [name, model dir, preemption mode, port, speculate]"
     )
     parser.add_argument("--out", required=True)
+    parser.add_argument("--env", default="{}", help="JSON: more settings for every engine")
     args = parser.parse_args()
 
     from tests.engine.conftest import make_text
@@ -78,6 +79,7 @@ def _worker() -> None:
             **POOL,
             # KV layer groups: a block holds 1/groups of the layers, so the same memory is groups x the blocks
             "TGI_PAGED_NUM_BLOCKS": str((int(POOL["TGI_PAGED_NUM_BLOCKS"]) - 1) * num_kv_groups(model) + 1),
+            **json.loads(args.env),
         }
         config = build_config({"model_id": model, "sharded": True, "speculate": speculate}, settings)
         engine = build_engine(with_local_model(config))  # a Medusa checkpoint: its base model with its heads
@@ -94,6 +96,8 @@ def _worker() -> None:
             assert result.batch is None, f"{name} under {preemption} preemption: the batch did not finish"
             preemptions = dict(engine.stats.preemptions)
             drafts = (engine.stats.draft_tokens, engine.stats.accepted_tokens)
+            tiers = engine.kv.tiers
+            loaded = tiers.counters.loaded_blocks if tiers is not None else 0
         finally:
             engine.close()
         results[f"{name}/{preemption}"] = {
@@ -101,6 +105,7 @@ def _worker() -> None:
             "tokens": tokens,
             "preemptions": preemptions,
             "drafts": drafts,
+            "host_tier_loads": loaded,
         }
     if args.rank == 0:
         Path(args.out).write_text(json.dumps(results))
@@ -142,7 +147,25 @@ def test_medusa_stays_exact_at_tensor_parallel_two(tmp_path: Path) -> None:
     assert all(r["drafts"][0] > 0 for r in results.values()), "nothing was drafted: the check would prove nothing"
 
 
-def _run_pairs(pairs: list[tuple[str, str]], tmp_path: Path, *, speculate: int | None, medusa: bool = False) -> dict:
+def test_kv_tiers_stay_exact_at_tensor_parallel_two(tmp_path: Path) -> None:
+    """Issue 42 at TP=2: prefix retention with a host tier and a disk tier under recompute preemption (the
+    preempted requests' retained blocks are evicted, offloaded and loaded back on resume): every rank's books
+    stay identical (the per-step check), the tokens equal HF's, and the host tier did load blocks."""
+    env = {"PREFIX_CACHING": "1", "TGI_PAGED_HOST_CACHE_GB": "0.0005", "TGI_PAGED_DISK_CACHE_DIR": str(tmp_path / "kv")}
+    results = _run_pairs([("Llama", "recompute"), ("Gemma2", "recompute")], tmp_path, speculate=0, env=env)
+    assert all(r["host_tier_loads"] > 0 for r in results.values()), {
+        k: r["host_tier_loads"] for k, r in results.items()
+    }
+
+
+def _run_pairs(
+    pairs: list[tuple[str, str]],
+    tmp_path: Path,
+    *,
+    speculate: int | None,
+    medusa: bool = False,
+    env: dict[str, str] | None = None,
+) -> dict:
     from integration.net import free_port
     from tests.helpers.family_models import FAMILIES, write_family_model
     from tests.helpers.paged_driver import greedy_hf
@@ -163,6 +186,7 @@ def _run_pairs(pairs: list[tuple[str, str]], tmp_path: Path, *, speculate: int |
         port = free_port()
         ports += [port] if port not in ports else []
     argv = ["--pairs", json.dumps([[n, str(served[n]), m, p, speculate] for (n, m), p in zip(pairs, ports)])]
+    argv += ["--env", json.dumps(env or {})]
     results = run_two_ranks("tests.distributed.test_tp_preemption", argv, tmp_path / "result.json", timeout_s=600)
 
     failures = []
