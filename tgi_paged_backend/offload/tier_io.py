@@ -109,11 +109,18 @@ class TierIO:
         step = max(1, kv.tiers.host.num_rows // (2 * max(kv.num_groups, 1)))
         pushed = 0
         while time.monotonic() < deadline and (count := kv.tiers.evict_retained(step)):
-            for kind, src, dst in kv.take_tier_moves():
-                self.run(kind, src, dst)
-            kv.tiers.moves_landed()
+            self.flush(kv)
             pushed += count
         return pushed
+
+    def flush(self, kv: KVCacheManager) -> None:
+        """Run every host-tier move issued so far, now, and land what they filled. Before host rows are
+        written out of the step's copy order (a fetch): a load issued earlier must read its rows before
+        they are reused, and an offload issued earlier must not overwrite them afterwards."""
+        assert kv.tiers is not None
+        for kind, src, dst in kv.take_tier_moves():
+            self.run(kind, src, dst)
+        kv.tiers.moves_landed()
 
     def fetch(
         self, kv: KVCacheManager, token_ids: Sequence[int], namespace: int, agree: Callable[[int], int] = int
@@ -125,8 +132,11 @@ class TierIO:
             return 0
         t0 = time.perf_counter()
         reads = self._read_chain(kv, token_ids, namespace)
+        reads = reads[: agree(len(reads))]
+        if reads:  # the rows reserved below are written now, not in the step's copy order
+            self.flush(kv)
         fetched = 0
-        for block, mask, payload in reads[: agree(len(reads))]:
+        for block, mask, payload in reads:
             entry = kv.tiers.host.reserve(block, mask)
             if entry is None:  # deterministic on every rank: the books agree
                 break
