@@ -17,7 +17,7 @@ and counted).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tgi_paged_backend.memory.block_keys import TierBlock
@@ -99,9 +99,15 @@ class HostTier:
         self._pending.append(entry)
         return entry
 
-    def mark_landed(self) -> list[HostEntry]:
-        """The copies issued for every pending entry have run: they become loadable. Returns them."""
-        landed, self._pending = self._pending, []
+    def mark_landed(self, entries: Iterable[HostEntry] | None = None) -> list[HostEntry]:
+        """The copies filling ``entries`` (default: every pending entry) have run: those still pending
+        become loadable. Returns them (an entry evicted meanwhile is not among them)."""
+        if entries is None:
+            landed, self._pending = self._pending, []
+        else:
+            done = {id(e) for e in entries}
+            landed = [e for e in self._pending if id(e) in done]
+            self._pending = [e for e in self._pending if id(e) not in done]
         for entry in landed:
             entry.landed = True
         return landed

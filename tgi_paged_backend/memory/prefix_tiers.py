@@ -84,19 +84,27 @@ class PrefixTiers:
         self._spill = spill
         self.observer = observer or TierObserver()
         self.moves: list[TierMove] = []
+        self._filling: list[HostEntry] = []
+        """Entries whose offload is in :attr:`moves` (not taken yet)."""
+        self._taken: list[HostEntry] = []
+        """Entries whose offload was taken: they land at the next :meth:`moves_landed`."""
         self.counters = TierCounters()
         host.on_evict = self._host_evicted
 
     def take_moves(self) -> list[TierMove]:
         """The moves issued since the last call, in issue order (the caller executes them in that order)."""
         moves, self.moves = self.moves, []
+        self._taken.extend(self._filling)
+        self._filling = []
         return moves
 
     def moves_landed(self) -> None:
         """Every move taken so far has run: the entries they filled become loadable, and go to ``spill``
         (write-through: the disk tier holds what the host tier holds, so a restart finds whole chains, not
-        only the tails the host tier happened to evict)."""
-        for entry in self.host.mark_landed():
+        only the tails the host tier happened to evict). An offload issued but not taken yet has not run:
+        its entry stays pending (its rows hold nothing yet)."""
+        taken, self._taken = self._taken, []
+        for entry in self.host.mark_landed(taken):
             if self._spill is not None:
                 self._spill(entry)
 
@@ -123,6 +131,7 @@ class PrefixTiers:
             return
         src = [block_id, *(b for b in others if b is not None)]
         self.moves.append(("offload", src, entry.used_rows))
+        self._filling.append(entry)
         self.counters.offloaded_blocks += 1
         self.counters.offloaded_rows += len(src)
         self.observer.tier_stored("CPU", block)
