@@ -5,8 +5,11 @@ must not break a move issued before it:
 - a disk fetch at admission writes host rows at once: it must not reuse the rows of an entry an earlier
   request of the same batch is about to load (the load would read the fetched bytes), nor rows a pending
   offload is about to write (the offload would overwrite the fetched bytes);
+- a swap-out in the step that loads the swapped request's prefix copies the loaded blocks after the
+  loads;
 - an entry is landed (loadable, written through to disk) only once the step that ran its offload has
-  run: an offload issued but not yet taken into a step is not landed by that step.
+  run: an offload issued but not yet taken into a step is not landed by that step
+  (tests/memory/test_memory_prefix_tiers_ordering.py).
 """
 
 from __future__ import annotations
@@ -57,3 +60,40 @@ def test_a_disk_fetch_never_overwrites_rows_an_earlier_load_of_the_batch_reads(t
     assert engine.stats.disk_hit_tokens > n_x * BS, "y should come from disk"
     assert dict(driver.tokens) == want
     tiers.host.check_invariants()
+
+
+def test_a_swap_out_never_copies_a_block_before_its_load(tiny_llama_dir):
+    """A batch [fresh, a, b] where a and b load their prefixes from the host tier at admission and the
+    fresh request's prefill needs b's blocks: b is swapped out in the same step. The swap-out copies b's
+    blocks, so the loads into them (issued earlier, at admission) must run before it."""
+    pool = dict(num_blocks=40, TGI_PAGED_PREEMPTION="swap", TGI_PAGED_SWAP_SPACE_GB="0.05")
+    off = build(tiny_llama_dir, **pool)
+    fresh, a, b = (make_text(950 + i, 34) for i in range(3))
+    batch = _batch(100, (fresh, a, b), 3)
+    driver = RouterDriver(off)
+    driver.run(batch)
+    want = dict(driver.tokens)
+    engine = build(tiny_llama_dir, host_rows=64, **pool)
+    for rid, text in enumerate((a, b), start=1):
+        RouterDriver(engine).run(_batch(rid * 10, (text,), 1))
+    tiers = engine.kv.tiers
+    tiers.evict_retained(10_000)
+    engine.tier_io.flush(engine.kv)
+    assert engine.kv.num_retained_blocks == 0
+    loaded = counters(engine).loaded_blocks
+    kinds: list[list[str]] = []
+    plan = engine.scheduler.plan
+
+    def recording(*args, **kwargs):
+        result = plan(*args, **kwargs)
+        kinds.append([kind for kind, _, _ in result.copy_ops])
+        return result
+
+    engine.scheduler.plan = recording
+    driver = RouterDriver(engine)
+    driver.run(batch)
+    assert counters(engine).loaded_blocks > loaded
+    assert any("load" in k and "out" in k for k in kinds), kinds  # the step this test is about
+    assert all(k.index("out") > max(i for i, x in enumerate(k) if x == "load") for k in kinds if "out" in k)
+    assert engine.stats.preemptions.get("swap", 0) > 0, engine.stats.preemptions
+    assert dict(driver.tokens) == want
