@@ -71,7 +71,7 @@ SPECULATE = 3
 BLOCK_SIZE = 4
 
 REFUSED: dict[str, str] = {
-    "Falcon": "FALCON_ATTENTION_CLASSES",
+    "Falcon-RW": "alibi=True",
     "Bloom": "ALiBi",
     "MPT": "ALiBi",
     "DeepSeek-V2": "multi-head latent attention",

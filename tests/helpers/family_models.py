@@ -209,6 +209,38 @@ FAMILIES: tuple[Family, ...] = (
         "new decoder architecture",
     ),
     Family(
+        "Falcon-7B",
+        "falcon",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            new_decoder_architecture=False,
+            multi_query=True,
+            parallel_attn=True,
+            max_position_embeddings=256,
+            initializer_range=0.2,
+        ),
+        "old architecture, multi-query, parallel attention",
+    ),
+    Family(
+        "Falcon-RW",
+        "falcon",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            new_decoder_architecture=False,
+            multi_query=False,
+            parallel_attn=False,
+            alibi=True,
+            bias=True,
+            max_position_embeddings=256,
+            initializer_range=0.2,
+        ),
+        "ALiBi, serial attention",
+    ),
+    Family(
         "OPT",
         "opt",
         dict(

@@ -8,8 +8,9 @@ answering with wrong tokens:
 
 - :func:`unsupported_reason` reads the config alone: encoder-decoder and multimodal models,
   state-space / linear-attention layers (Mamba, Jamba, Falcon-H1, ...), multi-head latent attention
-  (DeepSeek-V2/V3: K and V have other head dims than the pool's), ALiBi, and the families whose
-  modeling code is known to bypass transformers' attention interface (Falcon, Bloom, MPT);
+  (DeepSeek-V2/V3: K and V have other head dims than the pool's), ALiBi, the Falcon variants
+  :mod:`.falcon` does not serve, and the families whose modeling code is known to bypass transformers'
+  attention interface (Bloom, MPT);
 - :func:`check_attention_calls` is the generic backstop, run by the runner on a one-token probe
   forward: every decoder layer must call our attention function exactly once (catches
   ``trust_remote_code`` code and any family that computes attention its own way).
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
+from tgi_paged_backend.runner.model import falcon
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -34,8 +36,6 @@ SERVED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 """``config.layer_types`` entries the paged attention implements (per-layer windows included)."""
 
 BYPASSING_FAMILIES: dict[str, str] = {
-    "falcon": "its attention layers are picked from FALCON_ATTENTION_CLASSES (eager/sdpa/flash only), not "
-    "through transformers' attention interface, so the paged KV cache cannot be plugged in",
     "bloom": "ALiBi position biases inside its own attention code (no attention interface, no ALiBi kernel yet)",
     "mpt": "ALiBi position biases inside its own attention code (no attention interface, no ALiBi kernel yet)",
 }
@@ -99,6 +99,8 @@ def unsupported_reason(config: Any) -> str | None:
     others = sorted(set(layer_types) - SERVED_LAYER_TYPES)
     if others:
         return f"layer types {others} are not served (only {sorted(SERVED_LAYER_TYPES)} are)"
+    if model_type == falcon.MODEL_TYPE:  # served through its own attention module (.falcon)
+        return falcon.unsupported_reason(config)
     if model_type in BYPASSING_FAMILIES:
         return BYPASSING_FAMILIES[model_type]
     if getattr(config, "kv_lora_rank", None):

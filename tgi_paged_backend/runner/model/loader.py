@@ -21,7 +21,7 @@ from packaging.version import Version
 
 from tgi_paged_backend.config import ModelConfig
 from tgi_paged_backend.runner.attention import register_attention
-from tgi_paged_backend.runner.model import family_support
+from tgi_paged_backend.runner.model import falcon, family_support
 from tgi_paged_backend.runner.model.rope_scaling import apply_rope_scaling
 from tgi_paged_backend.runner.quant.methods import SUPPORTED_QUANTIZE, QuantizationError, check_quantize, refusal
 
@@ -203,12 +203,13 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
         apply_rope_scaling(config, model_config.rope_scaling, model_config.rope_factor)
     _refuse_if(config, family_support.unsupported_reason(config))
     method, scheme = _resolve_quantization(model_config, config)
-
+    # Falcon picks its attention class by name (no interface): built plainly, then given ours (.falcon).
+    is_falcon = str(config.model_type) == falcon.MODEL_TYPE
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path,
             **({} if model_config.rope_scaling is None and method is None else {"config": config}),
-            attn_implementation=attn_name,
+            attn_implementation=falcon.LOAD_ATTENTION if is_falcon else attn_name,
             trust_remote_code=model_config.trust_remote_code,
             use_safetensors=True,
             local_files_only=True,
@@ -224,6 +225,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
         if "Unrecognized configuration class" not in str(err):
             raise
         _refuse_if(config, "it has no causal-LM class in transformers (AutoModelForCausalLM)")
+    if is_falcon:
+        falcon.install_paged_falcon(model, attn_name)
     _quantize(model, method, scheme, path)
     # transformers decorates PreTrainedModel.to with functools.wraps(nn.Module.to); typeshed's _Wrapped
     # has no __get__, so mypy does not bind the method and takes ``device`` for ``self``.

@@ -84,6 +84,17 @@ def _layer_windows(config: Any) -> tuple[int | None, ...]:
     return ((window if str(config.model_type) in EVERY_LAYER_WINDOWED else None),) * num_layers
 
 
+def num_kv_heads_of(config: Any) -> int:
+    """KV heads per layer. Falcon names them its own way: ``num_kv_heads`` in its new decoder architecture;
+    in the old one a single KV head with ``multi_query``, else one per query head."""
+    num_q_heads = int(config.num_attention_heads)
+    if str(config.model_type) == "falcon":
+        if config.new_decoder_architecture:
+            return int(config.num_kv_heads)
+        return 1 if config.multi_query else num_q_heads
+    return int(getattr(config, "num_key_value_heads", None) or num_q_heads)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
     """Sizes of a decoder-only causal LM, as the KV pool and the attention kernels see them."""
@@ -137,7 +148,7 @@ class ModelSpec:
             model_type=str(config.model_type),
             num_layers=int(config.num_hidden_layers),
             num_q_heads=num_q_heads,
-            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_q_heads),
+            num_kv_heads=num_kv_heads_of(config),
             head_dim=int(head_dim),
             hidden_size=int(config.hidden_size),
             intermediate_size=int(getattr(config, "intermediate_size", None) or 4 * config.hidden_size),

@@ -1,0 +1,166 @@
+"""Falcon over the paged KV cache (``runner/model/falcon.py``): every rotary variant transformers' Falcon has
+gives HF's logits (prefill and decode, two requests at once) and HF's greedy tokens (a mixed batch, chunked
+prefill); the q/k/v split equals transformers' own for each layout; ALiBi and configs transformers' Falcon
+cannot run are refused at start naming the variant. The matrix rows (``Falcon``, ``Falcon-7B``, ``Falcon-RW``)
+run the full scenarios in ``test_family_matrix.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from tests.helpers.family_matrix import run_scenario, start_error
+from tests.helpers.family_models import Family, family_config, write_family_model
+from tests.helpers.tiny_models import load_reference
+from tgi_paged_backend.config import CacheConfig, ModelConfig
+from tgi_paged_backend.runner.attention import METADATA_KWARG
+from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
+from tgi_paged_backend.runner.model.falcon import PagedFalconAttention
+from tgi_paged_backend.runner.model.spec import ModelSpec
+from tgi_paged_backend.runner.model_runner import ModelRunner
+
+_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+
+VARIANTS: dict[str, dict] = {
+    # Falcon-40B / 180B: grouped KV heads, ln_attn + ln_mlp
+    "new-gqa-2ln": dict(new_decoder_architecture=True, num_kv_heads=2, initializer_range=0.3),
+    # one layer norm shared by attention and MLP, one KV head per query head, biases
+    "new-mha-1ln": dict(
+        new_decoder_architecture=True, num_kv_heads=4, num_ln_in_parallel_attn=1, bias=True, initializer_range=0.3
+    ),
+    # Falcon-7B: one KV head, parallel attention
+    "old-mq-parallel": dict(
+        new_decoder_architecture=False, multi_query=True, parallel_attn=True, initializer_range=0.3
+    ),
+    "old-mq-serial": dict(new_decoder_architecture=False, multi_query=True, parallel_attn=False, initializer_range=0.3),
+    # one KV head per query head, per-head interleaved q/k/v
+    "old-mha-serial": dict(
+        new_decoder_architecture=False, multi_query=False, parallel_attn=False, bias=True, initializer_range=0.3
+    ),
+    "old-mha-parallel": dict(
+        new_decoder_architecture=False, multi_query=False, parallel_attn=True, initializer_range=0.3
+    ),
+}
+KV_HEADS = {"new-gqa-2ln": 2, "new-mha-1ln": 4, "old-mq-parallel": 1, "old-mq-serial": 1, "old-mha-serial": 4,
+            "old-mha-parallel": 4}  # fmt: skip
+
+
+def _family(name: str, **overrides) -> Family:
+    return Family(f"Falcon-{name}", "falcon", {**_TINY, **VARIANTS.get(name, {}), **overrides}, name)
+
+
+@pytest.fixture(scope="module")
+def variant_dir(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            made[name] = write_family_model(_family(name), tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_the_pool_holds_the_variants_kv_heads(name):
+    config = family_config(_family(name))
+    assert ModelSpec.from_hf_config(config, torch.float32).num_kv_heads == KV_HEADS[name]
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_split_is_transformers_split(name):
+    """Our q/k/v of a random fused projection are HF's (its broadcast keys are our KV head ``h // group``)."""
+    config = family_config(_family(name))
+    config._attn_implementation = "eager"
+    hf = transformers.models.falcon.modeling_falcon.FalconAttention(config, layer_idx=0)
+    ours = PagedFalconAttention(hf, config, 0, channel=None)  # type: ignore[arg-type]  # the split needs none
+    fused = torch.randn(1, 5, hf.query_key_value.out_features)
+    q_hf, k_hf, v_hf = hf._split_heads(fused)  # [1, T, H or Hkv, D]
+    q, k, v = ours.split_heads(fused[0])
+    torch.testing.assert_close(q, q_hf[0], rtol=0, atol=0)
+    group = ours.num_heads // ours.num_kv_heads
+    if k_hf.shape[2] == ours.num_heads:  # new architecture: HF broadcasts each group's key to its heads
+        k_hf, v_hf = k_hf[:, :, ::group], v_hf[:, :, ::group]
+    torch.testing.assert_close(k, k_hf[0], rtol=0, atol=0)
+    torch.testing.assert_close(v, v_hf[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_logits_are_hfs_in_prefill_and_decode(name, variant_dir):
+    path = variant_dir(name)
+    runner = ModelRunner(ModelConfig(model_id=str(path)), CacheConfig(block_size=4), "cpu")
+    assert all(isinstance(layer.self_attention, PagedFalconAttention) for layer in runner.model.transformer.h)
+    reference = load_reference(path)
+    prompts = [[3, 17, 5, 9, 11, 2, 8, 13, 21, 4, 6], [7, 7, 1, 30, 2]]
+    blocks = 8
+    runner.allocate_kv_cache(2 * blocks + 1)
+    tables = [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(len(prompts))]
+    chunks = [RequestChunk(p, 0, t, all_logits=True) for p, t in zip(prompts, tables)]
+    prefill = runner.forward(build_forward_batch(chunks, 4))
+    decode = runner.forward(build_forward_batch([RequestChunk([5], len(p), t) for p, t in zip(prompts, tables)], 4))
+    with torch.no_grad():
+        want = [reference(torch.tensor([p])).logits[0] for p in prompts]
+        want_next = [reference(torch.tensor([[*p, 5]])).logits[0, -1] for p in prompts]
+    torch.testing.assert_close(prefill, torch.cat(want), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(decode, torch.stack(want_next), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scenario", ["mixed_batch", "chunked_prefill"])
+@pytest.mark.parametrize("name", ["new-mha-1ln", "old-mq-serial", "old-mha-serial", "old-mha-parallel"])
+def test_greedy_tokens_are_hfs(name, scenario, variant_dir):
+    # (new-gqa-2ln and old-mq-parallel are the matrix's Falcon and Falcon-7B rows: all scenarios there)
+    outcome = run_scenario(variant_dir(name), scenario)
+    assert outcome.premise and outcome.got == outcome.want
+
+
+def test_the_step_metadata_reaches_the_layers_only_during_the_call(variant_dir):
+    runner = ModelRunner(ModelConfig(model_id=str(variant_dir("new-gqa-2ln"))), CacheConfig(block_size=4), "cpu")
+    channel = runner.model.transformer.h[0].self_attention.channel
+    assert all(layer.self_attention.channel is channel for layer in runner.model.transformer.h)
+    seen = []
+    original = PagedFalconAttention.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.channel.metadata)
+        return original(self, *args, **kwargs)
+
+    runner.allocate_kv_cache(4)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PagedFalconAttention, "forward", spy)
+        runner.forward(build_forward_batch([RequestChunk([1, 2, 3], 0, [1])], 4))
+    assert len(seen) == 2 and seen[0] is not None and seen[0] is seen[1] and channel.metadata is None
+    with pytest.raises(RuntimeError, match=METADATA_KWARG):  # a plain call (generate) says what it lacks
+        runner.model(input_ids=torch.tensor([[1, 2]]), use_cache=False)
+    assert channel.metadata is None
+
+
+def test_alibi_is_refused_naming_the_variant(tmp_path):
+    error = start_error(write_family_model(_family("old-mha-serial", alibi=True), tmp_path))
+    assert error is not None and "FalconForCausalLM" in error and "alibi=True" in error, error
+
+
+def test_a_config_transformers_cannot_run_is_refused(tmp_path):
+    family = _family("old-mha-serial", num_kv_heads=2)
+    error = start_error(write_family_model(family, tmp_path)) if _hf_fails(family) else "HF runs it"
+    assert "num_kv_heads=2 != num_attention_heads=4" in error, error
+
+
+def _hf_fails(family: Family) -> bool:
+    """Whether transformers' own Falcon fails on ``family`` (the refusal is for configs it cannot run)."""
+    model = transformers.AutoModelForCausalLM.from_config(family_config(family), attn_implementation="eager")
+    try:
+        model(torch.tensor([[1, 2, 3]]))
+    except RuntimeError:
+        return True
+    return False
