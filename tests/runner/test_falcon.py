@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from torch._dynamo.utils import counters
 
 from tests.helpers.family_matrix import run_scenario, start_error
 from tests.helpers.family_models import Family, family_config, write_family_model
+from tests.helpers.paged_driver import PagedDriver, greedy_paged
+from tests.helpers.static_decode_stand_ins import CountingBackend
 from tests.helpers.tiny_models import load_reference
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.attention import METADATA_KWARG
@@ -164,3 +167,27 @@ def _hf_fails(family: Family) -> bool:
     except RuntimeError:
         return True
     return False
+
+
+def test_the_compiled_static_decode_step_traces_the_falcon_layers(variant_dir):
+    """``TGI_PAGED_COMPILE``: the hand-over of the step's metadata traces with no graph break (fullgraph), and
+    the compiled decode gives the eager path's tokens."""
+    path = variant_dir("old-mq-parallel")
+    prompts = [[3, 17, 5, 9, 11, 2, 8], [7, 7, 1, 30, 2, 40, 41, 42, 43, 44, 45, 46, 47], [9, 8]]
+
+    def runner(**options) -> ModelRunner:
+        return ModelRunner(ModelConfig(model_id=str(path), **options), CacheConfig(block_size=8), "cpu")
+
+    eager = greedy_paged(runner(), prompts, 8, arrival_steps=(0, 1, 3), num_blocks=16)
+    compiled = runner(compile_decode=True)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CountingBackend()
+
+    def hook(driver: PagedDriver) -> None:
+        if driver.step_index == 0:
+            driver.runner.prepare_static_decode(32, backend=backend)
+
+    assert greedy_paged(compiled, prompts, 8, arrival_steps=(0, 1, 3), num_blocks=16, hook=hook) == eager
+    assert len(backend.graphs) == 1 and not counters["graph_break"]
+    assert compiled.static_decode is not None and sum(compiled.static_decode.counts.values()) > 0
