@@ -22,8 +22,10 @@ from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.attention import METADATA_KWARG
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model.falcon import PagedFalconAttention
+from tgi_paged_backend.runner.model.loader import load_model
 from tgi_paged_backend.runner.model.spec import ModelSpec
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.runner.parallel.slicing import shard_model
 
 _TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
 
@@ -92,7 +94,7 @@ def test_split_is_transformers_split(name):
     q_hf, k_hf, v_hf = hf._split_heads(fused)  # [1, T, H or Hkv, D]
     q, k, v = ours.split_heads(fused[0])
     torch.testing.assert_close(q, q_hf[0], rtol=0, atol=0)
-    group = ours.num_heads // ours.num_kv_heads
+    group = ours.num_heads // ours.num_key_value_heads
     if k_hf.shape[2] == ours.num_heads:  # new architecture: HF broadcasts each group's key to its heads
         k_hf, v_hf = k_hf[:, :, ::group], v_hf[:, :, ::group]
     torch.testing.assert_close(k, k_hf[0], rtol=0, atol=0)
@@ -191,3 +193,33 @@ def test_the_compiled_static_decode_step_traces_the_falcon_layers(variant_dir):
     assert greedy_paged(compiled, prompts, 8, arrival_steps=(0, 1, 3), num_blocks=16, hook=hook) == eager
     assert len(backend.graphs) == 1 and not counters["graph_break"]
     assert compiled.static_decode is not None and sum(compiled.static_decode.counts.values()) > 0
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", ["new-gqa-2ln", "new-mha-1ln", "old-mq-parallel", "old-mha-serial"])
+def test_each_rank_holds_its_heads_of_the_fused_projection(name, world_size, variant_dir):
+    """Tensor parallelism: rank r's split of its ``query_key_value`` rows is the full split's query heads of
+    rank r and the KV heads they read (whole groups, or with fewer KV heads than ranks the one its heads read)."""
+    path = str(variant_dir(name))
+    full = load_model(ModelConfig(model_id=path), "cpu").model
+    spec = ModelSpec.from_hf_config(full.config, torch.float32)
+    x = torch.randn(3, spec.hidden_size)
+    with torch.no_grad():
+        attn = full.transformer.h[1].self_attention
+        q, k, v = attn.split_heads(attn.query_key_value(x))
+        for rank in range(world_size):
+            shard = load_model(ModelConfig(model_id=path), "cpu").model
+            layout = shard_model(shard, spec, rank, world_size, lambda t: t)
+            local = shard.transformer.h[1].self_attention
+            assert (local.num_heads, local.num_key_value_heads) == (layout.num_q_heads, layout.num_kv_heads)
+            q_local, k_local, v_local = local.split_heads(local.query_key_value(x))
+            heads = slice(rank * layout.num_q_heads, (rank + 1) * layout.num_q_heads)
+            torch.testing.assert_close(q_local, q[:, heads], rtol=0, atol=0)
+            first_kv = rank * spec.num_kv_heads // world_size if spec.num_kv_heads < world_size else None
+            kv_heads = (
+                slice(first_kv, first_kv + 1)
+                if first_kv is not None
+                else slice(rank * layout.num_kv_heads, (rank + 1) * layout.num_kv_heads)
+            )
+            torch.testing.assert_close(k_local, k[:, kv_heads], rtol=0, atol=0)
+            torch.testing.assert_close(v_local, v[:, kv_heads], rtol=0, atol=0)

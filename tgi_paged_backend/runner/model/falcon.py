@@ -84,7 +84,7 @@ class PagedFalconAttention(nn.Module):
         self.dense = cast(nn.Module, attention.dense)
         self.layer_idx = layer_idx
         self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = num_kv_heads_of(config)
+        self.num_key_value_heads = num_kv_heads_of(config)
         self.head_dim = int(config.hidden_size) // self.num_heads
         self.scaling = self.head_dim**-0.5
         self.new_decoder_architecture = bool(config.new_decoder_architecture)
@@ -101,8 +101,8 @@ class PagedFalconAttention(nn.Module):
         """
         tokens, heads, dim = fused.shape[0], self.num_heads, self.head_dim
         if self.new_decoder_architecture:
-            group = heads // self.num_kv_heads
-            qkv = fused.view(tokens, self.num_kv_heads, group + 2, dim)
+            group = heads // self.num_key_value_heads
+            qkv = fused.view(tokens, self.num_key_value_heads, group + 2, dim)
             return qkv[:, :, :group].reshape(tokens, heads, dim), qkv[:, :, group], qkv[:, :, group + 1]
         if self.multi_query:
             qkv = fused.view(tokens, heads + 2, dim)

@@ -151,7 +151,11 @@ class ModelSpec:
             num_kv_heads=num_kv_heads_of(config),
             head_dim=int(head_dim),
             hidden_size=int(config.hidden_size),
-            intermediate_size=int(getattr(config, "intermediate_size", None) or 4 * config.hidden_size),
+            intermediate_size=int(
+                getattr(config, "intermediate_size", None)
+                or getattr(config, "ffn_hidden_size", None)  # Falcon
+                or 4 * config.hidden_size
+            ),
             vocab_size=int(config.vocab_size),
             max_position_embeddings=int(getattr(config, "max_position_embeddings", 0) or 0),
             sliding_window=_sliding_window(config),

@@ -43,13 +43,14 @@ def take_rows(linear: nn.Module, rows: Sequence[slice], what: str) -> nn.Module:
     same quantized class (its codes, scales and zeros of those rows) for an ``Fp8Linear``/``IntLinear``."""
     if isinstance(linear, QUANTIZED_LINEARS):
         return linear.output_rows(rows)
-    if type(linear) is not nn.Linear:
+    kind = type(linear)
+    # nn.Linear, or a subclass that only changes the forward (transformers' FalconLinear: matmul, then bias)
+    if not (isinstance(linear, nn.Linear) and kind.__init__ is nn.Linear.__init__):
         raise ModelLoadError(
-            f"tensor parallelism: {what} is a {type(linear).__name__}, not a linear layer this slicing knows: "
-            "use --num-shard 1"
+            f"tensor parallelism: {what} is a {kind.__name__}, not a linear layer this slicing knows: use --num-shard 1"
         )
     weight = torch.cat([linear.weight.detach()[r] for r in rows])
-    local = nn.Linear(linear.in_features, int(weight.shape[0]), bias=linear.bias is not None)
+    local = kind(linear.in_features, int(weight.shape[0]), bias=linear.bias is not None)
     local.weight = nn.Parameter(weight.clone(), requires_grad=False)
     if linear.bias is not None:
         local.bias = nn.Parameter(torch.cat([linear.bias.detach()[r] for r in rows]).clone(), requires_grad=False)

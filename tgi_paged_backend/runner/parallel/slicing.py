@@ -217,6 +217,31 @@ def _localize_config(attn: nn.Module, q_local: int, kv_local: int) -> None:
         attn.config = local
 
 
+def _shard_falcon_qkv(attn: nn.Module, spec: ModelSpec, rank: int, world_size: int, where: str) -> nn.Module:
+    """This rank's rows of Falcon's fused ``query_key_value``, laid out as the full one for the local heads.
+
+    New architecture: per KV group its query heads, its key, its value; whole groups per rank, or, with fewer
+    groups than ranks, the rank's query heads of its group beside the group's key and value. Old architecture
+    with ``multi_query``: the rank's query heads, then the one key and value (every rank). Without: per head
+    q, k, v, so the rank's heads are one run of rows."""
+    d, heads, kv = spec.head_dim, spec.num_q_heads, spec.num_kv_heads
+    q_local = heads // world_size
+    linear = _linear(attn, "query_key_value", f"{where}.self_attention")
+    if not attn.new_decoder_architecture and not attn.multi_query:
+        return _shard_columns(linear, rank, world_size, f"{where}.query_key_value")
+    if attn.new_decoder_architecture and kv >= world_size:
+        return _shard_columns(linear, rank, world_size, f"{where}.query_key_value")
+    if attn.new_decoder_architecture:
+        group = heads // kv
+        kv_head = rank * kv // world_size
+        start = kv_head * (group + 2) * d
+        q_start = start + (rank * q_local - kv_head * group) * d
+        parts = [slice(q_start, q_start + q_local * d), slice(start + group * d, start + (group + 2) * d)]
+    else:
+        parts = [slice(rank * q_local * d, (rank + 1) * q_local * d), slice(heads * d, (heads + 2) * d)]
+    return take_rows(linear, parts, f"{where}.query_key_value")
+
+
 def _shard_mlp(mlp: nn.Module, spec: ModelSpec, rank: int, world_size: int, all_reduce: AllReduce, where: str) -> None:
     """Column-parallel up projections, a row-parallel down projection, for the MLP layouts served:
     gate/up/down (Llama), one fused gate_up (Phi-3: each rank its share of gate and of up), c_fc/c_proj
@@ -264,8 +289,9 @@ def _shard_moe(block: nn.Module, rank: int, world_size: int, all_reduce: AllRedu
     return ReducedOutput(block, all_reduce)
 
 
-ATTENTION_NAMES = ("self_attn", "attn", "attention")
-"""What decoder layers call their attention (Llama and most: self_attn; GPT-J: attn; GPT-NeoX: attention)."""
+ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+"""What decoder layers call their attention (Llama and most: self_attn; GPT-J: attn; GPT-NeoX: attention;
+Falcon: self_attention)."""
 
 
 def _attention(layer: nn.Module) -> nn.Module | None:
@@ -309,7 +335,9 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
         linearize_conv1d(layer)  # GPT-2's Conv1D projections as the nn.Linear they are (weight transposed)
         q_rows, kv_all = spec.num_q_heads * head_dim, spec.num_kv_heads * head_dim
         q_part = slice(rank * q_rows // world_size, (rank + 1) * q_rows // world_size)
-        if getattr(attn, "multi_query", False):  # GPT-BigCode: [q; k; v] with one KV head, kept by every rank
+        if hasattr(attn, "new_decoder_architecture"):  # Falcon (runner/model/falcon.py): its variant's layout
+            attn.query_key_value = _shard_falcon_qkv(attn, spec, rank, world_size, where)
+        elif getattr(attn, "multi_query", False):  # GPT-BigCode: [q; k; v] with one KV head, kept by every rank
             attn.c_attn = take_rows(
                 cast(nn.Module, attn.c_attn), [q_part, _shift(kv_rows, q_rows), _shift(kv_rows, q_rows + kv_all)],
                 f"{where}.attn.c_attn",
