@@ -18,6 +18,7 @@ from tests.helpers.family_models import Family, family_config, write_family_mode
 from tests.helpers.paged_driver import PagedDriver, greedy_paged
 from tests.helpers.static_decode_stand_ins import CountingBackend
 from tests.helpers.tiny_models import load_reference
+from tests.helpers.triton_serving import LAUNCHERS, route_to_triton
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.attention import METADATA_KWARG
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
@@ -223,3 +224,12 @@ def test_each_rank_holds_its_heads_of_the_fused_projection(name, world_size, var
             )
             torch.testing.assert_close(k_local, k[:, kv_heads], rtol=0, atol=0)
             torch.testing.assert_close(v_local, v[:, kv_heads], rtol=0, atol=0)
+
+
+def test_the_triton_kernels_serve_falcon_inside_the_model(variant_dir, monkeypatch):
+    """The CUDA code path (store, prefill, decode through the Triton launchers, interpreted) under Falcon's
+    attention module: HF's greedy tokens for a mixed batch of the new architecture's grouped KV heads."""
+    calls = route_to_triton(monkeypatch)
+    outcome = run_scenario(variant_dir("new-gqa-2ln"), "mixed_batch")
+    assert set(LAUNCHERS) <= set(calls)
+    assert outcome.premise and outcome.got == outcome.want
