@@ -233,3 +233,14 @@ def test_the_triton_kernels_serve_falcon_inside_the_model(variant_dir, monkeypat
     outcome = run_scenario(variant_dir("new-gqa-2ln"), "mixed_batch")
     assert set(LAUNCHERS) <= set(calls)
     assert outcome.premise and outcome.got == outcome.want
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [("new-gqa-2ln", dict(parallel_attn=False)), ("old-mq-parallel", dict(num_ln_in_parallel_attn=2))],
+)
+def test_layer_norm_layouts_transformers_cannot_run_are_refused_by_the_probe(name, overrides, tmp_path):
+    # transformers builds one set of layer norms and its forward reads the other (this transformers' Falcon):
+    # the start-up probe forward fails, so the shard refuses instead of crashing on the first request.
+    error = start_error(write_family_model(_family(name, **overrides), tmp_path))
+    assert error is not None and "probe forward" in error and "FalconForCausalLM" in error, error
