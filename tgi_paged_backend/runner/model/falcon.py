@@ -63,8 +63,8 @@ class StepChannel:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` (the two halves of the head swapped, the first negated), the
-    rotary embedding as transformers applies it to Falcon, with the same operations in the same order."""
+    """``x * cos + rotate_half(x) * sin`` (``rotate_half``: the second half of the head, negated, then the
+    first), the rotary embedding as transformers applies it to Falcon, the same operations in the same order."""
     half = x.shape[-1] // 2
     turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos) + (turned * sin)
