@@ -58,6 +58,7 @@ def _attend_kv_tiles(
     sm_scale,
     softcap,
     sliding_window,  # sm_scale includes k_scale
+    alibi_slope,  # [BLOCK_M] fp32 ALiBi slope of each row's query head (USE_ALIBI)
     BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,  #
@@ -65,6 +66,7 @@ def _attend_kv_tiles(
     HEAD_DIM_PAD: tl.constexpr,  #
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,  #
+    USE_ALIBI: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  #
 ):
@@ -87,6 +89,8 @@ def _attend_kv_tiles(
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)
+        if USE_ALIBI:  # ALiBi: slope * (key position - query position), after scaling and capping
+            s = s + alibi_slope[:, None] * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
 
         # -- mask: inside the range, causal, inside the window ----------------------------------
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])

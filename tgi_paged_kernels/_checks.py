@@ -120,6 +120,7 @@ def check_attention(
     v_scale: float,
     out: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> AttentionShape:
     """Checks common to decode and prefill; returns the call's dimensions."""
     cache = check_kv_cache(k_cache, v_cache)
@@ -141,6 +142,7 @@ def check_attention(
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
     check_scales(k_scale, v_scale)
     check_sinks(sinks, num_q_heads, query.device)
+    check_alibi_slopes(alibi_slopes, num_q_heads, query.device)
     if out is not None and (out.shape != query.shape or out.device != query.device or out.dtype not in QUERY_DTYPES):
         raise ValueError(
             f"out must be a float16/bfloat16/float32 tensor of shape {tuple(query.shape)} on {query.device}, got "
@@ -158,6 +160,18 @@ def check_sinks(sinks: torch.Tensor | None, num_q_heads: int, device: torch.devi
         raise ValueError(
             f"sinks must be a contiguous float16/bfloat16/float32 tensor of shape ({num_q_heads},) (one logit per "
             f"query head) on {device}, got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+        )
+
+
+def check_alibi_slopes(alibi_slopes: torch.Tensor | None, num_q_heads: int, device: torch.device) -> None:
+    """ALiBi slopes: ``None``, or one fp32 slope per query head, contiguous, on the query's device."""
+    if alibi_slopes is None:
+        return
+    if (tuple(alibi_slopes.shape) != (num_q_heads,) or alibi_slopes.dtype != torch.float32
+            or alibi_slopes.device != device or not alibi_slopes.is_contiguous()):  # fmt: skip
+        raise ValueError(
+            f"alibi_slopes must be a contiguous float32 tensor of shape ({num_q_heads},) (one slope per query "
+            f"head) on {device}, got {alibi_slopes.dtype} {tuple(alibi_slopes.shape)} on {alibi_slopes.device}"
         )
 
 

@@ -64,6 +64,7 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     gather: DecodeGather | None = None,
     cpu_kernel: str = "native",
 ) -> torch.Tensor:
@@ -84,6 +85,9 @@ def paged_decode_attention(
     sinks : optional [num_q_heads] float, one learned logit per query head (gpt-oss attention sinks): it
         joins each softmax denominator as a score without a value, so outputs shrink by
         ``sum(exp(s)) / (sum(exp(s)) + exp(sink))``
+    alibi_slopes : optional contiguous float32 [num_q_heads], ALiBi (Bloom, MPT): query head ``h`` adds
+        ``alibi_slopes[h] * (key_position - query_position)`` to its scores (after scaling and soft-capping).
+        ``None`` costs nothing. On CPU it takes the torch per-KV-head path (not the native or compiled kernel)
     gather : CPU only, optional: the step's :func:`plan_decode_gather` for these block tables, lengths and
         window, shared by every layer of the step (built per call when omitted); ignored on CUDA
     cpu_kernel : CPU only: ``"native"`` (default) runs the C++ kernel of :mod:`.cpu_native` (built at the
@@ -103,17 +107,18 @@ def paged_decode_attention(
         return _launch_paged_decode(
             query, k_cache, v_cache, block_tables, seq_lens,
             scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
-            sinks=sinks,
+            sinks=sinks, alibi_slopes=alibi_slopes,
         )  # fmt: skip
     check_attention(
         query, k_cache, v_cache, block_tables,
         softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out, sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )  # fmt: skip
     check_index("seq_lens", seq_lens, (query.shape[0],), query.device)
     return torch_impl.paged_decode_attention_torch(
         query, k_cache, v_cache, block_tables, seq_lens,
         scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
-        sinks=sinks, gather=gather, cpu_kernel=cpu_kernel,
+        sinks=sinks, alibi_slopes=alibi_slopes, gather=gather, cpu_kernel=cpu_kernel,
     )  # fmt: skip
 
 
@@ -132,6 +137,7 @@ def paged_prefill_attention(
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of many requests' new tokens (packed) over their cached prefix and themselves.
@@ -148,7 +154,7 @@ def paged_prefill_attention(
     block_tables : int32 [num_requests, max_blocks]
     query_start_loc : int32 [num_requests + 1], rising from 0 to num_tokens
     seq_lens : int32 [num_requests], cached prefix + new tokens
-    scale, softcap, sliding_window, k_scale, v_scale, out, sinks : as for ``paged_decode_attention``
+    scale, softcap, sliding_window, k_scale, v_scale, out, sinks, alibi_slopes : as for ``paged_decode_attention``
     new_kv : CPU only, optional: the new tokens' K and V (``[num_tokens, num_kv_heads, head_dim]``, as just
         stored). A request with no cached prefix then attends over them directly, without reading the
         pool back (the pool holds the same values when its dtype is theirs; otherwise it is read). Ignored
@@ -164,18 +170,19 @@ def paged_prefill_attention(
         return _launch_paged_prefill(
             query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
             scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
-            sinks=sinks,
+            sinks=sinks, alibi_slopes=alibi_slopes,
         )  # fmt: skip
     check_attention(
         query, k_cache, v_cache, block_tables,
         softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out, sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )  # fmt: skip
     check_index("seq_lens", seq_lens, (block_tables.shape[0],), query.device)
     check_index("query_start_loc", query_start_loc, (block_tables.shape[0] + 1,), query.device)
     return torch_impl.paged_prefill_attention_torch(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
-        sinks=sinks, new_kv=new_kv,
+        sinks=sinks, alibi_slopes=alibi_slopes, new_kv=new_kv,
     )  # fmt: skip
 
 

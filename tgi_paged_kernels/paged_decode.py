@@ -65,6 +65,7 @@ def _paged_decode_kernel(
     part_out_ptr,
     part_lse_ptr,  # split-K only: [B, Hq, NUM_SPLITS, HEAD_DIM], [B, Hq, NUM_SPLITS] fp32
     sinks_ptr,  # [Hq] sink logits (USE_SINKS); split-K adds them in the reduction instead
+    alibi_slopes_ptr,  # [Hq] fp32 ALiBi slopes (USE_ALIBI)
     sm_scale,
     v_scale,
     softcap,
@@ -81,6 +82,7 @@ def _paged_decode_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SINKS: tl.constexpr,  #
+    USE_ALIBI: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  #
 ):
@@ -108,6 +110,10 @@ def _paged_decode_kernel(
     q = tl.load(query_ptr + q_offs, mask=io_mask, other=0.0).to(DOT_DTYPE)
     q_pos = tl.full((BLOCK_M,), 0, tl.int32) + (seq_len - 1)  # the decode token is the last position
 
+    alibi_slope = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if USE_ALIBI:
+        alibi_slope = tl.load(alibi_slopes_ptr + q_head, mask=row_mask, other=0.0)
+
     # -- online softmax over the key tiles ----------------------------------------------------------
     acc, m_i, l_i = _attend_kv_tiles(
         q,
@@ -125,7 +131,8 @@ def _paged_decode_kernel(
         stride_vd,  #
         sm_scale,
         softcap,
-        sliding_window,  #
+        sliding_window,
+        alibi_slope,  #
         BLOCK_M,
         BLOCK_SIZE,
         BLOCK_N,
@@ -133,6 +140,7 @@ def _paged_decode_kernel(
         HEAD_DIM_PAD,
         USE_SOFTCAP,
         USE_WINDOW,
+        USE_ALIBI,
         DOT_DTYPE,
         DOT_PRECISION,  #
     )
@@ -265,6 +273,7 @@ def _launch_paged_decode(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Check arguments and launch the Triton decode kernel(s), whatever the device.
 
@@ -274,7 +283,7 @@ def _launch_paged_decode(
     k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any cache dtype, head_dim
         contiguous (other strides free)
     block_tables : int32 [B, max_blocks], rows contiguous; seq_lens : int32 [B]
-    scale, softcap, sliding_window, k_scale, v_scale, out, sinks : as ``api.paged_decode_attention``
+    scale, softcap, sliding_window, k_scale, v_scale, out, sinks, alibi_slopes : as ``api.paged_decode_attention``
     num_splits : ``None`` chooses by shape (``choose_num_splits``); 1 forces the single pass; > 1
         forces split-K with that many slices (tests use this under ``TRITON_INTERPRET=1``)
 
@@ -285,6 +294,7 @@ def _launch_paged_decode(
     shape = check_attention(
         query, k_cache, v_cache, block_tables,
         softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out, sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )  # fmt: skip
     out = torch.empty_like(query) if out is None else out
     _check_decode(shape, query, k_cache, v_cache, block_tables, seq_lens, out)
@@ -313,12 +323,13 @@ def _launch_paged_decode(
         out, *out.stride(),  #
         part_out, part_lse,  #
         out if sinks is None else sinks,  # any pointer when unused
+        out if alibi_slopes is None else alibi_slopes,  #
         sm_scale, out_scale, softcap, sliding_window or 0, tokens_per_split,  #
         NUM_Q_HEADS=shape.num_q_heads, QUERIES_PER_KV=shape.queries_per_kv,  #
         BLOCK_M=max(16, next_power_of_2(shape.queries_per_kv)),  # 16: tl.dot's minimum rows
         BLOCK_SIZE=cache.block_size, BLOCK_N=block_n, HEAD_DIM=cache.head_dim, HEAD_DIM_PAD=dim_pad,  #
         NUM_SPLITS=num_splits, USE_SOFTCAP=softcap > 0, USE_WINDOW=sliding_window is not None,  #
-        USE_SINKS=sinks is not None,  #
+        USE_SINKS=sinks is not None, USE_ALIBI=alibi_slopes is not None,  #
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,  #
     )  # fmt: skip
     if num_splits > 1:

@@ -76,6 +76,7 @@ def _paged_prefill_kernel(
     stride_oh,
     stride_od,  #
     sinks_ptr,  # [Hq] sink logits (USE_SINKS)
+    alibi_slopes_ptr,  # [Hq] fp32 ALiBi slopes (USE_ALIBI)
     sm_scale,
     v_scale,
     softcap,
@@ -90,6 +91,7 @@ def _paged_prefill_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SINKS: tl.constexpr,  #
+    USE_ALIBI: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  #
 ):
@@ -120,6 +122,10 @@ def _paged_prefill_kernel(
         kv_lo = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
     kv_hi = last_pos + 1
 
+    alibi_slope = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if USE_ALIBI:
+        alibi_slope = tl.load(alibi_slopes_ptr + q_head, mask=row_mask, other=0.0)
+
     # -- online softmax over the key tiles -----------------------------------------------------------
     acc, m_i, l_i = _attend_kv_tiles(
         q,
@@ -137,7 +143,8 @@ def _paged_prefill_kernel(
         stride_vd,  #
         sm_scale,
         softcap,
-        sliding_window,  #
+        sliding_window,
+        alibi_slope,  #
         BLOCK_M,
         BLOCK_SIZE,
         BLOCK_N,
@@ -145,6 +152,7 @@ def _paged_prefill_kernel(
         HEAD_DIM_PAD,
         USE_SOFTCAP,
         USE_WINDOW,
+        USE_ALIBI,
         DOT_DTYPE,
         DOT_PRECISION,  #
     )
@@ -175,6 +183,7 @@ def _launch_paged_prefill(
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Check arguments and launch the Triton prefill kernel, whatever the device.
 
@@ -185,7 +194,7 @@ def _launch_paged_prefill(
         contiguous (other strides free)
     block_tables : int32 [B, max_blocks], rows contiguous
     query_start_loc : int32 [B + 1]; seq_lens : int32 [B]
-    scale, softcap, sliding_window, k_scale, v_scale, out, sinks : as ``api.paged_prefill_attention``
+    scale, softcap, sliding_window, k_scale, v_scale, out, sinks, alibi_slopes : as ``api.paged_prefill_attention``
 
     Returns
     -------
@@ -194,6 +203,7 @@ def _launch_paged_prefill(
     shape = check_attention(
         query, k_cache, v_cache, block_tables,
         softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out, sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )  # fmt: skip
     cache = shape.cache
     num_requests = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
@@ -222,11 +232,12 @@ def _launch_paged_prefill(
         query_start_loc, seq_lens, num_requests,  #
         out, *out.stride(),  #
         out if sinks is None else sinks,  # any pointer when unused
+        out if alibi_slopes is None else alibi_slopes,  #
         sm_scale, out_scale, softcap, sliding_window or 0,  #
         QUERIES_PER_KV=shape.queries_per_kv, BLOCK_M=block_m, REQUESTS_PAD=next_power_of_2(num_requests),  #
         BLOCK_SIZE=cache.block_size, BLOCK_N=tile_rows(dim_pad, dot_dtype), HEAD_DIM=cache.head_dim,  #
         HEAD_DIM_PAD=dim_pad, USE_SOFTCAP=softcap > 0, USE_WINDOW=sliding_window is not None,  #
-        USE_SINKS=sinks is not None,  #
+        USE_SINKS=sinks is not None, USE_ALIBI=alibi_slopes is not None,  #
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,  #
     )  # fmt: skip
     return out

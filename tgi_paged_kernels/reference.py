@@ -55,7 +55,9 @@ def gather_request_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_le
     return dequantize(cache[block_ids, positions % block_size], scale)
 
 
-def attend_one_request(q, k, v, q_positions, *, scale, softcap=0.0, sliding_window=None, sinks=None) -> torch.Tensor:
+def attend_one_request(
+    q, k, v, q_positions, *, scale, softcap=0.0, sliding_window=None, sinks=None, alibi_slopes=None
+) -> torch.Tensor:
     """Causal attention of one request's queries over its keys, one query head at a time.
 
     Parameters
@@ -66,6 +68,10 @@ def attend_one_request(q, k, v, q_positions, *, scale, softcap=0.0, sliding_wind
 
     sinks : optional [num_q_heads], one learned logit per query head (gpt-oss attention sinks): it
         joins each row's softmax as one more score, with no value, so it only adds to the denominator
+    alibi_slopes : optional [num_q_heads], ALiBi (Bloom, MPT): query head ``h`` adds
+        ``alibi_slopes[h] * (key_position - query_position)`` to its scores, after scaling and soft-capping.
+        HF writes the bias as ``slope * key_position`` (Bloom) or ``slope * (key_position - last_position)``
+        (MPT); each differs from this one by a constant per query row, which the softmax cancels
 
     Query ``i`` sees key ``p`` when ``p <= q_positions[i]`` and, with a window ``w``,
     ``p > q_positions[i] - w``. Rows that see no key return zeros.
@@ -82,6 +88,8 @@ def attend_one_request(q, k, v, q_positions, *, scale, softcap=0.0, sliding_wind
         scores = (q[:, q_head] @ k[:, kv_head].T) * scale
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes[q_head].float() * (key_positions[None, :] - q_positions[:, None]).float()
         scores = scores.masked_fill(~visible, float("-inf"))
         if sinks is not None:  # one more column: the sink's logit, after capping and masking (as HF does)
             scores = torch.cat([scores, sinks[q_head].float().expand(scores.shape[0], 1)], dim=-1)
@@ -105,6 +113,7 @@ def paged_decode_attention_reference(
     k_scale=1.0,
     v_scale=1.0,
     sinks=None,
+    alibi_slopes=None,
 ) -> torch.Tensor:
     """Decode: request ``b``'s single query sits at position ``seq_lens[b] - 1``. Returns fp32 on CPU."""
     query, k_cache, v_cache = query.float().cpu(), k_cache.cpu(), v_cache.cpu()
@@ -122,6 +131,7 @@ def paged_decode_attention_reference(
             softcap=softcap,
             sliding_window=sliding_window,
             sinks=None if sinks is None else sinks.cpu(),
+            alibi_slopes=None if alibi_slopes is None else alibi_slopes.cpu(),
         )[0]
     return out
 
@@ -140,6 +150,7 @@ def paged_prefill_attention_reference(
     k_scale=1.0,
     v_scale=1.0,
     sinks=None,
+    alibi_slopes=None,
 ) -> torch.Tensor:
     """Prefill/extend: request ``b``'s queries are rows ``query_start_loc[b]:query_start_loc[b+1]`` at
     positions ``seq_lens[b] - q_len .. seq_lens[b] - 1``. Returns fp32 on CPU."""
@@ -160,6 +171,7 @@ def paged_prefill_attention_reference(
             softcap=softcap,
             sliding_window=sliding_window,
             sinks=None if sinks is None else sinks.cpu(),
+            alibi_slopes=None if alibi_slopes is None else alibi_slopes.cpu(),
         )
     return out
 

@@ -57,14 +57,15 @@ def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float
             cache[slots // block_size, slots % block_size] = rows
 
 
-def _attend_per_kv_head(q, k, v, visible, *, scale: float, softcap: float, sinks=None) -> torch.Tensor:
+def _attend_per_kv_head(q, k, v, visible, *, scale: float, softcap: float, sinks=None, bias=None) -> torch.Tensor:
     """Masked attention in fp32, one batched matmul pair per KV head.
 
     q: [batch, num_kv_heads, rows, head_dim], the rows of a KV head being its group's query heads
     (decode) or (query head, token) pairs (prefill); k, v: [batch, num_keys, num_kv_heads,
     head_dim], as gathered (the per-head slices are strided views: no copy, and no flops spent on
     other heads' keys); visible: bool, broadcastable to [batch, rows, num_keys]; sinks: optional
-    fp32 [num_kv_heads, rows], each row's sink logit (an extra softmax column without a value).
+    fp32 [num_kv_heads, rows], each row's sink logit (an extra softmax column without a value); bias: optional
+    fp32 [batch, num_kv_heads, rows, num_keys] added to the scores after soft-capping (ALiBi).
     Returns [batch, num_kv_heads, rows, head_dim]; rows that see no key give zeros.
     """
     outputs = []
@@ -72,6 +73,8 @@ def _attend_per_kv_head(q, k, v, visible, *, scale: float, softcap: float, sinks
         scores = torch.bmm(q[:, kv_head], k[:, :, kv_head].transpose(1, 2)).mul_(scale)
         if softcap > 0:
             scores = scores.div_(softcap).tanh_().mul_(softcap)
+        if bias is not None:
+            scores = scores.add_(bias[:, kv_head])
         scores = scores.masked_fill_(~visible, float("-inf"))
         if sinks is not None:
             sink_column = sinks[kv_head][None, :, None].expand(scores.shape[0], -1, 1)
@@ -97,6 +100,7 @@ def paged_decode_attention_torch(
     v_scale,
     out,
     sinks=None,
+    alibi_slopes=None,
     gather: DecodeGather | None = None,
     cpu_kernel: str = "native",
 ) -> torch.Tensor:
@@ -104,16 +108,17 @@ def paged_decode_attention_torch(
     tables as they are. ``compiled`` (and ``native`` under ``torch.compile``, which cannot trace a ctypes
     call): the inductor kernel over the plan's table. ``sdpa``, or when neither builds here: over the
     step's gather plan (``gather``, built here when not given), SDPA without soft-capping or sinks, else a
-    masked matmul pair per KV head."""
+    masked matmul pair per KV head. ALiBi (``alibi_slopes``) always takes the masked matmul pair per KV head."""
     if gather is not None and gather.num_requests != query.shape[0]:
         raise ValueError(f"gather plan for {gather.num_requests} requests, the query has {query.shape[0]}")
-    native = native_decode_for(k_cache) if cpu_kernel == "native" and not torch.compiler.is_compiling() else None
+    native_wanted = cpu_kernel == "native" and alibi_slopes is None and not torch.compiler.is_compiling()
+    native = native_decode_for(k_cache) if native_wanted else None
     if native is not None:
         direct = native.decode_attention(
             query, k_cache, v_cache, block_tables, seq_lens, scale, softcap, sliding_window, sinks, k_scale, v_scale
         )
         return _write_out(direct, query, out)
-    compiled = cpu_kernel in ("native", "compiled")
+    compiled = cpu_kernel in ("native", "compiled") and alibi_slopes is None
     if gather is None:
         gather = plan_decode_gather(block_tables, seq_lens, k_cache.shape[1], sliding_window)
     if compiled:  # no gather: the compiled kernel reads the blocks in place (None: it cannot run here)
@@ -123,20 +128,23 @@ def paged_decode_attention_torch(
         )
         if compiled_result is not None:
             return _write_out(compiled_result, query, out)
-    if softcap == 0 and sinks is None:
+    if softcap == 0 and sinks is None and alibi_slopes is None:
         result = decode_attention_sdpa(query, k_cache, v_cache, gather, scale=scale, k_scale=k_scale, v_scale=v_scale)
     else:
         result = decode_per_kv_head(
-            query, k_cache, v_cache, gather, scale=scale, softcap=softcap, k_scale=k_scale, v_scale=v_scale, sinks=sinks
+            query, k_cache, v_cache, gather, scale=scale, softcap=softcap, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+            alibi_slopes=alibi_slopes, seq_lens=seq_lens,
         )
     return _write_out(result, query, out)
 
 
 def decode_per_kv_head(
-    query, k_cache, v_cache, gather: DecodeGather, *, scale, softcap, k_scale, v_scale, sinks=None
+    query, k_cache, v_cache, gather: DecodeGather, *, scale, softcap, k_scale, v_scale, sinks=None,
+    alibi_slopes=None, seq_lens=None,
 ) -> torch.Tensor:
-    """fp32 decode with a masked matmul pair per KV head (the soft-capping and sinks path), over the
-    same gathered K/V (hidden rows zeroed) and mask as the SDPA path."""
+    """fp32 decode with a masked matmul pair per KV head (the soft-capping, sinks and ALiBi path), over the
+    same gathered K/V (hidden rows zeroed) and mask as the SDPA path. ALiBi needs ``seq_lens`` (the query
+    positions)."""
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     k = gather_decode_kv(k_cache, gather, k_scale).transpose(1, 2)  # [batch, positions, kv_heads, head_dim]
@@ -144,7 +152,14 @@ def decode_per_kv_head(
     # -- GQA: the queries_per_kv heads of a group are the "rows" of one KV head ---------------------
     q = query.float().reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     rows_sinks = None if sinks is None else sinks.float().reshape(num_kv_heads, num_q_heads // num_kv_heads)
-    result = _attend_per_kv_head(q, k, v, gather.visible[:, 0], scale=scale, softcap=softcap, sinks=rows_sinks)
+    bias = None
+    if alibi_slopes is not None:  # [B, Hkv, G, P]: slope * (key position - query position)
+        relative = torch.arange(gather.num_positions)[None, :] - (seq_lens.long().cpu() - 1)[:, None]
+        slopes = alibi_slopes.float().reshape(num_kv_heads, num_q_heads // num_kv_heads)
+        bias = slopes[None, :, :, None] * relative[:, None, None, :].float()
+    result = _attend_per_kv_head(
+        q, k, v, gather.visible[:, 0], scale=scale, softcap=softcap, sinks=rows_sinks, bias=bias
+    )
     return result.reshape(batch, num_q_heads, head_dim)
 
 
@@ -163,12 +178,14 @@ def paged_prefill_attention_torch(
     v_scale,
     out,
     sinks=None,
+    alibi_slopes=None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Prefill/extend for CPU tensors; see ``api.paged_prefill_attention``. fp32 queries go to the native
     kernel (:mod:`.cpu_prefill`: all requests in one call) when it is built; the rest runs here, one request at
-    a time (the native kernel's reference)."""
-    native = None if torch.compiler.is_compiling() else native_kernels()
+    a time (the native kernel's reference). ALiBi (``alibi_slopes``) always runs here, a masked matmul pair per
+    KV head."""
+    native = None if torch.compiler.is_compiling() or alibi_slopes is not None else native_kernels()
     if native is not None:
         result = prefill_attention(
             native, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale, softcap=softcap,
@@ -184,6 +201,7 @@ def paged_prefill_attention_torch(
         raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {starts}")
     result = torch.zeros(query.shape, dtype=torch.float32)
     group_sinks = None if sinks is None else sinks.float().reshape(num_kv_heads, queries_per_kv, 1)
+    group_slopes = None if alibi_slopes is None else alibi_slopes.float().reshape(num_kv_heads, queries_per_kv, 1, 1)
     # A request without a cached prefix attends over its own new K/V: no read back from the pool when the
     # pool stores them as they are.
     fresh_kv = new_kv if new_kv is not None and new_kv[0].dtype == k_cache.dtype else None
@@ -196,7 +214,7 @@ def paged_prefill_attention_torch(
             raise ValueError(
                 f"request {b}: seq_len {seq_len} must cover its {num_queries} queries and fit its block table"
             )
-        if softcap == 0 and sinks is None:  # common case: SDPA over the keys some query sees
+        if softcap == 0 and sinks is None and alibi_slopes is None:  # common case: SDPA over the keys some query sees
             first = seq_len - num_queries
             lo = 0 if sliding_window is None else max(0, first - sliding_window + 1)
             positions = torch.arange(lo, seq_len)
@@ -231,8 +249,12 @@ def paged_prefill_attention_torch(
         q = query[start:end].float().reshape(num_queries, num_kv_heads, queries_per_kv, head_dim)
         q = q.permute(1, 2, 0, 3).reshape(1, num_kv_heads, queries_per_kv * num_queries, head_dim)
         rows_sinks = None if group_sinks is None else group_sinks.expand(-1, -1, num_queries).reshape(num_kv_heads, -1)
+        bias = None
+        if group_slopes is not None:  # [1, Hkv, G * Q, S]: slope * (key position - query position), head-major rows
+            relative = (positions[None, :] - q_positions[:, None]).float()
+            bias = (group_slopes * relative).reshape(1, num_kv_heads, queries_per_kv * num_queries, seq_len)
         o = _attend_per_kv_head(q, k[None], v[None], visible.repeat(queries_per_kv, 1)[None], scale=scale,
-                                softcap=softcap, sinks=rows_sinks)  # fmt: skip
+                                softcap=softcap, sinks=rows_sinks, bias=bias)  # fmt: skip
         o = o.reshape(num_kv_heads, queries_per_kv, num_queries, head_dim)
         result[start:end] = o.permute(2, 0, 1, 3).reshape(num_queries, num_q_heads, head_dim)
     return _write_out(result, query, out)
