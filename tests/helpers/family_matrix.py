@@ -72,8 +72,6 @@ BLOCK_SIZE = 4
 
 REFUSED: dict[str, str] = {
     "Falcon-RW": "alibi=True",
-    "Bloom": "ALiBi",
-    "MPT": "ALiBi",
     "DeepSeek-V2": "multi-head latent attention",
     "DeepSeek-V3": "multi-head latent attention",
 }

@@ -275,8 +275,19 @@ FAMILIES: tuple[Family, ...] = (
         "attention sinks, alternating sliding/full layers, MoE",
         param_std={"sinks": 2.0},
     ),
-    Family("Bloom", "bloom", dict(hidden_size=64, n_layer=2, n_head=4, initializer_range=0.2), "ALiBi"),
-    Family("MPT", "mpt", dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=256, expansion_ratio=2), "ALiBi"),
+    Family(
+        "Bloom",
+        "bloom",
+        dict(hidden_size=64, n_layer=2, n_head=4, initializer_range=0.5, tie_word_embeddings=False),
+        "ALiBi, fused per-head q/k/v, embedding LayerNorm",
+        param_std={"layernorm.bias": 0.1},  # LayerNorm biases near 0, not 1: varied greedy tokens
+    ),
+    Family(
+        "MPT",
+        "mpt",
+        dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=256, expansion_ratio=2, initializer_range=1.0),
+        "ALiBi, fused q/k/v, no biases",
+    ),
     Family(
         "DeepSeek-V2",
         "deepseek_v2",

@@ -15,7 +15,7 @@ import transformers
 
 from tests.helpers.family_matrix import start_error
 from tests.helpers.family_models import FAMILY_BY_NAME, write_family_model
-from tgi_paged_backend.runner.model import falcon, family_support
+from tgi_paged_backend.runner.model import falcon, family_support, loader
 
 
 def _config_only_dir(tmp_path: Path, config: transformers.PretrainedConfig) -> Path:
@@ -49,10 +49,11 @@ def test_unserved_kinds_are_refused_from_the_config(model_type, phrase, tmp_path
     [("Bloom", "no layer called the paged attention"), ("Falcon", "bypasses transformers' attention interface")],
 )
 def test_generic_checks_catch_attention_that_bypasses_the_interface(name, phrase, tmp_path, monkeypatch):
-    # Without the per-family reasons, the loader still refuses: Bloom runs its own attention (the probe
-    # forward sees no call: served as is it gives wrong tokens), Falcon has no class for our name (when it
-    # is not given its own attention module, runner/model/falcon.py).
+    # Without the per-family reasons, the loader still refuses: Bloom without its ALiBi modules swapped in runs
+    # its own attention (the probe forward sees no call: served as is it gives wrong tokens), Falcon has no
+    # class for our name (when it is not given its own attention module, runner/model/falcon.py).
     monkeypatch.setattr(family_support, "unsupported_reason", lambda config: None)
+    monkeypatch.setattr(loader, "install_alibi_attention", lambda model: 0)
     monkeypatch.setattr(falcon, "MODEL_TYPE", "not-falcon")
     error = start_error(write_family_model(FAMILY_BY_NAME[name], tmp_path))
     assert error is not None and phrase in error, error

@@ -195,11 +195,14 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store layer ``layer_idx``'s new K/V (``[T, Hkv, D]``) in the pool and attend with ``q`` (``[T, Hq, D]``).
 
     The core shared by the HF hook (:func:`paged_attention_forward`) and the fused attention modules
-    (:mod:`tgi_paged_backend.runner.cpu.fused_blocks`). Returns ``[T, Hq, D]`` in ``q``'s dtype.
+    (:mod:`tgi_paged_backend.runner.cpu.fused_blocks`) and the ALiBi attention modules
+    (:mod:`tgi_paged_backend.runner.model.alibi`, ``alibi_slopes``: fp32 ``[Hq]``). Returns ``[T, Hq, D]`` in
+    ``q``'s dtype.
     """
     if metadata.layer_calls is not None:  # probe: which layers reach us, nothing computed
         metadata.layer_calls.append(layer_idx)
@@ -216,10 +219,14 @@ def paged_attention(
         k_scale=metadata.k_scale,
         v_scale=metadata.v_scale,
         sinks=None if sinks is None else sinks.detach().float().contiguous(),
+        alibi_slopes=alibi_slopes,
     )
     if batch.is_decode:
         # The native kernel reads the block tables as they are; the others share one plan per step.
-        native = metadata.cpu_decode == "native" and not metadata.static and native_decode_for(k_cache) is not None
+        native = (
+            metadata.cpu_decode == "native" and not metadata.static and alibi_slopes is None
+            and native_decode_for(k_cache) is not None
+        )  # fmt: skip
         gather = None if native else metadata.decode_gather(k_cache.shape[1], window, layer_idx)
         return tgi_paged_kernels.paged_decode_attention(
             q, k_cache, v_cache, block_tables, batch.seq_lens, gather=gather, cpu_kernel=metadata.cpu_decode,

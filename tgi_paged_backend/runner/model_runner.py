@@ -30,6 +30,7 @@ from tgi_paged_backend.runner.cpu.fused_blocks import FusionReport
 from tgi_paged_backend.runner.cpu.native_layers import NativeLayersReport
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch, dummy_prefill_chunks
 from tgi_paged_backend.runner.kv_pool import BlockIds, KVPool
+from tgi_paged_backend.runner.model.alibi import has_alibi_attention
 from tgi_paged_backend.runner.model.loader import LoadedModel, load_model, resident_bytes
 from tgi_paged_backend.runner.model.medusa import MedusaHeads, load_medusa_for
 from tgi_paged_backend.runner.model.spec import ModelSpec, resolve_kv_dtype
@@ -102,6 +103,8 @@ class ModelRunner:
         self.medusa: MedusaHeads | None = load_medusa_for(self.model, model_config, self.device, self.dtype)
         if self.medusa is not None:
             self.static_decode_supported = False  # the heads read lm_head's input, which a graph does not hand out
+        if has_alibi_attention(self.model):
+            self.static_decode_supported = False  # ALiBi modules read the step from a hook: not traced or captured yet
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.pool = KVPool(self.spec, self.block_size, self.kv_dtype, self.device)

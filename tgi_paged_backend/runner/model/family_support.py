@@ -8,9 +8,9 @@ answering with wrong tokens:
 
 - :func:`unsupported_reason` reads the config alone: encoder-decoder and multimodal models,
   state-space / linear-attention layers (Mamba, Jamba, Falcon-H1, ...), multi-head latent attention
-  (DeepSeek-V2/V3: K and V have other head dims than the pool's), ALiBi, the Falcon variants
-  :mod:`.falcon` does not serve, and the families whose modeling code is known to bypass transformers'
-  attention interface (Bloom, MPT);
+  (DeepSeek-V2/V3: K and V have other head dims than the pool's), ALiBi outside Bloom and MPT (whose attention
+  modules :mod:`.alibi` replaces, refusing the variants it does not reproduce), and the Falcon variants
+  :mod:`.falcon` does not serve;
 - :func:`check_attention_calls` is the generic backstop, run by the runner on a one-token probe
   forward: every decoder layer must call our attention function exactly once (catches
   ``trust_remote_code`` code and any family that computes attention its own way).
@@ -28,6 +28,7 @@ import torch
 
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
 from tgi_paged_backend.runner.model import falcon
+from tgi_paged_backend.runner.model.alibi import ALIBI_MODEL_TYPES, alibi_refusal
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -35,10 +36,7 @@ if TYPE_CHECKING:
 SERVED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 """``config.layer_types`` entries the paged attention implements (per-layer windows included)."""
 
-BYPASSING_FAMILIES: dict[str, str] = {
-    "bloom": "ALiBi position biases inside its own attention code (no attention interface, no ALiBi kernel yet)",
-    "mpt": "ALiBi position biases inside its own attention code (no attention interface, no ALiBi kernel yet)",
-}
+BYPASSING_FAMILIES: dict[str, str] = {}
 """``model_type`` -> why transformers' modeling code for it cannot run over the paged KV cache."""
 
 SSM_MODEL_TYPES = frozenset(
@@ -108,6 +106,8 @@ def unsupported_reason(config: Any) -> str | None:
             "multi-head latent attention (compressed KV, key and value head dims differ) needs its own "
             "page geometry, which is not implemented"
         )
+    if model_type in ALIBI_MODEL_TYPES:
+        return alibi_refusal(config)
     if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):
         return "ALiBi position biases are not implemented by the paged attention kernels"
     return None

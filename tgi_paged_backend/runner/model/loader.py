@@ -22,6 +22,7 @@ from packaging.version import Version
 from tgi_paged_backend.config import ModelConfig
 from tgi_paged_backend.runner.attention import register_attention
 from tgi_paged_backend.runner.model import falcon, family_support
+from tgi_paged_backend.runner.model.alibi import install_alibi_attention
 from tgi_paged_backend.runner.model.rope_scaling import apply_rope_scaling
 from tgi_paged_backend.runner.quant.methods import SUPPORTED_QUANTIZE, QuantizationError, check_quantize, refusal
 
@@ -228,6 +229,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
     if is_falcon:
         falcon.install_paged_falcon(model, attn_name)
     _quantize(model, method, scheme, path)
+    install_alibi_attention(model)  # Bloom, MPT: their attention modules over the paged pool (others: nothing)
     # transformers decorates PreTrainedModel.to with functools.wraps(nn.Module.to); typeshed's _Wrapped
     # has no __get__, so mypy does not bind the method and takes ``device`` for ``self``.
     model.to(device)  # type: ignore[arg-type]

@@ -157,7 +157,9 @@ class ModelSpec:
                 or 4 * config.hidden_size
             ),
             vocab_size=int(config.vocab_size),
-            max_position_embeddings=int(getattr(config, "max_position_embeddings", 0) or 0),
+            max_position_embeddings=int(
+                getattr(config, "max_position_embeddings", 0) or getattr(config, "max_seq_len", 0) or 0  # MPT: max_seq_len
+            ),
             sliding_window=_sliding_window(config),
             reclaim_window=_reclaim_window(config),
             layer_windows=_layer_windows(config),

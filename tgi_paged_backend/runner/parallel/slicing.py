@@ -316,6 +316,10 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, all_reduce: AllReduce) -> ShardLayout:
     """Slice every decoder layer of ``model`` (in place) to rank ``rank`` of ``world_size``."""
+    for module in model.modules():  # modules that say why they cannot be sliced (the ALiBi attention)
+        reason = getattr(type(module), "tensor_parallel_refusal", None)
+        if isinstance(reason, str):
+            raise ModelLoadError(f"tensor parallelism: {reason}: use --num-shard 1")
     check_divisible(spec, world_size)
     layers = _decoder_layers(model)
     if len(layers) != spec.num_layers:
