@@ -72,7 +72,8 @@ def plan_capacity(
     num_groups = 1 if groups is None else groups.num_groups
     physical_tokens = max(num_blocks - 1, 0) // num_groups * block_size
     if max_total_tokens is None:
-        max_total_tokens = min(physical_tokens, max_position_embeddings)
+        # 0: the config names no limit (Bloom: ALiBi positions extend as far as the pool)
+        max_total_tokens = min(physical_tokens, max_position_embeddings or physical_tokens)
         if max_input_tokens is not None:
             max_total_tokens = max(max_total_tokens, max_input_tokens + 1)
     if max_input_tokens is None:
