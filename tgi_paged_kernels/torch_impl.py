@@ -132,16 +132,16 @@ def paged_decode_attention_torch(
         result = decode_attention_sdpa(query, k_cache, v_cache, gather, scale=scale, k_scale=k_scale, v_scale=v_scale)
     else:
         result = decode_per_kv_head(
-            query, k_cache, v_cache, gather, scale=scale, softcap=softcap, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-            alibi_slopes=alibi_slopes, seq_lens=seq_lens,
-        )
+            query, k_cache, v_cache, gather, scale=scale, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
+            sinks=sinks, alibi_slopes=alibi_slopes, seq_lens=seq_lens,
+        )  # fmt: skip
     return _write_out(result, query, out)
 
 
 def decode_per_kv_head(
-    query, k_cache, v_cache, gather: DecodeGather, *, scale, softcap, k_scale, v_scale, sinks=None,
-    alibi_slopes=None, seq_lens=None,
-) -> torch.Tensor:
+    query, k_cache, v_cache, gather: DecodeGather, *, scale, softcap, k_scale, v_scale, sinks=None, alibi_slopes=None,
+    seq_lens=None,
+) -> torch.Tensor:  # fmt: skip
     """fp32 decode with a masked matmul pair per KV head (the soft-capping, sinks and ALiBi path), over the
     same gathered K/V (hidden rows zeroed) and mask as the SDPA path. ALiBi needs ``seq_lens`` (the query
     positions)."""

@@ -288,7 +288,12 @@ FAMILIES: tuple[Family, ...] = (
         # Untied: with the LM head tied to these random embeddings, EOS wins some greedy steps, which HF's
         # reference (min_new_tokens) suppresses and the requests (EOS ignored) take.
         dict(
-            d_model=64, n_layers=2, n_heads=4, max_seq_len=256, expansion_ratio=2, initializer_range=0.5,
+            d_model=64,
+            n_layers=2,
+            n_heads=4,
+            max_seq_len=256,
+            expansion_ratio=2,
+            initializer_range=0.5,
             tie_word_embeddings=False,
         ),
         "ALiBi, fused q/k/v, no biases",

@@ -125,7 +125,9 @@ def test_triton_prefill_fp16_with_window():
 
 
 @pytest.mark.parametrize(
-    "slopes", [torch.zeros(3), torch.zeros(4, dtype=torch.float16), torch.zeros(8)[::2]], ids=["shape", "dtype", "strided"]
+    "slopes",
+    [torch.zeros(3), torch.zeros(4, dtype=torch.float16), torch.zeros(8)[::2]],
+    ids=["shape", "dtype", "strided"],
 )
 def test_rejects_bad_slopes(slopes):
     kv = make_paged_kv([5], num_kv_heads=2, head_dim=16, block_size=4, kv_dtype=torch.float32)

@@ -56,8 +56,9 @@ def bloom_alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 def mpt_alibi_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> torch.Tensor:
-    """MPT's slopes (fp32 ``[num_heads]``): ``2**-(i * alibi_bias_max / m)`` for ``i = 1 .. m``, ``m`` the power of two
-    ``>= num_heads``; when ``m > num_heads``, the odd-indexed ones first, then the even-indexed, cut to ``num_heads``."""
+    """MPT's slopes (fp32 ``[num_heads]``): ``2**-(i * alibi_bias_max / m)`` for ``i = 1 .. m``, ``m`` the power of
+    two ``>= num_heads``; when ``m > num_heads``, the odd-indexed ones first, then the even-indexed, cut to
+    ``num_heads``."""
     m = 2 ** math.ceil(math.log2(num_heads))
     slopes = 1.0 / torch.pow(2.0, torch.arange(1, m + 1, dtype=torch.float32) * (alibi_bias_max / m))
     if m == num_heads:
@@ -76,7 +77,9 @@ def alibi_refusal(config: Any) -> str | None:
         return None
     attn = config.attn_config
     if getattr(attn, "qk_ln", False):
-        return "MPT with attn_config.qk_ln: transformers' MPT does not apply those norms, so no reference to be exact to"
+        return (
+            "MPT with attn_config.qk_ln: transformers' MPT does not apply those norms, so no reference to be exact to"
+        )
     if not getattr(attn, "alibi", True):
         return "MPT with attn_config.alibi false: transformers' MPT adds ALiBi biases whatever the config says"
     if float(getattr(attn, "alibi_bias_max", 8)) != 8.0:

@@ -157,8 +157,9 @@ class ModelSpec:
                 or 4 * config.hidden_size
             ),
             vocab_size=int(config.vocab_size),
+            # MPT names its limit max_seq_len; 0: none named (Bloom)
             max_position_embeddings=int(
-                getattr(config, "max_position_embeddings", 0) or getattr(config, "max_seq_len", 0) or 0  # MPT: max_seq_len
+                getattr(config, "max_position_embeddings", 0) or getattr(config, "max_seq_len", 0)
             ),
             sliding_window=_sliding_window(config),
             reclaim_window=_reclaim_window(config),
