@@ -130,3 +130,13 @@ def test_num_shard_plans_one_rank() -> None:
         make_plan(PlanInputs(model="gpt-oss-120b", device="H100", num_shard=2), SMALL_TRACE[:3])
     with pytest.raises(ValueError, match="not divisible by 3"):
         make_plan(PlanInputs(model="mixtral-8x7b", device="H100", num_shard=3), SMALL_TRACE[:3])
+
+
+@pytest.mark.parametrize(("limit", "expected"), [(0, 33 * 16), (100, 100)])
+def test_capacity_without_a_position_limit_takes_the_pool(limit, expected):
+    # Bloom's config names no position limit (ALiBi; max_position_embeddings 0): the pool bounds a request.
+    cap = plan_capacity(
+        available_kv_bytes=34 * 1024, block_bytes=1024, block_size=16, num_blocks_cap=None, overcommit=1.0,
+        max_position_embeddings=limit, max_input_tokens=None, max_total_tokens=None, max_prefill_tokens=64,
+    )  # fmt: skip
+    assert cap.max_total_tokens == expected and cap.max_input_tokens == expected - 1

@@ -110,6 +110,7 @@ class _AlibiAttention(nn.Module):
     """Shared part: the layer index, the slopes (an fp32 buffer, moved with the model) and the step holder."""
 
     tensor_parallel_refusal = TENSOR_PARALLEL_REFUSAL
+    alibi_slopes: torch.Tensor
 
     def __init__(self, layer_idx: int, num_heads: int, head_dim: int, slopes: torch.Tensor, holder: StepHolder) -> None:
         super().__init__()
@@ -131,7 +132,10 @@ class BloomPagedAttention(_AlibiAttention):
     """``BloomAttention`` over the paged pool: fused ``query_key_value`` (per head ``[q, k, v]`` interleaved), the
     paged ALiBi attention, ``dense``, plus the residual (Bloom adds it inside its attention)."""
 
-    def __init__(self, original: nn.Module, holder: StepHolder) -> None:
+    query_key_value: nn.Module
+    dense: nn.Module
+
+    def __init__(self, original: Any, holder: StepHolder) -> None:
         super().__init__(
             int(original.layer_idx), original.num_heads, original.head_dim, bloom_alibi_slopes(original.num_heads),
             holder,
@@ -151,13 +155,16 @@ class MptPagedAttention(_AlibiAttention):
     """``MptAttention`` over the paged pool: ``Wqkv`` (``[q; k; v]`` blocks), ``clip_qkv`` clamping, the paged ALiBi
     attention at ``softmax_scale``, ``out_proj``."""
 
-    def __init__(self, original: nn.Module, holder: StepHolder) -> None:
+    Wqkv: nn.Module
+    out_proj: nn.Module
+
+    def __init__(self, original: Any, holder: StepHolder) -> None:
         super().__init__(
             int(original.layer_idx), original.n_heads, original.head_dim, mpt_alibi_slopes(original.n_heads), holder
         )
         self.Wqkv = original.Wqkv
         self.out_proj = original.out_proj
-        self.clip_qkv = original.clip_qkv
+        self.clip_qkv: float | None = original.clip_qkv
         self.scaling = float(original.softmax_scale)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -173,7 +180,7 @@ def _bool_mask_stand_in(*args: Any, device: Any = None, **kwargs: Any) -> torch.
     return torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device)
 
 
-def _use_bool_mask(model: nn.Module) -> None:
+def _use_bool_mask(model: Any) -> None:
     """Run ``model`` under :data:`BOOL_MASK_NAME` (transformers >= 4.53 builds masks by implementation name)."""
     if not HAS_MASK_INTERFACE:
         return
@@ -185,7 +192,7 @@ def _use_bool_mask(model: nn.Module) -> None:
     model.config._attn_implementation = BOOL_MASK_NAME
 
 
-def install_alibi_attention(model: nn.Module) -> int:
+def install_alibi_attention(model: Any) -> int:
     """Swap every attention module of a Bloom or MPT ``model`` (in place) for the paged ALiBi one; returns how many
     (0 for other families). Call before the start-up probe and after weights are final (quantized linears kept)."""
     model_type = getattr(model.config, "model_type", None)
@@ -193,6 +200,7 @@ def install_alibi_attention(model: nn.Module) -> int:
         return 0
     holder = StepHolder()
     model.register_forward_pre_hook(holder.capture, with_kwargs=True)
+    cls: Any
     if model_type == "bloom":
         blocks, name, cls = model.transformer.h, "self_attention", BloomPagedAttention
     else:
