@@ -223,6 +223,9 @@ def plan(
     num_blocks: int | None = typer.Option(None, help="TGI_PAGED_NUM_BLOCKS cap."),
     kv_budget_bytes: int | None = typer.Option(None, help="Use this KV budget instead of the memory arithmetic."),
     overcommits: str = typer.Option("1.5,2,3,4,6,8,12,16", help="Overcommits to simulate (comma separated)."),
+    host_cache_gb: float | None = typer.Option(
+        None, help="TGI_PAGED_HOST_CACHE_GB: estimate the prefix tokens and hit rate a host KV tier this size adds."
+    ),
     json_out: str | None = typer.Option(None, "--json", help="Also write the plan as JSON to this file."),
 ) -> None:
     """Capacity plan: bytes per token, pool size, expected concurrency and waste, advised overcommit."""
@@ -254,6 +257,7 @@ def plan(
             bits=bits,
             group_size=group_size,
             num_shard=num_shard,
+            host_cache_gb=host_cache_gb,
         )
     except (ValueError, KeyError, OSError) as err:  # ConfigError is a ValueError
         typer.echo(f"plan: {err}", err=True)

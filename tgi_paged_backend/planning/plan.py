@@ -46,6 +46,9 @@ class PlanInputs:
     layer_groups: bool = True
     """``TGI_PAGED_LAYER_GROUPS``: page models mixing sliding and full layers by KV layer group (off: one
     page map for all layers, as the shard with ``0``)."""
+    host_cache_gib: float | None = None
+    """``--host-cache-gb``: estimate what a host KV tier of this size buys
+    (:mod:`~tgi_paged_backend.planning.host_tier`); ``None``: no estimate."""
 
 
 @dataclass(slots=True)
@@ -76,6 +79,8 @@ class Plan:
     """The KV layer groups the shard pages by (``ModelRunner.kv_groups``); ``None`` when the planner was
     built without them."""
     notes: list[str] = field(default_factory=list)
+    host_tier: Any = None
+    """:class:`~tgi_paged_backend.planning.host_tier.HostTierEstimate` with ``--host-cache-gb``."""
 
     @property
     def num_blocks(self) -> int:
@@ -155,4 +160,4 @@ class Plan:
             "simulation": self.comparison.to_dict(),
             "advised_overcommit": self.advised_overcommit,
             "notes": self.notes,
-        }
+        } | ({"host_tier": self.host_tier.to_dict()} if self.host_tier is not None else {})

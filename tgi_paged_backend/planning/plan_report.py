@@ -3,6 +3,7 @@ simulation's tables, and the advised overcommit with its reason."""
 
 from __future__ import annotations
 
+from tgi_paged_backend.planning.host_tier import format_host_tier
 from tgi_paged_backend.planning.plan import Plan
 from tgi_paged_backend.planning.report import comparison_table, fmt_bytes, overcommit_table
 from tgi_paged_backend.planning.sim_results import THROUGHPUT_TOLERANCE, WASTE_TOLERANCE, Comparison
@@ -46,6 +47,8 @@ def format_plan(plan: Plan) -> str:
         f"advice       TGI_PAGED_OVERCOMMIT={plan.advised_overcommit:g}  (advertises "
         f"{plan.capacity.max_supported_total_tokens:,} tokens to the router): " + advice_reason(plan.comparison),
     ]
+    if plan.host_tier is not None:
+        lines += ["", *format_host_tier(plan.host_tier, plan.inputs.block_size)]
     lines += [f"note         {n}" for n in plan.notes]
     return "\n".join(lines)
 

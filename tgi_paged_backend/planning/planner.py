@@ -37,6 +37,7 @@ from typing import Any
 
 from tgi_paged_backend.memory.layer_groups import LayerGroups
 from tgi_paged_backend.planning.allocator_sim import compare
+from tgi_paged_backend.planning.host_tier import estimate_host_tier
 from tgi_paged_backend.planning.model_facts import (
     activation_peak_bytes,
     cpu_available_bytes,
@@ -170,7 +171,7 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
         cost=cost_model(device, weights, bytes_per_token, rank.active, facts.spec.kv_groups),  # what attention reads
     )
     comparison = compare(trace, sim_cfg, inputs.overcommits)
-    return Plan(
+    plan = Plan(
         inputs=inputs,
         device=device,
         facts=facts,
@@ -191,6 +192,9 @@ def make_plan(inputs: PlanInputs, trace: Sequence[TraceRequest]) -> Plan:
         kv_groups=groups,
         notes=notes,
     )
+    if inputs.host_cache_gib is not None:
+        plan.host_tier = estimate_host_tier(plan, trace, inputs.host_cache_gib)
+    return plan
 
 
 def plan_from_args(
@@ -218,6 +222,7 @@ def plan_from_args(
     group_size: int | None = None,
     num_shard: int = 1,
     layer_groups: bool | None = None,
+    host_cache_gb: float | None = None,
 ) -> Plan:
     """What ``tgi-paged-backend plan`` calls (``layer_groups``: ``None`` reads ``TGI_PAGED_LAYER_GROUPS`` as
     the shard does)."""
@@ -255,5 +260,6 @@ def plan_from_args(
         int_layout=int_layout,
         num_shard=num_shard,
         layer_groups=layer_groups,
+        host_cache_gib=host_cache_gb,
     )
     return make_plan(inputs, trace)
