@@ -49,6 +49,7 @@ class HostTierEstimate:
     ttft_tiered_s: float
     load_s_per_block: float
     prefill_s_per_block: float
+    """A block's share of a compute-bound prefill (its FLOPs at the device's rate)."""
 
     @property
     def extra_kept_tokens(self) -> int:
@@ -82,7 +83,6 @@ def estimate_host_tier(plan: Plan, trace: Sequence[TraceRequest], host_gib: floa
 
     pool_hits = reusable * hit_pool
     host_hits = reusable * (hit_tiered - hit_pool)
-    one_block = cost.step_s(context_tokens=bs, computed_tokens=bs) - cost.fixed_s
     return HostTierEstimate(
         host_bytes=host_bytes,
         host_blocks=host_blocks,
@@ -97,7 +97,7 @@ def estimate_host_tier(plan: Plan, trace: Sequence[TraceRequest], host_gib: floa
         ttft_pool_s=ttft(pool_hits, 0.0),
         ttft_tiered_s=ttft(pool_hits, host_hits),
         load_s_per_block=plan.block_bytes * plan.groups.num_groups / cost.swap_bytes_per_s,
-        prefill_s_per_block=max(one_block, 0.0),
+        prefill_s_per_block=cost.flops_per_token * bs / cost.flops_per_s,
     )
 
 
@@ -114,7 +114,7 @@ def format_host_tier(e: HostTierEstimate, block_size: int) -> list[str]:
         f"{e.kept_tokens_pool:,} -> {e.kept_tokens_tiered:,} (+{e.extra_kept_tokens:,}); expected prefix hit rate "
         f"{100 * e.hit_rate_pool:.1f} % -> {100 * e.hit_rate_tiered:.1f} %",
         f"{'':13}TTFT of a mean revisit ({e.mean_prompt_tokens:.0f} tokens) {ms(e.ttft_pool_s)} -> "
-        f"{ms(e.ttft_tiered_s)}; one {block_size}-token block: load {ms(e.load_s_per_block)} vs prefill "
+        f"{ms(e.ttft_tiered_s)}; one {block_size}-token block: load {ms(e.load_s_per_block)} vs computing it "
         f"{ms(e.prefill_s_per_block)}"
         + ("; the prefill step is weight-bound at this length, hits save no time" if e.ttft_tiered_s >= e.ttft_pool_s else ""),
         f"{'':13}assumes uniform revisits (hit = kept / working set); round robin over LRU is all-or-nothing",
