@@ -77,10 +77,14 @@ def format_scenario(sc: Scenario) -> str:
         if y.traffic.get(f"{key}_bytes"):
             mib, n = y.traffic[f"{key}_bytes"] / 2**20, y.traffic.get(blocks[key], 0) or 1
             per = f"{_ms(y.traffic[f'{key}_s'] / n)}/blk"
-            rows.append([f"{label} MiB / ms ({int(n)} blk)", "", f"{mib:.1f} / {_ms(y.traffic[f'{key}_s'])} ({per})", ""])
+            rows.append(
+                [f"{label} MiB / ms ({int(n)} blk)", "", f"{mib:.1f} / {_ms(y.traffic[f'{key}_s'])} ({per})", ""]
+            )
     every = ", ".join(f"{r.mode} {r.wall_s:.2f}" for r in sc.runs)
     spread = {m: [r.wall_s for r in sc.runs if r.mode == m] for m in (a, b)}
-    every += "; spread (max/min - 1) " + ", ".join(f"{m} {100 * (max(v) / min(v) - 1):.1f} %" for m, v in spread.items())
+    every += "; spread (max/min - 1) " + ", ".join(
+        f"{m} {100 * (max(v) / min(v) - 1):.1f} %" for m, v in spread.items()
+    )
     same = "identical" if sc.same_tokens(a, b) else "DIFFERENT"
     return "\n".join(
         [head, table(["", a, b, "ratio"], rows), f"greedy tokens {a} vs {b}: {same}; every round's wall s: {every}"]
@@ -93,7 +97,9 @@ def goals(scenarios: list[Scenario]) -> list[str]:
     if "control" in by:
         off, on = by["control"].best("off"), by["control"].best("on")
         d = on.wall_s / off.wall_s - 1
-        out.append(f"control: tier on {100 * d:+.1f} % wall vs off (goal within 3 %): {'met' if abs(d) <= 0.03 else 'missed'}")
+        out.append(
+            f"control: tier on {100 * d:+.1f} % wall vs off (goal within 3 %): {'met' if abs(d) <= 0.03 else 'missed'}"
+        )
     if "restart" in by:
         cold, warm = by["restart"].best("cold"), by["restart"].best("warm")
         r = cold.ttft(0.5) / max(warm.ttft(0.5), 1e-9)
@@ -118,11 +124,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    import transformers
     from loguru import logger
 
     from integration.peers.host import describe, host_info
-
-    import transformers
 
     logger.remove()
     logger.add(sys.stderr, level="WARNING")

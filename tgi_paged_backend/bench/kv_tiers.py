@@ -20,7 +20,6 @@ both alike; the best round of each (shortest wall time) is reported, every round
 from __future__ import annotations
 
 import random
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -51,7 +50,11 @@ class Workload:
 
     def user_message(self, conversation: int, turn: int) -> str:
         rng = random.Random(f"{self.seed}/{conversation}/{turn}")
-        return f"User {conversation}.{turn}: " + " ".join(rng.choice(WORDS) for _ in range(self.user_words)) + "\nAssistant:"
+        return (
+            f"User {conversation}.{turn}: "
+            + " ".join(rng.choice(WORDS) for _ in range(self.user_words))
+            + "\nAssistant:"
+        )
 
 
 @dataclass(slots=True)
@@ -211,7 +214,11 @@ def pool_scenario(
     ws, longest, block_bytes = working_set_tokens(model_dir, work, block_size)
     pool_blocks = max(-(-int(ws / ratio) // block_size), -(-longest // block_size) + 2)
     host_blocks = int(-(-ws // block_size) * host_spare)
-    base = {"TGI_PAGED_NUM_BLOCKS": str(pool_blocks + 1), "TGI_PAGED_BLOCK_SIZE": str(block_size), "PREFIX_CACHING": "1"}
+    base = {
+        "TGI_PAGED_NUM_BLOCKS": str(pool_blocks + 1),
+        "TGI_PAGED_BLOCK_SIZE": str(block_size),
+        "PREFIX_CACHING": "1",
+    }
     sc = Scenario(name, base, ws, pool_blocks * block_size, host_blocks * block_size)
     for _ in range(repeats):
         for mode in ("off", "on"):
@@ -224,7 +231,9 @@ def pool_scenario(
     return sc
 
 
-def restart_scenario(model_dir: Path, work: Workload, *, block_size: int, repeats: int, host_blocks: int = 256) -> Scenario:
+def restart_scenario(
+    model_dir: Path, work: Workload, *, block_size: int, repeats: int, host_blocks: int = 256
+) -> Scenario:
     """First turns after a restart over a disk tier (warm) vs a fresh engine without one (cold)."""
     ws, _, block_bytes = working_set_tokens(model_dir, work, block_size)
     base = {"TGI_PAGED_NUM_BLOCKS": "256", "TGI_PAGED_BLOCK_SIZE": str(block_size), "PREFIX_CACHING": "1"}

@@ -116,6 +116,10 @@ def format_host_tier(e: HostTierEstimate, block_size: int) -> list[str]:
         f"{'':13}TTFT of a mean revisit ({e.mean_prompt_tokens:.0f} tokens) {ms(e.ttft_pool_s)} -> "
         f"{ms(e.ttft_tiered_s)}; one {block_size}-token block: load {ms(e.load_s_per_block)} vs computing it "
         f"{ms(e.prefill_s_per_block)}"
-        + ("; the prefill step is weight-bound at this length, hits save no time" if e.ttft_tiered_s >= e.ttft_pool_s else ""),
+        + (
+            "; the prefill step is weight-bound at this length, hits save no time"
+            if e.ttft_tiered_s >= e.ttft_pool_s
+            else ""
+        ),
         f"{'':13}assumes uniform revisits (hit = kept / working set); round robin over LRU is all-or-nothing",
     ]
