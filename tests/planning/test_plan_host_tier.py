@@ -91,3 +91,8 @@ def test_without_the_option_the_plan_is_unchanged(tmp_path: Path) -> None:
     result = CliRunner().invoke(tools_app, [*ARGS, "--json", str(js)])
     assert result.exit_code == 0, result.output
     assert "host tier" not in result.output and "host_tier" not in json.loads(js.read_text())
+
+
+def test_a_negative_size_is_refused(tmp_path: Path) -> None:
+    result = CliRunner().invoke(tools_app, [*ARGS, "--host-cache-gb", "-1"])
+    assert result.exit_code == 2 and "--host-cache-gb must be >= 0" in result.output

@@ -61,6 +61,8 @@ class HostTierEstimate:
 
 def estimate_host_tier(plan: Plan, trace: Sequence[TraceRequest], host_gib: float) -> HostTierEstimate:
     """The estimate of the module doc for ``host_gib`` GiB of host tier beside ``plan``'s pool."""
+    if not host_gib >= 0:
+        raise ValueError(f"--host-cache-gb must be >= 0, got {host_gib}")
     bs = plan.inputs.block_size
     host_bytes = int(host_gib * GiB)
     row_bytes = plan.block_bytes * plan.groups.num_groups
