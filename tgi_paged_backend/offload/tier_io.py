@@ -21,14 +21,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from tgi_paged_backend.memory.block_keys import TierBlock
 from tgi_paged_backend.memory.host_tier import HostEntry
 from tgi_paged_backend.memory.prefix_cache import chain_root
 from tgi_paged_backend.offload.disk_store import BlockRecord, DiskStore
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
     from tgi_paged_backend.runner.kv_pool import KVPool
 
@@ -135,15 +135,21 @@ class TierIO:
         reads = reads[: agree(len(reads))]
         if reads:  # the rows reserved below are written now, not in the step's copy order
             self.flush(kv)
-        fetched = 0
-        for block, mask, payload in reads:
+        entries, payloads = [], []
+        for block, mask, payload in reads:  # pinned, so a later reserve never takes an earlier one's rows
             entry = kv.tiers.host.reserve(block, mask)
             if entry is None:  # deterministic on every rank: the books agree
                 break
-            self.pool.write_host_rows(entry.used_rows, payload)
+            kv.tiers.host.pin(block.key)
+            entries.append(entry)
+            payloads.append(payload)
+        if entries:  # one indexed write per arena tensor for all the blocks
+            self.pool.write_host_rows([r for e in entries for r in e.used_rows], np.concatenate(payloads))
+        for entry, payload in zip(entries, payloads):
+            kv.tiers.host.unpin(entry.block.key)
             kv.tiers.host.land(entry)
             self.traffic.fetch_bytes += payload.nbytes
-            fetched += 1
+        fetched = len(entries)
         self.traffic.fetch_s += time.perf_counter() - t0
         self.traffic.fetched_blocks += fetched
         return fetched
