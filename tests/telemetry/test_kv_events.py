@@ -39,12 +39,13 @@ class Indexer:
             kind = event[0]
             if kind == "BlockStored":
                 (block_hash,), parent, tokens, block_size, lora_id, medium, lora_name = event[1:]
-                assert len(tokens) == block_size and medium == "CPU"
+                assert len(tokens) == block_size and medium == "GPU"  # the pool, on every device
                 assert parent is None or parent in self.blocks, "a block arrives after its parent"
                 assert (lora_id is None) == (lora_name is None)
                 self.blocks[block_hash] = (parent, tuple(tokens), lora_name)
             elif kind == "BlockRemoved":
                 (block_hash,), medium = event[1:]
+                assert medium == "GPU"
                 del self.blocks[block_hash]
                 self.removed += 1
             else:

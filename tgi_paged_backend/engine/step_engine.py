@@ -30,6 +30,7 @@ from tgi_paged_backend.lora.sources import AdapterNames
 from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
 from tgi_paged_backend.offload.disk_store import DiskStore
 from tgi_paged_backend.offload.tier_setup import build_kv_tiers
+from tgi_paged_backend.telemetry.disk_events import DiskTierEvents
 from tgi_paged_backend.policy.preemption_mode import RateCalibrator, choose_preemption_mode
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.telemetry.engine_adapter import StepRecordBuilder
@@ -73,6 +74,8 @@ class StepEngine:
         self._pool_built = False
         self._disk: DiskStore | None = None
         """The disk tier's store, opened at the first pool and kept when Warmup rebuilds it."""
+        self._disk_events = DiskTierEvents()
+        """The disk tier's KV events (medium DISK), published from this thread after each step."""
 
     # -- the pool ---------------------------------------------------------------------------
 
@@ -84,7 +87,11 @@ class StepEngine:
             swap_blocks = 0
         self.runner.allocate_swap_space(swap_blocks)
         self.tier_io, tiers, self._disk = build_kv_tiers(
-            self.config, self.runner, swap_bytes=swap_blocks * self.runner.block_bytes, disk=self._disk
+            self.config,
+            self.runner,
+            swap_bytes=swap_blocks * self.runner.block_bytes,
+            disk=self._disk,
+            observer=self.kv_events,  # the tiers' KV events (medium CPU; DISK: _publish_disk_events)
         )
         if self._pool_built:  # a new pool: every block the old one retained is gone
             self.observer.on_pool_reset()
@@ -130,6 +137,7 @@ class StepEngine:
             if self._disk is not None:
                 self.tier_io.persist(self.kv)  # the pool's retained blocks, to disk (bounded)
                 self._disk.close()
+                self._publish_disk_events()
         finally:
             self.observer.close()
 
@@ -180,6 +188,7 @@ class StepEngine:
         out = self.model_step.run(plan, timer)
         if self.kv.tiers is not None:
             self.kv.tiers.moves_landed()  # the step's copies ran: what they offloaded is loadable
+        self._publish_disk_events()
         step_s = time.perf_counter() - t0
         if not plan.scheduled:
             time.sleep(IDLE_WAIT_S)
@@ -206,6 +215,11 @@ class StepEngine:
         self.observer.on_step(self.last_step)
         self._telemetry_ns = time.perf_counter_ns() - t_telemetry
         return out.generations, out.forward_ns, out.decode_ns
+
+    def _publish_disk_events(self) -> None:
+        """The disk writer's files since the last call, as KV events of this step's batch."""
+        if self._disk is not None:
+            self._disk_events.publish(self._disk, self.kv_events)
 
     def _without_compiling(self, step: list[RequestState]) -> list[RequestState]:
         """``step`` less the requests whose grammar is still compiling: those wait in the batch (as

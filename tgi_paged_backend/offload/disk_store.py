@@ -193,7 +193,8 @@ class DiskStore:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._index: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # LRU first
-        self._queue: collections.deque[tuple[BlockRecord, np.ndarray]] = collections.deque()
+        self._queue: collections.deque[tuple[BlockRecord, np.ndarray, object]] = collections.deque()
+        self._changes: list[tuple[bool, bytes, object]] = []  # since take_changes: (written?, key, put's tag)
         self._queued_keys: set[bytes] = set()
         self._pending = 0  # queued + in flight
         self._closing = False
@@ -209,8 +210,9 @@ class DiskStore:
         with self._lock:
             return key in self._index
 
-    def put(self, record: BlockRecord, payload: np.ndarray) -> bool:
-        """Queue ``payload`` (not modified by the caller afterwards) for writing; False when refused."""
+    def put(self, record: BlockRecord, payload: np.ndarray, tag: object = None) -> bool:
+        """Queue ``payload`` (not modified by the caller afterwards) for writing; False when refused.
+        ``tag``: handed back with the key by :meth:`take_changes` once the file is written."""
         if len(record.key) != _KEY_BYTES or len(record.parent) != _KEY_BYTES or payload.dtype.hasobject:
             raise ValueError("key and parent must be 16-byte digests, the payload a plain array")
         if len(record.token_ids) != self.fingerprint.block_size:
@@ -227,7 +229,7 @@ class DiskStore:
             if self._stats.queued_bytes + payload.nbytes > self._max_queued_bytes:
                 self._stats.dropped_writes += 1
                 return False
-            self._queue.append((record, payload))
+            self._queue.append((record, payload, tag))
             self._queued_keys.add(record.key)
             self._stats.queued_bytes += payload.nbytes
             self._pending += 1
@@ -275,6 +277,14 @@ class DiskStore:
             self._wake.notify_all()
         self._writer.join(timeout)
 
+    def take_changes(self) -> list[tuple[bool, bytes, object]]:
+        """What changed since the last call, in order (for KV events): ``(True, key, put's tag)`` for a file
+        written, ``(False, key, None)`` for a file deleted (evicted for room, or ignored as invalid;
+        files an earlier process wrote too, which no tag names)."""
+        with self._lock:
+            changes, self._changes = self._changes, []
+        return changes
+
     def stats(self) -> DiskStoreStats:
         with self._lock:
             return replace(self._stats)
@@ -313,6 +323,7 @@ class DiskStore:
         while self._index and self._stats.num_bytes + incoming > self._stats.max_bytes:
             key, entry = self._index.popitem(last=False)
             self._stats.evicted_files += 1
+            self._changes.append((False, key, None))
             self._delete_locked(key, entry)
 
     def _delete_locked(self, key: bytes, entry: _Entry) -> None:
@@ -332,6 +343,7 @@ class DiskStore:
                 return  # evicted (or replaced) while we read: nothing wrong with the file we looked for
             del self._index[key]
             self._stats.ignored_files += 1
+            self._changes.append((False, key, None))
             self._delete_locked(key, entry)
             self._warn_once("invalid", f"ignored {key.hex()}{SUFFIX}: {exc}")
 
@@ -341,9 +353,9 @@ class DiskStore:
                 self._wake.wait_for(lambda: self._queue or self._closing)
                 if not self._queue:
                     return
-                record, payload = self._queue.popleft()
+                record, payload, tag = self._queue.popleft()
             try:
-                self._write(record, payload)
+                self._write(record, payload, tag)
             except Exception as exc:  # the writer must outlive any one write
                 with self._lock:
                     self._stats.write_errors += 1
@@ -355,7 +367,7 @@ class DiskStore:
                     self._pending -= 1
                     self._wake.notify_all()
 
-    def _write(self, record: BlockRecord, payload: np.ndarray) -> None:
+    def _write(self, record: BlockRecord, payload: np.ndarray, tag: object) -> None:
         start = time.perf_counter()
         key = record.key
         header = _encode_header(record, payload, self._digest)
@@ -385,6 +397,7 @@ class DiskStore:
                 self._stats.writes += 1
                 self._stats.write_bytes += size
                 self._stats.write_seconds += time.perf_counter() - start
+                self._changes.append((True, key, tag))
         except OSError as exc:
             with self._lock:
                 self._stats.write_errors += 1

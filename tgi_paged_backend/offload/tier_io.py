@@ -94,7 +94,7 @@ class TierIO:
             namespace=b.namespace,
             group_mask=tuple(r is not None for r in entry.rows),
         )
-        if self.disk.put(record, payload):
+        if self.disk.put(record, payload, tag=b):  # the tag: the block KV events name once it is written
             self.traffic.spill_bytes += payload.nbytes
             self.traffic.spilled_blocks += 1
 
@@ -148,6 +148,7 @@ class TierIO:
         for entry, payload in zip(entries, payloads):
             kv.tiers.host.unpin(entry.block.key)
             kv.tiers.host.land(entry)
+            kv.tiers.observer.tier_stored("CPU", block)  # KV events: the host tier holds it now
             self.traffic.fetch_bytes += payload.nbytes
         fetched = len(entries)
         self.traffic.fetch_s += time.perf_counter() - t0

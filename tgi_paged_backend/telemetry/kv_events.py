@@ -15,6 +15,12 @@ Wire format (vLLM's ``vllm/distributed/kv_events.py``, the positional encoding l
   lora_name | None]`` (one event per block: its hash is our chain hash, its parent the previous block's, or
   ``None`` for a first block, whose chain starts at the adapter's own root);
   ``["BlockRemoved", [block_hash], medium]``; ``["AllBlocksCleared"]``;
+- ``medium`` names the tier that holds the block: ``"GPU"`` for the device pool on every device (vLLM's
+  block pool sends its ``MEDIUM_GPU`` on CPU builds too, and llm-d keys an index entry by pod and medium,
+  so the pool must not share a name with the host tier), ``"CPU"`` for the host tier (vLLM's offloading
+  medium), ``"DISK"`` for the disk tier. A tier's ``BlockStored`` carries the block's tokens and parent
+  like the pool's (the form of vLLM's newer offloading events, which llm-d keys by tokens); the same
+  block may be stored in several media at once, and each medium's ``BlockRemoved`` drops only its copy;
 - an optional ROUTER replay socket: a request ``[client, b"", start_seq (8 bytes)]`` gets every buffered
   batch from ``start_seq`` on, ``[client, b"", seq, payload]``, then ``[client, b"", -1 (8 bytes), b""]``.
 
@@ -45,11 +51,17 @@ try:  # optional (the `serve` extra): only TGI_PAGED_KV_EVENTS_ENDPOINT needs th
 except ImportError:
     msgpack = zmq = None  # type: ignore[assignment]
 
+from tgi_paged_backend.memory.prefix_tiers import TierObserver
+
 if TYPE_CHECKING:
     import torch
 
+    from tgi_paged_backend.memory.block_keys import TierBlock
+
     from tgi_paged_backend.config import BackendConfig
 
+POOL_MEDIUM = "GPU"
+"""The device pool's medium (vLLM's ``MEDIUM_GPU``, whatever the device)."""
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay socket's end marker."""
 MAX_REPLAY_REQUEST_BYTES = 64
@@ -78,7 +90,7 @@ class KVEventsConfig:
 
 
 class KVEventSink(Protocol):
-    """What the prefix cache and the engine call."""
+    """What the prefix cache, the KV tiers (:class:`TierObserver`) and the engine call."""
 
     def block_stored(
         self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...], adapter: int
@@ -88,12 +100,16 @@ class KVEventSink(Protocol):
 
     def all_cleared(self) -> None: ...
 
+    def tier_stored(self, medium: str, block: TierBlock) -> None: ...
+
+    def tier_removed(self, medium: str, block: TierBlock) -> None: ...
+
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
 
 
-class NullKVEvents:
+class NullKVEvents(TierObserver):
     """No publisher (the default)."""
 
     def block_stored(self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...], adapter: int) -> None:
@@ -112,11 +128,16 @@ class NullKVEvents:
         pass
 
 
-class KVEventPublisher:
+class KVEventPublisher(TierObserver):
     """Collects a step's events (:meth:`flush` ends the step's batch) and sends them from a thread."""
 
     def __init__(
-        self, config: KVEventsConfig, *, block_size: int, medium: str, adapter_names: tuple[str, ...] = ()
+        self,
+        config: KVEventsConfig,
+        *,
+        block_size: int,
+        medium: str = POOL_MEDIUM,
+        adapter_names: tuple[str, ...] = (),
     ) -> None:
         self.config = config
         self.block_size = block_size
@@ -148,6 +169,21 @@ class KVEventPublisher:
 
     # -- the sink ---------------------------------------------------------------------------------
     def block_stored(self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...], adapter: int) -> None:
+        self._stored(self.medium, block_hash, parent_hash, token_ids, adapter)
+
+    def block_removed(self, block_hash: int) -> None:
+        self._events.append(["BlockRemoved", [block_hash], self.medium])
+
+    def tier_stored(self, medium: str, block: TierBlock) -> None:
+        """A tier below the pool (``"CPU"``, ``"DISK"``) holds ``block`` now."""
+        self._stored(medium, block.chain_hash, block.parent_chain_hash, block.token_ids, block.namespace)
+
+    def tier_removed(self, medium: str, block: TierBlock) -> None:
+        self._events.append(["BlockRemoved", [block.chain_hash], medium])
+
+    def _stored(
+        self, medium: str, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...], adapter: int
+    ) -> None:
         name = self.adapter_names[adapter - 1] if 0 < adapter <= len(self.adapter_names) else None
         self._events.append(
             [
@@ -157,13 +193,10 @@ class KVEventPublisher:
                 list(token_ids),
                 self.block_size,
                 adapter or None,
-                self.medium,
+                medium,
                 name,
             ]
         )
-
-    def block_removed(self, block_hash: int) -> None:
-        self._events.append(["BlockRemoved", [block_hash], self.medium])
 
     def all_cleared(self) -> None:
         self._events.append(["AllBlocksCleared"])
@@ -334,9 +367,8 @@ def build_kv_events(
         topic=telemetry.kv_events_topic,
         replay_endpoint=telemetry.kv_events_replay_endpoint,
     )
-    medium = "GPU" if device.type == "cuda" else device.type.upper()
-    try:
-        return KVEventPublisher(events, block_size=block_size, medium=medium, adapter_names=adapter_names)
+    try:  # the pool's medium is "GPU" on every device (POOL_MEDIUM; ``device`` is not consulted)
+        return KVEventPublisher(events, block_size=block_size, adapter_names=adapter_names)
     except zmq.ZMQError as err:
         from tgi_paged_backend.config import ConfigError
 
