@@ -30,9 +30,9 @@ from tgi_paged_backend.lora.sources import AdapterNames
 from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
 from tgi_paged_backend.offload.disk_store import DiskStore
 from tgi_paged_backend.offload.tier_setup import build_kv_tiers
-from tgi_paged_backend.telemetry.disk_events import DiskTierEvents
 from tgi_paged_backend.policy.preemption_mode import RateCalibrator, choose_preemption_mode
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.telemetry.disk_events import DiskTierEvents
 from tgi_paged_backend.telemetry.engine_adapter import StepRecordBuilder
 from tgi_paged_backend.telemetry.step_record import StepRecord
 

@@ -56,9 +56,8 @@ from tgi_paged_backend.memory.prefix_tiers import TierObserver
 if TYPE_CHECKING:
     import torch
 
-    from tgi_paged_backend.memory.block_keys import TierBlock
-
     from tgi_paged_backend.config import BackendConfig
+    from tgi_paged_backend.memory.block_keys import TierBlock
 
 POOL_MEDIUM = "GPU"
 """The device pool's medium (vLLM's ``MEDIUM_GPU``, whatever the device)."""
