@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from tgi_paged_backend.memory.stats import MemoryStats
+from tgi_paged_backend.offload.disk_store import DiskStoreStats
 from tgi_paged_backend.telemetry.step_record import MemoryBudget, PreemptionRecord, StepRecord
+from tgi_paged_backend.telemetry.tier_stats import TierStats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO_ROOT / "examples" / "observability"
@@ -47,6 +49,19 @@ def memory_stats(**overrides) -> MemoryStats:
     )
     values.update(overrides)
     return MemoryStats(**values)
+
+
+TIERS = TierStats(
+    hit_tokens={"pool": 16, "host": 8, "disk": 8},
+    moved_bytes={"offload": 6000, "load": 3000, "spill": 5000, "fetch": 2000},
+    moved_s={"offload": 0.5, "load": 0.25, "spill": 1.5, "fetch": 0.75},
+    host_rows_used=30,
+    host_rows_total=40,
+    host_evicted_blocks=7,
+    host_lost_blocks=1,
+    disk=DiskStoreStats(num_files=12, num_bytes=12_000, max_bytes=16_000, evicted_files=3, ignored_files=2),
+)
+"""The KV tiers after the last sample step: the 32 prefix-hit tokens split 16/8/8 over pool, host, disk."""
 
 
 def sample_steps() -> list[StepRecord]:
@@ -106,5 +121,6 @@ def sample_steps() -> list[StepRecord]:
             max_preempted_wait_s=2.5,
             part_s=(("forward", 0.012), ("schedule", 0.003), ("sample", 0.001)),
             memory=memory_stats(),
+            tiers=TIERS,
         ),
     ]

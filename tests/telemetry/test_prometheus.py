@@ -84,6 +84,27 @@ def test_metrics_endpoint_serves_every_instrument(recorder: OtelRecorder) -> Non
     assert info.labels["tgi_paged_shard_rank"] == "0"
 
 
+def test_kv_tier_metrics(recorder: OtelRecorder) -> None:
+    """The tiers' cumulative snapshot of the last step, by tier, direction, state and reason."""
+    text = _get(f"http://127.0.0.1:{recorder.metrics_port}/metrics").decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert families["tgi_paged_kv_tier_hit_tokens"].type == "counter"
+    hits = {t: samples[("tgi_paged_kv_tier_hit_tokens_total", (("tier", t),))] for t in ("pool", "host", "disk")}
+    assert hits == {"pool": 16, "host": 8, "disk": 8}
+    assert sum(hits.values()) == samples[("tgi_paged_prefix_hit_tokens_total", ())]
+    assert samples[("tgi_paged_kv_tier_moved_bytes_total", (("direction", "spill"),))] == 5000
+    assert samples[("tgi_paged_kv_tier_moved_seconds_total", (("direction", "fetch"),))] == 0.75
+    assert samples[("tgi_paged_kv_host_tier_rows", (("state", "used"),))] == 30
+    assert samples[("tgi_paged_kv_host_tier_rows", (("state", "total"),))] == 40
+    assert samples[("tgi_paged_kv_disk_tier_files", ())] == 12
+    assert samples[("tgi_paged_kv_disk_tier_bytes", (("state", "max"),))] == 16_000
+    dropped = "tgi_paged_kv_tier_dropped_blocks_total"
+    assert samples[(dropped, (("reason", "ignored"), ("tier", "disk")))] == 2
+    assert samples[(dropped, (("reason", "no_room"), ("tier", "host")))] == 1
+    assert samples[(dropped, (("reason", "evicted"), ("tier", "host")))] == 7
+
+
 def test_dashboard_and_alerts_use_only_exported_names(recorder: OtelRecorder) -> None:
     exported = _sample_names(recorder.prometheus.render().decode())
     used = {name for expr in _dashboard_exprs() + _alert_exprs() for name in re.findall(r"tgi_paged_\w+", expr)}

@@ -35,6 +35,7 @@ from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.telemetry.disk_events import DiskTierEvents
 from tgi_paged_backend.telemetry.engine_adapter import StepRecordBuilder
 from tgi_paged_backend.telemetry.step_record import StepRecord
+from tgi_paged_backend.telemetry.tier_stats import collect_tier_stats
 
 if TYPE_CHECKING:
     from tgi_paged_backend.telemetry.sinks import ShardTelemetry
@@ -211,6 +212,13 @@ class StepEngine:
             part_s=timer.seconds(),
             batch_id=batch_id,
             batch_requests=len(ids),
+            tiers=collect_tier_stats(
+                self.kv,
+                self.tier_io,
+                self._disk,
+                prefix_hit_tokens=self.stats.prefix_hit_tokens,
+                disk_hit_tokens=self.stats.disk_hit_tokens,
+            ),
         )
         self.observer.on_step(self.last_step)
         self._telemetry_ns = time.perf_counter_ns() - t_telemetry

@@ -24,6 +24,7 @@ from typing import Any
 from tgi_paged_backend.memory.stats import MemoryStats
 from tgi_paged_backend.telemetry.lora_usage import LoraUsage, lora_usage
 from tgi_paged_backend.telemetry.step_record import Phase, PreemptionRecord, SnapshotRecord, StepRecord
+from tgi_paged_backend.telemetry.tier_stats import TierStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +89,12 @@ class StepRecordBuilder:
         part_s: tuple[tuple[str, float], ...] = (),
         batch_id: int | None = None,
         batch_requests: int = 0,
+        tiers: TierStats | None = None,
     ) -> StepRecord:
         """Record one step; ``phase=None`` infers it (prefill when any request computed > 1 token);
         ``grammar``: the engine's grammar compiler once it has one; ``part_s``: the step anatomy;
-        ``batch_id``, ``batch_requests``: the router's batch the step ran for (``None``: the engine's own)."""
+        ``batch_id``, ``batch_requests``: the router's batch the step ran for (``None``: the engine's own);
+        ``tiers``: the KV tiers' snapshot (:func:`~.tier_stats.collect_tier_stats`)."""
         requests = tuple(requests)
         batch_size = len(plan.scheduled)
         if phase is None:
@@ -139,6 +142,7 @@ class StepRecordBuilder:
             part_s=part_s,
             memory=memory,
             lora=self._lora(requests),
+            tiers=tiers,
             batch_id=batch_id,
             batch_requests=batch_requests,
         )

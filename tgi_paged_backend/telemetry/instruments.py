@@ -20,6 +20,7 @@ from tgi_paged_backend.telemetry.step_record import (
     SWAP_DIRECTIONS,
     MemoryBudget,
 )
+from tgi_paged_backend.telemetry.tier_stats import TIER_DIRECTIONS, TIERS, TierStats
 
 METER_NAME = "tgi_paged_backend"
 
@@ -101,6 +102,19 @@ METRIC_NAMES: dict[str, str] = {
     "(running, waiting: for an adapter slot, for memory or preempted)",
     "tgi_paged_lora_unknown_adapter_requests_total": "Requests whose adapter_id named no loaded adapter "
     "(served by the base model, as stock)",
+    # KV tiers below the pool (TGI_PAGED_HOST_CACHE_GB, TGI_PAGED_DISK_CACHE_DIR; absent when off)
+    "tgi_paged_kv_tier_hit_tokens_total": "Prefix-hit prompt tokens by the tier that served them (pool; host: "
+    "loaded back from host RAM; disk: read from disk, then loaded); they add up to prefix_hit_tokens",
+    "tgi_paged_kv_tier_moved_bytes_total": "Bytes moved between KV tiers, by direction (offload: pool to host, "
+    "load: host to pool, spill: host to disk files, fetch: disk to host)",
+    "tgi_paged_kv_tier_moved_seconds_total": "Seconds spent moving them, by direction (spill: the disk "
+    "writer thread's time)",
+    "tgi_paged_kv_host_tier_rows": "Host-tier arena rows (one per KV layer group of a block), by state (used, total)",
+    "tgi_paged_kv_disk_tier_files": "Block files the disk tier holds",
+    "tgi_paged_kv_disk_tier_bytes": "Disk-tier size, by state (used; max: TGI_PAGED_DISK_CACHE_GB)",
+    "tgi_paged_kv_tier_dropped_blocks_total": "Blocks a tier let go, by tier and reason (host: evicted for room, "
+    "no_room when every row was pinned; disk: evicted for room, ignored files that failed validation, "
+    "write_error, queue_full)",
 }
 
 
@@ -117,6 +131,8 @@ class OtelInstruments:
     """Live requests per LoRA adapter."""
     _spec_totals: tuple[int, int]
     """(proposed, accepted) speculative tokens since start, for the acceptance-ratio gauge."""
+    _tiers: TierStats | None
+    """The KV tiers after the last step (``None``: none configured, or before the first step)."""
 
     def _create_instruments(self, meter: Meter) -> None:
         self._phase_attrs = {p: {"phase": p} for p in PHASES}
@@ -176,6 +192,21 @@ class OtelInstruments:
         gauge("tgi_paged_lora_requests", "{request}", self._observe_lora_requests)
         self._lora_unknown = counter("tgi_paged_lora_unknown_adapter_requests_total", "{request}")
         self._lora_unknown.add(0)
+        self._tiers = None
+        for name, unit, callback in (
+            ("tgi_paged_kv_tier_hit_tokens_total", "{token}", self._observe_tier_hits),
+            ("tgi_paged_kv_tier_moved_bytes_total", "By", self._tier_moved(lambda t: t.moved_bytes)),
+            ("tgi_paged_kv_tier_moved_seconds_total", "s", self._tier_moved(lambda t: t.moved_s)),
+            ("tgi_paged_kv_tier_dropped_blocks_total", "{block}", self._observe_tier_dropped),
+        ):  # cumulative values the engine keeps: observable counters
+            meter.create_observable_counter(name, callbacks=[callback], unit=unit, description=METRIC_NAMES[name])
+        gauge("tgi_paged_kv_host_tier_rows", "{row}", self._observe_host_rows)
+        gauge("tgi_paged_kv_disk_tier_files", "{file}", self._disk_field(lambda d: [(d.num_files, {})]))
+        gauge(
+            "tgi_paged_kv_disk_tier_bytes",
+            "By",
+            self._disk_field(lambda d: [(d.num_bytes, {"state": "used"}), (d.max_bytes, {"state": "max"})]),
+        )
         # Zero-valued series for every label value, so rate() and dashboards see them from the start.
         for attrs in self._mode_attrs.values():
             self._preemptions.add(0, attrs)
@@ -280,6 +311,54 @@ class OtelInstruments:
 
     def _observe_max_wait(self, options: CallbackOptions) -> list[Observation]:
         return [Observation(self._requests[2])]
+
+    def _observe_tier_hits(self, options: CallbackOptions) -> list[Observation]:
+        t = self._tiers
+        return [] if t is None else [Observation(t.hit_tokens[tier], {"tier": tier}) for tier in TIERS]
+
+    def _tier_moved(self, values):
+        def callback(options: CallbackOptions) -> list[Observation]:
+            t = self._tiers
+            if t is None:
+                return []
+            moved = values(t)
+            return [Observation(moved[d], {"direction": d}) for d in TIER_DIRECTIONS]
+
+        return callback
+
+    def _observe_tier_dropped(self, options: CallbackOptions) -> list[Observation]:
+        t = self._tiers
+        if t is None:
+            return []
+        out = [
+            Observation(t.host_evicted_blocks, {"tier": "host", "reason": "evicted"}),
+            Observation(t.host_lost_blocks, {"tier": "host", "reason": "no_room"}),
+        ]
+        d = t.disk
+        if d is not None:
+            for reason, value in (
+                ("evicted", d.evicted_files),
+                ("ignored", d.ignored_files),
+                ("write_error", d.write_errors),
+                ("queue_full", d.dropped_writes),
+            ):
+                out.append(Observation(value, {"tier": "disk", "reason": reason}))
+        return out
+
+    def _observe_host_rows(self, options: CallbackOptions) -> list[Observation]:
+        t = self._tiers
+        if t is None:
+            return []
+        return [Observation(t.host_rows_used, {"state": "used"}), Observation(t.host_rows_total, {"state": "total"})]
+
+    def _disk_field(self, values):
+        def callback(options: CallbackOptions) -> list[Observation]:
+            t = self._tiers
+            if t is None or t.disk is None:
+                return []
+            return [Observation(value, attrs) for value, attrs in values(t.disk)]
+
+        return callback
 
     def _budget_field(self, field: str):
         def callback(options: CallbackOptions) -> list[Observation]:

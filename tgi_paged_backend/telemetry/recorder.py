@@ -203,6 +203,8 @@ class OtelRecorder(OtelInstruments):
 
     def record_step(self, record: StepRecord) -> None:
         self._memory = record.memory
+        if record.tiers is not None:
+            self._tiers = record.tiers
         self._requests = (record.num_running, record.num_preempted, record.max_preempted_wait_s, record.num_waiting)
         if record.batch_size:
             self._step_seconds.record(record.step_s, self._phase_attrs[record.phase])

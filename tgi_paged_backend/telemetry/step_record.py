@@ -13,6 +13,7 @@ from typing import Literal
 
 from tgi_paged_backend.memory.stats import MemoryStats
 from tgi_paged_backend.telemetry.lora_usage import LoraUsage
+from tgi_paged_backend.telemetry.tier_stats import TierStats
 
 Phase = Literal["prefill", "decode"]
 PHASES: tuple[str, ...] = ("prefill", "decode")
@@ -101,6 +102,8 @@ class StepRecord:
     """Pool occupancy and waste right after the step."""
     lora: LoraUsage | None = None
     """Live requests per LoRA adapter right after the step (``None``: not counted)."""
+    tiers: TierStats | None = None
+    """The KV tiers below the pool right after the step, cumulative (``None``: no tier configured)."""
     batch_id: int | None = None
     """The router's batch the step ran for (Prefill, Decode); ``None`` for the engine's own steps (Warmup's,
     the liveness probe's), which no RPC span describes."""
