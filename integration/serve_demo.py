@@ -39,6 +39,7 @@ from typing import Any
 
 from integration.net import free_port
 from integration.prometheus_text import Samples, scrape
+from integration.tier_report import tier_lines
 from tgi_paged_backend.config import DEFAULT_OVERCOMMIT
 
 PROMPTS = (
@@ -186,6 +187,8 @@ class MemoryReport:
     """KV layer groups at the pool's peak, from ``/metrics`` (empty for a model of one group)."""
     groups_running: int | None = None
     """Requests running at that scrape."""
+    tiers: list[str] = field(default_factory=list)
+    """The KV tiers' report lines (host RAM, disk), from the last scrape (empty when no tier is on)."""
     sources: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
 
@@ -236,6 +239,7 @@ def fetch_shard_memory_report(log_texts: list[str], poller: ShardMetricsPoller |
         }
         if modes:
             r.preemptions = modes
+        r.tiers = tier_lines(last)
         recomputed = last.get(("tgi_paged_recomputed_tokens_total", ()))
         if recomputed is not None:
             r.tokens_recomputed = int(recomputed)
@@ -364,6 +368,7 @@ def format_report(
         f"physical blocks used (peak): {show(report.blocks_used_peak)} / {show(report.blocks_total)}",
     ]
     lines += group_lines(report, per_request=per_request)
+    lines += report.tiers
     lines += waste_lines(report, stock_requests=stock, per_request=per_request)
     lines.append(
         f"admitted concurrency: {admitted_peak} (router replay peak; shard peak running: {show(report.running_peak)})"

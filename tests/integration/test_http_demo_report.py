@@ -201,3 +201,27 @@ def test_group_lines_from_the_recorders_real_endpoint():
     text = _report_text(report)
     assert "group 1 (window 4096): 15 blocks held (internal waste 16.7%), 45 given back behind the window" in text
     assert "one page map for all layers would hold 120 for the same positions (37.5% saved)" in text
+
+
+def test_tier_lines_from_the_recorders_real_endpoint():
+    """With KV tiers on, the report prints one line per tier from what the recorder exports; none when off."""
+    from tests.telemetry.telemetry_samples import TIERS
+
+    rec = OtelRecorder(TelemetryConfig(metrics_port=0), rank=0)
+    try:
+        step = dict(phase="decode", step_s=0.01, batch_size=4, tokens_computed=4, num_running=4, memory=memory_stats())
+        rec.record_step(StepRecord(**step))
+        off = ShardMetricsPoller(rec.metrics_port)
+        off.scrape()
+        rec.record_step(StepRecord(**step, tiers=TIERS))
+        on = ShardMetricsPoller(rec.metrics_port)
+        on.scrape()
+    finally:
+        rec.shutdown()
+    assert fetch_shard_memory_report([WARMUP], off).tiers == []
+    report = fetch_shard_memory_report([WARMUP], on)
+    text = _report_text(report)
+    assert "KV tiers below the pool (prefix-hit tokens by tier: pool 16, host 8, disk 8):" in text
+    assert "  host RAM: 30 / 40 rows used" in text and "let go: evicted 7, no_room 1" in text
+    assert "  disk: 12 files" in text and "let go: evicted 3, ignored 2, queue_full 0, write_error 0" in text
+    assert text.index("physical blocks used") < text.index("KV tiers below the pool") < text.index("\nwaste")

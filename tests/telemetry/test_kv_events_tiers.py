@@ -113,6 +113,10 @@ def test_each_medium_rebuilds_its_tier(tiny_llama_dir, tmp_path) -> None:
             assert indexer.stored[medium] > 0 and indexer.removed[medium] > 0, (medium, indexer.removed)
         assert indexer.removed["DISK"] == stats.evicted_files
         assert host.num_evicted == indexer.removed["CPU"]
+        tiers = engine.last_step.tiers  # the telemetry snapshot of the same run
+        assert tiers is not None and sum(tiers.hit_tokens.values()) == engine.stats.prefix_hit_tokens
+        assert tiers.moved_bytes["offload"] > 0 and tiers.moved_bytes["spill"] == stats.write_bytes > 0
+        assert tiers.host_rows_total == host.num_rows and tiers.host_evicted_blocks == host.num_evicted
     finally:
         engine.close()
 
@@ -135,5 +139,9 @@ def test_blocks_read_back_from_disk_are_announced_in_the_host_tier(tiny_llama_di
         assert {e.chain_hash for e in second.kv._prefix._by_block.values()} == set(indexer.media["GPU"])
         stats = second._disk.stats()  # the files it wrote itself are DISK blocks; the old ones are not
         assert len(indexer.media["DISK"]) == stats.writes < stats.num_files and not indexer.removed["DISK"]
+        tiers = second.last_step.tiers
+        assert tiers is not None and tiers.hit_tokens["disk"] == second.stats.disk_hit_tokens
+        assert sum(tiers.hit_tokens.values()) == second.stats.prefix_hit_tokens and tiers.moved_bytes["fetch"] > 0
+        assert tiers.moved_bytes["load"] > 0 and tiers.hit_tokens["pool"] < second.stats.prefix_hit_tokens
     finally:
         second.close()
