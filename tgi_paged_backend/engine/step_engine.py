@@ -28,6 +28,7 @@ from tgi_paged_backend.engine.tokenize import PromptTokenizer
 from tgi_paged_backend.engine.types import RequestSpec
 from tgi_paged_backend.lora.sources import AdapterNames
 from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
+from tgi_paged_backend.memory.prefix_tiers import TierObserver
 from tgi_paged_backend.offload.disk_store import DiskStore
 from tgi_paged_backend.offload.tier_setup import build_kv_tiers
 from tgi_paged_backend.policy.preemption_mode import RateCalibrator, choose_preemption_mode
@@ -76,6 +77,8 @@ class StepEngine:
         self._disk: DiskStore | None = None
         """The disk tier's store, opened at the first pool and kept when Warmup rebuilds it."""
         self._disk_events = DiskTierEvents()
+        self._tier_events = self.kv_events if isinstance(self.kv_events, TierObserver) else None
+        """The KV tiers' observer: the KV-events publisher (both sinks are TierObservers)."""
         """The disk tier's KV events (medium DISK), published from this thread after each step."""
 
     # -- the pool ---------------------------------------------------------------------------
@@ -92,10 +95,11 @@ class StepEngine:
             self.runner,
             swap_bytes=swap_blocks * self.runner.block_bytes,
             disk=self._disk,
-            observer=self.kv_events,  # the tiers' KV events (medium CPU; DISK: _publish_disk_events)
+            observer=self._tier_events,  # the tiers' KV events (medium CPU; DISK: _publish_disk_events)
         )
         if self._pool_built:  # a new pool: every block the old one retained is gone
             self.observer.on_pool_reset()
+            self._disk_events = DiskTierEvents()  # AllBlocksCleared cleared the DISK blocks announced too
         self._pool_built = True
         self.kv = KVCacheManager(
             num_blocks=capacity.num_blocks,
@@ -226,8 +230,8 @@ class StepEngine:
 
     def _publish_disk_events(self) -> None:
         """The disk writer's files since the last call, as KV events of this step's batch."""
-        if self._disk is not None:
-            self._disk_events.publish(self._disk, self.kv_events)
+        if self._disk is not None and self._tier_events is not None:
+            self._disk_events.publish(self._disk, self._tier_events)
 
     def _without_compiling(self, step: list[RequestState]) -> list[RequestState]:
         """``step`` less the requests whose grammar is still compiling: those wait in the batch (as
