@@ -93,6 +93,11 @@ class CacheConfig:
             raise ConfigError(f"swap_space_bytes={self.swap_space_bytes} is invalid: allowed >= 0")
         if self.host_cache_bytes is not None and self.host_cache_bytes < 0:
             raise ConfigError(f"host_cache_bytes={self.host_cache_bytes} is invalid: allowed >= 0 or None")
+        if self.disk_cache_dir and self.host_cache_bytes == 0:
+            raise ConfigError(
+                "TGI_PAGED_DISK_CACHE_DIR needs a host tier (blocks reach disk through it): "
+                "unset TGI_PAGED_HOST_CACHE_GB or give it a size > 0"
+            )
         if self.disk_cache_bytes <= 0:
             raise ConfigError(f"disk_cache_bytes={self.disk_cache_bytes} is invalid: allowed > 0")
         if not 0.0 <= self.watermark < 1.0:

@@ -148,7 +148,7 @@ class TierIO:
         for entry, payload in zip(entries, payloads):
             kv.tiers.host.unpin(entry.block.key)
             kv.tiers.host.land(entry)
-            kv.tiers.observer.tier_stored("CPU", block)  # KV events: the host tier holds it now
+            kv.tiers.observer.tier_stored("CPU", entry.block)  # KV events: the host tier holds it now
             self.traffic.fetch_bytes += payload.nbytes
         fetched = len(entries)
         self.traffic.fetch_s += time.perf_counter() - t0

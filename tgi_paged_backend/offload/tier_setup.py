@@ -55,6 +55,7 @@ def build_kv_tiers(
         swap_bytes=swap_bytes,
         available_host_bytes=cpu_available_bytes(),
         prefix_caching=cache.prefix_caching,
+        disk=bool(cache.disk_cache_dir),
     )
     rows = num_bytes // runner.pool.block_bytes
     runner.pool.allocate_host_tier(rows)
