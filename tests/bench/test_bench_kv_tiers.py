@@ -41,7 +41,7 @@ def test_quick_run_prints_every_scenario_with_identical_tokens(bench, tiny_llama
     assert "greedy tokens cold vs warm: identical" in out and "DIFFERENT" not in out
     for row in ("TTFT p50 (ms)", "TTFT p90 (ms)", "generated tok/s", "hit tokens: host", "hit tokens: disk"):
         assert out.count(row) == 3
-    assert "control: tier on" in out and "restart: first-turn TTFT p50" in out
+    assert "control: tier on" in out and "restart: next-turn TTFT p50" in out
 
     import json
 

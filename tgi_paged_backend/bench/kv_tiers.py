@@ -10,8 +10,9 @@ admission. Scenarios:
   round robin; the pool (``TGI_PAGED_NUM_BLOCKS``) holds ``1 / ratio`` of the final working set, the
   host tier (``TGI_PAGED_HOST_CACHE_GB``, sized from the pool's block bytes) the rest with room to spare;
 - ``control``: the same chats on a pool that holds them all (the tier has nothing to do: its overhead);
-- ``restart``: the chats' first turns on an engine with a disk tier; ``close()`` persists; a fresh engine
-  over the same directory serves the same first turns, against a fresh engine without one (cold).
+- ``restart``: the chats' turns on an engine with a disk tier; ``close()`` persists; a fresh engine over
+  the same directory serves each chat's next turn (its history is a known prefix), against a fresh engine
+  without one (cold).
 
 Off and on alternate for ``repeats`` rounds (fresh engines each) so that a shared machine's load hits
 both alike; the best round of each (shortest wall time) is reported, every round kept.
@@ -164,15 +165,19 @@ def _marks(engine: Any) -> tuple[int, int, int]:
     return engine.stats.prefix_hit_tokens, engine.stats.disk_hit_tokens, loaded
 
 
-def converse(engine: Any, work: Workload, mode: str, turns: int | None = None) -> Run:
-    """Every conversation's turns, round robin (turn 1 of each, then turn 2 of each, ...)."""
+def converse(engine: Any, work: Workload, mode: str, turns: int | None = None, history: list[str] | None = None) -> Run:
+    """Every conversation's turns, round robin (turn 1 of each, then turn 2 of each, ...); ``history``:
+    the conversations so far (extended in place; default: the system prompt only), the turns go on from
+    its turn count."""
     warm_up(engine)
     marks = _marks(engine)
     run = Run(mode)
-    history = [work.system_prompt() for _ in range(work.conversations)]
+    if history is None:
+        history = [work.system_prompt() for _ in range(work.conversations)]
+    first = history[0].count("\nAssistant:")
     start = time.perf_counter()
     rid, last = 1, ""
-    for turn in range(work.turns if turns is None else turns):
+    for turn in range(first, first + (work.turns if turns is None else turns)):
         for c in range(work.conversations):
             history[c] += work.user_message(c, turn)
             run.prompt_tokens += len(engine.prompt_tokenizer.encode(history[c], 1_000_000, True))
@@ -234,7 +239,9 @@ def pool_scenario(
 def restart_scenario(
     model_dir: Path, work: Workload, *, block_size: int, repeats: int, host_blocks: int = 256
 ) -> Scenario:
-    """First turns after a restart over a disk tier (warm) vs a fresh engine without one (cold)."""
+    """The turn after a restart: every conversation's ``work.turns`` turns on an engine with a disk tier,
+    ``close()`` (persists), then each conversation's next turn (its whole history re-sent, a known prefix)
+    on a fresh engine over the same directory (warm) vs a fresh engine without one (cold)."""
     ws, _, block_bytes = working_set_tokens(model_dir, work, block_size)
     base = {"TGI_PAGED_NUM_BLOCKS": "256", "TGI_PAGED_BLOCK_SIZE": str(block_size), "PREFIX_CACHING": "1"}
     tier = {**base, "TGI_PAGED_HOST_CACHE_GB": host_gb(host_blocks, block_bytes)}
@@ -242,15 +249,16 @@ def restart_scenario(
     with tempfile.TemporaryDirectory(prefix="kv-tiers-") as tmp:
         disk = {**tier, "TGI_PAGED_DISK_CACHE_DIR": tmp}
         first = build(model_dir, disk)
+        history = [work.system_prompt() for _ in range(work.conversations)]
         try:
-            converse(first, work, "seed", turns=1)
+            converse(first, work, "seed", history=history)
         finally:
             first.close()  # persists the pool's retained blocks
         for _ in range(repeats):
             for mode in ("cold", "warm"):
                 engine = build(model_dir, disk if mode == "warm" else tier)
                 try:
-                    sc.runs.append(converse(engine, work, mode, turns=1))
+                    sc.runs.append(converse(engine, work, mode, turns=1, history=list(history)))
                 finally:
                     engine.close()
     return sc
