@@ -11,7 +11,7 @@ import grpc
 import pytest
 from server_fakes import FakeEngine, InProcessShard, make_config
 
-from tgi_paged_backend.engine.types import GrammarSpec, RequestSpec, SamplingParams, StoppingParams
+from tgi_paged_backend.engine.types import GrammarSpec, ImageInput, RequestSpec, SamplingParams, StoppingParams
 from tgi_paged_backend.server.pb import generate_pb2 as pb
 from tgi_paged_backend.server.pb import generate_pb2_grpc as pb_grpc
 
@@ -190,6 +190,7 @@ def test_prefill_converts_every_request_field(stub, engine: FakeEngine) -> None:
         slots=(48, 49, 50, 64),
         cache_len=16,
         chunk_len=0,
+        chunks=(ImageInput(b"\x89PNG", "image/png"), "Hello world"),
     )
     assert batch.requests[1] == RequestSpec(
         id=5,

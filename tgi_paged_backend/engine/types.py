@@ -61,12 +61,25 @@ class StoppingParams:
     ignore_eos_token: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One ``generate.v3.Image`` chunk, as the router sent it: the fetched bytes and their mimetype.
+
+    Not decoded here: a text-only model ignores images (as stock's text servers do), and a model that
+    accepts images validates them with :func:`tgi_paged_backend.engine.images.decode_image`.
+    """
+
+    data: bytes
+    mimetype: str
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestSpec:
     """One ``generate.v3.Request`` as the engine sees it (text already extracted from the chunks)."""
 
     id: int
     text: str
+    """The prompt text: the single text chunk, or (with image chunks) the text chunks joined in order."""
     truncate: int
     add_special_tokens: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -83,6 +96,12 @@ class RequestSpec:
     """Compute only this many prompt tokens (from ``cache_len``) in this forward."""
     adapter_id: str = ""
     """``Request.adapter_id``: the LoRA adapter's name; empty or unknown: the base model, as stock."""
+    chunks: tuple[str | ImageInput, ...] = ()
+    """``input_chunks`` in order (text and images) when the request carries images; empty otherwise.
+
+    A model that accepts images builds its prompt from these (the per-family placeholders at each
+    image, see docs/vlm.md); a text-only model reads :attr:`text` and ignores the images, as stock.
+    """
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

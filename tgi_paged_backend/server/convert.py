@@ -11,6 +11,7 @@ from tgi_paged_backend.engine.types import (
     CachedBatchInfo,
     Generation,
     GrammarSpec,
+    ImageInput,
     InfoResult,
     InvalidRequestError,
     RequestSpec,
@@ -29,10 +30,25 @@ U32_MAX = 2**32 - 1
 # protobuf -> dataclasses
 
 
-def request_text(request: pb.Request) -> str:
-    """The prompt: the single text chunk of ``input_chunks``, or ``inputs`` when there are no chunks.
+def request_chunks(request: pb.Request) -> tuple[str | ImageInput, ...]:
+    """``input_chunks`` in order, text as ``str`` and images as :class:`ImageInput` (bytes not decoded)."""
+    out: list[str | ImageInput] = []
+    for chunk in request.input_chunks.chunks:
+        kind = chunk.WhichOneof("chunk")
+        if kind == "text":
+            out.append(chunk.text)
+        elif kind == "image":
+            out.append(ImageInput(data=chunk.image.data, mimetype=chunk.image.mimetype))
+    return tuple(out)
 
-    Image chunks are ignored (text models only), as the stock server does.
+
+def request_text(request: pb.Request) -> str:
+    """The prompt text: the single text chunk of ``input_chunks``, or ``inputs`` when there are no chunks.
+
+    Without image chunks exactly one text chunk is required (stock's text servers' rule). With image
+    chunks (a VLM prompt: text, image, text, ...) the text chunks are joined in order: a text-only
+    model reads that and ignores the images, as stock does; a VLM builds its prompt from
+    :func:`request_chunks`. At least one text chunk is still required.
     """
     chunks = request.input_chunks.chunks
     if not chunks:
@@ -40,11 +56,12 @@ def request_text(request: pb.Request) -> str:
             raise InvalidRequestError(f"request {request.id}: no input (input_chunks and inputs are empty)")
         return request.inputs
     texts = [chunk.text for chunk in chunks if chunk.WhichOneof("chunk") == "text"]
-    if len(texts) != 1:
-        raise InvalidRequestError(
-            f"request {request.id}: expected exactly one text chunk in input_chunks, got {len(texts)}"
-        )
-    return texts[0]
+    has_images = any(chunk.WhichOneof("chunk") == "image" for chunk in chunks)
+    if len(texts) == 1 or (has_images and texts):
+        return "".join(texts)
+    raise InvalidRequestError(
+        f"request {request.id}: expected exactly one text chunk in input_chunks, got {len(texts)}"
+    )
 
 
 def request_from_pb(request: pb.Request) -> RequestSpec:
@@ -55,6 +72,7 @@ def request_from_pb(request: pb.Request) -> RequestSpec:
     return RequestSpec(
         id=request.id,
         text=request_text(request),
+        chunks=_chunks_if_images(request),
         truncate=request.truncate,
         add_special_tokens=request.add_special_tokens,
         sampling=SamplingParams(
@@ -82,6 +100,12 @@ def request_from_pb(request: pb.Request) -> RequestSpec:
         adapter_id=request.adapter_id,
         chunk_len=request.chunk_len if request.HasField("chunk_len") else None,
     )
+
+
+def _chunks_if_images(request: pb.Request) -> tuple[str | ImageInput, ...]:
+    """The ordered chunks when an image is among them, else ``()`` (a text prompt is :attr:`text`)."""
+    chunks = request_chunks(request)
+    return chunks if any(isinstance(c, ImageInput) for c in chunks) else ()
 
 
 _GRAMMAR_KINDS = {pb.GRAMMAR_TYPE_REGEX: "regex", pb.GRAMMAR_TYPE_JSON: "json"}
