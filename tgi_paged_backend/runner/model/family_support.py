@@ -6,7 +6,8 @@ calls that function, and only for what the function implements. Everything else 
 with a message naming the architecture, so an unserved family stops the shard at start instead of
 answering with wrong tokens:
 
-- :func:`unsupported_reason` reads the config alone: encoder-decoder and multimodal models,
+- :func:`unsupported_reason` reads the config alone: encoder-decoder and multimodal models (each
+  vision-language family stock TGI serves with its own reason, :data:`VLM_FAMILIES`),
   state-space / linear-attention layers (Mamba, Jamba, Falcon-H1, ...), multi-head latent attention
   (DeepSeek-V2/V3: K and V have other head dims than the pool's), ALiBi outside Bloom and MPT (whose attention
   modules :mod:`.alibi` replaces, refusing the variants it does not reproduce), and the Falcon variants
@@ -61,6 +62,31 @@ SSM_MODEL_TYPES = frozenset(
 )
 """Families with state-space, recurrent or linear-attention layers (state the KV pool does not hold)."""
 
+_VLM_NOT_YET = (
+    "vision-language models are not served yet (issue 40, docs/vlm.md): the image chunks of input_chunks "
+    "are carried and validated, but the vision tower's embeddings are not merged at the image placeholders"
+)
+VLM_FAMILIES: dict[str, str] = {
+    "llava_next": _VLM_NOT_YET,
+    "paligemma": _VLM_NOT_YET + ", and PaliGemma's prefix-LM mask (bidirectional over image + prompt) is not "
+    "implemented by the paged attention",
+    "idefics2": _VLM_NOT_YET + ", and Idefics2's perceiver resampler is not run",
+    "idefics3": _VLM_NOT_YET + ", and Idefics3's image splitting (row/column tiles) is not built",
+    "smolvlm": _VLM_NOT_YET + ", and SmolVLM's (Idefics3) image splitting (row/column tiles) is not built",
+    "qwen2_vl": _VLM_NOT_YET + ", and Qwen2-VL's multimodal 3-D rotary positions (M-RoPE, carried into decode) "
+    "are not implemented",
+    "qwen2_5_vl": _VLM_NOT_YET + ", and Qwen2.5-VL's multimodal 3-D rotary positions (M-RoPE, carried into "
+    "decode) are not implemented",
+    "gemma3": _VLM_NOT_YET + ", and Gemma 3's bidirectional attention within each image is not implemented "
+    "by the paged attention",
+    "llama4": _VLM_NOT_YET + ", and Llama 4's chunked local attention layers are not implemented",
+    "mllama": "Mllama (Llama 3.2 Vision) attends to the image through cross-attention layers, whose "
+    "per-request vision KV is not held by the paged KV pool",
+    "idefics": "Idefics (v1) attends to the image through gated cross-attention layers, whose per-request "
+    "vision KV is not held by the paged KV pool",
+}
+"""Vision-language ``model_type``s stock TGI 3.3 serves -> why the paged path refuses them today."""
+
 _MULTIMODAL_SUBCONFIGS = ("vision_config", "audio_config", "speech_config", "vision_tower_config")
 
 
@@ -88,6 +114,8 @@ def unsupported_reason(config: Any) -> str | None:
     model_type = str(getattr(config, "model_type", ""))
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder models are not served (the paged backend runs decoder-only causal LMs)"
+    if model_type in VLM_FAMILIES:
+        return VLM_FAMILIES[model_type]
     sub = [name for name in _MULTIMODAL_SUBCONFIGS if getattr(config, name, None) is not None]
     if sub:
         return f"multimodal models are not served ({', '.join(sub)} present; only text decoders are)"
