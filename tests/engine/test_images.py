@@ -18,8 +18,15 @@ def _encoded(fmt: str, size: tuple[int, int] = (5, 3), mode: str = "RGB") -> byt
 
 
 @pytest.mark.parametrize(
-    "fmt, mimetype", [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("JPEG", "image/jpg"), ("GIF", "image/gif"),
-                      ("WEBP", "image/webp"), ("TIFF", "image/tiff")]
+    "fmt, mimetype",
+    [
+        ("PNG", "image/png"),
+        ("JPEG", "image/jpeg"),
+        ("JPEG", "image/jpg"),
+        ("GIF", "image/gif"),
+        ("WEBP", "image/webp"),
+        ("TIFF", "image/tiff"),
+    ],
 )
 def test_router_mimetypes_decode_to_rgb(fmt: str, mimetype: str) -> None:
     image = decode_image(1, 0, ImageInput(_encoded(fmt), mimetype))

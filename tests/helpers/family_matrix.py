@@ -53,6 +53,7 @@ from tests.helpers.family_models import (
 from tests.helpers.family_tp import TpOutcome, run_tp, tp_families
 from tests.helpers.speculation_oracle import oracle_drafts
 from tests.helpers.tiny_models import load_reference
+from tests.helpers.vlm_families import VLM_FAMILIES, VlmFamily, as_family, write_config_only
 from tgi_paged_backend.bench.sliding_window import long_run_table
 from tgi_paged_backend.engine.types import BatchSpec
 from tgi_paged_backend.runner.model.loader import ModelLoadError
@@ -266,6 +267,19 @@ def run_family(family: Family, workdir: Path, scenarios: tuple[str, ...] = SCENA
     return result
 
 
+def run_vlm_family(vlm: VlmFamily, workdir: Path) -> FamilyResult:
+    """A VLM row: the start-up refusal of a config-only checkpoint of the family."""
+    start = time.perf_counter()
+    family = as_family(vlm)
+    if not is_available(family):
+        return FamilyResult(
+            family, "-", refusal=f"missing: transformers {transformers.__version__} has no {vlm.model_type!r}"
+        )
+    result = FamilyResult(family, vlm.architecture, refusal=start_error(write_config_only(vlm, workdir / vlm.name)))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
 def _mark(ok: bool | None) -> str:
     return "n/a" if ok is None else ("yes" if ok else "**NO**")
 
@@ -388,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_family(family, Path(tmp)))
             r = results[-1]
             print(f"{family.name:12s} {r.seconds:5.1f}s {'refused' if r.refusal else r.exact}", flush=True)
+        vlms = [v for v in VLM_FAMILIES if not args.family or v.name in args.family]
+        results += [run_vlm_family(vlm, Path(tmp)) for vlm in vlms]
         tp = run_tp([f for f in tp_families() if f in families], Path(tmp))
     text = render_markdown(results, tp, long_run_table())
     if args.write:

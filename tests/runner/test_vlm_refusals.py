@@ -7,7 +7,7 @@ import pytest
 import transformers
 
 from tests.helpers.family_matrix import start_error
-from tests.runner.test_family_support import _config_only_dir
+from tests.helpers.vlm_families import VLM_FAMILIES, write_config_only
 from tgi_paged_backend.runner.model import family_support
 
 STOCK_VLM_MODEL_TYPES = (
@@ -52,12 +52,11 @@ def test_vlm_config_is_refused_with_its_reason(model_type: str) -> None:
     assert reason is not None and PHRASES[model_type] in reason, reason
 
 
-@pytest.mark.parametrize("model_type", ["llava_next", "qwen2_vl", "mllama"])
-def test_vlm_checkpoint_stops_the_start(model_type: str, tmp_path) -> None:
-    config = transformers.AutoConfig.for_model(model_type)
-    error = start_error(_config_only_dir(tmp_path, config))
-    assert error is not None and repr(model_type) in error and PHRASES[model_type] in error, error
-    assert "TGI_BACKEND=stock" in error
+@pytest.mark.parametrize("vlm", [v for v in VLM_FAMILIES if v.model_type in ("llava_next", "qwen2_vl", "mllama")])
+def test_vlm_checkpoint_stops_the_start(vlm, tmp_path) -> None:
+    error = start_error(write_config_only(vlm, tmp_path))
+    assert error is not None and vlm.architecture in error and PHRASES[vlm.model_type] in error, error
+    assert "TGI_BACKEND=stock" in error and vlm.phrase in error
 
 
 def test_text_only_siblings_are_not_vlm_refused() -> None:

@@ -68,9 +68,7 @@ def test_merged_embeddings_give_hfs_logits_and_chunks_cut_inside_images(tiny) ->
         got = model(inputs_embeds=full[None]).logits[0]
         torch.testing.assert_close(got, expected)
         # Chunks of 5 positions (cutting inside both images) reassemble to the same embeddings.
-        pieces = [
-            merge_chunk_embeddings(token_embeds[s : s + 5], s, spans, features) for s in range(0, len(ids), 5)
-        ]
+        pieces = [merge_chunk_embeddings(token_embeds[s : s + 5], s, spans, features) for s in range(0, len(ids), 5)]
         torch.testing.assert_close(torch.cat(pieces), full)
     assert not torch.equal(full, token_embeds)
 

@@ -13,7 +13,14 @@ LLAVA_V16 = LlavaNextGeometry(
     image_size=336, patch_size=14, grid_pinpoints=((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 )
 
-ROUTER_TABLE = [(20, 20, 1176), (640, 640, 2928), (480, 640, 2340), (899, 1024, 2634), (1024, 899, 2640), (1067, 1600, 2144)]
+ROUTER_TABLE = [
+    (20, 20, 1176),
+    (640, 640, 2928),
+    (480, 640, 2340),
+    (899, 1024, 2634),
+    (1024, 899, 2640),
+    (1067, 1600, 2144),
+]
 """``test_llava_next_features`` in stock TGI's ``router/src/config.rs``: (height, width, count)."""
 
 

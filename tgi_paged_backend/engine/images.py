@@ -43,7 +43,9 @@ def decode_image(request_id: int, index: int, image: ImageInput) -> PILImage.Ima
             opened.load()
             return opened.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
-        raise InvalidRequestError(f"{where} ({image.mimetype}, {len(image.data)} bytes) cannot be decoded: {err}") from err
+        raise InvalidRequestError(
+            f"{where} ({image.mimetype}, {len(image.data)} bytes) cannot be decoded: {err}"
+        ) from err
 
 
 def decode_request_images(spec: RequestSpec, max_images: int) -> list[PILImage.Image]:

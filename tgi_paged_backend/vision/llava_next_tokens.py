@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,9 +27,9 @@ class LlavaNextGeometry:
     """``image_grid_pinpoints``: the candidate (height, width) resolutions of the anyres grid."""
 
     @classmethod
-    def from_config(cls, config: object) -> LlavaNextGeometry:
-        vision = getattr(config, "vision_config")
-        pinpoints = tuple((int(h), int(w)) for h, w in getattr(config, "image_grid_pinpoints"))
+    def from_config(cls, config: Any) -> LlavaNextGeometry:
+        vision = config.vision_config
+        pinpoints = tuple((int(h), int(w)) for h, w in config.image_grid_pinpoints)
         return cls(image_size=int(vision.image_size), patch_size=int(vision.patch_size), grid_pinpoints=pinpoints)
 
 

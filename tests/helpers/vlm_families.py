@@ -1,0 +1,58 @@
+"""The vision-language rows of ``docs/models.md``: every VLM family stock TGI 3.3 serves, started from
+a config-only checkpoint (the backend refuses them from the config, before any weight is read), so
+each row shows the start-up refusal message verbatim (issue 40, docs/vlm.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+import transformers
+
+from tests.helpers.family_models import Family
+
+
+@dataclass(frozen=True)
+class VlmFamily:
+    name: str
+    model_type: str
+    architecture: str
+    """``architectures[0]`` of the family's released checkpoints."""
+    feature: str
+    phrase: str
+    """A phrase the refusal must contain."""
+
+
+VLM_FAMILIES: tuple[VlmFamily, ...] = (
+    VlmFamily("LLaVA-NeXT", "llava_next", "LlavaNextForConditionalGeneration", "VLM: anyres image tiles",
+              "vision tower's embeddings are not merged"),
+    VlmFamily("Qwen2-VL", "qwen2_vl", "Qwen2VLForConditionalGeneration", "VLM: M-RoPE", "M-RoPE"),
+    VlmFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "VLM: M-RoPE", "M-RoPE"),
+    VlmFamily("Gemma 3 (vision)", "gemma3", "Gemma3ForConditionalGeneration", "VLM: bidirectional image attention",
+              "bidirectional attention within each image"),
+    VlmFamily("Idefics 2", "idefics2", "Idefics2ForConditionalGeneration", "VLM: perceiver resampler",
+              "perceiver resampler"),
+    VlmFamily("Idefics 3", "idefics3", "Idefics3ForConditionalGeneration", "VLM: image splitting", "image splitting"),
+    VlmFamily("SmolVLM", "smolvlm", "SmolVLMForConditionalGeneration", "VLM: image splitting", "image splitting"),
+    VlmFamily("PaliGemma", "paligemma", "PaliGemmaForConditionalGeneration", "VLM: prefix-LM mask", "prefix-LM"),
+    VlmFamily("Mllama", "mllama", "MllamaForConditionalGeneration", "VLM: cross-attention", "cross-attention"),
+    VlmFamily("Llama 4", "llama4", "Llama4ForConditionalGeneration", "VLM: chunked local attention",
+              "chunked local attention"),
+)  # fmt: skip
+
+
+def as_family(vlm: VlmFamily) -> Family:
+    """The matrix's row type (no tiny overrides: the config alone is refused)."""
+    return Family(vlm.name, vlm.model_type, {}, vlm.feature)
+
+
+def write_config_only(vlm: VlmFamily, path: Path) -> Path:
+    """The family's default config with its released architecture name, and a stand-in weight file."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = transformers.AutoConfig.for_model(vlm.model_type)
+    config.architectures = [vlm.architecture]
+    config.save_pretrained(path)
+    safetensors.torch.save_file({"stand_in": torch.zeros(1)}, str(path / "model.safetensors"))
+    return path
