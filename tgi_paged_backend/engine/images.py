@@ -22,6 +22,13 @@ SUPPORTED_MIMETYPES = frozenset({"image/png", "image/jpeg", "image/jpg", "image/
 """What the stock router's ``format_from_mimetype`` accepts (``image/jpg`` is its alias of jpeg)."""
 
 
+def media_type(mimetype: str) -> str:
+    """The media type without parameters, lower-case: the stock router's own warmup request sends a PNG
+    labelled ``image/jpeg;base64``, so parameters are dropped and the bytes, not the label, pick the decoder
+    (as stock's server does: PIL sniffs the format)."""
+    return mimetype.split(";", 1)[0].strip().lower()
+
+
 def request_images(spec: RequestSpec) -> list[ImageInput]:
     """The request's image chunks, in prompt order."""
     return [chunk for chunk in spec.chunks if isinstance(chunk, ImageInput)]
@@ -32,7 +39,7 @@ def decode_image(request_id: int, index: int, image: ImageInput) -> PILImage.Ima
     from PIL import Image, UnidentifiedImageError
 
     where = f"request {request_id}: image {index}"
-    if image.mimetype not in SUPPORTED_MIMETYPES:
+    if media_type(image.mimetype) not in SUPPORTED_MIMETYPES:
         raise InvalidRequestError(
             f"{where}: unsupported mimetype {image.mimetype!r} (expected one of {sorted(SUPPORTED_MIMETYPES)})"
         )
