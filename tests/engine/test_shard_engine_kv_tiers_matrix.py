@@ -42,12 +42,13 @@ def build(model_dir: Path, *, num_blocks: int = 24, block_size: int = 8, host_ro
         **{k: str(v) for k, v in opts.items()},
     }
 
-    def make(gb: str):
-        return build_engine(with_local_model(build_config(dict(cli), {**settings, "TGI_PAGED_HOST_CACHE_GB": gb})))
+    def make(gb: str, env: dict[str, str] = settings):
+        return build_engine(with_local_model(build_config(dict(cli), {**env, "TGI_PAGED_HOST_CACHE_GB": gb})))
 
     if not host_rows:
         return make("0")
-    probe = make("0")
+    # The probe only measures a block: no disk tier (a disk directory needs a host tier).
+    probe = make("0", {k: v for k, v in settings.items() if k != "TGI_PAGED_DISK_CACHE_DIR"})
     block_bytes = probe.runner.pool.block_bytes
     probe.close()
     engine = make(f"{host_rows * block_bytes / 2**30 * 1.0001:.12f}")

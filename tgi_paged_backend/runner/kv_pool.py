@@ -174,7 +174,9 @@ class KVPool:
         if len(src_ids) == 0:
             return
         if not dst or not src:
-            raise RuntimeError("the swap space or host tier must be allocated before copying to it")
+            raise RuntimeError(
+                "no host memory to copy to: call allocate_swap_space (swap) or allocate_host_tier (host tier) first"
+            )
         cpu = torch.device("cpu")
         # swap_blocks returns once the CPU side is done: swap-out copies have landed in the swap space,
         # swap-in sources have been read (the device-side scatter is in stream order).
