@@ -83,7 +83,31 @@ def test_host_tier_under_preemption(tiny_llama_dir, preemption):
             driver.run(batch(rid))
             tokens.update(driver.tokens)
         results[name] = tokens
+        engine.kv.check_invariants()
     assert results["on"] == results["off"]
+
+
+def test_swap_preemption_leaves_host_held_prefixes_in_the_host_tier(tiny_llama_dir):
+    """Conversations visited one at a time (the host tier ends up holding their prefixes), then all at once
+    on the small pool: the requests load their prefixes from the host tier, swap preemption leaves those
+    blocks there instead of copying them to swap space, and swap-in loads them back; same tokens."""
+    # the youngest request (the swap victim) is the conversation visited first: its prefix is in the host tier
+    batch = BatchSpec(id=300, requests=tuple(spec(300 + i, t, 16) for i, t in enumerate(reversed(TEXTS))))
+    results = {}
+    engines = {"off": _engine(tiny_llama_dir, 0, TGI_PAGED_PREEMPTION="swap")}
+    engines["on"] = _engine(tiny_llama_dir, 64, TGI_PAGED_PREEMPTION="swap")
+    for name, engine in engines.items():
+        _visit(engine, TEXTS, rounds=1)
+        driver = RouterDriver(engine)
+        driver.run(batch)
+        results[name] = driver.tokens
+        engine.kv.check_invariants()
+    assert results["on"] == results["off"]
+    on = engines["on"]
+    tiers = on.kv.tiers
+    assert tiers is not None and tiers.counters.loaded_blocks > 0
+    assert tiers.counters.swap_kept_rows > 0, "no swapped block was left in the host tier"
+    assert not tiers.host._pinned, "a finished request left host entries pinned"
 
 
 def test_disk_tier_survives_a_restart(tiny_llama_dir, tmp_path):

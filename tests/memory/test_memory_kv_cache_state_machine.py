@@ -208,8 +208,11 @@ class MemoryMachine(RuleBasedStateMachine):
         req = self.reqs[rid]
         if swap:
             possible = self.m.can_swap_out(rid)
+            kept = self.m.tiers.counters.swap_kept_rows if self.m.tiers is not None else 0
             plan = self.m.swap_out(rid)
             assert (plan is not None) == possible
+            if self.m.tiers is not None and self.m.tiers.counters.swap_kept_rows > kept:
+                event("swap-out left blocks in the host tier")
             if plan is not None:
                 event("swapped out" if not self.m.stats().num_hole_blocks else "swapped out, holes kept")
                 self.sim.apply_swap(plan)

@@ -59,6 +59,7 @@ TIERS = TierStats(
     host_rows_total=40,
     host_evicted_blocks=7,
     host_lost_blocks=1,
+    swap_kept_blocks=5,
     disk=DiskStoreStats(num_files=12, num_bytes=12_000, max_bytes=16_000, evicted_files=3, ignored_files=2),
 )
 """The KV tiers after the last sample step: the 32 prefix-hit tokens split 16/8/8 over pool, host, disk."""

@@ -103,6 +103,7 @@ def test_kv_tier_metrics(recorder: OtelRecorder) -> None:
     assert samples[(dropped, (("reason", "ignored"), ("tier", "disk")))] == 2
     assert samples[(dropped, (("reason", "no_room"), ("tier", "host")))] == 1
     assert samples[(dropped, (("reason", "evicted"), ("tier", "host")))] == 7
+    assert samples[("tgi_paged_kv_tier_swap_kept_blocks_total", ())] == 5
 
 
 def test_dashboard_and_alerts_use_only_exported_names(recorder: OtelRecorder) -> None:

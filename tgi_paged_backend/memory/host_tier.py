@@ -77,6 +77,11 @@ class HostTier:
         self._entries.move_to_end(key)
         return entry
 
+    def peek(self, key: bytes) -> HostEntry | None:
+        """The landed entry of ``key``, or ``None``; the LRU order is left alone (a query, not a use)."""
+        entry = self._entries.get(key)
+        return entry if entry is not None and entry.landed else None
+
     def reserve(self, block: TierBlock, group_mask: tuple[bool, ...]) -> HostEntry | None:
         """Rows for a new pending entry of ``block`` (one per ``True`` in ``group_mask``), evicting the least
         recently used unpinned entries; ``None`` when ``block`` is held already or the pinned entries leave

@@ -28,11 +28,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tgi_paged_backend.memory import swap_moves
 from tgi_paged_backend.memory.attached_blocks import AttachedBlocks
 from tgi_paged_backend.memory.block_pool import BlockPool
 from tgi_paged_backend.memory.block_table import BlockTableArray
 from tgi_paged_backend.memory.invariants import check_manager_invariants
-from tgi_paged_backend.memory.kv_group import KVGroup, concat_moves, cut_hit, group_windows
+from tgi_paged_backend.memory.kv_group import KVGroup, cut_hit, group_windows
 from tgi_paged_backend.memory.page_map import PageMap
 from tgi_paged_backend.memory.prefix_cache import NullPrefixCache, PrefixCache, RegistryObserver, chain_root
 from tgi_paged_backend.memory.prefix_tiers import TierMove, TierSetup, build_tiers
@@ -282,11 +283,11 @@ class KVCacheManager:
         self._rows_cache = None
         maps = self._maps(request_id)
         serials = self._anchor_serials(maps)
+        if maps[0].swapped is not None:
+            swap_moves.release_swapped(maps, self._swap, self.tiers)
         for group, req in zip(self._groups, maps):
             del group.requests[request_id]
-            if req.swapped is not None:
-                self._swap.free(req.swapped)
-            else:
+            if req.swapped is None:
                 group.release_device_blocks(req, register=True, anchor_serials=serials)
             group.table.release_row(req.row)
 
@@ -310,28 +311,22 @@ class KVCacheManager:
 
     def can_swap_out(self, request_id: int) -> bool:
         """Whether :meth:`swap_out` would succeed now (resident, has blocks, swap space has room)."""
-        maps = self._maps(request_id)
-        if any(req.swapped is not None or req.cow_src is not None for req in maps):
-            return False
-        num = sum(req.num_physical_blocks for req in maps)
-        return num > 0 and self._swap.can_allocate(num)
+        return swap_moves.can_swap_out(self._maps(request_id), self._swap, self.tiers)
 
     def swap_out(self, request_id: int) -> SwapPlan | None:
-        """Move a resident request's blocks (every group's, holes excluded) to CPU swap space; ``None``
-        when there is no room."""
+        """Move a resident request's blocks (every group's, holes excluded) to CPU swap space, leaving
+        those the host tier holds there (:mod:`.swap_moves`); ``None`` when there is no room."""
         if not self.can_swap_out(request_id):
             return None
-        moves = [group.swap_out(req, self._swap) for group, req in zip(self._groups, self._maps(request_id))]
-        return SwapPlan(request_id, "out", *concat_moves(moves))
+        return SwapPlan(
+            request_id, "out", *swap_moves.swap_out(self._groups, self._maps(request_id), self._swap, self.tiers)
+        )
 
     def swap_in(self, request_id: int) -> SwapPlan | None:
-        """Bring a swapped-out request back to the device; ``None`` when the pool lacks room."""
-        maps = self._maps(request_id)
-        assert all(req.swapped is not None for req in maps), f"request {request_id} is not swapped out"
-        if sum(len(req.swapped or ()) for req in maps) > self._pool.num_available_blocks:
-            return None
-        moves = [group.swap_in(req, self._swap) for group, req in zip(self._groups, maps)]
-        return SwapPlan(request_id, "in", *concat_moves(moves))
+        """Bring a swapped-out request back to the device (blocks left in the host tier come back as its
+        ``load`` moves); ``None`` when the pool lacks room."""
+        moves = swap_moves.swap_in(self._groups, self._maps(request_id), self._swap, self._pool, self.tiers)
+        return None if moves is None else SwapPlan(request_id, "in", *moves)
 
     def take_tier_moves(self) -> list[TierMove]:
         """Host-tier copies issued since the last call, in issue order (run before later-issued copies)."""
@@ -420,7 +415,7 @@ class KVCacheManager:
         """Footprint of one request over every group (for victim choice and cost estimates)."""
         maps = self._maps(request_id)
         if maps[0].swapped is not None:
-            return RequestMemory(sum(len(r.swapped or ()) for r in maps), 0, maps[0].num_committed, True)
+            return RequestMemory(sum(r.num_swapped_blocks for r in maps), 0, maps[0].num_committed, True)
         exclusive = sum(group.exclusive_blocks(req) for group, req in zip(self._groups, maps))
         return RequestMemory(sum(r.num_physical_blocks for r in maps), exclusive, maps[0].num_committed, False)
 

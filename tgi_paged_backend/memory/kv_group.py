@@ -14,7 +14,7 @@ it needs (:meth:`KVGroup.attached_hit`: a sliding group only the window the hit 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -190,29 +190,42 @@ class KVGroup:
         self.table.clear(req.row)
 
     # --------------------------------------------------------------------------------- swap
-    def swap_out(self, req: PageMap, swap: SwapSpace) -> tuple[list[int], list[int]]:
+    def swap_out(
+        self, req: PageMap, swap: SwapSpace, held: Mapping[int, int] | None = None
+    ) -> tuple[list[int], list[int]]:
         """Move ``req``'s live blocks (holes stay holes) to swap blocks the caller checked are free;
-        returns ``(device blocks, swap blocks)`` to copy."""
-        src = [b for b in req.blocks if b != SCRATCH_BLOCK]
+        returns ``(device blocks, swap blocks)`` to copy. ``held``: ``{index in req.blocks: host row}`` of
+        blocks whose KV the host tier holds already: they are not copied (swap-in loads them from there)."""
+        held = held or {}
+        live = [(index, b) for index, b in enumerate(req.blocks) if b != SCRATCH_BLOCK]
+        src = [b for index, b in live if index not in held]
         dst = swap.allocate(len(src))
         assert dst is not None
+        req.swapped_host = [(n, held[index]) for n, (index, _) in enumerate(live) if index in held]
         req.num_swapped_positions = len(req.blocks)
         self.release_device_blocks(req, register=False)
         req.swapped = dst
         return src, dst
 
-    def swap_in(self, req: PageMap, swap: SwapSpace) -> tuple[list[int], list[int]]:
+    def swap_in(self, req: PageMap, swap: SwapSpace) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
         """Bring ``req`` back onto fresh pool blocks the caller checked are available; returns
-        ``(swap blocks, device blocks)`` to copy."""
-        src = req.swapped or []
-        dst = self.pool.allocate(len(src))
+        ``(swap blocks, device blocks)`` to copy and ``(host rows, device blocks)`` to load."""
+        swapped = iter(req.swapped or [])
+        from_host = dict(req.swapped_host)
+        dst = self.pool.allocate(req.num_swapped_blocks)
         assert dst is not None
-        swap.free(src)
-        req.swapped = None
+        copies: tuple[list[int], list[int]] = ([], [])
+        loads: tuple[list[int], list[int]] = ([], [])
+        for n, block_id in enumerate(dst):
+            src, into = loads if n in from_host else copies
+            src.append(from_host[n] if n in from_host else next(swapped))
+            into.append(block_id)
+        swap.free(req.swapped or [])
+        req.swapped, req.swapped_host = None, []
         req.blocks = [SCRATCH_BLOCK] * req.num_holes  # holes were not swapped: they come back as holes
         req.blocks.extend(req.extension(dst, req.num_swapped_positions))
         self.table.append(req.row, req.blocks)
-        return src, dst
+        return copies, loads
 
     # ----------------------------------------------------------------------------- queries
     def virtual_to_physical_slots(self, req: PageMap, router_slots: np.ndarray) -> np.ndarray:

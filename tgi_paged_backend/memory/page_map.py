@@ -49,6 +49,11 @@ class PageMap:
     """CPU blocks while swapped out (``blocks`` is then empty)."""
     num_swapped_positions: int = 0
     """Length of ``blocks`` at swap-out (scratch entries included)."""
+    swapped_host: list[tuple[int, int]] = field(default_factory=list)
+    """While swapped out: ``(index among the live blocks, host-tier row)`` of the blocks left in the host
+    tier instead of copied to swap space (:mod:`.swap_moves`)."""
+    swap_pins: tuple[bytes, ...] = ()
+    """While swapped out, in the anchor group: the host-tier entries those blocks come back from (pinned)."""
     has_scratch: bool = False
     """Some virtual block is 0 (the liveness probe's): it maps to the scratch block."""
     num_holes: int = 0
@@ -80,6 +85,11 @@ class PageMap:
         if self.has_scratch:
             return sum(1 for b in self.blocks if b != SCRATCH_BLOCK)
         return len(self.blocks) - self.num_holes if self.blocks else 0
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        """Live blocks of a swapped-out map: in swap space plus left in the host tier."""
+        return len(self.swapped or ()) + len(self.swapped_host)
 
     @property
     def max_mappable_blocks(self) -> int | None:

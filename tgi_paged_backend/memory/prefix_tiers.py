@@ -60,6 +60,8 @@ class TierCounters:
     loaded_blocks: int = 0
     """Anchor blocks copied host -> pool for a prefix hit."""
     loaded_rows: int = 0
+    swap_kept_rows: int = 0
+    """Blocks a swap-out left in the host tier instead of copying them to swap space (every group's)."""
 
 
 class PrefixTiers:
@@ -223,6 +225,42 @@ class PrefixTiers:
                     self._pool.decref(block_id, retain=registry.is_registered(block_id))
         self.counters.loaded_blocks += len(found)
         self.counters.loaded_rows += len(src)
+
+    # ------------------------------------------------------------------------------ swap
+    def held_rows(self, group_blocks: Sequence[Sequence[int]]) -> tuple[list[dict[int, int]], list[bytes]]:
+        """The blocks of one request (``group_blocks[g]``: its map in group ``g``, token order) whose KV a
+        landed host entry holds: per group ``{index in the map: host row}``, and those entries' keys. Only
+        the anchor's registered blocks have keys; another group's block counts where the entry has its row."""
+        held: list[dict[int, int]] = [{} for _ in group_blocks]
+        keys: list[bytes] = []
+        for index, block_id in enumerate(group_blocks[0]):
+            block = self._anchor.tier_block(block_id) if self._anchor.is_registered(block_id) else None
+            entry = None if block is None else self.host.peek(block.key)
+            if entry is None:
+                continue
+            keys.append(entry.block.key)
+            for g, (blocks, row) in enumerate(zip(group_blocks, entry.rows)):
+                if row is not None and index < len(blocks) and blocks[index] != SCRATCH_BLOCK:
+                    held[g][index] = row
+        return held, keys
+
+    def keep_for_swap(self, keys: Sequence[bytes], num_rows: int) -> None:
+        """A swap-out left ``num_rows`` blocks in the entries of ``keys``: pin them until :meth:`load_swapped`
+        or :meth:`release_swapped` (a pinned entry is never evicted)."""
+        for key in keys:
+            self.host.pin(key)
+        self.counters.swap_kept_rows += num_rows
+
+    def load_swapped(self, rows: list[int], blocks: list[int], keys: Sequence[bytes]) -> None:
+        """Swap-in: the kept rows go back into pool ``blocks`` (a ``load`` move), and the pins end (the move
+        is issued, so a later reuse of the rows runs after it)."""
+        if rows:
+            self.moves.append(("load", rows, blocks))
+        self.release_swapped(keys)
+
+    def release_swapped(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.host.unpin(key)
 
     # ------------------------------------------------------------------------------ disk
     def missing_blocks(self, token_ids: Sequence[int], root: ChainCursor, limit: int | None) -> list[TierBlock]:

@@ -115,6 +115,8 @@ METRIC_NAMES: dict[str, str] = {
     "tgi_paged_kv_tier_dropped_blocks_total": "Blocks a tier let go, by tier and reason (host: evicted for room, "
     "no_room when every row was pinned; disk: evicted for room, ignored files that failed validation, "
     "write_error, queue_full)",
+    "tgi_paged_kv_tier_swap_kept_blocks_total": "Blocks swap preemptions left in the host tier instead of "
+    "copying them to swap space (swap-in loads them back from there)",
 }
 
 
@@ -198,6 +200,7 @@ class OtelInstruments:
             ("tgi_paged_kv_tier_moved_bytes_total", "By", self._tier_moved(lambda t: t.moved_bytes)),
             ("tgi_paged_kv_tier_moved_seconds_total", "s", self._tier_moved(lambda t: t.moved_s)),
             ("tgi_paged_kv_tier_dropped_blocks_total", "{block}", self._observe_tier_dropped),
+            ("tgi_paged_kv_tier_swap_kept_blocks_total", "{block}", self._observe_swap_kept),
         ):  # cumulative values the engine keeps: observable counters
             meter.create_observable_counter(name, callbacks=[callback], unit=unit, description=METRIC_NAMES[name])
         gauge("tgi_paged_kv_host_tier_rows", "{row}", self._observe_host_rows)
@@ -325,6 +328,10 @@ class OtelInstruments:
             return [Observation(moved[d], {"direction": d}) for d in TIER_DIRECTIONS]
 
         return callback
+
+    def _observe_swap_kept(self, options: CallbackOptions) -> list[Observation]:
+        t = self._tiers
+        return [] if t is None else [Observation(t.swap_kept_blocks, {})]
 
     def _observe_tier_dropped(self, options: CallbackOptions) -> list[Observation]:
         t = self._tiers

@@ -2,7 +2,8 @@
 
 Pure data, duck-typed on the engine's objects (telemetry imports no engine module). What it reads:
 
-- ``kv.tiers`` (``memory.prefix_tiers.PrefixTiers``): ``counters`` (``loaded_blocks``, ``lost_blocks``),
+- ``kv.tiers`` (``memory.prefix_tiers.PrefixTiers``): ``counters`` (``loaded_blocks``, ``lost_blocks``,
+  ``swap_kept_rows``),
   ``host`` (``num_used_rows``, ``num_rows``, ``num_evicted``), ``block_size``;
 - ``tier_io.traffic`` (``offload.tier_io.TierTraffic``): bytes and seconds each way;
 - ``disk.stats()`` (``offload.disk_store.DiskStoreStats``), when a disk tier is configured;
@@ -40,6 +41,8 @@ class TierStats:
     """Host entries evicted for room (written through to disk when a disk tier is on)."""
     host_lost_blocks: int
     """Blocks the pool evicted that the host tier had no room for (every row pinned)."""
+    swap_kept_blocks: int = 0
+    """Blocks swap preemptions left in the host tier instead of copying them to swap space."""
     disk: Any = None
     """The disk store's ``DiskStoreStats`` (``None``: no disk tier)."""
 
@@ -76,5 +79,6 @@ def collect_tier_stats(
         host_rows_total=tiers.host.num_rows,
         host_evicted_blocks=tiers.host.num_evicted,
         host_lost_blocks=tiers.counters.lost_blocks,
+        swap_kept_blocks=tiers.counters.swap_kept_rows,
         disk=disk_stats,
     )
