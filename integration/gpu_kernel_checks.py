@@ -4,7 +4,8 @@ on CUDA, then decode bandwidth.
 The attention and cache cases are ``examples/bench_paged_attention.py``'s ``--check`` list (store_kv,
 paged decode single pass and split-K, paged prefill, copy/swap blocks; fp16/bf16/fp32/fp8 caches),
 run here one by one under a time limit; fp8_linear and int4/int8 int_linear are checked at model
-shapes against the fp32 references in ``tgi_paged_kernels``.
+shapes against the fp32 references in ``tgi_paged_kernels``; the host tier's copy-stream moves against
+the inline copies.
 """
 
 from __future__ import annotations
@@ -109,6 +110,19 @@ def attention_checks(bench, device: torch.device, deadline: float) -> tuple[int,
     return failures, 0
 
 
+def check_tier_copies(device: torch.device) -> int:
+    """The host tier's copy-stream moves against the inline copies (``tests/offload/test_tier_copies.py``)."""
+    from tests.offload.test_tier_copies import check_stream_copies
+
+    try:
+        check_stream_copies(device)
+    except Exception as error:  # noqa: BLE001 - reported with the other kernel checks
+        print(f"  check tier copies (copy stream vs inline): FAIL {type(error).__name__}: {error}", flush=True)
+        return 1
+    print("  check tier copies (copy stream vs inline): ok", flush=True)
+    return 0
+
+
 def phase_kernels(budget, device: torch.device) -> bool:
     """``budget``: the driver's ``Budget`` (``phase``, ``allows``, ``total_s``)."""
     bench = load_bench()
@@ -118,6 +132,7 @@ def phase_kernels(budget, device: torch.device) -> bool:
         print(f"attention and cache checks: {failures} failed, {not_run} not run")
         linear_failures = check_linears(device)
         print(f"linear checks: {linear_failures} failed")
+        linear_failures += check_tier_copies(device)
     if budget.allows("a. decode bandwidth", 60):
         with budget.phase("a. decode bandwidth (fp16, 32 q / 8 kv heads, D=128, block 16)"):
             peak, source = bench.peak_bandwidth(device)

@@ -192,6 +192,7 @@ class StepEngine:
         timer.lap("schedule")
         out = self.model_step.run(plan, timer)
         if self.kv.tiers is not None:
+            self.tier_io.settle()  # CUDA: the offloads' transfers ran beside the forward; wait for them now
             self.kv.tiers.moves_landed()  # the step's copies ran: what they offloaded is loadable
         self._publish_disk_events()
         step_s = time.perf_counter() - t0

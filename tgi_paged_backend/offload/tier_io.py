@@ -27,6 +27,7 @@ from tgi_paged_backend.memory.block_keys import TierBlock
 from tgi_paged_backend.memory.host_tier import HostEntry
 from tgi_paged_backend.memory.prefix_cache import chain_root
 from tgi_paged_backend.offload.disk_store import BlockRecord, DiskStore
+from tgi_paged_backend.offload.tier_copies import tier_copies_for
 
 if TYPE_CHECKING:
     from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
@@ -62,23 +63,31 @@ class TierIO:
         self.pool = pool
         self.disk = disk
         self.traffic = TierTraffic()
+        self.copies = tier_copies_for(pool)
+        """Where the moves run (:mod:`.tier_copies`: inline on CPU, a copy stream on CUDA)."""
 
     def row_bytes(self) -> int:
         return self.pool.block_bytes
 
     def run(self, kind: str, src: Sequence[int], dst: Sequence[int]) -> None:
-        """One host-tier move of the step's copy list (``offload`` or ``load``)."""
+        """One host-tier move of the step's copy list (``offload`` or ``load``). On CUDA the seconds are the
+        issue time (the copies run on the copy stream)."""
         t0 = time.perf_counter()
         if kind == "offload":
-            self.pool.offload(src, dst)
+            self.copies.offload(src, dst)
             self.traffic.offload_bytes += len(src) * self.row_bytes()
             self.traffic.offload_s += time.perf_counter() - t0
         elif kind == "load":
-            self.pool.load(src, dst)
+            self.copies.load(src, dst)
             self.traffic.load_bytes += len(src) * self.row_bytes()
             self.traffic.load_s += time.perf_counter() - t0
         else:
             raise ValueError(f"not a host-tier move: {kind!r}")
+
+    def settle(self) -> None:
+        """Every offload issued so far is in its host rows: call before its entries land (become loadable,
+        go to disk) and before the CPU touches host rows out of the step's copy order."""
+        self.copies.settle()
 
     # ------------------------------------------------------------------------------ disk
     def spill(self, entry: HostEntry) -> None:
@@ -120,6 +129,7 @@ class TierIO:
         assert kv.tiers is not None
         for kind, src, dst in kv.take_tier_moves():
             self.run(kind, src, dst)
+        self.settle()
         kv.tiers.moves_landed()
 
     def fetch(

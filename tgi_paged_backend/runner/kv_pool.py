@@ -121,13 +121,22 @@ class KVPool:
             self.host_k.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
             self.host_v.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """The pool's tensors that own memory (a block is row ``b`` of each), K's then V's."""
+        return self.k_slots + self.v_slots
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The host tier arena's tensors, matching :meth:`slot_tensors` one for one."""
+        return self.host_k + self.host_v
+
     def offload(self, device_ids: BlockIds, host_rows: BlockIds) -> None:
-        """Copy pool blocks ``device_ids[i]`` to host-tier rows ``host_rows[i]``."""
-        self._swap(self.k_slots + self.v_slots, self.host_k + self.host_v, device_ids, host_rows)
+        """Copy pool blocks ``device_ids[i]`` to host-tier rows ``host_rows[i]`` (in order, on this thread;
+        :mod:`tgi_paged_backend.offload.tier_copies` runs them on a copy stream on CUDA)."""
+        self._swap(self.slot_tensors(), self.host_tensors(), device_ids, host_rows)
 
     def load(self, host_rows: BlockIds, device_ids: BlockIds) -> None:
         """Copy host-tier rows ``host_rows[i]`` into pool blocks ``device_ids[i]``."""
-        self._swap(self.host_k + self.host_v, self.k_slots + self.v_slots, host_rows, device_ids)
+        self._swap(self.host_tensors(), self.slot_tensors(), host_rows, device_ids)
 
     def read_host_rows(self, rows: Sequence[int]) -> np.ndarray:
         """The host rows' K/V as raw bytes, ``uint8 [len(rows), 2 * slots, block_size, Hkv, D * itemsize]``
