@@ -17,7 +17,7 @@ from tgi_paged_backend.runner.model.spec import ModelSpec
 NUM_BLOCKS, HOST_ROWS, BLOCK_SIZE = 24, 12, 16
 
 
-def _pool(device: torch.device) -> KVPool:
+def _pool(device: torch.device, dtype: torch.dtype = torch.float16) -> KVPool:
     spec = ModelSpec(
         model_type="llama",
         num_layers=3,
@@ -32,7 +32,7 @@ def _pool(device: torch.device) -> KVPool:
         softcap=0.0,
         dtype=torch.float16,
     )
-    pool = KVPool(spec, BLOCK_SIZE, torch.float16, device)
+    pool = KVPool(spec, BLOCK_SIZE, dtype, device)
     pool.allocate(NUM_BLOCKS, LayerGroups.uniform(spec.num_layers))
     pool.allocate_host_tier(HOST_ROWS)
     for tensor in pool.host_tensors():
@@ -64,22 +64,28 @@ def _run(copies, pool: KVPool, script, seed: int = 1) -> None:
             if n % 4 == 1:
                 copies.settle()  # the step ended: entries land, loads may read their rows
             copies.load(src, dst)
-            for slot in pool.slot_tensors():  # the forward reads them at once
-                slot[torch.tensor(dst, device=slot.device)] += 1
+            for slot in pool.slot_tensors():  # the forward reads them at once (and writes them here)
+                index = torch.tensor(dst, device=slot.device)
+                slot[index] = slot[index].float().add(1).to(slot.dtype)
     copies.settle()
 
 
 def check_stream_copies(device: torch.device) -> None:
-    """The copy stream's result equals the inline copies' (pool and arena, bit for bit)."""
-    script = _script()
-    torch.manual_seed(0)
-    reference, streamed = _pool(device), _pool(device)
-    for a, b in zip(reference.slot_tensors(), streamed.slot_tensors()):
-        a.copy_(torch.randn(a.shape).to(device, a.dtype))
-        b.copy_(a)
-    _run(InlineTierCopies(reference), reference, script)
-    _run(StreamTierCopies(streamed), streamed, script)
-    torch.cuda.synchronize(device)
+    """The copy stream's result equals the inline copies' (pool and arena, bit for bit; fp16 and fp8 KV)."""
+    for dtype in (torch.float16, torch.float8_e4m3fn):
+        script = _script()
+        torch.manual_seed(0)
+        reference, streamed = _pool(device, dtype), _pool(device, dtype)
+        for a, b in zip(reference.slot_tensors(), streamed.slot_tensors()):
+            a.copy_(torch.randn(a.shape).to(device, a.dtype))
+            b.copy_(a)
+        _run(InlineTierCopies(reference), reference, script)
+        _run(StreamTierCopies(streamed), streamed, script)
+        torch.cuda.synchronize(device)
+        _assert_same(reference, streamed)
+
+
+def _assert_same(reference: KVPool, streamed: KVPool) -> None:
     for a, b in zip(
         reference.slot_tensors() + reference.host_tensors(), streamed.slot_tensors() + streamed.host_tensors()
     ):
@@ -136,7 +142,8 @@ class _FakeCuda:
         return contextlib.nullcontext()
 
 
-def test_stream_copies_data_flow_without_cuda(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn], ids=["fp16", "fp8"])
+def test_stream_copies_data_flow_without_cuda(monkeypatch, dtype):
     """The copy-stream strategy's data flow (device gather, staged transfer, rows written at ``settle`` in
     issue order) with streams that do nothing, on CPU: same pool and arena as the inline copies. (The
     stream ordering itself needs CUDA: :func:`test_stream_copies_match_inline_copies_on_cuda`.)"""
@@ -154,7 +161,7 @@ def test_stream_copies_data_flow_without_cuda(monkeypatch):
     monkeypatch.setattr(StreamTierCopies, "_used_on_copy_stream", lambda self, tensors: tensors)
     cpu = torch.device("cpu")
     script = _script(seed=3)
-    reference, streamed = _pool(cpu), _pool(cpu)
+    reference, streamed = _pool(cpu, dtype), _pool(cpu, dtype)
     for a, b in zip(reference.slot_tensors(), streamed.slot_tensors()):
         a.copy_(torch.randn(a.shape).to(a.dtype))
         b.copy_(a)
@@ -163,7 +170,8 @@ def test_stream_copies_data_flow_without_cuda(monkeypatch):
     copies = object.__new__(StreamTierCopies)
     copies.pool, copies.stream, copies._in_flight = streamed, _FakeCuda.Stream(), []
     copies.offload([1, 2], [0, 1])
-    assert copies.num_in_flight == 1 and not streamed.host_tensors()[0][[0, 1]].any(), "rows written before settle"
+    assert copies.num_in_flight == 1
+    assert not streamed.host_tensors()[0][[0, 1]].view(torch.uint8).any(), "rows written before settle"
     copies.settle()
     assert copies.num_in_flight == 0
     _run(copies, streamed, script)

@@ -108,8 +108,8 @@ class StreamTierCopies:
         slots = self._used_on_copy_stream(self.pool.slot_tensors())
         with torch.cuda.stream(self.stream):
             index = torch.tensor(list(device_ids), dtype=torch.int64, device=device)
-            for slot, host in zip(slots, staged):
-                slot.index_copy_(0, index, host.to(device, non_blocking=True))
+            for slot, host in zip(slots, staged):  # indexed assignment: defined for fp8 caches too
+                slot[index] = host.to(device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         compute.wait_event(done)  # the step's reads of these blocks come after the load
@@ -130,7 +130,7 @@ class StreamTierCopies:
             transfer.done.synchronize()
             rows = torch.tensor(transfer.rows, dtype=torch.int64)
             for arena, staged in zip(arenas, transfer.staged):
-                arena.index_copy_(0, rows, staged)
+                arena[rows] = staged
 
 
 TierCopies = InlineTierCopies | StreamTierCopies
