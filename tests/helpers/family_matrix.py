@@ -72,7 +72,6 @@ SPECULATE = 3
 BLOCK_SIZE = 4
 
 REFUSED: dict[str, str] = {
-    "Falcon-RW": "alibi=True",
     "DeepSeek-V2": "multi-head latent attention",
     "DeepSeek-V3": "multi-head latent attention",
 }

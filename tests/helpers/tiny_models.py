@@ -146,9 +146,19 @@ def write_model_from_config(
     return path
 
 
-def load_reference(path: Path | str, attn_implementation: str = "eager") -> Any:
-    """Load ``path`` as a plain HF model (float32, CPU, eval) to compare against."""
+def reference_attention(path: Path | str) -> str:
+    """The ``attn_implementation`` of the reference for the model in ``path``: ``eager``, except ``sdpa`` for
+    Falcon's ALiBi variants, whose eager path in transformers 5.x adds the ALiBi bias twice (once folded into the
+    causal mask, once more before the scaling); the SDPA path adds it once, as the original Falcon-RW code and
+    transformers' eager path before 5.x do (``runner/model/falcon.py``)."""
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    return "sdpa" if config.model_type == "falcon" and getattr(config, "alibi", False) else "eager"
+
+
+def load_reference(path: Path | str, attn_implementation: str | None = None) -> Any:
+    """Load ``path`` as a plain HF model (float32, CPU, eval) to compare against (``attn_implementation``: by
+    default :func:`reference_attention`'s)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation=attn_implementation, local_files_only=True
+        path, attn_implementation=attn_implementation or reference_attention(path), local_files_only=True
     )
     return model.float().eval()

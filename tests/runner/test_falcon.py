@@ -1,7 +1,8 @@
-"""Falcon over the paged KV cache (``runner/model/falcon.py``): every rotary variant transformers' Falcon has
+"""Falcon over the paged KV cache (``runner/model/falcon.py``): every variant transformers' Falcon has
 gives HF's logits (prefill and decode, two requests at once) and HF's greedy tokens (a mixed batch, chunked
-prefill); the q/k/v split equals transformers' own for each layout; ALiBi and configs transformers' Falcon
-cannot run are refused at start naming the variant. The matrix rows (``Falcon``, ``Falcon-7B``, ``Falcon-RW``)
+prefill); the q/k/v split equals transformers' own for each layout; the ALiBi variants (Falcon-RW's layout and
+ALiBi over the others) likewise, with Falcon's slopes and scaling; configs transformers' Falcon cannot run are
+refused at start naming the variant. The matrix rows (``Falcon``, ``Falcon-7B``, ``Falcon-RW``)
 run the full scenarios in ``test_family_matrix.py``."""
 
 from __future__ import annotations
@@ -12,17 +13,19 @@ import pytest
 import torch
 import transformers
 from torch._dynamo.utils import counters
+from transformers.models.falcon import modeling_falcon
+from transformers.models.falcon.modeling_falcon import build_alibi_tensor
 
 from tests.helpers.family_matrix import run_scenario, start_error
 from tests.helpers.family_models import Family, family_config, write_family_model
 from tests.helpers.paged_driver import PagedDriver, greedy_paged
 from tests.helpers.static_decode_stand_ins import CountingBackend
-from tests.helpers.tiny_models import load_reference
+from tests.helpers.tiny_models import load_reference, reference_attention
 from tests.helpers.triton_serving import LAUNCHERS, route_to_triton
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.attention import METADATA_KWARG
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
-from tgi_paged_backend.runner.model.falcon import PagedFalconAttention
+from tgi_paged_backend.runner.model.falcon import PagedFalconAttention, falcon_alibi_slopes
 from tgi_paged_backend.runner.model.loader import load_model
 from tgi_paged_backend.runner.model.spec import ModelSpec
 from tgi_paged_backend.runner.model_runner import ModelRunner
@@ -49,9 +52,22 @@ VARIANTS: dict[str, dict] = {
     "old-mha-parallel": dict(
         new_decoder_architecture=False, multi_query=False, parallel_attn=True, initializer_range=0.3
     ),
+    # ALiBi in place of rotary: Falcon-RW's layout (the matrix's Falcon-RW row), and ALiBi over the other layouts
+    "rw-mha-serial": dict(
+        new_decoder_architecture=False,
+        multi_query=False,
+        parallel_attn=False,
+        bias=True,
+        alibi=True,
+        initializer_range=0.3,
+    ),
+    "rw-new-gqa-2ln": dict(new_decoder_architecture=True, num_kv_heads=2, alibi=True, initializer_range=0.3),
+    "rw-old-mq-parallel": dict(
+        new_decoder_architecture=False, multi_query=True, parallel_attn=True, alibi=True, initializer_range=0.3
+    ),
 }
 KV_HEADS = {"new-gqa-2ln": 2, "new-mha-1ln": 4, "old-mq-parallel": 1, "old-mq-serial": 1, "old-mha-serial": 4,
-            "old-mha-parallel": 4}  # fmt: skip
+            "old-mha-parallel": 4, "rw-mha-serial": 4, "rw-new-gqa-2ln": 2, "rw-old-mq-parallel": 1}  # fmt: skip
 
 
 def _family(name: str, **overrides) -> Family:
@@ -123,9 +139,13 @@ def test_logits_are_hfs_in_prefill_and_decode(name, variant_dir):
 
 
 @pytest.mark.parametrize("scenario", ["mixed_batch", "chunked_prefill"])
-@pytest.mark.parametrize("name", ["new-mha-1ln", "old-mq-serial", "old-mha-serial", "old-mha-parallel"])
+@pytest.mark.parametrize(
+    "name",
+    ["new-mha-1ln", "old-mq-serial", "old-mha-serial", "old-mha-parallel", "rw-new-gqa-2ln", "rw-old-mq-parallel"],
+)
 def test_greedy_tokens_are_hfs(name, scenario, variant_dir):
-    # (new-gqa-2ln and old-mq-parallel are the matrix's Falcon and Falcon-7B rows: all scenarios there)
+    # (new-gqa-2ln, old-mq-parallel and rw-mha-serial's layout are the matrix's Falcon, Falcon-7B and Falcon-RW rows:
+    # all scenarios there)
     outcome = run_scenario(variant_dir(name), scenario)
     assert outcome.premise and outcome.got == outcome.want
 
@@ -151,9 +171,32 @@ def test_the_step_metadata_reaches_the_layers_only_during_the_call(variant_dir):
     assert channel.metadata is None
 
 
-def test_alibi_is_refused_naming_the_variant(tmp_path):
-    error = start_error(write_family_model(_family("old-mha-serial", alibi=True), tmp_path))
-    assert error is not None and "FalconForCausalLM" in error and "alibi=True" in error, error
+@pytest.mark.parametrize("num_heads", [1, 3, 4, 6, 12, 32, 71])
+def test_alibi_slopes_are_falcons_scaled_by_its_norm_factor(num_heads):
+    """Falcon adds ``slope * key_pos`` to the raw ``q . k`` and scales both by ``1 / sqrt(head_dim)``; the
+    kernels add the bias after scaling, so they get transformers' (bfloat16-rounded) slopes times that factor."""
+    hf = build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), num_heads, torch.float32).view(num_heads, 2)[:, 1]
+    assert torch.equal(falcon_alibi_slopes(num_heads, 16), hf / 4)
+
+
+def test_the_reference_counts_the_alibi_bias_once(variant_dir):
+    """The ALiBi variants are compared with transformers' SDPA path, which adds the bias once (as the original
+    Falcon-RW code): this transformers' eager path either agrees, or adds it twice (the bias folded into its
+    causal mask, then again before the scaling), which is what a model with doubled slopes gives on SDPA."""
+    path = variant_dir("rw-mha-serial")
+    assert reference_attention(path) == "sdpa"
+    prompt = torch.tensor([[3, 17, 5, 9, 11, 2, 8, 13, 21, 4, 6, 40, 41, 42]])
+    eager, sdpa = load_reference(path, "eager"), load_reference(path, "sdpa")
+    with torch.no_grad():
+        want, got_eager = sdpa(prompt).logits, eager(prompt).logits
+        if torch.allclose(got_eager, want, rtol=1e-4, atol=1e-4):
+            return
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                modeling_falcon, "build_alibi_tensor", lambda *args, **kwargs: 2 * build_alibi_tensor(*args, **kwargs)
+            )
+            doubled = sdpa(prompt).logits
+    torch.testing.assert_close(got_eager, doubled, rtol=1e-4, atol=1e-4)
 
 
 def test_a_config_transformers_cannot_run_is_refused(tmp_path):
@@ -172,10 +215,11 @@ def _hf_fails(family: Family) -> bool:
     return False
 
 
-def test_the_compiled_static_decode_step_traces_the_falcon_layers(variant_dir):
+@pytest.mark.parametrize("name", ["old-mq-parallel", "rw-mha-serial"])
+def test_the_compiled_static_decode_step_traces_the_falcon_layers(name, variant_dir):
     """``TGI_PAGED_COMPILE``: the hand-over of the step's metadata traces with no graph break (fullgraph), and
-    the compiled decode gives the eager path's tokens."""
-    path = variant_dir("old-mq-parallel")
+    the compiled decode gives the eager path's tokens (rotary and ALiBi)."""
+    path = variant_dir(name)
     prompts = [[3, 17, 5, 9, 11, 2, 8], [7, 7, 1, 30, 2, 40, 41, 42, 43, 44, 45, 46, 47], [9, 8]]
 
     def runner(**options) -> ModelRunner:
@@ -226,11 +270,13 @@ def test_each_rank_holds_its_heads_of_the_fused_projection(name, world_size, var
             torch.testing.assert_close(v_local, v[:, kv_heads], rtol=0, atol=0)
 
 
-def test_the_triton_kernels_serve_falcon_inside_the_model(variant_dir, monkeypatch):
+@pytest.mark.parametrize("name", ["new-gqa-2ln", "rw-mha-serial"])
+def test_the_triton_kernels_serve_falcon_inside_the_model(name, variant_dir, monkeypatch):
     """The CUDA code path (store, prefill, decode through the Triton launchers, interpreted) under Falcon's
-    attention module: HF's greedy tokens for a mixed batch of the new architecture's grouped KV heads."""
+    attention module: HF's greedy tokens for a mixed batch of the new architecture's grouped KV heads, and of
+    Falcon-RW's ALiBi (the kernels' slopes)."""
     calls = route_to_triton(monkeypatch)
-    outcome = run_scenario(variant_dir("new-gqa-2ln"), "mixed_batch")
+    outcome = run_scenario(variant_dir(name), "mixed_batch")
     assert set(LAUNCHERS) <= set(calls)
     assert outcome.premise and outcome.got == outcome.want
 

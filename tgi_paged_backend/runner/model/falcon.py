@@ -17,12 +17,22 @@ neither our attention name nor the step's metadata reaches it. The model is ther
 
 Decoder layers, norms, MLP, rotary embedding and LM head stay transformers' own. Served variants: the new
 decoder architecture (grouped KV heads, ``num_kv_heads``, one or two layer norms), the old architecture with
-``multi_query`` (one KV head) or without (one KV head per query head), ``parallel_attn`` on or off, all
-with rotary positions. ALiBi variants (``alibi=True``) are refused by :func:`unsupported_reason`.
+``multi_query`` (one KV head) or without (one KV head per query head), ``parallel_attn`` on or off, each
+with rotary positions or with ALiBi (``alibi=True``, Falcon-RW).
+
+ALiBi as Falcon has it: its slopes are Bloom's (:func:`~.alibi.bloom_alibi_slopes`), rounded to bfloat16
+(``build_alibi_tensor`` casts them before multiplying by the key positions), and the bias is added to the raw
+``q . k`` *before* the ``1 / sqrt(head_dim)`` scaling, so the kernels (which add ``slope * (key - query)`` after
+scaling) get ``slope * inv_norm_factor`` (:func:`falcon_alibi_slopes`). The bias counts once: what the original
+Falcon-RW code, transformers' SDPA path (Falcon's default) and transformers' eager path before 5.x compute.
+transformers 5.x's eager path adds it twice (the model folds ``alibi / sqrt(head_dim)`` into the causal mask, and
+the eager branch adds ``alibi`` again before scaling), which is not the trained model; the tests compare the ALiBi
+variants with the SDPA path.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -30,6 +40,7 @@ import torch
 from torch import nn
 
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, paged_attention, step_metadata
+from tgi_paged_backend.runner.model.alibi import bloom_alibi_slopes
 from tgi_paged_backend.runner.model.spec import num_kv_heads_of
 
 MODEL_TYPE = "falcon"
@@ -40,11 +51,6 @@ LOAD_ATTENTION = "eager"
 
 def unsupported_reason(config: Any) -> str | None:
     """Why a Falcon variant is not served exactly, or ``None`` when it is."""
-    if getattr(config, "alibi", False):
-        return (
-            "Falcon with alibi=True (ALiBi position biases instead of rotary, Falcon-RW style) is not served: "
-            "the paged attention kernels implement no ALiBi"
-        )
     if not config.new_decoder_architecture and not config.multi_query:
         if config.num_kv_heads != config.num_attention_heads:
             return (
@@ -53,6 +59,13 @@ def unsupported_reason(config: Any) -> str | None:
                 "(transformers' own Falcon cannot run this config either)"
             )
     return None
+
+
+def falcon_alibi_slopes(num_heads: int, head_dim: int) -> torch.Tensor:
+    """The slopes the paged kernels need for Falcon's ALiBi (fp32 ``[num_heads]``): Bloom's slopes rounded to
+    bfloat16 as transformers' Falcon rounds them, times ``1 / sqrt(head_dim)`` (Falcon scales ``q . k + bias``
+    together; the kernels add the bias after scaling)."""
+    return bloom_alibi_slopes(num_heads).bfloat16().float() * (1.0 / math.sqrt(head_dim))
 
 
 @dataclass(slots=True)
@@ -71,12 +84,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class PagedFalconAttention(nn.Module):
-    """A Falcon layer's attention over the paged KV cache (rotary variants; see the module docstring).
+    """A Falcon layer's attention over the paged KV cache (see the module docstring).
 
     Takes the place of ``FalconAttention`` in ``FalconDecoderLayer.self_attention`` and accepts the same
-    call; ``alibi``, ``attention_mask``, ``layer_past`` and ``position_ids`` are unused (no ALiBi variant is
-    served; causality, request boundaries and history come from the step's metadata).
+    call; ``alibi``, ``attention_mask``, ``layer_past`` and ``position_ids`` are unused (the ALiBi variants'
+    slopes are the :attr:`alibi_slopes` buffer, one per query head, sliced with the heads under tensor
+    parallelism; causality, request boundaries and history come from the step's metadata).
     """
+
+    alibi_slopes: torch.Tensor | None
 
     def __init__(self, attention: nn.Module, config: Any, layer_idx: int, channel: StepChannel) -> None:
         super().__init__()
@@ -90,6 +106,8 @@ class PagedFalconAttention(nn.Module):
         self.new_decoder_architecture = bool(config.new_decoder_architecture)
         self.multi_query = bool(config.multi_query)
         self.channel = channel
+        slopes = falcon_alibi_slopes(self.num_heads, self.head_dim) if getattr(config, "alibi", False) else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     def split_heads(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, qkv]`` -> q ``[T, H, D]``, k and v ``[T, Hkv, D]``, in the layout of the layer's variant.
@@ -124,16 +142,17 @@ class PagedFalconAttention(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         if hidden_states.shape[0] != 1:
             raise ValueError(f"expects one packed sequence (batch dim 1), got {hidden_states.shape[0]}")
-        if position_embeddings is None:
+        if position_embeddings is None and self.alibi_slopes is None:
             raise ValueError("Falcon's paged attention needs the rotary position_embeddings of the model")
         metadata = self.channel.metadata
         if metadata is None:
             metadata = step_metadata(kwargs)  # its error says how to call the model
         tokens = hidden_states.shape[1]
         q, k, v = self.split_heads(self.query_key_value(hidden_states)[0])
-        cos, sin = (t[0].unsqueeze(1) for t in position_embeddings)  # [T, 1, D]: one angle per token for all heads
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = paged_attention(metadata, self.layer_idx, q, k, v, scaling=self.scaling)
+        if self.alibi_slopes is None and position_embeddings is not None:
+            cos, sin = (t[0].unsqueeze(1) for t in position_embeddings)  # [T, 1, D]: one angle per token, all heads
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out = paged_attention(metadata, self.layer_idx, q, k, v, scaling=self.scaling, alibi_slopes=self.alibi_slopes)
         return self.dense(out.reshape(1, tokens, self.num_heads * self.head_dim)), None
 
 

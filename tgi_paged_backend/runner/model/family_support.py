@@ -9,9 +9,8 @@ answering with wrong tokens:
 - :func:`unsupported_reason` reads the config alone: encoder-decoder and multimodal models (each
   vision-language family stock TGI serves with its own reason, :data:`VLM_FAMILIES`),
   state-space / linear-attention layers (Mamba, Jamba, Falcon-H1, ...), multi-head latent attention
-  (DeepSeek-V2/V3: K and V have other head dims than the pool's), ALiBi outside Bloom and MPT (whose attention
-  modules :mod:`.alibi` replaces, refusing the variants it does not reproduce), and the Falcon variants
-  :mod:`.falcon` does not serve;
+  (DeepSeek-V2/V3: K and V have other head dims than the pool's), ALiBi outside Bloom, MPT and Falcon (whose
+  attention modules :mod:`.alibi` and :mod:`.falcon` replace, refusing the variants they do not reproduce);
 - :func:`check_attention_calls` is the generic backstop, run by the runner on a one-token probe
   forward: every decoder layer must call our attention function exactly once (catches
   ``trust_remote_code`` code and any family that computes attention its own way).
@@ -137,7 +136,10 @@ def unsupported_reason(config: Any) -> str | None:
     if model_type in ALIBI_MODEL_TYPES:
         return alibi_refusal(config)
     if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):
-        return "ALiBi position biases are not implemented by the paged attention kernels"
+        return (
+            "ALiBi position biases are applied only by the paged attention modules of Bloom, MPT and Falcon "
+            "(runner/model/alibi.py, falcon.py); this family computes its attention its own way"
+        )
     return None
 
 
