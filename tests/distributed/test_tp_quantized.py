@@ -35,7 +35,7 @@ from tests.helpers.tp_spawn import run_tp_workers
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.parallel.fused_parts import take_rows
-from tgi_paged_backend.runner.parallel.slicing import RowParallelFp8Linear, RowParallelQuantLinear
+from tgi_paged_backend.runner.parallel.row_parallel import RowParallelFp8Linear, RowParallelQuantLinear
 from tgi_paged_backend.runner.quant.linear import Fp8Linear, IntLinear
 from tgi_paged_kernels.int_gemm import pack_codes
 

@@ -22,7 +22,8 @@ from tgi_paged_backend.runner.model.loader import ModelLoadError, load_model
 from tgi_paged_backend.runner.model.spec import ModelSpec
 from tgi_paged_backend.runner.parallel import process_group as distributed
 from tgi_paged_backend.runner.parallel.process_group import PeerLostError, RankMismatchError, TensorParallelGroup
-from tgi_paged_backend.runner.parallel.slicing import RowParallelLinear, check_divisible, shard_model
+from tgi_paged_backend.runner.parallel.row_parallel import RowParallelLinear
+from tgi_paged_backend.runner.parallel.slicing import check_divisible, shard_model
 from tgi_paged_backend.runner.parallel.tp_runner import TensorParallelRunner
 
 

@@ -1,7 +1,7 @@
 """Bloom and MPT (ALiBi) served through their paged attention modules (``runner/model/alibi.py``): slopes equal
 to transformers' own, logits and greedy tokens equal to HF's at head counts that are not powers of two (Bloom's
 extra slopes, MPT's reordering), with chunked prefill, mixed arrivals and preemption; the variants refused at
-start, and tensor parallelism refused with its reason."""
+start, and each tensor-parallel rank's heads with their slopes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import dataclasses
 
 import pytest
 import torch
-import transformers
 from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
 from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
@@ -25,7 +24,8 @@ from tgi_paged_backend.runner.model.alibi import (
     mpt_alibi_slopes,
 )
 from tgi_paged_backend.runner.model.family_support import unsupported_reason
-from tgi_paged_backend.runner.model.loader import ModelLoadError
+from tgi_paged_backend.runner.model.loader import load_model
+from tgi_paged_backend.runner.model.spec import ModelSpec
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.parallel.slicing import shard_model
 
@@ -115,9 +115,34 @@ def test_served_configs_are_not_refused(name):
     assert unsupported_reason(family_config(FAMILY_BY_NAME[name])) is None
 
 
-def test_tensor_parallel_refused_with_the_reason(six_head_model):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_each_rank_holds_its_heads_and_their_slopes(six_head_model, world_size):
+    """Tensor parallelism: rank r's q/k/v (Bloom's per-head interleaved ``query_key_value``, MPT's ``Wqkv``
+    blocks) are the full model's heads of rank r, and its ALiBi slopes are those heads' slopes (not the first
+    ones); the output projection keeps those heads' input columns."""
     name, path = six_head_model
-    runner = ModelRunner(ModelConfig(model_id=str(path)), CacheConfig(block_size=4), "cpu")
-    with pytest.raises(ModelLoadError, match="tensor parallelism: the ALiBi attention of Bloom and MPT is not sliced"):
-        shard_model(runner.model, runner.spec, 0, 2, lambda t: t)
-    assert transformers.__version__  # the refusal does not depend on the version
+    full = load_model(ModelConfig(model_id=str(path)), "cpu").model
+    spec = ModelSpec.from_hf_config(full.config, torch.float32)
+    x = torch.randn(1, 3, spec.hidden_size)
+    attn = _attention(full)
+    with torch.no_grad():
+        q, k, v = attn.split_heads(x)
+        for rank in range(world_size):
+            shard = load_model(ModelConfig(model_id=str(path)), "cpu").model
+            layout = shard_model(shard, spec, rank, world_size, lambda t: t)
+            local = _attention(shard)
+            heads = slice(rank * layout.num_q_heads, (rank + 1) * layout.num_q_heads)
+            assert local.num_heads == layout.num_q_heads == spec.num_q_heads // world_size
+            for got, want in zip(local.split_heads(x), (q, k, v)):
+                torch.testing.assert_close(got, want[:, heads], rtol=0, atol=0)
+            assert torch.equal(local.alibi_slopes, attn.alibi_slopes[heads])
+            out = local.out_proj if name == "MPT" else local.dense
+            columns = slice(heads.start * spec.head_dim, heads.stop * spec.head_dim)
+            full_out = attn.out_proj if name == "MPT" else attn.dense
+            assert torch.equal(out.local.weight, full_out.weight[:, columns])
+
+
+def _attention(model):
+    return (
+        model.transformer.h[1].self_attention if hasattr(model.transformer, "h") else model.transformer.blocks[1].attn
+    )

@@ -241,10 +241,13 @@ def test_the_compiled_static_decode_step_traces_the_falcon_layers(name, variant_
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("name", ["new-gqa-2ln", "new-mha-1ln", "old-mq-parallel", "old-mha-serial"])
+@pytest.mark.parametrize(
+    "name", ["new-gqa-2ln", "new-mha-1ln", "old-mq-parallel", "old-mha-serial", "rw-mha-serial", "rw-new-gqa-2ln"]
+)
 def test_each_rank_holds_its_heads_of_the_fused_projection(name, world_size, variant_dir):
     """Tensor parallelism: rank r's split of its ``query_key_value`` rows is the full split's query heads of
-    rank r and the KV heads they read (whole groups, or with fewer KV heads than ranks the one its heads read)."""
+    rank r and the KV heads they read (whole groups, or with fewer KV heads than ranks the one its heads read);
+    with ALiBi, the slopes of rank r's query heads."""
     path = str(variant_dir(name))
     full = load_model(ModelConfig(model_id=path), "cpu").model
     spec = ModelSpec.from_hf_config(full.config, torch.float32)
@@ -268,6 +271,10 @@ def test_each_rank_holds_its_heads_of_the_fused_projection(name, world_size, var
             )
             torch.testing.assert_close(k_local, k[:, kv_heads], rtol=0, atol=0)
             torch.testing.assert_close(v_local, v[:, kv_heads], rtol=0, atol=0)
+            if attn.alibi_slopes is None:
+                assert local.alibi_slopes is None
+            else:
+                assert torch.equal(local.alibi_slopes, attn.alibi_slopes[heads])
 
 
 @pytest.mark.parametrize("name", ["new-gqa-2ln", "rw-mha-serial"])

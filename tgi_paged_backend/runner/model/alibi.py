@@ -40,8 +40,6 @@ BOOL_MASK_NAME = "tgi_paged_bool_mask"
 paged backend's no-op mask (``None``) does not allow, so this name's mask builder returns a ``[1, 1, 1, 1]`` stand-in
 (ignored by the ALiBi modules, like every mask here)."""
 
-TENSOR_PARALLEL_REFUSAL = "the ALiBi attention of Bloom and MPT is not sliced over ranks yet"
-
 
 def bloom_alibi_slopes(num_heads: int) -> torch.Tensor:
     """Bloom's slopes (fp32 ``[num_heads]``, as ``transformers``' Bloom computes them): for the largest power of two
@@ -107,9 +105,9 @@ class StepHolder:
 
 
 class _AlibiAttention(nn.Module):
-    """Shared part: the layer index, the slopes (an fp32 buffer, moved with the model) and the step holder."""
+    """Shared part: the layer index, the slopes (an fp32 buffer, moved with the model, cut to a rank's heads under
+    tensor parallelism by :mod:`tgi_paged_backend.runner.parallel.head_tensors`) and the step holder."""
 
-    tensor_parallel_refusal = TENSOR_PARALLEL_REFUSAL
     alibi_slopes: torch.Tensor
 
     def __init__(self, layer_idx: int, num_heads: int, head_dim: int, slopes: torch.Tensor, holder: StepHolder) -> None:
@@ -144,11 +142,15 @@ class BloomPagedAttention(_AlibiAttention):
         self.dense = original.dense
         self.scaling = float(original.inv_norm_factor)
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor, *args: Any, **kwargs: Any):
-        tokens = hidden_states.shape[1]
+    def split_heads(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[.., T, hidden]`` -> q, k, v ``[T, H, D]`` (this module's heads: a rank's share under tensor
+        parallelism, whose rows of ``query_key_value`` are its heads' runs)."""
+        tokens = hidden_states.shape[-2]
         fused = self.query_key_value(hidden_states).view(tokens, self.num_heads, 3, self.head_dim)
-        context = self.attend(fused[:, :, 0], fused[:, :, 1], fused[:, :, 2], self.scaling)
-        return residual + self.dense(context), None
+        return fused[:, :, 0], fused[:, :, 1], fused[:, :, 2]
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor, *args: Any, **kwargs: Any):
+        return residual + self.dense(self.attend(*self.split_heads(hidden_states), self.scaling)), None
 
 
 class MptPagedAttention(_AlibiAttention):
@@ -167,13 +169,18 @@ class MptPagedAttention(_AlibiAttention):
         self.clip_qkv: float | None = original.clip_qkv
         self.scaling = float(original.softmax_scale)
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
-        tokens = hidden_states.shape[1]
+    def split_heads(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[.., T, hidden]`` -> q, k, v ``[T, H, D]``, clamped to ``clip_qkv`` (this module's heads: a rank's
+        share under tensor parallelism, its rows of each ``Wqkv`` block)."""
+        tokens = hidden_states.shape[-2]
         mixed = self.Wqkv(hidden_states)
         if self.clip_qkv:
             mixed = mixed.clamp(min=-self.clip_qkv, max=self.clip_qkv)
-        q, k, v = (part.view(tokens, self.num_heads, self.head_dim) for part in mixed.chunk(3, dim=2))
-        return self.out_proj(self.attend(q, k, v, self.scaling)), None
+        q, k, v = (part.reshape(tokens, self.num_heads, self.head_dim) for part in mixed.chunk(3, dim=-1))
+        return q, k, v
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
+        return self.out_proj(self.attend(*self.split_heads(hidden_states), self.scaling)), None
 
 
 def _bool_mask_stand_in(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:

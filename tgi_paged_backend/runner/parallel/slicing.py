@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -27,10 +26,9 @@ from tgi_paged_backend.runner.parallel.fused_parts import (
     take_rows,
 )
 from tgi_paged_backend.runner.parallel.head_norm import shard_all_heads_norm
+from tgi_paged_backend.runner.parallel.head_tensors import shard_head_tensors
+from tgi_paged_backend.runner.parallel.row_parallel import AllReduce, row_parallel
 from tgi_paged_backend.runner.quant.linear import QUANTIZED_LINEARS, QuantizedLinear
-
-AllReduce = Callable[[torch.Tensor], torch.Tensor]
-"""Sums a tensor over the ranks in place and returns it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,71 +65,6 @@ def check_divisible(spec: ModelSpec, world_size: int) -> None:
             "replicated when there are fewer than ranks); use a "
             "--num-shard that divides them, or --num-shard 1"
         )
-
-
-class RowParallelQuantLinear(nn.Module):
-    """:class:`RowParallelLinear` for an ``Fp8Linear``/``IntLinear`` quantized before sharding: this rank's
-    ``input_slice`` of it (fp8: the full-row scales; int: its columns' groups), so every rank uses the
-    unsharded model's scales and zero points."""
-
-    def __init__(self, linear: QuantizedLinear, rank: int, world_size: int, all_reduce: AllReduce) -> None:
-        super().__init__()
-        if linear.in_features % world_size:
-            raise ModelLoadError(f"row-parallel linear: in_features={linear.in_features} not divisible by {world_size}")
-        width = linear.in_features // world_size
-        self.shard_in_columns = slice(rank * width, (rank + 1) * width)
-        """The unsharded layer's input features this rank holds (LoRA cuts its A to them)."""
-        try:
-            self.local = linear.input_slice(self.shard_in_columns)
-        except ValueError as err:
-            raise ModelLoadError(f"row-parallel linear: {err}") from None
-        self.in_features, self.out_features = width, linear.out_features
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self._all_reduce = all_reduce
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._all_reduce(self.local(x))
-        return out if self.bias is None else out + self.bias
-
-
-RowParallelFp8Linear = RowParallelQuantLinear
-"""The name this class had when only fp8 was served."""
-
-
-def _row_parallel(linear: nn.Linear | QuantizedLinear, rank: int, world_size: int, all_reduce: AllReduce) -> nn.Module:
-    if isinstance(linear, QUANTIZED_LINEARS):
-        return RowParallelQuantLinear(linear, rank, world_size, all_reduce)
-    return RowParallelLinear(linear, rank, world_size, all_reduce)
-
-
-class RowParallelLinear(nn.Module):
-    """``y = all_reduce(x_local @ W_local^T) + b``: the input features are split over the ranks."""
-
-    def __init__(self, linear: nn.Linear, rank: int, world_size: int, all_reduce: AllReduce) -> None:
-        super().__init__()
-        if linear.in_features % world_size:
-            raise ModelLoadError(f"row-parallel linear: in_features={linear.in_features} not divisible by {world_size}")
-        width = linear.in_features // world_size
-        self.in_features = width
-        self.shard_in_columns = slice(rank * width, (rank + 1) * width)
-        """The unsharded layer's input features this rank holds (LoRA cuts its A to them)."""
-        self.out_features = linear.out_features
-        # A plain bias-free nn.Linear over this rank's columns: the fast-layer swap packs it like any linear.
-        self.local = nn.Linear(
-            width, linear.out_features, bias=False, device=linear.weight.device, dtype=linear.weight.dtype
-        )
-        self.local.weight = nn.Parameter(
-            linear.weight.detach()[:, rank * width : (rank + 1) * width].clone(), requires_grad=False
-        )
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self._all_reduce = all_reduce
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._all_reduce(self.local(x))
-        return out if self.bias is None else out + self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features} (local), out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def _kv_rows(spec: ModelSpec, rank: int, world_size: int) -> slice:
@@ -259,13 +192,15 @@ def _shard_mlp(mlp: nn.Module, spec: ModelSpec, rank: int, world_size: int, all_
         up, down = ("fc1",), "fc2"
     elif hasattr(mlp, "fc_in") and hasattr(mlp, "fc_out"):  # GPT-J
         up, down = ("fc_in",), "fc_out"
-    elif hasattr(mlp, "dense_h_to_4h") and hasattr(mlp, "dense_4h_to_h"):  # GPT-NeoX
+    elif hasattr(mlp, "dense_h_to_4h") and hasattr(mlp, "dense_4h_to_h"):  # GPT-NeoX, Bloom, Falcon
         up, down = ("dense_h_to_4h",), "dense_4h_to_h"
+    elif hasattr(mlp, "up_proj") and not hasattr(mlp, "gate_proj"):  # MPT: up_proj, down_proj
+        up, down = ("up_proj",), "down_proj"
     else:
         up, down = ("gate_proj", "up_proj"), "down_proj"
     for name in up:
         setattr(mlp, name, _shard_columns(_linear(mlp, name, where), rank, world_size, f"{where}.{name}"))
-    setattr(mlp, down, _row_parallel(_linear(mlp, down, where), rank, world_size, all_reduce))
+    setattr(mlp, down, row_parallel(_linear(mlp, down, where), rank, world_size, all_reduce))
 
 
 def _shard_moe(block: nn.Module, rank: int, world_size: int, all_reduce: AllReduce, where: str) -> nn.Module:
@@ -285,7 +220,7 @@ def _shard_moe(block: nn.Module, rank: int, world_size: int, all_reduce: AllRedu
         down = _linear(shared, "down_proj", where)
         if down.bias is not None:
             raise ModelLoadError(f"tensor parallelism: {where}.shared_expert.down_proj has a bias: use --num-shard 1")
-        shared.down_proj = _row_parallel(down, rank, world_size, lambda t: t)  # reduced with the block's output
+        shared.down_proj = row_parallel(down, rank, world_size, lambda t: t)  # reduced with the block's output
     return ReducedOutput(block, all_reduce)
 
 
@@ -303,10 +238,12 @@ def _attention(layer: nn.Module) -> nn.Module | None:
 
 
 def _mlp_owner(layer: nn.Module) -> nn.Module | None:
-    """The module holding the MLP's projections: ``layer.mlp``, or the layer itself (OPT's fc1/fc2)."""
-    mlp = getattr(layer, "mlp", None)
-    if isinstance(mlp, nn.Module):
-        return mlp
+    """The module holding the MLP's projections: ``layer.mlp`` (MPT: ``layer.ffn``), or the layer itself (OPT's
+    fc1/fc2)."""
+    for name in ("mlp", "ffn"):
+        mlp = getattr(layer, name, None)
+        if isinstance(mlp, nn.Module):
+            return mlp
     return layer if isinstance(getattr(layer, "fc1", None), nn.Module) else None
 
 
@@ -316,7 +253,7 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, all_reduce: AllReduce) -> ShardLayout:
     """Slice every decoder layer of ``model`` (in place) to rank ``rank`` of ``world_size``."""
-    for module in model.modules():  # modules that say why they cannot be sliced (the ALiBi attention)
+    for module in model.modules():  # modules that say why they cannot be sliced
         reason = getattr(type(module), "tensor_parallel_refusal", None)
         if isinstance(reason, str):
             raise ModelLoadError(f"tensor parallelism: {reason}: use --num-shard 1")
@@ -364,7 +301,12 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
                 f"{where}.self_attn.qkv_proj",
             )
             _localize_config(attn, q_local, kv_local)
-        elif hasattr(attn, "query_key_value"):  # GPT-NeoX: per head [q; k; v], so heads are contiguous row runs
+        elif hasattr(attn, "Wqkv"):  # MPT: [q; k; v] blocks
+            attn.Wqkv = take_rows(
+                cast(nn.Module, attn.Wqkv), [q_part, _shift(kv_rows, q_rows), _shift(kv_rows, q_rows + kv_all)],
+                f"{where}.attn.Wqkv",
+            )  # fmt: skip
+        elif hasattr(attn, "query_key_value"):  # GPT-NeoX, Bloom: per head [q; k; v], heads are contiguous row runs
             attn.query_key_value = _shard_columns(
                 _linear(attn, "query_key_value", f"{where}.attention"), rank, world_size, f"{where}.query_key_value"
             )
@@ -374,16 +316,12 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
                 setattr(attn, name, _take_output_rows(_linear(attn, name, where), kv_rows))
         norm_rows = {"q_norm": (q_part, q_rows), "k_norm": (kv_rows, kv_all)}
         _shard_cross_head_norms(attn, head_dim, norm_rows, world_size, all_reduce, f"{where}.self_attn")
-        sinks = getattr(attn, "sinks", None)
-        if isinstance(sinks, torch.Tensor) and sinks.numel() == spec.num_q_heads:  # gpt-oss: one per query head
-            attn.sinks = nn.Parameter(
-                sinks.detach()[rank * q_local : (rank + 1) * q_local].clone(), requires_grad=False
-            )
+        shard_head_tensors(attn, spec.num_q_heads, rank, world_size, f"{where}.self_attn")  # sinks, ALiBi slopes
         out_name = next(  # Phi/NeoX: dense, GPT-J/OPT: out_proj, GPT-2: c_proj
             (n for n in ("o_proj", "dense", "out_proj", "c_proj") if hasattr(attn, n)), "o_proj"
         )
         setattr(
-            attn, out_name, _row_parallel(_linear(attn, out_name, f"{where}.self_attn"), rank, world_size, all_reduce)
+            attn, out_name, row_parallel(_linear(attn, out_name, f"{where}.self_attn"), rank, world_size, all_reduce)
         )
         # Some versions/families keep head counts on the module; the forward reshapes with -1, but
         # keep them truthful for anything that reads them.
