@@ -14,7 +14,8 @@
 - fused projections (issue 26): a quantized fused linear cut into several row runs (a rank's share of q, k
   and v) computes exactly those columns of the unsharded output; load-time fp8 at two gloo ranks is
   token-identical to HF on the dequantized weights for the fused layouts (Phi-3's qkv_proj and gate_up_proj,
-  GPT-NeoX's query_key_value, GPT-BigCode's c_attn with its one replicated KV head).
+  GPT-NeoX's query_key_value, GPT-BigCode's c_attn with its one replicated KV head, Falcon's query_key_value
+  (FalconLinear) multi-query and Falcon-RW's per head with ALiBi, Bloom's per-head query_key_value, MPT's Wqkv).
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ def test_quantized_fused_rows_are_the_unsharded_columns() -> None:
 
 
 def test_two_rank_fp8_fused_projections_match_the_dequantized_model(tmp_path: Path) -> None:
-    families = {f.name: f for f in FAMILIES if f.name in ("Phi3", "GPT-NeoX", "GPT-BigCode")}
+    names = ("Phi3", "GPT-NeoX", "GPT-BigCode", "Falcon-7B", "Falcon-RW", "Bloom", "MPT")
+    families = {f.name: f for f in FAMILIES if f.name in names}
     models = [write_family_model(families[name], tmp_path / name) for name in sorted(families)]
     prompts = [np.random.default_rng(9).integers(4, 320, n).tolist() for n in (6, 19)]
     result = run_tp_workers(models, prompts, MAX_NEW, tmp_path / "fused.json", extra_args=["--quantize", "fp8"])

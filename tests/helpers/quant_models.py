@@ -36,12 +36,13 @@ def quantize(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.T
 
 
 def linear_names(model_dir: Path) -> list[str]:
-    """Every ``nn.Linear`` of the model but the output head (what ``--quantize fp8`` quantizes)."""
+    """Every ``nn.Linear`` of the model but the output head, subclasses included (Falcon's ``FalconLinear``): what
+    ``--quantize fp8`` quantizes."""
     from tests.helpers.tiny_models import load_reference
 
     model = load_reference(model_dir)
     head = model.get_output_embeddings()
-    return [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and m is not head]
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
 
 
 def quantization_config(strategy: str, dynamic_activations: bool = False) -> dict:

@@ -8,7 +8,9 @@ hand what they save to the KV budget.
   dropped mid-generation and recomputed;
 - the resident weight bytes are exactly 1 byte per quantized weight + 4 per output channel + the rest
   in the model dtype, and the CUDA KV budget grows by exactly what was saved;
-- Phi-3 (fused projections) and Gemma 2 under fp8 are token-exact too;
+- Phi-3 (fused projections) and Gemma 2 under fp8 are token-exact too, and so is Falcon in each matrix variant
+  (its ``FalconLinear`` projections quantized like ``nn.Linear``); an ``nn.Linear`` subclass not known to compute
+  ``x @ W^T + b`` is refused, never silently left in full precision;
 - every other scheme and flag/checkpoint mismatch is refused naming what is served;
 - where ``QUANT_CROSSCHECK_PYTHON`` names a Python with ``compressed-tensors`` (a throwaway venv), the
   independent loader's dequantized weights equal ours bit for bit.
@@ -27,6 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers.family_models import FAMILY_BY_NAME, write_family_model
 from tests.helpers.paged_driver import greedy_hf, greedy_paged
 from tests.helpers.quant_models import dequantized_reference, linear_names, write_compressed_fp8
 from tests.helpers.tiny_models import EOS_ID, PAD_ID, load_reference
@@ -34,7 +37,9 @@ from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.cpu.fast_layers import PackedLinear
 from tgi_paged_backend.runner.model.loader import ModelLoadError, load_model
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.runner.quant.apply import AFFINE_LINEAR_SUBCLASSES, quantize_model_fp8
 from tgi_paged_backend.runner.quant.linear import Fp8Linear
+from tgi_paged_backend.runner.quant.methods import QuantizationError
 
 CROSSCHECK = Path(__file__).parents[1] / "helpers" / "compressed_tensors_check.py"
 
@@ -227,3 +232,49 @@ def test_fp8_other_families_are_token_exact(kind, tiny_model_factory, prompts):
     assert any(isinstance(m, Fp8Linear) for m in runner.model.modules())
     expected = greedy_hf_full_recompute(dequantized_reference(src), prompts, 12, [EOS_ID])
     assert greedy_paged(runner, prompts, 12, num_blocks=64) == expected
+
+
+@pytest.mark.parametrize("name", ["Falcon", "Falcon-7B", "Falcon-RW"])
+def test_fp8_quantizes_falcons_linears(name, tmp_path, prompts):
+    """Falcon's projections are ``FalconLinear`` (an ``nn.Linear`` subclass): every one of them, attention and MLP,
+    becomes an ``Fp8Linear``, and greedy tokens equal HF's on the dequantized weights."""
+    src = write_family_model(FAMILY_BY_NAME[name], tmp_path / name)
+    runner = ModelRunner(ModelConfig(model_id=str(src), quantize="fp8"), CacheConfig(block_size=8), "cpu")
+    names = linear_names(src)
+    layer_linears = {f"transformer.h.{i}.{n}" for i in range(2) for n in FALCON_LINEARS}
+    assert set(names) == layer_linears
+    assert {n for n, m in runner.model.named_modules() if isinstance(m, Fp8Linear)} == layer_linears
+    reference = dequantized_reference(src)
+    expected = greedy_hf(reference, prompts, 12, [EOS_ID], PAD_ID)
+    assert greedy_paged(runner, prompts, 12, num_blocks=64) == expected
+
+
+FALCON_LINEARS = ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+
+
+def test_falcon_linear_is_the_affine_map_fp8_assumes():
+    """``AFFINE_LINEAR_SUBCLASSES`` lists FalconLinear because its forward is ``x @ W^T + b``."""
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    layer = FalconLinear(8, 6, bias=True)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    kind = f"{FalconLinear.__module__}.{FalconLinear.__qualname__}"
+    assert kind in AFFINE_LINEAR_SUBCLASSES
+
+
+def test_fp8_refuses_a_linear_subclass_it_does_not_know():
+    class ScaledLinear(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.plain, self.head = ScaledLinear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+        def get_output_embeddings(self):
+            return self.head
+
+    with pytest.raises(QuantizationError, match=r"proj is a .*ScaledLinear, an nn.Linear subclass"):
+        quantize_model_fp8(Tiny())  # type: ignore[arg-type]

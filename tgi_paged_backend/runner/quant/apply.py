@@ -43,13 +43,34 @@ def _linear_for(model: nn.Module, name: str, key: str) -> nn.Linear:
     return linear
 
 
+AFFINE_LINEAR_SUBCLASSES = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+"""``nn.Linear`` subclasses (``module.QualName``) whose forward computes ``x @ W^T + b`` like ``nn.Linear``, in
+another order of operations (FalconLinear: the matmul, then the bias): ``--quantize fp8`` quantizes them too."""
+
+
+def _fp8_target(name: str, module: nn.Module, head: nn.Module | None) -> bool:
+    """Whether ``--quantize fp8`` replaces ``module``: an ``nn.Linear`` or one of :data:`AFFINE_LINEAR_SUBCLASSES`,
+    not the output head. Any other ``nn.Linear`` subclass is refused: its forward may compute something else than
+    its weight's affine map, and leaving it in full precision would silently keep its bytes."""
+    if module is head or not isinstance(module, nn.Linear):
+        return False
+    kind = type(module)
+    if kind is nn.Linear or f"{kind.__module__}.{kind.__qualname__}" in AFFINE_LINEAR_SUBCLASSES:
+        return True
+    raise QuantizationError(
+        f"--quantize fp8: {name} is a {kind.__module__}.{kind.__qualname__}, an nn.Linear subclass whose forward is "
+        "not known to be x @ W^T + b, so it is neither quantized nor left in full precision silently; serve this "
+        "model unquantized or from a pre-quantized checkpoint"
+    )
+
+
 def quantize_model_fp8(model: PreTrainedModel) -> int:
-    """Replace every ``nn.Linear`` but the output head by an :class:`Fp8Linear`; return how many."""
+    """Replace every ``nn.Linear`` (and affine subclass, :data:`AFFINE_LINEAR_SUBCLASSES`) but the output head by an
+    :class:`Fp8Linear`; return how many."""
     head = model.get_output_embeddings()
-    names = [name for name, module in model.named_modules()
-             if type(module) is nn.Linear and module is not head]  # fmt: skip
+    names = [name for name, module in model.named_modules() if _fp8_target(name, module, head)]
     for name in names:
-        # Picked above by ``type(module) is nn.Linear``; looked up again by name so that only this
+        # Picked above (an nn.Linear); looked up again by name so that only this
         # loop holds the full-precision layer (freed below), hence the cast.
         linear = cast(nn.Linear, model.get_submodule(name))
         _set_submodule(model, name, Fp8Linear.from_linear(linear))
