@@ -27,7 +27,10 @@ scaling) get ``slope * inv_norm_factor`` (:func:`falcon_alibi_slopes`). The bias
 Falcon-RW code, transformers' SDPA path (Falcon's default) and transformers' eager path before 5.x compute.
 transformers 5.x's eager path adds it twice (the model folds ``alibi / sqrt(head_dim)`` into the causal mask, and
 the eager branch adds ``alibi`` again before scaling), which is not the trained model; the tests compare the ALiBi
-variants with the SDPA path.
+variants with the SDPA path. One rounding is not reproduced: transformers (like the original code) also rounds each
+product ``slope * key_pos`` to bfloat16, a bias no longer linear in the position once the product needs more than
+8 significant bits (from position 256 on for power-of-two slopes, earlier for the others); the kernels compute
+``slope * (key - query)`` in fp32, so at long contexts the two differ by that rounding (at most 1/256 of the bias).
 """
 
 from __future__ import annotations
