@@ -23,14 +23,15 @@ with rotary positions or with ALiBi (``alibi=True``, Falcon-RW).
 ALiBi as Falcon has it: its slopes are Bloom's (:func:`~.alibi.bloom_alibi_slopes`), rounded to bfloat16
 (``build_alibi_tensor`` casts them before multiplying by the key positions), and the bias is added to the raw
 ``q . k`` *before* the ``1 / sqrt(head_dim)`` scaling, so the kernels (which add ``slope * (key - query)`` after
-scaling) get ``slope * inv_norm_factor`` (:func:`falcon_alibi_slopes`). The bias counts once: what the original
-Falcon-RW code, transformers' SDPA path (Falcon's default) and transformers' eager path before 5.x compute.
-transformers 5.x's eager path adds it twice (the model folds ``alibi / sqrt(head_dim)`` into the causal mask, and
-the eager branch adds ``alibi`` again before scaling), which is not the trained model; the tests compare the ALiBi
-variants with the SDPA path. One rounding is not reproduced: transformers (like the original code) also rounds each
-product ``slope * key_pos`` to bfloat16, a bias no longer linear in the position once the product needs more than
-8 significant bits (from position 256 on for power-of-two slopes, earlier for the others); the kernels compute
-``slope * (key - query)`` in fp32, so at long contexts the two differ by that rounding (at most 1/256 of the bias).
+scaling) get ``slope * inv_norm_factor`` (:func:`falcon_alibi_slopes`). The bias counts once, as in the original
+Falcon-RW code and transformers' SDPA path (Falcon's default). The eager path of the transformers installed here
+(5.24) adds it twice (the model folds ``alibi / sqrt(head_dim)`` into the causal mask, and the eager branch adds
+``alibi`` again before scaling), which is not the trained model; the tests compare the ALiBi variants with the SDPA
+path (``tests/helpers/tiny_models.reference_attention``). One rounding is not reproduced: transformers (like the
+original code) also rounds each product ``slope * key_pos`` to bfloat16, a bias no longer linear in the position
+once the product needs more than 8 significant bits (from position 256 on for power-of-two slopes, earlier for the
+others); the kernels compute ``slope * (key - query)`` in fp32, so at long contexts the two differ by that rounding
+(at most 1/256 of the bias).
 """
 
 from __future__ import annotations
