@@ -37,12 +37,14 @@ def next_power_of_2(n: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheShape:
-    """Dimensions of one layer's K/V pool, ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """Dimensions of one layer's K/V pool: K ``[num_blocks, block_size, num_kv_heads, head_dim]``, V the same
+    with ``v_head_dim`` (``<= head_dim``; smaller for a latent cache, whose V is a view of K's first columns)."""
 
     num_blocks: int
     block_size: int
     num_kv_heads: int
     head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,19 +63,25 @@ class AttentionShape:
 
 
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVCacheShape:
-    """Check one layer's K and V pools agree and return their dimensions."""
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+    """Check one layer's K and V pools agree and return their dimensions.
+
+    V may be narrower than K (``v_head_dim <= head_dim``): a latent (MLA) cache's V is ``k_cache[..., :v_head_dim]``.
+    """
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
+            "k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] and [..., v_head_dim], got "
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
+    if v_cache.shape[3] > k_cache.shape[3]:
+        raise ValueError(f"v_cache's head_dim {v_cache.shape[3]} exceeds k_cache's {k_cache.shape[3]}")
     if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             f"KV cache dtype must be one of {KV_DTYPES} (K and V alike), got {k_cache.dtype}, {v_cache.dtype}"
         )
     if k_cache.device != v_cache.device:
         raise ValueError(f"k_cache is on {k_cache.device} but v_cache is on {v_cache.device}")
-    return KVCacheShape(*k_cache.shape)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    return KVCacheShape(num_blocks, block_size, num_kv_heads, head_dim, v_head_dim=v_cache.shape[3])
 
 
 def check_index(name: str, tensor: torch.Tensor, shape: tuple[int, ...] | None, device: torch.device) -> None:
@@ -94,16 +102,26 @@ def check_scales(k_scale: float, v_scale: float) -> None:
 
 
 def check_store(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float, v_scale: float) -> KVCacheShape:
-    """Checks for ``store_kv``: new K/V rows match the pool's heads and head_dim, one slot per row."""
-    cache = check_kv_cache(k_cache, v_cache)
-    expected = (slot_mapping.shape[0], cache.num_kv_heads, cache.head_dim)
+    """Checks for ``store_kv``: new K/V rows match the pool's heads and head widths, one slot per row.
+
+    ``value`` and ``v_cache`` are both ``None`` for a key-only store (a latent cache: V is a view of K)."""
+    if (value is None) != (v_cache is None):
+        raise ValueError("value and v_cache must be given together, or both None (a key-only store)")
+    cache = check_kv_cache(k_cache, k_cache if v_cache is None else v_cache)
+    rows = slot_mapping.shape[0]
+    expected = {
+        "key": (rows, cache.num_kv_heads, cache.head_dim),
+        "value": (rows, cache.num_kv_heads, cache.v_head_dim),
+    }
     for name, tensor in (("key", key), ("value", value)):
-        if tuple(tensor.shape) != expected or tensor.dtype not in QUERY_DTYPES or tensor.device != k_cache.device:
+        if tensor is None:
+            continue
+        if tuple(tensor.shape) != expected[name] or tensor.dtype not in QUERY_DTYPES or tensor.device != k_cache.device:
             raise ValueError(
-                f"{name} must be a float16/bfloat16/float32 tensor of shape {expected} (num_tokens from slot_mapping) "
-                f"on {k_cache.device}, got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
+                f"{name} must be a float16/bfloat16/float32 tensor of shape {expected[name]} (num_tokens from "
+                f"slot_mapping) on {k_cache.device}, got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
             )
-    check_index("slot_mapping", slot_mapping, (expected[0],), k_cache.device)
+    check_index("slot_mapping", slot_mapping, (rows,), k_cache.device)
     check_scales(k_scale, v_scale)
     return cache
 
@@ -143,9 +161,10 @@ def check_attention(
     check_scales(k_scale, v_scale)
     check_sinks(sinks, num_q_heads, query.device)
     check_alibi_slopes(alibi_slopes, num_q_heads, query.device)
-    if out is not None and (out.shape != query.shape or out.device != query.device or out.dtype not in QUERY_DTYPES):
+    out_shape = (*query.shape[:2], cache.v_head_dim)
+    if out is not None and (out.shape != out_shape or out.device != query.device or out.dtype not in QUERY_DTYPES):
         raise ValueError(
-            f"out must be a float16/bfloat16/float32 tensor of shape {tuple(query.shape)} on {query.device}, got "
+            f"out must be a float16/bfloat16/float32 tensor of shape {out_shape} on {query.device}, got "
             f"{out.dtype} {tuple(out.shape)} on {out.device}"
         )
     return AttentionShape(cache=cache, num_rows=query.shape[0], num_q_heads=num_q_heads)

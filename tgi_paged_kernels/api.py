@@ -12,6 +12,13 @@ Layouts (one layer; the runner owns one K and one V pool per layer)::
     block_tables     : int32 [num_requests, max_blocks], request b's position p is in block
                        block_tables[b, p // block_size] at offset p % block_size
 
+Unequal key/value widths (multi-head latent attention, DeepSeek-V2/V3): a latent pool holds one entry per
+token, ``k_cache [num_blocks, block_size, 1, Dk]`` with ``Dk = kv_lora_rank + qk_rope_head_dim``, and the
+value is its first ``Dv = kv_lora_rank`` columns, passed as the view ``v_cache = k_cache[..., :Dv]`` (no
+copy). Queries are ``[rows, num_q_heads, Dk]`` (absorbed into the key up-projection), outputs (and ``out``)
+``[rows, num_q_heads, Dv]``. ``store_kv(latent, None, k_cache, None, slots)`` writes the entry. Any ``v_cache``
+of ``k_cache``'s first three dims and a width ``<= Dk`` is accepted; equal widths behave as before.
+
 Scales: an fp8 cache (float8_e4m3fn / float8_e5m2) stores ``x / scale`` saturated to the finite
 range and reads back ``fp8.float() * scale``; one scale per layer for K and one for V. Other cache
 dtypes store values as they are and ignore the scales.
@@ -34,9 +41,12 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0
 
     Parameters
     ----------
-    key, value : [num_tokens, num_kv_heads, head_dim], float16/bfloat16/float32
-    k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any of float16, bfloat16,
-        float32, float8_e4m3fn, float8_e5m2 (K and V alike); written in place
+    key : [num_tokens, num_kv_heads, head_dim], float16/bfloat16/float32
+    value : [num_tokens, num_kv_heads, v_head_dim], or ``None`` with ``v_cache`` ``None``: write the key only
+        (a latent cache, whose V is a view of K: the key is the whole latent entry; ``v_scale`` is unused)
+    k_cache : [num_blocks, block_size, num_kv_heads, head_dim], any of float16, bfloat16, float32,
+        float8_e4m3fn, float8_e5m2; written in place
+    v_cache : [num_blocks, block_size, num_kv_heads, v_head_dim <= head_dim] of ``k_cache``'s dtype, or ``None``
     slot_mapping : int64 (or int32) [num_tokens], slot of each token; negative = skip (padding; on CPU under
         torch.compile a negative slot raises instead)
     k_scale, v_scale : per-layer fp8 scales, see the module docstring
@@ -74,14 +84,17 @@ def paged_decode_attention(
     ----------
     query : [num_requests, num_q_heads, head_dim], float16/bfloat16/float32; request b's token is at
         position ``seq_lens[b] - 1``. ``num_q_heads`` is a multiple of ``num_kv_heads`` (GQA/MQA).
-    k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any cache dtype
+    k_cache : [num_blocks, block_size, num_kv_heads, head_dim], any cache dtype
+    v_cache : [num_blocks, block_size, num_kv_heads, v_head_dim <= head_dim], ``k_cache``'s dtype; may be the
+        view ``k_cache[..., :v_head_dim]`` (a latent cache, see the module docstring; then pass
+        ``v_scale == k_scale`` for fp8)
     block_tables : int32 [num_requests, max_blocks]
     seq_lens : int32 [num_requests], tokens in the pool per request, the current one included
     scale : softmax scale, usually ``head_dim ** -0.5``
     softcap : > 0 caps scores as ``softcap * tanh(scores / softcap)`` (Gemma 2); 0 disables it
     sliding_window : ``w`` attends to the last ``w`` positions only (key position > query position - w)
     k_scale, v_scale : fp8 scales, see the module docstring
-    out : optional [num_requests, num_q_heads, head_dim] float output buffer
+    out : optional [num_requests, num_q_heads, v_head_dim] float output buffer
     sinks : optional [num_q_heads] float, one learned logit per query head (gpt-oss attention sinks): it
         joins each softmax denominator as a score without a value, so outputs shrink by
         ``sum(exp(s)) / (sum(exp(s)) + exp(sink))``
@@ -98,7 +111,7 @@ def paged_decode_attention(
 
     Returns
     -------
-    [num_requests, num_q_heads, head_dim] in ``query``'s dtype (or ``out``). On CUDA, long contexts
+    [num_requests, num_q_heads, v_head_dim] in ``query``'s dtype (or ``out``). On CUDA, long contexts
     with few requests use split-K (flash-decoding), chosen from shapes without a device sync.
     """
     if query.is_cuda:
@@ -150,19 +163,19 @@ def paged_prefill_attention(
     query : [num_tokens, num_q_heads, head_dim], float16/bfloat16/float32; request b's queries are
         rows ``query_start_loc[b]:query_start_loc[b+1]``, at positions
         ``seq_lens[b] - q_len .. seq_lens[b] - 1``
-    k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any cache dtype
+    k_cache, v_cache : as for ``paged_decode_attention`` (V may be narrower, a view of K)
     block_tables : int32 [num_requests, max_blocks]
     query_start_loc : int32 [num_requests + 1], rising from 0 to num_tokens
     seq_lens : int32 [num_requests], cached prefix + new tokens
     scale, softcap, sliding_window, k_scale, v_scale, out, sinks, alibi_slopes : as for ``paged_decode_attention``
-    new_kv : CPU only, optional: the new tokens' K and V (``[num_tokens, num_kv_heads, head_dim]``, as just
-        stored). A request with no cached prefix then attends over them directly, without reading the
-        pool back (the pool holds the same values when its dtype is theirs; otherwise it is read). Ignored
-        on CUDA
+    new_kv : CPU only, optional: the new tokens' K and V (``[num_tokens, num_kv_heads, head_dim]``, V
+        ``v_head_dim`` wide, as just stored). A request with no cached prefix then attends over them directly,
+        without reading the pool back (the pool holds the same values when its dtype is theirs; otherwise it is
+        read). Ignored on CUDA
 
     Returns
     -------
-    [num_tokens, num_q_heads, head_dim] in ``query``'s dtype (or ``out``).
+    [num_tokens, num_q_heads, v_head_dim] in ``query``'s dtype (or ``out``).
     """
     if query.is_cuda:
         from .paged_prefill import _launch_paged_prefill

@@ -92,12 +92,29 @@ def plan_decode_gather(
     )
 
 
+def value_is_key_prefix(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float) -> bool:
+    """Whether ``v_cache`` is ``k_cache[..., :v_head_dim]`` read with the same scale (a latent cache), so V can be
+    sliced from K once K is gathered and dequantized instead of being gathered again."""
+    return (
+        v_cache.data_ptr() == k_cache.data_ptr()
+        and v_cache.stride() == k_cache.stride()
+        and v_cache.dtype == k_cache.dtype
+        and v_cache.shape[:3] == k_cache.shape[:3]
+        and k_scale == v_scale
+    )
+
+
 def gather_decode_kv(cache: torch.Tensor, gather: DecodeGather, scale: float) -> torch.Tensor:
-    """fp32 ``[num_requests, num_kv_heads, num_positions, head_dim]`` of one layer's pool, hidden rows zeroed."""
+    """fp32 ``[num_requests, num_kv_heads, num_positions, head_dim]`` of one layer's pool, hidden rows zeroed.
+
+    ``cache`` may be any view (a latent cache's V, ``k_cache[..., :v_head_dim]``): only its blocks are copied."""
     num_pool_blocks, block_size, num_kv_heads, head_dim = cache.shape
     if block_size != gather.block_size:
         raise ValueError(f"gather plan for block_size={gather.block_size}, the pool has {block_size}")
-    rows = cache.view(num_pool_blocks, -1).index_select(0, gather.block_ids)
+    if cache[0].is_contiguous():  # whole blocks are rows of one flat view
+        rows = cache.view(num_pool_blocks, -1).index_select(0, gather.block_ids)
+    else:  # a strided view: index_select copies the selected blocks into a contiguous tensor
+        rows = cache.index_select(0, gather.block_ids)
     rows = rows.view(-1, num_kv_heads * head_dim)  # [num_requests * num_positions, heads * head_dim]
     rows = _dequantize(rows, scale)
     if gather.hidden_rows is None:  # padded plan: fixed shapes, hidden rows zeroed by the mask
@@ -117,9 +134,12 @@ def decode_attention_sdpa(
     k_scale: float,
     v_scale: float,
 ) -> torch.Tensor:
-    """fp32 ``[num_requests, num_q_heads, head_dim]``: each request's one query over its gathered K/V."""
+    """fp32 ``[num_requests, num_q_heads, v_head_dim]``: each request's one query over its gathered K/V."""
     k = gather_decode_kv(k_cache, gather, k_scale)
-    v = gather_decode_kv(v_cache, gather, v_scale)
+    if value_is_key_prefix(k_cache, v_cache, k_scale, v_scale):  # latent cache: V is K's first columns
+        v = k[..., : v_cache.shape[3]]
+    else:
+        v = gather_decode_kv(v_cache, gather, v_scale)
     q = query.float()[:, :, None, :]  # [B, Hq, 1, D]
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=gather.visible, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
@@ -137,10 +157,10 @@ def prefill_attention_sdpa(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """fp32 ``[num_queries, num_q_heads, head_dim]`` of one request's queries over its K/V.
+    """fp32 ``[num_queries, num_q_heads, v_head_dim]`` of one request's queries over its K/V.
 
-    ``k``, ``v``: fp32 ``[num_keys, num_kv_heads, head_dim]`` at ``k_positions`` (every one owned and
-    finite); queries at ``q_positions`` see keys at positions ``<=`` their own (and inside the window).
+    ``k``, ``v``: fp32 ``[num_keys, num_kv_heads, head_dim]`` (``v``: ``v_head_dim``) at ``k_positions`` (every
+    one owned and finite); queries at ``q_positions`` see keys at positions ``<=`` their own (and inside the window).
     """
     q = query.float().transpose(0, 1)[None]  # [1, Hq, Q, D]
     kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]

@@ -43,10 +43,10 @@ def decode_attention_math(
     k_scale: float,
     v_scale: float,
 ) -> torch.Tensor:
-    """fp32 ``[B, Hq, D]``: each request's one query (at position ``seq_lens[b] - 1``) over its paged K/V.
+    """fp32 ``[B, Hq, Dv]``: each request's one query (at position ``seq_lens[b] - 1``) over its paged K/V.
 
-    ``query`` ``[B, Hq, D]`` (any strides); caches ``[num_blocks, block_size, Hkv, D]``; ``block_tables``
-    int64 ``[B, nb]`` covering every position ``< seq_lens[b]`` (extra columns are never read);
+    ``query`` ``[B, Hq, D]`` (any strides); caches ``[num_blocks, block_size, Hkv, D]`` (V: ``Dv <= D``, any
+    view); ``block_tables`` int64 ``[B, nb]`` covering every position ``< seq_lens[b]`` (extra columns are never read);
     ``sinks`` fp32 ``[Hq]`` or ``None``; ``softcap`` 0 disables capping.
     """
     num_requests, num_q_heads, head_dim = query.shape
@@ -59,7 +59,8 @@ def decode_attention_math(
     if sliding_window is not None:
         visible = visible & (pos[None, :] >= lens - sliding_window)
     keys = k_cache[block_tables].view(num_requests, positions, num_kv_heads, 1, head_dim).float()
-    values = v_cache[block_tables].view(num_requests, positions, num_kv_heads, 1, head_dim).float()
+    v_head_dim = v_cache.shape[3]
+    values = v_cache[block_tables].view(num_requests, positions, num_kv_heads, 1, v_head_dim).float()
     if k_cache.element_size() == 1:  # fp8 pools store x / scale
         keys = keys * k_scale
         values = values * v_scale
@@ -78,7 +79,7 @@ def decode_attention_math(
         denominator = denominator + torch.exp(sink - peak)
     weights = weights / denominator[:, None]
     weighted = torch.where(visible[:, :, None, None, None], weights[..., None] * values, 0.0)
-    return weighted.sum(dim=1).reshape(num_requests, num_q_heads, head_dim)
+    return weighted.sum(dim=1).reshape(num_requests, num_q_heads, v_head_dim)
 
 
 class CompiledDecode:

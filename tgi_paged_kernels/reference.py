@@ -7,7 +7,9 @@ anything, NaN included. Tests compare both the Triton kernels and the plain-torc
 
 Layouts (one layer):
 
-- ``k_cache``, ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``
+- ``k_cache``, ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``; V may be narrower,
+  ``[..., v_head_dim <= head_dim]``, and any view (a latent cache's V is ``k_cache[..., :v_head_dim]``):
+  outputs then have ``v_head_dim`` columns
 - slot ``s`` is block ``s // block_size``, offset ``s % block_size``
 - token position ``p`` of request ``b`` lives in block ``block_tables[b, p // block_size]``,
   offset ``p % block_size``
@@ -37,18 +39,20 @@ def dequantize(stored: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def store_kv_reference(key, value, k_cache, v_cache, slot_mapping, *, k_scale=1.0, v_scale=1.0) -> None:
-    """Write token ``i``'s K/V into slot ``slot_mapping[i]``, one token at a time; skip negative slots."""
+    """Write token ``i``'s K/V into slot ``slot_mapping[i]``, one token at a time; skip negative slots.
+    ``value`` and ``v_cache`` ``None``: write the key only."""
     block_size = k_cache.shape[1]
     for i, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
         block_id, offset = divmod(slot, block_size)
         k_cache[block_id, offset] = quantize(key[i], k_cache.dtype, k_scale)
-        v_cache[block_id, offset] = quantize(value[i], v_cache.dtype, v_scale)
+        if v_cache is not None:
+            v_cache[block_id, offset] = quantize(value[i], v_cache.dtype, v_scale)
 
 
 def gather_request_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
-    """One request's first ``seq_len`` positions, in token order: ``[seq_len, num_kv_heads, head_dim]`` fp32."""
+    """One request's first ``seq_len`` positions, in token order: ``[seq_len, num_kv_heads, cache.shape[3]]`` fp32."""
     block_size = cache.shape[1]
     positions = torch.arange(seq_len)
     block_ids = block_table_row.long().cpu()[positions // block_size]
@@ -63,7 +67,8 @@ def attend_one_request(
     Parameters
     ----------
     q : [num_queries, num_q_heads, head_dim] fp32
-    k, v : [seq_len, num_kv_heads, head_dim] fp32, key position ``p`` at row ``p``
+    k : [seq_len, num_kv_heads, head_dim] fp32, key position ``p`` at row ``p``
+    v : [seq_len, num_kv_heads, v_head_dim] fp32 (``v_head_dim`` may differ from ``head_dim``)
     q_positions : [num_queries] token position of each query
 
     sinks : optional [num_q_heads], one learned logit per query head (gpt-oss attention sinks): it
@@ -74,7 +79,7 @@ def attend_one_request(
         (MPT); each differs from this one by a constant per query row, which the softmax cancels
 
     Query ``i`` sees key ``p`` when ``p <= q_positions[i]`` and, with a window ``w``,
-    ``p > q_positions[i] - w``. Rows that see no key return zeros.
+    ``p > q_positions[i] - w``. Rows that see no key return zeros. Returns ``[num_queries, num_q_heads, v_head_dim]``.
     """
     num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
     queries_per_kv = num_q_heads // num_kv_heads
@@ -82,7 +87,7 @@ def attend_one_request(
     visible = key_positions[None, :] <= q_positions[:, None]
     if sliding_window is not None:
         visible &= key_positions[None, :] > q_positions[:, None] - sliding_window
-    out = torch.zeros(q.shape, dtype=torch.float32)
+    out = torch.zeros((*q.shape[:2], v.shape[2]), dtype=torch.float32)
     for q_head in range(num_q_heads):
         kv_head = q_head // queries_per_kv
         scores = (q[:, q_head] @ k[:, kv_head].T) * scale
@@ -115,9 +120,10 @@ def paged_decode_attention_reference(
     sinks=None,
     alibi_slopes=None,
 ) -> torch.Tensor:
-    """Decode: request ``b``'s single query sits at position ``seq_lens[b] - 1``. Returns fp32 on CPU."""
+    """Decode: request ``b``'s single query sits at position ``seq_lens[b] - 1``. Returns fp32 on CPU,
+    ``[num_requests, num_q_heads, v_cache.shape[3]]``."""
     query, k_cache, v_cache = query.float().cpu(), k_cache.cpu(), v_cache.cpu()
-    out = torch.zeros(query.shape, dtype=torch.float32)
+    out = torch.zeros((*query.shape[:2], v_cache.shape[3]), dtype=torch.float32)
     for b, seq_len in enumerate(seq_lens.tolist()):
         k = gather_request_kv(k_cache, block_tables[b], seq_len, k_scale)
         v = gather_request_kv(v_cache, block_tables[b], seq_len, v_scale)
@@ -153,10 +159,11 @@ def paged_prefill_attention_reference(
     alibi_slopes=None,
 ) -> torch.Tensor:
     """Prefill/extend: request ``b``'s queries are rows ``query_start_loc[b]:query_start_loc[b+1]`` at
-    positions ``seq_lens[b] - q_len .. seq_lens[b] - 1``. Returns fp32 on CPU."""
+    positions ``seq_lens[b] - q_len .. seq_lens[b] - 1``. Returns fp32 on CPU, ``[num_tokens, num_q_heads,
+    v_cache.shape[3]]``."""
     query, k_cache, v_cache = query.float().cpu(), k_cache.cpu(), v_cache.cpu()
     starts = query_start_loc.tolist()
-    out = torch.zeros(query.shape, dtype=torch.float32)
+    out = torch.zeros((*query.shape[:2], v_cache.shape[3]), dtype=torch.float32)
     for b, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[b], starts[b + 1]
         k = gather_request_kv(k_cache, block_tables[b], seq_len, k_scale)

@@ -8,7 +8,8 @@ A case is adversarial by construction:
   spare "poison" block hold NaN, and every block-table entry past a request's last block points at
   the poison block: a kernel that reads a single slot it should not turns its output into NaN;
 - ``interleaved=True`` makes K and V views of one ``[num_blocks, 2, block_size, heads, dim]``
-  tensor, so neither is contiguous.
+  tensor, so neither is contiguous;
+- ``latent_v_head_dim=Dv`` makes a latent (MLA) pool: one cache, V the strided view ``k_cache[..., :Dv]``.
 """
 
 from __future__ import annotations
@@ -60,24 +61,32 @@ def make_paged_kv(
     num_spare_blocks: int = 2,
     poison: bool = True,
     interleaved: bool = False,
+    latent_v_head_dim: int | None = None,
     generator: torch.Generator | None = None,
 ) -> PagedKV:
     """Random K/V for requests of the given lengths in a shuffled pool (see the module docstring).
 
     Owned slots hold ``quantize(N(0, 1) * scale)`` so fp8 values use their range; with
     ``poison=False`` the whole pool is random instead (no NaN; for benchmarks, generated block by
-    block so huge pools need no fp32 staging copy).
+    block so huge pools need no fp32 staging copy). A latent pool (``latent_v_head_dim``) holds K only,
+    written with ``k_scale``: read its V with ``v_scale == k_scale``.
     """
     num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + num_spare_blocks + 1  # + 1: the poison block, last
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    if interleaved:
+    if latent_v_head_dim is not None:
+        if interleaved or not 0 < latent_v_head_dim <= head_dim:
+            raise ValueError(f"a latent pool needs 0 < latent_v_head_dim <= {head_dim}, not interleaved")
+        k_cache = torch.empty(shape, dtype=kv_dtype, device=device)
+        v_cache = k_cache[..., :latent_v_head_dim]
+    elif interleaved:
         pool = torch.empty((num_blocks, 2, *shape[1:]), dtype=kv_dtype, device=device)
         k_cache, v_cache = pool[:, 0], pool[:, 1]
     else:
         k_cache = torch.empty(shape, dtype=kv_dtype, device=device)
         v_cache = torch.empty(shape, dtype=kv_dtype, device=device)
     poison_block = num_blocks - 1
-    for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
+    written = ((k_cache, k_scale),) if latent_v_head_dim is not None else ((k_cache, k_scale), (v_cache, v_scale))
+    for cache, scale in written:
         if poison:
             cache.copy_(torch.full(shape, float("nan"), device=device).to(kv_dtype))
         else:
@@ -90,7 +99,7 @@ def make_paged_kv(
         positions = torch.arange(seq_len)
         block_ids = block_tables[b, positions // block_size].long().to(device)
         offsets = (positions % block_size).to(device)
-        for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
+        for cache, scale in written:
             values = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(device) * scale
             cache[block_ids, offsets] = quantize(values, kv_dtype, scale)
     return PagedKV(

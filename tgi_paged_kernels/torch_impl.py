@@ -10,6 +10,9 @@ Unused slots of the pool may hold anything, NaN included (pools come from ``torc
 query must not see are therefore masked in the scores *and* zeroed in the gathered K/V: ``0 * NaN``
 is NaN, so a zero probability alone would not hide them.
 
+V may be narrower than K and a strided view of it (a latent cache: ``v_cache = k_cache[..., :v_head_dim]``);
+outputs then have ``v_head_dim`` columns. The native kernels take equal widths only: other shapes run here.
+
 Arguments are checked by the public functions in ``api``; only value-dependent checks live here.
 """
 
@@ -23,6 +26,7 @@ from .cpu_attention import (
     gather_decode_kv,
     plan_decode_gather,
     prefill_attention_sdpa,
+    value_is_key_prefix,
 )
 from .cpu_decode import compiled_decode_attention
 from .cpu_native import native_decode_for, native_kernels
@@ -31,12 +35,15 @@ from .reference import dequantize, quantize
 
 
 def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, *, k_scale: float, v_scale: float) -> None:
-    """Scatter token ``i``'s K/V into slot ``slot_mapping[i]``; negative slots are skipped.
+    """Scatter token ``i``'s K/V into slot ``slot_mapping[i]``; negative slots are skipped. ``value`` and
+    ``v_cache`` ``None``: the key only (a latent cache).
 
     Under ``torch.compile`` (the static decode step, whose padding rows write the scratch slot) the
     skip, a branch on values, is not traced: a negative slot raises there instead."""
     compiling = torch.compiler.is_compiling()
     native = None if compiling else native_kernels()
+    if value is None:  # key only: the native kernel writes the same rows twice, still one call
+        value, v_cache, v_scale = key, k_cache, k_scale
     if native is not None and native.store_kv(key, value, k_cache, v_cache, slot_mapping):
         return  # the native kernel copies rows of the pool's own dtype in one call
     slots = slot_mapping.long()
@@ -111,7 +118,10 @@ def paged_decode_attention_torch(
     masked matmul pair per KV head. ALiBi (``alibi_slopes``) always takes the masked matmul pair per KV head."""
     if gather is not None and gather.num_requests != query.shape[0]:
         raise ValueError(f"gather plan for {gather.num_requests} requests, the query has {query.shape[0]}")
-    native_wanted = cpu_kernel == "native" and alibi_slopes is None and not torch.compiler.is_compiling()
+    native_wanted = (
+        cpu_kernel == "native" and alibi_slopes is None and not torch.compiler.is_compiling()
+        and k_cache.shape == v_cache.shape  # the C++ kernel reads K and V of one width and layout
+    )  # fmt: skip
     native = native_decode_for(k_cache) if native_wanted else None
     if native is not None:
         direct = native.decode_attention(
@@ -148,7 +158,10 @@ def decode_per_kv_head(
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     k = gather_decode_kv(k_cache, gather, k_scale).transpose(1, 2)  # [batch, positions, kv_heads, head_dim]
-    v = gather_decode_kv(v_cache, gather, v_scale).transpose(1, 2)
+    if value_is_key_prefix(k_cache, v_cache, k_scale, v_scale):  # latent cache: V is K's first columns
+        v = k[..., : v_cache.shape[3]]
+    else:
+        v = gather_decode_kv(v_cache, gather, v_scale).transpose(1, 2)
     # -- GQA: the queries_per_kv heads of a group are the "rows" of one KV head ---------------------
     q = query.float().reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     rows_sinks = None if sinks is None else sinks.float().reshape(num_kv_heads, num_q_heads // num_kv_heads)
@@ -160,7 +173,7 @@ def decode_per_kv_head(
     result = _attend_per_kv_head(
         q, k, v, gather.visible[:, 0], scale=scale, softcap=softcap, sinks=rows_sinks, bias=bias
     )
-    return result.reshape(batch, num_q_heads, head_dim)
+    return result.reshape(batch, num_q_heads, v_cache.shape[3])
 
 
 def paged_prefill_attention_torch(
@@ -194,12 +207,13 @@ def paged_prefill_attention_torch(
         if result is not None:
             return _write_out(result, query, out)
     num_tokens, num_q_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads, v_head_dim = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    v_from_k = value_is_key_prefix(k_cache, v_cache, k_scale, v_scale)  # latent cache: V is K's first columns
     queries_per_kv = num_q_heads // num_kv_heads
     starts = query_start_loc.tolist()
     if starts[0] != 0 or starts[-1] != num_tokens or any(a > b for a, b in zip(starts, starts[1:])):
         raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}, got {starts}")
-    result = torch.zeros(query.shape, dtype=torch.float32)
+    result = torch.zeros((num_tokens, num_q_heads, v_head_dim), dtype=torch.float32)
     group_sinks = None if sinks is None else sinks.float().reshape(num_kv_heads, queries_per_kv, 1)
     group_slopes = None if alibi_slopes is None else alibi_slopes.float().reshape(num_kv_heads, queries_per_kv, 1, 1)
     # A request without a cached prefix attends over its own new K/V: no read back from the pool when the
@@ -224,7 +238,7 @@ def paged_prefill_attention_torch(
             else:
                 block_ids = block_tables[b, positions // block_size].long()
                 k = dequantize(k_cache[block_ids, positions % block_size], k_scale)
-                v = dequantize(v_cache[block_ids, positions % block_size], v_scale)
+                v = k[..., :v_head_dim] if v_from_k else dequantize(v_cache[block_ids, positions % block_size], v_scale)
             result[start:end] = prefill_attention_sdpa(
                 query[start:end],
                 k,
@@ -239,7 +253,7 @@ def paged_prefill_attention_torch(
         positions = torch.arange(seq_len)
         block_ids = block_tables[b, positions // block_size].long()
         k = dequantize(k_cache[block_ids, positions % block_size], k_scale)  # [seq_len, kv_heads, D]
-        v = dequantize(v_cache[block_ids, positions % block_size], v_scale)
+        v = k[..., :v_head_dim] if v_from_k else dequantize(v_cache[block_ids, positions % block_size], v_scale)
         # -- causal (+ window) mask of queries at positions seq_len-num_queries .. seq_len-1 ---------
         q_positions = torch.arange(seq_len - num_queries, seq_len)
         visible = positions[None, :] <= q_positions[:, None]
@@ -255,8 +269,8 @@ def paged_prefill_attention_torch(
             bias = (group_slopes * relative).reshape(1, num_kv_heads, queries_per_kv * num_queries, seq_len)
         o = _attend_per_kv_head(q, k[None], v[None], visible.repeat(queries_per_kv, 1)[None], scale=scale,
                                 softcap=softcap, sinks=rows_sinks, bias=bias)  # fmt: skip
-        o = o.reshape(num_kv_heads, queries_per_kv, num_queries, head_dim)
-        result[start:end] = o.permute(2, 0, 1, 3).reshape(num_queries, num_q_heads, head_dim)
+        o = o.reshape(num_kv_heads, queries_per_kv, num_queries, v_head_dim)
+        result[start:end] = o.permute(2, 0, 1, 3).reshape(num_queries, num_q_heads, v_head_dim)
     return _write_out(result, query, out)
 
 
