@@ -149,6 +149,7 @@ class NativeKernels:
             _ptr, _int,  # seq lens
             _ptr, _int, _int, _int, _int, _int,  # out, B, Hq, Hkv, D, block size
             _float, _float, _int, _ptr, _float, _float, _int,
+            _int,  # V's width
         )  # fmt: skip
         self._rms_norm = bind("tgi_paged_rms_norm", _ptr, _i64, _ptr, _ptr, _i64, _i64, _float, _int, _int)
         self._store = bind(
@@ -224,10 +225,11 @@ class NativeKernels:
         k_scale: float,
         v_scale: float,
     ) -> torch.Tensor:
-        """fp32 ``[B, Hq, D]``, as :func:`~tgi_paged_kernels.cpu_decode.decode_attention_math` computes it.
+        """fp32 ``[B, Hq, Dv]``, as :func:`~tgi_paged_kernels.cpu_decode.decode_attention_math` computes it.
 
         ``query`` ``[B, Hq, D]`` any dtype and strides (made fp32 with ``head_dim`` contiguous here);
-        caches ``[num_blocks, block_size, Hkv, D]`` with K and V of one layout; ``block_tables`` and
+        caches ``[num_blocks, block_size, Hkv, D]`` with K and V of one layout (strides), V ``Dv <= D`` wide
+        (a latent cache's ``k_cache[..., :Dv]``, or a pool of the same strides); ``block_tables`` and
         ``seq_lens`` int32 or int64, ``block_tables`` row-contiguous.
         """
         if query.dtype != torch.float32 or query.stride(-1) != 1:
@@ -240,7 +242,8 @@ class NativeKernels:
         _, block_size, num_kv_heads, _ = k_cache.shape
         code, table = self.cache_dtype(k_cache)
         sinks_f32 = None if sinks is None else sinks.float().contiguous()
-        out = torch.empty((num_requests, num_q_heads, head_dim), dtype=torch.float32)
+        v_head_dim = v_cache.shape[3]
+        out = torch.empty((num_requests, num_q_heads, v_head_dim), dtype=torch.float32)
         status = self._decode(
             query.data_ptr(), query.stride(0), query.stride(1),
             k_cache.data_ptr(), v_cache.data_ptr(), code, table,
@@ -250,7 +253,7 @@ class NativeKernels:
             seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64),
             out.data_ptr(), num_requests, num_q_heads, num_kv_heads, head_dim, block_size,
             scale, softcap, int(sliding_window or 0), None if sinks_f32 is None else sinks_f32.data_ptr(),
-            k_scale, v_scale, torch.get_num_threads(),
+            k_scale, v_scale, torch.get_num_threads(), v_head_dim,
         )  # fmt: skip
         if status != 0:
             raise ValueError(self.decode_error(status, block_tables, seq_lens, block_size, k_cache.shape[0]))
@@ -266,8 +269,13 @@ class NativeKernels:
         sinks: torch.Tensor | None,
     ) -> None:
         """Shapes and dtypes the C++ kernel trusts (it checks table widths and block ids itself)."""
-        if k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype or k_cache.shape != v_cache.shape:
-            raise ValueError("decode_attention: K and V pools must share shape, dtype and layout")
+        if (
+            k_cache.stride() != v_cache.stride()
+            or k_cache.dtype != v_cache.dtype
+            or k_cache.shape[:3] != v_cache.shape[:3]
+            or v_cache.shape[3] > k_cache.shape[3]
+        ):
+            raise ValueError("decode_attention: K and V pools must share dtype, layout and heads (V no wider than K)")
         if not self.supports_cache(k_cache):
             raise ValueError(f"decode_attention: no native kernel for a {k_cache.dtype} pool")
         num_requests, num_q_heads, head_dim = query.shape

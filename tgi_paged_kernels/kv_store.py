@@ -6,7 +6,8 @@ saturated to the format's finite range, so an outlier becomes the largest finite
 inf/NaN (e5m2 would otherwise overflow to inf).
 
 One program stores one token for ``BLOCK_H`` heads: each head's row is a contiguous
-``head_dim`` run in both source and cache, so loads and stores are coalesced.
+``head_dim`` run in both source and cache, so loads and stores are coalesced. V may be narrower than K
+(``v_head_dim``, masked within K's padded width) or absent (a latent cache: the key is the whole entry).
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,  #
     HEAD_DIM: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,  #
+    HAS_VALUE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     IS_FP8: tl.constexpr,  #
     FP8_MANTISSA_BITS: tl.constexpr,
@@ -88,28 +91,32 @@ def _store_kv_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
 
     # -- quantize: fp8 stores x / scale, saturated, rounded to nearest even ---------------------------
     # div_rn is IEEE division, as torch's x / scale; Triton's `/` is the approximate div.full.f32.
     if IS_FP8:
         k = tl.minimum(tl.maximum(tl.div_rn(k.to(tl.float32), k_scale), -fp8_max), fp8_max)
-        v = tl.minimum(tl.maximum(tl.div_rn(v.to(tl.float32), v_scale), -fp8_max), fp8_max)
         k = _round_to_fp8_grid(k, FP8_MANTISSA_BITS, FP8_MIN_NORMAL_EXP)
-        v = _round_to_fp8_grid(v, FP8_MANTISSA_BITS, FP8_MIN_NORMAL_EXP)
-
-    # -- store ------------------------------------------------------------------------------------------
     kc_offs = block * stride_kcb + offset * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd
-    vc_offs = block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd
     tl.store(k_cache_ptr + kc_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + vc_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+    # -- the same for V, V_HEAD_DIM <= HEAD_DIM wide (none for a latent cache) -------------------------
+    if HAS_VALUE:
+        v_mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < V_HEAD_DIM)[None, :]
+        v_src = value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd
+        v = tl.load(v_src, mask=v_mask)
+        if IS_FP8:
+            v = tl.minimum(tl.maximum(tl.div_rn(v.to(tl.float32), v_scale), -fp8_max), fp8_max)
+            v = _round_to_fp8_grid(v, FP8_MANTISSA_BITS, FP8_MIN_NORMAL_EXP)
+        vc_offs = block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd
+        tl.store(v_cache_ptr + vc_offs, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 def _launch_store_kv(
     key: torch.Tensor,
-    value: torch.Tensor,
+    value: torch.Tensor | None,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
     *,
     k_scale: float = 1.0,
@@ -119,14 +126,19 @@ def _launch_store_kv(
 
     Parameters
     ----------
-    key, value : [num_tokens, num_kv_heads, head_dim], fp16/bf16/fp32, head_dim contiguous
-    k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any cache dtype, head_dim
+    key, value : [num_tokens, num_kv_heads, head_dim] (value: v_head_dim <= head_dim), fp16/bf16/fp32, head_dim
+        contiguous; ``value`` ``None`` with ``v_cache`` ``None``: the key only (a latent cache)
+    k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim] (V: v_head_dim), any cache dtype, head_dim
         contiguous (other strides free); written in place
     slot_mapping : int64/int32 [num_tokens]; negative = skip
     k_scale, v_scale : fp8 scales (ignored for other cache dtypes)
     """
     cache = check_store(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
-    check_unit_inner_stride(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
+    has_value = value is not None and v_cache is not None
+    # key only: the V arguments are placeholders the kernel never reads
+    value_src = value if value is not None else key
+    value_pool = v_cache if v_cache is not None else k_cache
+    check_unit_inner_stride(key=key, value=value_src, k_cache=k_cache, v_cache=value_pool)
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
@@ -138,13 +150,13 @@ def _launch_store_kv(
     grid = (num_tokens, triton.cdiv(cache.num_kv_heads, block_h))
     _store_kv_kernel[grid](
         key, *key.stride(),  #
-        value, *value.stride(),  #
+        value_src, *value_src.stride(),  #
         k_cache, *k_cache.stride(),  #
-        v_cache, *v_cache.stride(),  #
+        value_pool, *value_pool.stride(),  #
         slot_mapping,  #
         float(k_scale), float(v_scale), torch.finfo(k_cache.dtype).max if fp8 else 0.0,  #
         NUM_KV_HEADS=cache.num_kv_heads, BLOCK_H=block_h,  #
-        HEAD_DIM=cache.head_dim, HEAD_DIM_PAD=dim_pad,  #
+        HEAD_DIM=cache.head_dim, V_HEAD_DIM=cache.v_head_dim, HEAD_DIM_PAD=dim_pad, HAS_VALUE=has_value,  #
         BLOCK_SIZE=cache.block_size, IS_FP8=fp8,  #
         FP8_MANTISSA_BITS=mantissa_bits, FP8_MIN_NORMAL_EXP=min_normal_exp,  #
     )  # fmt: skip

@@ -11,7 +11,8 @@ query must not see are therefore masked in the scores *and* zeroed in the gather
 is NaN, so a zero probability alone would not hide them.
 
 V may be narrower than K and a strided view of it (a latent cache: ``v_cache = k_cache[..., :v_head_dim]``);
-outputs then have ``v_head_dim`` columns. The native kernels take equal widths only: other shapes run here.
+outputs then have ``v_head_dim`` columns. The native decode kernel reads V with K's strides (a latent view
+qualifies); other narrower V pools, and native prefill, run the torch paths here.
 
 Arguments are checked by the public functions in ``api``; only value-dependent checks live here.
 """
@@ -120,7 +121,8 @@ def paged_decode_attention_torch(
         raise ValueError(f"gather plan for {gather.num_requests} requests, the query has {query.shape[0]}")
     native_wanted = (
         cpu_kernel == "native" and alibi_slopes is None and not torch.compiler.is_compiling()
-        and k_cache.shape == v_cache.shape  # the C++ kernel reads K and V of one width and layout
+        # The C++ kernel reads V with K's strides: a narrower V only as a view of K (a latent cache) or alike
+        and (v_cache.shape == k_cache.shape or v_cache.stride() == k_cache.stride())
     )  # fmt: skip
     native = native_decode_for(k_cache) if native_wanted else None
     if native is not None:

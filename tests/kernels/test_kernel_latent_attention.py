@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tgi_paged_kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from tgi_paged_kernels.kv_store import _launch_store_kv
 from tgi_paged_kernels.reference import (
     paged_decode_attention_reference,
     paged_prefill_attention_reference,
@@ -100,25 +101,34 @@ def test_prefill_fresh_latent_kv_is_read_without_the_pool():
     assert_attention_close(got, paged_prefill_attention_reference(*args, scale=0.2), torch.float32)
 
 
+STORES = [pytest.param(_launch_store_kv, id="triton"), pytest.param(store_kv, id="torch")]
+
+
+@pytest.mark.parametrize("store", STORES)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
-def test_key_only_store_writes_the_latent_entry(kv_dtype):
-    """``store_kv(latent, None, k_cache, None, ...)`` as the reference writes it, negative slots skipped; the
-    V view then reads the entry's first columns."""
+def test_key_only_store_writes_the_latent_entry(store, kv_dtype):
+    """``store_kv(latent, None, k_cache, None, ...)`` as the reference writes it (bit for bit), negative slots
+    skipped; the V view then reads the entry's first columns."""
     k_cache = torch.zeros(6, 4, 1, 24, dtype=kv_dtype)
     expected = k_cache.clone()
-    latent = torch.randn(5, 1, 24) * 3
+    latent = (torch.randn(5, 1, 24) * 3).to(torch.float16 if kv_dtype.itemsize == 1 else kv_dtype)
     slots = torch.tensor([3, -1, 17, 0, 22])
-    store_kv(latent, None, k_cache, None, slots, k_scale=0.75)
+    store(latent, None, k_cache, None, slots, k_scale=0.75)
     store_kv_reference(latent, None, expected, None, slots, k_scale=0.75)
     assert torch.equal(k_cache.view(torch.uint8), expected.view(torch.uint8))
     assert k_cache.flatten(0, 1)[5].float().abs().sum() == 0  # slot 5 was not in the mapping
 
 
-def test_store_of_a_narrower_value_into_its_own_pool():
-    k_cache, v_cache = torch.zeros(4, 4, 2, 24), torch.zeros(4, 4, 2, 16)
-    key, value, slots = torch.randn(3, 2, 24), torch.randn(3, 2, 16), torch.tensor([1, 9, 14])
-    store_kv(key, value, k_cache, v_cache, slots)
-    assert torch.equal(k_cache.flatten(0, 1)[slots], key) and torch.equal(v_cache.flatten(0, 1)[slots], value)
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e5m2])
+def test_store_of_a_narrower_value_into_its_own_pool(store, kv_dtype):
+    k_cache, v_cache = torch.zeros(4, 4, 2, 24, dtype=kv_dtype), torch.zeros(4, 4, 2, 16, dtype=kv_dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    key, value, slots = torch.randn(3, 2, 24), torch.randn(3, 2, 16), torch.tensor([1, -1, 14])
+    store(key, value, k_cache, v_cache, slots, k_scale=0.5, v_scale=2.0)
+    store_kv_reference(key, value, k_ref, v_ref, slots, k_scale=0.5, v_scale=2.0)
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
 
 
 def test_mismatched_widths_are_refused():
@@ -132,3 +142,38 @@ def test_mismatched_widths_are_refused():
         store_kv(torch.randn(1, 1, 16), None, k_cache, k_cache[..., :8], torch.tensor([0]))
     with pytest.raises(ValueError, match="value must be"):
         store_kv(torch.randn(1, 1, 16), torch.randn(1, 1, 16), k_cache, k_cache[..., :8], torch.tensor([0]))
+
+
+@pytest.mark.parametrize("separate_v", [False, True], ids=["view", "separate"])
+def test_native_decode_reads_a_latent_view_and_leaves_other_narrow_pools_to_torch(native, monkeypatch, separate_v):
+    """The C++ decode kernel reads V with K's strides: it serves the latent view (V = K's first columns) and a
+    narrower pool of other strides takes the torch path; both match the reference."""
+    calls = []
+    real = type(native).decode_attention
+
+    def spy(self, *args, **kwargs):
+        calls.append(args[2].shape)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(native), "decode_attention", spy)
+    case = CASES[1]  # fp8, MQA
+    kv, v_cache, scales = _latent_pool(case, separate_v=separate_v, v_scale=1.5)
+    query = torch.randn(len(SEQ_LENS), case[0], case[2])
+    args = (query, kv.k_cache, v_cache, kv.block_tables, kv.seq_lens)
+    got = paged_decode_attention(*args, scale=0.3, cpu_kernel="native", **scales)
+    assert calls == ([] if separate_v else [v_cache.shape])
+    assert_attention_close(got, paged_decode_attention_reference(*args, scale=0.3, **scales), torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
+def test_native_decode_of_a_latent_pool_at_a_deepseek_width(native, kv_dtype):
+    """Dk = 576 (512 latent + 64 rope), Dv = 512, 16 query heads on one KV head, block size 16."""
+    kv = make_paged_kv([40, 17], num_kv_heads=1, head_dim=576, block_size=16, kv_dtype=kv_dtype,
+                       k_scale=0.25, latent_v_head_dim=512)  # fmt: skip
+    query = torch.randn(2, 16, 576)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+    options = dict(scale=192**-0.5, k_scale=0.25, v_scale=0.25)
+    got = native.decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 192**-0.5, 0.0, None,
+                                  None, 0.25, 0.25)  # fmt: skip
+    assert got.shape == (2, 16, 512)
+    assert_attention_close(got, paged_decode_attention_reference(*args, **options), torch.float32)

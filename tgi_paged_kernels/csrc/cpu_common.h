@@ -97,17 +97,19 @@ struct DecodeArgs {
   int window;
   const float* sinks;
   float k_scale, v_scale;
+  int v_head_dim;  // <= head_dim: V rows (read with K's strides) and output rows are this wide (a latent cache)
 };
 
 constexpr int kOk = 0, kBadDtype = 1, kTableTooNarrow = 2, kBlockOutOfRange = 3;
 
 // One request's KV heads [h0, h1) and the query heads sharing them. Rows are visited in pool order (block,
 // slot, head), so a request's whole row of heads is read contiguously when one task holds every head.
-// kHeadDim 0: runtime head_dim. Returns kOk, or an error code before reading outside the table or the pool.
+// kHeadDim 0: runtime head_dim and v_head_dim (> 0: both are kHeadDim). Returns kOk, or an error code before reading outside the table or the pool.
 template <int kDtype, int kHeadDim>
 int decode_heads(const DecodeArgs& a, int b, int h0, int h1, std::vector<float>& scores, float* buf, float* acc) {
   constexpr int64_t bytes = kDtype == 0 ? 4 : (kDtype == 1 ? 2 : 1);
   const int D = kHeadDim > 0 ? kHeadDim : a.head_dim;
+  const int Dv = kHeadDim > 0 ? kHeadDim : a.v_head_dim;  // dispatch templates only V as wide as K
   const int group = a.num_q_heads / a.num_kv_heads;
   const int rows_q = (h1 - h0) * group;  // query heads of this task; query head j = h0 * group + j
   const int bs = a.block_size;
@@ -115,9 +117,9 @@ int decode_heads(const DecodeArgs& a, int b, int h0, int h1, std::vector<float>&
   const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
   const int64_t n = len - start;
   const float* q = a.query + b * a.q_sb + static_cast<int64_t>(h0) * group * a.q_sh;
-  float* o = a.out + (static_cast<int64_t>(b) * a.num_q_heads + static_cast<int64_t>(h0) * group) * D;
+  float* o = a.out + (static_cast<int64_t>(b) * a.num_q_heads + static_cast<int64_t>(h0) * group) * Dv;
   if (n <= 0) {
-    std::fill(o, o + static_cast<int64_t>(rows_q) * D, 0.0f);
+    std::fill(o, o + static_cast<int64_t>(rows_q) * Dv, 0.0f);
     return kOk;
   }
   if (len > a.bt_width * bs) return kTableTooNarrow;
@@ -176,20 +178,20 @@ int decode_heads(const DecodeArgs& a, int b, int h0, int h1, std::vector<float>&
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) sj[i] *= inv;
   }
-  std::fill(acc, acc + static_cast<int64_t>(rows_q) * D, 0.0f);
+  std::fill(acc, acc + static_cast<int64_t>(rows_q) * Dv, 0.0f);
   for_each_slot(a.v_cache, [&](const char* slot, int64_t i) {
     for (int h = 0; h < h1 - h0; ++h) {
-      const float* v = row_f32<kDtype>(slot + h * head_bytes, a.lut, a.v_scale, D, buf);
+      const float* v = row_f32<kDtype>(slot + h * head_bytes, a.lut, a.v_scale, Dv, buf);
       for (int g = 0; g < group; ++g) {
         const int j = h * group + g;
         const float w = scores[j * n + i];
-        float* aj = acc + j * D;
+        float* aj = acc + j * Dv;
 #pragma omp simd
-        for (int d = 0; d < D; ++d) aj[d] = std::fma(w, v[d], aj[d]);
+        for (int d = 0; d < Dv; ++d) aj[d] = std::fma(w, v[d], aj[d]);
       }
     }
   });
-  std::copy(acc, acc + static_cast<int64_t>(rows_q) * D, o);
+  std::copy(acc, acc + static_cast<int64_t>(rows_q) * Dv, o);
   return kOk;
 }
 
@@ -224,6 +226,7 @@ int decode_all(const DecodeArgs& a, int num_threads) {
 
 template <int kDtype>
 int decode_dispatch_dim(const DecodeArgs& a, int num_threads) {
+  if (a.v_head_dim != a.head_dim) return decode_all<kDtype, 0>(a, num_threads);  // a latent cache: V narrower
   switch (a.head_dim) {
     case 64: return decode_all<kDtype, 64>(a, num_threads);
     case 128: return decode_all<kDtype, 128>(a, num_threads);

@@ -15,8 +15,9 @@ extern "C" {
 // Decode attention over the paged pool, one query token per request (torch reference:
 // cpu_decode.decode_attention_math). query fp32 [B, Hq, D] with strides (q_sb, q_sh), head_dim
 // contiguous; caches [num_blocks, block_size, Hkv, D] with element strides (c_sblock, c_sslot, c_shead)
-// shared by K and V, storage dtype `cache_dtype` (codes above); block_tables [B, *] (row stride
-// bt_stride, int32 or int64); seq_lens [B] (int32 or int64); out fp32 [B, Hq, D] contiguous.
+// shared by K and V, storage dtype `cache_dtype` (codes above), V's rows v_head_dim <= D wide (a latent
+// cache: V is K's first v_head_dim columns); block_tables [B, *] (row stride
+// bt_stride, int32 or int64); seq_lens [B] (int32 or int64); out fp32 [B, Hq, v_head_dim] contiguous.
 // window <= 0: full attention; softcap <= 0: none; sinks fp32 [Hq] or null. Work is split across
 // `num_threads` OpenMP threads by request, or by (request, KV head) when requests are few (decode_all).
 // Returns 0; 1 for a bad dtype code, 2 when
@@ -29,12 +30,14 @@ int tgi_paged_decode_attention(
     const void* block_tables, int bt_int64, int64_t bt_stride, int64_t bt_width,
     const void* seq_lens, int sl_int64,
     float* out, int num_requests, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, float softcap, int window, const float* sinks, float k_scale, float v_scale, int num_threads) {
+    float scale, float softcap, int window, const float* sinks, float k_scale, float v_scale, int num_threads,
+    int v_head_dim) {
+  if (v_head_dim <= 0 || v_head_dim > head_dim) return kBadDtype;
   const DecodeArgs a{query, q_sb, q_sh, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), lut,
                      c_sblock, c_sslot, c_shead, num_blocks, block_tables, bt_int64, bt_stride, bt_width,
                      seq_lens, sl_int64, out,
                      num_requests, num_q_heads, num_kv_heads, head_dim, block_size, scale, softcap, window, sinks,
-                     k_scale, v_scale};
+                     k_scale, v_scale, v_head_dim};
   switch (cache_dtype) {
     case 0: return decode_dispatch_dim<0>(a, num_threads);
     case 1: return decode_dispatch_dim<1>(a, num_threads);

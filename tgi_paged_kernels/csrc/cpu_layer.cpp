@@ -312,7 +312,7 @@ int tgi_paged_decode_layer(
   const DecodeArgs d{nullptr, 0, 0, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), nullptr,
                      c_sblock, c_sslot, c_shead, num_blocks, block_tables, bt_int64, bt_stride, bt_width,
                      seq_lens, sl_int64, nullptr, static_cast<int>(tokens), S.num_q_heads, S.num_kv_heads,
-                     S.head_dim, block_size, S.scale, S.softcap, S.window, nullptr, 1.0f, 1.0f};
+                     S.head_dim, block_size, S.scale, S.softcap, S.window, nullptr, 1.0f, 1.0f, S.head_dim};
   switch (S.head_dim) {
     case 64: return layer_impl<64>(S, A, d, num_threads);
     case 128: return layer_impl<128>(S, A, d, num_threads);
