@@ -10,6 +10,13 @@ Keys are visited in tiles of ``BLOCK_N`` token positions. Every position is loca
 ``block_tables[pos // BLOCK_SIZE]`` and offset ``pos % BLOCK_SIZE``, so a tile may span several
 physical blocks (block size 8 with BLOCK_N 64) or part of one (block size 32 with BLOCK_N 16).
 
+Keys may be wider than values (multi-head latent attention: K is a ``Dk = 576``-wide latent entry, V its
+first ``Dv = 512`` columns, often the strided view ``k_cache[..., :Dv]``). Triton blocks are powers of
+two, so K's columns are then split in two padded parts, ``[0, HEAD_DIM_PAD)`` (the width V pads to) and a
+tail ``[HEAD_DIM_PAD, HEAD_DIM_PAD + K_TAIL_PAD)``, and scores are the sum of two dots: 512 + 64 for
+DeepSeek's 576 instead of one 1024-wide tile. V and the output are ``V_HEAD_DIM`` wide, padded to
+``V_HEAD_DIM_PAD``; V has strides of its own. Equal widths have no tail (``HAS_K_TAIL`` false).
+
 The softmax is the streaming form of FlashAttention-2 (Dao, 2023, arXiv:2307.08691, Algorithm 1):
 running row maximum ``m_i``, running denominator ``l_i``, unnormalised output ``acc``; the exponent
 is taken base 2 with the scores pre-multiplied by log2(e), which is exact algebra and maps to the
@@ -17,6 +24,8 @@ hardware ``ex2`` instruction.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -41,9 +50,37 @@ def _tanh(x):
 
 
 @triton.jit
+def _load_query_rows(
+    query_ptr,
+    row_offs,  # [BLOCK_M] element offset of each row's query vector
+    row_mask,  # [BLOCK_M]
+    stride_qd,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    K_TAIL_PAD: tl.constexpr,
+    HAS_K_TAIL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    # The query rows split as K's columns: [BLOCK_M, HEAD_DIM_PAD] and [BLOCK_M, K_TAIL_PAD] (zeros without
+    # a tail), in DOT_DTYPE, padding columns zero.
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_offs = row_offs[:, None] + offs_d[None, :] * stride_qd
+    q = tl.load(query_ptr + q_offs, mask=row_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    q_tail = tl.zeros((BLOCK_M, K_TAIL_PAD), dtype=DOT_DTYPE)
+    if HAS_K_TAIL:
+        offs_t = HEAD_DIM_PAD + tl.arange(0, K_TAIL_PAD)
+        t_offs = row_offs[:, None] + offs_t[None, :] * stride_qd
+        q_tail = tl.load(query_ptr + t_offs, mask=row_mask[:, None] & (offs_t < HEAD_DIM)[None, :], other=0.0)
+        q_tail = q_tail.to(DOT_DTYPE)
+    return q.to(DOT_DTYPE), q_tail
+
+
+@triton.jit
 def _attend_kv_tiles(
     q,
-    q_pos,  # [BLOCK_M, HEAD_DIM_PAD] in DOT_DTYPE; [BLOCK_M] int32 token position of each row
+    q_tail,  # [BLOCK_M, HEAD_DIM_PAD], [BLOCK_M, K_TAIL_PAD] in DOT_DTYPE (see _load_query_rows)
+    q_pos,  # [BLOCK_M] int32 token position of each row
     kv_lo,
     kv_hi,  # visit key positions kv_lo <= p < kv_hi (all < seq_len)
     block_table_ptr,  # this request's row of the block table
@@ -63,20 +100,27 @@ def _attend_kv_tiles(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,  #
     HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,  #
+    HEAD_DIM_PAD: tl.constexpr,  # K's width, or with HAS_K_TAIL its first part's
+    K_TAIL_PAD: tl.constexpr,
+    HAS_K_TAIL: tl.constexpr,  # K's columns [HEAD_DIM_PAD, HEAD_DIM) as a second dot
+    V_HEAD_DIM: tl.constexpr,
+    V_HEAD_DIM_PAD: tl.constexpr,  #
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,  #
     USE_ALIBI: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  #
 ):
-    # Returns the softmax state after the range: unnormalised output acc [BLOCK_M, HEAD_DIM_PAD],
+    # Returns the softmax state after the range: unnormalised output acc [BLOCK_M, V_HEAD_DIM_PAD],
     # row maximum m_i and denominator l_i [BLOCK_M], all fp32, scores in log2 units.
-    acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, V_HEAD_DIM_PAD), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), M_FLOOR, tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM  # head dims 80, 96 are padded to 128
+    offs_t = HEAD_DIM_PAD + tl.arange(0, K_TAIL_PAD)
+    offs_v = tl.arange(0, V_HEAD_DIM_PAD)
+    v_mask = offs_v < V_HEAD_DIM
     for tile_start in range(kv_lo, kv_hi, BLOCK_N):
         # -- locate the tile's token positions in the pool -------------------------------------
         offs_n = tile_start + tl.arange(0, BLOCK_N)
@@ -86,7 +130,13 @@ def _attend_kv_tiles(
         # -- scores = q @ k^T, K loaded transposed: [HEAD_DIM_PAD, BLOCK_N] -----------------------
         k_offs = (physical_block * stride_kb + slot_in_block * stride_ks)[None, :] + offs_d[:, None] * stride_kd
         k = tl.load(k_head_ptr + k_offs, mask=d_mask[:, None] & n_mask[None, :], other=0.0).to(DOT_DTYPE)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if HAS_K_TAIL:  # the rest of K's columns: [K_TAIL_PAD, BLOCK_N]
+            t_offs = (physical_block * stride_kb + slot_in_block * stride_ks)[None, :] + offs_t[:, None] * stride_kd
+            t_mask = (offs_t < HEAD_DIM)[:, None] & n_mask[None, :]
+            k_tail = tl.load(k_head_ptr + t_offs, mask=t_mask, other=0.0).to(DOT_DTYPE)
+            s += tl.dot(q_tail, k_tail, input_precision=DOT_PRECISION)
+        s = s * sm_scale
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)
         if USE_ALIBI:  # ALiBi: slope * (key position - query position), after scaling and capping
@@ -104,9 +154,9 @@ def _attend_kv_tiles(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
-        # -- acc += p @ v, V loaded as [BLOCK_N, HEAD_DIM_PAD] ------------------------------------
-        v_offs = (physical_block * stride_vb + slot_in_block * stride_vs)[:, None] + offs_d[None, :] * stride_vd
-        v = tl.load(v_head_ptr + v_offs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+        # -- acc += p @ v, V loaded as [BLOCK_N, V_HEAD_DIM_PAD] ----------------------------------
+        v_offs = (physical_block * stride_vb + slot_in_block * stride_vs)[:, None] + offs_v[None, :] * stride_vd
+        v = tl.load(v_head_ptr + v_offs, mask=n_mask[:, None] & v_mask[None, :], other=0.0).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -149,6 +199,46 @@ def dot_dtype_and_precision(query: torch.Tensor, cache_dtype: torch.dtype) -> tu
 def head_dim_pad(head_dim: int) -> int:
     """Block width of the head_dim axis: the next power of two, and at least 16 (tl.dot's minimum)."""
     return max(16, next_power_of_2(head_dim))
+
+
+MAX_HEAD_DIM = 256  # equal widths: a [16, 256] fp32 accumulator plus K/V tiles is the most one program holds
+MAX_V_HEAD_DIM_UNEQUAL = 512  # a latent V (DeepSeek's kv_lora_rank): the [16, 512] fp32 accumulator
+MAX_K_TAIL = 128  # K's columns past V's padded width (DeepSeek's 64 rope columns)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadDimBlocks:
+    """How a kernel tiles K's and V's widths (see the module docstring): the constexprs of ``_attend_kv_tiles``."""
+
+    head_dim_pad: int
+    """K's padded width, or with a tail the width of its first part (V's padded width)."""
+    k_tail_pad: int
+    """Padded width of K's columns past ``head_dim_pad`` (16, unused, without a tail)."""
+    has_k_tail: bool
+    v_head_dim_pad: int
+
+    @property
+    def k_width(self) -> int:
+        """Padded K columns a tile reads: what sizes the key tiles (``tile_rows``)."""
+        return self.head_dim_pad + (self.k_tail_pad if self.has_k_tail else 0)
+
+
+def head_dim_blocks(head_dim: int, v_head_dim: int, kernel: str) -> HeadDimBlocks:
+    """Block widths for K ``head_dim`` and V ``v_head_dim`` wide (equal: one K block, as ever); ``ValueError``
+    naming ``kernel`` for widths past its register budget."""
+    v_pad = head_dim_pad(v_head_dim)
+    if v_head_dim == head_dim:
+        if head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported by the {kernel} kernel")
+        return HeadDimBlocks(v_pad, 16, False, v_pad)
+    if v_head_dim > MAX_V_HEAD_DIM_UNEQUAL or head_dim - v_pad > MAX_K_TAIL:
+        raise ValueError(
+            f"key/value widths {head_dim}/{v_head_dim} are not supported by the {kernel} kernel (V up to "
+            f"{MAX_V_HEAD_DIM_UNEQUAL}, K up to {MAX_K_TAIL} columns past V's padded width)"
+        )
+    if v_pad >= head_dim:  # K fits V's padded width: one K block
+        return HeadDimBlocks(head_dim_pad(head_dim), 16, False, v_pad)
+    return HeadDimBlocks(v_pad, head_dim_pad(head_dim - v_pad), True, v_pad)
 
 
 def tile_rows(head_dim_padded: int, dot_dtype: tl.dtype) -> int:

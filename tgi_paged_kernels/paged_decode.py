@@ -13,7 +13,8 @@ Two schedules, one kernel:
 the block table's width, not ``seq_lens``.
 
 The query heads of one GQA group are the rows of one ``tl.dot`` (padded to 16 rows, tl.dot's
-minimum), so each K/V tile is read from memory once per group. The math is in ``_attention_tiles``.
+minimum), so each K/V tile is read from memory once per group. The math is in ``_attention_tiles``, which
+also takes V narrower than K (multi-head latent attention: outputs are then ``v_head_dim`` wide).
 """
 
 from __future__ import annotations
@@ -24,16 +25,17 @@ import triton.language as tl
 
 from ._attention_tiles import (
     LOG2E,
+    HeadDimBlocks,
     _add_sink,
     _attend_kv_tiles,
+    _load_query_rows,
     dot_dtype_and_precision,
-    head_dim_pad,
+    head_dim_blocks,
     kernel_scales,
     tile_rows,
 )
 from ._checks import AttentionShape, cdiv, check_attention, check_index, check_unit_inner_stride, next_power_of_2
 
-MAX_HEAD_DIM = 256  # a [16, 256] fp32 accumulator plus K/V tiles is the most one program holds in registers
 MAX_SPLITS = 64  # the reduction holds all splits' partial rows of one head at once: 64 x 256 fp32 = 64 KiB
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (query load, partial write, merge) outweighs its reads
 PROGRAMS_PER_SM = 2  # split until about two programs per SM are in flight, so one can load while one computes
@@ -63,7 +65,7 @@ def _paged_decode_kernel(
     stride_oh,
     stride_od,  #
     part_out_ptr,
-    part_lse_ptr,  # split-K only: [B, Hq, NUM_SPLITS, HEAD_DIM], [B, Hq, NUM_SPLITS] fp32
+    part_lse_ptr,  # split-K only: [B, Hq, NUM_SPLITS, V_HEAD_DIM], [B, Hq, NUM_SPLITS] fp32
     sinks_ptr,  # [Hq] sink logits (USE_SINKS); split-K adds them in the reduction instead
     alibi_slopes_ptr,  # [Hq] fp32 ALiBi slopes (USE_ALIBI)
     sm_scale,
@@ -77,7 +79,11 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,  #
+    HEAD_DIM_PAD: tl.constexpr,
+    K_TAIL_PAD: tl.constexpr,
+    HAS_K_TAIL: tl.constexpr,  #
+    V_HEAD_DIM: tl.constexpr,
+    V_HEAD_DIM_PAD: tl.constexpr,  #
     NUM_SPLITS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
@@ -102,12 +108,14 @@ def _paged_decode_kernel(
 
     # -- rows = the query heads of this KV head's group, padded to BLOCK_M ------------------------
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
     q_head = kv_head * QUERIES_PER_KV + offs_m
     row_mask = offs_m < QUERIES_PER_KV
-    io_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q_offs = request * stride_qb + q_head[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(query_ptr + q_offs, mask=io_mask, other=0.0).to(DOT_DTYPE)
+    q, q_tail = _load_query_rows(
+        query_ptr, request * stride_qb + q_head * stride_qh, row_mask, stride_qd,  #
+        BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, K_TAIL_PAD, HAS_K_TAIL, DOT_DTYPE,
+    )  # fmt: skip
+    offs_v = tl.arange(0, V_HEAD_DIM_PAD)
+    io_mask = row_mask[:, None] & (offs_v < V_HEAD_DIM)[None, :]  # output rows: V's width
     q_pos = tl.full((BLOCK_M,), 0, tl.int32) + (seq_len - 1)  # the decode token is the last position
 
     alibi_slope = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -117,6 +125,7 @@ def _paged_decode_kernel(
     # -- online softmax over the key tiles ----------------------------------------------------------
     acc, m_i, l_i = _attend_kv_tiles(
         q,
+        q_tail,
         q_pos,
         kv_lo,
         kv_hi,  #
@@ -138,6 +147,10 @@ def _paged_decode_kernel(
         BLOCK_N,
         HEAD_DIM,
         HEAD_DIM_PAD,
+        K_TAIL_PAD,
+        HAS_K_TAIL,
+        V_HEAD_DIM,
+        V_HEAD_DIM_PAD,
         USE_SOFTCAP,
         USE_WINDOW,
         USE_ALIBI,
@@ -153,11 +166,11 @@ def _paged_decode_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     result = acc * (v_scale / l_safe)[:, None]
     if NUM_SPLITS == 1:
-        out_offs = request * stride_ob + q_head[:, None] * stride_oh + offs_d[None, :] * stride_od
+        out_offs = request * stride_ob + q_head[:, None] * stride_oh + offs_v[None, :] * stride_od
         tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         part_row = (request * NUM_Q_HEADS + q_head) * NUM_SPLITS + split
-        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], result, mask=io_mask)
+        tl.store(part_out_ptr + part_row[:, None] * V_HEAD_DIM + offs_v[None, :], result, mask=io_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # base 2, like m_i
         tl.store(part_lse_ptr + part_row, lse, mask=row_mask)
 
@@ -165,7 +178,7 @@ def _paged_decode_kernel(
 @triton.jit
 def _paged_decode_reduce_kernel(
     part_out_ptr,
-    part_lse_ptr,  # [B, Hq, NUM_SPLITS, HEAD_DIM], [B, Hq, NUM_SPLITS] fp32, contiguous
+    part_lse_ptr,  # [B, Hq, NUM_SPLITS, HEAD_DIM], [B, Hq, NUM_SPLITS] fp32, contiguous (HEAD_DIM: V's width)
     out_ptr,
     stride_ob,
     stride_oh,
@@ -223,15 +236,17 @@ def _num_sms(device: torch.device) -> int:
     return 1  # interpreter: no SMs to fill, so automatic choice stays single pass
 
 
-def _check_decode(shape: AttentionShape, query, k_cache, v_cache, block_tables, seq_lens, out) -> None:
-    """Decode-only checks, on top of ``check_attention``'s."""
+def _check_decode(
+    shape: AttentionShape, query, k_cache, v_cache, block_tables, seq_lens, out
+) -> HeadDimBlocks:  # fmt: skip
+    """Decode-only checks, on top of ``check_attention``'s; returns the kernel's head-dim blocks."""
     batch = shape.num_rows
     check_index("seq_lens", seq_lens, (batch,), query.device)
     if block_tables.shape[0] != batch:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {batch} requests")
-    if shape.cache.head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {shape.cache.head_dim} > {MAX_HEAD_DIM} is not supported by the decode kernel")
+    blocks = head_dim_blocks(shape.cache.head_dim, shape.cache.v_head_dim, "decode")
     check_unit_inner_stride(query=query, k_cache=k_cache, v_cache=v_cache, out=out, block_tables=block_tables)
+    return blocks
 
 
 def _split_plan(
@@ -281,7 +296,7 @@ def _launch_paged_decode(
     ----------
     query : [B, num_q_heads, head_dim], fp16/bf16/fp32, head_dim contiguous
     k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any cache dtype, head_dim
-        contiguous (other strides free)
+        contiguous (other strides free); V may be narrower (``v_head_dim``), e.g. the view ``k_cache[..., :Dv]``
     block_tables : int32 [B, max_blocks], rows contiguous; seq_lens : int32 [B]
     scale, softcap, sliding_window, k_scale, v_scale, out, sinks, alibi_slopes : as ``api.paged_decode_attention``
     num_splits : ``None`` chooses by shape (``choose_num_splits``); 1 forces the single pass; > 1
@@ -289,28 +304,28 @@ def _launch_paged_decode(
 
     Returns
     -------
-    ``out`` (allocated like ``query`` if not given): [B, num_q_heads, head_dim]
+    ``out`` (allocated like ``query`` if not given): [B, num_q_heads, v_head_dim]
     """
     shape = check_attention(
         query, k_cache, v_cache, block_tables,
         softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out, sinks=sinks,
         alibi_slopes=alibi_slopes,
     )  # fmt: skip
-    out = torch.empty_like(query) if out is None else out
-    _check_decode(shape, query, k_cache, v_cache, block_tables, seq_lens, out)
     cache, batch = shape.cache, shape.num_rows
+    if out is None:
+        out = query.new_empty((batch, shape.num_q_heads, cache.v_head_dim))
+    blocks = _check_decode(shape, query, k_cache, v_cache, block_tables, seq_lens, out)
     if batch == 0:
         return out
 
-    dim_pad = head_dim_pad(cache.head_dim)
     dot_dtype, dot_precision = dot_dtype_and_precision(query, k_cache.dtype)
-    block_n = tile_rows(dim_pad, dot_dtype)
+    block_n = tile_rows(blocks.k_width, dot_dtype)
     num_splits, tokens_per_split = _split_plan(
         num_splits, shape, block_tables.shape[1], sliding_window, block_n, query.device
     )
     sm_scale, out_scale = kernel_scales(k_cache.dtype, scale, k_scale, v_scale)
     if num_splits > 1:
-        part_out = torch.empty(batch, shape.num_q_heads, num_splits, cache.head_dim, device=query.device)
+        part_out = torch.empty(batch, shape.num_q_heads, num_splits, cache.v_head_dim, device=query.device)
         part_lse = torch.empty(batch, shape.num_q_heads, num_splits, device=query.device)
     else:
         part_out = part_lse = out  # unused by the single pass; any pointer will do
@@ -327,7 +342,9 @@ def _launch_paged_decode(
         sm_scale, out_scale, softcap, sliding_window or 0, tokens_per_split,  #
         NUM_Q_HEADS=shape.num_q_heads, QUERIES_PER_KV=shape.queries_per_kv,  #
         BLOCK_M=max(16, next_power_of_2(shape.queries_per_kv)),  # 16: tl.dot's minimum rows
-        BLOCK_SIZE=cache.block_size, BLOCK_N=block_n, HEAD_DIM=cache.head_dim, HEAD_DIM_PAD=dim_pad,  #
+        BLOCK_SIZE=cache.block_size, BLOCK_N=block_n, HEAD_DIM=cache.head_dim, HEAD_DIM_PAD=blocks.head_dim_pad,  #
+        K_TAIL_PAD=blocks.k_tail_pad, HAS_K_TAIL=blocks.has_k_tail,  #
+        V_HEAD_DIM=cache.v_head_dim, V_HEAD_DIM_PAD=blocks.v_head_dim_pad,  #
         NUM_SPLITS=num_splits, USE_SOFTCAP=softcap > 0, USE_WINDOW=sliding_window is not None,  #
         USE_SINKS=sinks is not None, USE_ALIBI=alibi_slopes is not None,  #
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,  #
@@ -338,6 +355,6 @@ def _launch_paged_decode(
             out, *out.stride(),  #
             out if sinks is None else sinks,  #
             NUM_Q_HEADS=shape.num_q_heads, NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),  #
-            HEAD_DIM=cache.head_dim, HEAD_DIM_PAD=dim_pad, USE_SINKS=sinks is not None,  #
+            HEAD_DIM=cache.v_head_dim, HEAD_DIM_PAD=blocks.v_head_dim_pad, USE_SINKS=sinks is not None,  #
         )  # fmt: skip
     return out

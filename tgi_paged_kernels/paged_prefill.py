@@ -15,6 +15,8 @@ is flat over tiles of all requests; request ``b``'s tiles start at tile
 ``query_start_loc[b] * queries_per_kv // BLOCK_M + b``, a layout every program computes from
 ``query_start_loc`` alone (no host sync, no extra index tensor). That start is an upper bound on the
 tiles all earlier requests need, so a few programs find no rows and return.
+
+V may be narrower than K (multi-head latent attention); outputs are then ``v_head_dim`` wide.
 """
 
 from __future__ import annotations
@@ -26,14 +28,13 @@ import triton.language as tl
 from ._attention_tiles import (
     _add_sink,
     _attend_kv_tiles,
+    _load_query_rows,
     dot_dtype_and_precision,
-    head_dim_pad,
+    head_dim_blocks,
     kernel_scales,
     tile_rows,
 )
 from ._checks import check_attention, check_index, check_unit_inner_stride, next_power_of_2
-
-MAX_HEAD_DIM = 256  # as for decode: the fp32 accumulator [BLOCK_M, 256] is the register budget's limit
 
 
 @triton.jit
@@ -87,7 +88,11 @@ def _paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,  #
+    HEAD_DIM_PAD: tl.constexpr,
+    K_TAIL_PAD: tl.constexpr,
+    HAS_K_TAIL: tl.constexpr,  #
+    V_HEAD_DIM: tl.constexpr,
+    V_HEAD_DIM_PAD: tl.constexpr,  #
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SINKS: tl.constexpr,  #
@@ -105,14 +110,16 @@ def _paged_prefill_kernel(
     # -- rows: token-major (token, head in group) pairs; their positions -------------------------------
     seq_len = tl.load(seq_lens_ptr + request).to(tl.int32)
     offs_m = row_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
     row_mask = offs_m < q_len * QUERIES_PER_KV
     token = offs_m // QUERIES_PER_KV
     q_head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
     q_pos = seq_len - q_len + token
-    io_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q_offs = (q_start + token)[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(query_ptr + q_offs, mask=io_mask, other=0.0).to(DOT_DTYPE)
+    q, q_tail = _load_query_rows(
+        query_ptr, (q_start + token) * stride_qt + q_head * stride_qh, row_mask, stride_qd,  #
+        BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, K_TAIL_PAD, HAS_K_TAIL, DOT_DTYPE,
+    )  # fmt: skip
+    offs_v = tl.arange(0, V_HEAD_DIM_PAD)
+    io_mask = row_mask[:, None] & (offs_v < V_HEAD_DIM)[None, :]  # output rows: V's width
 
     # -- key range: causal up to the tile's last token, from its first token's window start ----------
     first_pos = seq_len - q_len + row_start // QUERIES_PER_KV
@@ -129,6 +136,7 @@ def _paged_prefill_kernel(
     # -- online softmax over the key tiles -----------------------------------------------------------
     acc, m_i, l_i = _attend_kv_tiles(
         q,
+        q_tail,
         q_pos,
         kv_lo,
         kv_hi,  #
@@ -150,6 +158,10 @@ def _paged_prefill_kernel(
         BLOCK_N,
         HEAD_DIM,
         HEAD_DIM_PAD,
+        K_TAIL_PAD,
+        HAS_K_TAIL,
+        V_HEAD_DIM,
+        V_HEAD_DIM_PAD,
         USE_SOFTCAP,
         USE_WINDOW,
         USE_ALIBI,
@@ -164,7 +176,7 @@ def _paged_prefill_kernel(
         acc, m_i, l_i = _add_sink(acc, m_i, l_i, sink)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     result = acc * (v_scale / l_safe)[:, None]
-    out_offs = (q_start + token)[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :] * stride_od
+    out_offs = (q_start + token)[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_v[None, :] * stride_od
     tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
@@ -191,14 +203,14 @@ def _launch_paged_prefill(
     ----------
     query : [num_tokens, num_q_heads, head_dim], fp16/bf16/fp32, head_dim contiguous
     k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], any cache dtype, head_dim
-        contiguous (other strides free)
+        contiguous (other strides free); V may be narrower (``v_head_dim``), e.g. the view ``k_cache[..., :Dv]``
     block_tables : int32 [B, max_blocks], rows contiguous
     query_start_loc : int32 [B + 1]; seq_lens : int32 [B]
     scale, softcap, sliding_window, k_scale, v_scale, out, sinks, alibi_slopes : as ``api.paged_prefill_attention``
 
     Returns
     -------
-    ``out`` (allocated like ``query`` if not given): [num_tokens, num_q_heads, head_dim]
+    ``out`` (allocated like ``query`` if not given): [num_tokens, num_q_heads, v_head_dim]
     """
     shape = check_attention(
         query, k_cache, v_cache, block_tables,
@@ -211,16 +223,15 @@ def _launch_paged_prefill(
     check_index("query_start_loc", query_start_loc, (num_requests + 1,), query.device)
     if block_tables.shape[0] != num_requests:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_requests} requests")
-    if cache.head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {cache.head_dim} > {MAX_HEAD_DIM} is not supported by the Triton prefill kernel")
-    out = torch.empty_like(query) if out is None else out
+    blocks = head_dim_blocks(cache.head_dim, cache.v_head_dim, "Triton prefill")
+    if out is None:
+        out = query.new_empty((shape.num_rows, shape.num_q_heads, cache.v_head_dim))
     check_unit_inner_stride(query=query, k_cache=k_cache, v_cache=v_cache, out=out, block_tables=block_tables)
     if num_requests == 0 or shape.num_rows == 0:
         return out
 
-    dim_pad = head_dim_pad(cache.head_dim)
     dot_dtype, dot_precision = dot_dtype_and_precision(query, k_cache.dtype)
-    block_m = tile_rows(dim_pad, dot_dtype)
+    block_m = tile_rows(blocks.k_width, dot_dtype)
     # Tiles: request b gets tiles [qsl[b] * G // BLOCK_M + b, qsl[b+1] * G // BLOCK_M + b + 1).
     num_tiles = shape.num_rows * shape.queries_per_kv // block_m + num_requests
     sm_scale, out_scale = kernel_scales(k_cache.dtype, scale, k_scale, v_scale)
@@ -235,8 +246,10 @@ def _launch_paged_prefill(
         out if alibi_slopes is None else alibi_slopes,  #
         sm_scale, out_scale, softcap, sliding_window or 0,  #
         QUERIES_PER_KV=shape.queries_per_kv, BLOCK_M=block_m, REQUESTS_PAD=next_power_of_2(num_requests),  #
-        BLOCK_SIZE=cache.block_size, BLOCK_N=tile_rows(dim_pad, dot_dtype), HEAD_DIM=cache.head_dim,  #
-        HEAD_DIM_PAD=dim_pad, USE_SOFTCAP=softcap > 0, USE_WINDOW=sliding_window is not None,  #
+        BLOCK_SIZE=cache.block_size, BLOCK_N=block_m, HEAD_DIM=cache.head_dim,  #
+        HEAD_DIM_PAD=blocks.head_dim_pad, K_TAIL_PAD=blocks.k_tail_pad, HAS_K_TAIL=blocks.has_k_tail,  #
+        V_HEAD_DIM=cache.v_head_dim, V_HEAD_DIM_PAD=blocks.v_head_dim_pad,  #
+        USE_SOFTCAP=softcap > 0, USE_WINDOW=sliding_window is not None,  #
         USE_SINKS=sinks is not None, USE_ALIBI=alibi_slopes is not None,  #
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,  #
     )  # fmt: skip

@@ -2,7 +2,8 @@
 and V is the strided view ``k_cache[..., :Dv]``; queries are ``Dk`` wide, outputs ``Dv``. The CPU paths
 (native kernel or its torch fallback, compiled, SDPA) against the reference, MQA (every query head on one KV
 head) and GQA, fp32/bf16/fp8 pools, NaN-poisoned unowned slots; key-only ``store_kv``; a separate narrower
-(not a view) V pool with its own fp8 scale; and equal widths unchanged.
+(not a view) V pool with its own fp8 scale; the Triton kernels under the interpreter (K split in two
+dots past V's padded width).
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import pytest
 import torch
 
 from tgi_paged_kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from tgi_paged_kernels._attention_tiles import HeadDimBlocks, head_dim_blocks
 from tgi_paged_kernels.kv_store import _launch_store_kv
+from tgi_paged_kernels.paged_decode import _launch_paged_decode
+from tgi_paged_kernels.paged_prefill import _launch_paged_prefill
 from tgi_paged_kernels.reference import (
     paged_decode_attention_reference,
     paged_prefill_attention_reference,
@@ -177,3 +181,66 @@ def test_native_decode_of_a_latent_pool_at_a_deepseek_width(native, kv_dtype):
                                   None, 0.25, 0.25)  # fmt: skip
     assert got.shape == (2, 16, 512)
     assert_attention_close(got, paged_decode_attention_reference(*args, **options), torch.float32)
+
+
+# (num_q_heads, num_kv_heads, Dk, Dv, block_size, query dtype, kv dtype): Dk 48 = 32 + a 16-wide tail dot,
+# Dk 24 / Dv 20 fits V's padded 32 (one K block), fp8 with fp16 queries.
+TRITON_CASES = [
+    (4, 1, 24, 16, 4, torch.float32, torch.float32),
+    (4, 1, 48, 32, 8, torch.float16, torch.float8_e4m3fn),
+    (6, 2, 24, 20, 4, torch.float16, torch.float16),
+]
+TRITON_IDS = [f"{c[0]}q{c[1]}kv-k{c[2]}v{c[3]}-{str(c[6]).split('.')[-1]}" for c in TRITON_CASES]
+
+
+def _triton_case(case, lens):
+    num_q_heads, num_kv_heads, dk, dv, block_size, q_dtype, kv_dtype = case
+    kv = make_paged_kv(lens, num_kv_heads=num_kv_heads, head_dim=dk, block_size=block_size, kv_dtype=kv_dtype,
+                       k_scale=0.5, latent_v_head_dim=dv)  # fmt: skip
+    return kv, dict(scale=dk**-0.5, k_scale=0.5, v_scale=0.5)
+
+
+def test_head_dim_blocks_split_k_past_v():
+    assert head_dim_blocks(128, 128, "decode") == HeadDimBlocks(128, 16, False, 128)  # equal widths: as ever
+    assert head_dim_blocks(576, 512, "decode") == HeadDimBlocks(512, 64, True, 512)  # DeepSeek: 512 + 64
+    assert head_dim_blocks(24, 20, "decode") == HeadDimBlocks(32, 16, False, 32)
+    with pytest.raises(ValueError, match="not supported by the decode kernel"):
+        head_dim_blocks(320, 320, "decode")
+    with pytest.raises(ValueError, match="key/value widths"):
+        head_dim_blocks(1024, 512, "decode")
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=TRITON_IDS)
+@pytest.mark.parametrize("num_splits", [1, 2])  # 2: split-K, partial outputs and their merge Dv wide
+def test_triton_decode_with_a_narrower_value(case, num_splits):
+    kv, options = _triton_case(case, [1, 9, 30])
+    query = torch.randn(3, case[0], case[2]).to(case[5])
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+    options.update(softcap=15.0, sinks=torch.randn(case[0]))
+    got = _launch_paged_decode(*args, num_splits=num_splits, **options)
+    assert got.shape == (3, case[0], case[3]) and got.dtype == case[5]
+    assert_attention_close(got, paged_decode_attention_reference(*args, **options), case[5])
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=TRITON_IDS)
+def test_triton_prefill_with_a_narrower_value(case):
+    kv, options = _triton_case(case, [5, 20])
+    starts = query_start_loc([5, 7])  # a whole prompt and an extend over a cached prefix
+    query = torch.randn(12, case[0], case[2]).to(case[5])
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, starts, kv.seq_lens)
+    out = torch.empty(12, case[0], case[3], dtype=case[5])
+    assert _launch_paged_prefill(*args, out=out, sliding_window=6, **options) is out
+    assert_attention_close(out, paged_prefill_attention_reference(*args, sliding_window=6, **options), case[5])
+
+
+def test_triton_decode_and_prefill_at_a_deepseek_width():
+    """Dk = 576 (512 latent + 64 rope) as a 512 + 64 dot, Dv = 512, 16 query heads on one latent head, fp16."""
+    kv = make_paged_kv([3, 20], num_kv_heads=1, head_dim=576, block_size=16, kv_dtype=torch.float16,
+                       latent_v_head_dim=512)  # fmt: skip
+    query = torch.randn(2, 16, 576).half()
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+    expected = paged_decode_attention_reference(*args, scale=192**-0.5)
+    assert_attention_close(_launch_paged_decode(*args, scale=192**-0.5), expected, torch.float16)
+    starts = query_start_loc([1, 1])  # prefill of one token per request: the decode's answer again
+    got = _launch_paged_prefill(query, kv.k_cache, kv.v_cache, kv.block_tables, starts, kv.seq_lens, scale=192**-0.5)
+    assert_attention_close(got, expected, torch.float16)
