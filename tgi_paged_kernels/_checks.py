@@ -84,6 +84,17 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVCacheShape
     return KVCacheShape(num_blocks, block_size, num_kv_heads, head_dim, v_head_dim=v_cache.shape[3])
 
 
+def value_views_key(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``v_cache`` is ``k_cache[..., :v_head_dim]`` (a latent cache: V is the first columns of K's entries)."""
+    return (
+        v_cache.data_ptr() == k_cache.data_ptr()
+        and v_cache.stride() == k_cache.stride()
+        and v_cache.dtype == k_cache.dtype
+        and v_cache.shape[:3] == k_cache.shape[:3]
+        and v_cache.shape[3] <= k_cache.shape[3]
+    )
+
+
 def check_index(name: str, tensor: torch.Tensor, shape: tuple[int, ...] | None, device: torch.device) -> None:
     """Check an index tensor (slots, block tables, lengths): int32/int64, on ``device``, of ``shape``."""
     if tensor.dtype not in INDEX_DTYPES:

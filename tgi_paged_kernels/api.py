@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from . import torch_impl
-from ._checks import check_attention, check_index, check_kv_cache, check_store
+from ._checks import check_attention, check_index, check_kv_cache, check_store, value_views_key
 from .block_copy import check_block_pairs, swap_blocks_torch
 from .cpu_attention import DecodeGather, plan_decode_gather  # noqa: F401 - public: the CPU decode's per-step plan
 from .fp8_gemm import fp8_linear  # noqa: F401 - public here like the others (Triton on CUDA, torch elsewhere)
@@ -206,12 +206,15 @@ def copy_blocks(
 
     Parameters
     ----------
-    k_caches, v_caches : per layer, [num_blocks, block_size, num_kv_heads, head_dim]
+    k_caches, v_caches : per layer, [num_blocks, block_size, num_kv_heads, head_dim] (V: ``v_head_dim``); a
+        latent layer's V, the view ``k_cache[..., :v_head_dim]``, is copied with its K (its pool once more)
     src, dst : int [num_pairs] block ids (moved to the pool's device if needed); ``dst`` distinct
         and disjoint from ``src``
     """
     if not k_caches:
         return
+    # A V view of K has no whole blocks of its own to copy (the Triton copy needs them): copy K in its place.
+    v_caches = [k if value_views_key(k, v) else v for k, v in zip(k_caches, v_caches, strict=True)]
     device = k_caches[0].device
     src, dst = src.to(device), dst.to(device)
     if device.type == "cuda":

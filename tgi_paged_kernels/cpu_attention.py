@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._checks import cdiv
+from ._checks import cdiv, value_views_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,13 +95,7 @@ def plan_decode_gather(
 def value_is_key_prefix(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float) -> bool:
     """Whether ``v_cache`` is ``k_cache[..., :v_head_dim]`` read with the same scale (a latent cache), so V can be
     sliced from K once K is gathered and dequantized instead of being gathered again."""
-    return (
-        v_cache.data_ptr() == k_cache.data_ptr()
-        and v_cache.stride() == k_cache.stride()
-        and v_cache.dtype == k_cache.dtype
-        and v_cache.shape[:3] == k_cache.shape[:3]
-        and k_scale == v_scale
-    )
+    return value_views_key(k_cache, v_cache) and k_scale == v_scale
 
 
 def gather_decode_kv(cache: torch.Tensor, gather: DecodeGather, scale: float) -> torch.Tensor:

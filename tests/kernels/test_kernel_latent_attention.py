@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tgi_paged_kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from tgi_paged_kernels import copy_blocks, paged_decode_attention, paged_prefill_attention, store_kv
 from tgi_paged_kernels._attention_tiles import HeadDimBlocks, head_dim_blocks
+from tgi_paged_kernels.block_copy import _launch_copy_blocks
 from tgi_paged_kernels.kv_store import _launch_store_kv
 from tgi_paged_kernels.paged_decode import _launch_paged_decode
 from tgi_paged_kernels.paged_prefill import _launch_paged_prefill
@@ -244,3 +245,16 @@ def test_triton_decode_and_prefill_at_a_deepseek_width():
     starts = query_start_loc([1, 1])  # prefill of one token per request: the decode's answer again
     got = _launch_paged_prefill(query, kv.k_cache, kv.v_cache, kv.block_tables, starts, kv.seq_lens, scale=192**-0.5)
     assert_attention_close(got, expected, torch.float16)
+
+
+def test_copy_blocks_of_a_latent_layer_copies_the_entries():
+    """A latent layer's V view has no whole blocks: ``copy_blocks`` copies its K in its place (the Triton copy
+    then gets K twice, which it takes)."""
+    k_cache = torch.randn(5, 4, 1, 24)
+    expected = k_cache.clone()
+    expected[[3, 4]] = expected[[0, 2]]
+    copy_blocks([k_cache], [k_cache[..., :16]], torch.tensor([0, 2]), torch.tensor([3, 4]))
+    assert torch.equal(k_cache, expected)
+    _launch_copy_blocks([k_cache], [k_cache], torch.tensor([1]), torch.tensor([0]))  # the interpreter, as on CUDA
+    expected[0] = expected[1]
+    assert torch.equal(k_cache, expected)
