@@ -94,7 +94,7 @@ def main() -> None:
         ready = time.monotonic() - started
         with HttpStack(uds, model, config=ApiConfig(model_id="tgi")) as stack:
             rows = []
-            for i, content in enumerate(prompts):
+            for content in prompts:
                 before = prefill_seconds(metrics_port)
                 ttft = ttft_of_chat(stack.base_url, content, args.max_new_tokens)
                 shard = prefill_seconds(metrics_port) - before
