@@ -4,7 +4,8 @@ must not break a move issued before it:
 
 - a disk fetch at admission writes host rows at once: it must not reuse the rows of an entry an earlier
   request of the same batch is about to load (the load would read the fetched bytes), nor rows a pending
-  offload is about to write (the offload would overwrite the fetched bytes);
+  offload is about to write (the offload would overwrite the fetched bytes), nor the rows of the prompt's
+  own chain head (the fetched tail would hang from nothing);
 - a swap-out in the step that loads the swapped request's prefix copies the loaded blocks after the
   loads;
 - an entry is landed (loadable, written through to disk) only once the step that ran its offload has
@@ -97,3 +98,36 @@ def test_a_swap_out_never_copies_a_block_before_its_load(tiny_llama_dir):
     assert all(k.index("out") > max(i for i, x in enumerate(k) if x == "load") for k in kinds if "out" in k)
     assert engine.stats.preemptions.get("swap", 0) > 0, engine.stats.preemptions
     assert dict(driver.tokens) == want
+
+
+def test_a_disk_fetch_never_evicts_the_head_of_its_own_chain(tiny_llama_dir, tmp_path):
+    """The prompt's first blocks are in the host tier, the rest on disk, and the tier is one row short: the
+    fetch stops short instead of evicting the chain's head (which would leave nothing loadable)."""
+    off = build(tiny_llama_dir)
+    words = make_text(950, 40).split()
+    full = " ".join(words)
+    ids = off.prompt_tokenizer.encode(full, 10_000, True)
+    heads = (" ".join(words[:w]) for w in range(1, len(words)))
+    head = next(  # a prompt whose tokens start full's and cover exactly its first 2 blocks
+        h
+        for h in heads
+        if _full_blocks(off, h) == 2 and (t := off.prompt_tokenizer.encode(h, 10_000, True)) == ids[: len(t)]
+    )
+    driver = RouterDriver(off)
+    driver.run(_batch(100, (full,), 4))
+    want = dict(driver.tokens)
+    n = _full_blocks(off, full)
+    assert n >= 4 and _full_blocks(off, head) == 2
+    writer = build(tiny_llama_dir, host_rows=64, TGI_PAGED_DISK_CACHE_DIR=str(tmp_path))
+    RouterDriver(writer).run(_batch(10, (full,), 1))
+    writer.close()  # full's chain on disk
+    engine = build(tiny_llama_dir, host_rows=n - 1, TGI_PAGED_DISK_CACHE_DIR=str(tmp_path))
+    RouterDriver(engine).run(_batch(20, (head,), 1))  # the head: disk -> host -> pool
+    tiers = engine.kv.tiers
+    assert tiers.evict_retained(10_000) > 0 and tiers.host.num_entries == 2  # only the host tier holds it now
+    hits = engine.stats.prefix_hit_tokens
+    driver = RouterDriver(engine)
+    driver.run(_batch(100, (full,), 4))
+    assert dict(driver.tokens) == want
+    assert engine.stats.prefix_hit_tokens - hits >= (n - 1) * BS, "the chain's head was evicted by its own fetch"
+    tiers.host.check_invariants()

@@ -145,6 +145,11 @@ class TierIO:
         reads = reads[: agree(len(reads))]
         if reads:  # the rows reserved below are written now, not in the step's copy order
             self.flush(kv)
+        # The prompt's own chain in the host tier is pinned too: evicting its head for its tail would
+        # break the chain the fetched blocks hang from (the load would find neither).
+        held = [e.block.key for e in kv.tiers.host_chain(token_ids, chain_root(namespace), None)[1]] if reads else []
+        for key in held:
+            kv.tiers.host.pin(key)
         entries, payloads = [], []
         for block, mask, payload in reads:  # pinned, so a later reserve never takes an earlier one's rows
             entry = kv.tiers.host.reserve(block, mask)
@@ -153,6 +158,8 @@ class TierIO:
             kv.tiers.host.pin(block.key)
             entries.append(entry)
             payloads.append(payload)
+        for key in held:
+            kv.tiers.host.unpin(key)
         if entries:  # one indexed write per arena tensor for all the blocks
             self.pool.write_host_rows([r for e in entries for r in e.used_rows], np.concatenate(payloads))
         for entry, payload in zip(entries, payloads):
