@@ -68,6 +68,8 @@ class ValidRequest:
     ignore_eos_token: bool
     top_n_tokens: int
     adapter_id: str | None
+    chunks: tuple[Any, ...] = ()
+    """For a VLM config: the text and ``images.ImageChunk`` chunks in order (empty: one text chunk)."""
 
 
 @dataclass(frozen=True)

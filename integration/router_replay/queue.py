@@ -35,6 +35,16 @@ from .datatypes import Entry, ValidRequest
 U32 = 0xFFFFFFFF
 
 
+def input_chunks(request: ValidRequest) -> list[pb.InputChunk]:
+    """The request's chunks in order (images as ``Image{data, mimetype}``), or its text as one chunk."""
+    if not request.chunks:
+        return [pb.InputChunk(text=request.inputs)]
+    return [
+        pb.InputChunk(text=c) if isinstance(c, str) else pb.InputChunk(image=pb.Image(data=c.data, mimetype=c.mimetype))
+        for c in request.chunks
+    ]
+
+
 def request_to_pb(
     request_id: int, request: ValidRequest, allocation: BlockAllocation | None, chunk_len: int | None
 ) -> pb.Request:
@@ -43,7 +53,7 @@ def request_to_pb(
     message = pb.Request(
         id=request_id,
         inputs=request.inputs,
-        input_chunks=pb.Input(chunks=[pb.InputChunk(text=request.inputs)]),
+        input_chunks=pb.Input(chunks=input_chunks(request)),
         truncate=request.truncate,
         add_special_tokens=request.add_special_tokens,
         parameters=pb.NextTokenChooserParameters(

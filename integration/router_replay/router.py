@@ -18,6 +18,7 @@ from .batching import Batcher, BatchingConfig
 from .client import ClientError, ShardedClient
 from .datatypes import Entry, Failure, GenerateParameters, ResponseChannel, ValidRequest
 from .errors import OverloadedError, RouterFatalError, RouterStartupError, ValidationError
+from .images import placeholder_rule_for
 from .info import RouterInfo, RouterStats
 from .queue import Queue
 from .stream import GenerationStream
@@ -88,13 +89,17 @@ def check_startup_args(
 class Router:
     """Create with :meth:`connect`; see the package docstring for the API."""
 
-    def __init__(self, client: ShardedClient, info: RouterInfo, tokenizer: Any, strict: bool) -> None:
+    def __init__(
+        self, client: ShardedClient, info: RouterInfo, tokenizer: Any, strict: bool, image_rule: Any = None
+    ) -> None:
         self._client = client
         self.info = info
         self.tokenizer = tokenizer
         self.strict = strict
         self._stats = RouterStats()
-        self._validator = Validator(tokenizer, ValidationLimits(info.max_input_tokens, info.max_total_tokens))
+        self._validator = Validator(
+            tokenizer, ValidationLimits(info.max_input_tokens, info.max_total_tokens), image_rule
+        )
         self._queue = Queue(
             requires_padding=info.requires_padding,
             block_size=info.block_size,
@@ -217,7 +222,8 @@ class Router:
             block_size=shard_info.block_size,
             shard_urls=tuple(client.urls),
         )
-        return cls(client, info, await asyncio.to_thread(load_tokenizer, tokenizer), strict)
+        image_rule = await asyncio.to_thread(placeholder_rule_for, tokenizer)  # a VLM's images become chunks
+        return cls(client, info, await asyncio.to_thread(load_tokenizer, tokenizer), strict, image_rule)
 
     # -- requests ----------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ counts ``input_length`` with the model's tokenizer: ``min(len(ids), truncate)`` 
 ``truncate``, else ``len(ids)``; ``input_ids`` are the **last** ``input_length`` ids of the encoding
 (so a leading BOS is cut by left truncation). Each scheduled leg gets at most 1024 new tokens; the
 client's total (or ``max_total_tokens - input_length``) is kept for continuation legs. A JSON-schema
-grammar is checked and compiled to a regex last (:mod:`.grammar`), as stock does after tokenization.
+grammar is checked and compiled to a regex last (:mod:`.grammar`), as stock does after tokenization. For a
+VLM config, markdown images become image chunks and count as their placeholder text (:mod:`.images`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from .datatypes import GenerateParameters, ValidRequest
 from .errors import ValidationError
 from .grammar import SchemaGrammar, grammar_regex
+from .images import MARKDOWN_IMAGE, PlaceholderRule, chunks_to_string, split_inputs
 
 DEFAULT_GENERATION_LENGTH = 1024
 
@@ -53,9 +55,12 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
 
 
 class Validator:
-    def __init__(self, tokenizer: Any, limits: ValidationLimits) -> None:
+    """``image_rule``: a VLM config's placeholder text per image (:mod:`.images`); ``None``: images are text."""
+
+    def __init__(self, tokenizer: Any, limits: ValidationLimits, image_rule: PlaceholderRule | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.image_rule = image_rule
 
     async def validate(self, inputs: str, params: GenerateParameters) -> ValidRequest:
         limits = self.limits
@@ -105,7 +110,12 @@ class Validator:
                 f"`truncate` must be strictly positive and less than {limits.max_input_tokens}. Given: {truncate}"
             )
 
-        ids = await asyncio.to_thread(encode, self.tokenizer, inputs, params.add_special_tokens)
+        chunks: tuple = ()
+        counted = inputs  # what input_length counts: a VLM's images as their placeholder text
+        if self.image_rule is not None and MARKDOWN_IMAGE.search(inputs):
+            parts, counted = await asyncio.to_thread(split_inputs, inputs, self.image_rule)
+            chunks, inputs = tuple(parts), chunks_to_string(parts)
+        ids = await asyncio.to_thread(encode, self.tokenizer, counted, params.add_special_tokens)
         input_length = min(len(ids), truncate) if truncate is not None else len(ids)
         if params.max_new_tokens is not None:
             max_new_tokens = min(params.max_new_tokens, DEFAULT_GENERATION_LENGTH)
@@ -150,4 +160,5 @@ class Validator:
             ignore_eos_token=params.ignore_eos_token,
             top_n_tokens=top_n_tokens,
             adapter_id=params.adapter_id,
+            chunks=chunks,
         )
