@@ -6,10 +6,11 @@ torch SDPA baseline on identical data (and FlashInfer's paged decode when it is 
     python examples/bench_paged_attention.py --check-only # just the checks (a GPU-session smoke test)
 
 Shapes: batch {1, 32, 256} x context {512, 4096, 32768}, fp16, 32 query heads / 8 KV heads,
-head_dim 128, block size 16, physical blocks shuffled. Decode reads every K/V byte of every
-request once, so bytes moved / time against the device's peak DRAM bandwidth is the figure of
-merit. Shapes whose pool plus the baseline's contiguous copy do not fit in free memory are skipped.
-Without CUDA it says so and exits 0.
+head_dim 128, block size 16, physical blocks shuffled; then the same grid for latent (MLA) decode: 16 query
+heads over one 576-wide latent entry whose first 512 columns are V (DeepSeek-V3 per rank at TP=8).
+Decode reads every K/V byte of every request once, so bytes moved / time against the device's peak
+DRAM bandwidth is the figure of merit. Shapes whose pool plus the baseline's contiguous copy do not fit
+in free memory are skipped. Without CUDA it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ CHECK_CASES = [  # overrides of the base case: fp16, D=128, block 16, 32/8 heads
     {"heads": (9, 3)}, {"heads": (8, 1)}, {"heads": (4, 4)},
     {"softcap": 30.0}, {"sliding_window": 100}, {"softcap": 5.0, "sliding_window": 1000, "num_splits": 4},
     {"interleaved": True},
+    # multi-head latent attention (DeepSeek-V2/V3): one latent KV head of 576, V its first 512 columns
+    {"heads": (16, 1), "head_dim": 576, "latent": 512}, {"heads": (16, 1), "head_dim": 576, "latent": 512,
+    "kv_dtype": torch.float8_e4m3fn}, {"heads": (128, 1), "head_dim": 576, "latent": 512, "q_dtype": torch.bfloat16},
 ]  # fmt: skip
 
 
@@ -85,10 +89,12 @@ def check_attention_case(kind: str, case: dict, device: torch.device) -> None:
     num_q_heads, num_kv_heads = case.get("heads", (32, 8))
     head_dim = case.get("head_dim", 128)
     seq_lens, query_lens = CHECK_SEQ_LENS, CHECK_QUERY_LENS
+    latent = case.get("latent")  # V is the first `latent` columns of K (one stored entry, one scale)
+    scales = (0.5, 0.5 if latent else 2.0) if kv_dtype != q_dtype else (1.0, 1.0)
     kv = make_paged_kv(
         seq_lens, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=case.get("block_size", 16),
-        kv_dtype=kv_dtype, device=device, k_scale=0.5 if kv_dtype != q_dtype else 1.0,
-        v_scale=2.0 if kv_dtype != q_dtype else 1.0, interleaved=case.get("interleaved", False),
+        kv_dtype=kv_dtype, device=device, k_scale=scales[0], v_scale=scales[1],
+        interleaved=case.get("interleaved", False), latent_v_head_dim=latent,
     )  # fmt: skip
     kwargs = dict(scale=head_dim**-0.5, softcap=case.get("softcap", 0.0), sliding_window=case.get("sliding_window"),
                   k_scale=kv.k_scale, v_scale=kv.v_scale)  # fmt: skip
@@ -230,6 +236,39 @@ def bench_shape(batch: int, context: int, device: torch.device, peak: float, use
     torch.cuda.empty_cache()
 
 
+LATENT_HEADS, LATENT_DK, LATENT_DV = 16, 576, 512
+"""DeepSeek-V3's latent decode per rank at TP=8: 16 query heads over one 576-wide latent entry, V its first 512."""
+
+
+def bench_latent_shape(batch: int, context: int, device: torch.device, peak: float) -> None:
+    """Latent (MLA) decode: bytes moved (the latent once, query, output) over time, against the peak."""
+    import triton.testing
+
+    kv_bytes = batch * context * LATENT_DK * 2
+    if kv_bytes * 1.1 > torch.cuda.mem_get_info(device)[0]:
+        print(f"{batch:6d} {context:8d}  skipped: needs {kv_bytes / 2**30:.0f} GiB")
+        return
+    kv = make_paged_kv([context] * batch, num_kv_heads=1, head_dim=LATENT_DK, block_size=BLOCK_SIZE,
+                       kv_dtype=torch.float16, device=device, poison=False, num_spare_blocks=0,
+                       latent_v_head_dim=LATENT_DV)  # fmt: skip
+    query = torch.randn(batch, LATENT_HEADS, LATENT_DK, device=device, dtype=torch.float16)
+    out = torch.empty(batch, LATENT_HEADS, LATENT_DV, device=device, dtype=torch.float16)
+    moved = kv_bytes + (query.numel() + out.numel()) * 2 + kv.block_tables.numel() * 4
+    ms = triton.testing.do_bench(
+        lambda: paged_decode_attention(
+            query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale=192**-0.5, out=out
+        ),  # fmt: skip
+        warmup=10,
+        rep=50,
+        return_mode="median",
+    )
+    bandwidth = moved / (ms * 1e-3)
+    share = 100 * bandwidth / peak
+    print(f"{batch:6d} {context:8d}  latent {ms * 1e3:8.1f} us {bandwidth / 1e9:6.0f} GB/s {share:5.1f} %")
+    kv = None
+    torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="run kernel-vs-reference checks on CUDA first")
@@ -253,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     for batch in args.batch:
         for context in args.context:
             bench_shape(batch, context, device, peak, not args.no_flashinfer)
+    print(f"latent (MLA) decode: {LATENT_HEADS} q heads over one {LATENT_DK}-wide latent, V {LATENT_DV}, fp16")
+    for batch in args.batch:
+        for context in args.context:
+            bench_latent_shape(batch, context, device, peak)
     print(f"benchmark took {time.perf_counter() - start:.0f} s")
     return 0
 

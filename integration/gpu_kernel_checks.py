@@ -139,5 +139,8 @@ def phase_kernels(budget, device: torch.device) -> bool:
             print(f"peak {source}")
             for batch, context in ((1, 32768), (32, 4096), (256, 4096), (64, 32768)):
                 bench.bench_shape(batch, context, device, peak, use_flashinfer=True)
+            print("latent (MLA) decode, 16 q heads, 576/512:")
+            for batch, context in ((32, 4096), (64, 32768)):
+                bench.bench_latent_shape(batch, context, device, peak)
     torch.cuda.empty_cache()  # leave the device's memory to the shard's Warmup
     return failures == 0 and not_run == 0 and linear_failures == 0
