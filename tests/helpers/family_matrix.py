@@ -71,10 +71,7 @@ SPECULATE = 3
 """``--speculate`` of the speculate scenario (drafts from an oracle, preemption by recompute)."""
 BLOCK_SIZE = 4
 
-REFUSED: dict[str, str] = {
-    "DeepSeek-V2": "multi-head latent attention",
-    "DeepSeek-V3": "multi-head latent attention",
-}
+REFUSED: dict[str, str] = {}
 """Families the backend refuses at start, and a phrase the refusal must contain."""
 
 

@@ -316,10 +316,11 @@ FAMILIES: tuple[Family, ...] = (
             num_experts_per_tok=2,
             first_k_dense_replace=1,
             moe_intermediate_size=32,
-            n_group=1,
+            topk_method="group_limited_greedy",
+            n_group=2,
             topk_group=1,
         ),
-        "multi-head latent attention",
+        "multi-head latent attention (latent paged), shared experts, group-limited top-k, first layer dense",
     ),
     Family(
         "DeepSeek-V3",
@@ -336,10 +337,22 @@ FAMILIES: tuple[Family, ...] = (
             num_experts_per_tok=2,
             first_k_dense_replace=1,
             moe_intermediate_size=32,
-            n_group=1,
+            n_group=2,
             topk_group=1,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=64,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
         ),
-        "multi-head latent attention",
+        "multi-head latent attention (latent paged), q LoRA, interleaved RoPE, yarn mscale, grouped top-k with "
+        "correction bias, shared experts, first layer dense",
+        param_std={"e_score_correction_bias": 0.2},
     ),
 )
 """The issue's families, in the issue's order, then the stretch ones."""

@@ -116,7 +116,8 @@ def write_model_from_config(
 
     Every weight is drawn from ``seed``: norm scales (and layernorm biases) ``1 + 0.1 N(0, 1)``, the rest
     ``initializer_range N(0, 1)``, or ``param_std[suffix] N(0, 1)`` for names ending in a key of
-    ``param_std`` (weights whose effect a test must see, e.g. attention sinks).
+    ``param_std`` (weights whose effect a test must see, e.g. attention sinks; buffers too, e.g. DeepSeek-V3's
+    routing correction bias).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -138,6 +139,10 @@ def write_model_from_config(
                     param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
                 else:
                     param.copy_(std * torch.randn(param.shape, generator=generator))
+            for name, buffer in sorted(model.named_buffers()):  # e.g. DeepSeek-V3's routing correction bias
+                special = [s for suffix, s in (param_std or {}).items() if name.endswith(suffix)]
+                if special:
+                    buffer.copy_(special[0] * torch.randn(buffer.shape, generator=generator))
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
     )

@@ -196,17 +196,22 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    values_in_keys: bool = False,
 ) -> torch.Tensor:
     """Store layer ``layer_idx``'s new K/V (``[T, Hkv, D]``) in the pool and attend with ``q`` (``[T, Hq, D]``).
 
     The core shared by the HF hook (:func:`paged_attention_forward`) and the fused attention modules
     (:mod:`tgi_paged_backend.runner.cpu.fused_blocks`) and the ALiBi attention modules
-    (:mod:`tgi_paged_backend.runner.model.alibi`, ``alibi_slopes``: fp32 ``[Hq]``). Returns ``[T, Hq, D]`` in
-    ``q``'s dtype.
+    (:mod:`tgi_paged_backend.runner.model.alibi`, ``alibi_slopes``: fp32 ``[Hq]``) and the latent attention
+    (:mod:`tgi_paged_backend.runner.model.mla`, ``values_in_keys``: ``v`` is the first ``Dv`` columns of ``k``,
+    the pool holds one tensor, and the layer's value cache is the view of its first ``Dv`` columns). Returns
+    ``[T, Hq, Dv]`` in ``q``'s dtype.
     """
     if metadata.layer_calls is not None:  # probe: which layers reach us, nothing computed
         metadata.layer_calls.append(layer_idx)
         return q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
+    if values_in_keys:
+        return _latent_attention(metadata, layer_idx, q, k, v.shape[-1], scaling)
     k_cache, v_cache = metadata.k_caches[layer_idx], metadata.v_caches[layer_idx]
     batch = metadata.batch
     slot_mapping, block_tables = metadata.tables(layer_idx)
@@ -235,6 +240,30 @@ def paged_attention(
     return tgi_paged_kernels.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, batch.query_start_loc, batch.seq_lens, new_kv=(k, v), **options
     )
+
+
+def _latent_attention(
+    metadata: PagedAttentionMetadata, layer_idx: int, q: torch.Tensor, entry: torch.Tensor, dv: int, scaling: float
+) -> torch.Tensor:
+    """Multi-head latent attention over the layer's one pool tensor: store ``entry`` (``[T, 1, Dk]``) once, attend
+    with the entry as key and its first ``dv`` columns as value; ``[T, Hq, dv]``."""
+    cache = metadata.k_caches[layer_idx]
+    batch = metadata.batch
+    slot_mapping, block_tables = metadata.tables(layer_idx)
+    scale = metadata.k_scale  # one tensor, one scale for the key and the value read from it
+    tgi_paged_kernels.store_kv(entry, entry, cache, cache, slot_mapping, k_scale=scale, v_scale=scale)
+    options: dict[str, Any] = dict(scale=scaling, k_scale=scale, v_scale=scale)
+    if batch.is_decode:
+        native = metadata.cpu_decode == "native" and not metadata.static and native_decode_for(cache) is not None
+        gather = None if native else metadata.decode_gather(cache.shape[1], None, layer_idx)
+        out = tgi_paged_kernels.paged_decode_attention(
+            q, cache, cache, block_tables, batch.seq_lens, gather=gather, cpu_kernel=metadata.cpu_decode, **options
+        )
+    else:
+        out = tgi_paged_kernels.paged_prefill_attention(
+            q, cache, cache, block_tables, batch.query_start_loc, batch.seq_lens, new_kv=(entry, entry), **options
+        )
+    return out[..., :dv]
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

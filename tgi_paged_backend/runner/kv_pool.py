@@ -5,6 +5,11 @@ A pool laid out for KV layer groups (:class:`~tgi_paged_backend.memory.layer_gro
 ``layers_per_block`` slot tensors and each layer's cache is a view of its slot's (with one group, slot =
 layer). The swap space has the slots' shape with ``num_cpu_blocks`` rows (pinned when the device is CUDA).
 Blocks are moved by physical id: copy-on-write copies inside the pool, swaps between pool and swap space.
+
+Multi-head latent attention (``ModelSpec.latent_rank``, DeepSeek-V2/V3): one tensor per slot,
+``[num_blocks, block_size, 1, latent_rank + qk_rope_head_dim]``, and each ``v_caches[i]`` is the view of its first
+``latent_rank`` columns. Only the tensors that own memory (:meth:`KVPool.slot_tensors`) are allocated, copied,
+swapped, offloaded and counted, so the latent is never held or moved twice.
 """
 
 from __future__ import annotations
@@ -49,6 +54,30 @@ class KVPool:
         self.host_v: list[torch.Tensor] = []
         """The host tier's arena (``memory.host_tier``): the swap space's shape, ``num_host_rows`` rows."""
 
+    def value_views(self, keys: list[torch.Tensor]) -> list[torch.Tensor]:
+        """MLA: the value caches the kernels read, views of the first ``latent_rank`` columns of ``keys``."""
+        return [k[..., : self.spec.latent_rank] for k in keys]
+
+    def new_caches(self, num_blocks: int, count: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``count`` zeroed K and V caches of ``num_blocks`` blocks on the pool's device (V as views under MLA)."""
+        shape = self.block_shape(num_blocks)
+        keys = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(count)]
+        if self.spec.latent_rank:
+            return keys, self.value_views(keys)
+        return keys, [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(count)]
+
+    def _host_tensors(self, num_blocks: int, pin: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Uninitialized host K and V tensors, one per slot (no V under MLA: the latent is copied once)."""
+        shape = self.block_shape(num_blocks)
+        count = self.groups.layers_per_block
+        keys = [torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin) for _ in range(count)]
+        values = (
+            []
+            if self.spec.latent_rank
+            else [torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin) for _ in range(count)]
+        )
+        return keys, values
+
     def block_bytes_for(self, groups: LayerGroups) -> int:
         """Bytes of one block of a pool laid out for ``groups`` (``layers_per_block`` layers' K and V)."""
         per_layer = self.spec.kv_bytes_per_block(self.block_size, self.kv_dtype) // self.spec.num_layers
@@ -77,13 +106,7 @@ class KVPool:
         self.k_caches, self.v_caches, self.k_slots, self.v_slots = [], [], [], []  # free the old pool first
         self.groups = groups
         self.layer_group = tuple(groups.layer_group(layer) for layer in range(self.spec.num_layers))
-        shape = self.block_shape(num_blocks)
-        self.k_slots = [
-            torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(groups.layers_per_block)
-        ]
-        self.v_slots = [
-            torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(groups.layers_per_block)
-        ]
+        self.k_slots, self.v_slots = self.new_caches(num_blocks, groups.layers_per_block)
         self.k_caches = [self.k_slots[groups.layer_slot(layer)] for layer in range(self.spec.num_layers)]
         self.v_caches = [self.v_slots[groups.layer_slot(layer)] for layer in range(self.spec.num_layers)]
         logger.info(
@@ -99,11 +122,7 @@ class KVPool:
         self.cpu_k_caches, self.cpu_v_caches = [], []
         if num_cpu_blocks <= 0:
             return
-        pin = self.device.type == "cuda"
-        shape = self.block_shape(num_cpu_blocks)
-        for _ in range(self.groups.layers_per_block):
-            self.cpu_k_caches.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
-            self.cpu_v_caches.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
+        self.cpu_k_caches, self.cpu_v_caches = self._host_tensors(num_cpu_blocks, pin=self.device.type == "cuda")
 
     @property
     def num_host_rows(self) -> int:
@@ -115,15 +134,12 @@ class KVPool:
         self.host_k, self.host_v = [], []
         if num_rows <= 0:
             return
-        pin = self.device.type == "cuda"
-        shape = self.block_shape(num_rows)
-        for _ in range(self.groups.layers_per_block):
-            self.host_k.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
-            self.host_v.append(torch.empty(shape, dtype=self.kv_dtype, pin_memory=pin))
+        self.host_k, self.host_v = self._host_tensors(num_rows, pin=self.device.type == "cuda")
 
     def slot_tensors(self) -> list[torch.Tensor]:
-        """The pool's tensors that own memory (a block is row ``b`` of each), K's then V's."""
-        return self.k_slots + self.v_slots
+        """The pool's tensors that own memory (a block is row ``b`` of each), K's then V's (MLA: the K slots alone,
+        each V a view of its K)."""
+        return self.k_slots if self.spec.latent_rank else self.k_slots + self.v_slots
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The host tier arena's tensors, matching :meth:`slot_tensors` one for one."""
@@ -139,7 +155,8 @@ class KVPool:
         self._swap(self.host_tensors(), self.slot_tensors(), host_rows, device_ids)
 
     def read_host_rows(self, rows: Sequence[int]) -> np.ndarray:
-        """The host rows' K/V as raw bytes, ``uint8 [len(rows), 2 * slots, block_size, Hkv, D * itemsize]``
+        """The host rows' K/V as raw bytes, ``uint8 [len(rows), tensors, block_size, Hkv, D * itemsize]`` (tensors:
+        ``2 * slots``, MLA ``slots``)
         (what the disk tier stores; a copy, so the rows may be reused at once)."""
         index = torch.as_tensor(list(rows), dtype=torch.int64)
         stacked = torch.stack([t.index_select(0, index) for t in self.host_k + self.host_v], dim=1)
@@ -155,7 +172,7 @@ class KVPool:
         """Shape of one row of :meth:`read_host_rows`."""
         itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
         return (
-            2 * self.groups.layers_per_block,
+            self.spec.kv_tensors_per_layer * self.groups.layers_per_block,
             self.block_size,
             self.spec.num_kv_heads,
             self.spec.head_dim * itemsize,
@@ -167,15 +184,18 @@ class KVPool:
             raise ValueError(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
         if len(src) == 0:
             return
+        if self.spec.latent_rank:  # one tensor per slot: a block-to-block copy of each, inside the pool
+            swap_blocks(self.k_slots, self.k_slots, _ids(src, self.device), _ids(dst, self.device))
+            return
         copy_blocks(self.k_slots, self.v_slots, _ids(src, self.device), _ids(dst, self.device))
 
     def swap_out(self, device_ids: BlockIds, cpu_ids: BlockIds) -> None:
         """Copy pool blocks ``device_ids[i]`` to swap blocks ``cpu_ids[i]`` (every slot tensor, K and V)."""
-        self._swap(self.k_slots + self.v_slots, self.cpu_k_caches + self.cpu_v_caches, device_ids, cpu_ids)
+        self._swap(self.slot_tensors(), self.cpu_k_caches + self.cpu_v_caches, device_ids, cpu_ids)
 
     def swap_in(self, cpu_ids: BlockIds, device_ids: BlockIds) -> None:
         """Copy swap blocks ``cpu_ids[i]`` back to pool blocks ``device_ids[i]``."""
-        self._swap(self.cpu_k_caches + self.cpu_v_caches, self.k_slots + self.v_slots, cpu_ids, device_ids)
+        self._swap(self.cpu_k_caches + self.cpu_v_caches, self.slot_tensors(), cpu_ids, device_ids)
 
     def _swap(self, src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: BlockIds, dst_ids: BlockIds) -> None:
         if len(src_ids) != len(dst_ids):

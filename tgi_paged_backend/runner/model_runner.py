@@ -348,7 +348,7 @@ class ModelRunner:
             make = partial(self._static_step, max_seq_len=max_seq_len, buckets=buckets, groups=self.kv_groups)
             try:
                 self.graph_bytes = measure_decode_graph_bytes(
-                    make, self.pool.block_shape(1), self.spec.num_layers, self.kv_dtype, self.device
+                    make, self.pool.new_caches, self.spec.num_layers, self.device
                 )
             except Exception as e:  # a family whose forward syncs or branches on values: serve it eagerly
                 logger.warning("decode CUDA graphs off: capture failed ({}: {})", type(e).__name__, e)
@@ -424,9 +424,7 @@ class ModelRunner:
             if num_logits > len(chunks):  # prompt logprobs: logits for the last num_logits tokens
                 indices = torch.arange(num_tokens - min(num_logits, num_tokens), num_tokens, dtype=torch.int64)
                 batch = dataclasses.replace(batch, logits_indices=indices)
-            shape = self.pool.block_shape(nblocks)
-            k_tmp = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.spec.num_layers)]
-            v_tmp = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.spec.num_layers)]
+            k_tmp, v_tmp = self.pool.new_caches(nblocks, self.spec.num_layers)
             batch = batch.to(self.device)
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

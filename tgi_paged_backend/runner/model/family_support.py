@@ -9,8 +9,9 @@ answering with wrong tokens:
 - :func:`unsupported_reason` reads the config alone: encoder-decoder and multimodal models (each
   vision-language family stock TGI serves with its own reason, :data:`VLM_FAMILIES`),
   state-space / linear-attention layers (Mamba, Jamba, Falcon-H1, ...), multi-head latent attention
-  (DeepSeek-V2/V3: K and V have other head dims than the pool's), ALiBi outside Bloom, MPT and Falcon (whose
-  attention modules :mod:`.alibi` and :mod:`.falcon` replace, refusing the variants they do not reproduce);
+  outside DeepSeek-V2/V3's transformers classes (whose attention :mod:`.mla` replaces), ALiBi outside Bloom,
+  MPT and Falcon (whose attention modules :mod:`.alibi` and :mod:`.falcon` replace, refusing the variants they
+  do not reproduce);
 - :func:`check_attention_calls` is the generic backstop, run by the runner on a one-token probe
   forward: every decoder layer must call our attention function exactly once (catches
   ``trust_remote_code`` code and any family that computes attention its own way).
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
-from tgi_paged_backend.runner.model import falcon
+from tgi_paged_backend.runner.model import falcon, mla
 from tgi_paged_backend.runner.model.alibi import ALIBI_MODEL_TYPES, alibi_refusal
 
 if TYPE_CHECKING:
@@ -128,11 +129,8 @@ def unsupported_reason(config: Any) -> str | None:
         return falcon.unsupported_reason(config)
     if model_type in BYPASSING_FAMILIES:
         return BYPASSING_FAMILIES[model_type]
-    if getattr(config, "kv_lora_rank", None):
-        return (
-            "multi-head latent attention (compressed KV, key and value head dims differ) needs its own "
-            "page geometry, which is not implemented"
-        )
+    if getattr(config, "kv_lora_rank", None):  # served through the paged latent attention (.mla)
+        return mla.unsupported_reason(config)
     if model_type in ALIBI_MODEL_TYPES:
         return alibi_refusal(config)
     if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):

@@ -23,6 +23,7 @@ from tgi_paged_backend.config import ModelConfig
 from tgi_paged_backend.runner.attention import register_attention
 from tgi_paged_backend.runner.model import falcon, family_support
 from tgi_paged_backend.runner.model.alibi import install_alibi_attention
+from tgi_paged_backend.runner.model.mla import install_latent_attention
 from tgi_paged_backend.runner.model.rope_scaling import apply_rope_scaling
 from tgi_paged_backend.runner.quant.methods import SUPPORTED_QUANTIZE, QuantizationError, check_quantize, refusal
 
@@ -230,6 +231,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
         falcon.install_paged_falcon(model, attn_name)
     _quantize(model, method, scheme, path)
     install_alibi_attention(model)  # Bloom, MPT: their attention modules over the paged pool (others: nothing)
+    install_latent_attention(model)  # DeepSeek-V2/V3: the latent attention over the paged latent pool (.mla)
     # transformers decorates PreTrainedModel.to with functools.wraps(nn.Module.to); typeshed's _Wrapped
     # has no __get__, so mypy does not bind the method and takes ``device`` for ``self``.
     model.to(device)  # type: ignore[arg-type]

@@ -127,6 +127,21 @@ class ModelSpec:
     """Attention logit soft-cap (Gemma 2); ``0.0`` means none."""
     dtype: torch.dtype
     """Dtype of the weights and activations."""
+    latent_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V2/V3, ``kv_lora_rank``): the compressed KV's width, else 0. The pool
+    then holds ONE tensor per layer, ``[blocks, block_size, 1, head_dim]`` with ``head_dim = latent_rank +
+    qk_rope_head_dim`` (the latent, then the shared RoPE key), and the value cache is the view of its first
+    ``latent_rank`` columns (:mod:`tgi_paged_backend.runner.model.mla`)."""
+
+    @property
+    def v_head_dim(self) -> int:
+        """Channels of a value row in the pool (the latent's width under MLA, else :attr:`head_dim`)."""
+        return self.latent_rank or self.head_dim
+
+    @property
+    def kv_tensors_per_layer(self) -> int:
+        """Pool tensors that own memory per layer: K and V, or the one latent tensor under MLA."""
+        return 1 if self.latent_rank else 2
 
     @property
     def hidden(self) -> int:
@@ -144,12 +159,16 @@ class ModelSpec:
         config = getattr(config, "text_config", None) or config
         num_q_heads = int(config.num_attention_heads)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
+        latent_rank = int(getattr(config, "kv_lora_rank", None) or 0)
+        if latent_rank:  # MLA: one entry per token and layer, [latent ; RoPE key], read by every query head
+            head_dim = latent_rank + int(config.qk_rope_head_dim)
         return cls(
             model_type=str(config.model_type),
             num_layers=int(config.num_hidden_layers),
             num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads_of(config),
+            num_kv_heads=1 if latent_rank else num_kv_heads_of(config),
             head_dim=int(head_dim),
+            latent_rank=latent_rank,
             hidden_size=int(config.hidden_size),
             intermediate_size=int(
                 getattr(config, "intermediate_size", None)
@@ -176,9 +195,10 @@ class ModelSpec:
         return LayerGroups.from_layer_windows(self.layer_windows)
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
-        """Bytes of K plus V for one token position over all layers."""
+        """Bytes of K plus V for one token position over all layers (MLA: ``(kv_lora_rank + qk_rope_head_dim)
+        x layers x itemsize``, the latent counted once)."""
         itemsize = torch.empty((), dtype=kv_dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return self.kv_tensors_per_layer * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
     def kv_bytes_per_block(self, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
         """Bytes of one physical block (K and V, all layers); ``kv_dtype`` defaults to :attr:`dtype`."""

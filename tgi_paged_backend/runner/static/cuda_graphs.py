@@ -68,26 +68,24 @@ def capture_decode_graphs(step: StaticDecodeStep) -> None:
 
 def measure_decode_graph_bytes(
     make_step: Callable[[list[torch.Tensor], list[torch.Tensor]], StaticDecodeStep],
-    block_shape: tuple[int, ...],
+    new_caches: Callable[[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]],
     num_layers: int,
-    kv_dtype: torch.dtype,
     device: torch.device,
 ) -> int:
     """Device bytes the decode graphs take: ``make_step(k_caches, v_caches)`` is built over a
-    temporary one-block pool of ``block_shape`` per layer and captured, and the drop in free device
-    memory is measured (buffers, the graphs' pool, workspaces), less the temporary pool. Everything
-    is freed again before returning."""
-    shape = (1, *block_shape[1:])
+    temporary one-block pool (``new_caches(1, num_layers)``: the pool's layout, MLA's value views included)
+    and captured, and the drop in free device memory is measured (buffers, the graphs' pool, workspaces), less
+    the temporary pool. Everything is freed again before returning."""
     torch.cuda.synchronize(device)
     gc.collect()
     torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info(device)[0]
-    k_tmp = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(num_layers)]
-    v_tmp = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(num_layers)]
+    k_tmp, v_tmp = new_caches(1, num_layers)
     step = make_step(k_tmp, v_tmp)
     capture_decode_graphs(step)
     free_after = torch.cuda.mem_get_info(device)[0]
-    tmp_bytes = 2 * num_layers * k_tmp[0].numel() * k_tmp[0].element_size()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in k_tmp + v_tmp}
+    tmp_bytes = sum(storages.values())  # a value view shares its key's storage: counted once
     del step, k_tmp, v_tmp
     gc.collect()
     torch.cuda.synchronize(device)
