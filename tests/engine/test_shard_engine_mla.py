@@ -1,0 +1,79 @@
+"""DeepSeek-V3 (multi-head latent attention) through the shard engine, beyond the family matrix's scenarios:
+the latent read through the pool's value view by every CPU decode kernel, prefix retention (whole blocks and a
+copy-on-write hit) and fp8 KV with swap preemption.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.conftest import RouterDriver, make_engine, make_text, prompt_ids, spec
+from tests.helpers.family_models import FAMILY_BY_NAME, write_family_model
+from tgi_paged_backend.engine import build_engine
+from tgi_paged_backend.engine.types import BatchSpec
+from tgi_paged_backend.envs import build_config
+from tgi_paged_backend.model_files import with_local_model
+
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def v3_dir(tmp_path_factory):
+    return write_family_model(FAMILY_BY_NAME["DeepSeek-V3"], tmp_path_factory.mktemp("deepseek_v3"))
+
+
+@pytest.mark.parametrize("cpu_decode", ["native", "compiled", "sdpa"])
+def test_every_cpu_decode_kernel_is_exact(v3_dir, hf_greedy, cpu_decode):
+    # native: the C++ kernel reads the whole entry (equal widths) and the output is cut; compiled and sdpa read
+    # the pool's value view (the latent's first kv_lora_rank columns).
+    engine = make_engine(v3_dir, num_blocks=48, block_size=BLOCK_SIZE, TGI_PAGED_CPU_DECODE=cpu_decode)
+    requests = [spec(rid, make_text(rid, words), new) for rid, words, new in ((1, 3, 6), (2, 8, 5), (3, 5, 7))]
+    driver = RouterDriver(engine)
+    driver.run(BatchSpec(id=0, requests=tuple(requests)))
+    for r in requests:
+        assert driver.tokens[r.id] == hf_greedy(v3_dir, prompt_ids(engine, r.text), r.stopping.max_new_tokens)
+    driver.assert_idle()
+
+
+def test_prefix_hits_and_a_copy_on_write_hit_are_exact(v3_dir, hf_greedy):
+    engine = make_engine(v3_dir, num_blocks=48, block_size=BLOCK_SIZE)
+    text = make_text(40, 5)  # 21 tokens: the shared run ends mid-block
+    RouterDriver(engine).run(BatchSpec(id=0, requests=(spec(1, text, 6),)))
+    copies = []
+    copy_blocks = engine.runner.copy_blocks
+    engine.runner.copy_blocks = lambda src, dst: (copies.append(len(src)), copy_blocks(src, dst))
+    follow_up = text + " " + make_text(41, 3)
+    ids = prompt_ids(engine, follow_up)
+    before = engine.stats.prefix_hit_tokens
+    driver = RouterDriver(engine)
+    driver.run(BatchSpec(id=1, requests=(spec(2, follow_up, 6),)))
+    assert engine.stats.prefix_hit_tokens - before >= BLOCK_SIZE  # whole retained blocks reused
+    assert driver.tokens[2] == hf_greedy(v3_dir, ids, 6)
+    assert len(prompt_ids(engine, text)) % BLOCK_SIZE and copies  # the mid-block run came by copy-on-write
+
+
+def _fp8_engine(model_dir, **env: str):
+    settings = {"TGI_PAGED_BLOCK_SIZE": str(BLOCK_SIZE), "PREFIX_CACHING": "1", **env}
+    cli = {"model_id": str(model_dir), "speculate": 0, "kv_cache_dtype": "fp8_e4m3fn"}
+    return build_engine(with_local_model(build_config(cli, settings)))
+
+
+def test_fp8_latent_survives_swap_preemption_byte_for_byte(v3_dir):
+    """fp8 KV stores each latent entry once, in fp8: a run preempted by swap (blocks to CPU and back) gives the
+    tokens of a run with room for everyone."""
+    runs = {}
+    for name, env in (
+        ("roomy", {"TGI_PAGED_NUM_BLOCKS": "64"}),
+        ("swapped", {"TGI_PAGED_NUM_BLOCKS": "9", "TGI_PAGED_PREEMPTION": "swap", "TGI_PAGED_SWAP_SPACE_GB": "0.01"}),
+    ):
+        engine = _fp8_engine(v3_dir, TGI_PAGED_OVERCOMMIT="4", **env)
+        assert engine.runner.kv_dtype is torch.float8_e4m3fn
+        assert engine.runner.block_bytes == BLOCK_SIZE * (16 + 8) * 2  # (kv_lora_rank + rope) x layers x 1 byte
+        driver = RouterDriver(engine)
+        requests = [spec(rid, make_text(60 + rid, 3), 12) for rid in (1, 2, 3)]
+        driver.run(BatchSpec(id=0, requests=tuple(requests)))
+        driver.assert_idle()
+        runs[name] = ({r.id: driver.tokens[r.id] for r in requests}, engine.stats.preemptions["swap"])
+    assert runs["swapped"][1] > 0 and runs["roomy"][1] == 0
+    assert runs["swapped"][0] == runs["roomy"][0]

@@ -1,0 +1,96 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): the latent page geometry and what moves it.
+
+The pool holds one ``[blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]`` tensor per layer; the value cache is
+the view of its first ``kv_lora_rank`` columns. The bytes per token measured from the pool's storages equal the
+formula, and copy-on-write, swap and the host tier move each latent entry once.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import tgi_paged_backend.runner.kv_pool as kv_pool_module
+from tgi_paged_backend.config import CacheConfig, ModelConfig
+from tgi_paged_backend.runner.model import family_support
+from tgi_paged_backend.runner.model.mla import PagedLatentAttention
+from tgi_paged_backend.runner.model_runner import ModelRunner
+
+BLOCK_SIZE = 4
+RANK, ROPE, LAYERS = 16, 8, 2  # the tiny configs of tests/helpers/family_models.py
+
+
+def _runner(model_dir, kv_cache_dtype: str = "auto") -> ModelRunner:
+    return ModelRunner(
+        ModelConfig(model_id=str(model_dir)), CacheConfig(block_size=BLOCK_SIZE, kv_cache_dtype=kv_cache_dtype)
+    )
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under ``tensors`` (a view of another's storage counted once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.parametrize("kv_cache_dtype, itemsize", [("auto", 4), ("fp8_e4m3fn", 1)])
+@pytest.mark.parametrize("name", ["DeepSeek-V2", "DeepSeek-V3"])
+def test_the_pool_holds_one_latent_entry_per_token_and_layer(name, kv_cache_dtype, itemsize, family_dir):
+    runner = _runner(family_dir(name), kv_cache_dtype)
+    assert sum(isinstance(m, PagedLatentAttention) for m in runner.model.modules()) == LAYERS
+    spec = runner.spec
+    assert (spec.latent_rank, spec.head_dim, spec.num_kv_heads, spec.v_head_dim) == (RANK, RANK + ROPE, 1, RANK)
+    formula = (RANK + ROPE) * LAYERS * itemsize
+    assert spec.kv_bytes_per_token(runner.kv_dtype) == formula
+    assert runner.block_bytes == BLOCK_SIZE * formula  # what Warmup divides the budget by
+    runner.allocate_kv_cache(10)
+    for k, v in zip(runner.k_caches, runner.v_caches, strict=True):
+        assert k.shape == (10, BLOCK_SIZE, 1, RANK + ROPE) and v.shape == (10, BLOCK_SIZE, 1, RANK)
+        assert v.data_ptr() == k.data_ptr() and v.stride() == k.stride()  # a view: the latent's own columns
+    measured = _storage_bytes(runner.k_caches + runner.v_caches) / (10 * BLOCK_SIZE)
+    assert measured == formula
+    runner.allocate_swap_space(3)
+    assert _storage_bytes(runner.pool.cpu_k_caches + runner.pool.cpu_v_caches) == 3 * runner.block_bytes
+    runner.pool.allocate_host_tier(5)
+    assert _storage_bytes(runner.pool.host_k + runner.pool.host_v) == 5 * runner.block_bytes
+    assert runner.pool.host_row_shape() == (LAYERS, BLOCK_SIZE, 1, (RANK + ROPE) * itemsize)
+
+
+def test_block_moves_copy_each_latent_entry_once(family_dir, monkeypatch):
+    runner = _runner(family_dir("DeepSeek-V3"))
+    runner.allocate_kv_cache(8)
+    runner.allocate_swap_space(4)
+    runner.pool.allocate_host_tier(4)
+    moved: list[list[torch.Tensor]] = []
+    real_swap = kv_pool_module.swap_blocks
+
+    def recording_swap(src, dst, src_ids, dst_ids):
+        moved.append(list(src))
+        real_swap(src, dst, src_ids, dst_ids)
+
+    monkeypatch.setattr(kv_pool_module, "swap_blocks", recording_swap)
+    monkeypatch.setattr(kv_pool_module, "copy_blocks", lambda *a: pytest.fail("K and V copied as two tensors"))
+    for k in runner.k_caches:
+        k[1].copy_(torch.randn(k[1].shape))
+    original = [k[1].clone() for k in runner.k_caches]
+    runner.copy_blocks([1], [2])  # copy-on-write
+    runner.swap_out([1], [0])
+    runner.swap_in([0], [3])
+    runner.pool.offload([1], [2])
+    runner.pool.load([2], [4])
+    assert len(moved) == 5
+    for tensors in moved:  # every layer's one tensor, no latent twice, no value view
+        assert len(tensors) == LAYERS and len({t.data_ptr() for t in tensors}) == LAYERS
+        assert all(t.shape[-1] == RANK + ROPE for t in tensors)
+    for k, v, before in zip(runner.k_caches, runner.v_caches, original, strict=True):
+        for block in (2, 3, 4):
+            assert torch.equal(k[block], before)
+            assert torch.equal(v[block], before[..., :RANK])
+
+
+def test_latent_attention_outside_deepseeks_classes_is_refused():
+    config = SimpleNamespace(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=512)
+    reason = family_support.unsupported_reason(config)
+    assert reason is not None and "multi-head latent attention outside" in reason
+    served = SimpleNamespace(model_type="deepseek_v3", kv_lora_rank=512)
+    assert family_support.unsupported_reason(served) is None
