@@ -3,6 +3,7 @@ expectations are the simulator's."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,33 @@ def test_capacity_without_a_position_limit_takes_the_pool(limit, expected):
         max_position_embeddings=limit, max_input_tokens=None, max_total_tokens=None, max_prefill_tokens=64,
     )  # fmt: skip
     assert cap.max_total_tokens == expected and cap.max_input_tokens == expected - 1
+
+
+@pytest.mark.parametrize("preset, params, active", [("deepseek-v3", 671.0e9, 37.5e9), ("kimi-k2", 1026.4e9, 32.8e9)])
+def test_latent_attention_presets_count_the_latent_once(preset, params, active) -> None:
+    # MLA: kv_lora_rank (512) + qk_rope_head_dim (64) values per token and layer, replicated on every rank;
+    # parameters: DeepSeek-V3's published 671 B (37 B active), Kimi K2's 1.03 T (32 B active).
+    inputs = PlanInputs(model=preset, device="H200", num_shard=16, kv_budget_bytes=40 * 2**30, overcommits=(2.0,))
+    plan = make_plan(inputs, SMALL_TRACE[:10])
+    assert plan.bytes_per_token == (512 + 64) * 61 * 2
+    assert plan.block_bytes == 16 * plan.bytes_per_token
+    from tgi_paged_backend.planning.param_counts import param_counts
+
+    counts = param_counts(plan.facts.config)
+    assert abs(counts.held - params) / params < 0.002 and abs(counts.active - active) / active < 0.01
+    heads = plan.facts.config["num_attention_heads"]
+    per_head_kv = heads * (128 + 64 + 128) * 61 * 2  # the same model with a key (192) and a value (128) per head
+    assert per_head_kv / plan.bytes_per_token == heads * 320 / 576  # 71x (V3), 36x (K2) fewer bytes
+    assert "latent KV 512 + RoPE key 64" in format_plan(plan)
+    fp8 = make_plan(dataclasses.replace(inputs, kv_cache_dtype="fp8_e4m3fn"), SMALL_TRACE[:10])
+    assert fp8.bytes_per_token == plan.bytes_per_token // 2
+
+
+@pytest.mark.parametrize("name", ["DeepSeek-V2", "DeepSeek-V3"])
+def test_latent_attention_params_match_the_safetensors(name, tmp_path: Path) -> None:
+    import json
+
+    from tests.helpers.family_models import FAMILY_BY_NAME, write_family_model
+
+    model_dir = write_family_model(FAMILY_BY_NAME[name], tmp_path / name)
+    assert count_safetensors_params(model_dir) == estimate_params(json.loads((model_dir / "config.json").read_text()))

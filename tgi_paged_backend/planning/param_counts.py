@@ -8,6 +8,10 @@ What one rank of ``--num-shard N`` holds is what :mod:`tgi_paged_backend.runner.
 - whole on every rank: embeddings, the output head, norms (per-head q/k norms too), routers, the output
   projections' biases, a shared expert's gate.
 
+Multi-head latent attention (DeepSeek-V2/V3, ``kv_lora_rank``): the query path and ``kv_b_proj``/``o_proj`` split by
+heads, the latent's projection and norm whole (:func:`latent_attention_params`); DeepSeek's MoE: routed and shared
+experts, dense first layers.
+
 The dense count is exact for the Llama-style families (the planner test checks it against safetensors
 headers of tiny models, MoE families included); layouts it does not model (Gemma's extra norms, fused
 GPT-style blocks) are estimates within a few norms.
@@ -33,15 +37,39 @@ class ParamCounts:
 
 
 def _num_experts(cfg: dict[str, Any]) -> int:
-    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
 
 
 def _is_sparse_layer(cfg: dict[str, Any], layer: int) -> bool:
-    """Qwen-MoE keeps a dense MLP on ``mlp_only_layers`` and off the ``decoder_sparse_step`` grid."""
+    """Qwen-MoE keeps a dense MLP on ``mlp_only_layers`` and off the ``decoder_sparse_step`` grid; DeepSeek on its
+    ``first_k_dense_replace`` first layers and off the ``moe_layer_freq`` grid."""
     if _num_experts(cfg) == 0 or layer in (cfg.get("mlp_only_layers") or ()):
         return False
+    if "first_k_dense_replace" in cfg or "moe_layer_freq" in cfg:
+        return layer >= int(cfg.get("first_k_dense_replace") or 0) and layer % int(cfg.get("moe_layer_freq") or 1) == 0
     step = int(cfg.get("decoder_sparse_step") or 1)
     return (layer + 1) % step == 0
+
+
+def latent_attention_params(cfg: dict[str, Any], n: int) -> int:
+    """One layer's multi-head latent attention (DeepSeek-V2/V3) on one rank of ``n``: the query (``q_proj``, or
+    ``q_a_proj`` + its norm + ``q_b_proj``), ``kv_a_proj_with_mqa`` + its norm (whole on every rank: the latent is
+    replicated), ``kv_b_proj`` and ``o_proj`` split by heads, biases where ``attention_bias``."""
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]) // n
+    rank, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
+    nope, v = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
+    q_rank = int(cfg.get("q_lora_rank") or 0)
+    bias = bool(cfg.get("attention_bias", False))
+    query = hidden * q_rank + q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+    latent = hidden * (rank + rope) + rank + (rank + rope if bias else 0) + (q_rank if bias else 0)
+    return query + latent + rank * heads * (nope + v) + heads * v * hidden + (hidden if bias else 0)
+
+
+def _shared_experts(cfg: dict[str, Any], hidden: int, n: int) -> int:
+    """A layer's shared expert(s): Qwen-MoE's (with its sigmoid gate) or DeepSeek's ``n_shared_experts``."""
+    qwen = int(cfg.get("shared_expert_intermediate_size") or 0) // n
+    deepseek = int(cfg.get("n_shared_experts") or 0) * int(cfg.get("moe_intermediate_size") or 0) // n
+    return 3 * hidden * qwen + (hidden if qwen else 0) + 3 * hidden * deepseek
 
 
 def param_counts(cfg: dict[str, Any], num_shard: int = 1) -> ParamCounts:
@@ -61,6 +89,8 @@ def param_counts(cfg: dict[str, Any], num_shard: int = 1) -> ParamCounts:
     attn += hidden if attention_bias else 0  # o's bias, whole on every rank
     attn += 2 * head_dim if model_type in QK_NORM_TYPES else 0
     attn += heads // n if model_type == "gpt_oss" else 0  # sinks, one per query head
+    if cfg.get("kv_lora_rank"):
+        attn = latent_attention_params(cfg, n)
 
     dense_mlp = 3 * hidden * int(cfg.get("intermediate_size") or 4 * hidden) // n
     experts = _num_experts(cfg)
@@ -69,9 +99,9 @@ def param_counts(cfg: dict[str, Any], num_shard: int = 1) -> ParamCounts:
     one_expert = 3 * hidden * expert_inter
     if model_type == "gpt_oss":  # gate_up bias (split), down bias (whole, added by rank 0 only; held by all)
         one_expert += 2 * expert_inter + hidden
-    router = hidden * experts + (experts if model_type == "gpt_oss" else 0)
-    shared_inter = int(cfg.get("shared_expert_intermediate_size") or 0) // n
-    shared = 3 * hidden * shared_inter + (hidden if shared_inter else 0)  # + its sigmoid gate
+    # gpt-oss: router biases; DeepSeek-V3: the routing correction bias (noaux_tc)
+    router = hidden * experts + (experts if model_type in ("gpt_oss", "deepseek_v3") else 0)
+    shared = _shared_experts(cfg, hidden, n)
 
     held, active = 0, 0
     for layer in range(layers):

@@ -12,9 +12,14 @@ from tgi_paged_backend.planning.sim_results import THROUGHPUT_TOLERANCE, WASTE_T
 def format_plan(plan: Plan) -> str:
     """The planner's printed report."""
     s, t = plan.facts.spec, plan.trace_summary
+    kv_form = (
+        f"latent KV {s.latent_rank} + RoPE key {s.head_dim - s.latent_rank} (MLA, one entry per token and layer)"
+        if s.latent_rank
+        else f"{s.num_kv_heads} KV heads x {s.head_dim}"
+    )
     lines = [
-        f"model        {plan.facts.name}: {s.model_type}, {s.num_layers} layers, {s.num_kv_heads} KV heads x "
-        f"{s.head_dim}, {plan.facts.num_params / 1e9:.3f} B params "
+        f"model        {plan.facts.name}: {s.model_type}, {s.num_layers} layers, {kv_form}, "
+        f"{plan.facts.num_params / 1e9:.3f} B params "
         f"({'counted' if plan.facts.params_exact else 'estimated'}), weights {fmt_bytes(plan.weights_bytes)} "
         + (
             f"per rank of {plan.inputs.num_shard} ({fmt_bytes(plan.weights_bytes_total)} in all) "
@@ -26,7 +31,15 @@ def format_plan(plan: Plan) -> str:
         + (f", {fmt_bytes(plan.device_bytes)} x {plan.inputs.memory_fraction:g}" if plan.device_bytes else "")
         + f"; activation peak (prefill {plan.capacity.max_prefill_tokens} tokens) {fmt_bytes(plan.activation_bytes)}",
         f"KV           {plan.bytes_per_token:,} bytes per token"
-        + (f" per rank ({plan.rank_spec.num_kv_heads} KV heads each)" if plan.inputs.num_shard > 1 else "")
+        + (
+            (
+                " per rank (the latent whole on each)"
+                if s.latent_rank
+                else f" per rank ({plan.rank_spec.num_kv_heads} KV heads each)"
+            )
+            if plan.inputs.num_shard > 1
+            else ""
+        )
         + f" ({plan.kv_dtype_name}); block of {plan.inputs.block_size} tokens"
         + (f" of one group's {plan.groups.layers_per_block} layers" if plan.groups.num_groups > 1 else "")
         + f" = {fmt_bytes(plan.block_bytes)}; budget {fmt_bytes(plan.kv_budget_bytes)}",
