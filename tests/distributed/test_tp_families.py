@@ -37,6 +37,8 @@ MUST_SERVE = {
     "Falcon-RW",
     "Bloom",
     "MPT",
+    "DeepSeek-V2",
+    "DeepSeek-V3",
 }
 """The layouts the slicing supports: separate q/k/v/o (Phi: dense) or Phi-3's fused qkv, and gate/up/down, a fused
 gate_up, c_fc/c_proj or fc1/fc2; MoE blocks (experts split by their intermediate dimension, a shared expert too;
@@ -45,7 +47,10 @@ with fc_in/fc_out or fc1/fc2 (OPT's on the layer itself); GPT-2's Conv1D c_attn/
 one KV head, replicated on every rank; OLMo2's q/k norms over all heads (each rank its slice of the weight, the
 sum of squares all-reduced); Falcon's fused query_key_value in each variant's layout (per KV group, or
 multi-query's one KV head replicated); Bloom's per-head fused query_key_value and MPT's Wqkv blocks with up/down
-MLPs; the ALiBi families (Bloom, MPT, Falcon-RW) with each rank's slopes for its heads."""
+MLPs; the ALiBi families (Bloom, MPT, Falcon-RW) with each rank's slopes for its heads; DeepSeek's latent
+attention (query heads, kv_b_proj's per-head parts and o_proj split, the latent's projection and norm replicated,
+so each rank's pool holds the whole latent) with its MoE (routed experts split, shared experts split and reduced
+with the block)."""
 
 
 def test_every_family_is_exact_or_refused_at_tensor_parallel_two(tmp_path: Path) -> None:

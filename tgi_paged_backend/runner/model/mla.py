@@ -36,11 +36,6 @@ from tgi_paged_backend.runner.attention import paged_attention, step_metadata
 MLA_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3"})
 """Model types whose attention this module replaces (transformers' own DeepSeek classes)."""
 
-TENSOR_PARALLEL_REFUSAL = (
-    "multi-head latent attention (DeepSeek-V2/V3) is not sliced over ranks yet: its heads would split "
-    "q_b_proj/kv_b_proj/o_proj with the latent replicated, which the slicing does not do"
-)
-
 
 def unsupported_reason(config: Any) -> str | None:
     """Why a config with ``kv_lora_rank`` is not served exactly, or ``None`` when it is."""
@@ -121,6 +116,17 @@ class PagedLatentAttention(nn.Module):
         """Per head, the key part of ``kv_b_proj``: ``[H, qk_nope_head_dim, kv_lora_rank]``."""
         self.w_uv = nn.Parameter(per_head[:, self.qk_nope_head_dim :].contiguous(), requires_grad=False)
         """Per head, the value part of ``kv_b_proj``: ``[H, v_head_dim, kv_lora_rank]``."""
+
+    def keep_heads(self, rank: int, world_size: int) -> None:
+        """Keep this rank's heads of ``w_uk``/``w_uv`` (tensor parallelism,
+        :mod:`tgi_paged_backend.runner.parallel.slicing`, which cuts the query projection's rows and row-splits
+        ``o_proj``); the latent's projection and norm (and ``q_a_proj``) stay whole, so every rank stores the same
+        latent."""
+        local = self.num_heads // world_size
+        heads = slice(rank * local, (rank + 1) * local)
+        self.w_uk = nn.Parameter(self.w_uk.detach()[heads].clone(), requires_grad=False)
+        self.w_uv = nn.Parameter(self.w_uv.detach()[heads].clone(), requires_grad=False)
+        self.num_heads = local
 
     def rotate(self, x: torch.Tensor, position_embeddings: Any) -> torch.Tensor:
         """RoPE on ``x`` ``[T, heads, rope]`` as the model's class applies it (its ``position_embeddings``)."""

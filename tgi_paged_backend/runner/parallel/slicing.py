@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tgi_paged_backend.runner.model.loader import ModelLoadError
+from tgi_paged_backend.runner.model.mla import PagedLatentAttention
 from tgi_paged_backend.runner.model.spec import ModelSpec
 from tgi_paged_backend.runner.parallel.fused_parts import (
     ReducedOutput,
@@ -206,10 +207,11 @@ def _shard_mlp(mlp: nn.Module, spec: ModelSpec, rank: int, world_size: int, all_
 def _shard_moe(block: nn.Module, rank: int, world_size: int, all_reduce: AllReduce, where: str) -> nn.Module:
     """A MoE block sharded as stock TGI and vLLM do by default: every expert's intermediate dimension split
     across the ranks (:func:`.fused_parts.shard_experts`), the router replicated, a shared expert (Qwen2-MoE)
-    split the same way with its down projection left unreduced, and one all-reduce of the block's output
+    (Qwen2-MoE's, DeepSeek's) split the same way with its down projection left unreduced, and one all-reduce of the
+    block's output
     (the shared expert's sigmoid gate is replicated, so it scales each rank's part alike)."""
     shard_experts(cast(nn.Module, block.experts), rank, world_size, f"{where}.experts")
-    shared = getattr(block, "shared_expert", None)
+    shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)  # Qwen2-MoE, DeepSeek
     if shared is not None:
         for name in ("gate_proj", "up_proj"):
             setattr(
@@ -276,7 +278,13 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
         linearize_conv1d(layer)  # GPT-2's Conv1D projections as the nn.Linear they are (weight transposed)
         q_rows, kv_all = spec.num_q_heads * head_dim, spec.num_kv_heads * head_dim
         q_part = slice(rank * q_rows // world_size, (rank + 1) * q_rows // world_size)
-        if hasattr(attn, "new_decoder_architecture"):  # Falcon (runner/model/falcon.py): its variant's layout
+        if isinstance(attn, PagedLatentAttention):  # runner/model/mla.py: heads split, the latent whole
+            name = "q_proj" if attn.q_proj is not None else "q_b_proj"  # the query's rows, head by head
+            setattr(
+                attn, name, _shard_columns(_linear(attn, name, where), rank, world_size, f"{where}.self_attn.{name}")
+            )
+            attn.keep_heads(rank, world_size)
+        elif hasattr(attn, "new_decoder_architecture"):  # Falcon (runner/model/falcon.py): its variant's layout
             attn.query_key_value = _shard_falcon_qkv(attn, spec, rank, world_size, where)
         elif getattr(attn, "multi_query", False):  # GPT-BigCode: [q; k; v] with one KV head, kept by every rank
             attn.c_attn = take_rows(
