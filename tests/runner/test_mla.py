@@ -7,12 +7,15 @@ formula, and copy-on-write, swap and the host tier move each latent entry once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import tgi_paged_backend.runner.kv_pool as kv_pool_module
+from tests.helpers.paged_driver import PagedDriver, greedy_paged
+from tests.helpers.static_decode_stand_ins import CountingBackend, fake_cuda_graphs
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model import family_support
 from tgi_paged_backend.runner.model.mla import PagedLatentAttention
@@ -94,3 +97,31 @@ def test_latent_attention_outside_deepseeks_classes_is_refused():
     assert reason is not None and "multi-head latent attention outside" in reason
     served = SimpleNamespace(model_type="deepseek_v3", kv_lora_rank=512)
     assert family_support.unsupported_reason(served) is None
+
+
+def _static_from_first_step(mode: str, **options) -> Callable[[PagedDriver], None]:
+    def hook(driver: PagedDriver) -> None:
+        if driver.step_index == 0:  # the driver allocated its pool: set up the step over it
+            driver.runner.prepare_static_decode(96, mode=mode, buckets=(1, 2, 4), **options)
+
+    return hook
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs", "compile"])
+def test_the_static_decode_step_gives_the_eager_tokens(mode, family_dir, monkeypatch):
+    # The latent attention in the fixed-buffer step (CUDA graphs' and TGI_PAGED_COMPILE's): the padded CPU plan
+    # reads the value view; compile traces it whole (fullgraph: a graph break would raise).
+    path = family_dir("DeepSeek-V3")
+    prompts = [[5 + i for i in range(n)] for n in (5, 17, 9)]
+    runner = ModelRunner(ModelConfig(model_id=str(path), cuda_graphs=(1, 2, 4)), CacheConfig(block_size=8), "cpu")
+    eager = greedy_paged(runner, prompts, 12, arrival_steps=(0, 2, 3), num_blocks=32)
+    options: dict = {}
+    if mode == "graphs":
+        fake_cuda_graphs(monkeypatch)
+    elif mode == "compile":
+        torch._dynamo.reset()
+        options = {"backend": CountingBackend(), "fixed_width": True}
+    hook = _static_from_first_step(mode, **options)
+    assert greedy_paged(runner, prompts, 12, arrival_steps=(0, 2, 3), num_blocks=32, hook=hook) == eager
+    step = runner.static_decode
+    assert step is not None and sum(step.counts.values()) > 0
