@@ -25,8 +25,8 @@ def v3_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("cpu_decode", ["native", "compiled", "sdpa"])
 def test_every_cpu_decode_kernel_is_exact(v3_dir, hf_greedy, cpu_decode):
-    # native: the C++ kernel reads the whole entry (equal widths) and the output is cut; compiled and sdpa read
-    # the pool's value view (the latent's first kv_lora_rank columns).
+    # Each reads the pool's value view (the latent's first kv_lora_rank columns, K's strides): the C++ kernel, the
+    # compiled one and the matmul pair per KV head.
     engine = make_engine(v3_dir, num_blocks=48, block_size=BLOCK_SIZE, TGI_PAGED_CPU_DECODE=cpu_decode)
     requests = [spec(rid, make_text(rid, words), new) for rid, words, new in ((1, 3, 6), (2, 8, 5), (3, 5, 7))]
     driver = RouterDriver(engine)

@@ -140,11 +140,12 @@ def test_models_doc_agrees_with_the_matrix(family_dir):
     assert (ROOT / "README.md").read_text().count("docs/models.md") >= 1
 
 
-@pytest.mark.parametrize("name", ["Gemma2", "GPT-BigCode", "gpt-oss", "Bloom", "MPT"])
+@pytest.mark.parametrize("name", ["Gemma2", "GPT-BigCode", "gpt-oss", "Bloom", "MPT", "DeepSeek-V3"])
 def test_triton_kernels_inside_the_model(name, family_dir, monkeypatch):
     # The code path that serves on CUDA, run end to end in the model under TRITON_INTERPRET=1 (set
     # by the root conftest): store, prefill and decode through the Triton launchers instead of the
-    # CPU paths. Soft-capping + alternating windows; MQA; sinks + alternating windows (and GQA); ALiBi.
+    # CPU paths. Soft-capping + alternating windows; MQA; sinks + alternating windows (and GQA); ALiBi; the MLA
+    # latent (key-only store, a value view narrower than the key).
     calls = route_to_triton(monkeypatch)
     outcome = run_scenario(family_dir(name), "mixed_batch")
     assert set(LAUNCHERS) <= set(calls)

@@ -210,19 +210,22 @@ def paged_attention(
     if metadata.layer_calls is not None:  # probe: which layers reach us, nothing computed
         metadata.layer_calls.append(layer_idx)
         return q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
-    if values_in_keys:
-        return _latent_attention(metadata, layer_idx, q, k, v.shape[-1], scaling)
     k_cache, v_cache = metadata.k_caches[layer_idx], metadata.v_caches[layer_idx]
     batch = metadata.batch
     slot_mapping, block_tables = metadata.tables(layer_idx)
-    tgi_paged_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=metadata.k_scale, v_scale=metadata.v_scale)
+    # MLA: one scale for the key and the value read from its columns, and the entry stored once (key only)
+    v_scale = metadata.k_scale if values_in_keys else metadata.v_scale
+    if values_in_keys:
+        tgi_paged_kernels.store_kv(k, None, k_cache, None, slot_mapping, k_scale=metadata.k_scale)
+    else:
+        tgi_paged_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=metadata.k_scale, v_scale=v_scale)
     window = int(sliding_window) if sliding_window else None
     options: dict[str, Any] = dict(
         scale=scaling,
         softcap=float(softcap or 0.0),
         sliding_window=window,
         k_scale=metadata.k_scale,
-        v_scale=metadata.v_scale,
+        v_scale=v_scale,
         sinks=None if sinks is None else sinks.detach().float().contiguous(),
         alibi_slopes=alibi_slopes,
     )
@@ -240,41 +243,6 @@ def paged_attention(
     return tgi_paged_kernels.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, batch.query_start_loc, batch.seq_lens, new_kv=(k, v), **options
     )
-
-
-def _latent_attention(
-    metadata: PagedAttentionMetadata, layer_idx: int, q: torch.Tensor, entry: torch.Tensor, dv: int, scaling: float
-) -> torch.Tensor:
-    """Multi-head latent attention over the layer's one pool tensor: store ``entry`` (``[T, 1, Dk]``) once (key
-    only), attend with the entry as key and the pool's value view (its first ``dv`` columns); ``[T, Hq, dv]``.
-
-    Where a kernel takes equal key/value widths only (the Triton kernels for now; the C++ CPU decode kernel,
-    which measures faster reading the whole entry than the compiled kernel reading the view), the value read is
-    the whole entry (the same tensor: nothing is held or stored twice) and the output is cut to ``dv`` columns.
-    """
-    cache = metadata.k_caches[layer_idx]
-    batch = metadata.batch
-    slot_mapping, block_tables = metadata.tables(layer_idx)
-    scale = metadata.k_scale  # one tensor, one scale for the key and the value read from it
-    if cache.is_cuda:
-        tgi_paged_kernels.store_kv(entry, entry, cache, cache, slot_mapping, k_scale=scale, v_scale=scale)
-    else:
-        tgi_paged_kernels.store_kv(entry, None, cache, None, slot_mapping, k_scale=scale)
-    options: dict[str, Any] = dict(scale=scaling, k_scale=scale, v_scale=scale)
-    if batch.is_decode:
-        native = metadata.cpu_decode == "native" and not metadata.static and native_decode_for(cache) is not None
-        values = cache if native or cache.is_cuda else metadata.v_caches[layer_idx]
-        gather = None if native else metadata.decode_gather(cache.shape[1], None, layer_idx)
-        out = tgi_paged_kernels.paged_decode_attention(
-            q, cache, values, block_tables, batch.seq_lens, gather=gather, cpu_kernel=metadata.cpu_decode, **options
-        )
-    else:
-        values = cache if cache.is_cuda else metadata.v_caches[layer_idx]
-        out = tgi_paged_kernels.paged_prefill_attention(
-            q, cache, values, block_tables, batch.query_start_loc, batch.seq_lens,
-            new_kv=(entry, entry[..., : values.shape[-1]]), **options,
-        )  # fmt: skip
-    return out[..., :dv]
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
