@@ -77,3 +77,24 @@ def test_fp8_latent_survives_swap_preemption_byte_for_byte(v3_dir):
         runs[name] = ({r.id: driver.tokens[r.id] for r in requests}, engine.stats.preemptions["swap"])
     assert runs["swapped"][1] > 0 and runs["roomy"][1] == 0
     assert runs["swapped"][0] == runs["roomy"][0]
+
+
+def test_lora_on_the_latent_attentions_projections_is_exact(v3_dir, tmp_path, hf_greedy):
+    """An adapter on the query (q_a_proj, q_b_proj), the latent's projection (kv_a_proj_with_mqa) and o_proj, which
+    the latent attention calls as modules; one on kv_b_proj (taken apart into the absorbed per-head weights) is
+    refused at start."""
+    from tests.helpers.lora_adapters import peft_greedy, write_adapter
+    from tgi_paged_backend.config import ConfigError
+
+    adapter = write_adapter(v3_dir, tmp_path / "mla", targets=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"))
+    engine = make_engine(v3_dir, num_blocks=48, block_size=BLOCK_SIZE, LORA_ADAPTERS=f"mla={adapter}")
+    texts = [make_text(70 + rid, 3 + 2 * rid) for rid in (1, 2)]
+    requests = [spec(rid, text, 6, adapter_id="mla") for rid, text in zip((1, 2), texts, strict=True)]
+    driver = RouterDriver(engine)
+    driver.run(BatchSpec(id=0, requests=tuple(requests)))
+    want = peft_greedy(v3_dir, adapter, [prompt_ids(engine, t) for t in texts], 6)
+    assert [driver.tokens[1], driver.tokens[2]] == want
+    assert want != [hf_greedy(v3_dir, prompt_ids(engine, t), 6) for t in texts]  # the adapter changes tokens
+    absorbed = write_adapter(v3_dir, tmp_path / "kv_b", targets=("kv_b_proj",))
+    with pytest.raises(ConfigError, match="kv_b_proj"):
+        make_engine(v3_dir, num_blocks=48, block_size=BLOCK_SIZE, LORA_ADAPTERS=f"kv_b={absorbed}")
