@@ -1,6 +1,7 @@
 """DeepSeek-V3 (multi-head latent attention) through the shard engine, beyond the family matrix's scenarios:
 the latent read through the pool's value view by every CPU decode kernel, prefix retention (whole blocks and a
-copy-on-write hit) and fp8 KV with swap preemption.
+copy-on-write hit), fp8 KV with swap preemption, LoRA on the attention's projections, and the host and disk KV
+tiers.
 """
 
 from __future__ import annotations
@@ -98,3 +99,23 @@ def test_lora_on_the_latent_attentions_projections_is_exact(v3_dir, tmp_path, hf
     absorbed = write_adapter(v3_dir, tmp_path / "kv_b", targets=("kv_b_proj",))
     with pytest.raises(ConfigError, match="kv_b_proj"):
         make_engine(v3_dir, num_blocks=48, block_size=BLOCK_SIZE, LORA_ADAPTERS=f"kv_b={absorbed}")
+
+
+def test_host_and_disk_tiers_carry_the_fp8_latent_bit_for_bit(v3_dir, tmp_path):
+    """The host tier's rows hold one latent tensor per layer (no value copy): loads from RAM and, after a
+    restart, from disk give the tier-off tokens."""
+    from tests.engine import test_shard_engine_kv_tiers_matrix as tiers
+
+    fp8 = dict(kv_cache_dtype="fp8_e4m3fn")
+    off = tiers.build(v3_dir, **fp8)
+    want = tiers.visit(off, tiers.TEXTS, rounds=2)
+    on = tiers.build(v3_dir, host_rows=64, **fp8)
+    assert on.runner.pool.host_row_shape()[0] == 2  # one tensor per layer, two layers
+    assert tiers.visit(on, tiers.TEXTS, rounds=2) == want
+    assert tiers.counters(on).loaded_blocks > 0
+    first = tiers.build(v3_dir, host_rows=4, TGI_PAGED_DISK_CACHE_DIR=str(tmp_path), **fp8)
+    tiers.visit(first, tiers.TEXTS, rounds=1)
+    first.close()
+    second = tiers.build(v3_dir, host_rows=64, TGI_PAGED_DISK_CACHE_DIR=str(tmp_path), **fp8)
+    assert tiers.visit(second, tiers.TEXTS, rounds=1) == {k: v for k, v in want.items() if k <= 3}
+    assert second.stats.disk_hit_tokens > 0 and second.tier_io.traffic.invalid_fetches == 0
