@@ -125,3 +125,32 @@ def test_the_static_decode_step_gives_the_eager_tokens(mode, family_dir, monkeyp
     assert greedy_paged(runner, prompts, 12, arrival_steps=(0, 2, 3), num_blocks=32, hook=hook) == eager
     step = runner.static_decode
     assert step is not None and sum(step.counts.values()) > 0
+
+
+def test_rope_forms_are_transformers_own_bit_for_bit():
+    # [T, H, rope] as the latent attention rotates them, against transformers' functions on [1, H, T, rope].
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+
+    from tgi_paged_backend.runner.model.mla import rotate_complex, rotate_halves, rotate_interleaved
+
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, 4, 8, generator=generator), torch.randn(5, 1, 8, generator=generator)
+    angles = torch.arange(5.0)[:, None] * torch.rand(4, generator=generator)  # [T, rope / 2]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos()[None], emb.sin()[None]  # [1, T, rope]
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1)[None]
+
+    for ours, theirs in (
+        (rotate_interleaved, v3.apply_rotary_pos_emb_interleave),
+        (rotate_halves, v3.apply_rotary_pos_emb),
+    ):
+        want_q, want_k = theirs(heads_first(q), heads_first(k), cos, sin)
+        assert torch.equal(ours(q, cos[0, :, None], sin[0, :, None]), want_q[0].transpose(0, 1))
+        assert torch.equal(ours(k, cos[0, :, None], sin[0, :, None]), want_k[0].transpose(0, 1))
+    freqs = torch.polar(torch.ones_like(angles), angles)[None]  # V2: complex [1, T, rope / 2]
+    want_q, want_k = v2.apply_rotary_emb(heads_first(q), heads_first(k), freqs)
+    assert torch.equal(rotate_complex(q, freqs[0]), want_q[0].transpose(0, 1))
+    assert torch.equal(rotate_complex(k, freqs[0]), want_k[0].transpose(0, 1))
