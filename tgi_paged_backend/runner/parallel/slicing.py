@@ -211,7 +211,8 @@ def _shard_moe(block: nn.Module, rank: int, world_size: int, all_reduce: AllRedu
     block's output
     (the shared expert's sigmoid gate is replicated, so it scales each rank's part alike)."""
     shard_experts(cast(nn.Module, block.experts), rank, world_size, f"{where}.experts")
-    shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)  # Qwen2-MoE, DeepSeek
+    shared = getattr(block, "shared_expert", None)  # Qwen2-MoE's; DeepSeek's is named shared_experts
+    shared = getattr(block, "shared_experts", None) if shared is None else shared
     if shared is not None:
         for name in ("gate_proj", "up_proj"):
             setattr(
