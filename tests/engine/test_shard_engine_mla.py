@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.conftest import RouterDriver, make_engine, make_text, prompt_ids, spec
+from tests.engine.conftest import RouterDriver, make_engine, make_text, prompt_ids, router_warmup, spec
 from tests.helpers.family_models import FAMILY_BY_NAME, write_family_model
 from tgi_paged_backend.engine import build_engine
 from tgi_paged_backend.engine.types import BatchSpec
@@ -119,3 +119,52 @@ def test_host_and_disk_tiers_carry_the_fp8_latent_bit_for_bit(v3_dir, tmp_path):
     second = tiers.build(v3_dir, host_rows=64, TGI_PAGED_DISK_CACHE_DIR=str(tmp_path), **fp8)
     assert tiers.visit(second, tiers.TEXTS, rounds=1) == {k: v for k, v in want.items() if k <= 3}
     assert second.stats.disk_hit_tokens > 0 and second.tier_io.traffic.invalid_fetches == 0
+
+
+def test_decompressed_prefill_is_exact(v3_dir, hf_greedy, monkeypatch):
+    """Prefill steps that expand the latents to per-head keys and values (prompts, chunks, a follow-up over retained
+    blocks) give HF's tokens; decode steps stay absorbed."""
+    from tgi_paged_backend.runner.model.mla import PagedLatentAttention
+
+    monkeypatch.setattr(PagedLatentAttention, "prefill_form", "decompressed")
+    calls = []
+    attend = PagedLatentAttention.attend_decompressed
+
+    def counting(self, metadata, *args):
+        calls.append(metadata.batch.is_decode)
+        return attend(self, metadata, *args)
+
+    monkeypatch.setattr(PagedLatentAttention, "attend_decompressed", counting)
+    engine = make_engine(v3_dir, num_blocks=48, block_size=BLOCK_SIZE)
+    router_warmup(engine, 16)  # prefill steps of 16 tokens: the long prompt comes in chunks
+    texts = [make_text(80 + rid, words) for rid, words in ((1, 3), (2, 14), (3, 6))]
+    driver = RouterDriver(engine)
+    driver.run(BatchSpec(id=0, requests=tuple(spec(rid, t, 6) for rid, t in zip((1, 2, 3), texts, strict=True))))
+    follow_up = texts[1] + " " + make_text(90, 2)
+    before = engine.stats.prefix_hit_tokens
+    driver.run(BatchSpec(id=1, requests=(spec(4, follow_up, 5),)))
+    assert engine.stats.prefix_hit_tokens > before
+    for rid, text in zip((1, 2, 3, 4), [*texts, follow_up], strict=True):
+        n = 5 if rid == 4 else 6
+        assert driver.tokens[rid] == hf_greedy(v3_dir, prompt_ids(engine, text), n), rid
+    assert calls and not any(calls)
+
+
+def test_auto_prefill_decompresses_long_prompts_only(v3_dir):
+    """``auto`` at DeepSeek-V3's sizes (kv_lora_rank 512, rope 64, nope 128, v 128): a 2048-token prompt
+    decompresses, 64-token chunks of 16 requests and any decode (one token per request) stay absorbed."""
+    from types import SimpleNamespace
+
+    from tgi_paged_backend.runner.model.mla import PagedLatentAttention
+
+    sizes = SimpleNamespace(
+        prefill_form="auto", kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128
+    )
+    decompresses = PagedLatentAttention.decompresses
+
+    def tables(requests: int, tokens: int) -> torch.Tensor:
+        return torch.zeros((requests, tokens // 16), dtype=torch.int32)
+
+    assert decompresses(sizes, 2048, tables(1, 2048), 16)
+    assert not decompresses(sizes, 16 * 64, tables(16, 4096), 16)
+    assert not decompresses(sizes, 8, tables(8, 8192), 16)

@@ -18,10 +18,18 @@ replaces each layer's ``self_attn``, at load (after quantization, before the sta
   columns, softmax scale the model's (yarn ``mscale`` included); the latent output of each head goes
   through ``W_uv`` (the value part of ``kv_b_proj``) and ``o_proj``.
 
+A prefill step may instead decompress (:attr:`PagedLatentAttention.prefill_form`): the entry is stored the same
+way, then the latents of every block the step reads are expanded to per-head keys ``[latent @ W_uk^T ; k_pe]``
+(``qk_nope + qk_rope`` wide) and values ``latent @ W_uv^T`` (``v_head_dim`` wide) in a temporary per-head paged
+cache, and the full query attends over them as transformers' DeepSeek attention does. Per (query, key) pair and
+head that costs ``qk_nope + qk_rope + v`` multiply-adds instead of the absorbed ``2 kv_lora_rank + qk_rope``, at
+the price of expanding each context token once; ``auto`` takes whichever costs fewer at the step's shapes (long
+prompts decompress; decode always absorbs).
+
 ``kv_b_proj`` is taken apart at install into the two per-head parameters ``w_uk`` ``[H, nope, rank]`` and
-``w_uv`` ``[H, v, rank]`` (dense, in the model dtype, dequantized when a quantized linear held them), since the
-absorbed path multiplies by them, not through the linear. Prefill uses the same absorbed path. The decoder
-layers pass the model call's keyword arguments to ``self_attn``, so the step's metadata arrives as usual.
+``w_uv`` ``[H, v, rank]`` (dense, in the model dtype, dequantized when a quantized linear held them), since both
+paths multiply by them, not through the linear. The decoder layers pass the model call's keyword arguments to
+``self_attn``, so the step's metadata arrives as usual.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from tgi_paged_backend.runner.attention import paged_attention, step_metadata
+import tgi_paged_kernels
+from tgi_paged_backend.runner.attention import PagedAttentionMetadata, paged_attention, step_metadata
 
 MLA_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3"})
 """Model types whose attention this module replaces (transformers' own DeepSeek classes)."""
@@ -94,6 +103,9 @@ class PagedLatentAttention(nn.Module):
     q_b_proj: nn.Module | None
     kv_a_proj_with_mqa: nn.Module
     kv_a_layernorm: nn.Module
+    prefill_form = "auto"
+    """How a prefill step attends: ``absorbed`` (as decode), ``decompressed`` (per-head keys and values expanded from
+    the latents it reads), or ``auto``: whichever costs fewer multiply-adds at its shapes (:meth:`decompresses`)."""
 
     def __init__(self, attention: nn.Module, config: Any) -> None:
         super().__init__()
@@ -141,6 +153,46 @@ class PagedLatentAttention(nn.Module):
         assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
         return cast(torch.Tensor, self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states))))
 
+    def decompresses(self, num_tokens: int, block_tables: torch.Tensor, block_size: int) -> bool:
+        """Whether a prefill of ``num_tokens`` query tokens over ``block_tables`` (``[B, W]``) decompresses.
+
+        ``auto`` compares multiply-adds from shapes alone (no device sync), with ``L = W x block_size`` context
+        positions per request: absorbed ``T L H (2 rank + rope) + T H rank (nope + v)`` (the attention in latent
+        space, then the query's absorption and the output's up-projection) against decompressed
+        ``T L H (nope + rope + v) + B L H rank (nope + v)`` (attention per head, then expanding each request's
+        context once).
+        """
+        if self.prefill_form != "auto":
+            return self.prefill_form == "decompressed"
+        requests, context = block_tables.shape[0], block_tables.shape[1] * block_size
+        rank, rope, nope, v = self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim
+        saved = num_tokens * context * (2 * rank + rope - (nope + rope + v)) + num_tokens * rank * (nope + v)
+        return saved > requests * context * rank * (nope + v)
+
+    def attend_decompressed(
+        self, metadata: PagedAttentionMetadata, q_nope: torch.Tensor, q_pe: torch.Tensor, entry: torch.Tensor
+    ) -> torch.Tensor:
+        """Store ``entry`` (``[T, 1, Dk]``) in the pool, then attend per head over the keys and values expanded from
+        every block the step's requests read; ``[T, H, v_head_dim]``."""
+        cache = metadata.k_caches[self.layer_idx]
+        slot_mapping, block_tables = metadata.tables(self.layer_idx)
+        tgi_paged_kernels.store_kv(entry, None, cache, None, slot_mapping, k_scale=metadata.k_scale)
+        heads, rank = self.num_heads, self.kv_lora_rank
+        rows = cache.index_select(0, block_tables.reshape(-1).long())[:, :, 0]  # [B W, block_size, Dk]
+        if rows.dtype != q_nope.dtype:  # fp8 (scaled) or another dtype: read back as the kernels do
+            rows = (rows.float() * metadata.k_scale).to(q_nope.dtype)
+        latent, k_pe = rows.reshape(-1, rows.shape[-1]).split([rank, self.qk_rope_head_dim], dim=-1)
+        shape = (*rows.shape[:2], heads)
+        k_nope = (latent @ self.w_uk.reshape(-1, rank).t()).view(*shape, self.qk_nope_head_dim)
+        keys = torch.cat([k_nope, k_pe.view(*rows.shape[:2], 1, -1).expand(*shape, -1)], dim=-1)
+        values = (latent @ self.w_uv.reshape(-1, rank).t()).view(*shape, self.v_head_dim)
+        tables = torch.arange(rows.shape[0], dtype=torch.int32, device=rows.device).view(block_tables.shape)
+        batch = metadata.batch
+        return tgi_paged_kernels.paged_prefill_attention(
+            torch.cat([q_nope, q_pe], dim=-1), keys, values, tables, batch.query_start_loc, batch.seq_lens,
+            scale=self.scaling,
+        )  # fmt: skip
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -161,6 +213,12 @@ class PagedLatentAttention(nn.Module):
         q_pe = self.rotate(q_pe, position_embeddings)
         k_pe = self.rotate(k_pe.unsqueeze(1), position_embeddings)
         entry = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # [T, 1, Dk]: the one pool row of the token
+        probe, batch = metadata.layer_calls is not None, metadata.batch
+        if not probe and not batch.is_decode:
+            _, block_tables = metadata.tables(self.layer_idx)
+            if self.decompresses(tokens, block_tables, metadata.k_caches[self.layer_idx].shape[1]):
+                values = self.attend_decompressed(metadata, q_nope, q_pe, entry)
+                return self.o_proj(values.reshape(1, tokens, heads * self.v_head_dim)), None
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, rank]
         query = torch.cat([q_latent, q_pe], dim=-1)
         out = paged_attention(
