@@ -7,6 +7,7 @@ middle of a prefill chunk (or of a recompute) gets nothing this step, which the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -172,6 +173,14 @@ class ModelStep:
             group_slot_mappings=group_slots,
             group_block_tables=self.kv.group_block_tables(ids)[1:] if group_slots else (),
         )
+        image_rows = [
+            row
+            for (r, n), first in zip(plan.scheduled, layout.query_start_loc)
+            if r.images is not None and not r.draft
+            for row in r.images.chunk_rows(r.id, r.num_computed, n, int(first), self.runner.image_encoder)
+        ]
+        if image_rows:
+            batch = dataclasses.replace(batch, image_rows=tuple(image_rows))
         return batch.to(self.runner.device), rows
 
     @staticmethod
@@ -200,10 +209,12 @@ class ModelStep:
             if r.prefill_done:
                 recomputed += max(0, min(end, r.num_tokens - 1) - start)
             if start < num_prompt:
-                self.kv.commit_tokens(r.id, r.prompt_ids[start : min(end, num_prompt)], start)
+                self.kv.commit_tokens(r.id, r.prompt_keys[start : min(end, num_prompt)], start)
             if end > num_prompt:  # generated tokens join the history retention registers, as prompts do
                 gen_start = max(start, num_prompt)
                 self.kv.commit_tokens(r.id, r.output_ids[gen_start - num_prompt : end - num_prompt], gen_start)
+            if r.images is not None:
+                r.images.release(end)
             if r.advance(n):
                 sampled.append((r, first + count - 1))
         return sampled, recomputed

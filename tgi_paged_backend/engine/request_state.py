@@ -30,6 +30,7 @@ from tgi_paged_backend.engine.types import FinishReason, RequestSpec
 if TYPE_CHECKING:  # annotations only: importing grammar would pull in torch and outlines_core
     from tgi_paged_backend.engine.detokenize import IncrementalDetokenizer
     from tgi_paged_backend.engine.grammar import GrammarState
+    from tgi_paged_backend.engine.image_prompts import RequestImages
     from tgi_paged_backend.engine.stopping import StoppingCriteria
 
 
@@ -88,10 +89,23 @@ class RequestState:
     grammar: GrammarState | None = None
     """The request's automaton (engine.grammar.GrammarState) when it has a grammar: advanced with every
     generated token; preemption leaves it alone (swap and recompute keep ``output_ids``)."""
+    images: RequestImages | None = None
+    """The request's images (a served vision-language model; ``engine.image_prompts``), else ``None``."""
 
     @property
     def id(self) -> int:
         return self.spec.id
+
+    @property
+    def prompt_keys(self) -> list[int]:
+        """The prompt as the memory manager matches and registers it: each image's placeholders keyed by the
+        image's content (``vision.image_keys``), so another image never shares their blocks."""
+        return self.prompt_ids if self.images is None else self.images.prompt_keys
+
+    @property
+    def key_ids(self) -> list[int]:
+        """:attr:`all_ids` with the prompt keyed (:attr:`prompt_keys`)."""
+        return self.prompt_keys + self.output_ids
 
     @property
     def all_ids(self) -> list[int]:
@@ -168,6 +182,8 @@ class RequestState:
         if status is RequestStatus.PREEMPTED:
             self.recomputed_tokens += self.num_computed
             self.num_computed = 0
+            if self.images is not None:  # re-encoded from the bytes when the prefill reaches them again
+                self.images.release()
         self.status = status
         self.num_preemptions += 1
         self.preempted_at = time.monotonic()

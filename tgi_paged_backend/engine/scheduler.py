@@ -245,7 +245,7 @@ def reuse_cached_prefix(kv: KVCacheManager, request: RequestState) -> int:
     prompt itself (prompt logprobs, prefill not done) shares nothing. Returns the cached tokens."""
     if not request.may_reuse_prefix:
         return 0
-    num_cached = kv.match_prefix(request.id, request.all_ids).num_cached_tokens
+    num_cached = kv.match_prefix(request.id, request.key_ids).num_cached_tokens  # images keyed by content
     request.start_from_cache(num_cached)
     return num_cached
 

@@ -258,7 +258,7 @@ class PagedShardEngine(StepEngine):
         ``usable_blocks``, a request whose whole history cannot fit the pool is refused; only the liveness
         ``probe`` may use its reserved id and block."""
         validate_batch(batch, live_ids=set(self.requests), num_virtual_blocks=self.num_virtual_blocks, probe=probe)
-        prompts = self.prompt_tokenizer.encode_requests(batch.requests)
+        prompts, images = self._encode_prompts(batch.requests)
         for spec, prompt_ids in zip(batch.requests, prompts):
             validate_sampling_params(spec.sampling)
             validate_tokenized(spec, prompt_ids, block_size=self.block_size, max_input_tokens=max_input_tokens)
@@ -276,9 +276,9 @@ class PagedShardEngine(StepEngine):
         ]
         registered: list[int] = []
         try:
-            for spec, prompt_ids, grammar in zip(batch.requests, prompts, grammars):
+            for spec, prompt_ids, grammar, request_images in zip(batch.requests, prompts, grammars, images):
                 registered.append(spec.id)
-                self._register(spec, prompt_ids, grammar)
+                self._register(spec, prompt_ids, grammar, request_images)
         except Exception:
             self._free(registered)
             raise

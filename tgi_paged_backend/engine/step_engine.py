@@ -11,6 +11,7 @@ RPCs or Warmup: :class:`~.shard_engine.PagedShardEngine` adds them.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tgi_paged_backend.config import BackendConfig
@@ -18,6 +19,7 @@ from tgi_paged_backend.engine.capacity import Capacity
 from tgi_paged_backend.engine.detokenize import TokenDecoder
 from tgi_paged_backend.engine.engine_stats import EngineStats
 from tgi_paged_backend.engine.grammar import GrammarCompiler, GrammarState, TokenVocabulary
+from tgi_paged_backend.engine.image_prompts import ImagePrompts, RequestImages
 from tgi_paged_backend.engine.model_step import ModelStep
 from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
 from tgi_paged_backend.engine.scheduler import Scheduler, reuse_cached_prefix
@@ -53,6 +55,8 @@ class StepEngine:
         self.runner = runner
         self.block_size = config.cache.block_size
         self.prompt_tokenizer = PromptTokenizer(runner.tokenizer)
+        self.image_prompts = ImagePrompts.for_runner(runner, self.prompt_tokenizer)
+        """Prompts with images (a served vision-language model), else ``None``: text only."""
         self.decoder = TokenDecoder(runner.tokenizer)
         self.eos_ids = eos_token_ids(runner.tokenizer, runner.generation_config) or frozenset(runner.eos_token_ids)
         self.calibrator = RateCalibrator()
@@ -154,7 +158,16 @@ class StepEngine:
             self._grammar = GrammarCompiler(TokenVocabulary(self.runner.tokenizer, eos))
         return self._grammar
 
-    def _register(self, spec: RequestSpec, prompt_ids: list[int], grammar: GrammarState | None) -> None:
+    def _encode_prompts(self, specs: Sequence[RequestSpec]) -> tuple[list[list[int]], list[RequestImages | None]]:
+        """Prompt ids of ``specs`` (and their images, a vision-language model's; ``InvalidRequestError`` for a
+        bad one); a text-only model reads each request's text and ignores images, as stock."""
+        if self.image_prompts is None:
+            return self.prompt_tokenizer.encode_requests(specs), [None] * len(specs)
+        return self.image_prompts.encode_requests(specs)
+
+    def _register(
+        self, spec: RequestSpec, prompt_ids: list[int], grammar: GrammarState | None, images: RequestImages | None
+    ) -> None:
         """Create the request state and its page map; share retained prefix blocks."""
         self._admitted += 1
         state = RequestState(
@@ -163,6 +176,7 @@ class StepEngine:
             admitted_seq=self._admitted,
             chunk_len_hint=spec.chunk_len,
             grammar=grammar,
+            images=images,
             wants_prompt_logprobs=spec.prefill_logprobs and self.config.server.request_logprobs,
         )
         state.stop_state = StoppingCriteria(spec.stopping, self.eos_ids)
@@ -171,7 +185,7 @@ class StepEngine:
         self.kv.add_request(spec.id, spec.blocks, namespace=state.adapter)
         self.requests[spec.id] = state
         if self.tier_io.disk is not None and state.may_reuse_prefix:  # the disk tier's blocks go to the host tier
-            fetched = self.tier_io.fetch(self.kv, prompt_ids, state.adapter, self._agree_min)
+            fetched = self.tier_io.fetch(self.kv, state.prompt_keys, state.adapter, self._agree_min)
             self.stats.disk_hit_tokens += fetched * self.block_size
         self.stats.prefix_hit_tokens += reuse_cached_prefix(self.kv, state)
         self.stats.prefix_query_tokens += len(prompt_ids)

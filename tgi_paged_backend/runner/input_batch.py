@@ -46,6 +46,10 @@ class ForwardBatch:
     group_slot_mappings, group_block_tables : tuple of torch.Tensor
         With KV layer groups (``memory.layer_groups``): the slots and block tables of groups 1, 2, ...
         (``slot_mapping`` and ``block_tables`` are group 0's), same shapes; ``()`` with one group.
+    image_rows : tuple of (int, torch.Tensor)
+        Image embeddings of this step's prefill chunks (vision-language models, issue 40): ``(row, values)``
+        puts ``values`` (``[n, hidden]``) at packed rows ``row .. row + n`` in place of those tokens'
+        embeddings; ``()`` (every text-only step): the model embeds ``input_ids`` itself.
     """
 
     input_ids: torch.Tensor
@@ -59,6 +63,7 @@ class ForwardBatch:
     lora_slots: torch.Tensor | None = None
     group_slot_mappings: tuple[torch.Tensor, ...] = ()
     group_block_tables: tuple[torch.Tensor, ...] = ()
+    image_rows: tuple[tuple[int, torch.Tensor], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -174,6 +179,7 @@ class ForwardBatch:
             lora_slots=None if self.lora_slots is None else move(self.lora_slots),
             group_slot_mappings=tuple(move(m) for m in self.group_slot_mappings),
             group_block_tables=tuple(move(t) for t in self.group_block_tables),
+            image_rows=tuple((row, values.to(device)) for row, values in self.image_rows),
         )
 
 

@@ -28,6 +28,7 @@ from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMet
 from tgi_paged_backend.runner.cpu.fast_layers import SwapReport
 from tgi_paged_backend.runner.cpu.fused_blocks import FusionReport
 from tgi_paged_backend.runner.cpu.native_layers import NativeLayersReport
+from tgi_paged_backend.runner.image_embeds import model_inputs
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch, dummy_prefill_chunks
 from tgi_paged_backend.runner.kv_pool import BlockIds, KVPool
 from tgi_paged_backend.runner.model.alibi import has_alibi_attention
@@ -82,6 +83,8 @@ class ModelRunner:
         self.generation_config = loaded.generation_config
         self.eos_token_ids: tuple[int, ...] = loaded.eos_token_ids
         self.dtype = loaded.dtype
+        self.image_encoder = loaded.image_encoder
+        """A vision-language model's image encoder (``vision.llava_next_encoder``), else ``None``."""
         full_spec = ModelSpec.from_hf_config(self.model.config, self.dtype)
         self.kv_dtype = resolve_kv_dtype(cache_config.kv_cache_dtype, self.dtype)
         context = RewriteContext(
@@ -258,7 +261,7 @@ class ModelRunner:
                 f"the pool is laid out for {self.pool_groups.num_groups} KV layer group(s); the batch carries "
                 f"block tables for {1 + len(batch.group_block_tables)}"
             )
-        if self.static_decode is not None and batch.is_decode and batch.lora_slots is None:
+        if self.static_decode is not None and batch.is_decode and batch.lora_slots is None and not batch.image_rows:
             logits = self.static_decode.run(batch.to(self.device))
             if logits is not None:
                 return logits
@@ -274,7 +277,7 @@ class ModelRunner:
         routing = self.lora.step.open(batch.lora_slots) if self.lora is not None else contextlib.nullcontext()
         with torch.inference_mode(), routing:
             out = self.model(
-                input_ids=batch.input_ids.unsqueeze(0),
+                **model_inputs(self.model, batch),
                 position_ids=batch.positions.unsqueeze(0),
                 attention_mask=mask_placeholder(self.device, self.dtype),
                 use_cache=False,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
-from tgi_paged_backend.runner.model import falcon, mla
+from tgi_paged_backend.runner.model import falcon, mla, vlm_loading
 from tgi_paged_backend.runner.model.alibi import ALIBI_MODEL_TYPES, alibi_refusal
 
 if TYPE_CHECKING:
@@ -67,7 +67,6 @@ _VLM_NOT_YET = (
     "are carried and validated, but the vision tower's embeddings are not merged at the image placeholders"
 )
 VLM_FAMILIES: dict[str, str] = {
-    "llava_next": _VLM_NOT_YET,
     "paligemma": _VLM_NOT_YET + ", and PaliGemma's prefix-LM mask (bidirectional over image + prompt) is not "
     "implemented by the paged attention",
     "idefics2": _VLM_NOT_YET + ", and Idefics2's perceiver resampler is not run",
@@ -85,7 +84,8 @@ VLM_FAMILIES: dict[str, str] = {
     "idefics": "Idefics (v1) attends to the image through gated cross-attention layers, whose per-request "
     "vision KV is not held by the paged KV pool",
 }
-"""Vision-language ``model_type``s stock TGI 3.3 serves -> why the paged path refuses them today."""
+"""Vision-language ``model_type``s stock TGI 3.3 serves -> why the paged path refuses them today (LLaVA-NeXT is
+served: :data:`.vlm_loading.SERVED_VLM_MODEL_TYPES`)."""
 
 _MULTIMODAL_SUBCONFIGS = ("vision_config", "audio_config", "speech_config", "vision_tower_config")
 
@@ -116,6 +116,8 @@ def unsupported_reason(config: Any) -> str | None:
         return "encoder-decoder models are not served (the paged backend runs decoder-only causal LMs)"
     if model_type in VLM_FAMILIES:
         return VLM_FAMILIES[model_type]
+    if vlm_loading.is_served_vlm(config):  # its language model decides (the tower never touches the pool)
+        return unsupported_reason(config.text_config)
     sub = [name for name in _MULTIMODAL_SUBCONFIGS if getattr(config, name, None) is not None]
     if sub:
         return f"multimodal models are not served ({', '.join(sub)} present; only text decoders are)"

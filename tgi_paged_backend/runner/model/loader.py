@@ -21,7 +21,7 @@ from packaging.version import Version
 
 from tgi_paged_backend.config import ModelConfig
 from tgi_paged_backend.runner.attention import register_attention
-from tgi_paged_backend.runner.model import falcon, family_support
+from tgi_paged_backend.runner.model import falcon, family_support, vlm_loading
 from tgi_paged_backend.runner.model.alibi import install_alibi_attention
 from tgi_paged_backend.runner.model.mla import install_latent_attention
 from tgi_paged_backend.runner.model.rope_scaling import apply_rope_scaling
@@ -59,6 +59,8 @@ class LoadedModel:
     """Tokens that end a generation."""
     dtype: torch.dtype
     """Weights and activation dtype."""
+    image_encoder: Any = None
+    """A served vision-language model's image encoder (:mod:`.vlm_loading`); ``None`` for text models."""
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -204,14 +206,19 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
     if model_config.rope_scaling is not None:  # ROPE_SCALING / ROPE_FACTOR replace the config's, as stock
         apply_rope_scaling(config, model_config.rope_scaling, model_config.rope_factor)
     _refuse_if(config, family_support.unsupported_reason(config))
+    is_vlm = vlm_loading.is_served_vlm(config)
+    if is_vlm:
+        _refuse_if(config, vlm_loading.checkpoint_reason(config, path))
     method, scheme = _resolve_quantization(model_config, config)
     # Falcon picks its attention class by name (no interface): built plainly, then given ours (.falcon).
     is_falcon = str(config.model_type) == falcon.MODEL_TYPE
+    auto_class = transformers.AutoModelForImageTextToText if is_vlm else transformers.AutoModelForCausalLM
+    attn: str | dict[str, str] = falcon.LOAD_ATTENTION if is_falcon else attn_name
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
+        model = auto_class.from_pretrained(
             path,
             **({} if model_config.rope_scaling is None and method is None else {"config": config}),
-            attn_implementation=falcon.LOAD_ATTENTION if is_falcon else attn_name,
+            attn_implementation=vlm_loading.attention_implementations(attn_name) if is_vlm else attn,
             trust_remote_code=model_config.trust_remote_code,
             use_safetensors=True,
             local_files_only=True,
@@ -251,4 +258,5 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
         generation_config=generation_config,
         eos_token_ids=eos_token_ids(generation_config, tokenizer),
         dtype=dtype,
+        image_encoder=vlm_loading.load_image_encoder(model, path) if is_vlm else None,
     )

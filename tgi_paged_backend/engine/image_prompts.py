@@ -1,0 +1,110 @@
+"""Requests with images for a served vision-language model: their prompt ids, image spans and embeddings.
+
+At admission (:meth:`ImagePrompts.encode`) the images are decoded and validated
+(:mod:`.images`), each becomes its placeholder run (:func:`~tgi_paged_backend.vision.prompt.build_prompt`,
+the count from the decoded size), the prompt is tokenized as stock's VLM server does, and the
+placeholders are dealt to the images (:func:`~tgi_paged_backend.vision.image_keys.placeholder_positions`:
+truncation inside an image, or placeholder text in the input, is ``INVALID_ARGUMENT``). The request keeps
+a :class:`RequestImages`: the image chunks, the spans, and the *keyed* prompt ids the memory manager
+matches and registers retained blocks by (the forward keeps the real ids).
+
+At a prefill chunk that reaches an image (:meth:`RequestImages.chunk_rows`) the images are encoded once
+(vision tower, projector, anyres packing) and the chunk's slice of each goes to the forward as
+``ForwardBatch.image_rows``; the embeddings are dropped once the prompt is past its last image
+(:meth:`RequestImages.release`) and at a recompute preemption, which re-encodes from the bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tgi_paged_backend.engine.images import decode_image, decode_request_images, request_images
+from tgi_paged_backend.engine.tokenize import PromptTokenizer
+from tgi_paged_backend.engine.types import ImageInput, RequestSpec
+from tgi_paged_backend.vision.image_keys import keyed_token_ids, placeholder_positions
+from tgi_paged_backend.vision.prompt import build_prompt
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_IMAGES_PER_REQUEST = 8
+"""Images one request may carry (more is ``INVALID_ARGUMENT``); Warmup sizes the vision tower's peak for it."""
+
+
+@dataclass(slots=True)
+class RequestImages:
+    """A request's images: what the forward and the memory manager need of them."""
+
+    images: tuple[ImageInput, ...]
+    """The image chunks in prompt order (re-encoded from after a recompute preemption)."""
+    spans: tuple[range, ...]
+    """Prompt positions of each image's placeholders."""
+    prompt_keys: list[int]
+    """The prompt ids with each image's placeholders replaced by its content id (prefix retention)."""
+    features: list[torch.Tensor] | None = None
+    """Each image's ``[count, hidden]`` embeddings while the prefill needs them, else ``None``."""
+
+    @property
+    def end(self) -> int:
+        """The position after the last image placeholder."""
+        return max(span.stop for span in self.spans)
+
+    def chunk_rows(self, request_id: int, start: int, count: int, row: int, encoder: Any):
+        """``(packed row, embeddings)`` of the image positions in prompt positions ``start .. start + count``,
+        which sit at packed rows ``row ..``; encodes the images first when their embeddings are not held."""
+        stop = start + count
+        inside = [(i, span) for i, span in enumerate(self.spans) if span.start < stop and span.stop > start]
+        if not inside:
+            return []
+        if self.features is None:
+            self.features = encoder.encode([decode_image(request_id, i, im) for i, im in enumerate(self.images)])
+        rows = []
+        for i, span in inside:
+            lo, hi = max(span.start, start), min(span.stop, stop)
+            rows.append((row + lo - start, self.features[i][lo - span.start : hi - span.start]))
+        return rows
+
+    def release(self, num_computed: int | None = None) -> None:
+        """Drop the embeddings when the prompt is computed past the last image (``None``: now)."""
+        if num_computed is None or num_computed >= self.end:
+            self.features = None
+
+
+class ImagePrompts:
+    """Prompt ids (and images) of requests for a served vision-language model."""
+
+    def __init__(self, encoder: Any, tokenizer: PromptTokenizer, image_token_id: int) -> None:
+        self.encoder = encoder
+        self.tokenizer = tokenizer
+        self.image_token_id = image_token_id
+        self.image_token = tokenizer.tokenizer.convert_ids_to_tokens(image_token_id)
+
+    @classmethod
+    def for_runner(cls, runner: Any, tokenizer: PromptTokenizer) -> ImagePrompts | None:
+        """The runner's (``None`` for a text-only model)."""
+        if runner.image_encoder is None:
+            return None
+        config = runner.image_encoder.config
+        token = getattr(config, "image_token_id", None)
+        return cls(runner.image_encoder, tokenizer, int(config.image_token_index if token is None else token))
+
+    def encode(self, spec: RequestSpec) -> tuple[list[int], RequestImages | None]:
+        """The prompt ids of ``spec`` and its images (``None`` without images); ``InvalidRequestError`` for
+        a bad image, too many images, or placeholders that do not match the images."""
+        chunks = request_images(spec)
+        decoded = decode_request_images(spec, MAX_IMAGES_PER_REQUEST)
+        counts = [self.encoder.token_count(image) for image in decoded]
+        text = build_prompt(spec.chunks, lambda i: self.image_token * counts[i]) if chunks else spec.text
+        ids = self.tokenizer.encode(text, spec.truncate, spec.add_special_tokens)
+        spans = placeholder_positions(spec.id, ids, self.image_token_id, counts)
+        if not chunks:
+            return ids, None
+        keys = keyed_token_ids(ids, spans, [image.data for image in chunks])
+        return ids, RequestImages(tuple(chunks), tuple(spans), keys)
+
+    def encode_requests(self, specs: Sequence[RequestSpec]) -> tuple[list[list[int]], list[RequestImages | None]]:
+        """:meth:`encode` of every request, in order."""
+        encoded = [self.encode(spec) for spec in specs]
+        return [ids for ids, _ in encoded], [images for _, images in encoded]

@@ -1,0 +1,71 @@
+"""Loading the vision-language families the paged path serves (LLaVA-NeXT, issue 40, docs/vlm.md).
+
+Such a checkpoint loads through ``AutoModelForImageTextToText`` with one attention implementation per
+sub-config: the paged attention for the language model (``text_config``), SDPA for the vision tower
+(its attention is bidirectional over one image and never touches the KV pool). The image side is
+:class:`~tgi_paged_backend.vision.llava_next_encoder.LlavaNextEncoder` over the checkpoint's own image
+processor. Only checkpoints the placeholder rule of
+:mod:`~tgi_paged_backend.vision.llava_next_tokens` covers are served: the processor's crop size must be
+the tower's ``image_size`` and ``vision_feature_select_strategy`` must be ``"default"`` (the released
+checkpoints'); others are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SERVED_VLM_MODEL_TYPES = frozenset({"llava_next"})
+"""Vision-language ``model_type``s the paged path serves (the others stay refused: ``family_support``)."""
+
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
+
+
+def is_served_vlm(config: Any) -> bool:
+    """Whether ``config`` is a vision-language model the paged path serves."""
+    return str(getattr(config, "model_type", "")) in SERVED_VLM_MODEL_TYPES
+
+
+def attention_implementations(attn_name: str) -> dict[str, str]:
+    """``attn_implementation`` per sub-config: ours for the language model, SDPA elsewhere."""
+    return {"text_config": attn_name, "vision_config": "sdpa", "": "sdpa"}
+
+
+def _crop_side(processor_config: dict[str, Any]) -> int | None:
+    crop = processor_config.get("crop_size")
+    if isinstance(crop, dict):
+        height, width = crop.get("height"), crop.get("width")
+        return int(height) if height == width and height is not None else None
+    return None if crop is None else int(crop)
+
+
+def checkpoint_reason(config: Any, path: Path) -> str | None:
+    """Why the LLaVA-NeXT checkpoint in ``path`` is outside what the placeholder rule covers, or ``None``."""
+    strategy = getattr(config, "vision_feature_select_strategy", None)
+    if strategy != "default":
+        return (
+            f"vision_feature_select_strategy={strategy!r} is not served: the image-token count rule (and stock "
+            "TGI's router) assumes 'default' (the CLS feature dropped)"
+        )
+    file = path / PREPROCESSOR_CONFIG
+    if not file.is_file():
+        return f"the checkpoint has no {PREPROCESSOR_CONFIG}: the image processor the images need is missing"
+    image_size = int(config.vision_config.image_size)
+    crop = _crop_side(json.loads(file.read_text()))
+    if crop != image_size:
+        return (
+            f"the image processor's crop size ({crop}) differs from the vision tower's image_size ({image_size}): "
+            "the image-token count rule (and stock TGI's router) assumes they are equal"
+        )
+    return None
+
+
+def load_image_encoder(model: Any, path: Path) -> Any:
+    """The encoder turning a request's images into embeddings, with the checkpoint's image processor."""
+    import transformers
+
+    from tgi_paged_backend.vision.llava_next_encoder import LlavaNextEncoder
+
+    processor = transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True)
+    return LlavaNextEncoder(model, processor)
