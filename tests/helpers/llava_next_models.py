@@ -75,9 +75,13 @@ class LlavaNextReference:
     """HF ``generate`` (float32, eager attention) on the checkpoint in ``path``, with ``pixel_values``."""
 
     def __init__(self, path: Path | str) -> None:
-        self.model = transformers.LlavaNextForConditionalGeneration.from_pretrained(
-            path, attn_implementation="eager", local_files_only=True
-        ).float().eval()
+        self.model = (
+            transformers.LlavaNextForConditionalGeneration.from_pretrained(
+                path, attn_implementation="eager", local_files_only=True
+            )
+            .float()
+            .eval()
+        )
         self.processor = transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True)
         self._cache: dict[tuple[Any, ...], list[int]] = {}
 

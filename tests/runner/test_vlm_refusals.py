@@ -1,5 +1,6 @@
 """Every vision-language family stock TGI 3.3 serves is refused at start with its own reason
-(``family_support.VLM_FAMILIES``) until this backend serves it (issue 40, docs/vlm.md)."""
+(``family_support.VLM_FAMILIES``) until this backend serves it (issue 40, docs/vlm.md); LLaVA-NeXT is served
+(``vlm_loading.SERVED_VLM_MODEL_TYPES``), except checkpoints outside its image-token rule."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import pytest
 import transformers
 
 from tests.helpers.family_matrix import start_error
+from tests.helpers.llava_next_models import write_llava_next_model
 from tests.helpers.vlm_families import VLM_FAMILIES, write_config_only
-from tgi_paged_backend.runner.model import family_support
+from tgi_paged_backend.runner.model import family_support, vlm_loading
 
 STOCK_VLM_MODEL_TYPES = (
     "llava_next",
@@ -36,15 +38,40 @@ PHRASES = {
     "idefics2": "perceiver resampler",
     "idefics3": "image splitting",
     "smolvlm": "image splitting",
-    "llava_next": "vision tower's embeddings are not merged",
 }
 
 
 def test_every_stock_vlm_has_a_reason() -> None:
-    assert set(family_support.VLM_FAMILIES) == set(STOCK_VLM_MODEL_TYPES) == set(PHRASES)
+    assert set(family_support.VLM_FAMILIES) == set(PHRASES)
+    assert set(PHRASES) | vlm_loading.SERVED_VLM_MODEL_TYPES == set(STOCK_VLM_MODEL_TYPES)
+    assert not set(PHRASES) & vlm_loading.SERVED_VLM_MODEL_TYPES
 
 
-@pytest.mark.parametrize("model_type", STOCK_VLM_MODEL_TYPES)
+def test_served_vlm_is_judged_by_its_language_model() -> None:
+    config = transformers.AutoConfig.for_model("llava_next")
+    assert family_support.unsupported_reason(config) is None
+    config.text_config.kv_lora_rank = 16  # what the language model needs decides
+    assert "multi-head latent attention" in (family_support.unsupported_reason(config) or "")
+
+
+@pytest.mark.parametrize(
+    ("options", "phrase"),
+    [(dict(crop=48), "crop size (48) differs from the vision tower's image_size (32)"),
+     (dict(strategy="full"), "vision_feature_select_strategy='full' is not served")],
+)  # fmt: skip
+def test_llava_next_outside_the_token_rule_is_refused(tmp_path, options, phrase) -> None:
+    error = start_error(write_llava_next_model(tmp_path / "llava", **options))
+    assert error is not None and "LlavaNextForConditionalGeneration" in error and phrase in error, error
+
+
+def test_llava_next_without_image_processor_is_refused(tmp_path) -> None:
+    path = write_llava_next_model(tmp_path / "llava")
+    (path / vlm_loading.PREPROCESSOR_CONFIG).unlink()
+    error = start_error(path)
+    assert error is not None and "no preprocessor_config.json" in error, error
+
+
+@pytest.mark.parametrize("model_type", sorted(PHRASES))
 def test_vlm_config_is_refused_with_its_reason(model_type: str) -> None:
     if model_type not in transformers.CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
@@ -52,7 +79,7 @@ def test_vlm_config_is_refused_with_its_reason(model_type: str) -> None:
     assert reason is not None and PHRASES[model_type] in reason, reason
 
 
-@pytest.mark.parametrize("vlm", [v for v in VLM_FAMILIES if v.model_type in ("llava_next", "qwen2_vl", "mllama")])
+@pytest.mark.parametrize("vlm", [v for v in VLM_FAMILIES if v.model_type in ("idefics2", "qwen2_vl", "mllama")])
 def test_vlm_checkpoint_stops_the_start(vlm, tmp_path) -> None:
     error = start_error(write_config_only(vlm, tmp_path))
     assert error is not None and vlm.architecture in error and PHRASES[vlm.model_type] in error, error

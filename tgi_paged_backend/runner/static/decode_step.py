@@ -167,7 +167,7 @@ class StaticDecodeInputs:
 
 def batch_of_views(views: Sequence[torch.Tensor]) -> ForwardBatch:
     """The decode :class:`ForwardBatch` a static step's views (:meth:`StaticDecodeInputs.views`) stand for."""
-    base = dict(zip(VIEW_NAMES, views[: len(VIEW_NAMES)], strict=True))
+    base: dict[str, Any] = dict(zip(VIEW_NAMES, views[: len(VIEW_NAMES)], strict=True))
     extra = views[len(VIEW_NAMES) :]
     half = len(extra) // 2
     return ForwardBatch(
