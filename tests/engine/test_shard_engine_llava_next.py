@@ -215,3 +215,20 @@ def test_placeholder_text_without_images_is_refused(llava_dir) -> None:
     with pytest.raises(InvalidRequestError, match="image placeholder tokens"):
         engine.prefill(BatchSpec(id=8, requests=(spec,)), None)
     assert engine.requests == {}
+
+
+def test_warmup_counts_the_vision_peak(llava_dir) -> None:
+    from tgi_paged_backend.engine.image_prompts import MAX_IMAGES_PER_REQUEST
+    from tgi_paged_backend.vision.activation_peak import largest_image
+
+    engine = make_engine(llava_dir, num_blocks=32)
+    encoder = engine.runner.image_encoder
+    image = largest_image(encoder)
+    sizes = [(h, w) for h in range(8, 300, 13) for w in range(8, 300, 17)]  # no image gets more placeholders
+    assert image.size == (64, 64) and encoder.token_count(image) == max(
+        encoder.token_count(image.resize((w, h))) for h, w in sizes
+    )
+    text_peak = engine.runner.profile_prefill(64)
+    router_warmup(engine, 64)
+    held = MAX_IMAGES_PER_REQUEST * encoder.token_count(image) * engine.runner.spec.hidden_size * 4  # fp32
+    assert engine.runner.activation_peak_bytes >= text_peak + held

@@ -24,6 +24,7 @@ from loguru import logger
 
 from tgi_paged_backend.config import BackendConfig
 from tgi_paged_backend.engine.capacity import Capacity, plan_capacity
+from tgi_paged_backend.engine.image_prompts import MAX_IMAGES_PER_REQUEST
 from tgi_paged_backend.engine.request_state import RequestState
 from tgi_paged_backend.engine.sampling import validate_sampling_params
 from tgi_paged_backend.engine.step_engine import StepEngine
@@ -42,6 +43,7 @@ from tgi_paged_backend.engine.validation import validate_batch, validate_fits_po
 from tgi_paged_backend.policy.admission import reported_batch_tokens, should_brake
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.telemetry.step_record import MemoryBudget
+from tgi_paged_backend.vision.activation_peak import with_vision_peak
 
 if TYPE_CHECKING:
     from tgi_paged_backend.telemetry.sinks import ShardTelemetry
@@ -118,7 +120,11 @@ class PagedShardEngine(StepEngine):
         # Exercise the full prefill path (sampling, top-n, prompt logprobs) on the router's batch,
         # with private ids (the router sends id 0 for every warmup request).
         warm = BatchSpec(id=batch.id, requests=tuple(_replace_id(r, -(i + 1)) for i, r in enumerate(batch.requests)))
-        self.runner.profile_prefill(max(max_prefill_tokens, 1))
+        text_peak = self.runner.profile_prefill(max(max_prefill_tokens, 1))
+        if self.image_prompts is not None:  # the vision tower's peak and the embeddings a prefill holds
+            self.runner.activation_peak_bytes = with_vision_peak(
+                text_peak, self.image_prompts.encoder, MAX_IMAGES_PER_REQUEST, self.runner.device
+            )
         # CUDA_GRAPHS: the decode graphs' memory is measured now and left out of the pool below.
         self.runner.profile_decode_graphs(max_total_tokens or self.runner.spec.max_position_embeddings)
         ids = [r.id for r in warm.requests]
