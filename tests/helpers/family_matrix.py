@@ -51,6 +51,8 @@ from tests.helpers.family_models import (
     write_family_model,
 )
 from tests.helpers.family_tp import TpOutcome, run_tp, tp_families
+from tests.helpers.llava_next_models import write_llava_next_model
+from tests.helpers.llava_next_scenarios import run_matrix_scenarios
 from tests.helpers.speculation_oracle import oracle_drafts
 from tests.helpers.tiny_models import load_reference
 from tests.helpers.vlm_families import VLM_FAMILIES, VlmFamily, as_family, write_config_only
@@ -264,14 +266,18 @@ def run_family(family: Family, workdir: Path, scenarios: tuple[str, ...] = SCENA
 
 
 def run_vlm_family(vlm: VlmFamily, workdir: Path) -> FamilyResult:
-    """A VLM row: the start-up refusal of a config-only checkpoint of the family."""
+    """A VLM row: the start-up refusal of a config-only checkpoint of the family, or a served one's scenarios."""
     start = time.perf_counter()
     family = as_family(vlm)
     if not is_available(family):
         return FamilyResult(
             family, "-", refusal=f"missing: transformers {transformers.__version__} has no {vlm.model_type!r}"
         )
-    result = FamilyResult(family, vlm.architecture, refusal=start_error(write_config_only(vlm, workdir / vlm.name)))
+    if vlm.served:  # its image scenarios (LLaVA-NeXT, the one served VLM)
+        exact, runner = run_matrix_scenarios(write_llava_next_model(workdir / vlm.name))
+        result = FamilyResult(family, vlm.architecture, exact=exact, cpu_decode=cpu_decode_mark(runner))
+    else:
+        result = FamilyResult(family, vlm.architecture, refusal=start_error(write_config_only(vlm, workdir / vlm.name)))
     result.seconds = time.perf_counter() - start
     return result
 
@@ -339,7 +345,7 @@ def render_markdown(
         windowed = _reclaim_mark(r)
         lines.append(
             f"| {r.family.name} | {r.architecture} | {_mark(single)} | {_mark(preempt)} | "
-            f"{_mark(r.exact.get('speculate', False))} | "
+            f"{_mark(r.exact.get('speculate'))} | "  # n/a: not run (the VLM rows)
             f"{_tp_mark(tp.get(r.family.name))} | "
             f"{windowed} | {r.cpu_decode} | {r.family.feature} |"
         )

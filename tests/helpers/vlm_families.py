@@ -1,6 +1,7 @@
-"""The vision-language rows of ``docs/models.md``: every VLM family stock TGI 3.3 serves, started from
-a config-only checkpoint (the backend refuses them from the config, before any weight is read), so
-each row shows the start-up refusal message verbatim (issue 40, docs/vlm.md)."""
+"""The vision-language rows of ``docs/models.md``: every VLM family stock TGI 3.3 serves. A refused one is
+started from a config-only checkpoint (the backend refuses it from the config, before any weight is read),
+so its row shows the start-up refusal message verbatim; a served one (``served``: LLaVA-NeXT) runs the
+image scenarios of :mod:`tests.helpers.llava_next_scenarios` (issue 40, docs/vlm.md)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ class VlmFamily:
     """``architectures[0]`` of the family's released checkpoints."""
     feature: str
     phrase: str
-    """A phrase the refusal must contain."""
+    """A phrase the refusal must contain (``""`` for a served family)."""
+    served: bool = False
+    """Served by the paged backend: its row comes from its image scenarios, not a refusal."""
 
 
 VLM_FAMILIES: tuple[VlmFamily, ...] = (
-    VlmFamily("LLaVA-NeXT", "llava_next", "LlavaNextForConditionalGeneration", "VLM: anyres image tiles",
-              "vision tower's embeddings are not merged"),
+    VlmFamily("LLaVA-NeXT", "llava_next", "LlavaNextForConditionalGeneration",
+              "VLM: anyres image tiles, images hashed into prefix keys", "", served=True),
     VlmFamily("Qwen2-VL", "qwen2_vl", "Qwen2VLForConditionalGeneration", "VLM: M-RoPE", "M-RoPE"),
     VlmFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "VLM: M-RoPE", "M-RoPE"),
     VlmFamily("Gemma 3 (vision)", "gemma3", "Gemma3ForConditionalGeneration", "VLM: bidirectional image attention",
