@@ -150,3 +150,20 @@ def test_warmup_counts_the_vision_peak(llava_dir) -> None:
     router_warmup(engine, 64)
     held = MAX_IMAGES_PER_REQUEST * encoder.token_count(image) * engine.runner.spec.hidden_size * 4  # fp32
     assert engine.runner.activation_peak_bytes >= text_peak + held
+
+
+def test_router_count_that_disagrees_is_refused(llava_dir) -> None:
+    """The router budgets ``input_length`` with the same rule (exact for LLaVA-NeXT); reservations sized from
+    another count cannot hold the prompt: INVALID_ARGUMENT for that request, nothing registered."""
+    engine = make_engine(llava_dir, num_blocks=64)
+    router_warmup(engine, 256)
+    blocks = RouterBlocks(engine)
+    spec = image_spec(engine, None, 70, ["the fox ", RED], 4)
+    n = len(engine.image_prompts.encode(spec)[0])
+    got = blocks.allocate(n - 10 + 4 - 1)  # ten placeholders fewer than the shard's count
+    assert got is not None
+    short = RequestSpec(**{**{k: getattr(spec, k) for k in ("id", "text", "truncate", "chunks", "stopping")},
+                           "blocks": got[0], "slots": got[1]})  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="router and shard tokenizers may disagree"):
+        engine.prefill(BatchSpec(id=9, requests=(short,)), None)
+    assert engine.requests == {}
