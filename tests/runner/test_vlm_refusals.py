@@ -91,3 +91,18 @@ def test_text_only_siblings_are_not_vlm_refused() -> None:
         if model_type in transformers.CONFIG_MAPPING:
             reason = family_support.unsupported_reason(transformers.AutoConfig.for_model(model_type))
             assert reason is None or "vision-language" not in reason, (model_type, reason)
+
+
+def test_llava_next_is_refused_under_tensor_parallelism(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from tgi_paged_backend.config import ModelConfig
+    from tgi_paged_backend.runner.model.loader import ModelLoadError
+    from tgi_paged_backend.runner.parallel.tp_runner import TensorParallelRunner
+
+    path = write_llava_next_model(tmp_path / "llava")
+    rank = SimpleNamespace(device=torch.device("cpu"))  # what loading reads of the runner
+    with pytest.raises(ModelLoadError, match="vision-language model, served on one shard only so far"):
+        TensorParallelRunner._load_model(rank, ModelConfig(model_id=str(path)))  # type: ignore[arg-type]
