@@ -13,6 +13,7 @@ from tests.engine.conftest import RouterBlocks, RouterDriver, make_engine, make_
 from tests.helpers import llava_next_scenarios as scenarios
 from tests.helpers.llava_next_models import LlavaNextReference, write_llava_next_model
 from tests.helpers.llava_next_scenarios import GREEN, RED, counting_encodes, image_spec, mismatches
+from tgi_paged_backend.engine.image_prompts import MAX_IMAGES_PER_REQUEST
 from tgi_paged_backend.engine.types import BatchSpec, ImageInput, InvalidRequestError, RequestSpec, StoppingParams
 
 
@@ -167,3 +168,23 @@ def test_router_count_that_disagrees_is_refused(llava_dir) -> None:
     with pytest.raises(InvalidRequestError, match="router and shard tokenizers may disagree"):
         engine.prefill(BatchSpec(id=9, requests=(short,)), None)
     assert engine.requests == {}
+
+
+def test_routers_warmup_with_its_image(llava_dir) -> None:
+    """Stock's v3 client warms a VLM up with its text chunk then a 20x20 PNG labelled ``image/jpeg;base64``
+    (left truncation cuts the text, never the image): Warmup runs it and frees everything."""
+    import dataclasses
+
+    from integration.router_replay.client import WARMUP_IMAGE
+    from tests.engine.conftest import warmup_batch
+
+    engine = make_engine(llava_dir, num_blocks=64)
+    calls = counting_encodes(engine)
+    plain = warmup_batch(256)
+    image = ImageInput(WARMUP_IMAGE, "image/jpeg;base64")
+    batch = dataclasses.replace(
+        plain, requests=tuple(dataclasses.replace(r, chunks=(r.text, image)) for r in plain.requests)
+    )
+    result = engine.warmup(batch, max_input_tokens=None, max_prefill_tokens=256, max_total_tokens=None)
+    assert result.max_supported_total_tokens > 0 and engine.requests == {} and engine.kv.num_used_blocks == 0
+    assert calls[0] == MAX_IMAGES_PER_REQUEST and calls[1:] == [1] * len(plain.requests)  # the peak, then the batch
