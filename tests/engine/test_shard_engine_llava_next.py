@@ -68,6 +68,14 @@ def test_chunked_prefill_cuts_inside_images(llava_dir, reference) -> None:
     run.driver.assert_idle()
 
 
+def test_speculation_under_preemption(llava_dir, reference) -> None:
+    run = scenarios.preemption(llava_dir, "recompute", reference=reference)
+    stats = run.engine.stats
+    assert stats.preemptions["recompute"] > 0 and 0 < stats.accepted_tokens < stats.draft_tokens, stats
+    assert mismatches(run, reference) == []
+    run.driver.assert_idle()
+
+
 def test_prefix_retention_is_keyed_by_the_image(llava_dir, reference) -> None:
     engine = make_engine(llava_dir, num_blocks=64, block_size=4)
     router_warmup(engine, 256)

@@ -1,12 +1,13 @@
 """LLaVA-NeXT served the way the v3 router drives it, with images: the scenarios of the family matrix's
 columns (one image; images batched with text-only requests; chunked prefill cutting inside images;
-recompute and swap preemption), each run on a fresh engine over the tiny checkpoint of
-:mod:`tests.helpers.llava_next_models` and compared with HF ``generate`` on the same images
-(``tests/engine/test_shard_engine_llava_next.py`` asserts more on the same runs; the matrix renders
+recompute and swap preemption; ``--speculate 3`` with oracle drafts under preemption), each run on a fresh
+engine over the tiny checkpoint of :mod:`tests.helpers.llava_next_models` and compared with HF ``generate``
+on the same images (``tests/engine/test_shard_engine_llava_next.py`` asserts more on the same runs; the matrix renders
 LLaVA-NeXT's row of ``docs/models.md`` from :func:`run_matrix_scenarios`)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 from tests.engine.conftest import RouterBlocks, RouterDriver, make_engine, make_text, router_warmup
 from tests.helpers.llava_next_models import LlavaNextReference, png_bytes
+from tests.helpers.speculation_oracle import oracle_drafts
 from tgi_paged_backend.engine.types import BatchSpec, ImageInput, RequestSpec, StoppingParams
 
 RED, GREEN, WIDE, SQUARE = png_bytes(40, 24, 1), png_bytes(40, 24, 2), png_bytes(24, 64, 3), png_bytes(32, 32, 4)
@@ -118,20 +120,31 @@ def chunked_prefill(model_dir: Path, *, then: Any = None) -> ScenarioRun:
     return run
 
 
-def preemption(model_dir: Path, mode: str) -> ScenarioRun:
+def preemption(model_dir: Path, mode: str, *, reference: LlavaNextReference | None = None) -> ScenarioRun:
     """Four prompts (three with an image) that fill the pool exactly at the first step, 16 new tokens each:
-    every block an older request needs while decoding comes from a younger one (``mode``: recompute or swap)."""
+    every block an older request needs while decoding comes from a younger one (``mode``: recompute or swap).
+    With ``reference``: ``--speculate 3``, drafts from an oracle of its tokens (a wrong one planted every third
+    draft, :mod:`tests.helpers.speculation_oracle`), as the matrix's speculate scenario."""
     parts = [[make_text(40, 2), RED], [make_text(41, 9)], [GREEN, make_text(42, 2)], ["a ", SQUARE, "."]]
     sizer = make_engine(model_dir, num_blocks=8)
     lengths = [len(sizer.image_prompts.encode(image_spec(sizer, None, 0, p))[0]) for p in parts]
     prompt_blocks = sum(-(-n // 8) for n in lengths)
     run = _started(model_dir, prompt_blocks * 8, num_blocks=prompt_blocks + 1, block_size=8, preemption=mode,
-                   TGI_PAGED_OVERCOMMIT="3", PREFIX_CACHING="0")  # fmt: skip
+                   TGI_PAGED_OVERCOMMIT="3", PREFIX_CACHING="0", speculate=3 if reference else 0)  # fmt: skip
     run.specs = [image_spec(run.engine, run.driver.blocks, 40 + i, p, 16) for i, p in enumerate(parts)]
-    batch = run.driver.prefill(BatchSpec(id=5, requests=tuple(run.specs)))
-    assert run.engine.kv.num_free_blocks == 0, "the prompts must fill the pool"
-    run.driver.drain(batch)
+    truth = [] if reference is None else [_truth(run.engine, reference, spec) for spec in run.specs]
+    with oracle_drafts(truth) if reference is not None else contextlib.nullcontext():
+        batch = run.driver.prefill(BatchSpec(id=5, requests=tuple(run.specs)))
+        assert run.engine.kv.num_free_blocks == 0, "the prompts must fill the pool"
+        run.driver.drain(batch)
     return run
+
+
+def _truth(engine: Any, reference: LlavaNextReference, spec: RequestSpec) -> list[int]:
+    """The prompt ids and HF's tokens after them (the oracle's drafts)."""
+    ids, _ = engine.image_prompts.encode(spec)
+    images = [c.data for c in spec.chunks if isinstance(c, ImageInput)]
+    return [*ids, *reference.greedy(ids, images, spec.stopping.max_new_tokens)]
 
 
 def run_matrix_scenarios(model_dir: Path) -> tuple[dict[str, bool], Any]:
@@ -143,8 +156,10 @@ def run_matrix_scenarios(model_dir: Path) -> tuple[dict[str, bool], Any]:
         "chunked_prefill": chunked_prefill(model_dir),
         "preempt_recompute": preemption(model_dir, "recompute"),
         "preempt_swap": preemption(model_dir, "swap"),
+        "speculate": preemption(model_dir, "recompute", reference=reference),
     }
     exact = {name: not mismatches(run, reference) for name, run in runs.items()}
+    exact["speculate"] &= runs["speculate"].engine.stats.accepted_tokens > 0
     exact["preempt_recompute"] &= runs["preempt_recompute"].engine.stats.preemptions["recompute"] > 0
     exact["preempt_swap"] &= runs["preempt_swap"].engine.stats.preemptions["swap"] > 0
     return exact, runs["single"].engine.runner
