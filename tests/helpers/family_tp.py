@@ -35,7 +35,10 @@ def tp_families() -> list[Family]:
 
 
 def run_tp(families: list[Family], workdir: Path, timeout_s: float = 600) -> dict[str, TpOutcome]:
-    """Serve every family on two ranks in one spawn; compare with HF."""
+    """Serve every family on two ranks in one spawn; compare with HF (none: nothing spawned, e.g. ``--family``
+    naming only VLM rows)."""
+    if not families:
+        return {}
     models = {f.name: write_family_model(f, workdir / f.name) for f in families}
     prompts = [np.random.default_rng(7).integers(4, 320, n).tolist() for n in (5, 19)]
     result = run_tp_workers(
