@@ -50,8 +50,8 @@ def test_every_stock_vlm_has_a_reason() -> None:
 def test_served_vlm_is_judged_by_its_language_model() -> None:
     config = transformers.AutoConfig.for_model("llava_next")
     assert family_support.unsupported_reason(config) is None
-    config.text_config.kv_lora_rank = 16  # what the language model needs decides
-    assert "multi-head latent attention" in (family_support.unsupported_reason(config) or "")
+    config.text_config.layer_types = ["full_attention", "linear_attention"]  # what the language model needs decides
+    assert "layer types ['linear_attention'] are not served" in (family_support.unsupported_reason(config) or "")
 
 
 @pytest.mark.parametrize(
