@@ -51,7 +51,9 @@ class RequestImages:
         """The position after the last image placeholder."""
         return max(span.stop for span in self.spans)
 
-    def chunk_rows(self, request_id: int, start: int, count: int, row: int, encoder: Any):
+    def chunk_rows(
+        self, request_id: int, start: int, count: int, row: int, encoder: Any
+    ) -> list[tuple[int, torch.Tensor]]:
         """``(packed row, embeddings)`` of the image positions in prompt positions ``start .. start + count``,
         which sit at packed rows ``row ..``; encodes the images first when their embeddings are not held."""
         stop = start + count
@@ -60,7 +62,7 @@ class RequestImages:
             return []
         if self.features is None:
             self.features = encoder.encode([decode_image(request_id, i, im) for i, im in enumerate(self.images)])
-        rows = []
+        rows: list[tuple[int, torch.Tensor]] = []
         for i, span in inside:
             lo, hi = max(span.start, start), min(span.stop, stop)
             rows.append((row + lo - start, self.features[i][lo - span.start : hi - span.start]))
