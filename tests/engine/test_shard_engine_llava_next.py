@@ -62,6 +62,8 @@ def test_chunked_prefill_cuts_inside_images(llava_dir, reference) -> None:
         assert state.images.spans[0].start < 11 < state.images.spans[0].stop  # the first chunk cut WIDE
         assert state.num_computed == 11 and not run.driver.tokens[20]
         assert state.images.features is not None  # held across the prefill's chunks
+        step = run.engine.last_step  # telemetry: the chunk's image positions, both images encoded
+        assert step.image_tokens == 11 - state.images.spans[0].start and step.images_encoded == 2
 
     run = scenarios.chunked_prefill(llava_dir, then=after_first_chunk)
     assert mismatches(run, reference) == [] and run.encodes == [2]  # encoded once for every chunk

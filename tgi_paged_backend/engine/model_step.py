@@ -48,6 +48,10 @@ class StepOutput:
     """Speculative tokens verified this step (``engine.speculation``)."""
     num_accepted_tokens: int = 0
     """Of those, the ones the requests' choosers confirmed."""
+    num_image_tokens: int = 0
+    """Image placeholder positions computed this step (their embeddings from the vision tower)."""
+    num_images_encoded: int = 0
+    """Images run through the vision tower this step (again after a recompute preemption)."""
 
 
 class ModelStep:
@@ -85,7 +89,7 @@ class ModelStep:
         )
         if not plan.scheduled:
             return StepOutput([], [], 0, 0, 0, 0, **copies)
-        batch, rows = self._build_batch(plan)
+        batch, rows, images_encoded = self._build_batch(plan)
         timer.lap("prepare")
         logits = self.runner.forward(batch)
         timer.device_lap("forward")
@@ -107,6 +111,8 @@ class ModelStep:
             **copies,
             num_draft_tokens=drafted,
             num_accepted_tokens=accepted,
+            num_image_tokens=sum(int(values.shape[0]) for _, values in batch.image_rows),
+            num_images_encoded=images_encoded,
         )
 
     # -- phases ------------------------------------------------------------------------------
@@ -127,9 +133,9 @@ class ModelStep:
     def _wants_prompt_logprobs(r: RequestState) -> bool:
         return r.wants_prompt_logprobs and not r.prefill_done and r.num_computed < len(r.prompt_ids)
 
-    def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple[int, int, bool]]]:
+    def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple[int, int, bool]], int]:
         """Packed inputs; ``rows[i]`` = (first logits row, number of rows, rows are prompt logprobs)
-        of scheduled request i."""
+        of scheduled request i; the images encoded for the step's image rows."""
         ids, starts, counts, chunks, every_row, prompt_rows = [], [], [], [], [], []
         for r, n in plan.scheduled:
             start = r.num_computed
@@ -173,15 +179,15 @@ class ModelStep:
             group_slot_mappings=group_slots,
             group_block_tables=self.kv.group_block_tables(ids)[1:] if group_slots else (),
         )
-        image_rows = [
-            row
-            for (r, n), first in zip(plan.scheduled, layout.query_start_loc)
-            if r.images is not None and not r.draft
-            for row in r.images.chunk_rows(r.id, r.num_computed, n, int(first), self.runner.image_encoder)
-        ]
+        image_rows, encoded = [], 0
+        for (r, n), first in zip(plan.scheduled, layout.query_start_loc):
+            if r.images is not None and not r.draft:
+                held = r.images.features is not None
+                image_rows += r.images.chunk_rows(r.id, r.num_computed, n, int(first), self.runner.image_encoder)
+                encoded += 0 if held or r.images.features is None else len(r.images.images)
         if image_rows:
             batch = dataclasses.replace(batch, image_rows=tuple(image_rows))
-        return batch.to(self.runner.device), rows
+        return batch.to(self.runner.device), rows, encoded
 
     @staticmethod
     def _lora_slots(plan: StepPlan, counts: np.ndarray) -> np.ndarray | None:

@@ -129,6 +129,8 @@ class StepRecordBuilder:
             swap_in_bytes=swap["in"],
             prefix_hit_tokens=self._delta_hit(memory.num_prefix_hit_tokens),
             prefix_query_tokens=self._delta_query(memory.num_prefix_query_tokens),
+            image_tokens=getattr(out, "num_image_tokens", 0),
+            images_encoded=getattr(out, "num_images_encoded", 0),
             resumed_wait_s=tuple(plan.resumed_wait_s),
             num_running=counts.running,
             num_preempted=counts.preempted,

@@ -82,6 +82,8 @@ METRIC_NAMES: dict[str, str] = {
     "tgi_paged_preempted_wait_seconds": "Time a resumed request spent preempted",
     "tgi_paged_prefix_hit_tokens_total": "Prompt tokens served from the prefix cache",
     "tgi_paged_prefix_query_tokens_total": "Prompt tokens looked up in the prefix cache",
+    "tgi_paged_image_tokens_total": "Image placeholder positions computed (vision-language models)",
+    "tgi_paged_images_encoded_total": "Images run through the vision tower (again after recompute preemption)",
     # steps (histograms)
     "tgi_paged_step_seconds": "Engine step wall time, by phase (steps that computed nothing excluded)",
     "tgi_paged_step_part_seconds": "Engine step wall time by phase and part (schedule, copy, prepare, forward, "
@@ -179,6 +181,8 @@ class OtelInstruments:
         self._swap_bytes = counter("tgi_paged_swap_bytes_total", "By")
         self._prefix_hit = counter("tgi_paged_prefix_hit_tokens_total", "{token}")
         self._prefix_query = counter("tgi_paged_prefix_query_tokens_total", "{token}")
+        self._image_tokens = counter("tgi_paged_image_tokens_total", "{token}")
+        self._images_encoded = counter("tgi_paged_images_encoded_total", "{image}")
         self._preempted_wait = histogram("tgi_paged_preempted_wait_seconds", "s")
         self._step_seconds = histogram("tgi_paged_step_seconds", "s")
         self._step_part_seconds = histogram("tgi_paged_step_part_seconds", "s")
@@ -220,6 +224,8 @@ class OtelInstruments:
             self._recomputed,
             self._prefix_hit,
             self._prefix_query,
+            self._image_tokens,
+            self._images_encoded,
             self._spec_drafts,
             self._spec_accepted,
         ):

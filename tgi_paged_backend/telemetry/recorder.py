@@ -228,6 +228,10 @@ class OtelRecorder(OtelInstruments):
             self._prefix_query.add(record.prefix_query_tokens)
         if record.prefix_hit_tokens:
             self._prefix_hit.add(record.prefix_hit_tokens)
+        if record.image_tokens:
+            self._image_tokens.add(record.image_tokens)
+        if record.images_encoded:
+            self._images_encoded.add(record.images_encoded)
         for seconds in record.grammar_compile_s:
             self._grammar_compile.record(seconds)
         if record.grammar_cache_hits:

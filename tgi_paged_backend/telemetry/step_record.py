@@ -75,6 +75,10 @@ class StepRecord:
     """Prompt tokens served from the prefix cache since the previous record."""
     prefix_query_tokens: int = 0
     """Prompt tokens looked up in the prefix cache since the previous record."""
+    image_tokens: int = 0
+    """Image placeholder positions computed in this step (a vision-language model's)."""
+    images_encoded: int = 0
+    """Images run through the vision tower in this step."""
     resumed_wait_s: tuple[float, ...] = ()
     """For each request resumed in this step: seconds it spent preempted."""
     num_running: int = 0
@@ -126,6 +130,8 @@ class StepRecord:
             "swap_in_bytes",
             "prefix_hit_tokens",
             "prefix_query_tokens",
+            "image_tokens",
+            "images_encoded",
             "num_running",
             "num_waiting",
             "num_preempted",
