@@ -12,11 +12,12 @@ The layer is data, not code: :class:`LayerForm` says which norms the layer has a
 after attention and MLP: Llama's two pre-norms, Gemma 2/3's sandwich, OLMo2's post-norms), their kind
 (``w`` or Gemma's ``1 + w``), q/k norms per head or over all heads, the gated MLP's activation, the q/k/v
 bias, the attention's scale, soft-cap and window, a residual scale (Granite), the rotary kind (neox, Cohere's
-interleaved pairs, none), LayerNorms without bias and a parallel attention + MLP block (Cohere). The Llama form is
-``LayerForm(scale=head_dim ** -0.5)``.
+interleaved pairs, none: learned positions), LayerNorms with or without bias, norms after the residual add
+(OPT's post-LN), the activation (SiLU, GeLU, GeLU-tanh, ReLU) and a parallel attention + MLP block (Cohere,
+Falcon). The Llama form is ``LayerForm(scale=head_dim ** -0.5)``.
 
 References (the specification; ``tests/kernels/test_cpu_layer.py`` compares them with the kernels):
-:func:`gemm_packed_ref`, :func:`decode_layer_ref`.
+:func:`.cpu_layer_ref.gemm_packed_ref`, :func:`.cpu_layer_ref.decode_layer_ref`.
 """
 
 from __future__ import annotations
@@ -26,9 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from .cpu_decode import decode_attention_math
 from .cpu_native import NativeKernels
 
 PACK_BLOCK = 16
@@ -69,13 +68,6 @@ def gemm_packed(
     return out
 
 
-def gemm_packed_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference of :func:`gemm_packed` on the unpacked ``[N, K]`` weight: each output summed over ``k`` in
-    order with fused multiply-adds, in float64 (the kernel's fp32 result lies within a few ulp of it)."""
-    out = x.double() @ weight.double().T
-    return (out if bias is None else out + bias.double()).float()
-
-
 NORM_KINDS = ("rms", "rms_1p", "layer")
 """Norm kinds: ``rms`` is ``w * x / rms(x)`` (Llama), ``rms_1p`` is ``(1 + w) * x / rms(x)`` (Gemma), ``layer``
 a LayerNorm, ``w * (x - mean) / std (+ b)`` (Cohere without bias, Phi with; layer norms only, not q/k norms)."""
@@ -84,8 +76,9 @@ ROPE_KINDS = ("neox", "interleaved", "none")
 layers)."""
 QK_NORMS = ("none", "head", "all")
 """q/k norms: none, per head over ``head_dim`` (Qwen3, Gemma 3), over all query / all key heads (OLMo2)."""
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-"""The MLP's activation: SiLU (Llama), GeLU with the tanh approximation (Gemma, Phi) or exact (GPT-NeoX)."""
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")
+"""The MLP's activation: SiLU (Llama), GeLU with the tanh approximation (Gemma, Phi, GPT-2, GPT-BigCode) or exact
+(GPT-NeoX, Falcon), ReLU (OPT)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +131,9 @@ class LayerForm:
     """The o projection adds a bias (Phi)."""
     mlp_bias: bool = False
     """The gate/up and down projections add a bias (Phi, GPT-NeoX)."""
+    post_add_norms: bool = False
+    """The ``attn_out`` / ``mlp_out`` norms apply to ``h`` after the residual add, ``h = n(h + block(...))``, not to
+    the block's output before it (OPT with ``do_layer_norm_before=False``: post-LN)."""
 
     def __post_init__(self) -> None:
         if self.norm not in NORM_KINDS or self.qk_norm_kind not in NORM_KINDS:
@@ -150,7 +146,9 @@ class LayerForm:
         if self.parallel and (not self.attn_in_norm or others):
             raise ValueError("LayerForm: a parallel block has one norm before both blocks and residual scale 1")
         if (not self.gated and self.activation == "silu") or (self.norm_bias and self.norm != "layer"):
-            raise ValueError("LayerForm: an ungated MLP is GeLU; only LayerNorms have a bias")
+            raise ValueError("LayerForm: an ungated MLP is GeLU or ReLU; only LayerNorms have a bias")
+        if self.post_add_norms and (self.parallel or self.residual_scale != 1):
+            raise ValueError("LayerForm: norms after the residual add are for sequential blocks of residual scale 1")
         if self.window < 0 or self.softcap < 0 or self.rotary_dim < 0 or self.rotary_dim % 2:
             raise ValueError(f"LayerForm: window {self.window}, softcap {self.softcap} >= 0, rotary_dim even")
 
@@ -180,7 +178,7 @@ class _Spec(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_int64) for name in ("hidden_size", "intermediate")),
         *((name, ctypes.c_int32) for name in "hq hkv head_dim window activation qk_norm rope parallel".split()),
-        *((name, ctypes.c_int32) for name in ("layer_norm", "rotary_dim", "gated")),
+        *((name, ctypes.c_int32) for name in ("layer_norm", "rotary_dim", "gated", "post_add_norms")),
         *((name, ctypes.c_float) for name in ("scale", "softcap", "residual_scale")),
         *((f"eps_{name}", ctypes.c_float) for name in (*LAYER_NORMS, "q", "k")),
         *((name, ctypes.c_void_p) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias", "o", "gu", "down")),
@@ -279,7 +277,8 @@ class LayerWeights:
         spec = _Spec(
             h, self.intermediate, self.num_q_heads, self.num_kv_heads, d, f.window,
             ACTIVATIONS.index(f.activation), QK_NORMS.index(f.qk_norm), ROPE_KINDS.index(f.rope), int(f.parallel),
-            int(f.norm == "layer"), f.rotary_dim or d, int(f.gated), f.scale, f.softcap, f.residual_scale,
+            int(f.norm == "layer"), f.rotary_dim or d, int(f.gated), int(f.post_add_norms),
+            f.scale, f.softcap, f.residual_scale,
             *(f.eps for _ in LAYER_NORMS), f.qk_eps, f.qk_eps,
             *(_address(getattr(self, name)) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias")),
             self.o.data_ptr(), self.gate_up.data_ptr(), self.down.data_ptr(),
@@ -292,12 +291,19 @@ class LayerWeights:
         return tokens * (2 * self.hidden_size + (2 * hq + 3 * hkv) * d + hq * d + 3 * self.intermediate)
 
 
+def _rope_tables_fit(cos: torch.Tensor, sin: torch.Tensor, shape: tuple[int, int]) -> bool:
+    return (
+        cos.shape == shape and sin.shape == shape and cos.is_contiguous() and sin.is_contiguous()
+        and cos.dtype == torch.float32 and sin.dtype == torch.float32
+    )  # fmt: skip
+
+
 def decode_layer(
     native: NativeKernels,
     w: LayerWeights,
     hidden: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -308,12 +314,17 @@ def decode_layer(
     writing the tokens' K/V into fp32 pools ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (int64;
     negative slots skipped).
 
-    ``cos``/``sin`` ``[T, rotary_dim or D]`` fp32 contiguous; ``block_tables`` ``[T, *]`` and ``seq_lens``
-    ``[T]``, int32 or int64. ``None`` for inputs of another kind (the caller runs the per-op path); ``ValueError`` for a
-    slot or block id outside the pool or a table too narrow (as the single kernels do).
+    ``cos``/``sin`` ``[T, rotary_dim or D]`` fp32 contiguous (unread, may be ``None``, for the rotary kind
+    ``none``); ``block_tables`` ``[T, *]`` and ``seq_lens`` ``[T]``, int32 or int64. ``None`` for inputs of
+    another kind (the caller runs the per-op path); ``ValueError`` for a slot or block id outside the pool or a
+    table too narrow (as the single kernels do).
     """
     tokens = hidden.shape[0]
     d = w.head_dim
+    if w.form.rope == "none":
+        cos = sin = None
+    elif cos is None or sin is None or not _rope_tables_fit(cos, sin, (tokens, w.form.rotary_dim or d)):
+        return None
     if (
         hidden.dtype != torch.float32
         or hidden.shape != (tokens, w.hidden_size)
@@ -322,11 +333,6 @@ def decode_layer(
         or k_cache.stride() != v_cache.stride()
         or k_cache.shape[2:] != (w.num_kv_heads, d)
         or k_cache.stride(-1) != 1
-        or cos.shape != (tokens, w.form.rotary_dim or d)
-        or sin.shape != cos.shape
-        or not (cos.is_contiguous() and sin.is_contiguous())
-        or cos.dtype != torch.float32
-        or sin.dtype != torch.float32
         or slot_mapping.dtype != torch.int64
         or slot_mapping.numel() != tokens
         or block_tables.dim() != 2
@@ -343,7 +349,7 @@ def decode_layer(
     scratch = torch.empty(w.scratch_floats(tokens), dtype=torch.float32)
     block_size = k_cache.shape[1]
     status = native.decode_layer(
-        ctypes.addressof(w.spec), out.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(),
+        ctypes.addressof(w.spec), out.data_ptr(), tokens, _address(cos), _address(sin),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2),
         slot_mapping.data_ptr(), block_tables.data_ptr(), int(block_tables.dtype == torch.int64),
@@ -357,82 +363,3 @@ def decode_layer(
     if status != 0:
         raise ValueError(native.decode_error(status, block_tables, seq_lens, block_size, k_cache.shape[0]))
     return out
-
-
-def _rms_ref(
-    x: torch.Tensor, weight: torch.Tensor | None, kind: str, eps: float, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """transformers' RMSNorm (or LayerNorm, with ``bias`` if any) of ``kind`` over the last dimension (fp32)."""
-    assert weight is not None
-    if kind == "layer":
-        return F.layer_norm(x, (x.shape[-1],), norm_weight(weight, kind), bias, eps)
-    return F.rms_norm(x, (x.shape[-1],), norm_weight(weight, kind), eps)
-
-
-def decode_layer_ref(
-    weights: dict[str, torch.Tensor | None],
-    w: LayerWeights,
-    hidden: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> torch.Tensor:
-    """Reference of :func:`decode_layer` in torch ops, on the module's ``weights`` as :meth:`LayerWeights.pack`
-    takes them (unpacked ``[N, K]`` projections, the norms' own weights): the decoder layer ``w.form``
-    describes, over the paged pools (same arguments otherwise; writes the pools too)."""
-    form = w.form
-    tokens, hq, hkv, d = hidden.shape[0], w.num_q_heads, w.num_kv_heads, w.head_dim
-
-    def linear(x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-        weight = weights[name]
-        assert weight is not None
-        if bias is None and (form.o_bias if name == "o" else form.mlp_bias and name != "qkv"):
-            bias = weights[f"{name}_bias"]
-        return F.linear(x, weight, bias)
-
-    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
-        if name not in form.norms:
-            return x
-        return _rms_ref(x, weights[name], form.norm, form.eps, weights[f"{name}_bias"] if form.norm_bias else None)
-
-    attn_in = norm(hidden, "attn_in")
-    mlp_in = norm(hidden, "mlp_in") if form.mlp_in_norm else attn_in  # a parallel block's MLP input
-    qkv = linear(attn_in, "qkv", weights.get("qkv_bias") if form.qkv_bias else None)
-    qkv = qkv.view(tokens, hq + 2 * hkv, d)
-    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
-    if form.qk_norm == "head":
-        q, k = (_rms_ref(t, weights[n], form.qk_norm_kind, form.qk_eps) for t, n in ((q, "q_norm"), (k, "k_norm")))
-    elif form.qk_norm == "all":
-        q, k = (
-            _rms_ref(t.reshape(tokens, -1), weights[n], form.qk_norm_kind, form.qk_eps).view(t.shape)
-            for t, n in ((q, "q_norm"), (k, "k_norm"))
-        )
-    qk = torch.cat((q, k), dim=1)
-    r = form.rotary_dim or d
-    rot, half = qk[..., :r], r // 2
-    if form.rope == "neox":
-        rot = rot * cos[:, None] + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin[:, None]
-    elif form.rope == "interleaved":
-        rot = rot * cos[:, None] + torch.stack((-rot[..., 1::2], rot[..., ::2]), dim=-1).flatten(-2) * sin[:, None]
-    qk = torch.cat((rot, qk[..., r:]), dim=-1)
-    k = qk[:, hq:]
-    block_size, keep = k_cache.shape[1], slot_mapping >= 0  # negative slots: nothing written
-    blocks, offsets = slot_mapping[keep] // block_size, slot_mapping[keep] % block_size
-    k_cache[blocks, offsets] = k[keep]
-    v_cache[blocks, offsets] = v[keep]
-    attn = decode_attention_math(
-        qk[:, :hq], k_cache, v_cache, block_tables.long(), seq_lens, form.scale, form.softcap, form.window or None,
-        None, 1.0, 1.0,
-    )  # fmt: skip
-    hidden = hidden + norm(linear(attn.reshape(tokens, hq * d), "o"), "attn_out") * form.residual_scale
-    gate_up = linear(mlp_in if form.parallel else norm(hidden, "mlp_in"), "gate_up")
-    gelu = "tanh" if form.activation == "gelu_tanh" else "none"
-    if not form.gated:
-        return hidden + norm(linear(F.gelu(gate_up, approximate=gelu), "down"), "mlp_out") * form.residual_scale
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = F.silu(gate) if form.activation == "silu" else F.gelu(gate, approximate=gelu)
-    return hidden + norm(linear(act * up, "down"), "mlp_out") * form.residual_scale

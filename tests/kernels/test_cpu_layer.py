@@ -16,11 +16,10 @@ from tgi_paged_kernels.cpu_layer import (
     LayerForm,
     LayerWeights,
     decode_layer,
-    decode_layer_ref,
     gemm_packed,
-    gemm_packed_ref,
     pack_weight,
 )
+from tgi_paged_kernels.cpu_layer_ref import decode_layer_ref, gemm_packed_ref
 
 
 @pytest.mark.parametrize(
@@ -140,6 +139,24 @@ FORMS = {
                qkv_bias=True, mlp_bias=True),
     ),
     "GeGLU exact": (4, 2, 32, _llama(32, activation="gelu")),
+    "GPT-BigCode": (  # multi-query: one KV head; learned positions: no RoPE
+        4, 1, 32,
+        _llama(32, norm="layer", norm_bias=True, rope="none", gated=False, activation="gelu_tanh", qkv_bias=True,
+               o_bias=True, mlp_bias=True),
+    ),
+    "OPT": (
+        4, 4, 16,
+        _llama(16, norm="layer", norm_bias=True, rope="none", gated=False, activation="relu", qkv_bias=True,
+               o_bias=True, mlp_bias=True),
+    ),
+    "OPT post-LN": (  # do_layer_norm_before=False: h = norm(h + block(h))
+        4, 4, 16,
+        _llama(16, norm="layer", norm_bias=True, rope="none", gated=False, activation="relu", qkv_bias=True,
+               o_bias=True, mlp_bias=True, attn_in_norm=False, mlp_in_norm=False, attn_out_norm=True,
+               mlp_out_norm=True, post_add_norms=True),
+    ),
+    "Falcon": (4, 2, 32, _llama(32, norm="layer", norm_bias=True, parallel=True, gated=False, activation="gelu")),
+    "ReGLU": (4, 2, 32, _llama(32, activation="relu")),
     "LayerNorm+bias, partial interleaved": (
         4, 2, 32, _llama(32, norm="layer", norm_bias=True, mlp_out_norm=True, rotary_dim=8, rope="interleaved"),
     ),
@@ -166,6 +183,11 @@ FORMS = {
         ("LayerNorm+bias, partial interleaved", 16, torch.int32),
         ("GPT-NeoX", 4, torch.int32),  # parallel with two LayerNorms, exact GeLU
         ("GeGLU exact", 16, torch.int64),
+        ("GPT-BigCode", 4, torch.int32),  # no RoPE: cos/sin not passed
+        ("OPT", 16, torch.int64),  # ReLU MLP
+        ("OPT post-LN", 4, torch.int32),  # norms after the residual add
+        ("Falcon", 8, torch.int64),  # parallel with two LayerNorms, GQA
+        ("ReGLU", 16, torch.int32),  # gated ReLU
     ],
 )
 def test_layer_matches_the_reference(native, form_name, block_size, index_dtype) -> None:
@@ -178,6 +200,8 @@ def test_layer_matches_the_reference(native, form_name, block_size, index_dtype)
     x = torch.randn(len(lengths), hidden, generator=g)
     r = form.rotary_dim or d
     cos, sin = torch.randn(len(lengths), r, generator=g), torch.randn(len(lengths), r, generator=g)
+    if form.rope == "none":  # learned positions: the model passes no tables
+        cos = sin = None
     ref_k, ref_v, k_before = k_pool.clone(), v_pool.clone(), k_pool.clone()
     got = decode_layer(native, packed, x, cos, sin, k_pool, v_pool, slots, tables, seq_lens)
     expected = decode_layer_ref(raw, packed, x, cos, sin, ref_k, ref_v, slots, tables, seq_lens)
@@ -206,7 +230,8 @@ def test_each_part_of_the_form_changes_the_result(native) -> None:
         dict(norm="rms"), dict(attn_in_norm=False), dict(attn_out_norm=False), dict(mlp_in_norm=False),
         dict(mlp_out_norm=False), dict(qk_norm="none"), dict(qk_norm_kind="rms"), dict(activation="silu"),
         dict(softcap=1.0), dict(window=0), dict(residual_scale=0.5), dict(scale=0.3), dict(eps=0.5),
-        dict(qk_eps=0.5), dict(rope="interleaved"), dict(rope="none"),
+        dict(qk_eps=0.5), dict(rope="interleaved"), dict(rope="none"), dict(activation="relu"),
+        dict(post_add_norms=True),
     ]  # fmt: skip
     for change in changes:
         assert not torch.allclose(run(dataclasses.replace(base, **change)), reference, rtol=1e-3, atol=1e-3), change
@@ -221,9 +246,11 @@ def test_layer_weights_must_fit_their_form() -> None:
     with pytest.raises(ValueError, match="needs 'qkv_bias'"):
         LayerWeights.pack(LayerForm(scale=1.0, qkv_bias=True), raw, num_q_heads=2, num_kv_heads=1, head_dim=16)
     with pytest.raises(ValueError, match="activation"):
-        LayerForm(scale=1.0, activation="relu")
+        LayerForm(scale=1.0, activation="swish")
     with pytest.raises(ValueError, match="parallel"):  # both blocks add to h at once: no post-norm
         LayerForm(scale=1.0, parallel=True, attn_out_norm=True)
+    with pytest.raises(ValueError, match="after the residual add"):
+        LayerForm(scale=1.0, post_add_norms=True, residual_scale=0.5)
     # Gemma's 1 + w is folded into the packed norm weight, as transformers rounds it
     assert torch.equal(packed.attn_in, 1.0 + raw["attn_in"])
 

@@ -40,6 +40,12 @@ EXPECTED = {
     "Mixtral": (2, 0),  # experts are not a gated MLP module of plain linears
     "Qwen2-MoE": (2, 2),  # the shared expert of each layer is a gated MLP
     "Qwen3-MoE": (2, 0),
+    "GPT-BigCode": (2, 0),  # multi-query c_attn taken as it is; no RoPE
+    "GPT-2": (2, 0),  # Conv1D c_attn linearized at load
+    "OPT": (2, 0),  # the query's own scaling folded into the softmax scale (QUERY_SCALED)
+    "Falcon": (2, 0),  # our Falcon attention: q/k/v rows per KV group reordered
+    "Falcon-7B": (2, 0),  # multi-query
+    "Falcon-RW": (0, 0),  # ALiBi: not one plain paged call
 }
 
 
@@ -65,7 +71,9 @@ def test_an_attention_that_differs_is_kept(family_dir, monkeypatch) -> None:
     assert "CohereAttention" in runner.fusion.kept
 
 
-@pytest.mark.parametrize("name", ["Llama", "Qwen3", "Mistral", "Cohere2", "GPT-NeoX", "GPT-J", "Phi"])
+@pytest.mark.parametrize(
+    "name", ["Llama", "Qwen3", "Mistral", "Cohere2", "GPT-NeoX", "GPT-J", "Phi", "GPT-2", "OPT", "Falcon", "Falcon-7B"]
+)
 def test_fused_runners_give_the_logits_of_unfused_ones(family_dir, name) -> None:
     path = family_dir(name)
     fused = _runner(path)

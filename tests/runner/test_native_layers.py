@@ -39,10 +39,19 @@ WRAPPED = {
     "GPT-J": 2,  # parallel, one LayerNorm with bias, partial interleaved rotary from (sin, cos) half tables
     "GPT-NeoX": 2,  # parallel with two LayerNorms, per-head q/k/v rows, partial rotary, exact GeLU
     "Phi": 2,  # parallel, LayerNorm with bias, partial rotary, biases everywhere, ungated GeLU MLP (fc1, fc2)
+    "GPT-BigCode": 2,  # multi-query (one KV head) from c_attn, no RoPE (learned positions), GeLU-tanh c_fc/c_proj
+    "GPT-2": 2,  # Conv1D projections linearized at load (weights transposed once), no RoPE
+    "OPT": 2,  # q scaled before the attention call, biases, ReLU MLP on the layer itself (fc1, fc2)
+    "Falcon": 2,  # new architecture: grouped q/k/v rows per KV head, parallel with two LayerNorms, exact GeLU
+    "Falcon-7B": 2,  # old architecture: multi-query, parallel with one LayerNorm, no biases
+    "Falcon-RW": 0,  # ALiBi
 }
 """Layers of the 2 of each tiny family that decode natively, and why the others do not."""
 
-KEPT = {"Mixtral": "MixtralDecoderLayer: no layer form"}
+KEPT = {
+    "Mixtral": "MixtralDecoderLayer: no layer form",
+    "Falcon-RW": "FalconDecoderLayer: ALiBi position biases: the native decode attention takes no slopes",
+}
 
 
 def _runner(path, **model_options) -> ModelRunner:
@@ -67,6 +76,19 @@ def test_off_by_config_with_fp8_kv_and_with_the_compiled_step(family_dir) -> Non
     assert _runner(path, compile_decode=True).native_layers is None  # its static step traces the per-op path
     fp8 = ModelRunner(ModelConfig(model_id=str(path)), CacheConfig(block_size=4, kv_cache_dtype="fp8_e4m3fn"))
     assert fp8.native_layers is None
+
+
+def _count_native_calls(monkeypatch) -> list[int]:
+    """Rows of each native decode call from now on (the wrapped layers' one-call step)."""
+    calls: list[int] = []
+    real = native_layers.decode_layer
+
+    def counted(*args, **kwargs):
+        calls.append(int(args[2].shape[0]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native_layers, "decode_layer", counted)
+    return calls
 
 
 def _steps(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> list[torch.Tensor]:
@@ -102,12 +124,20 @@ def _steps(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> li
         "GPT-NeoX",
         "GPT-J",
         "StarCoder2",
+        "GPT-BigCode",
+        "GPT-2",
+        "OPT",
+        "Falcon",
+        "Falcon-7B",
     ],
 )
-def test_native_runners_give_the_logits_and_tokens_of_the_per_op_path(family_dir, name) -> None:
+def test_native_runners_give_the_logits_and_tokens_of_the_per_op_path(family_dir, monkeypatch, name) -> None:
     path = family_dir(name)
     prompts = [[3, 17, 5, 9, 11, 2, 8, 13, 21, 4, 6], [7, 7, 1, 30, 2], [12]]
-    native = _steps(_runner(path), prompts, 12)  # Mistral's window (tiny config) is passed on the way
+    runner = _runner(path)
+    calls = _count_native_calls(monkeypatch)
+    native = _steps(runner, prompts, 12)  # Mistral's window (tiny config) is passed on the way
+    assert calls == [3] * (12 * 2)  # every decode step of both layers ran natively (learned positions, Falcon too)
     plain = _steps(_runner(path, native_layers=False), prompts, 12)
     for got, expected in zip(native, plain):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
@@ -166,6 +196,18 @@ def test_a_layer_that_differs_keeps_the_python_path(family_dir, monkeypatch) -> 
         ("GPT-NeoX", dict(mlp_in_norm=False)),
         ("GPT-NeoX", dict(activation="gelu_tanh")),
         ("GPT-J", dict(rope="neox")),
+        ("GPT-2", dict(rope="neox")),  # learned positions: the check's random tables must not be applied
+        ("GPT-2", dict(activation="gelu")),  # gelu_new is the tanh approximation
+        ("GPT-BigCode", dict(norm_bias=False)),
+        ("OPT", dict(activation="gelu")),
+        ("OPT", dict(scale=0.25**0.5)),  # the query's own scaling not folded in
+        (
+            "OPT",
+            dict(post_add_norms=True, attn_in_norm=False, mlp_in_norm=False, attn_out_norm=True, mlp_out_norm=True),
+        ),  # post-LN taken for pre-LN
+        ("Falcon", dict(parallel=False)),
+        ("Falcon", dict(mlp_in_norm=False)),  # ln_attn for both blocks: ln_mlp ignored
+        ("Falcon-7B", dict(rope="none")),
     ],
 )
 def test_a_wrong_description_is_never_served(family_dir, monkeypatch, name, change) -> None:
@@ -203,3 +245,34 @@ def test_a_partial_rotary_phi3_is_served_as_transformers_computes_it(tmp_path) -
     reference = _steps(plain, prompts, 6)
     for got, want in zip(served, reference):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        ("OPT", dict(do_layer_norm_before=False)),  # OPT-350m: post-LN, h = norm(h + block(h))
+        ("Falcon-7B", dict(multi_query=False, parallel_attn=False)),  # per-head q/k/v rows, sequential blocks
+        ("Falcon", dict(num_ln_in_parallel_attn=1)),  # new architecture, one LayerNorm for both blocks
+        ("GPT-BigCode", dict(multi_query=False)),  # per-head q/k/v rows of c_attn
+    ],
+)
+def test_config_variants_are_served_as_transformers_computes_them(tmp_path, monkeypatch, name, overrides) -> None:
+    """Variants whose layer form depends on the config (norm placement, the q/k/v rows' layout): each is
+    described, proven at load, and decodes natively to the logits of transformers' own modules."""
+    from tests.helpers.family_models import FAMILIES, write_family_model
+
+    family = next(f for f in FAMILIES if f.name == name)
+    path = write_family_model(dataclasses.replace(family, overrides={**family.overrides, **overrides}), tmp_path / "m")
+    prompts = [[3, 17, 5, 9, 11, 2, 8, 13, 21, 4, 6], [7, 7, 1, 30, 2]]
+    runner = _runner(path)
+    assert runner.native_layers is not None and runner.native_layers.wrapped == 2, runner.native_layers
+    calls = _count_native_calls(monkeypatch)
+    served = _steps(runner, prompts, 6)
+    assert calls == [2] * (6 * 2)
+    plain = ModelRunner(
+        ModelConfig(model_id=str(path)), CacheConfig(block_size=4), rewrites=model_rewrites(without=("fuse",))
+    )
+    reference = _steps(plain, prompts, 6)
+    for got, want in zip(served, reference):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(dim=-1), want.argmax(dim=-1))

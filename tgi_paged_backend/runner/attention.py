@@ -82,8 +82,9 @@ class PagedAttentionMetadata:
     static: bool = False
     cpu_decode: str = "native"
     seen_options: list[dict[str, Any]] | None = None
-    """Check mode (:mod:`runner.cpu.fused_blocks`): each call of the HF hook appends the options its layer passed
-    (``scaling``, ``sliding_window``, ``softcap``, ``sinks``) before attending as usual."""
+    """Check mode (:mod:`runner.cpu.fused_blocks`): each call of :func:`paged_attention` (the HF hook's and our own
+    attention modules') appends the options its layer passed (``scaling``, ``sliding_window``, ``softcap``,
+    ``sinks``, ``alibi``) before attending as usual."""
     layer_groups: tuple[int, ...] | None = None
     """With KV layer groups: each layer's group, whose slots and tables it uses (:meth:`tables`)."""
 
@@ -160,11 +161,6 @@ def paged_attention_forward(
     layer_idx = int(module.layer_idx)  # type: ignore[arg-type]  # an int attribute of every HF attention layer
     if scaling is None:
         scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
-    if metadata.seen_options is not None:
-        metadata.seen_options.append(
-            dict(scaling=float(scaling), sliding_window=int(sliding_window or 0) or None, softcap=float(softcap or 0.0),
-                 sinks=s_aux is not None)
-        )  # fmt: skip
     # Views, not copies: every kernel takes any strides with head_dim contiguous.
     out = paged_attention(
         metadata, layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
@@ -207,6 +203,11 @@ def paged_attention(
     the pool holds one tensor, and the layer's value cache is the view of its first ``Dv`` columns). Returns
     ``[T, Hq, Dv]`` in ``q``'s dtype.
     """
+    if metadata.seen_options is not None:
+        metadata.seen_options.append(
+            dict(scaling=float(scaling), sliding_window=int(sliding_window or 0) or None, softcap=float(softcap or 0.0),
+                 sinks=sinks is not None, alibi=alibi_slopes is not None)
+        )  # fmt: skip
     if metadata.layer_calls is not None:  # probe: which layers reach us, nothing computed
         metadata.layer_calls.append(layer_idx)
         return q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))

@@ -1,7 +1,7 @@
 // A decoder layer's decode step as one call (fp32), for any layer form the LayerSpec describes (norm
 // placement, q/k norms, activation, biases, attention scale, soft-cap, window, residual scale), on weights
 // packed once for the GEMM of cpu_gemm.h. Built into the same library as cpu_kernels.cpp (cpu_native.py).
-// Torch references: tgi_paged_kernels.cpu_layer (gemm_packed_ref, decode_layer_ref), compared in
+// Torch references: tgi_paged_kernels.cpu_layer_ref (gemm_packed_ref, decode_layer_ref), compared in
 // tests/kernels/test_cpu_layer.py.
 
 #include "cpu_gemm.h"
@@ -17,13 +17,14 @@ constexpr int kBadSpec = 6;         // an activation or q/k norm code this libra
 struct LayerSpec {
   int64_t hidden_size, intermediate;
   int32_t num_q_heads, num_kv_heads, head_dim, window;
-  int32_t activation;  // 0 SiLU, 1 GeLU (tanh approximation), 2 GeLU (erf, exact)
+  int32_t activation;  // 0 SiLU, 1 GeLU (tanh approximation), 2 GeLU (erf, exact), 3 ReLU
   int32_t qk_norm;     // 0 none, 1 per head (weights [D]), 2 over all query / all key heads ([Hq D], [Hkv D])
   int32_t rope;        // 0 neox (halves), 1 interleaved (pairs 2i, 2i + 1: Cohere), 2 none (Cohere2's full layers)
   int32_t parallel;    // 1: h += attn(n_ai(h)) + mlp(n_mi(h)), n_mi the attention's n_ai when absent (Cohere)
   int32_t layer_norm;  // 1: the four layer norms are LayerNorms ((x - mean) / std * w (+ b)), not RMSNorms
   int32_t rotary_dim;  // RoPE on the first rotary_dim values of each head (cos/sin [T, rotary_dim]), the rest kept
   int32_t gated;       // 1: act(gate) * up from w_gate_up [2I, H]; 0: act(up) from w_gate_up [I, H] (Phi's fc1)
+  int32_t post_add;    // 1: the attn_out / mlp_out norms apply to h after the residual add (OPT's post-LN)
   float scale, softcap, residual_scale;
   float eps_attn_in, eps_attn_out, eps_mlp_in, eps_mlp_out, eps_q, eps_k;
   const float *attn_in, *attn_out, *mlp_in, *mlp_out;  // before / after attention, before / after the MLP
@@ -133,19 +134,41 @@ inline void gelu_erf_mul_row_f32(const float* g, const float* u, float* o, int64
   }
 }
 
+// One row normed in place: RMSNorm, or LayerNorm (with bias b when not null) when `layer_norm`.
+inline void norm_in_place(float* x, const float* w, const float* b, int64_t width, float eps, bool layer_norm) {
+  if (layer_norm) {
+    layer_norm_row_f32(x, w, b, x, width, eps);
+  } else {
+    scale_row(x, w, rms_inv(x, width, eps), width);
+  }
+}
+
+// One fp32 row of relu(g) (* u when kMul), as torch's F.relu (max(g, 0); NaN kept).
+template <bool kMul>
+inline void relu_mul_row_f32(const float* g, const float* u, float* o, int64_t width) {
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) {
+    const float r = g[i] > 0.0f ? g[i] : (g[i] == g[i] ? 0.0f : g[i]);
+    o[i] = kMul ? r * u[i] : r;
+  }
+}
+
 // hidden[t] += scale * norm(y[t]) (norm: RMSNorm with weight w, skipped when w is null) for T rows of H;
-// y is scratch, normed in place. The sum rounds like torch's residual + y * scale.
+// y is scratch, normed in place. The sum rounds like torch's residual + y * scale. post_add: hidden[t] =
+// norm(hidden[t] + y[t]) instead (OPT's post-LN; scale is 1 there).
 inline void add_residual(float* hidden, float* y, int64_t T, int64_t H, const float* w, const float* b, float eps,
-                         float scale, bool layer_norm) {
+                         float scale, bool layer_norm, bool post_add) {
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     float* yt = y + t * H;
     float* ht = hidden + t * H;
-    if (w && layer_norm) {
-      layer_norm_row_f32(yt, w, b, yt, H, eps);
-    } else if (w) {
-      scale_row(yt, w, rms_inv(yt, H, eps), H);
+    if (post_add) {
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) ht[i] = ht[i] + yt[i];
+      if (w) norm_in_place(ht, w, b, H, eps, layer_norm);
+      continue;
     }
+    if (w) norm_in_place(yt, w, b, H, eps, layer_norm);
     if (scale == 1.0f) {
 #pragma omp simd
       for (int64_t i = 0; i < H; ++i) ht[i] = ht[i] + yt[i];
@@ -202,7 +225,8 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
         qk_norm_heads(row + n_q, hkv, D, S.qk_norm, S.k_norm, S.eps_k);
       }
       const int R = S.rotary_dim;
-      const float *c = A.cos + t * R, *s = A.sin + t * R;
+      const float* c = S.rope == 2 ? nullptr : A.cos + t * R;  // no tables without RoPE (learned positions)
+      const float* s = S.rope == 2 ? nullptr : A.sin + t * R;
       if (S.rope == 0) {
         for (int h = 0; h < hq + hkv; ++h) rope_row_f32(row + h * D, c, s, rotated + h * D, R);
       } else if (S.rope == 1) {
@@ -231,7 +255,8 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
       gemm_packed(attn, n_q, T, n_q, S.w_o, H, S.b_o, A.hidden, H, A.hidden, H);
     } else {
       gemm_packed(attn, n_q, T, n_q, S.w_o, H, S.b_o, nullptr, 0, x, H);
-      add_residual(A.hidden, x, T, H, S.attn_out, S.attn_out_b, S.eps_attn_out, S.residual_scale, S.layer_norm);
+      add_residual(A.hidden, x, T, H, S.attn_out, S.attn_out_b, S.eps_attn_out, S.residual_scale, S.layer_norm,
+                   S.post_add);
     }
     const float* mlp_x = A.hidden;
     if (S.parallel) {  // x still holds the normed input: the attention's output went straight onto h
@@ -252,16 +277,19 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
       } else if (S.activation == 1) {
         S.gated ? gelu_tanh_mul_row_f32<true>(g, g + I, act + t * I, I)
                 : gelu_tanh_mul_row_f32<false>(g, nullptr, act + t * I, I);
-      } else {
+      } else if (S.activation == 2) {
         S.gated ? gelu_erf_mul_row_f32<true>(g, g + I, act + t * I, I)
                 : gelu_erf_mul_row_f32<false>(g, nullptr, act + t * I, I);
+      } else {
+        S.gated ? relu_mul_row_f32<true>(g, g + I, act + t * I, I) : relu_mul_row_f32<false>(g, nullptr, act + t * I, I);
       }
     }
     if (direct_mlp) {
       gemm_packed(act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
     } else {
       gemm_packed(act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
-      add_residual(A.hidden, x, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm);
+      add_residual(A.hidden, x, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm,
+                   S.post_add);
     }
   }
   return status;
@@ -281,12 +309,13 @@ int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, con
 }
 
 // One decode step of the decoder layer `spec` describes over T requests (one token each), fp32 throughout
-// (torch reference: cpu_layer.decode_layer_ref):
+// (torch reference: cpu_layer_ref.decode_layer_ref):
 //   h += rs * n_ao(o_proj(attention(rope(qk_norm(qkv_proj(n_ai(h)))))))
 //   h += rs * n_mo(down(act(gate) * up)(n_mi(h)))
 // or, parallel: h += o_proj(attention(...n_ai(h)...)) + mlp(n_mi(h)) (Cohere, Phi: n_mi is n_ai; GPT-NeoX).
-// Norms are RMSNorms or (layer_norm) LayerNorms with optional biases; rope: neox, interleaved or none, on the
-// first rotary_dim values of each head; the MLP gated (act(gate) * up) or not (gelu_tanh(up): Phi); the o, MLP
+// Norms are RMSNorms or (layer_norm) LayerNorms with optional biases (post_add: n_ao, n_mo norm h after each
+// add, h = n(h + block), OPT's post-LN); rope: neox, interleaved or none (cos/sin unread, may be null), on the
+// first rotary_dim values of each head; activation SiLU, GeLU-tanh, GeLU or ReLU; the MLP gated (act(gate) * up) or not (gelu_tanh(up): Phi); the o, MLP
 // projections optionally biased.
 // with n_* the spec's RMSNorms (identity where absent) and rs its residual scale. hidden [T, H] contiguous,
 // updated in place; w_qkv packed [(Hq + 2 Hkv) D, H] (q, k, v heads in order) with optional bias; w_o
@@ -302,11 +331,12 @@ int tgi_paged_decode_layer(
     const int64_t* slot_mapping, const void* block_tables, int bt_int64, int64_t bt_stride, int64_t bt_width,
     const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads) {
   const LayerSpec& S = *spec;
-  if (S.activation < 0 || S.activation > 2 || S.qk_norm < 0 || S.qk_norm > 2 ||
+  if (S.activation < 0 || S.activation > 3 || S.qk_norm < 0 || S.qk_norm > 2 ||
       (S.qk_norm && (!S.q_norm || !S.k_norm)) || S.rope < 0 || S.rope > 2 ||
       S.rotary_dim <= 0 || S.rotary_dim > S.head_dim || S.rotary_dim % 2 || (!S.gated && S.activation == 0) ||
       // parallel: the attention's normed input must survive its output (kept in scratch, added directly)
-      (S.parallel && (!S.attn_in || S.attn_out || S.mlp_out || S.residual_scale != 1.0f)))
+      (S.parallel && (!S.attn_in || S.attn_out || S.mlp_out || S.residual_scale != 1.0f)) ||
+      (S.post_add && (S.parallel || S.residual_scale != 1.0f)) || (S.rope != 2 && (!cos || !sin)))
     return kBadSpec;
   const StepArgs A{hidden, tokens, cos, sin, slot_mapping, scratch};
   const DecodeArgs d{nullptr, 0, 0, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), nullptr,

@@ -6,13 +6,15 @@ transformers' decoder layers stay the model definition; inside them, :func:`fuse
   by :class:`FusedGatedMLP`: gate and up become one GEMM of both weights stacked, so a step makes one
   call where it made two (Phi-3's ``gate_up_proj`` already is one: it is taken as it is). Swapped only
   after it reproduces the original on a random input.
-- a **Llama-form attention** (:data:`LLAMA_FORM_ATTENTION`: separate plain q/k/v/o linears or Phi-3's one
-  q/k/v projection, optional q/k RMSNorms per head or over all heads, neox RoPE from the model's
-  ``position_embeddings``, optional logit soft-cap) by :class:`FusedPagedAttention`: q, k and v become one
-  GEMM, RoPE runs once over the query and key heads together (the same arithmetic as transformers', 7
-  tensor ops instead of 16), and the step's paged attention is called directly on ``[T, heads, head_dim]``
-  views (no transposes, no attention interface dispatch). Swapped only after it reproduces the original,
-  through the same paged attention, on a random prompt over a scratch pool.
+- a **Llama-form attention** (:data:`LLAMA_FORM_ATTENTION`: q/k/v in any checkpoint layout
+  :mod:`.qkv_layouts` reads (separate linears, Phi-3's ``qkv_proj``, GPT-2's and GPT-BigCode's ``c_attn``,
+  GPT-NeoX's and Falcon's ``query_key_value``), optional q/k RMSNorms per head or over all heads, RoPE from the
+  model's ``position_embeddings`` or none (learned positions), optional logit soft-cap) by
+  :class:`FusedPagedAttention`: q, k and v become one GEMM, RoPE runs once over the query and key heads
+  together (the same arithmetic as transformers', 7 tensor ops instead of 16), and the step's paged attention
+  is called directly on ``[T, heads, head_dim]`` views (no transposes, no attention interface dispatch).
+  Swapped only after it reproduces the original, through the same paged attention, on a random prompt over a
+  scratch pool.
 
 Both cut the per-layer host time of a decode step (each tensor op costs ~2-30 us of dispatch before
 any math; ``docs/performance.md``, "CPU forward"). They run before the linears are packed
@@ -30,9 +32,17 @@ import torch
 from loguru import logger
 from torch import nn
 
-from tgi_paged_backend.lora.layers import lora_base, stack_with_lora
+from tgi_paged_backend.lora.layers import lora_base
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, paged_attention, step_metadata
 from tgi_paged_backend.runner.cpu.fast_layers import outputs_close, same_output
+from tgi_paged_backend.runner.cpu.qkv_layouts import (
+    QkvLayout,
+    head_dim_of,
+    linearize_conv1d,
+    output_projection,
+    qkv_layout,
+    stacked,
+)
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_kernels import native_kernels
 
@@ -47,12 +57,16 @@ LLAMA_FORM_ATTENTION = frozenset(
         "GemmaAttention",
         "Gemma2Attention",
         "Gemma3Attention",
+        "GPT2Attention",
+        "GPTBigCodeAttention",
         "GPTJAttention",
         "GPTNeoXAttention",
         "GraniteAttention",
         "MistralAttention",
         "MixtralAttention",
         "Olmo2Attention",
+        "OPTAttention",
+        "PagedFalconAttention",
         "Phi3Attention",
         "PhiAttention",
         "Qwen2Attention",
@@ -72,9 +86,15 @@ ROPE_TRIES: dict[str, tuple[str, ...]] = {
     "CohereAttention": ("interleaved",),
     "Cohere2Attention": ("interleaved", "none"),
     "GPTJAttention": ("gptj",),
+    **dict.fromkeys(("GPT2Attention", "GPTBigCodeAttention", "OPTAttention"), ("none",)),  # learned positions
 }
 """Classes whose rotary is not neox: the kinds to try (Cohere's interleaved pairs; Cohere2's full layers have none;
 GPT-J's interleaved pairs from a ``(sin, cos)`` table of half width, :func:`rope_tables`)."""
+
+
+QUERY_SCALED = frozenset({"OPTAttention"})
+"""Classes that multiply the query by their ``scaling`` before the attention call (which then gets 1.0): the
+fused attention folds that factor into its softmax scale."""
 
 
 def rope_tables(position_embeddings: Any, rope: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,36 +111,9 @@ def rope_table_width(rope: str, rotary_dim: int) -> int:
     return rotary_dim // 2 if rope == "gptj" else rotary_dim
 
 
-def _stacked(parts: list[nn.Module]) -> nn.Module:
-    """:func:`_stacked_linear` of the parts' GEMMs, each part's LoRA adapters (if any) kept on its columns."""
-    return stack_with_lora(parts, lambda bases: _stacked_linear(cast(list[nn.Linear], bases)))
-
-
-def _stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One ``nn.Linear`` whose output is the outputs of ``parts`` side by side (all with a bias, or none)."""
-    first = parts[0]
-    has_bias = first.bias is not None
-    fused = torch.nn.utils.skip_init(
-        nn.Linear, first.in_features, sum(p.out_features for p in parts), bias=has_bias,
-        device=first.weight.device, dtype=first.weight.dtype,
-    )  # fmt: skip
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([p.weight for p in parts]))
-        if has_bias:
-            fused.bias.copy_(torch.cat([p.bias for p in parts if p.bias is not None]))
-    fused.requires_grad_(False)
-    return fused
-
-
 def _plain(*modules: Any) -> bool:
     """Plain ``nn.Linear`` GEMMs, LoRA wrappers seen through (:func:`..lora.layers.lora_base`)."""
     return all(type(lora_base(m)) is nn.Linear for m in modules)
-
-
-def _stackable(*linears: Any) -> bool:
-    """Plain linears of one input width, all with a bias or all without (so one GEMM computes them)."""
-    bases = [lora_base(m) for m in linears]
-    return _plain(*bases) and len({m.in_features for m in bases}) == 1 and len({m.bias is None for m in bases}) == 1
 
 
 class FusedGatedMLP(nn.Module):
@@ -136,7 +129,7 @@ class FusedGatedMLP(nn.Module):
             self.act_fn = cast(nn.Module, mlp.activation_fn)
             self.intermediate = int(cast(nn.Linear, lora_base(self.gate_up)).out_features) // 2
         else:
-            self.gate_up = _stacked([mlp.gate_proj, mlp.up_proj])  # type: ignore[list-item]
+            self.gate_up = stacked([mlp.gate_proj, mlp.up_proj])  # type: ignore[list-item]
             self.act_fn = cast(nn.Module, mlp.act_fn)
             self.intermediate = int(mlp.gate_proj.out_features)  # type: ignore[union-attr, arg-type]
         self.down_proj = cast(nn.Module, mlp.down_proj)
@@ -163,7 +156,8 @@ def _gated_mlp(module: nn.Module) -> bool:
     if not all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return False
     gate, up = module.gate_proj, module.up_proj
-    return _stackable(gate, up) and _plain(module.down_proj) and gate.out_features == up.out_features  # type: ignore[union-attr]
+    same_bias = len({cast(nn.Linear, lora_base(cast(nn.Module, m))).bias is None for m in (gate, up)}) == 1
+    return _plain(gate, up, module.down_proj) and same_bias and gate.out_features == up.out_features  # type: ignore[union-attr]
 
 
 def _rotary_dim(attn: nn.Module) -> int:
@@ -176,42 +170,7 @@ def _rotary_dim(attn: nn.Module) -> int:
     factor = getattr(config, "partial_rotary_factor", None)
     if factor is None:
         factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
-    return int(_head_dim(attn) * float(factor)) if factor else _head_dim(attn)
-
-
-def _head_dim(attn: nn.Module) -> int:
-    return int(getattr(attn, "head_dim", None) or attn.head_size)  # type: ignore[arg-type]  # GPT-NeoX: head_size
-
-
-def _per_head_qkv(linear: nn.Linear, heads: int, head_dim: int) -> nn.Linear:
-    """GPT-NeoX's ``query_key_value`` (rows per head: its q, k, v) with its rows as all q, all k, all v."""
-    fused = _stacked_linear([linear])
-    with torch.no_grad():
-        fused.weight.copy_(linear.weight.view(heads, 3, head_dim, -1).transpose(0, 1).reshape_as(linear.weight))
-        if linear.bias is not None:
-            fused.bias.copy_(linear.bias.view(heads, 3, head_dim).transpose(0, 1).reshape(-1))
-    return fused
-
-
-def _heads(attn: nn.Module) -> tuple[int, int]:
-    """Query and KV heads of a Llama-form attention, from its projections' widths."""
-    head_dim = _head_dim(attn)
-    if hasattr(attn, "query_key_value"):
-        heads = int(attn.query_key_value.out_features) // (3 * head_dim)  # type: ignore[union-attr, arg-type]
-        return heads, heads
-    if hasattr(attn, "q_proj"):
-        return int(attn.q_proj.out_features) // head_dim, int(attn.k_proj.out_features) // head_dim  # type: ignore[union-attr, arg-type]
-    kv_heads = int(attn.num_key_value_heads)  # type: ignore[arg-type]
-    return int(lora_base(attn.qkv_proj).out_features) // head_dim - 2 * kv_heads, kv_heads  # type: ignore[arg-type]
-
-
-def _fusable_attention(attn: nn.Module) -> bool:
-    """Separate q/k/v linears one GEMM can compute, or one plain q/k/v projection (Phi-3)."""
-    if hasattr(attn, "q_proj"):
-        return _stackable(attn.q_proj, attn.k_proj, attn.v_proj)
-    if hasattr(attn, "query_key_value"):  # GPT-NeoX: no LoRA wrapper (its rows are reordered)
-        return type(attn.query_key_value) is nn.Linear
-    return hasattr(attn, "qkv_proj") and hasattr(attn, "num_key_value_heads") and _plain(attn.qkv_proj)
+    return int(head_dim_of(attn) * float(factor)) if factor else head_dim_of(attn)
 
 
 class FusedPagedAttention(nn.Module):
@@ -220,26 +179,30 @@ class FusedPagedAttention(nn.Module):
     o_proj: nn.Module
 
     def __init__(
-        self, attn: nn.Module, *, scaling: float, sliding_window: int | None, softcap: float = 0.0, rope: str = "neox"
+        self,
+        attn: nn.Module,
+        layout: QkvLayout,
+        *,
+        scaling: float,
+        sliding_window: int | None,
+        softcap: float = 0.0,
+        rope: str = "neox",
     ) -> None:
         super().__init__()
         self.rope = rope
         """Rotary kind: ``neox`` (halves), ``interleaved`` (pairs ``2i, 2i + 1``: Cohere), ``gptj`` (the same
-        pairs, GPT-J's tables: :func:`rope_tables`) or ``none``."""
+        pairs, GPT-J's tables: :func:`rope_tables`) or ``none`` (GPT-2, GPT-BigCode, OPT: learned positions)."""
         self.layer_idx = int(attn.layer_idx)  # type: ignore[arg-type]
-        self.head_dim = _head_dim(attn)
-        self.num_q_heads, self.num_kv_heads = _heads(attn)
+        self.head_dim = layout.head_dim
+        self.num_q_heads, self.num_kv_heads = layout.num_q_heads, layout.num_kv_heads
         self.scaling = scaling
         self.sliding_window = sliding_window
         self.softcap = softcap
         """Attention logit soft-cap (Gemma 2), 0 for none."""
-        if hasattr(attn, "q_proj"):
-            self.qkv_proj = _stacked([attn.q_proj, attn.k_proj, attn.v_proj])  # type: ignore[list-item]
-        elif hasattr(attn, "query_key_value"):
-            self.qkv_proj = _per_head_qkv(cast(nn.Linear, attn.query_key_value), self.num_q_heads, self.head_dim)
-        else:  # Phi-3: q, k and v already one projection in the checkpoint
-            self.qkv_proj = cast(nn.Module, attn.qkv_proj)
-        self.o_proj = cast(nn.Module, getattr(attn, "o_proj", None) or getattr(attn, "dense", None) or attn.out_proj)
+        self.qkv_proj = layout.projection
+        self.o_proj = output_projection(attn)
+        self.channel: Any = getattr(attn, "channel", None)
+        """Our Falcon attention's :class:`~..model.falcon.StepChannel`: Falcon's layers pass no metadata down."""
         self.rotary_dim = _rotary_dim(attn)
         """RoPE on the first ``rotary_dim`` values of each head (Phi's partial rotary), the rest kept."""
         self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
@@ -254,11 +217,12 @@ class FusedPagedAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        metadata = step_metadata(kwargs)
+        channel = self.channel.metadata if self.channel is not None else None
+        metadata = channel if channel is not None else step_metadata(kwargs)
         tokens = hidden_states.shape[1]
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(hidden_states[0]).view(tokens, hq + 2 * hkv, d)
@@ -270,11 +234,15 @@ class FusedPagedAttention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         else:
             qk = qkv[:, : hq + hkv]
-        cos, sin = rope_tables(position_embeddings, self.rope)
-        if self.rotary_dim < d:
+        if self.rope == "none":
+            pass
+        elif position_embeddings is None:
+            raise ValueError(f"a {self.rope} rotary attention needs the model's position_embeddings")
+        elif self.rotary_dim < d:
+            cos, sin = rope_tables(position_embeddings, self.rope)
             qk = torch.cat((self._rope(qk[..., : self.rotary_dim], cos, sin), qk[..., self.rotary_dim :]), dim=-1)
         else:
-            qk = self._rope(qk, cos, sin)
+            qk = self._rope(qk, *rope_tables(position_embeddings, self.rope))
         out = paged_attention(
             metadata,
             self.layer_idx,
@@ -343,10 +311,11 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
     cos/sin) through the paged attention over scratch pools, recording the options it passes; the fused
     module is built with exactly those and must give the same output. ``None`` otherwise (or on any error:
     a forward of another signature keeps its module)."""
-    qkv = getattr(attn, "q_proj", None) or getattr(attn, "qkv_proj", None) or attn.query_key_value
-    weight = cast(nn.Linear, lora_base(cast(nn.Module, qkv))).weight
-    head_dim = _head_dim(attn)
-    geometry = (_heads(attn)[1], head_dim)
+    layout = qkv_layout(attn)
+    if layout is None:
+        return None
+    weight = cast(nn.Linear, lora_base(layout.projection)).weight
+    geometry = (layout.num_kv_heads, layout.head_dim)
     tries = ROPE_TRIES.get(type(attn).__name__, ("neox",))
     table = rope_table_width(tries[0], _rotary_dim(attn))
     generator = torch.Generator().manual_seed(0)
@@ -357,12 +326,13 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
             metadata = _scratch_metadata(geometry, int(attn.layer_idx), weight.device, block_size, kv_dtype)  # type: ignore[arg-type]
             expected = attn(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: metadata})[0]
             seen = metadata.seen_options or []
-            if len(seen) != 1 or seen[0]["sinks"]:  # not one plain paged call
+            if len(seen) != 1 or seen[0]["sinks"] or seen[0]["alibi"]:  # not one plain paged call
                 return None
             options = seen[0]
+            scaling = options["scaling"] * (float(attn.scaling) if type(attn).__name__ in QUERY_SCALED else 1.0)  # type: ignore[arg-type]
             for rope in tries:
                 fused = FusedPagedAttention(
-                    attn, scaling=options["scaling"], sliding_window=options["sliding_window"],
+                    attn, layout, scaling=scaling, sliding_window=options["sliding_window"],
                     softcap=options["softcap"], rope=rope,
                 )  # fmt: skip
                 metadata = _scratch_metadata(geometry, fused.layer_idx, weight.device, block_size, kv_dtype)
@@ -377,6 +347,7 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
 def fuse_blocks(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> FusionReport:
     """Replace gated MLPs and Llama-form attentions of ``model`` in place (see the module docstring);
     the attention check runs over scratch pools of ``block_size`` and ``kv_dtype``."""
+    linearize_conv1d(model)  # GPT-2's Conv1D projections as the nn.Linear they are (weights transposed once)
     mlps = attentions = 0
     kept: set[str] = set()
     for parent in list(model.modules()):
@@ -385,7 +356,7 @@ def fuse_blocks(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> Fus
             if _gated_mlp(child):
                 candidate = _fused_mlp(child)
                 mlps += candidate is not None
-            elif type(child).__name__ in LLAMA_FORM_ATTENTION and _fusable_attention(child):
+            elif type(child).__name__ in LLAMA_FORM_ATTENTION:
                 candidate = _fused_attention(child, block_size, kv_dtype)
                 attentions += candidate is not None
             else:

@@ -2,10 +2,11 @@
 
 A decoder layer is described as data for the native decode step (:mod:`.native_layers`): where its norms sit
 (:data:`NORM_PLACES`, by layer class: Llama's two pre-norms, Gemma 2/3's sandwich of four, OLMo2's two
-post-norms), and, read from the modules themselves, each norm's kind (``w`` or Gemma's ``1 + w``, found by
-running the norm on a random input against both) and epsilon, the q/k norms (per head or over all heads),
-the gated MLP's activation (SiLU or GeLU-tanh, found the same way), the q/k/v bias, the attention's scale,
-window and soft-cap (what the fused attention's load-time check recorded) and Granite's residual multiplier.
+post-norms; OPT's and Falcon's by their config: :func:`layer_places`), and, read from the modules themselves,
+each norm's kind (``w`` or Gemma's ``1 + w``, found by running the norm on a random input against both) and
+epsilon, the q/k norms (per head or over all heads), the MLP's activation (SiLU, GeLU-tanh, GeLU or ReLU, found
+the same way), the q/k/v bias, the attention's scale, window and soft-cap (what the fused attention's load-time
+check recorded) and Granite's residual multiplier.
 
 Nothing here is trusted: a layer is served natively only after :func:`.native_layers._reproduces` has shown
 one decode step of the description gives the module's output and K/V.
@@ -22,6 +23,7 @@ from torch import nn
 from tgi_paged_backend.lora.layers import lora_base
 from tgi_paged_backend.runner.cpu.fast_layers import outputs_close, rms_norm_eps
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedAttention
+from tgi_paged_backend.runner.cpu.qkv_layouts import plain_linear
 from tgi_paged_kernels import LayerForm
 
 _PLACES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
@@ -44,6 +46,10 @@ NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = 
     "GPTNeoXLayer": ("input_layernorm", None, "post_attention_layernorm", None),  # parallel: use_parallel_residual
     "GPTJBlock": ("ln_1", None, None, None),
     "Cohere2DecoderLayer": ("input_layernorm", None, None, None),
+    "GPTBigCodeBlock": ("ln_1", None, "ln_2", None),  # LayerNorms with bias, ungated c_fc/c_proj MLP
+    "GPT2Block": ("ln_1", None, "ln_2", None),  # the same, its Conv1D projections linearized at load
+    "OPTDecoderLayer": ("self_attn_layer_norm", None, "final_layer_norm", None),  # per config: _configured_places
+    "FalconDecoderLayer": ("input_layernorm", None, "post_attention_layernorm", None),  # per config: the same
 }
 """Decoder layer classes of the form ``h += s * n_ao(attn(n_ai(h))); h += s * n_mo(mlp(n_mi(h)))``: the
 attributes holding their norms before / after attention and before / after the MLP (``None``: no norm
@@ -58,6 +64,38 @@ _UNGATED = (
 """Ungated MLPs' up and down projections and activation: Phi's, GPT-NeoX's, GPT-J's, StarCoder2's."""
 
 
+def _configured_places(layer: nn.Module) -> tuple[tuple[str | None, ...], bool, bool] | None:
+    """``(norm places, parallel, post_add_norms)`` of the classes whose form depends on their config (OPT's
+    ``do_layer_norm_before``, Falcon's architecture flags), ``None`` for the others."""
+    kind, config = type(layer).__name__, getattr(layer, "config", None)
+    if kind == "OPTDecoderLayer" and not getattr(layer, "do_layer_norm_before", True):
+        return (None, "self_attn_layer_norm", None, "final_layer_norm"), False, True  # OPT-350m: post-LN
+    if kind == "FalconDecoderLayer" and config is not None:
+        if hasattr(layer, "ln_attn"):  # new architecture with two norms: h += attn(ln_attn(h)) + mlp(ln_mlp(h))
+            return ("ln_attn", None, "ln_mlp", None), True, False
+        if config.new_decoder_architecture or config.parallel_attn:
+            return ("input_layernorm", None, None, None), True, False
+    return None
+
+
+def layer_places(layer: nn.Module) -> tuple[tuple[str | None, ...], bool, bool] | None:
+    """``(norm places, parallel, post_add_norms)`` of ``layer`` (:data:`NORM_PLACES`), ``None`` for a class
+    without a layer form."""
+    places = NORM_PLACES.get(type(layer).__name__)
+    if places is None:
+        return None
+    configured = _configured_places(layer)
+    if configured is not None:
+        return configured
+    parallel = bool(getattr(layer, "use_parallel_residual", type(layer).__name__ in PARALLEL))
+    return places, parallel, False
+
+
+def layer_mlp(layer: nn.Module) -> Any:
+    """A decoder layer's MLP: its ``mlp``, or the layer itself when it holds the projections (OPT's fc1, fc2)."""
+    return getattr(layer, "mlp", None) or (layer if mlp_parts(layer) else None)
+
+
 def mlp_parts(mlp: Any) -> tuple[str, str, str] | None:
     """The names of ``mlp``'s up (or gate/up), down projections and activation, ``None`` if we do not run it."""
     if isinstance(mlp, FusedGatedMLP):
@@ -66,14 +104,18 @@ def mlp_parts(mlp: Any) -> tuple[str, str, str] | None:
 
 
 def layer_attention(layer: nn.Module) -> Any:
-    """A decoder layer's attention (``self_attn``; GPT-NeoX's ``attention``, GPT-J's ``attn``)."""
-    return next((getattr(layer, n) for n in ("self_attn", "attention", "attn") if hasattr(layer, n)), None)
+    """A decoder layer's attention (``self_attn``; GPT-NeoX's ``attention``, GPT-J's ``attn``, Falcon's
+    ``self_attention``)."""
+    names = ("self_attn", "attention", "attn", "self_attention")
+    return next((getattr(layer, n) for n in names if hasattr(layer, n)), None)
 
 
 PARALLEL = frozenset({"CohereDecoderLayer", "Cohere2DecoderLayer", "PhiDecoderLayer", "GPTJBlock"})
 """Classes of :data:`NORM_PLACES` whose attention and MLP read the same normed input and add to ``h`` together."""
 
-_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+_ACTIVATIONS = {
+    "silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu": F.relu,
+}  # fmt: skip
 
 
 def _eps(module: Any) -> float | None:
@@ -119,16 +161,20 @@ def _activation(act_fn: nn.Module) -> str | None:
 
 
 def _plain(linear: Any, bias: bool = False) -> bool:
-    return type(linear) is nn.Linear and linear.weight.dtype == torch.float32 and (bias or linear.bias is None)
+    """An fp32 ``nn.Linear`` (or a subclass that only changes its forward: Falcon's), without bias unless ``bias``."""
+    return plain_linear(linear) and linear.weight.dtype == torch.float32 and (bias or linear.bias is None)
 
 
 def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | None]] | str:
     """The form of ``layer`` and its weights as :meth:`~tgi_paged_kernels.LayerWeights.pack` takes them, or
     why the native step cannot run it (one line, for the start-up log)."""
-    places = NORM_PLACES.get(type(layer).__name__)
-    attn, mlp = layer_attention(layer), getattr(layer, "mlp", None)
-    if places is None:
+    found_places = layer_places(layer)
+    attn, mlp = layer_attention(layer), layer_mlp(layer)
+    if found_places is None:
         return "no layer form for this class"
+    if getattr(attn, "alibi_slopes", None) is not None:
+        return "ALiBi position biases: the native decode attention takes no slopes"
+    places, parallel, post_add = found_places
     gated, names = isinstance(mlp, FusedGatedMLP), mlp_parts(mlp)
     if not isinstance(attn, FusedPagedAttention) or names is None:
         return "its attention or MLP is not fused"
@@ -168,12 +214,11 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
     act_fn = cast(nn.Module, getattr(mlp, act_name))
     activation = _activation(act_fn)
     if activation is None or (not gated and activation == "silu"):
-        return f"its MLP's activation {type(act_fn).__name__} is not SiLU or GeLU (gated) or GeLU"
+        return f"its MLP's activation {type(act_fn).__name__} is not SiLU (gated), GeLU or ReLU"
     norm_biases = {raw.get(f"{place}_bias") is not None for place, attr in zip(_PLACES, places) if attr}
     if len(set(layer_norms)) > 1 or len(set(qk)) > 1 or len(norm_biases) > 1:
         return "its norms differ in kind, epsilon or bias"
     (kind, eps), (qk_kind, qk_eps) = (layer_norms or [("rms", 1e-6)])[0], (qk or [("rms", 1e-6)])[0]
-    parallel = bool(getattr(layer, "use_parallel_residual", type(layer).__name__ in PARALLEL))
     rope = "interleaved" if attn.rope == "gptj" else attn.rope  # GPT-J's tables are read by the layer's wrapper
     form = LayerForm(
         scale=float(attn.scaling), norm=kind, eps=eps,
@@ -184,5 +229,6 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
         residual_scale=float(cast(float, getattr(layer, "residual_multiplier", 1.0))),
         rope=rope, parallel=parallel, gated=gated, o_bias=o.bias is not None, mlp_bias=mlp_bias,
         rotary_dim=attn.rotary_dim if attn.rotary_dim < d else 0, norm_bias=True in norm_biases,
+        post_add_norms=post_add,
     )  # fmt: skip
     return form, raw

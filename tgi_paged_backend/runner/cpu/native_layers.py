@@ -5,7 +5,8 @@ After :func:`~runner.cpu.fused_blocks.fuse_blocks`, a decoder layer whose form :
 :class:`~runner.cpu.fused_blocks.FusedGatedMLP` of SiLU or GeLU-tanh, RMSNorms of the ``w`` or ``1 + w`` kind,
 LayerNorms, plain fp32 projections: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite, OLMo2, Phi-3,
 Cohere, Cohere 2, Phi, GPT-NeoX, GPT-J, StarCoder2 (parallel blocks, LayerNorms, partial or interleaved RoPE,
-ungated MLPs))
+ungated MLPs), GPT-2, GPT-BigCode, OPT (learned positions: no RoPE; ReLU; OPT-350m's norms after the add) and
+Falcon (parallel blocks with one or two LayerNorms, grouped or one KV head))
 is wrapped by :class:`NativeDecoderLayer`:
 
 - a **decode step** (one new token per request, fp32 pools) runs the whole layer through
@@ -23,6 +24,7 @@ GEMM sums in another order than oneDNN/MKL): a description that is wrong is neve
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -34,7 +36,7 @@ from torch import nn
 from tgi_paged_backend.lora.layers import find_lora_step, replace_lora_base
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention, rope_table_width, rope_tables
-from tgi_paged_backend.runner.cpu.layer_forms import NORM_PLACES, layer_attention, layer_form, mlp_parts
+from tgi_paged_backend.runner.cpu.layer_forms import NORM_PLACES, layer_attention, layer_form, layer_mlp, mlp_parts
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
 from tgi_paged_kernels import (
     LayerWeights,
@@ -73,9 +75,14 @@ class NativeDecoderLayer(nn.Module):
         self.native = native
         self.layer_idx = int(layer_attention(layer).layer_idx)
         self.rope = cast(FusedPagedAttention, layer_attention(layer)).rope
-        """The attention's rotary kind: how the step's ``position_embeddings`` read (:func:`rope_tables`)."""
+        """The attention's rotary kind: how the step's ``position_embeddings`` read (:func:`rope_tables`; ``none``:
+        the model passes none, its positions are learned)."""
+        self.channel = cast(FusedPagedAttention, layer_attention(layer)).channel
+        """Falcon's layers pass no metadata down: the model call's, from our Falcon attention's channel."""
         self.lora_step = find_lora_step(layer)
         """The adapters' routing when the layer has LoRA wrappers: steps with adapter rows run the per-op path."""
+        self.native_steps = 0
+        """Decode steps this layer ran as one native call (the load-time check needs its step to be one)."""
         self.as_tuple = False
         """transformers before 4.54 returns ``(hidden,)`` from a decoder layer, later versions the tensor: set
         by the load-time check (:func:`_reproduces`) from what the wrapped layer returns."""
@@ -83,7 +90,7 @@ class NativeDecoderLayer(nn.Module):
     def own_projections(self) -> None:
         """Make the packed weights the only copy: the wrapped layer's four projections become
         :class:`NativeLinear` views of them (prefills then run the native GEMM too)."""
-        attn, mlp, w = cast(FusedPagedAttention, layer_attention(self.layer)), self.layer.mlp, self.weights
+        attn, mlp, w = cast(FusedPagedAttention, layer_attention(self.layer)), layer_mlp(self.layer), self.weights
         qkv_width = (w.num_q_heads + 2 * w.num_kv_heads) * w.head_dim
         up, down, _ = cast(tuple[str, str, str], mlp_parts(mlp))
         native = {
@@ -104,6 +111,8 @@ class NativeDecoderLayer(nn.Module):
 
     def _native_step(self, hidden: torch.Tensor, kwargs: dict[str, Any]) -> PagedAttentionMetadata | None:
         metadata: PagedAttentionMetadata | None = kwargs.get(METADATA_KWARG)
+        if metadata is None and self.channel is not None:
+            metadata = self.channel.metadata
         if (
             metadata is None
             or not metadata.batch.is_decode
@@ -124,9 +133,9 @@ class NativeDecoderLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         metadata = self._native_step(hidden_states, kwargs)
         tables = kwargs.get("position_embeddings")
-        if metadata is None or tables is None:
+        if metadata is None or (tables is None and self.rope != "none"):
             return self.layer(hidden_states, *args, **kwargs)
-        cos, sin = rope_tables(tables, self.rope)
+        cos, sin = (None, None) if self.rope == "none" else rope_tables(tables, self.rope)
         slot_mapping, block_tables = metadata.tables(self.layer_idx)
         out = decode_layer(
             self.native, self.weights, hidden_states[0], cos, sin,
@@ -135,6 +144,7 @@ class NativeDecoderLayer(nn.Module):
         )  # fmt: skip
         if out is None:  # inputs of another kind (slot dtype, RoPE table layout): the per-op path serves
             return self.layer(hidden_states, *args, **kwargs)
+        self.native_steps += 1
         return (out.unsqueeze(0),) if self.as_tuple else out.unsqueeze(0)
 
 
@@ -188,9 +198,25 @@ def _check_metadata(w: LayerWeights, layer_idx: int, block_size: int) -> PagedAt
     return PagedAttentionMetadata(build_forward_batch(chunks, block_size), [pools[0]] * layers, [pools[1]] * layers)
 
 
+def _call(layer: nn.Module, channel: Any, x: torch.Tensor, tables: Any, metadata: PagedAttentionMetadata) -> Any:
+    """``layer`` on one step as the model calls it: the metadata as a keyword and, for Falcon's layers (which pass
+    none down), in the attention's channel; arguments the layer requires beyond these (Falcon's ``alibi``) None."""
+    inner = layer.layer if isinstance(layer, NativeDecoderLayer) else layer
+    given = {"position_embeddings": tables, "attention_mask": None, METADATA_KWARG: metadata}
+    params = list(inspect.signature(inner.forward).parameters.values())[1:]
+    required = [p.name for p in params if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
+    if channel is not None:
+        channel.metadata = metadata
+    try:
+        return layer(x, **{name: None for name in required if name not in given}, **given)
+    finally:
+        if channel is not None:
+            channel.metadata = None
+
+
 def _reproduces(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int) -> bool:
-    """Whether ``wrapped`` gives ``layer``'s output and K/V on one random decode step (it learns there whether
-    the layer returns a tuple)."""
+    """Whether ``wrapped`` gives ``layer``'s output and K/V on one random decode step that it ran natively (it
+    learns there whether the layer returns a tuple)."""
     w = wrapped.weights
     generator = torch.Generator().manual_seed(0)
     rows = len(_check_lengths(block_size))
@@ -199,11 +225,14 @@ def _reproduces(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int) 
     cos, sin = (torch.randn(1, rows, table, generator=generator) for _ in range(2))
     with torch.inference_mode():
         ref_meta = _check_metadata(w, wrapped.layer_idx, block_size)
-        expected = layer(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: ref_meta})
+        expected = _call(layer, wrapped.channel, x, (cos, sin), ref_meta)
         as_tuple = isinstance(expected, tuple)
         wrapped.as_tuple = as_tuple
         meta = _check_metadata(w, wrapped.layer_idx, block_size)
-        got = wrapped(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: meta})
+        steps = wrapped.native_steps
+        got = _call(wrapped, wrapped.channel, x, (cos, sin), meta)
+        if wrapped.native_steps == steps:  # the step fell back to the per-op path: nothing proven
+            return False
     expected, got = (expected[0], got[0]) if as_tuple else (expected, got)
     close = all(
         a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-4)

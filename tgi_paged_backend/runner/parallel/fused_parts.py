@@ -125,22 +125,3 @@ class ReducedOutput(nn.Module):
         if isinstance(out, tuple):  # (hidden, router logits) in some versions
             return (self._all_reduce(out[0]), *out[1:])
         return self._all_reduce(out)
-
-
-def linearize_conv1d(module: nn.Module) -> int:
-    """Replace every transformers ``Conv1D`` under ``module`` (``y = x @ W + b``, ``W`` ``[in, out]``) by the
-    ``nn.Linear`` holding ``W`` transposed, so the slicing above applies; returns how many were replaced."""
-    replaced = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            weight = getattr(child, "weight", None)
-            if type(child).__name__ != "Conv1D" or not isinstance(weight, torch.Tensor):
-                continue
-            bias = getattr(child, "bias", None)
-            linear = nn.Linear(int(weight.shape[0]), int(weight.shape[1]), bias=bias is not None)
-            linear.weight = nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)
-            if isinstance(bias, torch.Tensor):
-                linear.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
-            setattr(parent, name, linear.to(weight.device))
-            replaced += 1
-    return replaced

@@ -16,12 +16,12 @@ from typing import cast
 import torch
 from torch import nn
 
+from tgi_paged_backend.runner.cpu.qkv_layouts import linearize_conv1d
 from tgi_paged_backend.runner.model.loader import ModelLoadError
 from tgi_paged_backend.runner.model.mla import PagedLatentAttention
 from tgi_paged_backend.runner.model.spec import ModelSpec
 from tgi_paged_backend.runner.parallel.fused_parts import (
     ReducedOutput,
-    linearize_conv1d,
     shard_experts,
     shard_fused_linear,
     take_rows,

@@ -1,0 +1,110 @@
+"""Torch references of :mod:`.cpu_layer`'s native calls: the specification ``tests/kernels/test_cpu_layer.py``
+compares the kernels with."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .cpu_decode import decode_attention_math
+from .cpu_layer import LayerWeights, norm_weight
+
+
+def gemm_packed_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of :func:`gemm_packed` on the unpacked ``[N, K]`` weight: each output summed over ``k`` in
+    order with fused multiply-adds, in float64 (the kernel's fp32 result lies within a few ulp of it)."""
+    out = x.double() @ weight.double().T
+    return (out if bias is None else out + bias.double()).float()
+
+
+def _rms_ref(
+    x: torch.Tensor, weight: torch.Tensor | None, kind: str, eps: float, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """transformers' RMSNorm (or LayerNorm, with ``bias`` if any) of ``kind`` over the last dimension (fp32)."""
+    assert weight is not None
+    if kind == "layer":
+        return F.layer_norm(x, (x.shape[-1],), norm_weight(weight, kind), bias, eps)
+    return F.rms_norm(x, (x.shape[-1],), norm_weight(weight, kind), eps)
+
+
+def decode_layer_ref(
+    weights: dict[str, torch.Tensor | None],
+    w: LayerWeights,
+    hidden: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> torch.Tensor:
+    """Reference of :func:`decode_layer` in torch ops, on the module's ``weights`` as :meth:`LayerWeights.pack`
+    takes them (unpacked ``[N, K]`` projections, the norms' own weights): the decoder layer ``w.form``
+    describes, over the paged pools (same arguments otherwise; writes the pools too)."""
+    form = w.form
+    tokens, hq, hkv, d = hidden.shape[0], w.num_q_heads, w.num_kv_heads, w.head_dim
+
+    def linear(x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        weight = weights[name]
+        assert weight is not None
+        if bias is None and (form.o_bias if name == "o" else form.mlp_bias and name != "qkv"):
+            bias = weights[f"{name}_bias"]
+        return F.linear(x, weight, bias)
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        if name not in form.norms:
+            return x
+        return _rms_ref(x, weights[name], form.norm, form.eps, weights[f"{name}_bias"] if form.norm_bias else None)
+
+    attn_in = norm(hidden, "attn_in")
+    mlp_in = norm(hidden, "mlp_in") if form.mlp_in_norm else attn_in  # a parallel block's MLP input
+    qkv = linear(attn_in, "qkv", weights.get("qkv_bias") if form.qkv_bias else None)
+    qkv = qkv.view(tokens, hq + 2 * hkv, d)
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    if form.qk_norm == "head":
+        q, k = (_rms_ref(t, weights[n], form.qk_norm_kind, form.qk_eps) for t, n in ((q, "q_norm"), (k, "k_norm")))
+    elif form.qk_norm == "all":
+        q, k = (
+            _rms_ref(t.reshape(tokens, -1), weights[n], form.qk_norm_kind, form.qk_eps).view(t.shape)
+            for t, n in ((q, "q_norm"), (k, "k_norm"))
+        )
+    qk = torch.cat((q, k), dim=1)
+    r = form.rotary_dim or d
+    rot, half = qk[..., :r], r // 2
+    if form.rope != "none":
+        assert cos is not None and sin is not None
+        c, s = cos[:, None], sin[:, None]
+        if form.rope == "neox":
+            rot = rot * c + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * s
+        else:  # interleaved
+            rot = rot * c + torch.stack((-rot[..., 1::2], rot[..., ::2]), dim=-1).flatten(-2) * s
+    qk = torch.cat((rot, qk[..., r:]), dim=-1)
+    k = qk[:, hq:]
+    block_size, keep = k_cache.shape[1], slot_mapping >= 0  # negative slots: nothing written
+    blocks, offsets = slot_mapping[keep] // block_size, slot_mapping[keep] % block_size
+    k_cache[blocks, offsets] = k[keep]
+    v_cache[blocks, offsets] = v[keep]
+    attn = decode_attention_math(
+        qk[:, :hq], k_cache, v_cache, block_tables.long(), seq_lens, form.scale, form.softcap, form.window or None,
+        None, 1.0, 1.0,
+    )  # fmt: skip
+
+    def add(h: torch.Tensor, y: torch.Tensor, name: str) -> torch.Tensor:
+        if form.post_add_norms:
+            return norm(h + y, name)
+        return h + norm(y, name) * form.residual_scale
+
+    hidden = add(hidden, linear(attn.reshape(tokens, hq * d), "o"), "attn_out")
+    gate_up = linear(mlp_in if form.parallel else norm(hidden, "mlp_in"), "gate_up")
+    gelu = "tanh" if form.activation == "gelu_tanh" else "none"
+
+    def act(x: torch.Tensor) -> torch.Tensor:
+        if form.activation == "relu":
+            return F.relu(x)
+        return F.silu(x) if form.activation == "silu" else F.gelu(x, approximate=gelu)
+
+    if not form.gated:
+        return add(hidden, linear(act(gate_up), "down"), "mlp_out")
+    gate, up = gate_up.chunk(2, dim=-1)
+    return add(hidden, linear(act(gate) * up, "down"), "mlp_out")
