@@ -24,6 +24,7 @@ from tests.helpers.tiny_models import load_reference, reference_attention
 from tests.helpers.triton_serving import LAUNCHERS, route_to_triton
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.attention import METADATA_KWARG
+from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model.falcon import PagedFalconAttention, falcon_alibi_slopes
 from tgi_paged_backend.runner.model.loader import load_model
@@ -118,11 +119,18 @@ def test_split_is_transformers_split(name):
     torch.testing.assert_close(v, v_hf[0], rtol=0, atol=0)
 
 
+def _ours(attention) -> bool:
+    """Our paged Falcon attention, or the fused attention made from it (one q/k/v GEMM: the rotary variants)."""
+    return isinstance(attention, PagedFalconAttention) or (
+        isinstance(attention, FusedPagedAttention) and attention.channel is not None
+    )
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_logits_are_hfs_in_prefill_and_decode(name, variant_dir):
     path = variant_dir(name)
     runner = ModelRunner(ModelConfig(model_id=str(path)), CacheConfig(block_size=4), "cpu")
-    assert all(isinstance(layer.self_attention, PagedFalconAttention) for layer in runner.model.transformer.h)
+    assert all(_ours(layer.self_attention) for layer in runner.model.transformer.h)
     reference = load_reference(path)
     prompts = [[3, 17, 5, 9, 11, 2, 8, 13, 21, 4, 6], [7, 7, 1, 30, 2]]
     blocks = 8
@@ -155,7 +163,9 @@ def test_the_step_metadata_reaches_the_layers_only_during_the_call(variant_dir):
     channel = runner.model.transformer.h[0].self_attention.channel
     assert all(layer.self_attention.channel is channel for layer in runner.model.transformer.h)
     seen = []
-    original = PagedFalconAttention.forward
+    kind = type(runner.model.transformer.h[0].self_attention)  # ours, or its fused form (the rotary variants)
+    assert _ours(runner.model.transformer.h[0].self_attention)
+    original = kind.forward
 
     def spy(self, *args, **kwargs):
         seen.append(self.channel.metadata)
@@ -163,7 +173,7 @@ def test_the_step_metadata_reaches_the_layers_only_during_the_call(variant_dir):
 
     runner.allocate_kv_cache(4)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(PagedFalconAttention, "forward", spy)
+        patch.setattr(kind, "forward", spy)
         runner.forward(build_forward_batch([RequestChunk([1, 2, 3], 0, [1])], 4))
     assert len(seen) == 2 and seen[0] is not None and seen[0] is seen[1] and channel.metadata is None
     with pytest.raises(RuntimeError, match=METADATA_KWARG):  # a plain call (generate) says what it lacks

@@ -45,11 +45,17 @@ WRAPPED = {
     "Falcon": 2,  # new architecture: grouped q/k/v rows per KV head, parallel with two LayerNorms, exact GeLU
     "Falcon-7B": 2,  # old architecture: multi-query, parallel with one LayerNorm, no biases
     "Falcon-RW": 0,  # ALiBi
+    "Qwen3-MoE": 0,  # experts
+    "Bloom": 0,  # ALiBi
+    "MPT": 0,  # ALiBi
 }
 """Layers of the 2 of each tiny family that decode natively, and why the others do not."""
 
 KEPT = {
-    "Mixtral": "MixtralDecoderLayer: no layer form",
+    "Mixtral": "MixtralDecoderLayer: MoE: the router and the experts' GEMMs are not in the native step",
+    "Qwen3-MoE": "Qwen3MoeDecoderLayer: MoE: the router and the experts' GEMMs are not in the native step",
+    "Bloom": "BloomBlock: ALiBi position biases: the native decode attention takes no slopes",
+    "MPT": "MptBlock: ALiBi position biases: the native decode attention takes no slopes",
     "Falcon-RW": "FalconDecoderLayer: ALiBi position biases: the native decode attention takes no slopes",
 }
 

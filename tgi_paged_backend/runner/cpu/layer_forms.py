@@ -92,8 +92,9 @@ def layer_places(layer: nn.Module) -> tuple[tuple[str | None, ...], bool, bool] 
 
 
 def layer_mlp(layer: nn.Module) -> Any:
-    """A decoder layer's MLP: its ``mlp``, or the layer itself when it holds the projections (OPT's fc1, fc2)."""
-    return getattr(layer, "mlp", None) or (layer if mlp_parts(layer) else None)
+    """A decoder layer's MLP: its ``mlp`` (MPT's ``ffn``), or the layer itself when it holds the projections (OPT's
+    fc1, fc2)."""
+    return getattr(layer, "mlp", None) or getattr(layer, "ffn", None) or (layer if mlp_parts(layer) else None)
 
 
 def mlp_parts(mlp: Any) -> tuple[str, str, str] | None:
@@ -170,10 +171,12 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
     why the native step cannot run it (one line, for the start-up log)."""
     found_places = layer_places(layer)
     attn, mlp = layer_attention(layer), layer_mlp(layer)
+    if getattr(attn, "alibi_slopes", None) is not None:  # Bloom, MPT, Falcon-RW
+        return "ALiBi position biases: the native decode attention takes no slopes"
+    if hasattr(mlp, "experts"):  # Mixtral, Qwen2/3-MoE, gpt-oss
+        return "MoE: the router and the experts' GEMMs are not in the native step"
     if found_places is None:
         return "no layer form for this class"
-    if getattr(attn, "alibi_slopes", None) is not None:
-        return "ALiBi position biases: the native decode attention takes no slopes"
     places, parallel, post_add = found_places
     gated, names = isinstance(mlp, FusedGatedMLP), mlp_parts(mlp)
     if not isinstance(attn, FusedPagedAttention) or names is None:

@@ -253,7 +253,7 @@ def wrap_native_layers(model: nn.Module, block_size: int) -> NativeLayersReport:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             kind = type(child).__name__
-            layer_like = kind.endswith(("DecoderLayer", "Block")) and hasattr(child, "mlp")
+            layer_like = kind.endswith(("DecoderLayer", "Block")) and (hasattr(child, "mlp") or hasattr(child, "ffn"))
             if isinstance(child, NativeDecoderLayer) or (kind not in NORM_PLACES and not layer_like):
                 continue
             weights = layer_weights(child) if native is not None else "no native kernels"
