@@ -131,6 +131,12 @@ class LayerForm:
     """The o projection adds a bias (Phi)."""
     mlp_bias: bool = False
     """The gate/up and down projections add a bias (Phi, GPT-NeoX)."""
+    experts: int = 0
+    """An MoE MLP of this many experts (Mixtral, Qwen3-MoE): each token's ``top_k`` experts of the router's softmax
+    (renormalized over them when :attr:`norm_top_k`), each a gated MLP of its own, summed with those weights; 0: one
+    MLP."""
+    top_k: int = 0
+    norm_top_k: bool = False
     post_add_norms: bool = False
     """The ``attn_out`` / ``mlp_out`` norms apply to ``h`` after the residual add, ``h = n(h + block(...))``, not to
     the block's output before it (OPT with ``do_layer_norm_before=False``: post-LN)."""
@@ -147,6 +153,8 @@ class LayerForm:
             raise ValueError("LayerForm: a parallel block has one norm before both blocks and residual scale 1")
         if (not self.gated and self.activation == "silu") or (self.norm_bias and self.norm != "layer"):
             raise ValueError("LayerForm: an ungated MLP is GeLU or ReLU; only LayerNorms have a bias")
+        if self.experts and (not self.gated or self.mlp_bias or not 0 < self.top_k <= self.experts):
+            raise ValueError(f"LayerForm: {self.experts} experts are gated MLPs without bias, top_k {self.top_k}")
         if self.post_add_norms and (self.parallel or self.residual_scale != 1):
             raise ValueError("LayerForm: norms after the residual add are for sequential blocks of residual scale 1")
         if self.window < 0 or self.softcap < 0 or self.rotary_dim < 0 or self.rotary_dim % 2:
@@ -179,11 +187,19 @@ class _Spec(ctypes.Structure):
         *((name, ctypes.c_int64) for name in ("hidden_size", "intermediate")),
         *((name, ctypes.c_int32) for name in "hq hkv head_dim window activation qk_norm rope parallel".split()),
         *((name, ctypes.c_int32) for name in ("layer_norm", "rotary_dim", "gated", "post_add_norms")),
+        *((name, ctypes.c_int32) for name in ("experts", "top_k", "norm_top_k")),
         *((name, ctypes.c_float) for name in ("scale", "softcap", "residual_scale")),
         *((f"eps_{name}", ctypes.c_float) for name in (*LAYER_NORMS, "q", "k")),
         *((name, ctypes.c_void_p) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias", "o", "gu", "down")),
-        *((name, ctypes.c_void_p) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias")),
+        *((name, ctypes.c_void_p) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias", "router")),
     ]
+
+
+def _pack_each(weight: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_weight` of a ``[N, K]`` weight, or of each expert's ``[N, K]`` of ``[E, N, K]``, in turn."""
+    if weight.dim() == 3:
+        return torch.cat([pack_weight(w) for w in weight.detach()])
+    return pack_weight(weight)
 
 
 def _address(t: torch.Tensor | None) -> int | None:
@@ -223,6 +239,9 @@ class LayerWeights:
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
+    router: torch.Tensor | None = None
+    """MoE: the router's packed ``[E, H]``; then :attr:`gate_up` and :attr:`down` hold every expert's packed
+    weight in turn."""
     spec: Any = field(default=None, init=False, repr=False, compare=False)
     """The ``LayerSpec`` the native call reads (addresses of the tensors above, which this object keeps)."""
 
@@ -239,7 +258,7 @@ class LayerWeights:
                 raise ValueError(f"LayerWeights.pack: the form needs {name!r}")
             return t
 
-        hidden, intermediate = int(need("o").shape[0]), int(need("down").shape[1])
+        hidden, intermediate = int(need("o").shape[0]), int(need("down").shape[-1])
         norms = {name: norm_weight(need(name), form.norm) for name in form.norms}
         if form.qk_norm != "none":
             norms.update({n: norm_weight(need(n), form.qk_norm_kind) for n in ("q_norm", "k_norm")})
@@ -250,7 +269,8 @@ class LayerWeights:
         return cls(
             form, hidden, intermediate, num_q_heads, num_kv_heads, head_dim,
             qkv=pack_weight(need("qkv")), qkv_bias=bias, o=pack_weight(need("o")),
-            gate_up=pack_weight(need("gate_up")), down=pack_weight(need("down")), **norms,
+            gate_up=_pack_each(need("gate_up")), down=_pack_each(need("down")),
+            router=pack_weight(need("router")) if form.experts else None, **norms,
         )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -272,23 +292,35 @@ class LayerWeights:
                 t is not None and (t.dtype != torch.float32 or t.shape != (width,) or not t.is_contiguous())
             ):
                 raise ValueError(f"LayerWeights: {name} does not fit the form (want an fp32 [{width}] or None)")
+        experts, n_gu, blocks = max(1, f.experts), (2 if f.gated else 1) * self.intermediate, -(-h // PACK_BLOCK)
+        packed = {
+            "gate_up": (experts * -(-n_gu // PACK_BLOCK), h, PACK_BLOCK),
+            "down": (experts * blocks, self.intermediate, PACK_BLOCK),
+            "router": (-(-f.experts // PACK_BLOCK), h, PACK_BLOCK) if f.experts else None,
+        }
+        for name, shape in packed.items():
+            t = getattr(self, name)
+            if (t is None) != (shape is None) or (t is not None and (t.shape != shape or not t.is_contiguous())):
+                raise ValueError(f"LayerWeights: {name} is not a packed {shape} for this form")
         if self.num_q_heads % self.num_kv_heads or d % 2 or f.rotary_dim > d:
             raise ValueError(f"LayerWeights: {self.num_q_heads} query heads over {self.num_kv_heads}, head_dim {d}")
         spec = _Spec(
             h, self.intermediate, self.num_q_heads, self.num_kv_heads, d, f.window,
             ACTIVATIONS.index(f.activation), QK_NORMS.index(f.qk_norm), ROPE_KINDS.index(f.rope), int(f.parallel),
             int(f.norm == "layer"), f.rotary_dim or d, int(f.gated), int(f.post_add_norms),
+            f.experts, f.top_k, int(f.norm_top_k),
             f.scale, f.softcap, f.residual_scale,
             *(f.eps for _ in LAYER_NORMS), f.qk_eps, f.qk_eps,
             *(_address(getattr(self, name)) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias")),
             self.o.data_ptr(), self.gate_up.data_ptr(), self.down.data_ptr(),
-            *(_address(getattr(self, name)) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias")),
+            *(_address(getattr(self, name)) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias", "router")),
         )  # fmt: skip
         object.__setattr__(self, "spec", spec)
 
     def scratch_floats(self, tokens: int) -> int:
-        hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
-        return tokens * (2 * self.hidden_size + (2 * hq + 3 * hkv) * d + hq * d + 3 * self.intermediate)
+        hq, hkv, d, h = self.num_q_heads, self.num_kv_heads, self.head_dim, self.hidden_size
+        moe = self.form.experts + 4 * h if self.form.experts else 0
+        return tokens * (2 * h + (2 * hq + 3 * hkv) * d + hq * d + 3 * self.intermediate + moe)
 
 
 def _rope_tables_fit(cos: torch.Tensor, sin: torch.Tensor, shape: tuple[int, int]) -> bool:

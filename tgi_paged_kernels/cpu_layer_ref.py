@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_decode import decode_attention_math
-from .cpu_layer import LayerWeights, norm_weight
+from .cpu_layer import LayerForm, LayerWeights, norm_weight
 
 
 def gemm_packed_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,7 +96,7 @@ def decode_layer_ref(
         return h + norm(y, name) * form.residual_scale
 
     hidden = add(hidden, linear(attn.reshape(tokens, hq * d), "o"), "attn_out")
-    gate_up = linear(mlp_in if form.parallel else norm(hidden, "mlp_in"), "gate_up")
+    gate_up = linear(mlp_in if form.parallel else norm(hidden, "mlp_in"), "gate_up") if not form.experts else hidden
     gelu = "tanh" if form.activation == "gelu_tanh" else "none"
 
     def act(x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,27 @@ def decode_layer_ref(
             return F.relu(x)
         return F.silu(x) if form.activation == "silu" else F.gelu(x, approximate=gelu)
 
+    if form.experts:
+        return add(hidden, _moe_ref(weights, form, mlp_in if form.parallel else norm(hidden, "mlp_in"), act), "mlp_out")
     if not form.gated:
         return add(hidden, linear(act(gate_up), "down"), "mlp_out")
     gate, up = gate_up.chunk(2, dim=-1)
     return add(hidden, linear(act(gate) * up, "down"), "mlp_out")
+
+
+def _moe_ref(weights: dict[str, torch.Tensor | None], form: LayerForm, x: torch.Tensor, act) -> torch.Tensor:  # noqa: ANN001
+    """transformers' Mixtral / Qwen3-MoE block: softmax of the router's logits, each token's top-k (renormalized
+    when the form says so), each expert's gated MLP on its rows, weighted and added in expert order."""
+    router, gate_up, down = (weights[n] for n in ("router", "gate_up", "down"))
+    assert router is not None and gate_up is not None and down is not None
+    probs = F.softmax(F.linear(x, router).float(), dim=-1)
+    top, index = torch.topk(probs, form.top_k, dim=-1)
+    if form.norm_top_k:
+        top = top / top.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(form.experts):
+        tokens, slot = torch.where(index == e)
+        if tokens.numel():
+            gate, up = F.linear(x[tokens], gate_up[e]).chunk(2, dim=-1)
+            out.index_add_(0, tokens, F.linear(act(gate) * up, down[e]) * top[tokens, slot, None])
+    return out

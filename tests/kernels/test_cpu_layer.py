@@ -65,12 +65,14 @@ def _layer(hq: int, hkv: int, d: int, hidden: int, inter: int, form: LayerForm, 
         return torch.rand(width, generator=g) + (-0.5 if kind == "rms_1p" else 0.5)
 
     qk_width = {"head": (d, d), "all": (hq * d, hkv * d), "none": (0, 0)}[form.qk_norm]
+    experts = (form.experts,) if form.experts else ()
     raw = dict(
         qkv=rand((hq + 2 * hkv) * d, hidden),
         qkv_bias=rand((hq + 2 * hkv) * d) if form.qkv_bias else None,
         o=rand(hidden, hq * d),
-        gate_up=rand((2 if form.gated else 1) * inter, hidden),
-        down=rand(hidden, inter),
+        gate_up=rand(*experts, (2 if form.gated else 1) * inter, hidden),
+        down=rand(*experts, hidden, inter),
+        router=rand(form.experts, hidden) * 10 if form.experts else None,  # well-separated top-k
         o_bias=rand(hidden),
         gate_up_bias=rand((2 if form.gated else 1) * inter),
         down_bias=rand(hidden),
@@ -157,6 +159,8 @@ FORMS = {
     ),
     "Falcon": (4, 2, 32, _llama(32, norm="layer", norm_bias=True, parallel=True, gated=False, activation="gelu")),
     "ReGLU": (4, 2, 32, _llama(32, activation="relu")),
+    "Mixtral": (4, 2, 32, _llama(32, experts=5, top_k=2, norm_top_k=True, window=9)),  # MoE, renormalized top-k
+    "Qwen3-MoE": (4, 2, 32, _llama(32, experts=6, top_k=3, qk_norm="head")),  # top-k weights as the softmax gave
     "LayerNorm+bias, partial interleaved": (
         4, 2, 32, _llama(32, norm="layer", norm_bias=True, mlp_out_norm=True, rotary_dim=8, rope="interleaved"),
     ),
@@ -188,6 +192,8 @@ FORMS = {
         ("OPT post-LN", 4, torch.int32),  # norms after the residual add
         ("Falcon", 8, torch.int64),  # parallel with two LayerNorms, GQA
         ("ReGLU", 16, torch.int32),  # gated ReLU
+        ("Mixtral", 4, torch.int64),  # router, top-2 of 5 experts (some hit by several tokens, some by none)
+        ("Qwen3-MoE", 16, torch.int32),
     ],
 )
 def test_layer_matches_the_reference(native, form_name, block_size, index_dtype) -> None:
@@ -249,6 +255,10 @@ def test_layer_weights_must_fit_their_form() -> None:
         LayerForm(scale=1.0, activation="swish")
     with pytest.raises(ValueError, match="parallel"):  # both blocks add to h at once: no post-norm
         LayerForm(scale=1.0, parallel=True, attn_out_norm=True)
+    with pytest.raises(ValueError, match="experts"):
+        LayerForm(scale=1.0, experts=4, top_k=5)
+    with pytest.raises(ValueError, match="not a packed"):  # an MoE form needs each expert's and the router's packs
+        dataclasses.replace(packed, form=dataclasses.replace(packed.form, experts=2, top_k=1))
     with pytest.raises(ValueError, match="after the residual add"):
         LayerForm(scale=1.0, post_add_norms=True, residual_scale=0.5)
     # Gemma's 1 + w is folded into the packed norm weight, as transformers rounds it

@@ -31,7 +31,7 @@ WRAPPED = {
     "Gemma2": 2,  # sandwich norms, soft-cap, a sliding and a full layer
     "Gemma3": 2,  # sandwich norms, q/k norms (1 + w), a sliding and a full layer
     "OLMo2": 2,  # post-norms only, q/k norms over all heads
-    "Mixtral": 0,  # experts
+    "Mixtral": 2,  # MoE: router softmax, top-2 renormalized, each expert's gated MLP, in the native call
     "Phi3": 2,  # q/k/v and gate/up fused in the checkpoint
     "Cohere": 2,  # parallel attention and MLP, LayerNorm without bias, interleaved RoPE
     "Cohere2": 2,  # the same, a sliding layer (interleaved RoPE) and a full layer (no RoPE)
@@ -45,15 +45,17 @@ WRAPPED = {
     "Falcon": 2,  # new architecture: grouped q/k/v rows per KV head, parallel with two LayerNorms, exact GeLU
     "Falcon-7B": 2,  # old architecture: multi-query, parallel with one LayerNorm, no biases
     "Falcon-RW": 0,  # ALiBi
-    "Qwen3-MoE": 0,  # experts
+    "Qwen3-MoE": 2,  # MoE (top-k as the softmax gave it, or renormalized: found by running the router), q/k norms
+    "Qwen2-MoE": 0,  # a shared expert
+    "gpt-oss": 0,  # interleaved, biased, clamped experts; sinks
     "Bloom": 0,  # ALiBi
     "MPT": 0,  # ALiBi
 }
 """Layers of the 2 of each tiny family that decode natively, and why the others do not."""
 
 KEPT = {
-    "Mixtral": "MixtralDecoderLayer: MoE: the router and the experts' GEMMs are not in the native step",
-    "Qwen3-MoE": "Qwen3MoeDecoderLayer: MoE: the router and the experts' GEMMs are not in the native step",
+    "Qwen2-MoE": "Qwen2MoeDecoderLayer: MoE: a shared expert beside the routed ones",
+    "gpt-oss": "GptOssDecoderLayer: MoE: ",
     "Bloom": "BloomBlock: ALiBi position biases: the native decode attention takes no slopes",
     "MPT": "MptBlock: ALiBi position biases: the native decode attention takes no slopes",
     "Falcon-RW": "FalconDecoderLayer: ALiBi position biases: the native decode attention takes no slopes",
@@ -135,6 +137,8 @@ def _steps(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> li
         "OPT",
         "Falcon",
         "Falcon-7B",
+        "Mixtral",
+        "Qwen3-MoE",
     ],
 )
 def test_native_runners_give_the_logits_and_tokens_of_the_per_op_path(family_dir, monkeypatch, name) -> None:
@@ -214,6 +218,9 @@ def test_a_layer_that_differs_keeps_the_python_path(family_dir, monkeypatch) -> 
         ("Falcon", dict(parallel=False)),
         ("Falcon", dict(mlp_in_norm=False)),  # ln_attn for both blocks: ln_mlp ignored
         ("Falcon-7B", dict(rope="none")),
+        ("Mixtral", dict(norm_top_k=False)),
+        ("Mixtral", dict(top_k=1)),
+        ("Qwen3-MoE", dict(experts=3)),  # fewer experts than the router has: weights that do not fit
     ],
 )
 def test_a_wrong_description_is_never_served(family_dir, monkeypatch, name, change) -> None:

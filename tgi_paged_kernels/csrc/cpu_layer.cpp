@@ -5,6 +5,7 @@
 // tests/kernels/test_cpu_layer.py.
 
 #include "cpu_gemm.h"
+#include "cpu_moe.h"
 
 namespace {
 
@@ -25,6 +26,7 @@ struct LayerSpec {
   int32_t rotary_dim;  // RoPE on the first rotary_dim values of each head (cos/sin [T, rotary_dim]), the rest kept
   int32_t gated;       // 1: act(gate) * up from w_gate_up [2I, H]; 0: act(up) from w_gate_up [I, H] (Phi's fc1)
   int32_t post_add;    // 1: the attn_out / mlp_out norms apply to h after the residual add (OPT's post-LN)
+  int32_t experts, top_k, norm_top_k;  // experts > 0: an MoE MLP (cpu_moe.h), gated, w_gate_up / w_down per expert
   float scale, softcap, residual_scale;
   float eps_attn_in, eps_attn_out, eps_mlp_in, eps_mlp_out, eps_q, eps_k;
   const float *attn_in, *attn_out, *mlp_in, *mlp_out;  // before / after attention, before / after the MLP
@@ -32,6 +34,7 @@ struct LayerSpec {
   const float *w_qkv, *b_qkv, *w_o, *w_gate_up, *w_down;  // packed; b_qkv may be null
   const float *attn_in_b, *attn_out_b, *mlp_in_b, *mlp_out_b;  // LayerNorm biases (null: none)
   const float *b_o, *b_gate_up, *b_down;                       // projection biases (null: none)
+  const float* w_router;                                       // packed [experts, H] (MoE only)
 };
 
 struct StepArgs {
@@ -179,6 +182,26 @@ inline void add_residual(float* hidden, float* y, int64_t T, int64_t H, const fl
   }
 }
 
+// act[r] = activation of gate_up[r] (gated: act(gate) * up) for `rows` rows of the layer's MLP (work-shared).
+inline void activate_rows(const LayerSpec& S, const float* gate_up, float* act, int64_t rows) {
+  const int64_t I = S.intermediate, n_gu = S.gated ? 2 * I : I;
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* g = gate_up + t * n_gu;
+    if (S.activation == 0) {
+      silu_mul_row_f32(g, g + I, act + t * I, I);  // gated only
+    } else if (S.activation == 1) {
+      S.gated ? gelu_tanh_mul_row_f32<true>(g, g + I, act + t * I, I)
+              : gelu_tanh_mul_row_f32<false>(g, nullptr, act + t * I, I);
+    } else if (S.activation == 2) {
+      S.gated ? gelu_erf_mul_row_f32<true>(g, g + I, act + t * I, I)
+              : gelu_erf_mul_row_f32<false>(g, nullptr, act + t * I, I);
+    } else {
+      S.gated ? relu_mul_row_f32<true>(g, g + I, act + t * I, I) : relu_mul_row_f32<false>(g, nullptr, act + t * I, I);
+    }
+  }
+}
+
 template <int kHeadDim>
 int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_threads) {
   const int64_t T = A.tokens, H = S.hidden_size, I = S.intermediate;
@@ -201,6 +224,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
   d.q_sh = D;
   d.out = attn;
   int status = kOk;
+  MoeRouting routing;  // shared: filled by one thread, read by all (MoE forms)
 #pragma omp parallel num_threads(num_threads)
   {
     const float* attn_x = A.hidden;
@@ -267,29 +291,24 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
         norm_row(A.hidden + t * H, S.mlp_in, S.mlp_in_b, x + t * H, H, S.eps_mlp_in, S.layer_norm);
       mlp_x = x;
     }
-    const int64_t n_gu = S.gated ? 2 * I : I;
-    gemm_packed(mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      const float* g = gate_up + t * n_gu;
-      if (S.activation == 0) {
-        silu_mul_row_f32(g, g + I, act + t * I, I);  // gated only
-      } else if (S.activation == 1) {
-        S.gated ? gelu_tanh_mul_row_f32<true>(g, g + I, act + t * I, I)
-                : gelu_tanh_mul_row_f32<false>(g, nullptr, act + t * I, I);
-      } else if (S.activation == 2) {
-        S.gated ? gelu_erf_mul_row_f32<true>(g, g + I, act + t * I, I)
-                : gelu_erf_mul_row_f32<false>(g, nullptr, act + t * I, I);
-      } else {
-        S.gated ? relu_mul_row_f32<true>(g, g + I, act + t * I, I) : relu_mul_row_f32<false>(g, nullptr, act + t * I, I);
-      }
-    }
-    if (direct_mlp) {
-      gemm_packed(act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
-    } else {
-      gemm_packed(act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
-      add_residual(A.hidden, x, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm,
+    if (S.experts > 0) {  // the MoE MLP's sum goes to moe_out, then onto h like a normed block's output
+      float* moe_out = x_mlp + T * H;
+      moe_mlp(mlp_x, T, H, I, S.experts, S.top_k, S.norm_top_k, S.w_router, S.w_gate_up, S.w_down, moe_out + T * H,
+              gate_up, act, moe_out, routing,
+              [&S](const float* gu, float* a, int64_t rows) { activate_rows(S, gu, a, rows); });
+      add_residual(A.hidden, moe_out, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm,
                    S.post_add);
+    } else {
+      const int64_t n_gu = S.gated ? 2 * I : I;
+      gemm_packed(mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
+      activate_rows(S, gate_up, act, T);
+      if (direct_mlp) {
+        gemm_packed(act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
+      } else {
+        gemm_packed(act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
+        add_residual(A.hidden, x, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm,
+                     S.post_add);
+      }
     }
   }
   return status;
@@ -323,7 +342,9 @@ int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, con
 // norm and RoPE) and V are written to their slots of fp32 pools [num_blocks, block_size, Hkv, D] (element
 // strides c_sblock, c_sslot, c_shead; negative slots skipped) before request b attends over its
 // seq_lens[b] positions (window > 0: the last `window`; softcap > 0: scores soft-capped). scratch:
-// T * (2H + (2 Hq + 3 Hkv) D + Hq D + 3I) floats. Returns 0; 2 for a table too narrow for a seq_len, 3 for a
+// T * (2H + (2 Hq + 3 Hkv) D + Hq D + 3I) floats, plus T * (E + 4H) for an MoE MLP of E experts (experts > 0:
+// w_router packed [E, H], w_gate_up / w_down each expert's packed [2I, H] / [H, I] in turn; top_k of the router's
+// softmax, renormalized when norm_top_k). Returns 0; 2 for a table too narrow for a seq_len, 3 for a
 // block id outside the pool, 5 for a slot outside the pool, 6 for a spec this library does not know.
 int tgi_paged_decode_layer(
     const LayerSpec* spec, float* hidden, int64_t tokens, const float* cos, const float* sin,
@@ -331,7 +352,8 @@ int tgi_paged_decode_layer(
     const int64_t* slot_mapping, const void* block_tables, int bt_int64, int64_t bt_stride, int64_t bt_width,
     const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads) {
   const LayerSpec& S = *spec;
-  if (S.activation < 0 || S.activation > 3 || S.qk_norm < 0 || S.qk_norm > 2 ||
+  if (S.activation < 0 || S.activation > 3 || (S.experts > 0 && (!S.gated || !S.w_router || S.top_k < 1 ||
+                                                                  S.top_k > S.experts || S.b_gate_up)) || S.qk_norm < 0 || S.qk_norm > 2 ||
       (S.qk_norm && (!S.q_norm || !S.k_norm)) || S.rope < 0 || S.rope > 2 ||
       S.rotary_dim <= 0 || S.rotary_dim > S.head_dim || S.rotary_dim % 2 || (!S.gated && S.activation == 0) ||
       // parallel: the attention's normed input must survive its output (kept in scratch, added directly)

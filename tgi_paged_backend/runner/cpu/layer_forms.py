@@ -23,6 +23,7 @@ from torch import nn
 from tgi_paged_backend.lora.layers import lora_base
 from tgi_paged_backend.runner.cpu.fast_layers import outputs_close, rms_norm_eps
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedAttention
+from tgi_paged_backend.runner.cpu.moe_forms import MoeParts, moe_parts
 from tgi_paged_backend.runner.cpu.qkv_layouts import plain_linear
 from tgi_paged_kernels import LayerForm
 
@@ -48,6 +49,8 @@ NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = 
     "Cohere2DecoderLayer": ("input_layernorm", None, None, None),
     "GPTBigCodeBlock": ("ln_1", None, "ln_2", None),  # LayerNorms with bias, ungated c_fc/c_proj MLP
     "GPT2Block": ("ln_1", None, "ln_2", None),  # the same, its Conv1D projections linearized at load
+    "MixtralDecoderLayer": _PRE,  # MoE: router and experts in the native step (.moe_forms)
+    "Qwen3MoeDecoderLayer": _PRE,
     "OPTDecoderLayer": ("self_attn_layer_norm", None, "final_layer_norm", None),  # per config: _configured_places
     "FalconDecoderLayer": ("input_layernorm", None, "post_attention_layernorm", None),  # per config: the same
 }
@@ -173,27 +176,24 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
     attn, mlp = layer_attention(layer), layer_mlp(layer)
     if getattr(attn, "alibi_slopes", None) is not None:  # Bloom, MPT, Falcon-RW
         return "ALiBi position biases: the native decode attention takes no slopes"
-    if hasattr(mlp, "experts"):  # Mixtral, Qwen2/3-MoE, gpt-oss
-        return "MoE: the router and the experts' GEMMs are not in the native step"
+    moe = moe_parts(mlp) if hasattr(mlp, "experts") else None  # Mixtral, Qwen2/3-MoE, gpt-oss
+    if isinstance(moe, str):
+        return f"MoE: {moe}"
     if found_places is None:
         return "no layer form for this class"
     places, parallel, post_add = found_places
-    gated, names = isinstance(mlp, FusedGatedMLP), mlp_parts(mlp)
-    if not isinstance(attn, FusedPagedAttention) or names is None:
+    gated, names = isinstance(mlp, FusedGatedMLP) or moe is not None, mlp_parts(mlp)
+    if not isinstance(attn, FusedPagedAttention) or (names is None and moe is None):
         return "its attention or MLP is not fused"
-    up, down_name, act_name = names
-    parts = [lora_base(m) for m in (attn.qkv_proj, attn.o_proj, getattr(mlp, up), getattr(mlp, down_name))]
-    mlp_bias = _plain(parts[2], bias=True) and parts[2].bias is not None
-    if not (
-        _plain(parts[0], bias=True) and _plain(parts[1], bias=True) and all(_plain(p, mlp_bias) for p in parts[2:])
-    ) or (mlp_bias and parts[3].bias is None):
+    found_mlp = _dense_mlp(mlp, cast(tuple[str, str, str], names)) if moe is None else _moe_mlp(moe)
+    if isinstance(found_mlp, str):
+        return found_mlp
+    raw, mlp_bias, act_fn = found_mlp
+    qkv, o = (cast(nn.Linear, lora_base(m)) for m in (attn.qkv_proj, attn.o_proj))
+    if not (_plain(qkv, bias=True) and _plain(o, bias=True)):
         return "its projections are not plain fp32 linears (quantized, sliced or biased in part)"
-    qkv, o, gate_up, down = cast(list[nn.Linear], parts)
     hidden, hq, hkv, d = int(o.out_features), attn.num_q_heads, attn.num_kv_heads, attn.head_dim
-    raw: dict[str, torch.Tensor | None] = dict(
-        qkv=qkv.weight, qkv_bias=qkv.bias, o=o.weight, gate_up=gate_up.weight, down=down.weight,
-        o_bias=o.bias, gate_up_bias=gate_up.bias, down_bias=down.bias,
-    )  # fmt: skip
+    raw.update(qkv=qkv.weight, qkv_bias=qkv.bias, o=o.weight, o_bias=o.bias)
     layer_norms: list[tuple[str, float]] = []
     for place, attr in zip(_PLACES, places):
         if attr is None:
@@ -214,7 +214,6 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
                 return f"{name}: {found}"
             qk.append(found[:2])
             raw[name] = found[2]
-    act_fn = cast(nn.Module, getattr(mlp, act_name))
     activation = _activation(act_fn)
     if activation is None or (not gated and activation == "silu"):
         return f"its MLP's activation {type(act_fn).__name__} is not SiLU (gated), GeLU or ReLU"
@@ -232,6 +231,29 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
         residual_scale=float(cast(float, getattr(layer, "residual_multiplier", 1.0))),
         rope=rope, parallel=parallel, gated=gated, o_bias=o.bias is not None, mlp_bias=mlp_bias,
         rotary_dim=attn.rotary_dim if attn.rotary_dim < d else 0, norm_bias=True in norm_biases,
-        post_add_norms=post_add,
+        post_add_norms=post_add, experts=0 if moe is None else int(moe.router.shape[0]),
+        top_k=0 if moe is None else moe.top_k, norm_top_k=moe is not None and moe.norm_top_k,
     )  # fmt: skip
     return form, raw
+
+
+_MlpRaw = tuple[dict[str, "torch.Tensor | None"], bool, nn.Module]
+"""An MLP's weights as :meth:`~tgi_paged_kernels.LayerWeights.pack` takes them, whether it has biases, its
+activation module."""
+
+
+def _dense_mlp(mlp: Any, names: tuple[str, str, str]) -> _MlpRaw | str:
+    up, down_name, act_name = names
+    gate_up, down = (cast(nn.Linear, lora_base(getattr(mlp, n))) for n in (up, down_name))
+    mlp_bias = _plain(gate_up, bias=True) and gate_up.bias is not None
+    if not (_plain(gate_up, mlp_bias) and _plain(down, mlp_bias)) or (mlp_bias and down.bias is None):
+        return "its projections are not plain fp32 linears (quantized, sliced or biased in part)"
+    raw: dict[str, torch.Tensor | None] = dict(
+        gate_up=gate_up.weight, down=down.weight, gate_up_bias=gate_up.bias, down_bias=down.bias
+    )
+    return raw, mlp_bias, cast(nn.Module, getattr(mlp, act_name))
+
+
+def _moe_mlp(moe: MoeParts) -> _MlpRaw:
+    raw: dict[str, torch.Tensor | None] = dict(router=moe.router, gate_up=moe.gate_up, down=moe.down)
+    return raw, False, moe.act_fn

@@ -37,6 +37,7 @@ from tgi_paged_backend.lora.layers import find_lora_step, replace_lora_base
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention, rope_table_width, rope_tables
 from tgi_paged_backend.runner.cpu.layer_forms import NORM_PLACES, layer_attention, layer_form, layer_mlp, mlp_parts
+from tgi_paged_backend.runner.cpu.moe_forms import NativeExperts
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
 from tgi_paged_kernels import (
     LayerWeights,
@@ -92,13 +93,21 @@ class NativeDecoderLayer(nn.Module):
         :class:`NativeLinear` views of them (prefills then run the native GEMM too)."""
         attn, mlp, w = cast(FusedPagedAttention, layer_attention(self.layer)), layer_mlp(self.layer), self.weights
         qkv_width = (w.num_q_heads + 2 * w.num_kv_heads) * w.head_dim
-        up, down, _ = cast(tuple[str, str, str], mlp_parts(mlp))
-        native = {
+        native: dict[tuple[nn.Module, str], nn.Module] = {
             (attn, "qkv_proj"): NativeLinear(w.qkv, qkv_width, w.qkv_bias, self.native),
             (attn, "o_proj"): NativeLinear(w.o, w.hidden_size, w.o_bias, self.native),
-            (mlp, up): NativeLinear(w.gate_up, (1 + w.form.gated) * w.intermediate, w.gate_up_bias, self.native),
-            (mlp, down): NativeLinear(w.down, w.hidden_size, w.down_bias, self.native),
         }
+        if w.form.experts:  # the experts' packed weights serve the other steps too (the router keeps its own)
+            act_fn = cast(nn.Module, mlp.experts.act_fn)
+            native[(mlp, "experts")] = NativeExperts(
+                w.gate_up, w.down, w.form.experts, w.intermediate, act_fn, self.native
+            )
+        else:
+            up, down, _ = cast(tuple[str, str, str], mlp_parts(mlp))
+            gate_up = NativeLinear(w.gate_up, (1 + w.form.gated) * w.intermediate, w.gate_up_bias, self.native)
+            native.update(
+                {(mlp, up): gate_up, (mlp, down): NativeLinear(w.down, w.hidden_size, w.down_bias, self.native)}
+            )
         for (owner, name), linear in native.items():  # under any LoRA wrappers, which stay
             setattr(owner, name, replace_lora_base(getattr(owner, name), linear))
 

@@ -1,0 +1,65 @@
+"""MoE blocks read for the native decode step (``runner.cpu.moe_forms``): the router's renormalization found by
+running it, blocks of another form refused with the reason, and the experts on the packed weights against
+transformers' experts module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tgi_paged_backend.runner.cpu.moe_forms import NativeExperts, moe_parts
+from tgi_paged_kernels.cpu_layer import pack_weight
+from tgi_paged_kernels.cpu_native import native_kernels
+
+_SMALL = dict(hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+
+
+def _qwen3_moe_block(norm_topk_prob: bool):
+    config = transformers.Qwen3MoeConfig(
+        **_SMALL, moe_intermediate_size=48, num_experts=6, num_experts_per_tok=3, norm_topk_prob=norm_topk_prob
+    )
+    torch.manual_seed(0)
+    block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return block
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_the_router_renormalization_is_found_by_running_it(norm_topk_prob) -> None:
+    parts = moe_parts(_qwen3_moe_block(norm_topk_prob))
+    assert not isinstance(parts, str)
+    assert parts.norm_top_k is norm_topk_prob and parts.top_k == 3 and parts.gate_up.shape == (6, 96, 32)
+
+
+def test_mixtral_always_renormalizes() -> None:
+    config = transformers.MixtralConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2)
+    block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(config)
+    torch.nn.init.normal_(block.gate.weight, std=0.3)
+    parts = moe_parts(block)
+    assert not isinstance(parts, str) and parts.norm_top_k
+
+
+def test_a_shared_expert_keeps_the_per_op_path() -> None:
+    config = transformers.Qwen2MoeConfig(**_SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+    block = transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock(config)
+    reason = moe_parts(block)
+    assert isinstance(reason, str) and "shared expert" in reason
+
+
+@pytest.mark.skipif(native_kernels() is None, reason="no C++ compiler here: no native kernels")
+def test_native_experts_give_transformers_experts_output() -> None:
+    block = _qwen3_moe_block(False)
+    parts = moe_parts(block)
+    assert not isinstance(parts, str)
+    native = NativeExperts(
+        torch.cat([pack_weight(w) for w in parts.gate_up]), torch.cat([pack_weight(w) for w in parts.down]),
+        6, 48, parts.act_fn, native_kernels(),
+    )  # fmt: skip
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        _, weights, index = block.gate(x)
+        want = block.experts(x, index, weights)
+        got = native(x, index, weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
