@@ -6,14 +6,15 @@ After :func:`~runner.cpu.fused_blocks.fuse_blocks`, a decoder layer whose form :
 LayerNorms, plain fp32 projections: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite, OLMo2, Phi-3,
 Cohere, Cohere 2, Phi, GPT-NeoX, GPT-J, StarCoder2 (parallel blocks, LayerNorms, partial or interleaved RoPE,
 ungated MLPs), GPT-2, GPT-BigCode, OPT (learned positions: no RoPE; ReLU; OPT-350m's norms after the add) and
-Falcon (parallel blocks with one or two LayerNorms, grouped or one KV head))
-is wrapped by :class:`NativeDecoderLayer`:
+Falcon (parallel blocks with one or two LayerNorms, grouped or one KV head), Mixtral and Qwen3-MoE (an MoE MLP:
+router, top-k, experts' GEMMs: :mod:`.moe_forms`)) is wrapped by :class:`NativeDecoderLayer`:
 
 - a **decode step** (one new token per request, fp32 pools) runs the whole layer through
   :func:`tgi_paged_kernels.cpu_layer.decode_layer`: one call and one OpenMP region instead of ~10
   calls, each with its Python, dispatch and thread wake-up;
 - every other step (prefill, chunks, the static step, probes and checks) runs the wrapped layer, whose four
-  projections are :class:`NativeLinear` over the same packed weights (the native GEMM, as fast as oneDNN
+  projections are :class:`NativeLinear` (an MoE block's experts :class:`~.moe_forms.NativeExperts`) over the same
+  packed weights (the native GEMM, as fast as oneDNN
   at every shape we measured): one copy of the weights, no extra memory.
 
 Wrapped only after one decode step over scratch pools gives the original's output and K/V (to 1e-4: the
