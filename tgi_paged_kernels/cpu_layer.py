@@ -137,6 +137,8 @@ class LayerForm:
     MLP."""
     top_k: int = 0
     norm_top_k: bool = False
+    shared_expert: bool = False
+    """MoE: plus an always-on gated MLP of its own, scaled by ``sigmoid(x . w)`` of a one-row gate (Qwen2-MoE)."""
     post_add_norms: bool = False
     """The ``attn_out`` / ``mlp_out`` norms apply to ``h`` after the residual add, ``h = n(h + block(...))``, not to
     the block's output before it (OPT with ``do_layer_norm_before=False``: post-LN)."""
@@ -155,6 +157,8 @@ class LayerForm:
             raise ValueError("LayerForm: an ungated MLP is GeLU or ReLU; only LayerNorms have a bias")
         if self.experts and (not self.gated or self.mlp_bias or not 0 < self.top_k <= self.experts):
             raise ValueError(f"LayerForm: {self.experts} experts are gated MLPs without bias, top_k {self.top_k}")
+        if self.shared_expert and not self.experts:
+            raise ValueError("LayerForm: a shared expert is part of an MoE MLP")
         if self.post_add_norms and (self.parallel or self.residual_scale != 1):
             raise ValueError("LayerForm: norms after the residual add are for sequential blocks of residual scale 1")
         if self.window < 0 or self.softcap < 0 or self.rotary_dim < 0 or self.rotary_dim % 2:
@@ -187,12 +191,17 @@ class _Spec(ctypes.Structure):
         *((name, ctypes.c_int64) for name in ("hidden_size", "intermediate")),
         *((name, ctypes.c_int32) for name in "hq hkv head_dim window activation qk_norm rope parallel".split()),
         *((name, ctypes.c_int32) for name in ("layer_norm", "rotary_dim", "gated", "post_add_norms")),
-        *((name, ctypes.c_int32) for name in ("experts", "top_k", "norm_top_k")),
+        *((name, ctypes.c_int32) for name in ("experts", "top_k", "norm_top_k", "shared_intermediate")),
         *((name, ctypes.c_float) for name in ("scale", "softcap", "residual_scale")),
         *((f"eps_{name}", ctypes.c_float) for name in (*LAYER_NORMS, "q", "k")),
         *((name, ctypes.c_void_p) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias", "o", "gu", "down")),
         *((name, ctypes.c_void_p) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias", "router")),
+        *((name, ctypes.c_void_p) for name in ("shared_gate_up", "shared_down", "shared_gate")),
     ]
+
+
+_SHARED = ("shared_gate_up", "shared_down", "shared_gate")
+"""A shared expert's weights (:attr:`LayerForm.shared_expert`)."""
 
 
 def _pack_each(weight: torch.Tensor) -> torch.Tensor:
@@ -240,6 +249,10 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
     router: torch.Tensor | None = None
+    shared_gate_up: torch.Tensor | None = None
+    """The shared expert's packed ``[2 Is, H]`` (Qwen2-MoE), its ``[H, Is]`` down and ``[1, H]`` gate next."""
+    shared_down: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None
     """MoE: the router's packed ``[E, H]``; then :attr:`gate_up` and :attr:`down` hold every expert's packed
     weight in turn."""
     spec: Any = field(default=None, init=False, repr=False, compare=False)
@@ -270,7 +283,8 @@ class LayerWeights:
             form, hidden, intermediate, num_q_heads, num_kv_heads, head_dim,
             qkv=pack_weight(need("qkv")), qkv_bias=bias, o=pack_weight(need("o")),
             gate_up=_pack_each(need("gate_up")), down=_pack_each(need("down")),
-            router=pack_weight(need("router")) if form.experts else None, **norms,
+            router=pack_weight(need("router")) if form.experts else None,
+            **{name: pack_weight(need(name)) for name in (_SHARED if form.shared_expert else ())}, **norms,
         )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -302,24 +316,40 @@ class LayerWeights:
             t = getattr(self, name)
             if (t is None) != (shape is None) or (t is not None and (t.shape != shape or not t.is_contiguous())):
                 raise ValueError(f"LayerWeights: {name} is not a packed {shape} for this form")
+        shared = {
+            "shared_gate_up": (-(-2 * self.shared_intermediate // PACK_BLOCK), h, PACK_BLOCK),
+            "shared_down": (blocks, self.shared_intermediate, PACK_BLOCK),
+            "shared_gate": (1, h, PACK_BLOCK),
+        }
+        for name, shape in shared.items():
+            t = getattr(self, name)
+            if (t is None) == f.shared_expert or (t is not None and (t.shape != shape or not t.is_contiguous())):
+                raise ValueError(f"LayerWeights: {name} is not a packed {shape} for this form (or not None)")
         if self.num_q_heads % self.num_kv_heads or d % 2 or f.rotary_dim > d:
             raise ValueError(f"LayerWeights: {self.num_q_heads} query heads over {self.num_kv_heads}, head_dim {d}")
         spec = _Spec(
             h, self.intermediate, self.num_q_heads, self.num_kv_heads, d, f.window,
             ACTIVATIONS.index(f.activation), QK_NORMS.index(f.qk_norm), ROPE_KINDS.index(f.rope), int(f.parallel),
             int(f.norm == "layer"), f.rotary_dim or d, int(f.gated), int(f.post_add_norms),
-            f.experts, f.top_k, int(f.norm_top_k),
+            f.experts, f.top_k, int(f.norm_top_k), self.shared_intermediate,
             f.scale, f.softcap, f.residual_scale,
             *(f.eps for _ in LAYER_NORMS), f.qk_eps, f.qk_eps,
             *(_address(getattr(self, name)) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias")),
             self.o.data_ptr(), self.gate_up.data_ptr(), self.down.data_ptr(),
             *(_address(getattr(self, name)) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias", "router")),
+            *(_address(getattr(self, name)) for name in _SHARED),
         )  # fmt: skip
         object.__setattr__(self, "spec", spec)
 
+    @property
+    def shared_intermediate(self) -> int:
+        """The shared expert's intermediate width (0: none)."""
+        return int(self.shared_down.shape[1]) if self.shared_down is not None else 0
+
     def scratch_floats(self, tokens: int) -> int:
         hq, hkv, d, h = self.num_q_heads, self.num_kv_heads, self.head_dim, self.hidden_size
-        moe = self.form.experts + 4 * h if self.form.experts else 0
+        moe = self.form.experts + 4 * h + (3 * self.shared_intermediate + h + 1 if self.form.shared_expert else 0)
+        moe = moe if self.form.experts else 0
         return tokens * (2 * h + (2 * hq + 3 * hkv) * d + hq * d + 3 * self.intermediate + moe)
 
 

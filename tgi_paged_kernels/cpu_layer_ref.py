@@ -127,4 +127,11 @@ def _moe_ref(weights: dict[str, torch.Tensor | None], form: LayerForm, x: torch.
         if tokens.numel():
             gate, up = F.linear(x[tokens], gate_up[e]).chunk(2, dim=-1)
             out.index_add_(0, tokens, F.linear(act(gate) * up, down[e]) * top[tokens, slot, None])
+    if form.shared_expert:
+        shared_gate_up, shared_down, shared_gate = (
+            weights[n] for n in ("shared_gate_up", "shared_down", "shared_gate")
+        )
+        assert shared_gate_up is not None and shared_down is not None and shared_gate is not None
+        gate, up = F.linear(x, shared_gate_up).chunk(2, dim=-1)
+        out = out + F.sigmoid(F.linear(x, shared_gate)) * F.linear(act(gate) * up, shared_down)
     return out

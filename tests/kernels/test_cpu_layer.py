@@ -73,6 +73,9 @@ def _layer(hq: int, hkv: int, d: int, hidden: int, inter: int, form: LayerForm, 
         gate_up=rand(*experts, (2 if form.gated else 1) * inter, hidden),
         down=rand(*experts, hidden, inter),
         router=rand(form.experts, hidden) * 10 if form.experts else None,  # well-separated top-k
+        shared_gate_up=rand(2 * 40, hidden) if form.shared_expert else None,  # a shared expert 40 wide
+        shared_down=rand(hidden, 40) if form.shared_expert else None,
+        shared_gate=rand(1, hidden) * 5 if form.shared_expert else None,
         o_bias=rand(hidden),
         gate_up_bias=rand((2 if form.gated else 1) * inter),
         down_bias=rand(hidden),
@@ -161,6 +164,7 @@ FORMS = {
     "ReGLU": (4, 2, 32, _llama(32, activation="relu")),
     "Mixtral": (4, 2, 32, _llama(32, experts=5, top_k=2, norm_top_k=True, window=9)),  # MoE, renormalized top-k
     "Qwen3-MoE": (4, 2, 32, _llama(32, experts=6, top_k=3, qk_norm="head")),  # top-k weights as the softmax gave
+    "Qwen2-MoE": (4, 2, 32, _llama(32, experts=4, top_k=2, shared_expert=True, qkv_bias=True)),  # + shared expert
     "LayerNorm+bias, partial interleaved": (
         4, 2, 32, _llama(32, norm="layer", norm_bias=True, mlp_out_norm=True, rotary_dim=8, rope="interleaved"),
     ),
@@ -194,6 +198,7 @@ FORMS = {
         ("ReGLU", 16, torch.int32),  # gated ReLU
         ("Mixtral", 4, torch.int64),  # router, top-2 of 5 experts (some hit by several tokens, some by none)
         ("Qwen3-MoE", 16, torch.int32),
+        ("Qwen2-MoE", 8, torch.int64),  # plus a sigmoid-gated shared expert
     ],
 )
 def test_layer_matches_the_reference(native, form_name, block_size, index_dtype) -> None:

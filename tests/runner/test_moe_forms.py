@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP
 from tgi_paged_backend.runner.cpu.moe_forms import NativeExperts, moe_parts
 from tgi_paged_kernels.cpu_layer import pack_weight
 from tgi_paged_kernels.cpu_native import native_kernels
@@ -41,11 +42,18 @@ def test_mixtral_always_renormalizes() -> None:
     assert not isinstance(parts, str) and parts.norm_top_k
 
 
-def test_a_shared_expert_keeps_the_per_op_path() -> None:
-    config = transformers.Qwen2MoeConfig(**_SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+def test_a_shared_expert_is_read_once_fused() -> None:
+    """Qwen2-MoE's shared expert: read from its fused form (one gate/up GEMM), else the block keeps the per-op path."""
+    config = transformers.Qwen2MoeConfig(
+        **_SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=40
+    )
     block = transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock(config)
-    reason = moe_parts(block)
+    reason = moe_parts(block)  # its shared expert not fused yet
     assert isinstance(reason, str) and "shared expert" in reason
+    block.shared_expert = FusedGatedMLP(block.shared_expert)
+    parts = moe_parts(block)
+    assert not isinstance(parts, str) and parts.shared is not None
+    assert [tuple(t.shape) for t in parts.shared[:3]] == [(80, 32), (32, 40), (1, 32)]
 
 
 @pytest.mark.skipif(native_kernels() is None, reason="no C++ compiler here: no native kernels")

@@ -46,7 +46,7 @@ WRAPPED = {
     "Falcon-7B": 2,  # old architecture: multi-query, parallel with one LayerNorm, no biases
     "Falcon-RW": 0,  # ALiBi
     "Qwen3-MoE": 2,  # MoE (top-k as the softmax gave it, or renormalized: found by running the router), q/k norms
-    "Qwen2-MoE": 0,  # a shared expert
+    "Qwen2-MoE": 2,  # MoE plus a shared expert (fused gate/up), scaled by sigmoid of its one-row gate
     "gpt-oss": 0,  # interleaved, biased, clamped experts; sinks
     "Bloom": 0,  # ALiBi
     "MPT": 0,  # ALiBi
@@ -54,7 +54,6 @@ WRAPPED = {
 """Layers of the 2 of each tiny family that decode natively, and why the others do not."""
 
 KEPT = {
-    "Qwen2-MoE": "Qwen2MoeDecoderLayer: MoE: a shared expert beside the routed ones",
     "gpt-oss": "GptOssDecoderLayer: MoE: ",
     "Bloom": "BloomBlock: ALiBi position biases: the native decode attention takes no slopes",
     "MPT": "MptBlock: ALiBi position biases: the native decode attention takes no slopes",
@@ -139,6 +138,7 @@ def _steps(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> li
         "Falcon-7B",
         "Mixtral",
         "Qwen3-MoE",
+        "Qwen2-MoE",
     ],
 )
 def test_native_runners_give_the_logits_and_tokens_of_the_per_op_path(family_dir, monkeypatch, name) -> None:
@@ -221,6 +221,7 @@ def test_a_layer_that_differs_keeps_the_python_path(family_dir, monkeypatch) -> 
         ("Mixtral", dict(norm_top_k=False)),
         ("Mixtral", dict(top_k=1)),
         ("Qwen3-MoE", dict(experts=3)),  # fewer experts than the router has: weights that do not fit
+        ("Qwen2-MoE", dict(shared_expert=False)),  # the shared expert left out: weights that do not fit
     ],
 )
 def test_a_wrong_description_is_never_served(family_dir, monkeypatch, name, change) -> None:

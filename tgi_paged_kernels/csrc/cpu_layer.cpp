@@ -27,6 +27,7 @@ struct LayerSpec {
   int32_t gated;       // 1: act(gate) * up from w_gate_up [2I, H]; 0: act(up) from w_gate_up [I, H] (Phi's fc1)
   int32_t post_add;    // 1: the attn_out / mlp_out norms apply to h after the residual add (OPT's post-LN)
   int32_t experts, top_k, norm_top_k;  // experts > 0: an MoE MLP (cpu_moe.h), gated, w_gate_up / w_down per expert
+  int32_t shared_intermediate;  // > 0: plus a shared expert, sigmoid(w_shared_gate . x) * its gated MLP (Qwen2-MoE)
   float scale, softcap, residual_scale;
   float eps_attn_in, eps_attn_out, eps_mlp_in, eps_mlp_out, eps_q, eps_k;
   const float *attn_in, *attn_out, *mlp_in, *mlp_out;  // before / after attention, before / after the MLP
@@ -35,6 +36,7 @@ struct LayerSpec {
   const float *attn_in_b, *attn_out_b, *mlp_in_b, *mlp_out_b;  // LayerNorm biases (null: none)
   const float *b_o, *b_gate_up, *b_down;                       // projection biases (null: none)
   const float* w_router;                                       // packed [experts, H] (MoE only)
+  const float *w_shared_gate_up, *w_shared_down, *w_shared_gate;  // packed [2Is, H], [H, Is], [1, H]
 };
 
 struct StepArgs {
@@ -183,8 +185,8 @@ inline void add_residual(float* hidden, float* y, int64_t T, int64_t H, const fl
 }
 
 // act[r] = activation of gate_up[r] (gated: act(gate) * up) for `rows` rows of the layer's MLP (work-shared).
-inline void activate_rows(const LayerSpec& S, const float* gate_up, float* act, int64_t rows) {
-  const int64_t I = S.intermediate, n_gu = S.gated ? 2 * I : I;
+inline void activate_rows(const LayerSpec& S, const float* gate_up, float* act, int64_t rows, int64_t I) {
+  const int64_t n_gu = S.gated ? 2 * I : I;
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < rows; ++t) {
     const float* g = gate_up + t * n_gu;
@@ -295,13 +297,27 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
       float* moe_out = x_mlp + T * H;
       moe_mlp(mlp_x, T, H, I, S.experts, S.top_k, S.norm_top_k, S.w_router, S.w_gate_up, S.w_down, moe_out + T * H,
               gate_up, act, moe_out, routing,
-              [&S](const float* gu, float* a, int64_t rows) { activate_rows(S, gu, a, rows); });
+              [&S](const float* gu, float* a, int64_t rows) { activate_rows(S, gu, a, rows, S.intermediate); });
+      if (S.shared_intermediate > 0) {  // moe_out += sigmoid(x . w_shared_gate) * shared(x), as Qwen2-MoE adds it
+        const int64_t Is = S.shared_intermediate;
+        float* s_gu = moe_out + T * (S.experts + 3 * H);
+        float *s_act = s_gu + T * 2 * Is, *s_out = s_act + T * Is, *s_gate = s_out + T * H;
+        gemm_packed(mlp_x, H, T, H, S.w_shared_gate_up, 2 * Is, nullptr, nullptr, 0, s_gu, 2 * Is);
+        activate_rows(S, s_gu, s_act, T, Is);
+        gemm_packed(s_act, Is, T, Is, S.w_shared_down, H, nullptr, nullptr, 0, s_out, H);
+        gemm_packed(mlp_x, H, T, H, S.w_shared_gate, 1, nullptr, nullptr, 0, s_gate, 1);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+          const float g = 1.0f / (1.0f + std::exp(-s_gate[t]));
+          for (int64_t i = 0; i < H; ++i) moe_out[t * H + i] = moe_out[t * H + i] + g * s_out[t * H + i];
+        }
+      }
       add_residual(A.hidden, moe_out, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm,
                    S.post_add);
     } else {
       const int64_t n_gu = S.gated ? 2 * I : I;
       gemm_packed(mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
-      activate_rows(S, gate_up, act, T);
+      activate_rows(S, gate_up, act, T, I);
       if (direct_mlp) {
         gemm_packed(act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
       } else {
@@ -344,7 +360,7 @@ int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, con
 // seq_lens[b] positions (window > 0: the last `window`; softcap > 0: scores soft-capped). scratch:
 // T * (2H + (2 Hq + 3 Hkv) D + Hq D + 3I) floats, plus T * (E + 4H) for an MoE MLP of E experts (experts > 0:
 // w_router packed [E, H], w_gate_up / w_down each expert's packed [2I, H] / [H, I] in turn; top_k of the router's
-// softmax, renormalized when norm_top_k). Returns 0; 2 for a table too narrow for a seq_len, 3 for a
+// softmax, renormalized when norm_top_k), plus T * (3 Is + H + 1) for a shared expert of Is. Returns 0; 2 for a table too narrow for a seq_len, 3 for a
 // block id outside the pool, 5 for a slot outside the pool, 6 for a spec this library does not know.
 int tgi_paged_decode_layer(
     const LayerSpec* spec, float* hidden, int64_t tokens, const float* cos, const float* sin,
@@ -353,7 +369,8 @@ int tgi_paged_decode_layer(
     const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads) {
   const LayerSpec& S = *spec;
   if (S.activation < 0 || S.activation > 3 || (S.experts > 0 && (!S.gated || !S.w_router || S.top_k < 1 ||
-                                                                  S.top_k > S.experts || S.b_gate_up)) || S.qk_norm < 0 || S.qk_norm > 2 ||
+                                                                  S.top_k > S.experts || S.b_gate_up)) ||
+      (S.shared_intermediate > 0 && (!S.experts || !S.w_shared_gate_up || !S.w_shared_down || !S.w_shared_gate)) || S.qk_norm < 0 || S.qk_norm > 2 ||
       (S.qk_norm && (!S.q_norm || !S.k_norm)) || S.rope < 0 || S.rope > 2 ||
       S.rotary_dim <= 0 || S.rotary_dim > S.head_dim || S.rotary_dim % 2 || (!S.gated && S.activation == 0) ||
       // parallel: the attention's normed input must survive its output (kept in scratch, added directly)

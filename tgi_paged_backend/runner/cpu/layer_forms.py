@@ -51,6 +51,7 @@ NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = 
     "GPT2Block": ("ln_1", None, "ln_2", None),  # the same, its Conv1D projections linearized at load
     "MixtralDecoderLayer": _PRE,  # MoE: router and experts in the native step (.moe_forms)
     "Qwen3MoeDecoderLayer": _PRE,
+    "Qwen2MoeDecoderLayer": _PRE,  # MoE with a shared expert; its dense layers (mlp_only_layers) too
     "OPTDecoderLayer": ("self_attn_layer_norm", None, "final_layer_norm", None),  # per config: _configured_places
     "FalconDecoderLayer": ("input_layernorm", None, "post_attention_layernorm", None),  # per config: the same
 }
@@ -233,6 +234,7 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
         rotary_dim=attn.rotary_dim if attn.rotary_dim < d else 0, norm_bias=True in norm_biases,
         post_add_norms=post_add, experts=0 if moe is None else int(moe.router.shape[0]),
         top_k=0 if moe is None else moe.top_k, norm_top_k=moe is not None and moe.norm_top_k,
+        shared_expert=moe is not None and moe.shared is not None,
     )  # fmt: skip
     return form, raw
 
@@ -254,6 +256,10 @@ def _dense_mlp(mlp: Any, names: tuple[str, str, str]) -> _MlpRaw | str:
     return raw, mlp_bias, cast(nn.Module, getattr(mlp, act_name))
 
 
-def _moe_mlp(moe: MoeParts) -> _MlpRaw:
+def _moe_mlp(moe: MoeParts) -> _MlpRaw | str:
     raw: dict[str, torch.Tensor | None] = dict(router=moe.router, gate_up=moe.gate_up, down=moe.down)
+    if moe.shared is not None:
+        raw.update(shared_gate_up=moe.shared[0], shared_down=moe.shared[1], shared_gate=moe.shared[2])
+        if _activation(moe.shared[3]) != _activation(moe.act_fn):
+            return "MoE: its shared expert's activation is not the experts'"
     return raw, False, moe.act_fn

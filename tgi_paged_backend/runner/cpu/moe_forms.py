@@ -3,8 +3,9 @@
 transformers' Mixtral and Qwen3-MoE blocks are a router (``gate``: a ``[E, H]`` weight, softmax over the experts,
 each token's ``top_k``, renormalized over them or not) and experts holding ``gate_up_proj`` ``[E, 2I, H]`` and
 ``down_proj`` ``[E, H, I]`` with one activation: :func:`moe_parts` reads them (whether the router renormalizes is
-found by running it on a random input, not read from the class). A block with anything else (Qwen2-MoE's shared
-expert, gpt-oss's interleaved, biased, clamped experts) keeps the per-op path, with the reason.
+found by running it on a random input, not read from the class), and Qwen2-MoE's shared expert (a gated MLP of
+its own, fused, scaled by ``sigmoid`` of a one-row gate). A block with anything else (gpt-oss's interleaved,
+biased, clamped experts) keeps the per-op path, with the reason.
 
 Once a layer is native, its experts module becomes :class:`NativeExperts`, which runs every other step (prefill)
 through the native GEMM on the same packed weights, the only copy kept.
@@ -36,6 +37,9 @@ class MoeParts:
     act_fn: nn.Module
     top_k: int
     norm_top_k: bool
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, nn.Module] | None = None
+    """Qwen2-MoE's shared expert: its ``[2 Is, H]`` gate/up, ``[H, Is]`` down, ``[1, H]`` sigmoid gate weights and
+    its activation."""
 
 
 def _renormalizes(router: nn.Module, weight: torch.Tensor, top_k: int) -> bool | None:
@@ -57,8 +61,9 @@ def _renormalizes(router: nn.Module, weight: torch.Tensor, top_k: int) -> bool |
 def moe_parts(mlp: Any) -> MoeParts | str:
     """The router and experts of a Mixtral-form MoE block (see the module docstring), or why it is not one."""
     router, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
-    if hasattr(mlp, "shared_expert"):
-        return "a shared expert beside the routed ones (Qwen2-MoE) is not in the native step"
+    shared = _shared_expert(mlp) if hasattr(mlp, "shared_expert") else None
+    if isinstance(shared, str):
+        return shared
     weight = getattr(router, "weight", None)
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     top_k = getattr(router, "top_k", None)
@@ -80,7 +85,20 @@ def moe_parts(mlp: Any) -> MoeParts | str:
     normalize = _renormalizes(router, weight.detach(), top_k) if isinstance(router, nn.Module) else None
     if normalize is None or not isinstance(act_fn, nn.Module):
         return f"{type(router).__name__} is not a softmax top-k router, or its experts have no act_fn"
-    return MoeParts(weight.detach(), gate_up.detach(), down.detach(), act_fn, top_k, normalize)
+    return MoeParts(weight.detach(), gate_up.detach(), down.detach(), act_fn, top_k, normalize, shared)
+
+
+def _shared_expert(mlp: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, nn.Module] | str:
+    """The weights of Qwen2-MoE's shared expert (fused: one gate/up GEMM) and its one-row gate, or why not."""
+    expert, gate = mlp.shared_expert, getattr(mlp, "shared_expert_gate", None)
+    gate_up, down = getattr(expert, "gate_up", None), getattr(expert, "down_proj", None)
+    linears = (gate_up, down, gate)
+    if not all(type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.float32 for m in linears):
+        return "its shared expert is not a fused gated MLP of plain fp32 linears with a one-row gate"
+    assert isinstance(gate_up, nn.Linear) and isinstance(down, nn.Linear) and isinstance(gate, nn.Linear)
+    if gate.out_features != 1:
+        return "its shared expert's gate is not one row"
+    return gate_up.weight.detach(), down.weight.detach(), gate.weight.detach(), expert.act_fn
 
 
 class NativeExperts(nn.Module):

@@ -103,6 +103,10 @@ class NativeDecoderLayer(nn.Module):
             native[(mlp, "experts")] = NativeExperts(
                 w.gate_up, w.down, w.form.experts, w.intermediate, act_fn, self.native
             )
+            if w.shared_gate_up is not None and w.shared_down is not None:  # Qwen2-MoE's (fused) shared expert
+                shared, width = mlp.shared_expert, w.shared_intermediate
+                native[(shared, "gate_up")] = NativeLinear(w.shared_gate_up, 2 * width, None, self.native)
+                native[(shared, "down_proj")] = NativeLinear(w.shared_down, w.hidden_size, None, self.native)
         else:
             up, down, _ = cast(tuple[str, str, str], mlp_parts(mlp))
             gate_up = NativeLinear(w.gate_up, (1 + w.form.gated) * w.intermediate, w.gate_up_bias, self.native)
