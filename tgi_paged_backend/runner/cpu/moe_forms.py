@@ -60,7 +60,9 @@ def _renormalizes(router: nn.Module, weight: torch.Tensor, top_k: int) -> bool |
 
 def moe_parts(mlp: Any) -> MoeParts | str:
     """The router and experts of a Mixtral-form MoE block (see the module docstring), or why it is not one."""
-    router, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+    router, experts = getattr(mlp, "gate", None) or getattr(mlp, "router", None), getattr(mlp, "experts", None)
+    if type(experts).__name__ == "GptOssExperts":
+        return "gpt-oss's experts (interleaved gate/up with biases, clamped SwiGLU) are not in the native step"
     shared = _shared_expert(mlp) if hasattr(mlp, "shared_expert") else None
     if isinstance(shared, str):
         return shared
