@@ -85,13 +85,17 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVCacheShape
 
 
 def value_views_key(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether ``v_cache`` is ``k_cache[..., :v_head_dim]`` (a latent cache: V is the first columns of K's entries)."""
+    """Whether ``v_cache`` is ``k_cache[..., :v_head_dim]`` (a latent cache: V is the first columns of K's entries).
+
+    Equal widths are never a latent cache (no pointer is compared for them), and under ``torch.compile`` the
+    answer is ``False`` (a pointer comparison breaks the graph; reading V on its own is as correct, if slower)."""
     return (
-        v_cache.data_ptr() == k_cache.data_ptr()
-        and v_cache.stride() == k_cache.stride()
-        and v_cache.dtype == k_cache.dtype
+        v_cache.shape[3] < k_cache.shape[3]
         and v_cache.shape[:3] == k_cache.shape[:3]
-        and v_cache.shape[3] <= k_cache.shape[3]
+        and v_cache.dtype == k_cache.dtype
+        and v_cache.stride() == k_cache.stride()
+        and not torch.compiler.is_compiling()
+        and v_cache.data_ptr() == k_cache.data_ptr()
     )
 
 
