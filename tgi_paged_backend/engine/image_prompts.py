@@ -77,20 +77,21 @@ class RequestImages:
 class ImagePrompts:
     """Prompt ids (and images) of requests for a served vision-language model."""
 
-    def __init__(self, encoder: Any, tokenizer: PromptTokenizer, image_token_id: int) -> None:
+    def __init__(self, encoder: Any, tokenizer: PromptTokenizer) -> None:
         self.encoder = encoder
+        """The family's VLM adapter: ``image_token_id``, ``token_count(image)``, ``placeholder_text(image, token)``,
+        ``finish_prompt(text)``, ``encode(images)`` and ``largest_image()`` (e.g.
+        :class:`~tgi_paged_backend.vision.llava_next_encoder.LlavaNextEncoder`)."""
         self.tokenizer = tokenizer
-        self.image_token_id = image_token_id
-        self.image_token = tokenizer.tokenizer.convert_ids_to_tokens(image_token_id)
+        self.image_token_id = int(encoder.image_token_id)
+        self.image_token = tokenizer.tokenizer.convert_ids_to_tokens(self.image_token_id)
 
     @classmethod
     def for_runner(cls, runner: Any, tokenizer: PromptTokenizer) -> ImagePrompts | None:
         """The runner's (``None`` for a text-only model)."""
         if runner.image_encoder is None:
             return None
-        config = runner.image_encoder.config
-        token = getattr(config, "image_token_id", None)
-        return cls(runner.image_encoder, tokenizer, int(config.image_token_index if token is None else token))
+        return cls(runner.image_encoder, tokenizer)
 
     def encode(self, spec: RequestSpec) -> tuple[list[int], RequestImages | None]:
         """The prompt ids of ``spec`` and its images (``None`` without images); ``InvalidRequestError`` for
@@ -98,7 +99,11 @@ class ImagePrompts:
         chunks = request_images(spec)
         decoded = decode_request_images(spec, MAX_IMAGES_PER_REQUEST)
         counts = [self.encoder.token_count(image) for image in decoded]
-        text = build_prompt(spec.chunks, lambda i: self.image_token * counts[i]) if chunks else spec.text
+        if chunks:
+            text = build_prompt(spec.chunks, lambda i: self.encoder.placeholder_text(decoded[i], self.image_token))
+            text = self.encoder.finish_prompt(text)
+        else:
+            text = spec.text
         ids = self.tokenizer.encode(text, spec.truncate, spec.add_special_tokens)
         spans = placeholder_positions(spec.id, ids, self.image_token_id, counts)
         if not chunks:

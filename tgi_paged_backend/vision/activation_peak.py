@@ -16,11 +16,8 @@ from loguru import logger
 
 
 def largest_image(encoder: Any) -> Any:
-    """A PIL image of the largest-area grid resolution (the most placeholders the rule gives one image)."""
-    from PIL import Image
-
-    height, width = max(encoder.geometry.grid_pinpoints, key=lambda hw: (hw[0] * hw[1], hw))
-    return Image.new("RGB", (width, height), (127, 127, 127))
+    """A PIL image that gets the most placeholders of the encoder's family (its ``largest_image()``)."""
+    return encoder.largest_image()
 
 
 def vision_peak_bytes(encoder: Any, num_images: int, device: torch.device) -> tuple[int, int]:

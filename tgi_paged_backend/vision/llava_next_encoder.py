@@ -32,11 +32,28 @@ class LlavaNextEncoder:
         self.image_processor = image_processor
         self.config = model.config
         self.geometry = LlavaNextGeometry.from_config(model.config)
+        self.image_token_id = int(model.config.image_token_index)
 
     def token_count(self, image: PILImage.Image) -> int:
         """Placeholders the image needs (PIL's size is (width, height))."""
         width, height = image.size
         return image_token_count(height, width, self.geometry)
+
+    def placeholder_text(self, image: PILImage.Image, image_token: str) -> str:
+        """The prompt text at the image: ``image_token`` once per embedding."""
+        return image_token * self.token_count(image)
+
+    @staticmethod
+    def finish_prompt(text: str) -> str:
+        """The prompt with every placeholder in place (nothing more for LLaVA-NeXT)."""
+        return text
+
+    def largest_image(self) -> PILImage.Image:
+        """An image of the largest-area grid resolution (the most placeholders one image gets)."""
+        from PIL import Image
+
+        height, width = max(self.geometry.grid_pinpoints, key=lambda hw: (hw[0] * hw[1], hw))
+        return Image.new("RGB", (width, height), (127, 127, 127))
 
     def encode(self, images: Sequence[PILImage.Image]) -> list[torch.Tensor]:
         """One ``[token_count(image), hidden]`` tensor per image, in the model's dtype and device."""

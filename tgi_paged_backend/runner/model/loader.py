@@ -218,7 +218,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
         model = auto_class.from_pretrained(
             path,
             **({} if model_config.rope_scaling is None and method is None else {"config": config}),
-            attn_implementation=vlm_loading.attention_implementations(attn_name) if is_vlm else attn,
+            attn_implementation=vlm_loading.attention_implementations(attn_name, config) if is_vlm else attn,
             trust_remote_code=model_config.trust_remote_code,
             use_safetensors=True,
             local_files_only=True,

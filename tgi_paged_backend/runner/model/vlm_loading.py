@@ -1,4 +1,10 @@
-"""Loading the vision-language families the paged path serves (LLaVA-NeXT, issue 40, docs/vlm.md).
+"""Loading the vision-language families the paged path serves (issue 40, docs/vlm.md).
+
+Each served family has a *VLM adapter* (:data:`ENCODERS`): the class that holds its placeholder rule
+(``placeholder_text``, ``token_count``), its image encoder (processor + tower + connector, ``encode``) and
+the image Warmup sizes the tower's peak with (``largest_image``); the embedding merge is shared
+(:mod:`tgi_paged_backend.runner.image_embeds`). :func:`checkpoint_reason` refuses what a family's rule
+does not cover.
 
 Such a checkpoint loads through ``AutoModelForImageTextToText`` with one attention implementation per
 sub-config: the paged attention for the language model (``text_config``), SDPA for the vision tower
@@ -16,7 +22,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-SERVED_VLM_MODEL_TYPES = frozenset({"llava_next"})
+ENCODERS: dict[str, str] = {
+    "llava_next": "tgi_paged_backend.vision.llava_next_encoder:LlavaNextEncoder",
+}
+"""Served ``model_type`` -> its VLM adapter class (``module:Class``, imported at load)."""
+SERVED_VLM_MODEL_TYPES = frozenset(ENCODERS)
 """Vision-language ``model_type``s the paged path serves (the others stay refused: ``family_support``)."""
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
@@ -27,9 +37,11 @@ def is_served_vlm(config: Any) -> bool:
     return str(getattr(config, "model_type", "")) in SERVED_VLM_MODEL_TYPES
 
 
-def attention_implementations(attn_name: str) -> dict[str, str]:
-    """``attn_implementation`` per sub-config: ours for the language model, SDPA elsewhere."""
-    return {"text_config": attn_name, "vision_config": "sdpa", "": "sdpa"}
+def attention_implementations(attn_name: str, config: Any) -> dict[str, str]:
+    """``attn_implementation`` per sub-config: ours for the language model, SDPA for the others (vision
+    tower, perceiver) and the top level."""
+    subs = [name for name in getattr(config, "sub_configs", {}) if name != "text_config"]
+    return {"text_config": attn_name, **{name: "sdpa" for name in subs}, "": "sdpa"}
 
 
 def _crop_side(processor_config: dict[str, Any]) -> int | None:
@@ -41,7 +53,15 @@ def _crop_side(processor_config: dict[str, Any]) -> int | None:
 
 
 def checkpoint_reason(config: Any, path: Path) -> str | None:
-    """Why the LLaVA-NeXT checkpoint in ``path`` is outside what the placeholder rule covers, or ``None``."""
+    """Why the VLM checkpoint in ``path`` is outside what its family's placeholder rule covers, or ``None``."""
+    if not (path / PREPROCESSOR_CONFIG).is_file():
+        return f"the checkpoint has no {PREPROCESSOR_CONFIG}: the image processor the images need is missing"
+    if str(config.model_type) == "llava_next":
+        return _llava_next_reason(config, path)
+    return None
+
+
+def _llava_next_reason(config: Any, path: Path) -> str | None:
     strategy = getattr(config, "vision_feature_select_strategy", None)
     if strategy != "default":
         return (
@@ -49,8 +69,6 @@ def checkpoint_reason(config: Any, path: Path) -> str | None:
             "TGI's router) assumes 'default' (the CLS feature dropped)"
         )
     file = path / PREPROCESSOR_CONFIG
-    if not file.is_file():
-        return f"the checkpoint has no {PREPROCESSOR_CONFIG}: the image processor the images need is missing"
     image_size = int(config.vision_config.image_size)
     crop = _crop_side(json.loads(file.read_text()))
     if crop != image_size:
@@ -63,9 +81,10 @@ def checkpoint_reason(config: Any, path: Path) -> str | None:
 
 def load_image_encoder(model: Any, path: Path) -> Any:
     """The encoder turning a request's images into embeddings, with the checkpoint's image processor."""
+    import importlib
+
     import transformers
 
-    from tgi_paged_backend.vision.llava_next_encoder import LlavaNextEncoder
-
+    module, name = ENCODERS[str(model.config.model_type)].split(":")
     processor = transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True)
-    return LlavaNextEncoder(model, processor)
+    return getattr(importlib.import_module(module), name)(model, processor)
