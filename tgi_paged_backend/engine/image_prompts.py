@@ -3,7 +3,7 @@
 At admission (:meth:`ImagePrompts.encode`) the images are decoded and validated
 (:mod:`.images`), each becomes its placeholder run (:func:`~tgi_paged_backend.vision.prompt.build_prompt`,
 the count from the decoded size), the prompt is tokenized as stock's VLM server does, and the
-placeholders are dealt to the images (:func:`~tgi_paged_backend.vision.image_keys.placeholder_positions`:
+placeholders are dealt to the images (:func:`~tgi_paged_backend.vision.image_keys.image_positions`:
 truncation inside an image, or placeholder text in the input, is ``INVALID_ARGUMENT``). The request keeps
 a :class:`RequestImages`: the image chunks, the spans, and the *keyed* prompt ids the memory manager
 matches and registers retained blocks by (the forward keeps the real ids).
@@ -16,6 +16,7 @@ At a prefill chunk that reaches an image (:meth:`RequestImages.chunk_rows`) the 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from tgi_paged_backend.engine.images import decode_image, decode_request_images, request_images
 from tgi_paged_backend.engine.tokenize import PromptTokenizer
 from tgi_paged_backend.engine.types import ImageInput, RequestSpec
-from tgi_paged_backend.vision.image_keys import keyed_token_ids, placeholder_positions
+from tgi_paged_backend.vision.image_keys import extent, image_positions, keyed_token_ids
 from tgi_paged_backend.vision.prompt import build_prompt
 
 if TYPE_CHECKING:
@@ -40,7 +41,9 @@ class RequestImages:
     images: tuple[ImageInput, ...]
     """The image chunks in prompt order (re-encoded from after a recompute preemption)."""
     spans: tuple[range, ...]
-    """Prompt positions of each image's placeholders."""
+    """Prompt positions from each image's first placeholder to its last (its content id keys them)."""
+    positions: tuple[tuple[int, ...], ...]
+    """Prompt positions of each image's placeholders (one per embedding; other tokens may sit between)."""
     prompt_keys: list[int]
     """The prompt ids with each image's placeholders replaced by its content id (prefix retention)."""
     features: list[torch.Tensor] | None = None
@@ -63,9 +66,15 @@ class RequestImages:
         if self.features is None:
             self.features = encoder.encode([decode_image(request_id, i, im) for i, im in enumerate(self.images)])
         rows: list[tuple[int, torch.Tensor]] = []
-        for i, span in inside:
-            lo, hi = max(span.start, start), min(span.stop, stop)
-            rows.append((row + lo - start, self.features[i][lo - span.start : hi - span.start]))
+        for i, _ in inside:
+            where = self.positions[i]
+            first, last = bisect_left(where, start), bisect_left(where, stop)
+            while first < last:  # one row block per run of adjacent placeholders inside the chunk
+                end = first + 1
+                while end < last and where[end] == where[end - 1] + 1:
+                    end += 1
+                rows.append((row + where[first] - start, self.features[i][first:end]))
+                first = end
         return rows
 
     def release(self, num_computed: int | None = None) -> None:
@@ -105,11 +114,12 @@ class ImagePrompts:
         else:
             text = spec.text
         ids = self.tokenizer.encode(text, spec.truncate, spec.add_special_tokens)
-        spans = placeholder_positions(spec.id, ids, self.image_token_id, counts)
+        positions = image_positions(spec.id, ids, self.image_token_id, counts)
         if not chunks:
             return ids, None
+        spans = [extent(run) for run in positions]
         keys = keyed_token_ids(ids, spans, [image.data for image in chunks])
-        return ids, RequestImages(tuple(chunks), tuple(spans), keys)
+        return ids, RequestImages(tuple(chunks), tuple(spans), tuple(positions), keys)
 
     def encode_requests(self, specs: Sequence[RequestSpec]) -> tuple[list[list[int]], list[RequestImages | None]]:
         """:meth:`encode` of every request, in order."""

@@ -27,15 +27,16 @@ def image_pseudo_id(data: bytes) -> int:
     return -(PSEUDO_ID_FLOOR + digest % _PSEUDO_ID_SPAN)
 
 
-def placeholder_positions(
+def image_positions(
     request_id: int, token_ids: Sequence[int], image_token_id: int, counts: Sequence[int]
-) -> list[range]:
+) -> list[tuple[int, ...]]:
     """The positions of each image's placeholders, in prompt order.
 
     The ``image_token_id`` positions are dealt to the images in order, ``counts[i]`` to image ``i``
     (adjacent images' runs touch, so runs alone cannot tell them apart). A total other than
     ``sum(counts)`` means truncation cut an image or the text itself holds the placeholder token: an
-    :class:`InvalidRequestError`, since the embeddings could not be placed.
+    :class:`InvalidRequestError`, since the embeddings could not be placed. An image's positions may
+    have other tokens between them (Idefics3's tile separators).
     """
     positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
     if len(positions) != sum(counts):
@@ -43,14 +44,29 @@ def placeholder_positions(
             f"request {request_id}: the prompt holds {len(positions)} image placeholder tokens, its "
             f"{len(counts)} images need {sum(counts)} (truncated inside an image, or placeholder text in the input)"
         )
-    spans: list[range] = []
+    out: list[tuple[int, ...]] = []
     start = 0
     for count in counts:
-        run = positions[start : start + count]
-        if run and run[-1] - run[0] + 1 != count:
-            raise InvalidRequestError(f"request {request_id}: an image's placeholders are not contiguous")
-        spans.append(range(run[0], run[0] + count) if run else range(0))
+        out.append(tuple(positions[start : start + count]))
         start += count
+    return out
+
+
+def extent(positions: Sequence[int]) -> range:
+    """The positions from an image's first placeholder to its last (what its content id keys)."""
+    return range(positions[0], positions[-1] + 1) if positions else range(0)
+
+
+def placeholder_positions(
+    request_id: int, token_ids: Sequence[int], image_token_id: int, counts: Sequence[int]
+) -> list[range]:
+    """:func:`image_positions` of a family whose placeholders are one run per image, as ranges
+    (:class:`InvalidRequestError` when a run has other tokens inside)."""
+    spans: list[range] = []
+    for run in image_positions(request_id, token_ids, image_token_id, counts):
+        if run and run[-1] - run[0] + 1 != len(run):
+            raise InvalidRequestError(f"request {request_id}: an image's placeholders are not contiguous")
+        spans.append(extent(run))
     return spans
 
 
