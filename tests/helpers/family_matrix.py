@@ -51,11 +51,10 @@ from tests.helpers.family_models import (
     write_family_model,
 )
 from tests.helpers.family_tp import TpOutcome, run_tp, tp_families
-from tests.helpers.llava_next_models import write_llava_next_model
 from tests.helpers.llava_next_scenarios import run_matrix_scenarios
 from tests.helpers.speculation_oracle import oracle_drafts
 from tests.helpers.tiny_models import load_reference
-from tests.helpers.vlm_families import VLM_FAMILIES, VlmFamily, as_family, write_config_only
+from tests.helpers.vlm_families import VLM_FAMILIES, VlmFamily, as_family, write_config_only, write_served
 from tgi_paged_backend.bench.sliding_window import long_run_table
 from tgi_paged_backend.engine.types import BatchSpec
 from tgi_paged_backend.runner.model.loader import ModelLoadError
@@ -273,8 +272,8 @@ def run_vlm_family(vlm: VlmFamily, workdir: Path) -> FamilyResult:
         return FamilyResult(
             family, "-", refusal=f"missing: transformers {transformers.__version__} has no {vlm.model_type!r}"
         )
-    if vlm.served:  # its image scenarios (LLaVA-NeXT, the one served VLM)
-        exact, runner = run_matrix_scenarios(write_llava_next_model(workdir / vlm.name))
+    if vlm.served:  # its image scenarios on its tiny checkpoint
+        exact, runner = run_matrix_scenarios(*write_served(vlm, workdir / vlm.name))
         result = FamilyResult(family, vlm.architecture, exact=exact, cpu_decode=cpu_decode_mark(runner))
     else:
         result = FamilyResult(family, vlm.architecture, refusal=start_error(write_config_only(vlm, workdir / vlm.name)))

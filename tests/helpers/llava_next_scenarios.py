@@ -67,7 +67,7 @@ def counting_encodes(engine: Any) -> list[int]:
     return calls
 
 
-def mismatches(run: ScenarioRun, reference: LlavaNextReference) -> list[int]:
+def mismatches(run: ScenarioRun, reference: Any) -> list[int]:
     """Requests whose tokens differ from HF ``generate`` on the same prompt ids and images."""
     bad = []
     for spec in run.specs:
@@ -120,7 +120,7 @@ def chunked_prefill(model_dir: Path, *, then: Any = None) -> ScenarioRun:
     return run
 
 
-def preemption(model_dir: Path, mode: str, *, reference: LlavaNextReference | None = None) -> ScenarioRun:
+def preemption(model_dir: Path, mode: str, *, reference: Any = None) -> ScenarioRun:
     """Four prompts (three with an image) that fill the pool exactly at the first step, 16 new tokens each:
     every block an older request needs while decoding comes from a younger one (``mode``: recompute or swap).
     With ``reference``: ``--speculate 3``, drafts from an oracle of its tokens (a wrong one planted every third
@@ -140,16 +140,17 @@ def preemption(model_dir: Path, mode: str, *, reference: LlavaNextReference | No
     return run
 
 
-def _truth(engine: Any, reference: LlavaNextReference, spec: RequestSpec) -> list[int]:
+def _truth(engine: Any, reference: Any, spec: RequestSpec) -> list[int]:
     """The prompt ids and HF's tokens after them (the oracle's drafts)."""
     ids, _ = engine.image_prompts.encode(spec)
     images = [c.data for c in spec.chunks if isinstance(c, ImageInput)]
     return [*ids, *reference.greedy(ids, images, spec.stopping.max_new_tokens)]
 
 
-def run_matrix_scenarios(model_dir: Path) -> tuple[dict[str, bool], Any]:
-    """The matrix's scenario -> token-exact, and a runner of the model (for its CPU decode mark)."""
-    reference = LlavaNextReference(model_dir)
+def run_matrix_scenarios(model_dir: Path, reference_class: Any = LlavaNextReference) -> tuple[dict[str, bool], Any]:
+    """The matrix's scenario -> token-exact, and a runner of the model (for its CPU decode mark); HF's tokens
+    from ``reference_class(model_dir)`` (another family's reference: the scenarios are family-agnostic)."""
+    reference = reference_class(model_dir)
     runs = {
         "single": single(model_dir),
         "mixed_batch": mixed_batch(model_dir),

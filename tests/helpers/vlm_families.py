@@ -1,7 +1,8 @@
 """The vision-language rows of ``docs/models.md``: every VLM family stock TGI 3.3 serves. A refused one is
 started from a config-only checkpoint (the backend refuses it from the config, before any weight is read),
-so its row shows the start-up refusal message verbatim; a served one (``served``: LLaVA-NeXT) runs the
-image scenarios of :mod:`tests.helpers.llava_next_scenarios` (issue 40, docs/vlm.md)."""
+so its row shows the start-up refusal message verbatim; a served one (``served``: LLaVA-NeXT, Idefics2/3, SmolVLM) runs
+the image scenarios of :mod:`tests.helpers.llava_next_scenarios` (issue 40, docs/vlm.md) on its tiny checkpoint
+(:func:`write_served`)."""
 
 from __future__ import annotations
 
@@ -35,15 +36,28 @@ VLM_FAMILIES: tuple[VlmFamily, ...] = (
     VlmFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "VLM: M-RoPE", "M-RoPE"),
     VlmFamily("Gemma 3 (vision)", "gemma3", "Gemma3ForConditionalGeneration", "VLM: bidirectional image attention",
               "bidirectional attention within each image"),
-    VlmFamily("Idefics 2", "idefics2", "Idefics2ForConditionalGeneration", "VLM: perceiver resampler",
-              "perceiver resampler"),
-    VlmFamily("Idefics 3", "idefics3", "Idefics3ForConditionalGeneration", "VLM: image splitting", "image splitting"),
-    VlmFamily("SmolVLM", "smolvlm", "SmolVLMForConditionalGeneration", "VLM: image splitting", "image splitting"),
+    VlmFamily("Idefics 2", "idefics2", "Idefics2ForConditionalGeneration",
+              "VLM: perceiver resampler, image splitting", "", served=True),
+    VlmFamily("Idefics 3", "idefics3", "Idefics3ForConditionalGeneration",
+              "VLM: image tiles with row/column separators", "", served=True),
+    VlmFamily("SmolVLM", "smolvlm", "SmolVLMForConditionalGeneration",
+              "VLM: image tiles with row/column separators", "", served=True),
     VlmFamily("PaliGemma", "paligemma", "PaliGemmaForConditionalGeneration", "VLM: prefix-LM mask", "prefix-LM"),
     VlmFamily("Mllama", "mllama", "MllamaForConditionalGeneration", "VLM: cross-attention", "cross-attention"),
     VlmFamily("Llama 4", "llama4", "Llama4ForConditionalGeneration", "VLM: chunked local attention",
               "chunked local attention"),
 )  # fmt: skip
+
+
+def write_served(vlm: VlmFamily, path: Path) -> tuple[Path, type]:
+    """A served family's tiny checkpoint in ``path`` and its HF reference class."""
+    if vlm.model_type == "llava_next":
+        from tests.helpers.llava_next_models import LlavaNextReference, write_llava_next_model
+
+        return write_llava_next_model(path), LlavaNextReference
+    from tests.helpers.idefics_models import IdeficsReference, write_idefics_model
+
+    return write_idefics_model(path, vlm.model_type), IdeficsReference
 
 
 def as_family(vlm: VlmFamily) -> Family:

@@ -1,6 +1,7 @@
 """Every vision-language family stock TGI 3.3 serves is refused at start with its own reason
-(``family_support.VLM_FAMILIES``) until this backend serves it (issue 40, docs/vlm.md); LLaVA-NeXT is served
-(``vlm_loading.SERVED_VLM_MODEL_TYPES``), except checkpoints outside its image-token rule."""
+(``family_support.VLM_FAMILIES``) until this backend serves it (issue 40, docs/vlm.md); LLaVA-NeXT,
+Idefics2/3 and SmolVLM are served (``vlm_loading.SERVED_VLM_MODEL_TYPES``), except checkpoints outside
+their image-token rule."""
 
 from __future__ import annotations
 
@@ -35,9 +36,6 @@ PHRASES = {
     "paligemma": "prefix-LM",
     "gemma3": "bidirectional attention within each image",
     "llama4": "chunked local attention",
-    "idefics2": "perceiver resampler",
-    "idefics3": "image splitting",
-    "smolvlm": "image splitting",
 }
 
 
@@ -64,6 +62,18 @@ def test_llava_next_outside_the_token_rule_is_refused(tmp_path, options, phrase)
     assert error is not None and "LlavaNextForConditionalGeneration" in error and phrase in error, error
 
 
+def test_idefics3_with_tiles_other_than_the_tower_input_is_refused(tmp_path) -> None:
+    import json
+
+    from tests.helpers.idefics_models import write_idefics_model
+
+    path = write_idefics_model(tmp_path / "idefics3")
+    file = path / vlm_loading.PREPROCESSOR_CONFIG
+    file.write_text(json.dumps({**json.loads(file.read_text()), "max_image_size": {"longest_edge": 48}}))
+    error = start_error(path)
+    assert error is not None and "tile edge (max_image_size 48) differs" in error, error
+
+
 def test_llava_next_without_image_processor_is_refused(tmp_path) -> None:
     path = write_llava_next_model(tmp_path / "llava")
     (path / vlm_loading.PREPROCESSOR_CONFIG).unlink()
@@ -79,7 +89,7 @@ def test_vlm_config_is_refused_with_its_reason(model_type: str) -> None:
     assert reason is not None and PHRASES[model_type] in reason, reason
 
 
-@pytest.mark.parametrize("vlm", [v for v in VLM_FAMILIES if v.model_type in ("idefics2", "qwen2_vl", "mllama")])
+@pytest.mark.parametrize("vlm", [v for v in VLM_FAMILIES if v.model_type in ("paligemma", "qwen2_vl", "mllama")])
 def test_vlm_checkpoint_stops_the_start(vlm, tmp_path) -> None:
     error = start_error(write_config_only(vlm, tmp_path))
     assert error is not None and vlm.architecture in error and PHRASES[vlm.model_type] in error, error

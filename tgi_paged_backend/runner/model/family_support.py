@@ -69,9 +69,6 @@ _VLM_NOT_YET = (
 VLM_FAMILIES: dict[str, str] = {
     "paligemma": _VLM_NOT_YET + ", and PaliGemma's prefix-LM mask (bidirectional over image + prompt) is not "
     "implemented by the paged attention",
-    "idefics2": _VLM_NOT_YET + ", and Idefics2's perceiver resampler is not run",
-    "idefics3": _VLM_NOT_YET + ", and Idefics3's image splitting (row/column tiles) is not built",
-    "smolvlm": _VLM_NOT_YET + ", and SmolVLM's (Idefics3) image splitting (row/column tiles) is not built",
     "qwen2_vl": _VLM_NOT_YET + ", and Qwen2-VL's multimodal 3-D rotary positions (M-RoPE, carried into decode) "
     "are not implemented",
     "qwen2_5_vl": _VLM_NOT_YET + ", and Qwen2.5-VL's multimodal 3-D rotary positions (M-RoPE, carried into "
@@ -84,8 +81,8 @@ VLM_FAMILIES: dict[str, str] = {
     "idefics": "Idefics (v1) attends to the image through gated cross-attention layers, whose per-request "
     "vision KV is not held by the paged KV pool",
 }
-"""Vision-language ``model_type``s stock TGI 3.3 serves -> why the paged path refuses them today (LLaVA-NeXT is
-served: :data:`.vlm_loading.SERVED_VLM_MODEL_TYPES`)."""
+"""Vision-language ``model_type``s stock TGI 3.3 serves -> why the paged path refuses them today (LLaVA-NeXT,
+Idefics2/3 and SmolVLM are served: :data:`.vlm_loading.SERVED_VLM_MODEL_TYPES`)."""
 
 _MULTIMODAL_SUBCONFIGS = ("vision_config", "audio_config", "speech_config", "vision_tower_config")
 

@@ -24,6 +24,9 @@ from typing import Any
 
 ENCODERS: dict[str, str] = {
     "llava_next": "tgi_paged_backend.vision.llava_next_encoder:LlavaNextEncoder",
+    "idefics3": "tgi_paged_backend.vision.idefics_encoder:Idefics3Encoder",
+    "smolvlm": "tgi_paged_backend.vision.idefics_encoder:Idefics3Encoder",
+    "idefics2": "tgi_paged_backend.vision.idefics_encoder:Idefics2Encoder",
 }
 """Served ``model_type`` -> its VLM adapter class (``module:Class``, imported at load)."""
 SERVED_VLM_MODEL_TYPES = frozenset(ENCODERS)
@@ -58,6 +61,20 @@ def checkpoint_reason(config: Any, path: Path) -> str | None:
         return f"the checkpoint has no {PREPROCESSOR_CONFIG}: the image processor the images need is missing"
     if str(config.model_type) == "llava_next":
         return _llava_next_reason(config, path)
+    if str(config.model_type) in ("idefics3", "smolvlm"):
+        return _idefics3_reason(config, path)
+    return None
+
+
+def _idefics3_reason(config: Any, path: Path) -> str | None:
+    """The processor's tile edge must be the tower's ``image_size`` (each tile gives S embeddings)."""
+    tile = json.loads((path / PREPROCESSOR_CONFIG).read_text()).get("max_image_size", {}).get("longest_edge")
+    image_size = int(config.vision_config.image_size)
+    if tile is not None and int(tile) != image_size:
+        return (
+            f"the image processor's tile edge (max_image_size {tile}) differs from the vision tower's image_size "
+            f"({image_size}): each tile must be one tower input"
+        )
     return None
 
 
