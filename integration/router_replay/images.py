@@ -6,9 +6,9 @@ its format detected from the bytes, and sent to the shard as an ``Image{data, mi
 text chunks. ``input_length`` is the token count of *another* string: the text with each image replaced by
 the family's placeholder text (``config.rs``). For any other config the markdown stays literal text.
 
-Replayed here for the families this backend serves (LLaVA-NeXT; ``docs/vlm.md`` has stock's table for the
-others, which are refused at start). The placeholder count comes from the product's own rule
-(``tgi_paged_backend.vision.llava_next_tokens``), which equals stock's ``config.rs`` for this family.
+Replayed here for the families this backend serves (LLaVA-NeXT, Idefics3, Idefics2; ``docs/vlm.md`` has
+stock's table for the others, which are refused at start). The placeholder text is stock's router rule
+(:mod:`.image_tokens`): exact for LLaVA-NeXT and Idefics2, a budget for Idefics3.
 """
 
 from __future__ import annotations
@@ -53,7 +53,10 @@ class ImageChunk:
 
 Chunk = str | ImageChunk
 PlaceholderRule = Callable[[int, int], str]
-"""``(height, width) -> placeholder text`` of one image for the router's token count."""
+"""``(height, width) -> placeholder text`` of one image for the router's token count (a
+:class:`~.image_tokens.RouterImageRule` also has the ``fixup`` of the whole counted text)."""
+ROUTER_VLM_TYPES = frozenset({"llava_next", "idefics3", "idefics2"})
+"""The ``model_type``s whose images this replay turns into chunks (the served VLMs stock's router knows)."""
 
 
 def detect_mimetype(data: bytes) -> str:
@@ -114,7 +117,8 @@ def split_inputs(inputs: str, rule: PlaceholderRule) -> tuple[list[Chunk], str]:
     if start < len(inputs):
         chunks.append(inputs[start:])
         counted.append(inputs[start:])
-    return chunks, "".join(counted)
+    fixup = getattr(rule, "fixup", None)  # stock's image_tokens_fixup (Idefics2: <fake><fake> collapsed)
+    return chunks, fixup("".join(counted)) if fixup is not None else "".join(counted)
 
 
 def chunks_to_string(chunks: list[Chunk]) -> str:
@@ -125,23 +129,22 @@ def chunks_to_string(chunks: list[Chunk]) -> str:
     )
 
 
-def placeholder_rule(config: Any) -> PlaceholderRule | None:
+def placeholder_rule(config: Any, preprocessor: dict[str, Any] | None = None) -> PlaceholderRule | None:
     """The placeholder text rule of a VLM config (a ``transformers`` config) this replay knows (``None``:
-    images stay text)."""
-    if getattr(config, "model_type", None) != "llava_next":
-        return None
-    from tgi_paged_backend.vision.llava_next_tokens import LlavaNextGeometry, image_token_count
+    images stay text); ``preprocessor``: the checkpoint's ``preprocessor_config.json`` (:mod:`.image_tokens`)."""
+    from .image_tokens import router_image_rule
 
-    geometry = LlavaNextGeometry.from_config(config)
-    return lambda height, width: "<image>" * image_token_count(height, width, geometry)
+    return router_image_rule(config, preprocessor)
 
 
 def placeholder_rule_for(tokenizer: Any) -> PlaceholderRule | None:
     """The rule of the model directory the router was given (its ``config.json``), if it is a VLM's."""
     if not isinstance(tokenizer, str) or not (Path(tokenizer) / "config.json").is_file():
         return None
-    if json.loads((Path(tokenizer) / "config.json").read_text()).get("model_type") != "llava_next":
+    if json.loads((Path(tokenizer) / "config.json").read_text()).get("model_type") not in ROUTER_VLM_TYPES:
         return None
     from transformers import AutoConfig
 
-    return placeholder_rule(AutoConfig.from_pretrained(tokenizer))
+    file = Path(tokenizer) / "preprocessor_config.json"
+    preprocessor = json.loads(file.read_text()) if file.is_file() else None
+    return placeholder_rule(AutoConfig.from_pretrained(tokenizer), preprocessor)

@@ -76,7 +76,8 @@ def validate_tokenized(
             raise InvalidRequestError(
                 f"request {rid}: {len(request.slots)} slots for {needed} tokens to write "
                 f"(prompt {num_prompt} + max_new_tokens {request.stopping.max_new_tokens} - 1); "
-                "router and shard tokenizers may disagree"
+                "router and shard tokenizers may disagree (or, with images, the router's image-token count is "
+                "below the shard's own: stock's router budgets Idefics3 with fixed tiles)"
             )
         capacity = len(request.blocks) * block_size
         if capacity < needed:

@@ -1,0 +1,95 @@
+"""Stock's router rules for the text an image counts as in ``input_length`` (``router/src/validation.rs``
+``image_tokens`` and ``image_tokens_fixup``, ``config.rs``), for the VLM families this backend serves.
+
+- LLaVA-NeXT: ``<image>`` × the anyres count (the product's own rule, equal to stock's).
+- Idefics3 (``model_type`` ``idefics3``; SmolVLM v1 checkpoints use it): stock hardcodes SmolVLM's defaults,
+  whatever the checkpoint: the image scaled so its longest edge is 1456 (then down to at most 4096), in f32,
+  truncated; split into ``ceil(edge / 364)`` rows and columns when an edge exceeds 364 (always, after that
+  resize); 169 ``<image>`` per tile. A *budget*: the shard counts its own (``vision/idefics_encoder.py``).
+- Idefics2: ``<fake_token_around_image>`` + ``<image>`` × 64 + ``<fake_token_around_image>``, five times when
+  the checkpoint's ``preprocessor_config.json`` says ``"processor_class": "Idefics2Processor"`` and
+  ``do_image_splitting``; then every ``<fake><fake>`` in the whole text collapsed into one.
+
+The ``model_type`` ``smolvlm`` (SmolVLM2) is not in stock's router ``Config``: there the images stay text.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FAKE = "<fake_token_around_image>"
+IMAGE = "<image>"
+GLOBAL_IMG = "<global-img>"
+
+IDEFICS3_RESIZE_EDGE = 1456
+IDEFICS3_MAX_IMAGE_SIZE = 4096
+IDEFICS3_TILE_EDGE = 364
+IDEFICS3_TILE_TOKENS = 169
+IDEFICS2_IMAGE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class RouterImageRule:
+    """``rule(height, width)``: one image's placeholder text; ``fixup(text)``: the whole counted text after."""
+
+    text: Callable[[int, int], str]
+    collapse_fake_pairs: bool = False
+
+    def __call__(self, height: int, width: int) -> str:
+        return self.text(height, width)
+
+    def fixup(self, text: str) -> str:
+        """Stock's ``image_tokens_fixup`` (Idefics2 only: touching separators collapsed)."""
+        return text.replace(FAKE + FAKE, FAKE) if self.collapse_fake_pairs else text
+
+
+def idefics3_grid(height: int, width: int) -> tuple[int, int]:
+    """Stock's Idefics3 ``(rows, cols)`` (``(0, 0)``: not split), in f32 as the router computes it."""
+    h, w = np.float32(height), np.float32(width)
+    scale = np.float32(IDEFICS3_RESIZE_EDGE) / max(h, w)
+    h, w = h * scale, w * scale
+    shrink = min(np.float32(IDEFICS3_MAX_IMAGE_SIZE) / max(h, w), np.float32(1.0))
+    rows_px, cols_px = int(h * shrink), int(w * shrink)
+    if rows_px <= IDEFICS3_TILE_EDGE and cols_px <= IDEFICS3_TILE_EDGE:
+        return 0, 0
+    edge = np.float32(IDEFICS3_TILE_EDGE)
+    return math.ceil(np.float32(rows_px) / edge), math.ceil(np.float32(cols_px) / edge)
+
+
+def idefics3_text(height: int, width: int) -> str:
+    """Stock's Idefics3 placeholder text for one image."""
+    rows, cols = idefics3_grid(height, width)
+    run = IMAGE * IDEFICS3_TILE_TOKENS
+    tiles = "".join("".join(f"{FAKE}<row_{r + 1}_col_{c + 1}>{run}" for c in range(cols)) + "\n" for r in range(rows))
+    return tiles + ("\n" if rows or cols else "") + f"{FAKE}{GLOBAL_IMG}{run}{FAKE}"
+
+
+def idefics2_rule(preprocessor: dict[str, Any] | None) -> RouterImageRule:
+    """Stock's Idefics2 rule with the checkpoint's ``preprocessor_config.json`` (``None``: none)."""
+    splitting = bool(
+        preprocessor
+        and preprocessor.get("processor_class") == "Idefics2Processor"
+        and preprocessor.get("do_image_splitting", False)
+    )
+    one = f"{FAKE}{IMAGE * IDEFICS2_IMAGE_TOKENS}{FAKE}"
+    return RouterImageRule(lambda height, width: one * (5 if splitting else 1), collapse_fake_pairs=True)
+
+
+def router_image_rule(config: Any, preprocessor: dict[str, Any] | None = None) -> RouterImageRule | None:
+    """Stock's rule for ``config`` (a ``transformers`` config) if this replay knows it, else ``None``."""
+    model_type = getattr(config, "model_type", None)
+    if model_type == "llava_next":
+        from tgi_paged_backend.vision.llava_next_tokens import LlavaNextGeometry, image_token_count
+
+        geometry = LlavaNextGeometry.from_config(config)
+        return RouterImageRule(lambda height, width: IMAGE * image_token_count(height, width, geometry))
+    if model_type == "idefics3":
+        return RouterImageRule(idefics3_text)
+    if model_type == "idefics2":
+        return idefics2_rule(preprocessor)
+    return None
