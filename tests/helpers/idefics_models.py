@@ -30,15 +30,16 @@ _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_at
                patch_size=8)  # fmt: skip
 
 
-def _config(family: str, image_token_id: int) -> Any:
+def _config(family: str, image_token_id: int, max_positions: int) -> Any:
+    text = {**_TEXT, "max_position_embeddings": max_positions}
     if family == "idefics2":
         return transformers.Idefics2Config(
-            vision_config=_VISION, text_config={**_TEXT, "model_type": "mistral"}, image_token_id=image_token_id,
+            vision_config=_VISION, text_config={**text, "model_type": "mistral"}, image_token_id=image_token_id,
             perceiver_config=dict(hidden_size=64, resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2,
                                   resampler_head_dim=16, num_key_value_heads=1),
         )  # fmt: skip
     cls = transformers.SmolVLMConfig if family == "smolvlm" else transformers.Idefics3Config
-    return cls(vision_config=_VISION, text_config={**_TEXT, "model_type": "llama"}, image_token_id=image_token_id,
+    return cls(vision_config=_VISION, text_config={**text, "model_type": "llama"}, image_token_id=image_token_id,
                scale_factor=2)  # fmt: skip
 
 
@@ -51,14 +52,17 @@ def _processor(family: str, splitting: bool) -> Any:
     return cls(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=splitting)
 
 
-def write_idefics_model(path: Path | str, family: str = "idefics3", *, seed: int = 0, splitting: bool = True) -> Path:
+def write_idefics_model(
+    path: Path | str, family: str = "idefics3", *, seed: int = 0, splitting: bool = True, max_positions: int = 512
+) -> Path:
     """Write the tiny ``family`` model (``idefics3``, ``smolvlm``, ``idefics2``), the tiny tokenizer with the
-    image tokens added and the image processor to ``path``."""
+    image tokens added and the image processor to ``path`` (``max_positions``: the language model's
+    ``max_position_embeddings``, larger for the router's Idefics3 budget)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tiny_tokenizer()
     tokenizer.add_tokens([transformers.AddedToken(t, special=True) for t in [IMAGE_TOKEN, *EXTRA_TOKENS]])
-    config = _config(family, tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+    config = _config(family, tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), max_positions)
     model_class = transformers.AutoModelForImageTextToText.from_config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
