@@ -30,6 +30,8 @@ from tgi_paged_backend.vision.prompt import build_prompt
 if TYPE_CHECKING:
     import torch
 
+    from tgi_paged_backend.vision.mrope import MRopePositions
+
 MAX_IMAGES_PER_REQUEST = 8
 """Images one request may carry (more is ``INVALID_ARGUMENT``); Warmup sizes the vision tower's peak for it."""
 
@@ -48,6 +50,9 @@ class RequestImages:
     """The prompt ids with each image's placeholders replaced by its content id (prefix retention)."""
     features: list[torch.Tensor] | None = None
     """Each image's ``[count, hidden]`` embeddings while the prefill needs them, else ``None``."""
+    rope: MRopePositions | None = None
+    """The request's 3-D rotary positions and their delta past the prompt (M-RoPE families), else ``None``:
+    computed once from the prompt at admission, so prefix hits and recompute re-prefills reuse them."""
 
     @property
     def end(self) -> int:
@@ -119,7 +124,9 @@ class ImagePrompts:
             return ids, None
         spans = [extent(run) for run in positions]
         keys = keyed_token_ids(ids, spans, [image.data for image in chunks])
-        return ids, RequestImages(tuple(chunks), tuple(spans), tuple(positions), keys)
+        rope_positions = getattr(self.encoder, "rope_positions", None)  # only M-RoPE families' adapters have it
+        rope = None if rope_positions is None else rope_positions(len(ids), spans, decoded)
+        return ids, RequestImages(tuple(chunks), tuple(spans), tuple(positions), keys, rope=rope)
 
     def encode_requests(self, specs: Sequence[RequestSpec]) -> tuple[list[list[int]], list[RequestImages | None]]:
         """:meth:`encode` of every request, in order."""

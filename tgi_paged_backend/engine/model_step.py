@@ -187,7 +187,22 @@ class ModelStep:
                 encoded += 0 if held or r.images.features is None else len(r.images.images)
         if image_rows:
             batch = dataclasses.replace(batch, image_rows=tuple(image_rows))
+        rope = self._rope_positions(plan, layout.positions, layout.query_start_loc)
+        if rope is not None:
+            batch = dataclasses.replace(batch, rope_positions=torch.from_numpy(rope))
         return batch.to(self.runner.device), rows, encoded
+
+    @staticmethod
+    def _rope_positions(plan: StepPlan, positions: np.ndarray, starts: np.ndarray) -> np.ndarray | None:
+        """``[3, T]`` M-RoPE positions when a request of the step has them (each row's index elsewhere),
+        else ``None``; decode and generated positions get the request's delta (:mod:`~..vision.mrope`)."""
+        if not any(r.images is not None and r.images.rope is not None for r, _ in plan.scheduled):
+            return None
+        rope = np.broadcast_to(positions, (3, positions.shape[0])).astype(np.int64)
+        for (r, _), first, stop in zip(plan.scheduled, starts[:-1], starts[1:]):
+            if r.images is not None and r.images.rope is not None:
+                rope[:, first:stop] = r.images.rope.at(positions[first:stop])
+        return rope
 
     @staticmethod
     def _lora_slots(plan: StepPlan, counts: np.ndarray) -> np.ndarray | None:

@@ -50,6 +50,10 @@ class ForwardBatch:
         Image embeddings of this step's prefill chunks (vision-language models, issue 40): ``(row, values)``
         puts ``values`` (``[n, hidden]``) at packed rows ``row .. row + n`` in place of those tokens'
         embeddings; ``()`` (every text-only step): the model embeds ``input_ids`` itself.
+    rope_positions : torch.Tensor or None
+        ``[3, T]`` int64 multimodal rotary positions (M-RoPE families, :mod:`tgi_paged_backend.vision.mrope`)
+        given to the model instead of ``positions`` when a request of the step has images; ``None``: the
+        model rotates by ``positions`` (which always stay the KV positions the attention uses).
     """
 
     input_ids: torch.Tensor
@@ -64,6 +68,7 @@ class ForwardBatch:
     group_slot_mappings: tuple[torch.Tensor, ...] = ()
     group_block_tables: tuple[torch.Tensor, ...] = ()
     image_rows: tuple[tuple[int, torch.Tensor], ...] = ()
+    rope_positions: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -180,6 +185,7 @@ class ForwardBatch:
             group_slot_mappings=tuple(move(m) for m in self.group_slot_mappings),
             group_block_tables=tuple(move(t) for t in self.group_block_tables),
             image_rows=tuple((row, values.to(device)) for row, values in self.image_rows),
+            rope_positions=None if self.rope_positions is None else move(self.rope_positions),
         )
 
 

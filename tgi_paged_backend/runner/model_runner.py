@@ -261,7 +261,8 @@ class ModelRunner:
                 f"the pool is laid out for {self.pool_groups.num_groups} KV layer group(s); the batch carries "
                 f"block tables for {1 + len(batch.group_block_tables)}"
             )
-        if self.static_decode is not None and batch.is_decode and batch.lora_slots is None and not batch.image_rows:
+        static = batch.is_decode and batch.lora_slots is None and not batch.image_rows and batch.rope_positions is None
+        if self.static_decode is not None and static:
             logits = self.static_decode.run(batch.to(self.device))
             if logits is not None:
                 return logits
@@ -278,7 +279,9 @@ class ModelRunner:
         with torch.inference_mode(), routing:
             out = self.model(
                 **model_inputs(self.model, batch),
-                position_ids=batch.positions.unsqueeze(0),
+                position_ids=batch.positions.unsqueeze(0)
+                if batch.rope_positions is None
+                else batch.rope_positions.unsqueeze(1),
                 attention_mask=mask_placeholder(self.device, self.dtype),
                 use_cache=False,
                 logits_to_keep=batch.logits_indices,
