@@ -167,3 +167,22 @@ def test_refused_under_tensor_parallelism(model_dir) -> None:
     rank = SimpleNamespace(device=torch.device("cpu"))
     with pytest.raises(ModelLoadError, match="vision-language model, served on one shard only so far"):
         TensorParallelRunner._load_model(rank, ModelConfig(model_id=str(model_dir)))  # type: ignore[arg-type]
+
+
+def test_idefics2_without_image_splitting(tmp_path) -> None:
+    """One crop per image (``do_image_splitting`` off): 4 latents, still token-exact."""
+    path = write_idefics_model(tmp_path / "idefics2", "idefics2", splitting=False)
+    run = scenarios.single(path)
+    ids, images = run.engine.image_prompts.encode(run.specs[0])
+    assert images is not None and len(images.positions[0]) == 4
+    assert mismatches(run, IdeficsReference(path)) == []
+
+
+def test_warmup_image_gets_the_most_placeholders(model_dir) -> None:
+    from tgi_paged_backend.vision.activation_peak import largest_image
+
+    engine = make_engine(model_dir, num_blocks=32)
+    encoder = engine.runner.image_encoder
+    image = largest_image(encoder)
+    sizes = [(h, w) for h in range(8, 300, 23) for w in range(8, 300, 29)]
+    assert encoder.token_count(image) == max(encoder.token_count(image.resize((w, h))) for h, w in sizes)
