@@ -6,6 +6,7 @@
   whatever the checkpoint: the image scaled so its longest edge is 1456 (then down to at most 4096), in f32,
   truncated; split into ``ceil(edge / 364)`` rows and columns when an edge exceeds 364 (always, after that
   resize); 169 ``<image>`` per tile. A *budget*: the shard counts its own (``vision/idefics_encoder.py``).
+- Qwen2-VL, Qwen2.5-VL: ``height * width // patch**2`` pads, Debug-quoted (a budget, see below).
 - Idefics2: ``<fake_token_around_image>`` + ``<image>`` × 64 + ``<fake_token_around_image>``, five times when
   the checkpoint's ``preprocessor_config.json`` says ``"processor_class": "Idefics2Processor"`` and
   ``do_image_splitting``; then every ``<fake><fake>`` in the whole text collapsed into one.
@@ -92,4 +93,17 @@ def router_image_rule(config: Any, preprocessor: dict[str, Any] | None = None) -
         return RouterImageRule(idefics3_text)
     if model_type == "idefics2":
         return idefics2_rule(preprocessor)
+    if model_type in ("qwen2_vl", "qwen2_5_vl"):
+        return RouterImageRule(qwen2_vl_budget_text(config))
     return None
+
+
+def qwen2_vl_budget_text(config: Any) -> Callable[[int, int], str]:
+    """Stock's ``config.rs`` for Qwen2-VL / Qwen2.5-VL: ``height * width // patch**2`` pads on the original
+    size (no resize, no merge; Qwen2.5-VL reads ``spatial_patch_size``, which released configs carry, else
+    ``patch_size`` here), Debug-formatted (``{:?}``: the quotes are part of the text). A budget: the shard
+    counts its own placeholders (``vision.qwen2_vl_encoder``), fewer for any image larger than one merged patch."""
+    vision = config.vision_config
+    patch = getattr(vision, "spatial_patch_size", None) if config.model_type == "qwen2_5_vl" else None
+    patch = int(patch or vision.patch_size)
+    return lambda height, width: f'<|vision_start|>"{"<|image_pad|>" * (height * width // patch**2)}"<|vision_end|>'

@@ -6,9 +6,9 @@ its format detected from the bytes, and sent to the shard as an ``Image{data, mi
 text chunks. ``input_length`` is the token count of *another* string: the text with each image replaced by
 the family's placeholder text (``config.rs``). For any other config the markdown stays literal text.
 
-Replayed here for the families this backend serves (LLaVA-NeXT, Idefics3, Idefics2; ``docs/vlm.md`` has
-stock's table for the others, which are refused at start). The placeholder text is stock's router rule
-(:mod:`.image_tokens`): exact for LLaVA-NeXT and Idefics2, a budget for Idefics3.
+Replayed here for the families this backend serves (LLaVA-NeXT, Idefics3, Idefics2, Qwen2-VL, Qwen2.5-VL;
+``docs/vlm.md`` has stock's table for the others, which are refused at start). The placeholder text is stock's
+router rule (:mod:`.image_tokens`): exact for LLaVA-NeXT and Idefics2, a budget for Idefics3 and Qwen2-VL.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ Chunk = str | ImageChunk
 PlaceholderRule = Callable[[int, int], str]
 """``(height, width) -> placeholder text`` of one image for the router's token count (a
 :class:`~.image_tokens.RouterImageRule` also has the ``fixup`` of the whole counted text)."""
-ROUTER_VLM_TYPES = frozenset({"llava_next", "idefics3", "idefics2"})
+ROUTER_VLM_TYPES = frozenset({"llava_next", "idefics3", "idefics2", "qwen2_vl", "qwen2_5_vl"})
 """The ``model_type``s whose images this replay turns into chunks (the served VLMs stock's router knows)."""
 
 

@@ -1,6 +1,7 @@
 """The vision-language rows of ``docs/models.md``: every VLM family stock TGI 3.3 serves. A refused one is
 started from a config-only checkpoint (the backend refuses it from the config, before any weight is read),
-so its row shows the start-up refusal message verbatim; a served one (``served``: LLaVA-NeXT, Idefics2/3, SmolVLM) runs
+so its row shows the start-up refusal message verbatim; a served one (``served``: LLaVA-NeXT, Idefics2/3, SmolVLM,
+Qwen2-VL, Qwen2.5-VL) runs
 the image scenarios of :mod:`tests.helpers.llava_next_scenarios` (issue 40, docs/vlm.md) on its tiny checkpoint
 (:func:`write_served`)."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -32,8 +34,10 @@ class VlmFamily:
 VLM_FAMILIES: tuple[VlmFamily, ...] = (
     VlmFamily("LLaVA-NeXT", "llava_next", "LlavaNextForConditionalGeneration",
               "VLM: anyres image tiles, images hashed into prefix keys", "", served=True),
-    VlmFamily("Qwen2-VL", "qwen2_vl", "Qwen2VLForConditionalGeneration", "VLM: M-RoPE", "M-RoPE"),
-    VlmFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "VLM: M-RoPE", "M-RoPE"),
+    VlmFamily("Qwen2-VL", "qwen2_vl", "Qwen2VLForConditionalGeneration",
+              "VLM: M-RoPE (3-D positions, delta into decode), images hashed into prefix keys", "", served=True),
+    VlmFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
+              "VLM: M-RoPE, windowed vision tower, images hashed into prefix keys", "", served=True),
     VlmFamily("Gemma 3 (vision)", "gemma3", "Gemma3ForConditionalGeneration", "VLM: bidirectional image attention",
               "bidirectional attention within each image"),
     VlmFamily("Idefics 2", "idefics2", "Idefics2ForConditionalGeneration",
@@ -55,6 +59,10 @@ def write_served(vlm: VlmFamily, path: Path) -> tuple[Path, type]:
         from tests.helpers.llava_next_models import LlavaNextReference, write_llava_next_model
 
         return write_llava_next_model(path), LlavaNextReference
+    if vlm.model_type in ("qwen2_vl", "qwen2_5_vl"):
+        from tests.helpers.qwen2_vl_models import Qwen2VlReference, write_qwen2_vl_model
+
+        return write_qwen2_vl_model(path, vlm.model_type), Qwen2VlReference
     from tests.helpers.idefics_models import IdeficsReference, write_idefics_model
 
     return write_idefics_model(path, vlm.model_type), IdeficsReference

@@ -60,6 +60,18 @@ def test_llava_next_images_become_chunks_counted_as_their_placeholders():
     assert message_chunks[1].image.data == png and message_chunks[3].image.mimetype == "image/jpeg"
 
 
+@pytest.mark.parametrize(
+    ("model_type", "patch_field"), [("qwen2_vl", "patch_size"), ("qwen2_5_vl", "spatial_patch_size")]
+)
+def test_qwen2_vl_images_are_budgeted_as_stock_does(model_type, patch_field):
+    """Stock's ``config.rs``: ``h*w // patch**2`` pads, no resize or merge, Debug-quoted (``{:?}``)."""
+    config = SimpleNamespace(model_type=model_type, vision_config=SimpleNamespace(**{"patch_size": 7, patch_field: 14}))
+    text = placeholder_rule(config)(100, 60)
+    assert text == '<|vision_start|>"' + "<|image_pad|>" * (100 * 60 // 14**2) + '"<|vision_end|>'
+    valid = _validate(f"see ![]({_uri(_image(100, 60))})!", placeholder_rule(config))
+    assert valid.input_length == 1 + len("see !") + len(text)  # a budget: the shard counts its own (docs/vlm.md)
+
+
 def test_the_bytes_decide_the_media_type_not_the_label():
     png = _image(20, 20)
     (_, image), _ = split_inputs(f"x![]({_uri(png, 'image/jpeg')})", lambda h, w: "<image>")

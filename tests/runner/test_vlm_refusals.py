@@ -1,7 +1,7 @@
 """Every vision-language family stock TGI 3.3 serves is refused at start with its own reason
 (``family_support.VLM_FAMILIES``) until this backend serves it (issue 40, docs/vlm.md); LLaVA-NeXT,
-Idefics2/3 and SmolVLM are served (``vlm_loading.SERVED_VLM_MODEL_TYPES``), except checkpoints outside
-their image-token rule."""
+Idefics2/3, SmolVLM, Qwen2-VL and Qwen2.5-VL are served (``vlm_loading.SERVED_VLM_MODEL_TYPES``), except
+checkpoints outside their image-token rule."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import transformers
 
 from tests.helpers.family_matrix import start_error
 from tests.helpers.llava_next_models import write_llava_next_model
+from tests.helpers.qwen2_vl_models import write_qwen2_vl_model
 from tests.helpers.vlm_families import VLM_FAMILIES, write_config_only
 from tgi_paged_backend.runner.model import family_support, vlm_loading
 
@@ -29,8 +30,6 @@ STOCK_VLM_MODEL_TYPES = (
 """``model_type`` of the VLM configs stock TGI's router and server handle (SmolVLM's own type included)."""
 
 PHRASES = {
-    "qwen2_vl": "M-RoPE",
-    "qwen2_5_vl": "M-RoPE",
     "mllama": "cross-attention",
     "idefics": "cross-attention",
     "paligemma": "prefix-LM",
@@ -74,6 +73,11 @@ def test_idefics3_with_tiles_other_than_the_tower_input_is_refused(tmp_path) -> 
     assert error is not None and "tile edge (max_image_size 48) differs" in error, error
 
 
+def test_served_qwen2_vl_is_judged_by_its_language_model() -> None:
+    for model_type in ("qwen2_vl", "qwen2_5_vl"):
+        assert family_support.unsupported_reason(transformers.AutoConfig.for_model(model_type)) is None
+
+
 def test_llava_next_without_image_processor_is_refused(tmp_path) -> None:
     path = write_llava_next_model(tmp_path / "llava")
     (path / vlm_loading.PREPROCESSOR_CONFIG).unlink()
@@ -89,7 +93,7 @@ def test_vlm_config_is_refused_with_its_reason(model_type: str) -> None:
     assert reason is not None and PHRASES[model_type] in reason, reason
 
 
-@pytest.mark.parametrize("vlm", [v for v in VLM_FAMILIES if v.model_type in ("paligemma", "qwen2_vl", "mllama")])
+@pytest.mark.parametrize("vlm", [v for v in VLM_FAMILIES if v.model_type in ("paligemma", "gemma3", "mllama")])
 def test_vlm_checkpoint_stops_the_start(vlm, tmp_path) -> None:
     error = start_error(write_config_only(vlm, tmp_path))
     assert error is not None and vlm.architecture in error and PHRASES[vlm.model_type] in error, error
@@ -103,7 +107,8 @@ def test_text_only_siblings_are_not_vlm_refused() -> None:
             assert reason is None or "vision-language" not in reason, (model_type, reason)
 
 
-def test_llava_next_is_refused_under_tensor_parallelism(tmp_path) -> None:
+@pytest.mark.parametrize("model_type", ["llava_next", "qwen2_vl", "qwen2_5_vl"])
+def test_served_vlm_is_refused_under_tensor_parallelism(tmp_path, model_type) -> None:
     from types import SimpleNamespace
 
     import torch
@@ -112,7 +117,10 @@ def test_llava_next_is_refused_under_tensor_parallelism(tmp_path) -> None:
     from tgi_paged_backend.runner.model.loader import ModelLoadError
     from tgi_paged_backend.runner.parallel.tp_runner import TensorParallelRunner
 
-    path = write_llava_next_model(tmp_path / "llava")
+    if model_type == "llava_next":
+        path = write_llava_next_model(tmp_path / "llava")
+    else:
+        path = write_qwen2_vl_model(tmp_path / model_type, model_type)
     rank = SimpleNamespace(device=torch.device("cpu"))  # what loading reads of the runner
     with pytest.raises(ModelLoadError, match="vision-language model, served on one shard only so far"):
         TensorParallelRunner._load_model(rank, ModelConfig(model_id=str(path)))  # type: ignore[arg-type]

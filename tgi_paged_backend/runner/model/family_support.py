@@ -69,10 +69,6 @@ _VLM_NOT_YET = (
 VLM_FAMILIES: dict[str, str] = {
     "paligemma": _VLM_NOT_YET + ", and PaliGemma's prefix-LM mask (bidirectional over image + prompt) is not "
     "implemented by the paged attention",
-    "qwen2_vl": _VLM_NOT_YET + ", and Qwen2-VL's multimodal 3-D rotary positions (M-RoPE, carried into decode) "
-    "are not implemented",
-    "qwen2_5_vl": _VLM_NOT_YET + ", and Qwen2.5-VL's multimodal 3-D rotary positions (M-RoPE, carried into "
-    "decode) are not implemented",
     "gemma3": _VLM_NOT_YET + ", and Gemma 3's bidirectional attention within each image is not implemented "
     "by the paged attention",
     "llama4": _VLM_NOT_YET + ", and Llama 4's chunked local attention layers are not implemented",
@@ -82,7 +78,7 @@ VLM_FAMILIES: dict[str, str] = {
     "vision KV is not held by the paged KV pool",
 }
 """Vision-language ``model_type``s stock TGI 3.3 serves -> why the paged path refuses them today (LLaVA-NeXT,
-Idefics2/3 and SmolVLM are served: :data:`.vlm_loading.SERVED_VLM_MODEL_TYPES`)."""
+Idefics2/3, SmolVLM, Qwen2-VL and Qwen2.5-VL are served: :data:`.vlm_loading.SERVED_VLM_MODEL_TYPES`)."""
 
 _MULTIMODAL_SUBCONFIGS = ("vision_config", "audio_config", "speech_config", "vision_tower_config")
 

@@ -27,6 +27,8 @@ ENCODERS: dict[str, str] = {
     "idefics3": "tgi_paged_backend.vision.idefics_encoder:Idefics3Encoder",
     "smolvlm": "tgi_paged_backend.vision.idefics_encoder:Idefics3Encoder",
     "idefics2": "tgi_paged_backend.vision.idefics_encoder:Idefics2Encoder",
+    "qwen2_vl": "tgi_paged_backend.vision.qwen2_vl_encoder:Qwen2VlEncoder",
+    "qwen2_5_vl": "tgi_paged_backend.vision.qwen2_vl_encoder:Qwen2VlEncoder",
 }
 """Served ``model_type`` -> its VLM adapter class (``module:Class``, imported at load)."""
 SERVED_VLM_MODEL_TYPES = frozenset(ENCODERS)
