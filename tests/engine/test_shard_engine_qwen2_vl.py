@@ -166,3 +166,12 @@ def test_routers_warmup_with_its_image(qwen_dir) -> None:
     assert result.max_supported_total_tokens > 0 and engine.requests == {} and engine.kv.num_used_blocks == 0
     assert calls[0] == MAX_IMAGES_PER_REQUEST and calls[1:] == [1] * len(plain.requests)
     assert engine.runner.image_encoder.token_count(engine.runner.image_encoder.largest_image()) == 64
+
+
+def test_warmup_encodes_only_the_images_a_request_can_carry(qwen_dir) -> None:
+    """With ``max_input_tokens`` 150 a request holds at most two largest images (64 placeholders each):
+    Warmup sizes the tower's peak for two, not eight."""
+    engine = make_engine(qwen_dir, num_blocks=64)
+    calls = counting_encodes(engine)
+    router_warmup(engine, 256, max_input_tokens=150, max_total_tokens=200)
+    assert calls[0] == 2

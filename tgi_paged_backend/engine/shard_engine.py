@@ -43,7 +43,7 @@ from tgi_paged_backend.engine.validation import validate_batch, validate_fits_po
 from tgi_paged_backend.policy.admission import reported_batch_tokens, should_brake
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.telemetry.step_record import MemoryBudget
-from tgi_paged_backend.vision.activation_peak import with_vision_peak
+from tgi_paged_backend.vision.activation_peak import warmup_image_count, with_vision_peak
 
 if TYPE_CHECKING:
     from tgi_paged_backend.telemetry.sinks import ShardTelemetry
@@ -122,9 +122,9 @@ class PagedShardEngine(StepEngine):
         warm = BatchSpec(id=batch.id, requests=tuple(_replace_id(r, -(i + 1)) for i, r in enumerate(batch.requests)))
         text_peak = self.runner.profile_prefill(max(max_prefill_tokens, 1))
         if self.image_prompts is not None:  # the vision tower's peak and the embeddings a prefill holds
-            self.runner.activation_peak_bytes = with_vision_peak(
-                text_peak, self.image_prompts.encoder, MAX_IMAGES_PER_REQUEST, self.runner.device
-            )
+            encoder = self.image_prompts.encoder
+            num_images = warmup_image_count(encoder, MAX_IMAGES_PER_REQUEST, max_input_tokens)
+            self.runner.activation_peak_bytes = with_vision_peak(text_peak, encoder, num_images, self.runner.device)
         # CUDA_GRAPHS: the decode graphs' memory is measured now and left out of the pool below.
         self.runner.profile_decode_graphs(max_total_tokens or self.runner.spec.max_position_embeddings)
         ids = [r.id for r in warm.requests]

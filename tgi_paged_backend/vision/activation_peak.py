@@ -20,6 +20,16 @@ def largest_image(encoder: Any) -> Any:
     return encoder.largest_image()
 
 
+def warmup_image_count(encoder: Any, max_images: int, max_input_tokens: int | None) -> int:
+    """How many largest images Warmup encodes: ``max_images``, fewer when ``max_input_tokens`` cannot hold
+    that many images' placeholders (a request with more is refused, so no prefill encodes them). Matters for
+    Qwen2-VL's processor (up to 16384 placeholders per image) more than for fixed-grid families."""
+    if max_input_tokens is None:
+        return max_images
+    per_image = max(1, int(encoder.token_count(encoder.largest_image())))
+    return max(1, min(max_images, max_input_tokens // per_image))
+
+
 def vision_peak_bytes(encoder: Any, num_images: int, device: torch.device) -> tuple[int, int]:
     """``(peak, held)``: bytes the encode of ``num_images`` largest images needs at its peak (CUDA: measured
     with ``max_memory_allocated``; elsewhere the embeddings' bytes, a lower bound) and bytes of the
