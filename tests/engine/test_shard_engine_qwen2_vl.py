@@ -175,3 +175,21 @@ def test_warmup_encodes_only_the_images_a_request_can_carry(qwen_dir) -> None:
     calls = counting_encodes(engine)
     router_warmup(engine, 256, max_input_tokens=150, max_total_tokens=200)
     assert calls[0] == 2
+
+
+def test_decode_runs_the_static_step_with_the_delta(qwen_dir, reference) -> None:
+    """Decode rows of an image request have three equal streams (index + delta): they go to the static
+    decode step as 1-D positions, and the tokens stay HF's."""
+    engine = make_engine(qwen_dir, num_blocks=64)
+    engine.runner.prepare_static_decode(256, mode="eager", buckets=(1, 2, 4))
+    assert engine.runner.static_decode is not None
+    static_runs = []
+    plain = engine.runner.static_decode.run
+    engine.runner.static_decode.run = lambda batch: static_runs.append(batch.positions.tolist()) or plain(batch)
+    driver = RouterDriver(engine)
+    specs = [image_spec(engine, None, 80, ["the fox ", RED, " is quick"], 6), image_spec(engine, None, 81, ["hi"], 6)]
+    driver.run(BatchSpec(id=10, requests=tuple(specs)))
+    ids, images = engine.image_prompts.encode(specs[0])
+    assert static_runs and static_runs[0][0] == len(ids) + images.rope.delta  # the first decode: index + delta
+    assert mismatches(scenarios.ScenarioRun(engine, driver, specs), reference) == []
+    driver.assert_idle()

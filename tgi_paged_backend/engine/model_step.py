@@ -188,14 +188,18 @@ class ModelStep:
         if image_rows:
             batch = dataclasses.replace(batch, image_rows=tuple(image_rows))
         rope = self._rope_positions(plan, layout.positions, layout.query_start_loc)
-        if rope is not None:
+        if rope is not None and (rope == rope[0]).all():  # the three streams agree (decode): 1-D, static decode
+            batch = dataclasses.replace(batch, positions=torch.from_numpy(rope[0].copy()))
+        elif rope is not None:
             batch = dataclasses.replace(batch, rope_positions=torch.from_numpy(rope))
         return batch.to(self.runner.device), rows, encoded
 
     @staticmethod
     def _rope_positions(plan: StepPlan, positions: np.ndarray, starts: np.ndarray) -> np.ndarray | None:
         """``[3, T]`` M-RoPE positions when a request of the step has them (each row's index elsewhere),
-        else ``None``; decode and generated positions get the request's delta (:mod:`~..vision.mrope`)."""
+        else ``None``; decode and generated positions get the request's delta (:mod:`~..vision.mrope`).
+        A step whose rows all have three equal streams (every decode) passes them as 1-D ``positions``, so
+        the static decode step (compiled / graphs) still runs it."""
         if not any(r.images is not None and r.images.rope is not None for r, _ in plan.scheduled):
             return None
         rope = np.broadcast_to(positions, (3, positions.shape[0])).astype(np.int64)

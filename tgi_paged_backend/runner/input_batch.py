@@ -25,7 +25,10 @@ class ForwardBatch:
     input_ids : torch.Tensor
         ``[T]`` int64 token ids.
     positions : torch.Tensor
-        ``[T]`` int64 token positions (index of each token in its own request).
+        ``[T]`` int64 rotary positions the model gets (``position_ids``): each token's index in its own
+        request, plus the request's M-RoPE delta past an image prompt (:mod:`tgi_paged_backend.vision.mrope`,
+        where the three streams agree, e.g. every decode row). The KV layout never reads them (slots,
+        block tables and ``seq_lens`` place the tokens).
     slot_mapping : torch.Tensor
         ``[T]`` int64 physical slots (``physical_block * block_size + offset``) where each token's
         K/V is written.
@@ -52,8 +55,8 @@ class ForwardBatch:
         embeddings; ``()`` (every text-only step): the model embeds ``input_ids`` itself.
     rope_positions : torch.Tensor or None
         ``[3, T]`` int64 multimodal rotary positions (M-RoPE families, :mod:`tgi_paged_backend.vision.mrope`)
-        given to the model instead of ``positions`` when a request of the step has images; ``None``: the
-        model rotates by ``positions`` (which always stay the KV positions the attention uses).
+        given to the model instead of ``positions`` when a row of the step has three different streams (a
+        prefill chunk over an image); ``None``: the model rotates by ``positions``.
     """
 
     input_ids: torch.Tensor
