@@ -44,6 +44,9 @@ from .api import (
 
 if TYPE_CHECKING:  # the lazy names below, for type checkers
     from .cpu_layer import (
+        PACK_BLOCK as PACK_BLOCK,
+    )
+    from .cpu_layer import (
         LayerForm as LayerForm,
     )
     from .cpu_layer import (
@@ -92,6 +95,7 @@ _LAZY = {
     "native_kernels": "cpu_native",
     "native_decode_for": "cpu_native",
     "LayerForm": "cpu_layer",
+    "PACK_BLOCK": "cpu_layer",
     "LayerWeights": "cpu_layer",
     "decode_layer": "cpu_layer",
     "gemm_packed": "cpu_layer",

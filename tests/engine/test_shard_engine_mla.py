@@ -124,7 +124,7 @@ def test_host_and_disk_tiers_carry_the_fp8_latent_bit_for_bit(v3_dir, tmp_path):
 def test_decompressed_prefill_is_exact(v3_dir, hf_greedy, monkeypatch):
     """Prefill steps that expand the latents to per-head keys and values (prompts, chunks, a follow-up over retained
     blocks) give HF's tokens; decode steps stay absorbed."""
-    from tgi_paged_backend.runner.model.mla import PagedLatentAttention
+    from tgi_paged_backend.runner.families.mla import PagedLatentAttention
 
     monkeypatch.setattr(PagedLatentAttention, "prefill_form", "decompressed")
     calls = []
@@ -155,7 +155,7 @@ def test_auto_prefill_decompresses_long_prompts_only(v3_dir):
     decompresses, 64-token chunks of 16 requests and any decode (one token per request) stay absorbed."""
     from types import SimpleNamespace
 
-    from tgi_paged_backend.runner.model.mla import PagedLatentAttention
+    from tgi_paged_backend.runner.families.mla import PagedLatentAttention
 
     sizes = SimpleNamespace(
         prefill_form="auto", kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128

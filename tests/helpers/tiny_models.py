@@ -155,7 +155,7 @@ def reference_attention(path: Path | str) -> str:
     """The ``attn_implementation`` of the reference for the model in ``path``: ``eager``, except ``sdpa`` for
     Falcon's ALiBi variants, whose eager path (transformers 5.24) adds the ALiBi bias twice (once folded into the
     causal mask, once more before the scaling); the SDPA path adds it once, as the original Falcon-RW code does
-    (``runner/model/falcon.py``)."""
+    (``runner/families/falcon.py``)."""
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     return "sdpa" if config.model_type == "falcon" and getattr(config, "alibi", False) else "eager"
 

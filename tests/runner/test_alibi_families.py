@@ -1,4 +1,4 @@
-"""Bloom and MPT (ALiBi) served through their paged attention modules (``runner/model/alibi.py``): slopes equal
+"""Bloom and MPT (ALiBi) served through their paged attention modules (``runner/families/alibi.py``): slopes equal
 to transformers' own, logits and greedy tokens equal to HF's at head counts that are not powers of two (Bloom's
 extra slopes, MPT's reordering), with chunked prefill, mixed arrivals and preemption; the variants refused at
 start, and each tensor-parallel rank's heads with their slopes."""
@@ -16,13 +16,13 @@ from tests.helpers.family_models import FAMILY_BY_NAME, family_config, write_fam
 from tests.helpers.paged_driver import PagedDriver, greedy_paged
 from tests.helpers.tiny_models import load_reference
 from tgi_paged_backend.config import CacheConfig, ModelConfig
-from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
-from tgi_paged_backend.runner.model.alibi import (
+from tgi_paged_backend.runner.families.alibi import (
     BloomPagedAttention,
     MptPagedAttention,
     bloom_alibi_slopes,
     mpt_alibi_slopes,
 )
+from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model.family_support import unsupported_reason
 from tgi_paged_backend.runner.model.loader import load_model
 from tgi_paged_backend.runner.model.spec import ModelSpec

@@ -1,4 +1,4 @@
-"""Falcon over the paged KV cache (``runner/model/falcon.py``): every variant transformers' Falcon has
+"""Falcon over the paged KV cache (``runner/families/falcon.py``): every variant transformers' Falcon has
 gives HF's logits (prefill and decode, two requests at once) and HF's greedy tokens (a mixed batch, chunked
 prefill); the q/k/v split equals transformers' own for each layout; the ALiBi variants (Falcon-RW's layout and
 ALiBi over the others) likewise, with Falcon's slopes and scaling; configs transformers' Falcon cannot run are
@@ -25,8 +25,8 @@ from tests.helpers.triton_serving import LAUNCHERS, route_to_triton
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.attention import METADATA_KWARG
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention
+from tgi_paged_backend.runner.families.falcon import PagedFalconAttention, falcon_alibi_slopes
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
-from tgi_paged_backend.runner.model.falcon import PagedFalconAttention, falcon_alibi_slopes
 from tgi_paged_backend.runner.model.loader import load_model
 from tgi_paged_backend.runner.model.spec import ModelSpec
 from tgi_paged_backend.runner.model_runner import ModelRunner

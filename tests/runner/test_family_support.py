@@ -15,7 +15,8 @@ import transformers
 
 from tests.helpers.family_matrix import start_error
 from tests.helpers.family_models import FAMILY_BY_NAME, write_family_model
-from tgi_paged_backend.runner.model import falcon, family_support, loader
+from tgi_paged_backend.runner.families import falcon
+from tgi_paged_backend.runner.model import family_support, loader
 
 
 def _config_only_dir(tmp_path: Path, config: transformers.PretrainedConfig) -> Path:
@@ -51,7 +52,7 @@ def test_unserved_kinds_are_refused_from_the_config(model_type, phrase, tmp_path
 def test_generic_checks_catch_attention_that_bypasses_the_interface(name, phrase, tmp_path, monkeypatch):
     # Without the per-family reasons, the loader still refuses: Bloom without its ALiBi modules swapped in runs
     # its own attention (the probe forward sees no call: served as is it gives wrong tokens), Falcon has no
-    # class for our name (when it is not given its own attention module, runner/model/falcon.py).
+    # class for our name (when it is not given its own attention module, runner/families/falcon.py).
     monkeypatch.setattr(family_support, "unsupported_reason", lambda config: None)
     monkeypatch.setattr(loader, "install_alibi_attention", lambda model: 0)
     monkeypatch.setattr(falcon, "MODEL_TYPE", "not-falcon")

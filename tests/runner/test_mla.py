@@ -17,8 +17,8 @@ import tgi_paged_backend.runner.kv_pool as kv_pool_module
 from tests.helpers.paged_driver import PagedDriver, greedy_paged
 from tests.helpers.static_decode_stand_ins import CountingBackend, fake_cuda_graphs
 from tgi_paged_backend.config import CacheConfig, ModelConfig
+from tgi_paged_backend.runner.families.mla import PagedLatentAttention
 from tgi_paged_backend.runner.model import family_support
-from tgi_paged_backend.runner.model.mla import PagedLatentAttention
 from tgi_paged_backend.runner.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -132,7 +132,7 @@ def test_rope_forms_are_transformers_own_bit_for_bit():
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 
-    from tgi_paged_backend.runner.model.mla import rotate_complex, rotate_halves, rotate_interleaved
+    from tgi_paged_backend.runner.families.mla import rotate_complex, rotate_halves, rotate_interleaved
 
     generator = torch.Generator().manual_seed(0)
     q, k = torch.randn(5, 4, 8, generator=generator), torch.randn(5, 1, 8, generator=generator)

@@ -11,7 +11,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from tgi_paged_backend.runner.cpu.qkv_layouts import linearize_conv1d, qkv_layout
-from tgi_paged_backend.runner.model.falcon import PagedFalconAttention, StepChannel
+from tgi_paged_backend.runner.families.falcon import PagedFalconAttention, StepChannel
 
 
 def _split(layout, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

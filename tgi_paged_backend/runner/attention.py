@@ -198,8 +198,8 @@ def paged_attention(
 
     The core shared by the HF hook (:func:`paged_attention_forward`) and the fused attention modules
     (:mod:`tgi_paged_backend.runner.cpu.fused_blocks`) and the ALiBi attention modules
-    (:mod:`tgi_paged_backend.runner.model.alibi`, ``alibi_slopes``: fp32 ``[Hq]``) and the latent attention
-    (:mod:`tgi_paged_backend.runner.model.mla`, ``values_in_keys``: ``v`` is the first ``Dv`` columns of ``k``,
+    (:mod:`tgi_paged_backend.runner.families.alibi`, ``alibi_slopes``: fp32 ``[Hq]``) and the latent attention
+    (:mod:`tgi_paged_backend.runner.families.mla`, ``values_in_keys``: ``v`` is the first ``Dv`` columns of ``k``,
     the pool holds one tensor, and the layer's value cache is the view of its first ``Dv`` columns). Returns
     ``[T, Hq, Dv]`` in ``q``'s dtype.
     """

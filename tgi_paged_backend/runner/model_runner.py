@@ -28,10 +28,10 @@ from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMet
 from tgi_paged_backend.runner.cpu.fast_layers import SwapReport
 from tgi_paged_backend.runner.cpu.fused_blocks import FusionReport
 from tgi_paged_backend.runner.cpu.native_layers import NativeLayersReport
+from tgi_paged_backend.runner.families.alibi import has_alibi_attention
 from tgi_paged_backend.runner.image_embeds import model_inputs
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch, dummy_prefill_chunks
 from tgi_paged_backend.runner.kv_pool import BlockIds, KVPool
-from tgi_paged_backend.runner.model.alibi import has_alibi_attention
 from tgi_paged_backend.runner.model.loader import LoadedModel, load_model, resident_bytes
 from tgi_paged_backend.runner.model.medusa import MedusaHeads, load_medusa_for
 from tgi_paged_backend.runner.model.spec import ModelSpec, resolve_kv_dtype

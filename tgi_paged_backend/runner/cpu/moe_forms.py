@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tgi_paged_kernels import NativeKernels, gemm_packed
-from tgi_paged_kernels.cpu_layer import PACK_BLOCK
+from tgi_paged_kernels import PACK_BLOCK, NativeKernels, gemm_packed
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ head, then every key head, then every value head. Checkpoints lay them out in se
 - one ``c_attn`` (GPT-2 after :func:`linearize_conv1d`; GPT-BigCode): all q, all k, all v, the key and value one
   head each under multi-query attention, taken as it is; GPT-BigCode without multi-query: per head its q, k, v;
 - one ``query_key_value``: GPT-NeoX's per head q, k, v; our Falcon attention's
-  (:class:`~tgi_paged_backend.runner.model.falcon.PagedFalconAttention`) in its variant's layout (per KV group
+  (:class:`~tgi_paged_backend.runner.families.falcon.PagedFalconAttention`) in its variant's layout (per KV group
   its query heads then its key and value; multi-query: all queries, one key, one value; else per head).
 
 A layout that needs its rows reordered becomes a new ``nn.Linear`` of the same weights in the other order (no LoRA

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
-from tgi_paged_backend.runner.model import falcon, mla, vlm_loading
-from tgi_paged_backend.runner.model.alibi import ALIBI_MODEL_TYPES, alibi_refusal
+from tgi_paged_backend.runner.families import falcon, mla
+from tgi_paged_backend.runner.families.alibi import ALIBI_MODEL_TYPES, alibi_refusal
+from tgi_paged_backend.runner.model import vlm_loading
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -131,7 +132,7 @@ def unsupported_reason(config: Any) -> str | None:
     if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):
         return (
             "ALiBi position biases are applied only by the paged attention modules of Bloom, MPT and Falcon "
-            "(runner/model/alibi.py, falcon.py); this family computes its attention its own way"
+            "(runner/families/alibi.py, falcon.py); this family computes its attention its own way"
         )
     return None
 

@@ -21,9 +21,10 @@ from packaging.version import Version
 
 from tgi_paged_backend.config import ModelConfig
 from tgi_paged_backend.runner.attention import register_attention
-from tgi_paged_backend.runner.model import falcon, family_support, vlm_loading
-from tgi_paged_backend.runner.model.alibi import install_alibi_attention
-from tgi_paged_backend.runner.model.mla import install_latent_attention
+from tgi_paged_backend.runner.families import falcon
+from tgi_paged_backend.runner.families.alibi import install_alibi_attention
+from tgi_paged_backend.runner.families.mla import install_latent_attention
+from tgi_paged_backend.runner.model import family_support, vlm_loading
 from tgi_paged_backend.runner.model.rope_scaling import apply_rope_scaling
 from tgi_paged_backend.runner.quant.methods import SUPPORTED_QUANTIZE, QuantizationError, check_quantize, refusal
 

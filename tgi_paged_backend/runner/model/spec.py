@@ -131,7 +131,7 @@ class ModelSpec:
     """Multi-head latent attention (DeepSeek-V2/V3, ``kv_lora_rank``): the compressed KV's width, else 0. The pool
     then holds ONE tensor per layer, ``[blocks, block_size, 1, head_dim]`` with ``head_dim = latent_rank +
     qk_rope_head_dim`` (the latent, then the shared RoPE key), and the value cache is the view of its first
-    ``latent_rank`` columns (:mod:`tgi_paged_backend.runner.model.mla`)."""
+    ``latent_rank`` columns (:mod:`tgi_paged_backend.runner.families.mla`)."""
 
     @property
     def v_head_dim(self) -> int:

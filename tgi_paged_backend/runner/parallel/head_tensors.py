@@ -3,7 +3,7 @@
 Rank ``r`` of ``N`` serves the contiguous query heads ``r * Hq / N .. (r + 1) * Hq / N`` (:mod:`.slicing` cuts
 every q/k/v layout that way), so a tensor holding one value per query head keeps exactly those entries: the
 attention sinks of gpt-oss (a parameter) and the ALiBi slopes of Bloom, MPT and Falcon-RW (the ``alibi_slopes``
-buffer of :mod:`tgi_paged_backend.runner.model.alibi` and :mod:`tgi_paged_backend.runner.model.falcon`). Rank
+buffer of :mod:`tgi_paged_backend.runner.families.alibi` and :mod:`tgi_paged_backend.runner.families.falcon`). Rank
 ``r`` thus needs the slopes of *its* heads, not the first ``Hq / N`` slopes: ALiBi's slopes fall geometrically with
 the head index, so a rank given another's would bias its heads wrongly.
 """

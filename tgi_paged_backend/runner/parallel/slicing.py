@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from tgi_paged_backend.runner.cpu.qkv_layouts import linearize_conv1d
+from tgi_paged_backend.runner.families.mla import PagedLatentAttention
 from tgi_paged_backend.runner.model.loader import ModelLoadError
-from tgi_paged_backend.runner.model.mla import PagedLatentAttention
 from tgi_paged_backend.runner.model.spec import ModelSpec
 from tgi_paged_backend.runner.parallel.fused_parts import (
     ReducedOutput,
@@ -279,13 +279,13 @@ def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, a
         linearize_conv1d(layer)  # GPT-2's Conv1D projections as the nn.Linear they are (weight transposed)
         q_rows, kv_all = spec.num_q_heads * head_dim, spec.num_kv_heads * head_dim
         q_part = slice(rank * q_rows // world_size, (rank + 1) * q_rows // world_size)
-        if isinstance(attn, PagedLatentAttention):  # runner/model/mla.py: heads split, the latent whole
+        if isinstance(attn, PagedLatentAttention):  # runner/families/mla.py: heads split, the latent whole
             name = "q_proj" if attn.q_proj is not None else "q_b_proj"  # the query's rows, head by head
             setattr(
                 attn, name, _shard_columns(_linear(attn, name, where), rank, world_size, f"{where}.self_attn.{name}")
             )
             attn.keep_heads(rank, world_size)
-        elif hasattr(attn, "new_decoder_architecture"):  # Falcon (runner/model/falcon.py): its variant's layout
+        elif hasattr(attn, "new_decoder_architecture"):  # Falcon (runner/families/falcon.py): its variant's layout
             attn.query_key_value = _shard_falcon_qkv(attn, spec, rank, world_size, where)
         elif getattr(attn, "multi_query", False):  # GPT-BigCode: [q; k; v] with one KV head, kept by every rank
             attn.c_attn = take_rows(

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, paged_attention, step_metadata
-from tgi_paged_backend.runner.model.alibi import bloom_alibi_slopes
+from tgi_paged_backend.runner.families.alibi import bloom_alibi_slopes
 from tgi_paged_backend.runner.model.spec import num_kv_heads_of
 
 MODEL_TYPE = "falcon"
