@@ -285,7 +285,13 @@ def _mark(ok: bool | None) -> str:
     return "n/a" if ok is None else ("yes" if ok else "**NO**")
 
 
-def _tp_mark(outcome: TpOutcome | None) -> str:
+SERVED_VLM_NAMES = frozenset(v.name for v in VLM_FAMILIES if v.served)
+"""Served VLMs: refused at start under TP (``runner/parallel/tp_runner.py``; ``tests/runner/test_vlm_refusals.py``)."""
+
+
+def _tp_mark(outcome: TpOutcome | None, served_vlm: bool = False) -> str:
+    if outcome is None and served_vlm:
+        return "refused (a vision-language model: served on one shard only so far)"
     if outcome is None:
         return "not run"
     if outcome.refusal is not None:
@@ -345,7 +351,7 @@ def render_markdown(
         lines.append(
             f"| {r.family.name} | {r.architecture} | {_mark(single)} | {_mark(preempt)} | "
             f"{_mark(r.exact.get('speculate'))} | "  # n/a: not run (the VLM rows)
-            f"{_tp_mark(tp.get(r.family.name))} | "
+            f"{_tp_mark(tp.get(r.family.name), r.family.name in SERVED_VLM_NAMES)} | "
             f"{windowed} | {r.cpu_decode} | {r.family.feature} |"
         )
     if reclaim_table is not None:
