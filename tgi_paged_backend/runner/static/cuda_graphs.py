@@ -84,8 +84,11 @@ def measure_decode_graph_bytes(
     step = make_step(k_tmp, v_tmp)
     capture_decode_graphs(step)
     free_after = torch.cuda.mem_get_info(device)[0]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in k_tmp + v_tmp}
-    tmp_bytes = sum(storages.values())  # a value view shares its key's storage: counted once
+    storages: dict[int, int] = {}
+    for tensor in k_tmp + v_tmp:  # a value view shares its key's storage: counted once
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    tmp_bytes = sum(storages.values())
     del step, k_tmp, v_tmp
     gc.collect()
     torch.cuda.synchronize(device)
