@@ -13,7 +13,7 @@ rounds, and prints median and min ms per step with the host's CPU and load. Vari
 - ``compiled`` / ``sdpa``: ``TGI_PAGED_CPU_DECODE=compiled`` / ``sdpa`` decode attention, unfused, with
   torch's RMSNorm: the forward as it was before the native kernels (``compiled`` was the default).
 
-    .venv/bin/python examples/bench_forward.py [--model smollm2|hostbound|DIR] [--rows 20] [--threads 2]
+    .venv/bin/python examples/bench_forward.py [--model smollm2|hostbound|hostbound-qwen3|...|DIR] [--rows 20] [--threads 2]
         [--variants default per-op unfused compiled] [--prefill TOKENS]
 
 ``--prefill TOKENS`` times a prefill step of fresh prompts (17-156 tokens each, about TOKENS in all) instead.
@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from integration.peers.host import describe, host_info  # noqa: E402
-from integration.peers.hostbound import ensure_hostbound_model  # noqa: E402
+from integration.peers.hostbound import HostBoundSpec, ensure_hostbound_model  # noqa: E402
+from integration.peers.hostbound_forms import FORMS  # noqa: E402
 from tgi_paged_backend.bench.decode_step import random_decode_step, random_prefill_step  # noqa: E402
 from tgi_paged_backend.config import CacheConfig, ModelConfig  # noqa: E402
 from tgi_paged_backend.runner import model_runner  # noqa: E402
@@ -47,8 +48,9 @@ VARIANTS = ("default", "per-op", "unfused", "compiled", "sdpa", "all-packed")
 def _model_dir(name: str) -> str:
     if name == "smollm2":
         return str(SMOLLM2)
-    if name == "hostbound":
-        return str(ensure_hostbound_model(Path("out/bench"), SMOLLM2))  # where bench_peers.py keeps it
+    if name == "hostbound" or (name.startswith("hostbound-") and name[10:] in FORMS):  # hostbound-qwen3: a form
+        spec = HostBoundSpec(form=name.removeprefix("hostbound-") if name != "hostbound" else "llama")
+        return str(ensure_hostbound_model(Path("out/bench"), SMOLLM2, spec))  # where bench_peers.py keeps it
     return name
 
 

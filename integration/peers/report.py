@@ -142,12 +142,13 @@ def anatomy_table(shard: EngineResult | None, bare: dict[str, Any] | None, shape
 
 def _head(c: dict[str, Any]) -> str:
     model = c.get("model", "?")
-    if c.get("section") == "hostbound":
+    if str(c.get("section", "")).startswith("hostbound"):
         h = c.get("hostbound", {})
         model += (
-            f" (host-bound: {h.get('num_hidden_layers')} layers, hidden {h.get('hidden_size')}, head_dim "
-            f"{h.get('head_dim')}, {h.get('num_attention_heads')} heads / {h.get('num_key_value_heads')} KV, MLP "
-            f"{h.get('intermediate_size')}, random weights seed {h.get('seed')}, SmolLM2's tokenizer)"
+            f" (host-bound {h.get('form', 'llama')} form: {h.get('num_hidden_layers')} layers, hidden "
+            f"{h.get('hidden_size')}, head_dim {h.get('head_dim')}, {h.get('num_attention_heads')} heads / "
+            f"{h.get('num_key_value_heads')} KV, MLP {h.get('intermediate_size')}, random weights seed "
+            f"{h.get('seed')}, SmolLM2's tokenizer)"
         )
     parts = []
     if "prompt_min" in c:
@@ -188,6 +189,42 @@ def section_report(section: dict[str, Any]) -> str:
 TITLES = {"smollm2": "SmolLM2", "hostbound": "the host-bound model"}
 
 
+def _title(key: str) -> str:
+    if key.startswith("hostbound-"):
+        return f"the host-bound model, {key.removeprefix('hostbound-')} form"
+    return TITLES.get(key, key)
+
+
+def breadth_table(reports: list[dict[str, Any]]) -> str:
+    """One row per model and dtype over several runs' reports (``--dtype float32 bfloat16``): the burst's tokens/s of
+    this shard and vLLM, their ratio, and whether this shard's greedy tokens matched HF's."""
+    rows = []
+    for report in reports:
+        for section in report.get("sections", []):
+            c = section["config"]
+            if "burst" not in c.get("runs", []):
+                continue
+            by = engines_by_key(section)
+            shard, vllm = by.get("shard"), by.get("vllm")
+            mine = shard.runs.get("burst") if shard else None
+            theirs = vllm.runs.get("burst") if vllm else None
+            ours, peer = (None if r is None else r.tokens_per_s for r in (mine, theirs))
+            skipped = [r.engine for r in section["results"] if r.skipped]
+            rows.append(
+                [
+                    _title(section.get("key", "")),
+                    c.get("dtype", report.get("dtype", "float32")),
+                    _f(ours, "{:.0f}"),
+                    _f(peer, "{:.0f}"),
+                    _ratio(ours, peer),
+                    _match(mine),
+                    ", ".join(skipped) or "-",
+                ]
+            )
+    head = ["model", "dtype", "shard tok/s", "vLLM tok/s", "shard / vLLM", "shard greedy vs HF", "skipped"]
+    return "\n".join(["breadth (burst, best round each; one row per model and dtype):", table(head, rows)])
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The whole run; an older one-section report (no ``sections``) reads as the SmolLM2 section."""
     sections = report.get("sections") or [{**report, "key": "smollm2"}]
@@ -204,7 +241,7 @@ def format_report(report: dict[str, Any]) -> str:
         runs = ", ".join(section["config"].get("runs", ["burst", "poisson"]))
         parts += [
             "",
-            f"== {TITLES.get(section.get('key', ''), section.get('key'))}: {runs} ==",
+            f"== {_title(section.get('key', ''))}: {runs} ==",
             section_report(section),
         ]
     parts += ["", goals_table(issue21_goals(report))]

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,11 @@ class PeersConfig:
     """Alternated rounds of this shard and vLLM (``plan.schedule``); the best round is reported."""
     scenarios: tuple[str, ...] = SCENARIOS
     hostbound: HostBoundSpec = field(default_factory=HostBoundSpec)
+    """The host-bound shape and seed; its ``form`` is set per section from ``hostbound_forms``."""
+    hostbound_forms: tuple[str, ...] = ("llama",)
+    """Layer forms of the host-bound model, a section each (:data:`integration.peers.hostbound_forms.FORMS`)."""
+    models: tuple[Path, ...] = ()
+    """More model directories, a burst section each (their own tokenizer)."""
     hostbound_check: int = 8
     """Requests of the host-bound burst compared with HF greedy (random weights: near-ties; 0 skips it)."""
     vllm_python: Path = DEFAULT_PEERS / "vllm" / "bin" / "python"
@@ -73,12 +78,16 @@ def run_all(cfg: PeersConfig, *, log=print) -> dict[str, Any]:
     load = (os.getloadavg()[0], cpu_probe_ms())
     tok = transformers.AutoTokenizer.from_pretrained(cfg.model_dir)
     out = []
-    for section in sections(cfg.scenarios):
-        if section.key == "hostbound":
-            model_dir = ensure_hostbound_model(cfg.cache_dir, cfg.model_dir, cfg.hostbound, log=log)
+    for section in sections(cfg.scenarios, cfg.hostbound_forms, [str(m) for m in cfg.models]):
+        if section.hostbound:
+            spec = replace(cfg.hostbound, form=section.form)
+            model_dir = ensure_hostbound_model(cfg.cache_dir, cfg.model_dir, spec, log=log)
+        elif section.model_dir:
+            model_dir = Path(section.model_dir)
         else:
             model_dir = cfg.model_dir
-        out.append(run_section(cfg, section, model_dir, tok, log=log))
+        own = transformers.AutoTokenizer.from_pretrained(model_dir) if section.model_dir else tok
+        out.append(run_section(cfg, section, model_dir, own, log=log))
     machine = (
         f"{os.cpu_count()} CPUs; load average {load[0]:.1f} -> {os.getloadavg()[0]:.1f}; cpu probe "
         f"{load[1]:.0f} ms before, {cpu_probe_ms():.0f} ms after (fixed single-thread matmul loop; higher = busier)"
@@ -196,8 +205,9 @@ def _section_config(cfg, section, model_dir, traces, ids, refs) -> dict[str, Any
         )
     if "single" in traces:
         config.update(single_prompt=len(ids["single"][0]), single_new=traces["single"][0].output_tokens)
-    if section.key == "hostbound":
-        config["hostbound"] = {k: getattr(cfg.hostbound, k) for k in cfg.hostbound.__dataclass_fields__}
+    if section.hostbound:
+        spec = replace(cfg.hostbound, form=section.form)
+        config["hostbound"] = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
     return config
 
 
@@ -207,7 +217,7 @@ def _references(cfg: PeersConfig, section: Section, job: dict, env: dict, log) -
     On the host-bound model only the first ``cfg.hostbound_check`` burst requests are compared (random weights).
     """
     runs = job["runs"]
-    limit = cfg.hostbound_check if section.key == "hostbound" else None
+    limit = cfg.hostbound_check if section.hostbound else None
     out: dict[str, list[list[int]]] = {}
     shared = runs.get("burst") or runs.get("poisson")
     if shared and limit != 0:
