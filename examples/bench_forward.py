@@ -13,8 +13,8 @@ rounds, and prints median and min ms per step with the host's CPU and load. Vari
 - ``compiled`` / ``sdpa``: ``TGI_PAGED_CPU_DECODE=compiled`` / ``sdpa`` decode attention, unfused, with
   torch's RMSNorm: the forward as it was before the native kernels (``compiled`` was the default).
 
-    .venv/bin/python examples/bench_forward.py [--model smollm2|hostbound|hostbound-qwen3|...|DIR] [--rows 20] [--threads 2]
-        [--variants default per-op unfused compiled] [--prefill TOKENS]
+    .venv/bin/python examples/bench_forward.py [--model smollm2|hostbound|hostbound-qwen3|...|DIR] [--rows 20]
+        [--threads 2] [--variants default per-op unfused compiled] [--prefill TOKENS]
 
 ``--prefill TOKENS`` times a prefill step of fresh prompts (17-156 tokens each, about TOKENS in all) instead.
 """
