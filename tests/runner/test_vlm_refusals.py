@@ -10,7 +10,6 @@ import transformers
 
 from tests.helpers.family_matrix import start_error
 from tests.helpers.llava_next_models import write_llava_next_model
-from tests.helpers.qwen2_vl_models import write_qwen2_vl_model
 from tests.helpers.vlm_families import VLM_FAMILIES, write_config_only
 from tgi_paged_backend.runner.model import family_support, vlm_loading
 
@@ -105,22 +104,3 @@ def test_text_only_siblings_are_not_vlm_refused() -> None:
         if model_type in transformers.CONFIG_MAPPING:
             reason = family_support.unsupported_reason(transformers.AutoConfig.for_model(model_type))
             assert reason is None or "vision-language" not in reason, (model_type, reason)
-
-
-@pytest.mark.parametrize("model_type", ["llava_next", "qwen2_vl", "qwen2_5_vl"])
-def test_served_vlm_is_refused_under_tensor_parallelism(tmp_path, model_type) -> None:
-    from types import SimpleNamespace
-
-    import torch
-
-    from tgi_paged_backend.config import ModelConfig
-    from tgi_paged_backend.runner.model.loader import ModelLoadError
-    from tgi_paged_backend.runner.parallel.tp_runner import TensorParallelRunner
-
-    if model_type == "llava_next":
-        path = write_llava_next_model(tmp_path / "llava")
-    else:
-        path = write_qwen2_vl_model(tmp_path / model_type, model_type)
-    rank = SimpleNamespace(device=torch.device("cpu"))  # what loading reads of the runner
-    with pytest.raises(ModelLoadError, match="vision-language model, served on one shard only so far"):
-        TensorParallelRunner._load_model(rank, ModelConfig(model_id=str(path)))  # type: ignore[arg-type]
