@@ -17,7 +17,7 @@ transformers' decoder layers stay the model definition; inside them, :func:`fuse
   scratch pool.
 
 Both cut the per-layer host time of a decode step (each tensor op costs ~2-30 us of dispatch before
-any math; ``docs/performance.md``, "CPU forward"). They run before the linears are packed
+any math; ``docs/performance-cpu.md``, "CPU forward"). They run before the linears are packed
 (:mod:`tgi_paged_backend.runner.cpu.fast_layers`), so the fused projections are packed too. Quantized or tensor-parallel
 projections are not plain ``nn.Linear`` and keep their blocks. CPU only: on CUDA the eager modules are
 captured in CUDA graphs instead (not measured with fusion; no GPU was lent).

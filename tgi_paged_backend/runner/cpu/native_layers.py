@@ -20,7 +20,7 @@ router, top-k, experts' GEMMs: :mod:`.moe_forms`)) is wrapped by :class:`NativeD
 Wrapped only after one decode step over scratch pools gives the original's output and K/V (to 1e-4: the
 GEMM sums in another order than oneDNN/MKL): a description that is wrong is never served.
 ``TGI_PAGED_NATIVE_LAYERS=0`` (``ModelConfig.native_layers``) keeps the per-op path. Figures:
-``docs/performance.md``, "CPU forward".
+``docs/performance-cpu.md``, "CPU forward".
 """
 
 from __future__ import annotations
