@@ -71,6 +71,8 @@ LLAMA_FORM_ATTENTION = frozenset(
         "PhiAttention",
         "Qwen2Attention",
         "Qwen2MoeAttention",
+        "Qwen2VLAttention",  # transformers >= 5 merges M-RoPE's sections in the rotary module: plain tables here
+        "Qwen2_5_VLAttention",
         "Qwen3Attention",
         "Qwen3MoeAttention",
         "Starcoder2Attention",

@@ -52,6 +52,8 @@ NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = 
     "MixtralDecoderLayer": _PRE,  # MoE: router and experts in the native step (.moe_forms)
     "Qwen3MoeDecoderLayer": _PRE,
     "Qwen2MoeDecoderLayer": _PRE,  # MoE with a shared expert; its dense layers (mlp_only_layers) too
+    "Qwen2VLDecoderLayer": _PRE,  # the VLMs' text layers: Qwen2's (M-RoPE is in the tables the model passes)
+    "Qwen2_5_VLDecoderLayer": _PRE,
     "OPTDecoderLayer": ("self_attn_layer_norm", None, "final_layer_norm", None),  # per config: _configured_places
     "FalconDecoderLayer": ("input_layernorm", None, "post_attention_layernorm", None),  # per config: the same
 }

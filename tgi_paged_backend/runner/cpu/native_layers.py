@@ -40,6 +40,7 @@ from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention, rope_
 from tgi_paged_backend.runner.cpu.layer_forms import NORM_PLACES, layer_attention, layer_form, layer_mlp, mlp_parts
 from tgi_paged_backend.runner.cpu.moe_forms import NativeExperts
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
+from tgi_paged_backend.runner.model.vlm_loading import text_model
 from tgi_paged_kernels import (
     LayerWeights,
     NativeKernels,
@@ -264,7 +265,7 @@ def wrap_native_layers(model: nn.Module, block_size: int) -> NativeLayersReport:
     place; other decoder layers are reported as kept, with the reason."""
     native = native_kernels()
     wrapped, kept = 0, set()
-    for parent in list(model.modules()):
+    for parent in list(text_model(model).modules()):  # a VLM's vision tower has no decode step
         for name, child in list(parent.named_children()):
             kind = type(child).__name__
             layer_like = kind.endswith(("DecoderLayer", "Block")) and (hasattr(child, "mlp") or hasattr(child, "ffn"))

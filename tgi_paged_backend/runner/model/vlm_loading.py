@@ -22,6 +22,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 ENCODERS: dict[str, str] = {
     "llava_next": "tgi_paged_backend.vision.llava_next_encoder:LlavaNextEncoder",
     "idefics3": "tgi_paged_backend.vision.idefics_encoder:Idefics3Encoder",
@@ -107,3 +109,19 @@ def load_image_encoder(model: Any, path: Path) -> Any:
     module, name = ENCODERS[str(model.config.model_type)].split(":")
     processor = transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True)
     return getattr(importlib.import_module(module), name)(model, processor)
+
+
+TEXT_MODELS = ("language_model", "text_model")
+"""Where a vision-language model keeps its language model (``model.model.<name>`` in transformers 5, or
+``model.<name>``): tensor parallelism slices only its decoder layers (the vision tower and Idefics2's resampler stay
+whole on every rank, which encodes the images itself) and only its layers get native decode steps."""
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The module holding the decoder layers: a VLM's language model, else ``model``."""
+    for owner in (getattr(model, "model", None), model):
+        for name in TEXT_MODELS:
+            found = getattr(owner, name, None) if isinstance(owner, nn.Module) else None
+            if isinstance(found, nn.Module):
+                return found
+    return model

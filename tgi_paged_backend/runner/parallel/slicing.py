@@ -20,6 +20,7 @@ from tgi_paged_backend.runner.cpu.qkv_layouts import linearize_conv1d
 from tgi_paged_backend.runner.families.mla import PagedLatentAttention
 from tgi_paged_backend.runner.model.loader import ModelLoadError
 from tgi_paged_backend.runner.model.spec import ModelSpec
+from tgi_paged_backend.runner.model.vlm_loading import text_model
 from tgi_paged_backend.runner.parallel.fused_parts import (
     ReducedOutput,
     shard_experts,
@@ -250,23 +251,7 @@ def _mlp_owner(layer: nn.Module) -> nn.Module | None:
     return layer if isinstance(getattr(layer, "fc1", None), nn.Module) else None
 
 
-TEXT_MODELS = ("language_model", "text_model")
-"""Where a vision-language model keeps its language model (``model.model.<name>`` in transformers 5, or
-``model.<name>``): only its decoder layers are sliced; the vision tower (and Idefics2's resampler) stay whole on
-every rank, which encodes the images itself."""
-
-
-def text_model(model: nn.Module) -> nn.Module:
-    """The module whose decoder layers tensor parallelism slices: a VLM's language model, else ``model``."""
-    for owner in (getattr(model, "model", None), model):
-        for name in TEXT_MODELS:
-            found = getattr(owner, name, None) if isinstance(owner, nn.Module) else None
-            if isinstance(found, nn.Module):
-                return found
-    return model
-
-
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:  # a VLM's: its language model's (text_model)
     root = text_model(model)
     return [m for m in root.modules() if _attention(m) is not None and _mlp_owner(m) is not None]
 
