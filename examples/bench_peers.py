@@ -41,6 +41,8 @@ Usage::
     python examples/bench_peers.py --scenarios hostbound --engines shard vllm     # the host-bound figure alone
     python examples/bench_peers.py --scenarios burst hostbound --engines shard vllm \
         --hostbound-forms llama qwen3 gemma3 mixtral --dtype float32 bfloat16  # issue 39's breadth table
+    python examples/bench_peers.py --scenarios burst hostbound prefill --engines shard vllm --repeats 1 \
+        --hostbound-forms llama qwen3 gemma3 mixtral --dtype float32 bfloat16 --bf16-scenarios burst  # ~25 min
     python examples/bench_peers.py --scenarios prefill --engines shard vllm    # time to first token, 128-2048
 """
 
@@ -83,6 +85,9 @@ def main() -> None:
     parser.add_argument(
         "--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"], help="every engine's dtype(s)"
     )
+    parser.add_argument(
+        "--bf16-scenarios", nargs="+", default=None, choices=SCENARIOS, help="the bfloat16 run's (default: --scenarios)"
+    )
     parser.add_argument("--hostbound-forms", nargs="+", default=["llama"], choices=FORMS, help="host-bound layer forms")
     parser.add_argument("--models", nargs="+", default=[], help="more model directories, a burst section each")
     parser.add_argument(
@@ -119,7 +124,9 @@ def main() -> None:
     )
     reports = []
     for dtype in dict.fromkeys(args.dtype):
-        report = run_all(replace(base, dtype=dtype))
+        bf16_own = dtype == "bfloat16" and args.bf16_scenarios
+        scenarios = tuple(args.bf16_scenarios) if bf16_own else base.scenarios
+        report = run_all(replace(base, dtype=dtype, scenarios=scenarios))
         print()
         print(format_report(report))
         reports.append(report)
