@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tgi_paged_backend.engine.types import U64_MAX, BatchSpec, InvalidRequestError, RequestSpec
+from tgi_paged_backend.vision.attend_spans import longest_span_reason
 
 
 def validate_batch(batch: BatchSpec, *, live_ids: set[int], num_virtual_blocks: int, probe: bool = False) -> None:
@@ -106,3 +107,13 @@ def validate_fits_pool(request: RequestSpec, num_prompt: int, *, peak_blocks: in
             f"needs {peak_blocks} KV blocks at its peak, more than the {usable_blocks} of the pool: it could never "
             "finish"
         )
+
+
+def validate_spans(
+    request: RequestSpec, spans: Sequence[range], *, max_prefill_tokens: int, window: int | None = None
+) -> None:
+    """A bidirectional span (Gemma 3's image, PaliGemma's prompt) is prefilled in one chunk: one longer than the
+    step's prefill budget could never run; ``window``: spans that see past the sliding window must fit it."""
+    reason = longest_span_reason(spans, max_prefill_tokens, window)
+    if reason is not None:
+        raise InvalidRequestError(f"request {request.id}: {reason}")
