@@ -167,8 +167,8 @@ def test_paligemma2_prompt_longer_than_the_window_is_refused(model_dir) -> None:
     prompt is INVALID_ARGUMENT, a shorter one runs."""
     engine = make_engine(model_dir, num_blocks=64)
     router_warmup(engine, 256)
-    if engine.runner.image_encoder.span_window is None:
-        pytest.skip("no sliding window: PaliGemma (1)'s Gemma language model")
+    if getattr(engine.runner.image_encoder, "span_window", None) is None:
+        pytest.skip("no window the prefix sees past: Gemma 3 (windowed spans), PaliGemma (1)'s Gemma language model")
     long = image_spec(engine, None, 80, [RED, make_text(80, 30)], 4)
     assert len(engine.image_prompts.encode(long)[0]) > 56
     with pytest.raises(InvalidRequestError, match="longer than the sliding window"):
