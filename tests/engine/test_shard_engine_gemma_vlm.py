@@ -174,3 +174,29 @@ def test_paligemma2_prompt_longer_than_the_window_is_refused(model_dir) -> None:
     with pytest.raises(InvalidRequestError, match="longer than the sliding window"):
         engine.prefill(BatchSpec(id=11, requests=(long,)), None)
     assert engine.requests == {}
+
+
+def test_stock_routers_reservation_is_enough(model_dir, reference) -> None:
+    """Stock's router reserves ``input_length + max_new_tokens - 1`` slots, ``input_length`` counting each image as
+    its placeholders (the replay's rule) and the text with the tokenizer's BOS. PaliGemma's shard prompt is longer
+    (the server-side ``<bos>`` + text + ``\\n`` wrap): admitted all the same, token-exact."""
+    from types import SimpleNamespace
+
+    from integration.router_replay.image_tokens import router_image_rule
+    from tests.engine.conftest import RouterBlocks
+
+    engine = make_engine(model_dir, num_blocks=64)
+    router_warmup(engine, 256)
+    config = engine.runner.model.config
+    rule = router_image_rule(SimpleNamespace(model_type=config.model_type, text_config=config.text_config))
+    tokenizer = engine.image_prompts.tokenizer.tokenizer
+    input_length = len(tokenizer(rule(40, 24) + "caption en").input_ids)
+    spec = image_spec(engine, None, 90, [RED, "caption en"], 6)
+    got = RouterBlocks(engine).allocate(input_length + 6 - 1)
+    assert got is not None
+    spec = dataclasses.replace(spec, blocks=got[0], slots=got[1])
+    shard_length = len(engine.image_prompts.encode(spec)[0])
+    assert shard_length == input_length + 1 if config.model_type == "paligemma" else shard_length == input_length - 240
+    driver = RouterDriver(engine)
+    driver.run(BatchSpec(id=12, requests=(spec,)))
+    assert mismatches(scenarios.ScenarioRun(engine, driver, [spec]), reference) == []

@@ -141,6 +141,12 @@ class ImagePrompts:
         images = RequestImages(tuple(chunks), tuple(spans), tuple(positions), keys, rope=rope, bidirectional=bidirectional)
         return ids, images
 
+    def router_slack(self, spec: RequestSpec) -> int:
+        """Prompt tokens stock's router does not count for ``spec`` (the adapter's ``router_slack`` per text chunk)."""
+        per_chunk = getattr(self.encoder, "router_slack", 0)
+        text_chunks = sum(1 for c in spec.chunks if isinstance(c, str)) if request_images(spec) else 1
+        return int(per_chunk) * text_chunks
+
     def encode_requests(self, specs: Sequence[RequestSpec]) -> tuple[list[list[int]], list[RequestImages | None]]:
         """:meth:`encode` of every request, in order."""
         encoded = [self.encode(spec) for spec in specs]

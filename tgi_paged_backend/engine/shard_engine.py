@@ -269,7 +269,10 @@ class PagedShardEngine(StepEngine):
         prompts, images = self._encode_prompts(batch.requests)
         for spec, prompt_ids, request_images in zip(batch.requests, prompts, images):
             validate_sampling_params(spec.sampling)
-            validate_tokenized(spec, prompt_ids, block_size=self.block_size, max_input_tokens=max_input_tokens)
+            slack = 0 if self.image_prompts is None else self.image_prompts.router_slack(spec)
+            validate_tokenized(
+                spec, prompt_ids, block_size=self.block_size, max_input_tokens=max_input_tokens, slack=slack
+            )
             if request_images is not None:
                 window = None if warmup else getattr(self.runner.image_encoder, "span_window", None)
                 validate_spans(

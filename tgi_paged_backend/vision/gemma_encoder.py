@@ -96,6 +96,9 @@ class PaliGemmaEncoder(_SiglipEncoder):
 
     adds_special_tokens = False
     """Stock tokenizes PaliGemma's prompt without special tokens: the wrap puts the ``<bos>`` itself."""
+    router_slack = 2
+    """Tokens per text chunk the router's ``input_length`` does not count: the wrap's ``<bos>`` and ``\n`` (one
+    fewer with the router's own BOS): the shard's prompt may pass the reservation by that much."""
     position_offset = 1
     """Rotary positions are 1-indexed (transformers' ``PaliGemmaModel``, stock's ``position_ids += 1``)."""
 
