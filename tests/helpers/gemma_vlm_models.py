@@ -68,7 +68,9 @@ def _std(name: str) -> float:
     return 0.3 if "language_model" in name else 0.05
 
 
-def write_gemma_vlm_model(path: Path | str, family: str = "gemma3", *, seed: int = 0, text_model: str = "gemma") -> Path:
+def write_gemma_vlm_model(
+    path: Path | str, family: str = "gemma3", *, seed: int = 0, text_model: str = "gemma"
+) -> Path:
     """Write the tiny ``family`` model (``gemma3``, ``paligemma``), the tiny tokenizer with the family's image
     tokens added and the image processor to ``path`` (``text_model``: PaliGemma's language model)."""
     path = Path(path)

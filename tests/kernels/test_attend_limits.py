@@ -93,7 +93,9 @@ def test_torch_path_matches_the_reference(window, sinks, monkeypatch) -> None:
     assert_attention_close(paged_prefill_attention(*args, **options), expected, torch.float32)
     # The fresh requests' keys read from the new K/V instead of the pool: the same values, the same result.
     new_k, new_v = (
-        torch.cat([gather_request_kv(cache, kv.block_tables[b], n, 1.0)[n - q:] for b, (q, n, _) in enumerate(REQUESTS)])
+        torch.cat(
+            [gather_request_kv(cache, kv.block_tables[b], n, 1.0)[n - q :] for b, (q, n, _) in enumerate(REQUESTS)]
+        )
         for cache in (kv.k_cache, kv.v_cache)
     )
     got = paged_prefill_attention(*args, **options, new_kv=(new_k, new_v))

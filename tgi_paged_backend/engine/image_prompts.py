@@ -138,7 +138,9 @@ class ImagePrompts:
         keys = key_spans(keyed_token_ids(ids, spans, data), ids, bidirectional, spans, data)
         rope_positions = getattr(self.encoder, "rope_positions", None)  # only M-RoPE families' adapters have it
         rope = None if rope_positions is None else rope_positions(len(ids), spans, decoded)
-        images = RequestImages(tuple(chunks), tuple(spans), tuple(positions), keys, rope=rope, bidirectional=bidirectional)
+        images = RequestImages(
+            tuple(chunks), tuple(spans), tuple(positions), keys, rope=rope, bidirectional=bidirectional
+        )
         return ids, images
 
     def router_slack(self, spec: RequestSpec) -> int:

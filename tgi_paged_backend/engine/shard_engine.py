@@ -258,7 +258,12 @@ class PagedShardEngine(StepEngine):
     # -- internals --------------------------------------------------------------------------
 
     def _add_requests(
-        self, batch: BatchSpec, *, max_input_tokens: int | None, usable_blocks: int | None = None, probe: bool = False,
+        self,
+        batch: BatchSpec,
+        *,
+        max_input_tokens: int | None,
+        usable_blocks: int | None = None,
+        probe: bool = False,
         warmup: bool = False,
     ) -> None:
         """Validate everything, then register (no state changes before validation passes). With
@@ -276,7 +281,10 @@ class PagedShardEngine(StepEngine):
             if request_images is not None:
                 window = None if warmup else getattr(self.runner.image_encoder, "span_window", None)
                 validate_spans(
-                    spec, request_images.bidirectional, max_prefill_tokens=self.capacity.max_prefill_tokens, window=window
+                    spec,
+                    request_images.bidirectional,
+                    max_prefill_tokens=self.capacity.max_prefill_tokens,
+                    window=window,
                 )
             if usable_blocks is not None:
                 positions = len(prompt_ids) + spec.stopping.max_new_tokens - 1

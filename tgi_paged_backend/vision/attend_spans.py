@@ -104,7 +104,9 @@ def key_spans(
     for span in spans:
         if span in image_spans:
             continue
-        inside = [data for image, data in zip(image_spans, images) if image.start < span.stop and image.stop > span.start]
+        inside = [
+            data for image, data in zip(image_spans, images) if image.start < span.stop and image.stop > span.start
+        ]
         pseudo = span_pseudo_id(token_ids[span.start : span.stop], inside)
         keyed[span.start : span.stop] = [pseudo] * len(span)
     return keyed
