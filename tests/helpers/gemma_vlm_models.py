@@ -31,15 +31,15 @@ _TEXT = dict(
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32)
 
 
-def _config(family: str, ids: list[int], text_model: str) -> Any:
+def _config(family: str, ids: list[int], text_model: str, max_positions: int = 512) -> Any:
     if family == "gemma3":
-        text = {**_TEXT, "model_type": "gemma3_text", "sliding_window": 8,
+        text = {**_TEXT, "max_position_embeddings": max_positions, "model_type": "gemma3_text", "sliding_window": 8,
                 "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 16}  # fmt: skip
         return transformers.Gemma3Config(
             text_config=text, vision_config={**_VISION, "patch_size": 4}, mm_tokens_per_image=16,
             image_token_index=ids[0], boi_token_index=ids[1], eoi_token_index=ids[2],
         )  # fmt: skip
-    text = {**_TEXT, "model_type": text_model}
+    text = {**_TEXT, "max_position_embeddings": max_positions, "model_type": text_model}
     if text_model == "gemma2":
         text.update(sliding_window=56, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                     query_pre_attn_scalar=16)  # fmt: skip
@@ -69,16 +69,17 @@ def _std(name: str) -> float:
 
 
 def write_gemma_vlm_model(
-    path: Path | str, family: str = "gemma3", *, seed: int = 0, text_model: str = "gemma"
+    path: Path | str, family: str = "gemma3", *, seed: int = 0, text_model: str = "gemma", max_positions: int = 512
 ) -> Path:
     """Write the tiny ``family`` model (``gemma3``, ``paligemma``), the tiny tokenizer with the family's image
-    tokens added and the image processor to ``path`` (``text_model``: PaliGemma's language model)."""
+    tokens added and the image processor to ``path`` (``text_model``: PaliGemma's language model;
+    ``max_positions``: the language model's ``max_position_embeddings``, larger for stock's 256 per Gemma 3 image)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tiny_tokenizer()
     tokens = GEMMA3_TOKENS if family == "gemma3" else PALIGEMMA_TOKENS
     tokenizer.add_tokens([transformers.AddedToken(t, special=True) for t in tokens])
-    config = _config(family, [tokenizer.convert_tokens_to_ids(t) for t in tokens], text_model)
+    config = _config(family, [tokenizer.convert_tokens_to_ids(t) for t in tokens], text_model, max_positions)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForImageTextToText.from_config(config)

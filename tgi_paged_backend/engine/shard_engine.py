@@ -268,8 +268,8 @@ class PagedShardEngine(StepEngine):
     ) -> None:
         """Validate everything, then register (no state changes before validation passes). With
         ``usable_blocks``, a request whose whole history cannot fit the pool is refused; only the liveness
-        ``probe`` may use its reserved id and block; the ``warmup`` batch (its outputs are dropped) may have a
-        prefix-LM prompt longer than the sliding window."""
+        ``probe`` may use its reserved id and block; the ``warmup`` batch (its outputs are dropped) runs without
+        bidirectional spans (a PaliGemma prompt of the router's warmup length may pass the budget or the window)."""
         validate_batch(batch, live_ids=set(self.requests), num_virtual_blocks=self.num_virtual_blocks, probe=probe)
         prompts, images = self._encode_prompts(batch.requests)
         for spec, prompt_ids, request_images in zip(batch.requests, prompts, images):
@@ -278,8 +278,10 @@ class PagedShardEngine(StepEngine):
             validate_tokenized(
                 spec, prompt_ids, block_size=self.block_size, max_input_tokens=max_input_tokens, slack=slack
             )
-            if request_images is not None:
-                window = None if warmup else getattr(self.runner.image_encoder, "span_window", None)
+            if request_images is not None and warmup:  # its outputs are dropped: causal, any length, any chunking
+                request_images.bidirectional = ()
+            elif request_images is not None:
+                window = getattr(self.runner.image_encoder, "span_window", None)
                 validate_spans(
                     spec,
                     request_images.bidirectional,
