@@ -177,7 +177,7 @@ class NativeKernels:
             _ptr, _int, _i64, _i64,  # block tables, int64?, row stride, width
             _ptr, _int, _ptr, _int,  # query_start_loc, seq lens
             _ptr, _i64, _int, _int, _int, _int, _int,  # out, T, B, Hq, Hkv, D, block size
-            _float, _float, _int, _ptr, _float, _float, _int,
+            _float, _float, _int, _ptr, _float, _float, _ptr, _int,  # ..., k/v scales, key limits, threads
         )  # fmt: skip
         """Raw entry point of ``csrc/cpu_prefill.cpp``; :mod:`tgi_paged_kernels.cpu_prefill` wraps it."""
         self.lora_add = bind(

@@ -31,6 +31,8 @@ ENCODERS: dict[str, str] = {
     "idefics2": "tgi_paged_backend.vision.idefics_encoder:Idefics2Encoder",
     "qwen2_vl": "tgi_paged_backend.vision.qwen2_vl_encoder:Qwen2VlEncoder",
     "qwen2_5_vl": "tgi_paged_backend.vision.qwen2_vl_encoder:Qwen2VlEncoder",
+    "gemma3": "tgi_paged_backend.vision.gemma_encoder:Gemma3Encoder",
+    "paligemma": "tgi_paged_backend.vision.gemma_encoder:PaliGemmaEncoder",
 }
 """Served ``model_type`` -> its VLM adapter class (``module:Class``, imported at load)."""
 SERVED_VLM_MODEL_TYPES = frozenset(ENCODERS)
@@ -67,6 +69,15 @@ def checkpoint_reason(config: Any, path: Path) -> str | None:
         return _llava_next_reason(config, path)
     if str(config.model_type) in ("idefics3", "smolvlm"):
         return _idefics3_reason(config, path)
+    if str(config.model_type) == "gemma3":
+        return _gemma3_reason(path)
+    return None
+
+
+def _gemma3_reason(path: Path) -> str | None:
+    """Pan-and-scan crops add an image sequence per crop, which neither stock's count nor the adapter writes."""
+    if json.loads((path / PREPROCESSOR_CONFIG).read_text()).get("do_pan_and_scan"):
+        return "the image processor has do_pan_and_scan on: its crops are not counted (stock counts 256 per image)"
     return None
 
 
