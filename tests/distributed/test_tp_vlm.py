@@ -4,8 +4,9 @@ vision tower stays whole on every rank (``runner/parallel/slicing.text_model``),
 Two ranks each build the tensor-parallel shard engine (``build_engine`` with ``WORLD_SIZE=2``) over a tiny VLM
 and serve one batch: a request with one image, a text-only one, one with two images; rank 0's greedy tokens
 equal HF ``generate``'s on the same prompt ids and images. LLaVA-NeXT (``model.model.language_model``),
-Qwen2-VL (M-RoPE: the 3-D positions and the decode delta on both ranks) and Idefics3 (``model.model.text_model``,
-and a vision tower whose encoder layers have ``self_attn`` and ``mlp`` too: they must not be sliced).
+Qwen2-VL (M-RoPE: the 3-D positions and the decode delta on both ranks), Idefics3 (``model.model.text_model``,
+and a vision tower whose encoder layers have ``self_attn`` and ``mlp`` too: they must not be sliced), Gemma 3 and
+PaliGemma (bidirectional spans: the same per-row key limits on both ranks).
 
 The worker is this module (``python -m tests.distributed.test_tp_vlm --rank ...``).
 """
@@ -71,7 +72,7 @@ def _worker() -> None:
         Path(args.out).write_text(json.dumps(out))
 
 
-@pytest.mark.parametrize("model_type", ["llava_next", "qwen2_vl", "idefics3"])
+@pytest.mark.parametrize("model_type", ["llava_next", "qwen2_vl", "idefics3", "gemma3", "paligemma"])
 def test_two_rank_vlm_matches_hf(model_type: str, tmp_path: Path) -> None:
     from tests.helpers.vlm_families import VLM_FAMILIES
     from tests.helpers.vlm_tp import run_vlm_tp
