@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers
     from .cpu_layer import (
         pack_weight as pack_weight,
     )
+    from .cpu_layer_step import decode_layer_parts as decode_layer_parts
     from .cpu_lora import add_lora_cpu as add_lora_cpu
     from .cpu_lora import cpu_b_stack as cpu_b_stack
     from .cpu_native import (
@@ -98,6 +99,7 @@ _LAZY = {
     "PACK_BLOCK": "cpu_layer",
     "LayerWeights": "cpu_layer",
     "decode_layer": "cpu_layer",
+    "decode_layer_parts": "cpu_layer_step",
     "gemm_packed": "cpu_layer",
     "pack_weight": "cpu_layer",
     "dequantize_fp8": "fp8_gemm",

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .cpu_layer_step import LayerStep, address
 from .cpu_native import NativeKernels
 
 PACK_BLOCK = 16
@@ -211,10 +212,6 @@ def _pack_each(weight: torch.Tensor) -> torch.Tensor:
     return pack_weight(weight)
 
 
-def _address(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     """One decoder layer of ``form``, packed for :func:`decode_layer` (fp32 CPU tensors).
@@ -334,10 +331,10 @@ class LayerWeights:
             f.experts, f.top_k, int(f.norm_top_k), self.shared_intermediate,
             f.scale, f.softcap, f.residual_scale,
             *(f.eps for _ in LAYER_NORMS), f.qk_eps, f.qk_eps,
-            *(_address(getattr(self, name)) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias")),
+            *(address(getattr(self, name)) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias")),
             self.o.data_ptr(), self.gate_up.data_ptr(), self.down.data_ptr(),
-            *(_address(getattr(self, name)) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias", "router")),
-            *(_address(getattr(self, name)) for name in _SHARED),
+            *(address(getattr(self, name)) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias", "router")),
+            *(address(getattr(self, name)) for name in _SHARED),
         )  # fmt: skip
         object.__setattr__(self, "spec", spec)
 
@@ -351,13 +348,6 @@ class LayerWeights:
         moe = self.form.experts + 4 * h + (3 * self.shared_intermediate + h + 1 if self.form.shared_expert else 0)
         moe = moe if self.form.experts else 0
         return tokens * (2 * h + (2 * hq + 3 * hkv) * d + hq * d + 3 * self.intermediate + moe)
-
-
-def _rope_tables_fit(cos: torch.Tensor, sin: torch.Tensor, shape: tuple[int, int]) -> bool:
-    return (
-        cos.shape == shape and sin.shape == shape and cos.is_contiguous() and sin.is_contiguous()
-        and cos.dtype == torch.float32 and sin.dtype == torch.float32
-    )  # fmt: skip
 
 
 def decode_layer(
@@ -379,49 +369,11 @@ def decode_layer(
     ``cos``/``sin`` ``[T, rotary_dim or D]`` fp32 contiguous (unread, may be ``None``, for the rotary kind
     ``none``); ``block_tables`` ``[T, *]`` and ``seq_lens`` ``[T]``, int32 or int64. ``None`` for inputs of
     another kind (the caller runs the per-op path); ``ValueError`` for a slot or block id outside the pool or a
-    table too narrow (as the single kernels do).
+    table too narrow (as the single kernels do). A tensor-parallel rank's layer:
+    :func:`.cpu_layer_step.decode_layer_parts`.
     """
-    tokens = hidden.shape[0]
-    d = w.head_dim
-    if w.form.rope == "none":
-        cos = sin = None
-    elif cos is None or sin is None or not _rope_tables_fit(cos, sin, (tokens, w.form.rotary_dim or d)):
+    step = LayerStep.prepare(native, w, hidden, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens)
+    if step is None:
         return None
-    if (
-        hidden.dtype != torch.float32
-        or hidden.shape != (tokens, w.hidden_size)
-        or k_cache.dtype != torch.float32
-        or k_cache.shape != v_cache.shape
-        or k_cache.stride() != v_cache.stride()
-        or k_cache.shape[2:] != (w.num_kv_heads, d)
-        or k_cache.stride(-1) != 1
-        or slot_mapping.dtype != torch.int64
-        or slot_mapping.numel() != tokens
-        or block_tables.dim() != 2
-        or block_tables.shape[0] < tokens
-        or seq_lens.numel() < tokens
-        or block_tables.dtype not in (torch.int32, torch.int64)
-        or seq_lens.dtype not in (torch.int32, torch.int64)
-    ):
-        return None
-    out = hidden.contiguous().clone()
-    slot_mapping, seq_lens = slot_mapping.contiguous(), seq_lens.contiguous()
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
-    scratch = torch.empty(w.scratch_floats(tokens), dtype=torch.float32)
-    block_size = k_cache.shape[1]
-    status = native.decode_layer(
-        ctypes.addressof(w.spec), out.data_ptr(), tokens, _address(cos), _address(sin),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2),
-        slot_mapping.data_ptr(), block_tables.data_ptr(), int(block_tables.dtype == torch.int64),
-        block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64),
-        block_size, scratch.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    if status == 5:
-        raise ValueError(
-            f"decode_layer: slot_mapping holds a slot outside the pool's {k_cache.shape[0] * block_size} slots"
-        )
-    if status != 0:
-        raise ValueError(native.decode_error(status, block_tables, seq_lens, block_size, k_cache.shape[0]))
-    return out
+    step.run()
+    return step.out
