@@ -18,9 +18,11 @@ transformers' decoder layers stay the model definition; inside them, :func:`fuse
 
 Both cut the per-layer host time of a decode step (each tensor op costs ~2-30 us of dispatch before
 any math; ``docs/performance.md``, "CPU forward"). They run before the linears are packed
-(:mod:`tgi_paged_backend.runner.cpu.fast_layers`), so the fused projections are packed too. Quantized or tensor-parallel
-projections are not plain ``nn.Linear`` and keep their blocks. CPU only: on CUDA the eager modules are
-captured in CUDA graphs instead (not measured with fusion; no GPU was lent).
+(:mod:`tgi_paged_backend.runner.cpu.fast_layers`), so the fused projections are packed too. Quantized
+projections are not plain ``nn.Linear`` and keep their blocks; a tensor-parallel rank's blocks fuse over its
+slices (its row-parallel o and down projections kept as they are; the checks run with the all-reduces as the
+identity: :func:`~tgi_paged_backend.runner.parallel.row_parallel.local_sums`). CPU only: on CUDA the eager
+modules are captured in CUDA graphs instead (not measured with fusion; no GPU was lent).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from tgi_paged_backend.runner.cpu.qkv_layouts import (
     stacked,
 )
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
+from tgi_paged_backend.runner.parallel.row_parallel import RowParallelLinear
 from tgi_paged_kernels import native_kernels
 
 CHECK_TOKENS = 12
@@ -116,6 +119,13 @@ def _plain(*modules: Any) -> bool:
     return all(type(lora_base(m)) is nn.Linear for m in modules)
 
 
+def _plain_down(module: Any) -> bool:
+    """A plain down projection, or a tensor-parallel rank's row-parallel one over a plain ``nn.Linear`` of its
+    input columns (the MLP's output is then the all-reduced sum: fusing gate and up does not touch it)."""
+    base = lora_base(module)
+    return _plain(base) or (isinstance(base, RowParallelLinear) and _plain(base.local))
+
+
 class FusedGatedMLP(nn.Module):
     """``down(act(x @ [gate; up]^T)[:, :I] * ...[:, I:])``: gate and up in one GEMM."""
 
@@ -150,14 +160,14 @@ class FusedGatedMLP(nn.Module):
 def _gated_mlp(module: nn.Module) -> bool:
     if all(hasattr(module, n) for n in ("gate_up_proj", "down_proj", "activation_fn")):  # Phi-3
         gate_up = module.gate_up_proj
-        if not isinstance(gate_up, nn.Module) or not _plain(gate_up, module.down_proj):
+        if not isinstance(gate_up, nn.Module) or not (_plain(gate_up) and _plain_down(module.down_proj)):
             return False  # experts' stacked weights (a parameter), quantized or sliced projections
         return cast(nn.Linear, lora_base(gate_up)).out_features % 2 == 0
     if not all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return False
     gate, up = module.gate_proj, module.up_proj
     same_bias = len({cast(nn.Linear, lora_base(cast(nn.Module, m))).bias is None for m in (gate, up)}) == 1
-    return _plain(gate, up, module.down_proj) and same_bias and gate.out_features == up.out_features  # type: ignore[union-attr]
+    return _plain(gate, up) and _plain_down(module.down_proj) and same_bias and gate.out_features == up.out_features  # type: ignore[union-attr]
 
 
 def _rotary_dim(attn: nn.Module) -> int:

@@ -17,6 +17,15 @@ router, top-k, experts' GEMMs: :mod:`.moe_forms`)) is wrapped by :class:`NativeD
   packed weights (the native GEMM, as fast as oneDNN
   at every shape we measured): one copy of the weights, no extra memory.
 
+A **tensor-parallel rank**'s layer (its slices: its heads, its MLP columns, its row-parallel o and down over its
+input columns) is wrapped the same way; its decode step is native calls between the all-reduces of o's and down's
+partial sums (:func:`tgi_paged_kernels.decode_layer_parts`: two all-reduces, one for a parallel block), which run
+in Python through the row-parallel module's own all-reduce. Its prefills keep the row-parallel modules, their
+local linears native. Each rank checks its own slices with the all-reduces as the identity (no collective in the
+check), then the ranks agree (one all-gather): a layer is wrapped only where every rank's check passed, since a
+native rank and a per-op rank would make different all-reduces. An MoE block (sharded: its all-reduce wraps the
+block) or OLMo2's q/k norms over all heads (an all-reduce inside the norm) keep the per-op path under TP.
+
 Wrapped only after one decode step over scratch pools gives the original's output and K/V (to 1e-4: the
 GEMM sums in another order than oneDNN/MKL): a description that is wrong is never served.
 ``TGI_PAGED_NATIVE_LAYERS=0`` (``ModelConfig.native_layers``) keeps the per-op path. Figures:
@@ -26,6 +35,7 @@ GEMM sums in another order than oneDNN/MKL): a description that is wrong is neve
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -37,13 +47,22 @@ from torch import nn
 from tgi_paged_backend.lora.layers import find_lora_step, replace_lora_base
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention, rope_table_width, rope_tables
-from tgi_paged_backend.runner.cpu.layer_forms import NORM_PLACES, layer_attention, layer_form, layer_mlp, mlp_parts
+from tgi_paged_backend.runner.cpu.layer_forms import (
+    NORM_PLACES,
+    layer_attention,
+    layer_form,
+    layer_mlp,
+    mlp_parts,
+    row_parallel_part,
+)
 from tgi_paged_backend.runner.cpu.moe_forms import NativeExperts
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
+from tgi_paged_backend.runner.parallel.row_parallel import local_sums
 from tgi_paged_kernels import (
     LayerWeights,
     NativeKernels,
     decode_layer,
+    decode_layer_parts,
     gemm_packed,
     native_kernels,
 )
@@ -83,6 +102,11 @@ class NativeDecoderLayer(nn.Module):
         """Falcon's layers pass no metadata down: the model call's, from our Falcon attention's channel."""
         self.lora_step = find_lora_step(layer)
         """The adapters' routing when the layer has LoRA wrappers: steps with adapter rows run the per-op path."""
+        row_parallel = row_parallel_part(layer_attention(layer).o_proj)[2]
+        self._all_reduce = None if row_parallel is None else row_parallel.all_reduce
+        """A tensor-parallel rank's layer (its o and down projections row-parallel): what sums their partial sums
+        over the ranks, between the native calls of :func:`~tgi_paged_kernels.decode_layer_parts`; ``None``: the
+        whole layer is one call."""
         self.native_steps = 0
         """Decode steps this layer ran as one native call (the load-time check needs its step to be one)."""
         self.as_tuple = False
@@ -94,9 +118,10 @@ class NativeDecoderLayer(nn.Module):
         :class:`NativeLinear` views of them (prefills then run the native GEMM too)."""
         attn, mlp, w = cast(FusedPagedAttention, layer_attention(self.layer)), layer_mlp(self.layer), self.weights
         qkv_width = (w.num_q_heads + 2 * w.num_kv_heads) * w.head_dim
+        o_owner, o_name, o_bias = _computing(attn, "o_proj", w.o_bias)
         native: dict[tuple[nn.Module, str], nn.Module] = {
             (attn, "qkv_proj"): NativeLinear(w.qkv, qkv_width, w.qkv_bias, self.native),
-            (attn, "o_proj"): NativeLinear(w.o, w.hidden_size, w.o_bias, self.native),
+            (o_owner, o_name): NativeLinear(w.o, w.hidden_size, o_bias, self.native),
         }
         if w.form.experts:  # the experts' packed weights serve the other steps too (the router keeps its own)
             act_fn = cast(nn.Module, mlp.experts.act_fn)
@@ -110,9 +135,9 @@ class NativeDecoderLayer(nn.Module):
         else:
             up, down, _ = cast(tuple[str, str, str], mlp_parts(mlp))
             gate_up = NativeLinear(w.gate_up, (1 + w.form.gated) * w.intermediate, w.gate_up_bias, self.native)
-            native.update(
-                {(mlp, up): gate_up, (mlp, down): NativeLinear(w.down, w.hidden_size, w.down_bias, self.native)}
-            )
+            down_owner, down_name, down_bias = _computing(mlp, down, w.down_bias)
+            native[(mlp, up)] = gate_up
+            native[(down_owner, down_name)] = NativeLinear(w.down, w.hidden_size, down_bias, self.native)
         for (owner, name), linear in native.items():  # under any LoRA wrappers, which stay
             setattr(owner, name, replace_lora_base(getattr(owner, name), linear))
 
@@ -151,15 +176,23 @@ class NativeDecoderLayer(nn.Module):
             return self.layer(hidden_states, *args, **kwargs)
         cos, sin = (None, None) if self.rope == "none" else rope_tables(tables, self.rope)
         slot_mapping, block_tables = metadata.tables(self.layer_idx)
-        out = decode_layer(
+        step = (
             self.native, self.weights, hidden_states[0], cos, sin,
             metadata.k_caches[self.layer_idx], metadata.v_caches[self.layer_idx],
             slot_mapping, block_tables, metadata.batch.seq_lens,
         )  # fmt: skip
+        out = decode_layer(*step) if self._all_reduce is None else decode_layer_parts(*step, self._all_reduce)
         if out is None:  # inputs of another kind (slot dtype, RoPE table layout): the per-op path serves
             return self.layer(hidden_states, *args, **kwargs)
         self.native_steps += 1
         return (out.unsqueeze(0),) if self.as_tuple else out.unsqueeze(0)
+
+
+def _computing(owner: nn.Module, name: str, bias: torch.Tensor | None) -> tuple[nn.Module, str, torch.Tensor | None]:
+    """Where the native GEMM of ``owner.name`` goes and the bias it adds: the projection itself, or a tensor-parallel
+    rank's row-parallel projection's ``local`` linear, without bias (added after the all-reduce, which stays)."""
+    row_parallel = row_parallel_part(getattr(owner, name))[2]
+    return (owner, name, bias) if row_parallel is None else (row_parallel, "local", None)
 
 
 class NativeLinear(nn.Module):
@@ -259,11 +292,20 @@ def _reproduces(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int) 
     return close
 
 
-def wrap_native_layers(model: nn.Module, block_size: int) -> NativeLayersReport:
+Agree = Callable[[list[bool]], list[bool]]
+"""Tensor parallelism: each layer's check outcome on this rank to the outcomes every rank agrees on (a layer is
+wrapped only where every rank's check passed: a rank running the native parts and another the per-op layer
+would make different all-reduces)."""
+
+
+def wrap_native_layers(model: nn.Module, block_size: int, agree: Agree | None = None) -> NativeLayersReport:
     """Wrap the decoder layers of ``model`` whose form is described and reproduced (see the module docstring) in
-    place; other decoder layers are reported as kept, with the reason."""
+    place; other decoder layers are reported as kept, with the reason. A tensor-parallel rank checks its own slices
+    with the all-reduces as the identity (no collective: :func:`~..parallel.row_parallel.local_sums`), then wraps
+    what ``agree`` returns (every candidate layer's outcome, in model order, on every rank)."""
     native = native_kernels()
-    wrapped, kept = 0, set()
+    kept = set()
+    candidates: list[tuple[nn.Module, str, NativeDecoderLayer | None]] = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             kind = type(child).__name__
@@ -273,19 +315,30 @@ def wrap_native_layers(model: nn.Module, block_size: int) -> NativeLayersReport:
             weights = layer_weights(child) if native is not None else "no native kernels"
             if isinstance(weights, str):
                 kept.add(f"{kind}: {weights}")
+                candidates.append((parent, name, None))
                 continue
-            candidate = NativeDecoderLayer(child, weights, native)  # type: ignore[arg-type]
+            wrapper = NativeDecoderLayer(child, weights, native)  # type: ignore[arg-type]
             try:
-                ok = _reproduces(child, candidate, block_size)
+                with local_sums(wrapper):
+                    ok = _reproduces(child, wrapper, block_size)
             except Exception as e:  # noqa: BLE001 - any failure means: keep the Python path
                 ok = False
                 logger.debug("layer {} not native: {}: {}", type(child).__name__, type(e).__name__, e)
-            if ok:
-                candidate.own_projections()
-                setattr(parent, name, candidate)
-                wrapped += 1
-            else:
+            if not ok:
                 kept.add(f"{type(child).__name__}: its decode step differs")
+            candidates.append((parent, name, wrapper if ok else None))
+    if agree is not None and candidates:
+        for i, agreed in enumerate(agree([c is not None for _, _, c in candidates])):
+            parent, name, passed = candidates[i]
+            if passed is not None and not agreed:
+                kept.add(f"{type(passed.layer).__name__}: another rank's check failed")
+                candidates[i] = (parent, name, None)
+    wrapped = 0
+    for parent, name, candidate in candidates:
+        if candidate is not None:
+            candidate.own_projections()
+            setattr(parent, name, candidate)
+            wrapped += 1
     report = NativeLayersReport(wrapped=wrapped, kept=tuple(sorted(kept)))
     if wrapped or kept:
         logger.info("native decode layers: {} wrapped{}", wrapped, f"; kept: {'; '.join(report.kept)}" if kept else "")
