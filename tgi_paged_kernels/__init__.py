@@ -73,6 +73,9 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers
     from .cpu_native import (
         native_kernels as native_kernels,
     )
+    from .cpu_quant import PackedInt8 as PackedInt8
+    from .cpu_quant import gemm_packed_int8 as gemm_packed_int8
+    from .cpu_quant import pack_int8 as pack_int8
     from .fp8_gemm import dequantize_fp8 as dequantize_fp8
     from .int_gemm import (
         check_int_linear as check_int_linear,
@@ -100,6 +103,9 @@ _LAZY = {
     "LayerWeights": "cpu_layer",
     "decode_layer": "cpu_layer",
     "decode_layer_parts": "cpu_layer_step",
+    "PackedInt8": "cpu_quant",
+    "gemm_packed_int8": "cpu_quant",
+    "pack_int8": "cpu_quant",
     "gemm_packed": "cpu_layer",
     "pack_weight": "cpu_layer",
     "dequantize_fp8": "fp8_gemm",

@@ -37,9 +37,15 @@ from ._checks import cdiv
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "cpu_layer.cpp", CSRC / "cpu_prefill.cpp", CSRC / "cpu_lora.cpp")
+SOURCES = (
+    CSRC / "cpu_kernels.cpp", CSRC / "cpu_layer.cpp", CSRC / "cpu_prefill.cpp", CSRC / "cpu_lora.cpp",
+    CSRC / "cpu_quant.cpp",
+)  # fmt: skip
 """Compiled into one library; the headers they include are part of the cache key."""
-HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_gemm.h", CSRC / "cpu_layer_rows.h", CSRC / "cpu_moe.h")
+HEADERS = (
+    CSRC / "cpu_common.h", CSRC / "cpu_gemm.h", CSRC / "cpu_gemm_quant.h", CSRC / "cpu_layer_rows.h",
+    CSRC / "cpu_moe.h",
+)  # fmt: skip
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 """Storage dtypes the kernels read natively; one-byte (fp8) pools go through a decode table (code 2)."""
@@ -161,7 +167,13 @@ class NativeKernels:
         self.gemm_packed = bind(
             "tgi_paged_gemm_packed", _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int
         )
-        """Raw entry points of ``csrc/cpu_layer.cpp``; :mod:`tgi_paged_kernels.cpu_layer` wraps them."""
+        self.gemm_packed_i8 = bind(
+            "tgi_paged_gemm_packed_i8",
+            _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64,  # a, lda, M, K, codes, zeros, scales, N
+            _ptr, _ptr, _i64, _ptr, _i64, _int,  # bias, add, ldadd, out, ldo, threads
+        )  # fmt: skip
+        """Raw entry points of ``csrc/cpu_layer.cpp`` (``cpu_quant.cpp``: the int8 GEMM);
+        :mod:`tgi_paged_kernels.cpu_layer` (:mod:`tgi_paged_kernels.cpu_quant`) wraps them."""
         self.decode_layer = bind(
             "tgi_paged_decode_layer",
             _ptr, _ptr, _i64, _ptr, _ptr,  # layer spec, hidden, T, cos, sin
