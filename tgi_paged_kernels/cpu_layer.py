@@ -194,13 +194,18 @@ class _Spec(ctypes.Structure):
         *((name, ctypes.c_int32) for name in ("layer_norm", "rotary_dim", "gated", "post_add_norms")),
         *((name, ctypes.c_int32) for name in ("experts", "top_k", "norm_top_k", "shared_intermediate")),
         *((name, ctypes.c_float) for name in ("scale", "softcap", "residual_scale")),
+        ("weight_dtype", ctypes.c_int32),
         *((f"eps_{name}", ctypes.c_float) for name in (*LAYER_NORMS, "q", "k")),
         *((name, ctypes.c_void_p) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias", "o", "gu", "down")),
         *((name, ctypes.c_void_p) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias", "router")),
         *((name, ctypes.c_void_p) for name in ("shared_gate_up", "shared_down", "shared_gate")),
+        ("w_zeros", ctypes.c_void_p * 4),
+        ("w_scales", ctypes.c_void_p * 4),
     ]
 
 
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+"""The four projections, in ``LayerSpec``'s order (``kQkv`` .. ``kDown``)."""
 _SHARED = ("shared_gate_up", "shared_down", "shared_gate")
 """A shared expert's weights (:attr:`LayerForm.shared_expert`)."""
 
@@ -252,6 +257,10 @@ class LayerWeights:
     shared_gate: torch.Tensor | None = None
     """MoE: the router's packed ``[E, H]``; then :attr:`gate_up` and :attr:`down` hold every expert's packed
     weight in turn."""
+    int8_columns: tuple[torch.Tensor, ...] | None = None
+    """``None``: fp32 projections. Else :attr:`qkv`, :attr:`o`, :attr:`gate_up`, :attr:`down` hold int8 codes packed
+    by :func:`.cpu_quant.pack_int8` and this their columns' zero points and scales, ``(qkv zeros, qkv scales, o
+    zeros, ...)`` (:func:`.cpu_quant.pack_int8_layer` builds it)."""
     spec: Any = field(default=None, init=False, repr=False, compare=False)
     """The ``LayerSpec`` the native call reads (addresses of the tensors above, which this object keeps)."""
 
@@ -269,19 +278,20 @@ class LayerWeights:
             return t
 
         hidden, intermediate = int(need("o").shape[0]), int(need("down").shape[-1])
-        norms = {name: norm_weight(need(name), form.norm) for name in form.norms}
+        norms: dict[str, Any] = {name: norm_weight(need(name), form.norm) for name in form.norms}
         if form.qk_norm != "none":
             norms.update({n: norm_weight(need(n), form.qk_norm_kind) for n in ("q_norm", "k_norm")})
         bias = need("qkv_bias").detach().float().contiguous() if form.qkv_bias else None
         biases = [f"{name}_bias" for name in form.norms] if form.norm_bias else []
         biases += (["o_bias"] if form.o_bias else []) + (["gate_up_bias", "down_bias"] if form.mlp_bias else [])
         norms.update({name: need(name).detach().float().contiguous() for name in biases})
+        norms.update({name: pack_weight(need(name)) for name in (_SHARED if form.shared_expert else ())})
         return cls(
             form, hidden, intermediate, num_q_heads, num_kv_heads, head_dim,
             qkv=pack_weight(need("qkv")), qkv_bias=bias, o=pack_weight(need("o")),
             gate_up=_pack_each(need("gate_up")), down=_pack_each(need("down")),
             router=pack_weight(need("router")) if form.experts else None,
-            **{name: pack_weight(need(name)) for name in (_SHARED if form.shared_expert else ())}, **norms,
+            **norms,
         )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -322,6 +332,11 @@ class LayerWeights:
             t = getattr(self, name)
             if (t is None) == f.shared_expert or (t is not None and (t.shape != shape or not t.is_contiguous())):
                 raise ValueError(f"LayerWeights: {name} is not a packed {shape} for this form (or not None)")
+        int8, columns = self.int8_columns is not None, self.int8_columns or ()
+        if any(getattr(self, n).dtype != (torch.uint8 if int8 else torch.float32) for n in _PROJECTIONS) or (
+            int8 and (f.experts or len(columns) != 8)
+        ):
+            raise ValueError("LayerWeights: the four projections are all fp32 or all int8 codes with their columns")
         if self.num_q_heads % self.num_kv_heads or d % 2 or f.rotary_dim > d:
             raise ValueError(f"LayerWeights: {self.num_q_heads} query heads over {self.num_kv_heads}, head_dim {d}")
         spec = _Spec(
@@ -329,12 +344,13 @@ class LayerWeights:
             ACTIVATIONS.index(f.activation), QK_NORMS.index(f.qk_norm), ROPE_KINDS.index(f.rope), int(f.parallel),
             int(f.norm == "layer"), f.rotary_dim or d, int(f.gated), int(f.post_add_norms),
             f.experts, f.top_k, int(f.norm_top_k), self.shared_intermediate,
-            f.scale, f.softcap, f.residual_scale,
+            f.scale, f.softcap, f.residual_scale, 2 if int8 else 0,
             *(f.eps for _ in LAYER_NORMS), f.qk_eps, f.qk_eps,
             *(address(getattr(self, name)) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias")),
             self.o.data_ptr(), self.gate_up.data_ptr(), self.down.data_ptr(),
             *(address(getattr(self, name)) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias", "router")),
             *(address(getattr(self, name)) for name in _SHARED),
+            *((ctypes.c_void_p * 4)(*(t.data_ptr() for t in columns[i::2])) for i in (0, 1) if int8),
         )  # fmt: skip
         object.__setattr__(self, "spec", spec)
 

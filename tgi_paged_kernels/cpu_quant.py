@@ -10,16 +10,21 @@ each) with each column's zero point and scale beside them; :func:`gemm_packed_in
 (``code - zero`` exact, one rounding), summed as the fp32 GEMM sums (bit for bit its result on the dequantized
 weight). A decode step streams a quarter of the fp32 weight's bytes.
 
-Reference (the specification; ``tests/kernels/test_cpu_gemm_quant.py`` compares them): :func:`gemm_packed_int8_ref`.
+The native decoder layer runs int8 projections the same way (``LayerSpec.weight_dtype`` 2): :func:`pack_int8_layer`.
+
+Reference (the specification; ``tests/kernels/test_cpu_gemm_quant.py`` compares them): :func:`gemm_packed_int8_ref`;
+a layer's: :func:`.cpu_layer_ref.decode_layer_ref` on the :func:`dequantized` weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from .cpu_layer import PACK_BLOCK
+from .cpu_layer import PACK_BLOCK, LayerForm, LayerWeights
 from .cpu_native import NativeKernels
 
 
@@ -89,3 +94,25 @@ def dequantized(w: PackedInt8) -> torch.Tensor:
 def gemm_packed_int8_ref(x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of :func:`gemm_packed_int8`: the dequantized weight's ``F.linear`` (summed in torch's order)."""
     return torch.nn.functional.linear(x, dequantized(w), bias)
+
+
+def pack_int8_layer(
+    form: LayerForm,
+    raw: Mapping[str, torch.Tensor | None],
+    projections: Mapping[str, PackedInt8],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> LayerWeights:
+    """:meth:`.LayerWeights.pack` of a layer whose ``qkv``, ``o``, ``gate_up`` and ``down`` are int8
+    (``projections``; ``raw`` the norms and biases): the native step dequantizes them in its GEMMs' tiles.
+    ``ValueError`` for an MoE form or a projection missing."""
+    names = ("qkv", "o", "gate_up", "down")
+    if form.experts or set(projections) != set(names):
+        raise ValueError(f"pack_int8_layer: int8 {sorted(projections)} of {names}, dense MLPs only")
+    dense = {**raw, **{name: dequantized(projections[name]) for name in names}}
+    fp32 = LayerWeights.pack(form, dense, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    columns = tuple(t for name in names for t in (projections[name].zeros, projections[name].scales))
+    codes = [projections[name].codes for name in names]
+    return dataclasses.replace(fp32, qkv=codes[0], o=codes[1], gate_up=codes[2], down=codes[3], int8_columns=columns)

@@ -1,7 +1,8 @@
-"""The int8 GEMM of the native CPU kernels (``tgi_paged_kernels.cpu_quant``, ``csrc/cpu_gemm_quant.h``): against its
-torch reference, bit for bit the fp32 packed GEMM on the weight ``int_gemm.dequantize_int`` gives for the same codes
-(the per-op int8 path's weight), rows independent of their batch, the same bits from its AVX2 and scalar paths
-(the library's source compiled for x86-64-v3 and for baseline x86-64), and the layouts it refuses."""
+"""The int8 GEMM of the native CPU kernels (``tgi_paged_kernels.cpu_quant``, ``csrc/cpu_gemm_quant.h``) and the native
+decode layer on int8 projections: against their torch references, bit for bit the fp32 packed GEMM (layer) on the
+weight ``int_gemm.dequantize_int`` gives for the same codes (the per-op int8 path's weight), rows independent of
+their batch, the same bits from its AVX2 and scalar paths (the library's source compiled for x86-64-v3 and for
+baseline x86-64), and the layouts it refuses."""
 
 from __future__ import annotations
 
@@ -12,9 +13,18 @@ import subprocess
 import pytest
 import torch
 
-from tgi_paged_kernels.cpu_layer import gemm_packed, pack_weight
+from tests.kernels.test_cpu_layer import FORMS, _layer, _step
+from tgi_paged_kernels.cpu_layer import LayerWeights, decode_layer, gemm_packed, pack_weight
+from tgi_paged_kernels.cpu_layer_ref import decode_layer_ref
 from tgi_paged_kernels.cpu_native import CSRC, FLAGS
-from tgi_paged_kernels.cpu_quant import PackedInt8, dequantized, gemm_packed_int8, gemm_packed_int8_ref, pack_int8
+from tgi_paged_kernels.cpu_quant import (
+    PackedInt8,
+    dequantized,
+    gemm_packed_int8,
+    gemm_packed_int8_ref,
+    pack_int8,
+    pack_int8_layer,
+)
 from tgi_paged_kernels.int_gemm import dequantize_int
 
 
@@ -94,3 +104,47 @@ def test_other_isa_paths_build_and_give_the_same_bits(native, tmp_path, march) -
     fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, ctypes.c_int]
     assert fn(*args) == 0
     assert torch.equal(out, gemm_packed_int8(native, x, w, bias))
+
+
+def _quantize(weight: torch.Tensor) -> PackedInt8:
+    """Per-output-channel symmetric int8 of an fp32 ``[N, K]`` weight (zero point 128), as an 8-bit GPTQ checkpoint
+    of one group per channel holds it."""
+    scale = weight.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 127
+    codes = (torch.round(weight / scale) + 128).clamp(0, 255).to(torch.uint8)
+    return pack_int8(codes, scale, torch.full((weight.shape[0], 1), 128, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("form_name", ["Llama", "Phi", "Gemma3", "GPT-BigCode"])
+def test_int8_layer_is_the_fp32_layer_on_the_dequantized_weights(native, form_name) -> None:
+    """The native decode layer with int8 projections (``weight_dtype`` 2) gives, bit for bit, the fp32 layer's
+    output and K/V on the weights the codes stand for, and the torch reference's within its tolerance."""
+    hq, hkv, d, form = FORMS[form_name]
+    hidden, inter = 96, 160
+    raw, _ = _layer(hq, hkv, d, hidden, inter, form)
+    projections = {name: _quantize(raw[name]) for name in ("qkv", "o", "gate_up", "down")}
+    dense = {**raw, **{name: dequantized(w) for name, w in projections.items()}}
+    heads = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    int8 = pack_int8_layer(form, raw, projections, **heads)
+    fp32 = LayerWeights.pack(form, dense, **heads)
+    assert int8.qkv.dtype == torch.uint8 and int8.qkv.numel() == fp32.qkv.numel()  # a quarter of the bytes
+    lengths = [1, 5, 17, 40, 33, 3]
+    (k_pool, v_pool), tables, seq_lens, slots = _step(lengths, 4, hkv, d, torch.int64)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(len(lengths), hidden, generator=g)
+    r = form.rotary_dim or d
+    cos, sin = (None, None) if form.rope == "none" else (torch.randn(len(lengths), r, generator=g) for _ in range(2))
+    pools = [(k_pool.clone(), v_pool.clone()) for _ in range(3)]
+    got = decode_layer(native, int8, x, cos, sin, *pools[0], slots, tables, seq_lens)
+    same = decode_layer(native, fp32, x, cos, sin, *pools[1], slots, tables, seq_lens)
+    expected = decode_layer_ref(dense, fp32, x, cos, sin, *pools[2], slots, tables, seq_lens)
+    assert got is not None and same is not None
+    assert torch.equal(got, same) and torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pools[0][0], pools[2][0], rtol=1e-4, atol=1e-4)
+
+
+def test_int8_layer_refuses_an_moe_form() -> None:
+    hq, hkv, d, form = FORMS["Mixtral"]
+    raw, _ = _layer(hq, hkv, d, 64, 96, form)
+    with pytest.raises(ValueError, match="dense MLPs only"):
+        pack_int8_layer(form, raw, {"qkv": _quantize(raw["qkv"])}, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)

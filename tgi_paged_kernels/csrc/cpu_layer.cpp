@@ -5,6 +5,7 @@
 // tests/kernels/test_cpu_layer.py.
 
 #include "cpu_gemm.h"
+#include "cpu_gemm_quant.h"
 #include "cpu_layer_rows.h"
 #include "cpu_moe.h"
 
@@ -30,6 +31,7 @@ struct LayerSpec {
   int32_t experts, top_k, norm_top_k;  // experts > 0: an MoE MLP (cpu_moe.h), gated, w_gate_up / w_down per expert
   int32_t shared_intermediate;  // > 0: plus a shared expert, sigmoid(w_shared_gate . x) * its gated MLP (Qwen2-MoE)
   float scale, softcap, residual_scale;
+  int32_t weight_dtype;  // the four projections' weights: 0 fp32 (cpu_gemm.h), 2 int8 codes (cpu_gemm_quant.h)
   float eps_attn_in, eps_attn_out, eps_mlp_in, eps_mlp_out, eps_q, eps_k;
   const float *attn_in, *attn_out, *mlp_in, *mlp_out;  // before / after attention, before / after the MLP
   const float *q_norm, *k_norm;
@@ -38,7 +40,22 @@ struct LayerSpec {
   const float *b_o, *b_gate_up, *b_down;                       // projection biases (null: none)
   const float* w_router;                                       // packed [experts, H] (MoE only)
   const float *w_shared_gate_up, *w_shared_down, *w_shared_gate;  // packed [2Is, H], [H, Is], [1, H]
+  const float* w_zeros[4];   // int8: per packed column of w_qkv, w_o, w_gate_up, w_down (kQkv .. kDown)
+  const float* w_scales[4];  // the same columns' scales
 };
+
+enum Projection { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
+
+// gemm_packed of one of the layer's four projections (w its packed weight) in the spec's weight dtype.
+inline void gemm_proj(const LayerSpec& S, int p, const float* a, int64_t lda, int64_t M, int64_t K, const float* w,
+                      int64_t N, const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
+  if (S.weight_dtype == 2) {
+    gemm_packed_i8(a, lda, M, K, reinterpret_cast<const uint8_t*>(w), S.w_zeros[p], S.w_scales[p], N, bias, add,
+                   ldadd, out, ldo);
+  } else {
+    gemm_packed(a, lda, M, K, w, N, bias, add, ldadd, out, ldo);
+  }
+}
 
 struct StepArgs {
   float* hidden;  // [T, H] in/out: the residual stream
@@ -147,7 +164,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
       for (int64_t t = 0; t < T; ++t)
         norm_row(A.hidden + t * H, S.mlp_in, S.mlp_in_b, x_mlp + t * H, H, S.eps_mlp_in, S.layer_norm);
     }
-    if (stage <= 1) gemm_packed(attn_x, H, T, H, S.w_qkv, n_qkv, S.b_qkv, nullptr, 0, qkv, n_qkv);
+    if (stage <= 1) gemm_proj(S, kQkv, attn_x, H, T, H, S.w_qkv, n_qkv, S.b_qkv, nullptr, 0, qkv, n_qkv);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < (stage <= 1 ? T : 0); ++t) {
       float* row = qkv + t * n_qkv;
@@ -184,16 +201,16 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
     }
     if (stage <= 1) decode_tasks<0, kHeadDim>(d, num_threads, status);
     if (stage == 1) {  // the rank's partial sums of o (its bias comes after the all-reduce)
-      gemm_packed(attn, n_q, T, n_q, S.w_o, H, nullptr, nullptr, 0, partial, H);
+      gemm_proj(S, kO, attn, n_q, T, n_q, S.w_o, H, nullptr, nullptr, 0, partial, H);
     } else if (stage == 2) {
       add_reduced(A.hidden, partial, T, H, S.b_o, nullptr, S.attn_out, S.attn_out_b, S.eps_attn_out, S);
     } else if (stage == 3) {  // a parallel block's partial sums are both blocks' (one all-reduce)
       add_reduced(A.hidden, partial, T, H, S.b_down, S.parallel ? S.b_o : nullptr, S.mlp_out, S.mlp_out_b,
                   S.eps_mlp_out, S);
     } else if (direct_attn) {
-      gemm_packed(attn, n_q, T, n_q, S.w_o, H, S.b_o, A.hidden, H, A.hidden, H);
+      gemm_proj(S, kO, attn, n_q, T, n_q, S.w_o, H, S.b_o, A.hidden, H, A.hidden, H);
     } else {
-      gemm_packed(attn, n_q, T, n_q, S.w_o, H, S.b_o, nullptr, 0, x, H);
+      gemm_proj(S, kO, attn, n_q, T, n_q, S.w_o, H, S.b_o, nullptr, 0, x, H);
       add_residual(A.hidden, x, T, H, S.attn_out, S.attn_out_b, S.eps_attn_out, S.residual_scale, S.layer_norm,
                    S.post_add);
     }
@@ -233,14 +250,14 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
                    S.post_add);
     } else {
       const int64_t n_gu = S.gated ? 2 * I : I;
-      gemm_packed(mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
+      gemm_proj(S, kGateUp, mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
       activate_rows(S, gate_up, act, T, I);
       if (stage) {  // the rank's partial sums of down (onto o's in a parallel block)
-        gemm_packed(act, I, T, I, S.w_down, H, nullptr, stage == 1 ? partial : nullptr, H, partial, H);
+        gemm_proj(S, kDown, act, I, T, I, S.w_down, H, nullptr, stage == 1 ? partial : nullptr, H, partial, H);
       } else if (direct_mlp) {
-        gemm_packed(act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
+        gemm_proj(S, kDown, act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
       } else {
-        gemm_packed(act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
+        gemm_proj(S, kDown, act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
         add_residual(A.hidden, x, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm,
                      S.post_add);
       }
@@ -275,7 +292,10 @@ int tgi_paged_decode_layer_stage(
     int64_t c_shead, const int64_t* slot_mapping, const void* block_tables, int bt_int64, int64_t bt_stride,
     int64_t bt_width, const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads) {
   const LayerSpec& S = *spec;
+  const bool int8_columns = S.w_zeros[0] && S.w_zeros[1] && S.w_zeros[2] && S.w_zeros[3] && S.w_scales[0] &&
+                            S.w_scales[1] && S.w_scales[2] && S.w_scales[3];
   if (stage < 0 || stage > 3 || (stage && (!partial || S.experts > 0)) || (stage == 2 && S.parallel) ||
+      (S.weight_dtype != 0 && S.weight_dtype != 2) || (S.weight_dtype == 2 && (!int8_columns || S.experts > 0)) ||
       S.activation < 0 || S.activation > 3 || (S.experts > 0 && (!S.gated || !S.w_router || S.top_k < 1 ||
                                                                   S.top_k > S.experts || S.b_gate_up)) ||
       (S.shared_intermediate > 0 && (!S.experts || !S.w_shared_gate_up || !S.w_shared_down || !S.w_shared_gate)) || S.qk_norm < 0 || S.qk_norm > 2 ||
