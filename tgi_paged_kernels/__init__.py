@@ -74,8 +74,10 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers
         native_kernels as native_kernels,
     )
     from .cpu_quant import PackedInt8 as PackedInt8
+    from .cpu_quant import dequantized_int8 as dequantized_int8
     from .cpu_quant import gemm_packed_int8 as gemm_packed_int8
     from .cpu_quant import pack_int8 as pack_int8
+    from .cpu_quant import pack_int8_layer as pack_int8_layer
     from .fp8_gemm import dequantize_fp8 as dequantize_fp8
     from .int_gemm import (
         check_int_linear as check_int_linear,
@@ -104,8 +106,10 @@ _LAZY = {
     "decode_layer": "cpu_layer",
     "decode_layer_parts": "cpu_layer_step",
     "PackedInt8": "cpu_quant",
+    "dequantized_int8": "cpu_quant",
     "gemm_packed_int8": "cpu_quant",
     "pack_int8": "cpu_quant",
+    "pack_int8_layer": "cpu_quant",
     "gemm_packed": "cpu_layer",
     "pack_weight": "cpu_layer",
     "dequantize_fp8": "fp8_gemm",

@@ -13,7 +13,7 @@ weight). A decode step streams a quarter of the fp32 weight's bytes.
 The native decoder layer runs int8 projections the same way (``LayerSpec.weight_dtype`` 2): :func:`pack_int8_layer`.
 
 Reference (the specification; ``tests/kernels/test_cpu_gemm_quant.py`` compares them): :func:`gemm_packed_int8_ref`;
-a layer's: :func:`.cpu_layer_ref.decode_layer_ref` on the :func:`dequantized` weights.
+a layer's: :func:`.cpu_layer_ref.decode_layer_ref` on the :func:`dequantized_int8` weights.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def gemm_packed_int8(
     return out
 
 
-def dequantized(w: PackedInt8) -> torch.Tensor:
+def dequantized_int8(w: PackedInt8) -> torch.Tensor:
     """The fp32 ``[N, K]`` weight ``(code - zero) * scale`` the packed codes stand for."""
     codes = w.codes.transpose(1, 2).reshape(-1, w.in_features).float()
     return ((codes - w.zeros.unsqueeze(1)) * w.scales.unsqueeze(1))[: w.out_features]
@@ -93,7 +93,7 @@ def dequantized(w: PackedInt8) -> torch.Tensor:
 
 def gemm_packed_int8_ref(x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of :func:`gemm_packed_int8`: the dequantized weight's ``F.linear`` (summed in torch's order)."""
-    return torch.nn.functional.linear(x, dequantized(w), bias)
+    return torch.nn.functional.linear(x, dequantized_int8(w), bias)
 
 
 def pack_int8_layer(
@@ -111,7 +111,7 @@ def pack_int8_layer(
     names = ("qkv", "o", "gate_up", "down")
     if form.experts or set(projections) != set(names):
         raise ValueError(f"pack_int8_layer: int8 {sorted(projections)} of {names}, dense MLPs only")
-    dense = {**raw, **{name: dequantized(projections[name]) for name in names}}
+    dense = {**raw, **{name: dequantized_int8(projections[name]) for name in names}}
     fp32 = LayerWeights.pack(form, dense, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     columns = tuple(t for name in names for t in (projections[name].zeros, projections[name].scales))
     codes = [projections[name].codes for name in names]

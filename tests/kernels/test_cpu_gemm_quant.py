@@ -19,7 +19,7 @@ from tgi_paged_kernels.cpu_layer_ref import decode_layer_ref
 from tgi_paged_kernels.cpu_native import CSRC, FLAGS
 from tgi_paged_kernels.cpu_quant import (
     PackedInt8,
-    dequantized,
+    dequantized_int8,
     gemm_packed_int8,
     gemm_packed_int8_ref,
     pack_int8,
@@ -53,7 +53,7 @@ def test_int8_gemm_is_the_fp32_gemm_on_the_per_op_dequantized_weight(native, m) 
     codes, scales, zeros = _int8(n, k, seed=2)
     per_op = dequantize_int(codes, scales, zeros, torch.zeros(k, dtype=torch.int32), 8, torch.float32)
     w = pack_int8(codes, scales, zeros)
-    assert torch.equal(dequantized(w), per_op)  # each weight's value is the per-op path's
+    assert torch.equal(dequantized_int8(w), per_op)  # each weight's value is the per-op path's
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
     bias = torch.randn(n)
     expected = gemm_packed(native, x, pack_weight(per_op), n, bias)
@@ -122,7 +122,7 @@ def test_int8_layer_is_the_fp32_layer_on_the_dequantized_weights(native, form_na
     hidden, inter = 96, 160
     raw, _ = _layer(hq, hkv, d, hidden, inter, form)
     projections = {name: _quantize(raw[name]) for name in ("qkv", "o", "gate_up", "down")}
-    dense = {**raw, **{name: dequantized(w) for name, w in projections.items()}}
+    dense = {**raw, **{name: dequantized_int8(w) for name, w in projections.items()}}
     heads = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
     int8 = pack_int8_layer(form, raw, projections, **heads)
     fp32 = LayerWeights.pack(form, dense, **heads)

@@ -28,7 +28,8 @@ from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedA
 from tgi_paged_backend.runner.cpu.moe_forms import MoeParts, moe_parts
 from tgi_paged_backend.runner.cpu.qkv_layouts import plain_linear
 from tgi_paged_backend.runner.parallel.row_parallel import RowParallelLinear
-from tgi_paged_kernels import LayerForm
+from tgi_paged_backend.runner.quant.linear import IntLinear
+from tgi_paged_kernels import LayerForm, PackedInt8, pack_int8
 
 _PLACES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 _PRE = ("input_layernorm", None, "post_attention_layernorm", None)
@@ -183,7 +184,15 @@ def row_parallel_part(module: Any) -> tuple[Any, torch.Tensor | None, RowParalle
     return base, getattr(base, "bias", None), None
 
 
-def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | None]] | str:
+def _int8(linear: Any) -> PackedInt8 | None:
+    """An :class:`IntLinear` of 8 bits and one group per output channel (per-channel scales), packed for the native
+    GEMM (:func:`~tgi_paged_kernels.pack_int8`); ``None`` for anything else."""
+    if not isinstance(linear, IntLinear) or linear.bits != 8 or linear.scales.shape[1] != 1:
+        return None
+    return pack_int8(linear.codes(), linear.scales, linear.zeros)
+
+
+def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, Any]] | str:
     """The form of ``layer`` and its weights as :meth:`~tgi_paged_kernels.LayerWeights.pack` takes them, or
     why the native step cannot run it (one line, for the start-up log)."""
     found_places = layer_places(layer)
@@ -205,13 +214,19 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
     raw, mlp_bias, act_fn = found_mlp
     qkv = cast(nn.Linear, lora_base(attn.qkv_proj))
     o, o_bias, o_row_parallel = row_parallel_part(attn.o_proj)
-    if not (_plain(qkv, bias=True) and _plain(o, bias=True)):
-        return "its projections are not plain fp32 linears (quantized, sliced or biased in part)"
+    qkv_w: Any = _int8(qkv)  # int8 of one group per channel: dequantized in the native GEMM's tile
+    o_w: Any = _int8(o)
+    if qkv_w is None or o_w is None:
+        if not (_plain(qkv, bias=True) and _plain(o, bias=True)):
+            return "its projections are not plain fp32 linears (quantized, sliced or biased in part)"
+        qkv_w, o_w = qkv.weight, o.weight
+    if isinstance(raw["gate_up"], PackedInt8) != isinstance(qkv_w, PackedInt8):
+        return "its projections are not all fp32 or all int8 of one group per channel"
     down_row_parallel = row_parallel_part(getattr(mlp, names[1]))[2] if names is not None and moe is None else None
     if (o_row_parallel is None) != (down_row_parallel is None):  # a sharded MoE block: not a fused MLP here
         return "one of its o and down projections is row-parallel, the other not"
     hidden, hq, hkv, d = int(o.out_features), attn.num_q_heads, attn.num_kv_heads, attn.head_dim
-    raw.update(qkv=qkv.weight, qkv_bias=qkv.bias, o=o.weight, o_bias=o_bias)
+    raw.update(qkv=qkv_w, qkv_bias=qkv.bias, o=o_w, o_bias=o_bias)
     layer_norms: list[tuple[str, float]] = []
     for place, attr in zip(_PLACES, places):
         if attr is None:
@@ -256,7 +271,7 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
     return form, raw
 
 
-_MlpRaw = tuple[dict[str, "torch.Tensor | None"], bool, nn.Module]
+_MlpRaw = tuple[dict[str, Any], bool, nn.Module]
 """An MLP's weights as :meth:`~tgi_paged_kernels.LayerWeights.pack` takes them, whether it has biases, its
 activation module."""
 
@@ -265,17 +280,20 @@ def _dense_mlp(mlp: Any, names: tuple[str, str, str]) -> _MlpRaw | str:
     up, down_name, act_name = names
     gate_up = cast(nn.Linear, lora_base(getattr(mlp, up)))
     down, down_bias, _ = row_parallel_part(getattr(mlp, down_name))
+    act_fn = cast(nn.Module, getattr(mlp, act_name))
+    gate_up_w, down_w = _int8(gate_up), _int8(down)
+    if gate_up_w is not None and down_w is not None and (gate_up.bias is None) == (down_bias is None):
+        int8 = dict(gate_up=gate_up_w, down=down_w, gate_up_bias=gate_up.bias, down_bias=down_bias)
+        return int8, gate_up.bias is not None, act_fn
     mlp_bias = _plain(gate_up, bias=True) and gate_up.bias is not None
     if not (_plain(gate_up, mlp_bias) and _plain(down, mlp_bias)) or mlp_bias != (down_bias is not None):
         return "its projections are not plain fp32 linears (quantized, sliced or biased in part)"
-    raw: dict[str, torch.Tensor | None] = dict(
-        gate_up=gate_up.weight, down=down.weight, gate_up_bias=gate_up.bias, down_bias=down_bias
-    )
-    return raw, mlp_bias, cast(nn.Module, getattr(mlp, act_name))
+    raw: dict[str, Any] = dict(gate_up=gate_up.weight, down=down.weight, gate_up_bias=gate_up.bias, down_bias=down_bias)
+    return raw, mlp_bias, act_fn
 
 
 def _moe_mlp(moe: MoeParts) -> _MlpRaw | str:
-    raw: dict[str, torch.Tensor | None] = dict(router=moe.router, gate_up=moe.gate_up, down=moe.down)
+    raw: dict[str, Any] = dict(router=moe.router, gate_up=moe.gate_up, down=moe.down)
     if moe.shared is not None:
         raw.update(shared_gate_up=moe.shared[0], shared_down=moe.shared[1], shared_gate=moe.shared[2])
         if _activation(moe.shared[3]) != _activation(moe.act_fn):

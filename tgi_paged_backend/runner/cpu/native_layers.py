@@ -61,10 +61,14 @@ from tgi_paged_backend.runner.parallel.row_parallel import local_sums
 from tgi_paged_kernels import (
     LayerWeights,
     NativeKernels,
+    PackedInt8,
     decode_layer,
     decode_layer_parts,
+    dequantized_int8,
     gemm_packed,
+    gemm_packed_int8,
     native_kernels,
+    pack_int8_layer,
 )
 
 MAX_ROWS = 256
@@ -78,10 +82,12 @@ def layer_weights(layer: nn.Module) -> LayerWeights | str:
         return found
     form, raw = found
     attn = cast(FusedPagedAttention, layer_attention(layer))
+    heads = dict(num_q_heads=attn.num_q_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
+    int8 = {name: raw.pop(name) for name in ("qkv", "o", "gate_up", "down") if isinstance(raw.get(name), PackedInt8)}
     try:
-        return LayerWeights.pack(
-            form, raw, num_q_heads=attn.num_q_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim
-        )
+        if int8:  # int8 projections of one group per channel (GPTQ, compressed-tensors): dequantized in the tile
+            return pack_int8_layer(form, raw, int8, **heads)
+        return LayerWeights.pack(form, raw, **heads)
     except ValueError as e:  # weights that do not fit the form
         return str(e)
 
@@ -120,8 +126,8 @@ class NativeDecoderLayer(nn.Module):
         qkv_width = (w.num_q_heads + 2 * w.num_kv_heads) * w.head_dim
         o_owner, o_name, o_bias = _computing(attn, "o_proj", w.o_bias)
         native: dict[tuple[nn.Module, str], nn.Module] = {
-            (attn, "qkv_proj"): NativeLinear(w.qkv, qkv_width, w.qkv_bias, self.native),
-            (o_owner, o_name): NativeLinear(w.o, w.hidden_size, o_bias, self.native),
+            (attn, "qkv_proj"): self._linear(0, qkv_width, w.qkv_bias),
+            (o_owner, o_name): self._linear(1, w.hidden_size, o_bias),
         }
         if w.form.experts:  # the experts' packed weights serve the other steps too (the router keeps its own)
             act_fn = cast(nn.Module, mlp.experts.act_fn)
@@ -134,12 +140,20 @@ class NativeDecoderLayer(nn.Module):
                 native[(shared, "down_proj")] = NativeLinear(w.shared_down, w.hidden_size, None, self.native)
         else:
             up, down, _ = cast(tuple[str, str, str], mlp_parts(mlp))
-            gate_up = NativeLinear(w.gate_up, (1 + w.form.gated) * w.intermediate, w.gate_up_bias, self.native)
             down_owner, down_name, down_bias = _computing(mlp, down, w.down_bias)
-            native[(mlp, up)] = gate_up
-            native[(down_owner, down_name)] = NativeLinear(w.down, w.hidden_size, down_bias, self.native)
+            native[(mlp, up)] = self._linear(2, (1 + w.form.gated) * w.intermediate, w.gate_up_bias)
+            native[(down_owner, down_name)] = self._linear(3, w.hidden_size, down_bias)
         for (owner, name), linear in native.items():  # under any LoRA wrappers, which stay
             setattr(owner, name, replace_lora_base(getattr(owner, name), linear))
+
+    def _linear(self, index: int, width: int, bias: torch.Tensor | None) -> nn.Module:
+        """The module of projection ``index`` (qkv, o, gate_up, down) over its packed weight: fp32 or int8."""
+        w = self.weights
+        packed = (w.qkv, w.o, w.gate_up, w.down)[index]
+        if w.int8_columns is None:
+            return NativeLinear(packed, width, bias, self.native)
+        zeros, scales = w.int8_columns[2 * index : 2 * index + 2]
+        return NativeInt8Linear(PackedInt8(packed, zeros, scales, width), bias, self.native)
 
     def __getattr__(self, name: str) -> Any:
         """Attributes of the wrapped layer read through (``self_attn``, ``mlp``, ``attention_type``, ...)."""
@@ -218,6 +232,28 @@ class NativeLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class NativeInt8Linear(nn.Module):
+    """:class:`NativeLinear` of int8 codes (:func:`~tgi_paged_kernels.gemm_packed_int8`: dequantized in the tile),
+    the int8 layer's one copy of its weights; other inputs (compiled, not fp32) run ``F.linear`` on them
+    dequantized_int8."""
+
+    def __init__(self, packed: PackedInt8, bias: torch.Tensor | None, native: NativeKernels):
+        super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.native = native
+        self.resident_bytes = sum(t.numel() * t.element_size() for t in (packed.codes, packed.zeros, packed.scales))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling() or x.dtype != torch.float32 or rows.stride(-1) != 1:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, dequantized_int8(self.packed).to(x.dtype), bias)
+        out = gemm_packed_int8(self.native, rows, self.packed, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 @dataclass(frozen=True, slots=True)
