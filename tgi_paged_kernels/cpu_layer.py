@@ -6,7 +6,8 @@ make ~10 calls (two to four norms, four GEMMs, RoPE, the KV store, the attention
 residual adds), each with its Python, dispatch and OpenMP fork. :func:`decode_layer` runs all of it in one
 call and one OpenMP region, on weights packed once (:func:`pack_weight`) for a GEMM whose every output is
 one sequential sum of fused multiply-adds (the same on AVX-512, AVX2 and scalar code, whatever the rows
-or threads). fp32 only, fp32 pools; the caller (``runner.cpu.native_layers``) decides when it applies.
+or threads). fp32 activations and pools, fp32 or int8 projections (:mod:`.cpu_quant`); the caller
+(``runner.cpu.native_layers``) decides when it applies.
 
 The layer is data, not code: :class:`LayerForm` says which norms the layer has and where (before and
 after attention and MLP: Llama's two pre-norms, Gemma 2/3's sandwich, OLMo2's post-norms), their kind
