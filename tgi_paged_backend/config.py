@@ -189,8 +189,14 @@ class ModelConfig:
     native_layers: bool = True
     """``TGI_PAGED_NATIVE_LAYERS``: on CPU, fp32 decode steps of Llama-form decoder layers with small
     projections run as one native call per layer (``runner.cpu.native_layers``); ``0`` keeps the per-op path."""
+    max_images_per_request: int = 8
+    """``TGI_PAGED_MAX_IMAGES_PER_REQUEST``: a vision-language model's request carrying more images is refused
+    (INVALID_ARGUMENT); Warmup measures the vision tower's peak at this many of its largest images (bounded by
+    ``max_input_tokens``). Text models ignore it."""
 
     def __post_init__(self) -> None:
+        if self.max_images_per_request < 1:
+            raise ConfigError(f"max_images_per_request={self.max_images_per_request} is invalid: allowed >= 1")
         if self.cpu_decode not in CPU_DECODE_KERNELS:
             raise ConfigError(f"cpu_decode={self.cpu_decode!r} is invalid: allowed {CPU_DECODE_KERNELS}")
         if any(b < 1 for b in self.cuda_graphs) or list(self.cuda_graphs) != sorted(set(self.cuda_graphs)):

@@ -67,6 +67,7 @@ class EnvSettings:
     compile_decode: bool
     cpu_decode: str
     native_layers: bool
+    max_images_per_request: int
     speculate_max_batch: int | None
     lora_adapters: str | None
     max_lora_rank: int
@@ -266,6 +267,10 @@ def read_env(env: Mapping[str, str] | None = None) -> EnvSettings:
         ),
         # TGI_PAGED_NATIVE_LAYERS: CPU fp32 decode of small Llama-form layers as one native call per layer.
         native_layers=_parse(e, "TGI_PAGED_NATIVE_LAYERS", True, _on_off, "0, 1, false or true"),
+        # TGI_PAGED_MAX_IMAGES_PER_REQUEST: a VLM request with more images is INVALID_ARGUMENT; Warmup sizes for it.
+        max_images_per_request=_parse(
+            e, "TGI_PAGED_MAX_IMAGES_PER_REQUEST", 8, int, "an integer >= 1", lambda v: v >= 1
+        ),
         # TGI_PAGED_SPECULATE_MAX_BATCH: draft only in steps with at most this many decoding requests.
         speculate_max_batch=_parse_optional(
             e, "TGI_PAGED_SPECULATE_MAX_BATCH", int, "an integer >= 1", lambda v: v >= 1
@@ -346,6 +351,7 @@ def build_config(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             compile_decode=s.compile_decode,
             cpu_decode=s.cpu_decode,
             native_layers=s.native_layers,
+            max_images_per_request=s.max_images_per_request,
             speculate_max_batch=s.speculate_max_batch,
         ),
         cache=CacheConfig(

@@ -7,13 +7,14 @@ row runs the scenarios of :mod:`tests.helpers.llava_next_scenarios`, which these
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.engine.conftest import RouterBlocks, RouterDriver, make_engine, make_text, router_warmup
 from tests.helpers import llava_next_scenarios as scenarios
 from tests.helpers.llava_next_models import LlavaNextReference, write_llava_next_model
 from tests.helpers.llava_next_scenarios import GREEN, RED, counting_encodes, image_spec, mismatches
-from tgi_paged_backend.engine.image_prompts import MAX_IMAGES_PER_REQUEST
 from tgi_paged_backend.engine.types import BatchSpec, ImageInput, InvalidRequestError, RequestSpec, StoppingParams
 
 
@@ -147,7 +148,6 @@ def test_placeholder_text_without_images_is_refused(llava_dir) -> None:
 
 
 def test_warmup_counts_the_vision_peak(llava_dir) -> None:
-    from tgi_paged_backend.engine.image_prompts import MAX_IMAGES_PER_REQUEST
     from tgi_paged_backend.vision.activation_peak import largest_image
 
     engine = make_engine(llava_dir, num_blocks=32)
@@ -159,7 +159,7 @@ def test_warmup_counts_the_vision_peak(llava_dir) -> None:
     )
     text_peak = engine.runner.profile_prefill(64)
     router_warmup(engine, 64)
-    held = MAX_IMAGES_PER_REQUEST * encoder.token_count(image) * engine.runner.spec.hidden_size * 4  # fp32
+    held = engine.image_prompts.max_images * encoder.token_count(image) * engine.runner.spec.hidden_size * 4  # fp32
     assert engine.runner.activation_peak_bytes >= text_peak + held
 
 
@@ -197,4 +197,27 @@ def test_routers_warmup_with_its_image(llava_dir) -> None:
     )
     result = engine.warmup(batch, max_input_tokens=None, max_prefill_tokens=256, max_total_tokens=None)
     assert result.max_supported_total_tokens > 0 and engine.requests == {} and engine.kv.num_used_blocks == 0
-    assert calls[0] == MAX_IMAGES_PER_REQUEST and calls[1:] == [1] * len(plain.requests)  # the peak, then the batch
+    assert calls[0] == engine.image_prompts.max_images == 8 and calls[1:] == [1] * len(
+        plain.requests
+    )  # the peak, then the batch
+
+
+def test_max_images_per_request_is_a_setting(llava_dir) -> None:
+    """``TGI_PAGED_MAX_IMAGES_PER_REQUEST``: more images are INVALID_ARGUMENT and touch no state; Warmup encodes
+    that many of the largest image for the vision peak."""
+    from integration.router_replay.client import WARMUP_IMAGE
+    from tests.engine.conftest import warmup_batch
+
+    engine = make_engine(llava_dir, num_blocks=64, TGI_PAGED_MAX_IMAGES_PER_REQUEST="2")
+    calls = counting_encodes(engine)
+    plain = warmup_batch(256)
+    image = ImageInput(WARMUP_IMAGE, "image/jpeg;base64")
+    batch = dataclasses.replace(
+        plain, requests=tuple(dataclasses.replace(r, chunks=(r.text, image)) for r in plain.requests)
+    )
+    engine.warmup(batch, max_input_tokens=None, max_prefill_tokens=256, max_total_tokens=None)
+    assert calls[0] == 2
+    three = image_spec(engine, None, 7, ["a", RED, "b", GREEN, "c", RED])
+    with pytest.raises(InvalidRequestError, match="3 images, this model accepts at most 2"):
+        engine.prefill(BatchSpec(id=5, requests=(three,)), None)
+    assert engine.requests == {} and engine.kv.num_used_blocks == 0

@@ -153,7 +153,6 @@ def test_routers_warmup_with_its_image(qwen_dir) -> None:
 
     from integration.router_replay.client import WARMUP_IMAGE
     from tests.engine.conftest import warmup_batch
-    from tgi_paged_backend.engine.image_prompts import MAX_IMAGES_PER_REQUEST
 
     engine = make_engine(qwen_dir, num_blocks=64)
     calls = counting_encodes(engine)
@@ -164,7 +163,7 @@ def test_routers_warmup_with_its_image(qwen_dir) -> None:
     )
     result = engine.warmup(batch, max_input_tokens=None, max_prefill_tokens=256, max_total_tokens=None)
     assert result.max_supported_total_tokens > 0 and engine.requests == {} and engine.kv.num_used_blocks == 0
-    assert calls[0] == MAX_IMAGES_PER_REQUEST and calls[1:] == [1] * len(plain.requests)
+    assert calls[0] == engine.image_prompts.max_images and calls[1:] == [1] * len(plain.requests)
     assert engine.runner.image_encoder.token_count(engine.runner.image_encoder.largest_image()) == 64
 
 

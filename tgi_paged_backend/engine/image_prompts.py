@@ -33,9 +33,6 @@ if TYPE_CHECKING:
 
     from tgi_paged_backend.vision.mrope import MRopePositions
 
-MAX_IMAGES_PER_REQUEST = 8
-"""Images one request may carry (more is ``INVALID_ARGUMENT``); Warmup sizes the vision tower's peak for it."""
-
 
 @dataclass(slots=True)
 class RequestImages:
@@ -95,7 +92,10 @@ class RequestImages:
 class ImagePrompts:
     """Prompt ids (and images) of requests for a served vision-language model."""
 
-    def __init__(self, encoder: Any, tokenizer: PromptTokenizer) -> None:
+    def __init__(self, encoder: Any, tokenizer: PromptTokenizer, max_images: int = 8) -> None:
+        self.max_images = max_images
+        """Images one request may carry (``ModelConfig.max_images_per_request``; more is ``INVALID_ARGUMENT``);
+        Warmup sizes the vision tower's peak for it."""
         self.encoder = encoder
         """The family's VLM adapter: ``image_token_id``, ``token_count(image)``, ``placeholder_text(image, token)``,
         ``finish_prompt(text)``, ``encode(images)`` and ``largest_image()`` (e.g.
@@ -107,17 +107,17 @@ class ImagePrompts:
         self.image_token = tokenizer.tokenizer.convert_ids_to_tokens(self.image_token_id)
 
     @classmethod
-    def for_runner(cls, runner: Any, tokenizer: PromptTokenizer) -> ImagePrompts | None:
+    def for_runner(cls, runner: Any, tokenizer: PromptTokenizer, max_images: int) -> ImagePrompts | None:
         """The runner's (``None`` for a text-only model)."""
         if runner.image_encoder is None:
             return None
-        return cls(runner.image_encoder, tokenizer)
+        return cls(runner.image_encoder, tokenizer, max_images)
 
     def encode(self, spec: RequestSpec) -> tuple[list[int], RequestImages | None]:
         """The prompt ids of ``spec`` and its images (``None`` without images); ``InvalidRequestError`` for
         a bad image, too many images, or placeholders that do not match the images."""
         chunks = request_images(spec)
-        decoded = decode_request_images(spec, MAX_IMAGES_PER_REQUEST)
+        decoded = decode_request_images(spec, self.max_images)
         counts = [self.encoder.token_count(image) for image in decoded]
         wrap_text = getattr(self.encoder, "wrap_text", None)  # PaliGemma's: text-only prompts are wrapped too
         if chunks or wrap_text is not None:

@@ -24,7 +24,6 @@ from loguru import logger
 
 from tgi_paged_backend.config import BackendConfig
 from tgi_paged_backend.engine.capacity import Capacity, plan_capacity
-from tgi_paged_backend.engine.image_prompts import MAX_IMAGES_PER_REQUEST
 from tgi_paged_backend.engine.request_state import RequestState
 from tgi_paged_backend.engine.sampling import validate_sampling_params
 from tgi_paged_backend.engine.step_engine import StepEngine
@@ -123,7 +122,7 @@ class PagedShardEngine(StepEngine):
         text_peak = self.runner.profile_prefill(max(max_prefill_tokens, 1))
         if self.image_prompts is not None:  # the vision tower's peak and the embeddings a prefill holds
             encoder = self.image_prompts.encoder
-            num_images = warmup_image_count(encoder, MAX_IMAGES_PER_REQUEST, max_input_tokens)
+            num_images = warmup_image_count(encoder, self.image_prompts.max_images, max_input_tokens)
             self.runner.activation_peak_bytes = with_vision_peak(text_peak, encoder, num_images, self.runner.device)
         # CUDA_GRAPHS: the decode graphs' memory is measured now and left out of the pool below.
         self.runner.profile_decode_graphs(max_total_tokens or self.runner.spec.max_position_embeddings)

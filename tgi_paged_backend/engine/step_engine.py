@@ -55,7 +55,7 @@ class StepEngine:
         self.runner = runner
         self.block_size = config.cache.block_size
         self.prompt_tokenizer = PromptTokenizer(runner.tokenizer)
-        self.image_prompts = ImagePrompts.for_runner(runner, self.prompt_tokenizer)
+        self.image_prompts = ImagePrompts.for_runner(runner, self.prompt_tokenizer, config.model.max_images_per_request)
         """Prompts with images (a served vision-language model), else ``None``: text only."""
         self.decoder = TokenDecoder(runner.tokenizer)
         self.eos_ids = eos_token_ids(runner.tokenizer, runner.generation_config) or frozenset(runner.eos_token_ids)
