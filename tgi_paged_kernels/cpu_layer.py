@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .cpu_native import NativeKernels
+
+if TYPE_CHECKING:
+    from .cpu_layer_lora import LayerLora
 
 PACK_BLOCK = 16
 """Columns per packed block (``kNB`` in the C++)."""
@@ -371,10 +374,15 @@ def decode_layer(
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None = None,
+    lora: LayerLora | None = None,
+    token_slots: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The layer's output for fp32 ``hidden`` ``[T, H]`` (one token of each of ``T`` requests; a new tensor),
     writing the tokens' K/V into fp32 pools ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (int64;
-    negative slots skipped).
+    negative slots skipped). With ``query_start_loc`` (int32 ``[B + 1]``): ``B`` requests of several rows each
+    (a speculative verify step), each row attending over its request's positions up to its own. With ``lora``
+    (:class:`.cpu_layer_lora.LayerLora`): row ``t`` adds adapter ``token_slots[t]``'s deltas (``-1``: none).
 
     ``cos``/``sin`` ``[T, rotary_dim or D]`` fp32 contiguous (unread, may be ``None``, for the rotary kind
     ``none``); ``block_tables`` ``[T, *]`` and ``seq_lens`` ``[T]``, int32 or int64. ``None`` for inputs of
@@ -382,6 +390,7 @@ def decode_layer(
     table too narrow (as the single kernels do).
     """
     tokens = hidden.shape[0]
+    requests = tokens if query_start_loc is None else query_start_loc.numel() - 1
     d = w.head_dim
     if w.form.rope == "none":
         cos = sin = None
@@ -398,8 +407,10 @@ def decode_layer(
         or slot_mapping.dtype != torch.int64
         or slot_mapping.numel() != tokens
         or block_tables.dim() != 2
-        or block_tables.shape[0] < tokens
-        or seq_lens.numel() < tokens
+        or block_tables.shape[0] < requests
+        or seq_lens.numel() < requests
+        or (query_start_loc is not None and (query_start_loc.dtype != torch.int32 or requests < 1))
+        or (lora is not None and (token_slots is None or token_slots.shape != (tokens,)))
         or block_tables.dtype not in (torch.int32, torch.int64)
         or seq_lens.dtype not in (torch.int32, torch.int64)
     ):
@@ -408,6 +419,10 @@ def decode_layer(
     slot_mapping, seq_lens = slot_mapping.contiguous(), seq_lens.contiguous()
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
+    qsl = None if query_start_loc is None else query_start_loc.contiguous()
+    lora_args = None if lora is None or token_slots is None else lora.args(token_slots)
+    if lora is not None and lora_args is None:
+        return None
     scratch = torch.empty(w.scratch_floats(tokens), dtype=torch.float32)
     block_size = k_cache.shape[1]
     status = native.decode_layer(
@@ -417,11 +432,14 @@ def decode_layer(
         slot_mapping.data_ptr(), block_tables.data_ptr(), int(block_tables.dtype == torch.int64),
         block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64),
         block_size, scratch.data_ptr(), torch.get_num_threads(),
+        None if qsl is None else qsl.data_ptr(), requests, None if lora_args is None else ctypes.addressof(lora_args),
     )  # fmt: skip
     if status == 5:
         raise ValueError(
             f"decode_layer: slot_mapping holds a slot outside the pool's {k_cache.shape[0] * block_size} slots"
         )
+    if status == 6:
+        raise ValueError("decode_layer: query_start_loc or the LoRA slots / targets do not fit this step and layer")
     if status != 0:
         raise ValueError(native.decode_error(status, block_tables, seq_lens, block_size, k_cache.shape[0]))
     return out

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "cpu_layer.cpp", CSRC / "cpu_prefill.cpp", CSRC / "cpu_lora.cpp")
 """Compiled into one library; the headers they include are part of the cache key."""
-HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_gemm.h", CSRC / "cpu_moe.h")
+HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_gemm.h", CSRC / "cpu_moe.h", CSRC / "cpu_lora.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 """Storage dtypes the kernels read natively; one-byte (fp8) pools go through a decode table (code 2)."""
@@ -168,6 +168,7 @@ class NativeKernels:
             _ptr, _ptr, _i64, _i64, _i64, _i64,  # pools, blocks, strides
             _ptr, _ptr, _int, _i64, _i64, _ptr, _int,  # slots, tables, seq lens
             _int, _ptr, _int,  # block size, scratch, threads
+            _ptr, _i64, _ptr,  # query_start_loc and requests (verify steps), LoRA (cpu_layer_lora.LayerLora)
         )  # fmt: skip
         self.prefill_attention = bind(
             "tgi_paged_prefill_attention",

@@ -5,6 +5,7 @@
 // tests/kernels/test_cpu_layer.py.
 
 #include "cpu_gemm.h"
+#include "cpu_lora.h"
 #include "cpu_moe.h"
 
 namespace {
@@ -45,6 +46,8 @@ struct StepArgs {
   const float *cos, *sin;  // [T, D]
   const int64_t* slot_mapping;
   float* scratch;
+  const LayerLora* lora;  // null: no adapter rows (cpu_lora.h)
+  float* lora_xa;         // lora_scratch_floats(lora, tokens) floats
 };
 
 // 1 / sqrt(mean(x^2) + eps) over `width` values (the RMSNorm's scale, summed as rms_row_f32 does).
@@ -219,8 +222,10 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
   float* x_mlp = act + T * I;        // [T, H] a parallel block's MLP input (its own norm of h)
   // A block's output goes straight onto the residual stream in the GEMM's epilogue unless it is normed or
   // scaled first (sandwich norms, residual multipliers): then through x and add_residual.
-  const bool direct_attn = !S.attn_out && S.residual_scale == 1.0f;
-  const bool direct_mlp = !S.mlp_out && S.residual_scale == 1.0f;
+  // A LoRA delta joins its projection's output before the add, as the per-op path adds it (a parallel block's
+  // attention output still goes straight onto h: its normed input, in x, is the MLP's).
+  const bool direct_attn = !S.attn_out && S.residual_scale == 1.0f && (S.parallel || !lora_targets(A.lora, 1));
+  const bool direct_mlp = !S.mlp_out && S.residual_scale == 1.0f && !lora_targets(A.lora, 3);
   d.query = qk;
   d.q_sb = static_cast<int64_t>(hq + hkv) * D;
   d.q_sh = D;
@@ -242,6 +247,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
         norm_row(A.hidden + t * H, S.mlp_in, S.mlp_in_b, x_mlp + t * H, H, S.eps_mlp_in, S.layer_norm);
     }
     gemm_packed(attn_x, H, T, H, S.w_qkv, n_qkv, S.b_qkv, nullptr, 0, qkv, n_qkv);
+    lora_add_rows(A.lora, 0, attn_x, H, T, qkv, n_qkv, A.lora_xa);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       float* row = qkv + t * n_qkv;
@@ -279,8 +285,10 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
     decode_tasks<0, kHeadDim>(d, num_threads, status);
     if (direct_attn) {
       gemm_packed(attn, n_q, T, n_q, S.w_o, H, S.b_o, A.hidden, H, A.hidden, H);
+      lora_add_rows(A.lora, 1, attn, n_q, T, A.hidden, H, A.lora_xa);
     } else {
       gemm_packed(attn, n_q, T, n_q, S.w_o, H, S.b_o, nullptr, 0, x, H);
+      lora_add_rows(A.lora, 1, attn, n_q, T, x, H, A.lora_xa);
       add_residual(A.hidden, x, T, H, S.attn_out, S.attn_out_b, S.eps_attn_out, S.residual_scale, S.layer_norm,
                    S.post_add);
     }
@@ -317,11 +325,13 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
     } else {
       const int64_t n_gu = S.gated ? 2 * I : I;
       gemm_packed(mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
+      lora_add_rows(A.lora, 2, mlp_x, H, T, gate_up, n_gu, A.lora_xa);
       activate_rows(S, gate_up, act, T, I);
       if (direct_mlp) {
         gemm_packed(act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
       } else {
         gemm_packed(act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
+        lora_add_rows(A.lora, 3, act, I, T, x, H, A.lora_xa);
         add_residual(A.hidden, x, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm,
                      S.post_add);
       }
@@ -361,13 +371,29 @@ int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, con
 // T * (2H + (2 Hq + 3 Hkv) D + Hq D + 3I) floats, plus T * (E + 4H) for an MoE MLP of E experts (experts > 0:
 // w_router packed [E, H], w_gate_up / w_down each expert's packed [2I, H] / [H, I] in turn; top_k of the router's
 // softmax, renormalized when norm_top_k), plus T * (3 Is + H + 1) for a shared expert of Is. Returns 0; 2 for a table too narrow for a seq_len, 3 for a
-// block id outside the pool, 5 for a slot outside the pool, 6 for a spec this library does not know.
+// block id outside the pool, 5 for a slot outside the pool, 6 for a spec this library does not know (or a
+// LoRA or query_start_loc that does not fit).
+// query_start_loc (int32 [num_requests + 1], null for one token per request): a step of several query rows per
+// request (speculative verify: the last token and the draft), each row attending causally over its request's
+// positions up to its own (block_tables and seq_lens per request, hidden and slot_mapping per row).
+// lora (null: none): the LoRA deltas of the rows' adapters, added to the projections' outputs (cpu_lora.h).
 int tgi_paged_decode_layer(
     const LayerSpec* spec, float* hidden, int64_t tokens, const float* cos, const float* sin,
     void* k_cache, void* v_cache, int64_t num_blocks, int64_t c_sblock, int64_t c_sslot, int64_t c_shead,
     const int64_t* slot_mapping, const void* block_tables, int bt_int64, int64_t bt_stride, int64_t bt_width,
-    const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads) {
+    const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads,
+    const int32_t* query_start_loc, int64_t num_requests, const LayerLora* lora) {
   const LayerSpec& S = *spec;
+  const int64_t n_q = static_cast<int64_t>(S.num_q_heads) * S.head_dim;
+  const int64_t n_qkv = n_q + 2 * static_cast<int64_t>(S.num_kv_heads) * S.head_dim;
+  const int64_t lora_in[kLoraProjections] = {S.hidden_size, n_q, S.hidden_size, S.intermediate};
+  const int64_t lora_out[kLoraProjections] = {n_qkv, S.hidden_size, (S.gated ? 2 : 1) * S.intermediate, S.hidden_size};
+  if (!lora_fits(lora, tokens, lora_in, lora_out, S.experts > 0)) return kBadSpec;
+  std::vector<int64_t> row_request, row_len;
+  if (query_start_loc &&
+      !query_rows(query_start_loc, num_requests, tokens, seq_lens, sl_int64, row_request, row_len))
+    return kBadSpec;
+  std::vector<float> lora_xa(static_cast<size_t>(lora_scratch_floats(lora, tokens)));
   if (S.activation < 0 || S.activation > 3 || (S.experts > 0 && (!S.gated || !S.w_router || S.top_k < 1 ||
                                                                   S.top_k > S.experts || S.b_gate_up)) ||
       (S.shared_intermediate > 0 && (!S.experts || !S.w_shared_gate_up || !S.w_shared_down || !S.w_shared_gate)) || S.qk_norm < 0 || S.qk_norm > 2 ||
@@ -377,11 +403,15 @@ int tgi_paged_decode_layer(
       (S.parallel && (!S.attn_in || S.attn_out || S.mlp_out || S.residual_scale != 1.0f)) ||
       (S.post_add && (S.parallel || S.residual_scale != 1.0f)) || (S.rope != 2 && (!cos || !sin)))
     return kBadSpec;
-  const StepArgs A{hidden, tokens, cos, sin, slot_mapping, scratch};
-  const DecodeArgs d{nullptr, 0, 0, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), nullptr,
+  const StepArgs A{hidden, tokens, cos, sin, slot_mapping, scratch, lora, lora_xa.data()};
+  DecodeArgs d{nullptr, 0, 0, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), nullptr,
                      c_sblock, c_sslot, c_shead, num_blocks, block_tables, bt_int64, bt_stride, bt_width,
                      seq_lens, sl_int64, nullptr, static_cast<int>(tokens), S.num_q_heads, S.num_kv_heads,
                      S.head_dim, block_size, S.scale, S.softcap, S.window, nullptr, 1.0f, 1.0f, S.head_dim};
+  if (query_start_loc) {
+    d.row_request = row_request.data();
+    d.row_len = row_len.data();
+  }
   switch (S.head_dim) {
     case 64: return layer_impl<64>(S, A, d, num_threads);
     case 128: return layer_impl<128>(S, A, d, num_threads);
