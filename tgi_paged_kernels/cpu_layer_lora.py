@@ -86,10 +86,17 @@ class LayerLora:
         self._array = (_Target * len(targets))(
             *(
                 _Target(
-                    PROJECTIONS.index(t.projection), int(t.a_stack.shape[1]), t.column, int(t.b_stack.shape[1]),
-                    int(t.a_stack.shape[2]), self.num_slots, t.a_stack.data_ptr(), t.b_stack.data_ptr(),
-                    t.scales.data_ptr(), t.ranks.data_ptr(),
-                )  # fmt: skip
+                    PROJECTIONS.index(t.projection),
+                    int(t.a_stack.shape[1]),
+                    t.column,
+                    int(t.b_stack.shape[1]),
+                    int(t.a_stack.shape[2]),
+                    self.num_slots,
+                    t.a_stack.data_ptr(),
+                    t.b_stack.data_ptr(),
+                    t.scales.data_ptr(),
+                    t.ranks.data_ptr(),
+                )
                 for t in targets
             )
         )

@@ -58,8 +58,8 @@ def decode_layer_ref(
         if bias is None and (form.o_bias if name == "o" else form.mlp_bias and name != "qkv"):
             bias = weights[f"{name}_bias"]
         out = F.linear(x, weight, bias)
-        for t in lora.targets if lora is not None and token_slots is not None else ():
-            if t.projection == name:
+        for t in lora.targets if lora is not None else ():
+            if t.projection == name and token_slots is not None:
                 columns = slice(t.column, t.column + t.b_stack.shape[1])
                 out[:, columns] += lora_delta_reference(x, token_slots, t.a_stack, t.b_stack, t.scales)
         return out
