@@ -111,6 +111,16 @@ def test_lora_rows_match_the_reference(native, form_name) -> None:
     assert moved.tolist() == [s >= 0 for s in token_slots]  # every adapter row changed, no base row did
 
 
+def test_many_rows_of_one_adapter(native) -> None:
+    """Rows of one adapter beyond a group of 8 (the kernel reads an adapter's A and B once per group of rows)."""
+    token_slots = [1] * 11 + [-1, 0, 1, 1, -1, 2] + [1] * 3
+    contexts = [3 + 2 * i for i in range(len(token_slots))]
+    got, expected, _ = _run(native, "SmolLM2", [1] * len(token_slots), contexts, token_slots)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    base, _, _ = _run(native, "SmolLM2", [1] * len(token_slots), contexts, token_slots, lora_on=False)
+    assert ((got - base).abs().amax(dim=1) > 1e-3).tolist() == [s >= 0 for s in token_slots]
+
+
 def test_lora_rows_are_the_same_with_two_threads(native) -> None:
     token_slots = [2, -1, 0, 1, 1, 0]
     one, _, _ = _run(native, "SmolLM2", [1] * 6, [3, 8, 20, 1, 5, 9], token_slots)

@@ -47,7 +47,8 @@ struct StepArgs {
   const int64_t* slot_mapping;
   float* scratch;
   const LayerLora* lora;  // null: no adapter rows (cpu_lora.h)
-  float* lora_xa;         // lora_scratch_floats(lora, tokens) floats
+  const LoraGroups* lora_groups;  // the rows with an adapter, grouped by it
+  float* lora_xa;                 // lora_scratch_floats(lora, tokens) floats
 };
 
 // 1 / sqrt(mean(x^2) + eps) over `width` values (the RMSNorm's scale, summed as rms_row_f32 does).
@@ -247,7 +248,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
         norm_row(A.hidden + t * H, S.mlp_in, S.mlp_in_b, x_mlp + t * H, H, S.eps_mlp_in, S.layer_norm);
     }
     gemm_packed(attn_x, H, T, H, S.w_qkv, n_qkv, S.b_qkv, nullptr, 0, qkv, n_qkv);
-    lora_add_rows(A.lora, 0, attn_x, H, T, qkv, n_qkv, A.lora_xa);
+    lora_add_rows(A.lora, *A.lora_groups, 0, attn_x, H, T, qkv, n_qkv, A.lora_xa);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       float* row = qkv + t * n_qkv;
@@ -285,10 +286,10 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
     decode_tasks<0, kHeadDim>(d, num_threads, status);
     if (direct_attn) {
       gemm_packed(attn, n_q, T, n_q, S.w_o, H, S.b_o, A.hidden, H, A.hidden, H);
-      lora_add_rows(A.lora, 1, attn, n_q, T, A.hidden, H, A.lora_xa);
+      lora_add_rows(A.lora, *A.lora_groups, 1, attn, n_q, T, A.hidden, H, A.lora_xa);
     } else {
       gemm_packed(attn, n_q, T, n_q, S.w_o, H, S.b_o, nullptr, 0, x, H);
-      lora_add_rows(A.lora, 1, attn, n_q, T, x, H, A.lora_xa);
+      lora_add_rows(A.lora, *A.lora_groups, 1, attn, n_q, T, x, H, A.lora_xa);
       add_residual(A.hidden, x, T, H, S.attn_out, S.attn_out_b, S.eps_attn_out, S.residual_scale, S.layer_norm,
                    S.post_add);
     }
@@ -325,13 +326,13 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
     } else {
       const int64_t n_gu = S.gated ? 2 * I : I;
       gemm_packed(mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
-      lora_add_rows(A.lora, 2, mlp_x, H, T, gate_up, n_gu, A.lora_xa);
+      lora_add_rows(A.lora, *A.lora_groups, 2, mlp_x, H, T, gate_up, n_gu, A.lora_xa);
       activate_rows(S, gate_up, act, T, I);
       if (direct_mlp) {
         gemm_packed(act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
       } else {
         gemm_packed(act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
-        lora_add_rows(A.lora, 3, act, I, T, x, H, A.lora_xa);
+        lora_add_rows(A.lora, *A.lora_groups, 3, act, I, T, x, H, A.lora_xa);
         add_residual(A.hidden, x, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm,
                      S.post_add);
       }
@@ -394,6 +395,8 @@ int tgi_paged_decode_layer(
       !query_rows(query_start_loc, num_requests, tokens, seq_lens, sl_int64, row_request, row_len))
     return kBadSpec;
   std::vector<float> lora_xa(static_cast<size_t>(lora_scratch_floats(lora, tokens)));
+  LoraGroups lora_groups;
+  if (lora) group_rows(lora->token_slots, tokens, lora_groups);
   if (S.activation < 0 || S.activation > 3 || (S.experts > 0 && (!S.gated || !S.w_router || S.top_k < 1 ||
                                                                   S.top_k > S.experts || S.b_gate_up)) ||
       (S.shared_intermediate > 0 && (!S.experts || !S.w_shared_gate_up || !S.w_shared_down || !S.w_shared_gate)) || S.qk_norm < 0 || S.qk_norm > 2 ||
@@ -403,7 +406,7 @@ int tgi_paged_decode_layer(
       (S.parallel && (!S.attn_in || S.attn_out || S.mlp_out || S.residual_scale != 1.0f)) ||
       (S.post_add && (S.parallel || S.residual_scale != 1.0f)) || (S.rope != 2 && (!cos || !sin)))
     return kBadSpec;
-  const StepArgs A{hidden, tokens, cos, sin, slot_mapping, scratch, lora, lora_xa.data()};
+  const StepArgs A{hidden, tokens, cos, sin, slot_mapping, scratch, lora, &lora_groups, lora_xa.data()};
   DecodeArgs d{nullptr, 0, 0, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), nullptr,
                      c_sblock, c_sslot, c_shead, num_blocks, block_tables, bt_int64, bt_stride, bt_width,
                      seq_lens, sl_int64, nullptr, static_cast<int>(tokens), S.num_q_heads, S.num_kv_heads,

@@ -1,12 +1,14 @@
 // Batched multi-LoRA rows on CPU, fp32: the shrink (xa = A[s] x) and expand (out += scale[s] * B[s] xa) of one
-// row, shared by the per-layer kernel (cpu_lora.cpp) and the native decode layer (cpu_layer.cpp), so both give a
-// row the same bits; and the decode layer's LoRA targets (LayerLora: the adapters of each projection it runs).
+// row (the per-layer kernel, cpu_lora.cpp), the same sums in the same order over groups of rows of one adapter
+// (the native decode layer, cpu_layer.cpp), and the decode layer's LoRA targets (LayerLora: the adapters of
+// each projection it runs).
 // Torch references: tgi_paged_kernels.lora.lora_delta_reference, cpu_layer_ref.decode_layer_ref (lora=...).
 
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -103,35 +105,92 @@ inline bool lora_targets(const LayerLora* lora, int projection) {
   return false;
 }
 
+// The step's rows with an adapter, grouped by slot (up to kLoraGroup rows each), so that a group's rows share
+// every read of the adapter's A and B rows (from memory once per group, not once per row).
+constexpr int kLoraGroup = 8;
+struct LoraGroups {
+  std::vector<int64_t> rows;    // row ids, grouped
+  std::vector<int64_t> starts;  // group g holds rows[starts[g] .. starts[g + 1])
+  int64_t count() const { return static_cast<int64_t>(starts.size()) - 1; }
+};
+
+inline void group_rows(const int64_t* slots, int64_t T, LoraGroups& groups) {
+  groups.rows.clear();
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] >= 0) groups.rows.push_back(t);
+  std::stable_sort(groups.rows.begin(), groups.rows.end(), [slots](int64_t a, int64_t b) { return slots[a] < slots[b]; });
+  groups.starts.assign(1, 0);
+  for (size_t i = 0; i < groups.rows.size(); ++i) {
+    const int64_t start = groups.starts.back();
+    const bool full = static_cast<int64_t>(i) - start == kLoraGroup;
+    if (i > 0 && (full || slots[groups.rows[i]] != slots[groups.rows[i - 1]])) groups.starts.push_back(i);
+  }
+  groups.starts.push_back(static_cast<int64_t>(groups.rows.size()));
+  if (groups.rows.empty()) groups.starts.assign(1, 0);
+}
+
 // out[t, column:column + width] += each row's delta, for every target of `projection`, over T rows of input x
-// (row stride ldx) and output out (row stride ldo). Work-shared: called by every thread of a parallel region;
-// xa is scratch of lora_scratch_floats(lora, T) floats. Shrinks (one task per target and row), a
-// barrier, then expands (one task per target, row and chunk of kLoraChunk outputs).
-inline void lora_add_rows(const LayerLora* lora, int projection, const float* x, int64_t ldx, int64_t T,
-                          float* out, int64_t ldo, float* xa) {
+// (row stride ldx) and output out (row stride ldo); rows as `groups` holds them (group_rows of the step's slots).
+// Work-shared: called by every thread of a parallel region; xa is scratch of lora_scratch_floats(lora, T)
+// floats. Shrinks (one task per target and group), a barrier, then expands (one task per target, group and
+// chunk of kLoraChunk outputs). Each row's sums are lora_shrink_row's and lora_expand_chunk's, in their order.
+inline void lora_add_rows(const LayerLora* lora, const LoraGroups& groups, int projection, const float* x,
+                          int64_t ldx, int64_t T, float* out, int64_t ldo, float* xa) {
   if (!lora_targets(lora, projection)) return;
-  const int64_t n = lora->num_targets;
+  const int64_t n = lora->num_targets, G = groups.count();
   const int64_t* slots = lora->token_slots;
   const int64_t stride = lora_max_rank(lora);
 #pragma omp for schedule(static)
-  for (int64_t task = 0; task < n * T; ++task) {
-    const LoraTarget& g = lora->targets[task / T];
-    const int64_t t = task % T, s = slots[t];
-    if (g.projection != projection || s < 0 || g.ranks[s] == 0) continue;
-    lora_shrink_row(x + t * ldx, g.a + s * g.max_rank * g.in_features, g.ranks[s], g.in_features,
-                    xa + task * stride);
+  for (int64_t task = 0; task < n * G; ++task) {
+    const int64_t i = task / G, grp = task % G;
+    const LoraTarget& g = lora->targets[i];
+    const int64_t* rows = groups.rows.data() + groups.starts[grp];
+    const int count = static_cast<int>(groups.starts[grp + 1] - groups.starts[grp]);
+    const int64_t s = slots[rows[0]];
+    if (g.projection != projection || g.ranks[s] == 0) continue;
+    const float* a = g.a + s * g.max_rank * g.in_features;
+    for (int r = 0; r < g.ranks[s]; ++r) {  // row r of A from cache for every row of the group
+      const float* ar = a + r * g.in_features;
+      for (int j = 0; j < count; ++j) {
+        const float* xr = x + rows[j] * ldx;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < g.in_features; ++k) acc += xr[k] * ar[k];
+        xa[(i * T + rows[j]) * stride + r] = acc;
+      }
+    }
   }
   int64_t chunks = 0;  // the widest target's chunks: every target gets as many tasks
   for (int64_t i = 0; i < n; ++i) chunks = std::max(chunks, (lora->targets[i].width + kLoraChunk - 1) / kLoraChunk);
 #pragma omp for schedule(static)
-  for (int64_t task = 0; task < n * T * chunks; ++task) {
-    const int64_t row_task = task / chunks, n0 = (task % chunks) * kLoraChunk;
-    const LoraTarget& g = lora->targets[row_task / T];
-    const int64_t t = row_task % T, s = slots[t];
-    if (g.projection != projection || s < 0 || g.ranks[s] == 0 || n0 >= g.width) continue;
+  for (int64_t task = 0; task < n * G * chunks; ++task) {
+    const int64_t i = task / (G * chunks), grp = (task / chunks) % G, n0 = (task % chunks) * kLoraChunk;
+    const LoraTarget& g = lora->targets[i];
+    const int64_t* rows = groups.rows.data() + groups.starts[grp];
+    const int count = static_cast<int>(groups.starts[grp + 1] - groups.starts[grp]);
+    const int64_t s = slots[rows[0]];
+    if (g.projection != projection || g.ranks[s] == 0 || n0 >= g.width) continue;
     const int64_t width = std::min(kLoraChunk, g.width - n0);
-    lora_expand_chunk(xa + row_task * stride, g.bt + s * g.max_rank * g.width, g.ranks[s], g.width, n0, width,
-                      g.scales[s], out + t * ldo + g.column);
+    const float* bt = g.bt + s * g.max_rank * g.width;
+    float acc[kLoraGroup][kLoraChunk];
+    for (int j = 0; j < count; ++j)
+      for (int64_t c = 0; c < width; ++c) acc[j][c] = 0.0f;
+    for (int r = 0; r < g.ranks[s]; ++r) {  // a chunk of B's row r from cache for every row of the group
+      const float* btr = bt + r * g.width + n0;
+      for (int j = 0; j < count; ++j) {
+        const float xr = xa[(i * T + rows[j]) * stride + r];
+        float* aj = acc[j];
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) aj[c] += xr * btr[c];
+      }
+    }
+    const float scale = g.scales[s];
+    for (int j = 0; j < count; ++j) {
+      float* o = out + rows[j] * ldo + g.column + n0;
+      const float* aj = acc[j];
+#pragma omp simd
+      for (int64_t c = 0; c < width; ++c) o[c] += aj[c] * scale;
+    }
   }
 }
 
