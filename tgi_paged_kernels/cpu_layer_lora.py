@@ -1,8 +1,8 @@
 """The LoRA adapters of one decoder layer, for the native decode step (:func:`.cpu_layer.decode_layer`).
 
 A decode step whose rows use adapters adds each row's delta ``scale[s] * B[s] (A[s] x)`` to the outputs of
-the projections the adapters target, inside the same native call (``csrc/cpu_lora.h``: each row's sums in the
-order of :func:`.cpu_lora.add_lora_cpu`, rows of one adapter grouped to share each read of its A and B). Each
+the projections the adapters target, inside the same native call (``csrc/cpu_lora.h``: the rows of one adapter
+in groups of up to 8, each vector of its A and B read once for the group, ``csrc/cpu_lora_tiles.h``). Each
 target is one projection of the layer (:data:`PROJECTIONS`) or one column range of a fused one (q, k and v of
 the fused q/k/v GEMM, gate and up of gate/up), with every adapter's A and B stacked by slot as
 :func:`tgi_paged_backend.lora.layers.attach_adapters` stacks them. The C++ reads pointers only: a

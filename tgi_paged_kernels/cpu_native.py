@@ -39,7 +39,13 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "cpu_layer.cpp", CSRC / "cpu_prefill.cpp", CSRC / "cpu_lora.cpp")
 """Compiled into one library; the headers they include are part of the cache key."""
-HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_gemm.h", CSRC / "cpu_moe.h", CSRC / "cpu_lora.h")
+HEADERS = (
+    CSRC / "cpu_common.h",
+    CSRC / "cpu_gemm.h",
+    CSRC / "cpu_moe.h",
+    CSRC / "cpu_lora.h",
+    CSRC / "cpu_lora_tiles.h",
+)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 """Storage dtypes the kernels read natively; one-byte (fp8) pools go through a decode table (code 2)."""

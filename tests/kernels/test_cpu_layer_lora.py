@@ -1,10 +1,13 @@
 """The native decode layer's step features against the torch reference: LoRA deltas inside the call (rows of
 several adapters of different ranks mixed with base rows, q/k/v and gate/up as column ranges of the fused GEMMs,
 o and down; sequential, sandwich and parallel forms) and speculative verify steps (several query rows per request,
-causal over the request's new tokens), alone and together; the same bits on one or two threads; the
-errors on slots or query offsets that do not fit."""
+causal over the request's new tokens), alone and together; the same bits on one or two threads; an AVX2 build;
+the errors on slots or query offsets that do not fit."""
 
 from __future__ import annotations
+
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from tgi_paged_kernels.cpu_layer import decode_layer
 from tgi_paged_kernels.cpu_layer_lora import LayerLora, LoraTarget
 from tgi_paged_kernels.cpu_layer_ref import decode_layer_ref
 from tgi_paged_kernels.cpu_lora import cpu_b_stack
+from tgi_paged_kernels.cpu_native import FLAGS, SOURCES, NativeKernels
 
 HIDDEN, INTER = 96, 160
 SLOT_RANKS = ((4, 0, 8), (2, 6, 0), (8, 8, 3))
@@ -185,3 +189,18 @@ def test_slots_and_offsets_that_do_not_fit_are_refused(native) -> None:
     wrong = _target("down", 0, HIDDEN, HIDDEN, (2, 2, 2), 1)  # down reads the intermediate width, not hidden
     with pytest.raises(ValueError, match="LoRA slots"):
         decode_layer(*args, qsl, LayerLora([wrong]), torch.tensor([0, 1, -1]))
+
+
+def test_the_avx2_build_gives_the_reference(native, tmp_path) -> None:
+    """The LoRA tiles are GCC vector code: built for x86-64-v3 (AVX2, as CI hosts) they run as two 256-bit halves
+    and still give the reference."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    assert compiler is not None  # the native fixture built the library with it
+    library = tmp_path / "cpu_kernels_v3.so"
+    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in FLAGS]
+    done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(library)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    v3 = NativeKernels(library)
+    token_slots = [1] * 9 + [-1, 0, 2]
+    got, expected, _ = _run(v3, "SmolLM2", [2] * 6, [5 + 3 * i for i in range(6)], token_slots)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -1,14 +1,16 @@
 // Batched multi-LoRA rows on CPU, fp32: the shrink (xa = A[s] x) and expand (out += scale[s] * B[s] xa) of one
-// row (the per-layer kernel, cpu_lora.cpp), the same sums in the same order over groups of rows of one adapter
-// (the native decode layer, cpu_layer.cpp), and the decode layer's LoRA targets (LayerLora: the adapters of
-// each projection it runs).
-// Torch references: tgi_paged_kernels.lora.lora_delta_reference, cpu_layer_ref.decode_layer_ref (lora=...).
+// row (the per-layer kernel, cpu_lora.cpp); the native decode layer's LoRA (cpu_layer.cpp): its targets (LayerLora:
+// the adapters of each projection it runs) and lora_add_rows, which runs the rows of one adapter in groups over the
+// register tiles of cpu_lora_tiles.h. Torch references: tgi_paged_kernels.lora.lora_delta_reference,
+// cpu_layer_ref.decode_layer_ref (lora=...).
 
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+
+#include "cpu_lora_tiles.h"
 
 namespace {
 
@@ -107,7 +109,7 @@ inline bool lora_targets(const LayerLora* lora, int projection) {
 
 // The step's rows with an adapter, grouped by slot (up to kLoraGroup rows each), so that a group's rows share
 // every read of the adapter's A and B rows (from memory once per group, not once per row).
-constexpr int kLoraGroup = 8;
+constexpr int kLoraGroup = kLoraTileRows;
 struct LoraGroups {
   std::vector<int64_t> rows;    // row ids, grouped
   std::vector<int64_t> starts;  // group g holds rows[starts[g] .. starts[g + 1])
@@ -133,7 +135,7 @@ inline void group_rows(const int64_t* slots, int64_t T, LoraGroups& groups) {
 // (row stride ldx) and output out (row stride ldo); rows as `groups` holds them (group_rows of the step's slots).
 // Work-shared: called by every thread of a parallel region; xa is scratch of lora_scratch_floats(lora, T)
 // floats. Shrinks (one task per target and group), a barrier, then expands (one task per target, group and
-// chunk of kLoraChunk outputs). Each row's sums are lora_shrink_row's and lora_expand_chunk's, in their order.
+// chunk of kLoraChunk outputs), each over the group's rows at once (cpu_lora_tiles.h).
 inline void lora_add_rows(const LayerLora* lora, const LoraGroups& groups, int projection, const float* x,
                           int64_t ldx, int64_t T, float* out, int64_t ldo, float* xa) {
   if (!lora_targets(lora, projection)) return;
@@ -149,14 +151,16 @@ inline void lora_add_rows(const LayerLora* lora, const LoraGroups& groups, int p
     const int64_t s = slots[rows[0]];
     if (g.projection != projection || g.ranks[s] == 0) continue;
     const float* a = g.a + s * g.max_rank * g.in_features;
-    for (int r = 0; r < g.ranks[s]; ++r) {  // row r of A from cache for every row of the group
-      const float* ar = a + r * g.in_features;
+    const float* x_rows[kLoraTileRows];
+    for (int j = 0; j < kLoraTileRows; ++j) x_rows[j] = x + rows[j < count ? j : 0] * ldx;
+    float xa0[kLoraTileRows], xa1[kLoraTileRows];
+    for (int r = 0; r < g.ranks[s]; r += 2) {  // two rows of A at a time, each vector of them for every row
+      const bool pair = r + 1 < g.ranks[s];
+      lora_shrink_tile(x_rows, a + r * g.in_features, a + (pair ? r + 1 : r) * g.in_features, g.in_features, xa0,
+                       xa1);
       for (int j = 0; j < count; ++j) {
-        const float* xr = x + rows[j] * ldx;
-        float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t k = 0; k < g.in_features; ++k) acc += xr[k] * ar[k];
-        xa[(i * T + rows[j]) * stride + r] = acc;
+        xa[(i * T + rows[j]) * stride + r] = xa0[j];
+        if (pair) xa[(i * T + rows[j]) * stride + r + 1] = xa1[j];
       }
     }
   }
@@ -171,26 +175,15 @@ inline void lora_add_rows(const LayerLora* lora, const LoraGroups& groups, int p
     const int64_t s = slots[rows[0]];
     if (g.projection != projection || g.ranks[s] == 0 || n0 >= g.width) continue;
     const int64_t width = std::min(kLoraChunk, g.width - n0);
-    const float* bt = g.bt + s * g.max_rank * g.width;
-    float acc[kLoraGroup][kLoraChunk];
-    for (int j = 0; j < count; ++j)
-      for (int64_t c = 0; c < width; ++c) acc[j][c] = 0.0f;
-    for (int r = 0; r < g.ranks[s]; ++r) {  // a chunk of B's row r from cache for every row of the group
-      const float* btr = bt + r * g.width + n0;
-      for (int j = 0; j < count; ++j) {
-        const float xr = xa[(i * T + rows[j]) * stride + r];
-        float* aj = acc[j];
-#pragma omp simd
-        for (int64_t c = 0; c < width; ++c) aj[c] += xr * btr[c];
-      }
+    const float* xa_rows[kLoraTileRows];
+    float* out_rows[kLoraTileRows];
+    static const float kZeros[kLoraMaxRank] = {};
+    for (int j = 0; j < kLoraTileRows; ++j) {
+      xa_rows[j] = j < count ? xa + (i * T + rows[j]) * stride : kZeros;
+      out_rows[j] = j < count ? out + rows[j] * ldo + g.column + n0 : nullptr;
     }
-    const float scale = g.scales[s];
-    for (int j = 0; j < count; ++j) {
-      float* o = out + rows[j] * ldo + g.column + n0;
-      const float* aj = acc[j];
-#pragma omp simd
-      for (int64_t c = 0; c < width; ++c) o[c] += aj[c] * scale;
-    }
+    lora_expand_tile(xa_rows, g.bt + s * g.max_rank * g.width + n0, g.width, g.ranks[s], width, g.scales[s],
+                     out_rows, count);
   }
 }
 
