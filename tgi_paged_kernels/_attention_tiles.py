@@ -81,6 +81,7 @@ def _attend_kv_tiles(
     q,
     q_tail,  # [BLOCK_M, HEAD_DIM_PAD], [BLOCK_M, K_TAIL_PAD] in DOT_DTYPE (see _load_query_rows)
     q_pos,  # [BLOCK_M] int32 token position of each row
+    q_reach,  # [BLOCK_M] int32 last key position each row sees (q_pos, or a bidirectional span's end)
     kv_lo,
     kv_hi,  # visit key positions kv_lo <= p < kv_hi (all < seq_len)
     block_table_ptr,  # this request's row of the block table
@@ -142,8 +143,8 @@ def _attend_kv_tiles(
         if USE_ALIBI:  # ALiBi: slope * (key position - query position), after scaling and capping
             s = s + alibi_slope[:, None] * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
 
-        # -- mask: inside the range, causal, inside the window ----------------------------------
-        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        # -- mask: inside the range, up to each row's reach (causal: itself), inside the window ---
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_reach[:, None])
         if USE_WINDOW:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s * LOG2E, float("-inf"))

@@ -152,6 +152,7 @@ def paged_prefill_attention(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attend_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of many requests' new tokens (packed) over their cached prefix and themselves.
 
@@ -172,18 +173,24 @@ def paged_prefill_attention(
         ``v_head_dim`` wide, as just stored). A request with no cached prefix then attends over them directly,
         without reading the pool back (the pool holds the same values when its dtype is theirs; otherwise it is
         read). Ignored on CUDA
+    attend_limits : optional int32/int64 [num_tokens]: the last key position each query row sees, from its own
+        position to its request's ``seq_len - 1`` (bidirectional spans: a token of an image, or of a prefix-LM
+        prompt, sees the whole span, whose K/V this step or an earlier one stored); the sliding window still
+        counts back from the row's own position. ``None``: every row its own position (causal)
 
     Returns
     -------
     [num_tokens, num_q_heads, v_head_dim] in ``query``'s dtype (or ``out``).
     """
+    if attend_limits is not None:
+        check_index("attend_limits", attend_limits, (query.shape[0],), query.device)
     if query.is_cuda:
         from .paged_prefill import _launch_paged_prefill
 
         return _launch_paged_prefill(
             query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
             scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
-            sinks=sinks, alibi_slopes=alibi_slopes,
+            sinks=sinks, alibi_slopes=alibi_slopes, attend_limits=attend_limits,
         )  # fmt: skip
     check_attention(
         query, k_cache, v_cache, block_tables,
@@ -195,7 +202,7 @@ def paged_prefill_attention(
     return torch_impl.paged_prefill_attention_torch(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, out=out,
-        sinks=sinks, alibi_slopes=alibi_slopes, new_kv=new_kv,
+        sinks=sinks, alibi_slopes=alibi_slopes, new_kv=new_kv, attend_limits=attend_limits,
     )  # fmt: skip
 
 

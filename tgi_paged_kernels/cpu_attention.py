@@ -150,20 +150,23 @@ def prefill_attention_sdpa(
     *,
     scale: float,
     sliding_window: int | None,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 ``[num_queries, num_q_heads, v_head_dim]`` of one request's queries over its K/V.
 
     ``k``, ``v``: fp32 ``[num_keys, num_kv_heads, head_dim]`` (``v``: ``v_head_dim``) at ``k_positions`` (every
-    one owned and finite); queries at ``q_positions`` see keys at positions ``<=`` their own (and inside the window).
+    one owned and finite); queries at ``q_positions`` see keys at positions ``<=`` their own, or ``<=``
+    ``key_limits`` (int64 ``[num_queries]``, a bidirectional span's last position) when given, and inside the window.
     """
     q = query.float().transpose(0, 1)[None]  # [1, Hq, Q, D]
     kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     gqa = kt.shape[1] != q.shape[1]
-    fresh = sliding_window is None and q_positions.shape[0] == k_positions.shape[0]
+    fresh = sliding_window is None and key_limits is None and q_positions.shape[0] == k_positions.shape[0]
     if fresh:  # the queries are all the keys: plain causal
         out = F.scaled_dot_product_attention(q, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        visible = k_positions[None, :] <= q_positions[:, None]
+        reach = q_positions if key_limits is None else key_limits
+        visible = k_positions[None, :] <= reach[:, None]
         if sliding_window is not None:
             visible &= k_positions[None, :] > q_positions[:, None] - sliding_window
         out = F.scaled_dot_product_attention(q, kt, vt, attn_mask=visible, scale=scale, enable_gqa=gqa)

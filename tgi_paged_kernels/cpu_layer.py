@@ -6,7 +6,8 @@ make ~10 calls (two to four norms, four GEMMs, RoPE, the KV store, the attention
 residual adds), each with its Python, dispatch and OpenMP fork. :func:`decode_layer` runs all of it in one
 call and one OpenMP region, on weights packed once (:func:`pack_weight`) for a GEMM whose every output is
 one sequential sum of fused multiply-adds (the same on AVX-512, AVX2 and scalar code, whatever the rows
-or threads). fp32 only, fp32 pools; the caller (``runner.cpu.native_layers``) decides when it applies.
+or threads). fp32 activations and pools, fp32 or int8 projections (:mod:`.cpu_quant`); the caller
+(``runner.cpu.native_layers``) decides when it applies.
 
 The layer is data, not code: :class:`LayerForm` says which norms the layer has and where (before and
 after attention and MLP: Llama's two pre-norms, Gemma 2/3's sandwich, OLMo2's post-norms), their kind
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .cpu_layer_step import LayerStep, address
 from .cpu_native import NativeKernels
 
 if TYPE_CHECKING:
@@ -196,13 +198,18 @@ class _Spec(ctypes.Structure):
         *((name, ctypes.c_int32) for name in ("layer_norm", "rotary_dim", "gated", "post_add_norms")),
         *((name, ctypes.c_int32) for name in ("experts", "top_k", "norm_top_k", "shared_intermediate")),
         *((name, ctypes.c_float) for name in ("scale", "softcap", "residual_scale")),
+        ("weight_dtype", ctypes.c_int32),
         *((f"eps_{name}", ctypes.c_float) for name in (*LAYER_NORMS, "q", "k")),
         *((name, ctypes.c_void_p) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias", "o", "gu", "down")),
         *((name, ctypes.c_void_p) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias", "router")),
         *((name, ctypes.c_void_p) for name in ("shared_gate_up", "shared_down", "shared_gate")),
+        ("w_zeros", ctypes.c_void_p * 4),
+        ("w_scales", ctypes.c_void_p * 4),
     ]
 
 
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+"""The four projections, in ``LayerSpec``'s order (``kQkv`` .. ``kDown``)."""
 _SHARED = ("shared_gate_up", "shared_down", "shared_gate")
 """A shared expert's weights (:attr:`LayerForm.shared_expert`)."""
 
@@ -212,10 +219,6 @@ def _pack_each(weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() == 3:
         return torch.cat([pack_weight(w) for w in weight.detach()])
     return pack_weight(weight)
-
-
-def _address(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +261,10 @@ class LayerWeights:
     shared_gate: torch.Tensor | None = None
     """MoE: the router's packed ``[E, H]``; then :attr:`gate_up` and :attr:`down` hold every expert's packed
     weight in turn."""
+    int8_columns: tuple[torch.Tensor, ...] | None = None
+    """``None``: fp32 projections. Else :attr:`qkv`, :attr:`o`, :attr:`gate_up`, :attr:`down` hold int8 codes packed
+    by :func:`.cpu_quant.pack_int8` and this their columns' zero points and scales, ``(qkv zeros, qkv scales, o
+    zeros, ...)`` (:func:`.cpu_quant.pack_int8_layer` builds it)."""
     spec: Any = field(default=None, init=False, repr=False, compare=False)
     """The ``LayerSpec`` the native call reads (addresses of the tensors above, which this object keeps)."""
 
@@ -275,19 +282,20 @@ class LayerWeights:
             return t
 
         hidden, intermediate = int(need("o").shape[0]), int(need("down").shape[-1])
-        norms = {name: norm_weight(need(name), form.norm) for name in form.norms}
+        norms: dict[str, Any] = {name: norm_weight(need(name), form.norm) for name in form.norms}
         if form.qk_norm != "none":
             norms.update({n: norm_weight(need(n), form.qk_norm_kind) for n in ("q_norm", "k_norm")})
         bias = need("qkv_bias").detach().float().contiguous() if form.qkv_bias else None
         biases = [f"{name}_bias" for name in form.norms] if form.norm_bias else []
         biases += (["o_bias"] if form.o_bias else []) + (["gate_up_bias", "down_bias"] if form.mlp_bias else [])
         norms.update({name: need(name).detach().float().contiguous() for name in biases})
+        norms.update({name: pack_weight(need(name)) for name in (_SHARED if form.shared_expert else ())})
         return cls(
             form, hidden, intermediate, num_q_heads, num_kv_heads, head_dim,
             qkv=pack_weight(need("qkv")), qkv_bias=bias, o=pack_weight(need("o")),
             gate_up=_pack_each(need("gate_up")), down=_pack_each(need("down")),
             router=pack_weight(need("router")) if form.experts else None,
-            **{name: pack_weight(need(name)) for name in (_SHARED if form.shared_expert else ())}, **norms,
+            **norms,
         )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -328,6 +336,11 @@ class LayerWeights:
             t = getattr(self, name)
             if (t is None) == f.shared_expert or (t is not None and (t.shape != shape or not t.is_contiguous())):
                 raise ValueError(f"LayerWeights: {name} is not a packed {shape} for this form (or not None)")
+        int8, columns = self.int8_columns is not None, self.int8_columns or ()
+        if any(getattr(self, n).dtype != (torch.uint8 if int8 else torch.float32) for n in _PROJECTIONS) or (
+            int8 and (f.experts or len(columns) != 8)
+        ):
+            raise ValueError("LayerWeights: the four projections are all fp32 or all int8 codes with their columns")
         if self.num_q_heads % self.num_kv_heads or d % 2 or f.rotary_dim > d:
             raise ValueError(f"LayerWeights: {self.num_q_heads} query heads over {self.num_kv_heads}, head_dim {d}")
         spec = _Spec(
@@ -335,12 +348,13 @@ class LayerWeights:
             ACTIVATIONS.index(f.activation), QK_NORMS.index(f.qk_norm), ROPE_KINDS.index(f.rope), int(f.parallel),
             int(f.norm == "layer"), f.rotary_dim or d, int(f.gated), int(f.post_add_norms),
             f.experts, f.top_k, int(f.norm_top_k), self.shared_intermediate,
-            f.scale, f.softcap, f.residual_scale,
+            f.scale, f.softcap, f.residual_scale, 2 if int8 else 0,
             *(f.eps for _ in LAYER_NORMS), f.qk_eps, f.qk_eps,
-            *(_address(getattr(self, name)) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias")),
+            *(address(getattr(self, name)) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias")),
             self.o.data_ptr(), self.gate_up.data_ptr(), self.down.data_ptr(),
-            *(_address(getattr(self, name)) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias", "router")),
-            *(_address(getattr(self, name)) for name in _SHARED),
+            *(address(getattr(self, name)) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias", "router")),
+            *(address(getattr(self, name)) for name in _SHARED),
+            *((ctypes.c_void_p * 4)(*(t.data_ptr() for t in columns[i::2])) for i in (0, 1) if int8),
         )  # fmt: skip
         object.__setattr__(self, "spec", spec)
 
@@ -354,13 +368,6 @@ class LayerWeights:
         moe = self.form.experts + 4 * h + (3 * self.shared_intermediate + h + 1 if self.form.shared_expert else 0)
         moe = moe if self.form.experts else 0
         return tokens * (2 * h + (2 * hq + 3 * hkv) * d + hq * d + 3 * self.intermediate + moe)
-
-
-def _rope_tables_fit(cos: torch.Tensor, sin: torch.Tensor, shape: tuple[int, int]) -> bool:
-    return (
-        cos.shape == shape and sin.shape == shape and cos.is_contiguous() and sin.is_contiguous()
-        and cos.dtype == torch.float32 and sin.dtype == torch.float32
-    )  # fmt: skip
 
 
 def decode_layer(
@@ -387,59 +394,14 @@ def decode_layer(
     ``cos``/``sin`` ``[T, rotary_dim or D]`` fp32 contiguous (unread, may be ``None``, for the rotary kind
     ``none``); ``block_tables`` ``[T, *]`` and ``seq_lens`` ``[T]``, int32 or int64. ``None`` for inputs of
     another kind (the caller runs the per-op path); ``ValueError`` for a slot or block id outside the pool or a
-    table too narrow (as the single kernels do).
+    table too narrow (as the single kernels do). A tensor-parallel rank's layer:
+    :func:`.cpu_layer_step.decode_layer_parts`.
     """
-    tokens = hidden.shape[0]
-    requests = tokens if query_start_loc is None else query_start_loc.numel() - 1
-    d = w.head_dim
-    if w.form.rope == "none":
-        cos = sin = None
-    elif cos is None or sin is None or not _rope_tables_fit(cos, sin, (tokens, w.form.rotary_dim or d)):
-        return None
-    if (
-        hidden.dtype != torch.float32
-        or hidden.shape != (tokens, w.hidden_size)
-        or k_cache.dtype != torch.float32
-        or k_cache.shape != v_cache.shape
-        or k_cache.stride() != v_cache.stride()
-        or k_cache.shape[2:] != (w.num_kv_heads, d)
-        or k_cache.stride(-1) != 1
-        or slot_mapping.dtype != torch.int64
-        or slot_mapping.numel() != tokens
-        or block_tables.dim() != 2
-        or block_tables.shape[0] < requests
-        or seq_lens.numel() < requests
-        or (query_start_loc is not None and (query_start_loc.dtype != torch.int32 or requests < 1))
-        or (lora is not None and (token_slots is None or token_slots.shape != (tokens,)))
-        or block_tables.dtype not in (torch.int32, torch.int64)
-        or seq_lens.dtype not in (torch.int32, torch.int64)
-    ):
-        return None
-    out = hidden.contiguous().clone()
-    slot_mapping, seq_lens = slot_mapping.contiguous(), seq_lens.contiguous()
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
-    qsl = None if query_start_loc is None else query_start_loc.contiguous()
-    lora_args = None if lora is None or token_slots is None else lora.args(token_slots)
-    if lora is not None and lora_args is None:
-        return None
-    scratch = torch.empty(w.scratch_floats(tokens), dtype=torch.float32)
-    block_size = k_cache.shape[1]
-    status = native.decode_layer(
-        ctypes.addressof(w.spec), out.data_ptr(), tokens, _address(cos), _address(sin),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2),
-        slot_mapping.data_ptr(), block_tables.data_ptr(), int(block_tables.dtype == torch.int64),
-        block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64),
-        block_size, scratch.data_ptr(), torch.get_num_threads(),
-        None if qsl is None else qsl.data_ptr(), requests, None if lora_args is None else ctypes.addressof(lora_args),
+    step = LayerStep.prepare(
+        native, w, hidden, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, lora,
+        token_slots,
     )  # fmt: skip
-    if status == 5:
-        raise ValueError(
-            f"decode_layer: slot_mapping holds a slot outside the pool's {k_cache.shape[0] * block_size} slots"
-        )
-    if status == 6:
-        raise ValueError("decode_layer: query_start_loc or the LoRA slots / targets do not fit this step and layer")
-    if status != 0:
-        raise ValueError(native.decode_error(status, block_tables, seq_lens, block_size, k_cache.shape[0]))
-    return out
+    if step is None:
+        return None
+    step.run()
+    return step.out

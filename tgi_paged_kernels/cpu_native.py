@@ -37,15 +37,10 @@ from ._checks import cdiv
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "cpu_layer.cpp", CSRC / "cpu_prefill.cpp", CSRC / "cpu_lora.cpp")
+SOURCES = tuple(CSRC / f"{name}.cpp" for name in ("cpu_kernels", "cpu_layer", "cpu_prefill", "cpu_lora", "cpu_quant"))
 """Compiled into one library; the headers they include are part of the cache key."""
-HEADERS = (
-    CSRC / "cpu_common.h",
-    CSRC / "cpu_gemm.h",
-    CSRC / "cpu_moe.h",
-    CSRC / "cpu_lora.h",
-    CSRC / "cpu_lora_tiles.h",
-)
+_HEADER_NAMES = "cpu_common cpu_gemm cpu_gemm_quant cpu_layer_rows cpu_lora cpu_lora_tiles cpu_moe"
+HEADERS = tuple(CSRC / f"{n}.h" for n in _HEADER_NAMES.split())
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 """Storage dtypes the kernels read natively; one-byte (fp8) pools go through a decode table (code 2)."""
@@ -167,7 +162,11 @@ class NativeKernels:
         self.gemm_packed = bind(
             "tgi_paged_gemm_packed", _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int
         )
-        """Raw entry points of ``csrc/cpu_layer.cpp``; :mod:`tgi_paged_kernels.cpu_layer` wraps them."""
+        self.gemm_packed_i8 = bind(  # a, lda, M, K, codes, zeros, scales, N, bias, add, ldadd, out, ldo, threads
+            "tgi_paged_gemm_packed_i8", _ptr, _i64, _i64, _i64, *(_ptr,) * 3, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int
+        )
+        """Raw entry points of ``csrc/cpu_layer.cpp`` (``cpu_quant.cpp``: the int8 GEMM);
+        :mod:`tgi_paged_kernels.cpu_layer` (:mod:`tgi_paged_kernels.cpu_quant`) wraps them."""
         self.decode_layer = bind(
             "tgi_paged_decode_layer",
             _ptr, _ptr, _i64, _ptr, _ptr,  # layer spec, hidden, T, cos, sin
@@ -176,6 +175,8 @@ class NativeKernels:
             _int, _ptr, _int,  # block size, scratch, threads
             _ptr, _i64, _ptr,  # query_start_loc and requests (verify steps), LoRA (cpu_layer_lora.LayerLora)
         )  # fmt: skip
+        # stage, partial sums (a tensor-parallel rank's parts; 0, null: the whole layer), decode_layer's arguments
+        self.decode_layer_stage = bind("tgi_paged_decode_layer_stage", _int, _ptr, *self.decode_layer.argtypes)
         self.prefill_attention = bind(
             "tgi_paged_prefill_attention",
             _ptr, _i64, _i64,  # query, strides
@@ -184,7 +185,7 @@ class NativeKernels:
             _ptr, _int, _i64, _i64,  # block tables, int64?, row stride, width
             _ptr, _int, _ptr, _int,  # query_start_loc, seq lens
             _ptr, _i64, _int, _int, _int, _int, _int,  # out, T, B, Hq, Hkv, D, block size
-            _float, _float, _int, _ptr, _float, _float, _int,
+            _float, _float, _int, _ptr, _float, _float, _ptr, _int,  # ..., k/v scales, key limits, threads
         )  # fmt: skip
         """Raw entry point of ``csrc/cpu_prefill.cpp``; :mod:`tgi_paged_kernels.cpu_prefill` wraps it."""
         self.lora_add = bind(

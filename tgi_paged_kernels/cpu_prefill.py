@@ -30,10 +30,11 @@ def prefill_attention(
     sinks: torch.Tensor | None,
     k_scale: float,
     v_scale: float,
+    attend_limits: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """fp32 ``[T, Hq, D]`` (arguments as ``paged_prefill_attention``'s), or ``None`` for inputs the kernel does not
-    take (the caller runs the torch path). Raises ``ValueError`` for tables, lengths or block ids the kernel
-    refuses before reading outside them."""
+    take (the caller runs the torch path). Raises ``ValueError`` for tables, lengths, block ids or key limits the
+    kernel refuses before reading outside them."""
     num_tokens, num_q_heads, head_dim = query.shape
     index = (torch.int32, torch.int64)
     if (
@@ -53,6 +54,7 @@ def prefill_attention(
         or query_start_loc.numel() != seq_lens.numel() + 1
         or block_tables.shape[0] < seq_lens.numel()
         or (sinks is not None and sinks.numel() != num_q_heads)
+        or (attend_limits is not None and attend_limits.shape != (num_tokens,))
         # One task per (request, KV head): fewer than the threads (one long prompt on a many-core host) would
         # leave threads idle where the torch path's SDPA uses them all.
         or seq_lens.numel() * k_cache.shape[2] < torch.get_num_threads()
@@ -65,6 +67,7 @@ def prefill_attention(
     seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
     code, table = native.cache_dtype(k_cache)
     sinks_f32 = None if sinks is None else sinks.detach().float().contiguous()
+    limits = None if attend_limits is None else attend_limits.to(torch.int64).contiguous()
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=torch.float32)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     status = native.prefill_attention(
@@ -76,8 +79,10 @@ def prefill_attention(
         seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64),
         out.data_ptr(), num_tokens, seq_lens.numel(), num_q_heads, num_kv_heads, head_dim, block_size,
         scale, softcap, int(sliding_window or 0), None if sinks_f32 is None else sinks_f32.data_ptr(),
-        k_scale, v_scale, torch.get_num_threads(),
+        k_scale, v_scale, None if limits is None else limits.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    if status == 5:
+        raise ValueError("attend_limits: every row's limit must be in [its position, its request's seq_len)")
     if status == 4:
         raise ValueError("query_start_loc must rise, and no request may have more queries than its seq_len")
     if status != 0:

@@ -127,6 +127,7 @@ def _paged_decode_kernel(
         q,
         q_tail,
         q_pos,
+        q_pos,  # decode: causal, each row sees up to itself
         kv_lo,
         kv_hi,  #
         block_tables_ptr + request.to(tl.int64) * stride_btb,  #

@@ -17,6 +17,10 @@ is flat over tiles of all requests; request ``b``'s tiles start at tile
 tiles all earlier requests need, so a few programs find no rows and return.
 
 V may be narrower than K (multi-head latent attention); outputs are then ``v_head_dim`` wide.
+
+Bidirectional spans (``attend_limits``, ``USE_LIMITS``): each row sees keys up to its token's limit instead of
+up to itself (a token of an image or of a prefix-LM prompt sees its whole span); a tile then reads keys up to the
+largest limit of its tokens. Without limits the kernel is the causal one (the limit is the position).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ def _paged_prefill_kernel(
     stride_od,  #
     sinks_ptr,  # [Hq] sink logits (USE_SINKS)
     alibi_slopes_ptr,  # [Hq] fp32 ALiBi slopes (USE_ALIBI)
+    limits_ptr,  # [T] last key position of each token (USE_LIMITS)
     sm_scale,
     v_scale,
     softcap,
@@ -97,6 +102,7 @@ def _paged_prefill_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SINKS: tl.constexpr,  #
     USE_ALIBI: tl.constexpr,
+    USE_LIMITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  #
 ):
@@ -128,6 +134,11 @@ def _paged_prefill_kernel(
     if USE_WINDOW:
         kv_lo = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
     kv_hi = last_pos + 1
+    q_reach = q_pos
+    if USE_LIMITS:  # bidirectional spans: up to each token's limit, the tile up to its largest
+        q_reach = tl.load(limits_ptr + q_start + token, mask=row_mask, other=0).to(tl.int32)
+        q_reach = tl.maximum(q_reach, q_pos)
+        kv_hi = tl.maximum(kv_hi, tl.max(tl.where(row_mask, q_reach, 0), axis=0) + 1)
 
     alibi_slope = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if USE_ALIBI:
@@ -138,6 +149,7 @@ def _paged_prefill_kernel(
         q,
         q_tail,
         q_pos,
+        q_reach,
         kv_lo,
         kv_hi,  #
         block_tables_ptr + request.to(tl.int64) * stride_btb,  #
@@ -196,6 +208,7 @@ def _launch_paged_prefill(
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    attend_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Check arguments and launch the Triton prefill kernel, whatever the device.
 
@@ -206,7 +219,8 @@ def _launch_paged_prefill(
         contiguous (other strides free); V may be narrower (``v_head_dim``), e.g. the view ``k_cache[..., :Dv]``
     block_tables : int32 [B, max_blocks], rows contiguous
     query_start_loc : int32 [B + 1]; seq_lens : int32 [B]
-    scale, softcap, sliding_window, k_scale, v_scale, out, sinks, alibi_slopes : as ``api.paged_prefill_attention``
+    scale, softcap, sliding_window, k_scale, v_scale, out, sinks, alibi_slopes, attend_limits : as
+        ``api.paged_prefill_attention`` (a limit past its request's ``seq_len - 1`` would read slots it does not own)
 
     Returns
     -------
@@ -221,6 +235,8 @@ def _launch_paged_prefill(
     num_requests = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     check_index("seq_lens", seq_lens, (num_requests,), query.device)
     check_index("query_start_loc", query_start_loc, (num_requests + 1,), query.device)
+    if attend_limits is not None:
+        check_index("attend_limits", attend_limits, (shape.num_rows,), query.device)
     if block_tables.shape[0] != num_requests:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_requests} requests")
     blocks = head_dim_blocks(cache.head_dim, cache.v_head_dim, "Triton prefill")
@@ -244,13 +260,14 @@ def _launch_paged_prefill(
         out, *out.stride(),  #
         out if sinks is None else sinks,  # any pointer when unused
         out if alibi_slopes is None else alibi_slopes,  #
+        out if attend_limits is None else attend_limits,  #
         sm_scale, out_scale, softcap, sliding_window or 0,  #
         QUERIES_PER_KV=shape.queries_per_kv, BLOCK_M=block_m, REQUESTS_PAD=next_power_of_2(num_requests),  #
         BLOCK_SIZE=cache.block_size, BLOCK_N=block_m, HEAD_DIM=cache.head_dim,  #
         HEAD_DIM_PAD=blocks.head_dim_pad, K_TAIL_PAD=blocks.k_tail_pad, HAS_K_TAIL=blocks.has_k_tail,  #
         V_HEAD_DIM=cache.v_head_dim, V_HEAD_DIM_PAD=blocks.v_head_dim_pad,  #
         USE_SOFTCAP=softcap > 0, USE_WINDOW=sliding_window is not None,  #
-        USE_SINKS=sinks is not None, USE_ALIBI=alibi_slopes is not None,  #
+        USE_SINKS=sinks is not None, USE_ALIBI=alibi_slopes is not None, USE_LIMITS=attend_limits is not None,  #
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,  #
     )  # fmt: skip
     return out

@@ -60,7 +60,7 @@ def gather_request_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_le
 
 
 def attend_one_request(
-    q, k, v, q_positions, *, scale, softcap=0.0, sliding_window=None, sinks=None, alibi_slopes=None
+    q, k, v, q_positions, *, scale, softcap=0.0, sliding_window=None, sinks=None, alibi_slopes=None, key_limits=None
 ) -> torch.Tensor:
     """Causal attention of one request's queries over its keys, one query head at a time.
 
@@ -78,13 +78,18 @@ def attend_one_request(
         HF writes the bias as ``slope * key_position`` (Bloom) or ``slope * (key_position - last_position)``
         (MPT); each differs from this one by a constant per query row, which the softmax cancels
 
-    Query ``i`` sees key ``p`` when ``p <= q_positions[i]`` and, with a window ``w``,
-    ``p > q_positions[i] - w``. Rows that see no key return zeros. Returns ``[num_queries, num_q_heads, v_head_dim]``.
+    key_limits : optional [num_queries], the last key position each query sees (``>= q_positions[i]``; a
+        bidirectional span: the span's last position); ``None``: each query's own position (causal)
+
+    Query ``i`` sees key ``p`` when ``p <= key_limits[i]`` (``q_positions[i]`` without limits) and, with a window
+    ``w``, ``p > q_positions[i] - w``. Rows that see no key return zeros. Returns
+    ``[num_queries, num_q_heads, v_head_dim]``.
     """
     num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
     queries_per_kv = num_q_heads // num_kv_heads
     key_positions = torch.arange(k.shape[0])
-    visible = key_positions[None, :] <= q_positions[:, None]
+    reach = q_positions if key_limits is None else key_limits.long().cpu()
+    visible = key_positions[None, :] <= reach[:, None]
     if sliding_window is not None:
         visible &= key_positions[None, :] > q_positions[:, None] - sliding_window
     out = torch.zeros((*q.shape[:2], v.shape[2]), dtype=torch.float32)
@@ -157,10 +162,12 @@ def paged_prefill_attention_reference(
     v_scale=1.0,
     sinks=None,
     alibi_slopes=None,
+    attend_limits=None,
 ) -> torch.Tensor:
     """Prefill/extend: request ``b``'s queries are rows ``query_start_loc[b]:query_start_loc[b+1]`` at
-    positions ``seq_lens[b] - q_len .. seq_lens[b] - 1``. Returns fp32 on CPU, ``[num_tokens, num_q_heads,
-    v_cache.shape[3]]``."""
+    positions ``seq_lens[b] - q_len .. seq_lens[b] - 1``; ``attend_limits`` (optional ``[num_tokens]``): the
+    last key position each row sees (``attend_one_request``'s ``key_limits``). Returns fp32 on CPU,
+    ``[num_tokens, num_q_heads, v_cache.shape[3]]``."""
     query, k_cache, v_cache = query.float().cpu(), k_cache.cpu(), v_cache.cpu()
     starts = query_start_loc.tolist()
     out = torch.zeros((*query.shape[:2], v_cache.shape[3]), dtype=torch.float32)
@@ -179,6 +186,7 @@ def paged_prefill_attention_reference(
             sliding_window=sliding_window,
             sinks=None if sinks is None else sinks.cpu(),
             alibi_slopes=None if alibi_slopes is None else alibi_slopes.cpu(),
+            key_limits=None if attend_limits is None else attend_limits[start:end],
         )
     return out
 

@@ -198,16 +198,17 @@ def paged_prefill_attention_torch(
     sinks=None,
     alibi_slopes=None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attend_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill/extend for CPU tensors; see ``api.paged_prefill_attention``. fp32 queries go to the native
     kernel (:mod:`.cpu_prefill`: all requests in one call) when it is built; the rest runs here, one request at
     a time (the native kernel's reference). ALiBi (``alibi_slopes``) always runs here, a masked matmul pair per
-    KV head."""
+    KV head. ``attend_limits``: each row's last visible key position (bidirectional spans), ``None``: causal."""
     native = None if torch.compiler.is_compiling() or alibi_slopes is not None else native_kernels()
     if native is not None:
         result = prefill_attention(
             native, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale, softcap=softcap,
-            sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+            sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale, attend_limits=attend_limits,
         )  # fmt: skip
         if result is not None:
             return _write_out(result, query, out)
@@ -224,11 +225,17 @@ def paged_prefill_attention_torch(
     # A request without a cached prefix attends over its own new K/V: no read back from the pool when the
     # pool stores them as they are.
     fresh_kv = new_kv if new_kv is not None and new_kv[0].dtype == k_cache.dtype else None
+    limits = None if attend_limits is None else attend_limits.long().cpu()
     for b, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[b], starts[b + 1]
         num_queries = end - start
         if num_queries == 0:
             continue
+        row_limits = None if limits is None else limits[start:end]
+        if row_limits is not None and not (
+            (row_limits >= torch.arange(seq_len - num_queries, seq_len)).all() and (row_limits < seq_len).all()
+        ):
+            raise ValueError(f"request {b}: attend_limits must lie in [each row's position, seq_len {seq_len})")
         if not num_queries <= seq_len <= block_tables.shape[1] * block_size:
             raise ValueError(
                 f"request {b}: seq_len {seq_len} must cover its {num_queries} queries and fit its block table"
@@ -252,6 +259,7 @@ def paged_prefill_attention_torch(
                 positions,
                 scale=scale,
                 sliding_window=sliding_window,
+                key_limits=row_limits,
             )
             continue
         # -- this request's K/V, positions 0 .. seq_len-1 only: nothing to mask out in V ----------
@@ -261,7 +269,7 @@ def paged_prefill_attention_torch(
         v = k[..., :v_head_dim] if v_from_k else dequantize(v_cache[block_ids, positions % block_size], v_scale)
         # -- causal (+ window) mask of queries at positions seq_len-num_queries .. seq_len-1 ---------
         q_positions = torch.arange(seq_len - num_queries, seq_len)
-        visible = positions[None, :] <= q_positions[:, None]
+        visible = positions[None, :] <= (q_positions if row_limits is None else row_limits)[:, None]
         if sliding_window is not None:
             visible &= positions[None, :] > q_positions[:, None] - sliding_window
         # -- rows of a KV head: (head in group, token) pairs, head-major ------------------------------

@@ -1,4 +1,5 @@
-"""The host-bound model: a Llama whose math is negligible, so its step time is everything but the math.
+"""The host-bound model: a Llama (or another family's form) whose math is negligible, so its step time is everything
+but the math.
 
 30 layers (as SmolLM2-135M) of hidden size 128 with head_dim 64 (2 query heads, 1 KV head: grouped
 query attention as SmolLM2's 3:1), MLP 256, random weights from a seeded init, SmolLM2's tokenizer and
@@ -7,6 +8,9 @@ still walks 30 layers of attention, norms and projections, but each GEMM is tiny
 engine's Python, op dispatch, attention metadata and sampling -- the part of a step that decides the
 speed on a GPU too, where the math is fast. Written once with transformers (``LlamaConfig`` +
 ``save_pretrained``, safetensors) into ``--out`` and reused while the spec and seed are unchanged.
+
+``form`` (:mod:`integration.peers.hostbound_forms`) keeps the shape and changes the decoder layer: ``qwen3``,
+``gemma3``, ``mixtral``; the Llama form keeps its directory name.
 
 Greedy tokens of a random model sit on near-ties (logits are nearly flat), so an exact match against HF
 is not a meaningful oracle here: the harness checks only the first few requests and says so.
@@ -20,6 +24,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from integration.peers.hostbound_forms import build_model, form_config_dict
 from integration.smollm2 import with_legacy_config_keys
 
 TOKENIZER_FILES = (
@@ -30,19 +35,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 """Copied from the SmolLM2 directory when present (generation config: the same EOS)."""
-COPIED_CONFIG = (
-    "vocab_size",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "unk_token_id",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-    "rope_parameters",
-    "rope_theta",
-)
-"""Taken from SmolLM2's config so tokenizer, positions and head match it."""
 SPEC_FILE = "hostbound_spec.json"
 
 
@@ -57,34 +49,31 @@ class HostBoundSpec:
     intermediate_size: int = 256
     seed: int = 0
     """``torch.manual_seed`` before the model is built: the same weights on every host."""
+    form: str = "llama"
+    """The family form (:data:`~integration.peers.hostbound_forms.FORMS`)."""
 
     @property
     def name(self) -> str:
         return (
-            f"hostbound-llama-{self.num_hidden_layers}x{self.hidden_size}-h{self.num_attention_heads}"
+            f"hostbound-{self.form}-{self.num_hidden_layers}x{self.hidden_size}-h{self.num_attention_heads}"
             f"kv{self.num_key_value_heads}-seed{self.seed}"
         )
 
 
-def llama_config_dict(source: dict, spec: HostBoundSpec) -> dict:
-    """The Llama config of ``spec`` with the vocabulary, special tokens, RoPE and norm of ``source``."""
+def config_dict(source: dict, spec: HostBoundSpec) -> dict:
+    """The config of ``spec`` in its form, with the vocabulary, special tokens (and, but for Gemma 3, RoPE and
+    norm epsilon) of ``source``."""
     if spec.num_attention_heads * spec.head_dim != spec.hidden_size:
         raise ValueError(f"{spec}: num_attention_heads x head_dim must equal hidden_size")
-    out = {key: source[key] for key in COPIED_CONFIG if key in source}
-    out.update(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        hidden_act="silu",
-        hidden_size=spec.hidden_size,
-        head_dim=spec.head_dim,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        attention_bias=False,
-        mlp_bias=False,
-    )
-    return out
+    shape = {
+        "hidden_size": spec.hidden_size,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+    }
+    return form_config_dict(spec.form, source, shape)
 
 
 def is_current(path: Path, spec: HostBoundSpec) -> bool:
@@ -102,20 +91,19 @@ def ensure_hostbound_model(
 ) -> Path:
     """``out_dir / spec.name``, written (atomically, by rename) unless it already holds this spec."""
     import torch
-    import transformers
 
     path = Path(out_dir) / spec.name
     if is_current(path, spec):
         return path
     log(f"writing the host-bound model to {path} ...")
     source = json.loads((Path(tokenizer_dir) / "config.json").read_text())
-    config = transformers.LlamaConfig(**llama_config_dict(source, spec))
+    config = config_dict(source, spec)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".hostbound-", dir=path.parent) as tmp:
         staged = Path(tmp) / spec.name
         with torch.random.fork_rng():
             torch.manual_seed(spec.seed)
-            model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+            model = build_model(spec.form, config)
         model.save_pretrained(staged, safe_serialization=True)
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).is_file():

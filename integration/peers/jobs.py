@@ -1,7 +1,9 @@
 """The shared trace and the JSON job each engine worker reads; the results it writes back.
 
 A job is ``{"model_dir", "dtype", "threads", "max_new_tokens", "kv_tokens", "block_size", "max_batch_tokens",
-"max_model_len", "runs": {"burst": [...], "poisson": [...], "single": [...]}}`` (any subset of the runs) where each
+"max_model_len", "sequential", "runs": {"burst": [...], "poisson": [...], "single": [...], "prefill": [...]}}`` (any
+subset of the runs; ``sequential``: each request is sent when the previous one has finished, its ``arrival``
+then the time it was sent) where each
 request is ``{"prompt", "prompt_ids", "output_tokens", "arrival"}`` (the text for the shard's router, the ids for
 the others). A worker answers ``{"engine", "runs": {name: [{"tokens", "arrival", "token_times"}]},
 "peak_rss_bytes", "setup_s", "notes"}``: times are seconds after that run's start, ``token_times`` one
@@ -50,6 +52,15 @@ def single_trace() -> list[TraceRequest]:
     return [TraceRequest(SINGLE_PROMPT_TOKENS, SINGLE_NEW_TOKENS, 0.0, SINGLE_NEW_TOKENS)]
 
 
+PREFILL_LENGTHS = (128, 512, 1024, 2048)
+"""Prompt lengths of the ``prefill`` run: one request at a time, one new token (time to first token)."""
+
+
+def prefill_trace(lengths: Sequence[int] = PREFILL_LENGTHS) -> list[TraceRequest]:
+    """One request per prompt length, each sent after the previous one answered, one new token each."""
+    return [TraceRequest(n, 1, 0.0, 1) for n in lengths]
+
+
 def prompt_ids(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
     """What the router counts and the shard computes: the text tokenized with special tokens."""
     return [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
@@ -67,6 +78,7 @@ def build_job(
     block_size: int,
     max_batch_tokens: int,
     max_model_len: int,
+    sequential: bool = False,
 ) -> dict[str, Any]:
     """``traces``, ``prompts`` and ``ids`` are keyed by run name, one entry per request of that run."""
     runs = {
@@ -91,6 +103,7 @@ def build_job(
         "block_size": block_size,
         "max_batch_tokens": max_batch_tokens,
         "max_model_len": max_model_len,
+        "sequential": sequential,
         "runs": runs,
     }
 
@@ -144,6 +157,11 @@ class RunFigures:
     """Requests whose greedy tokens equal HF's (``None``: not compared)."""
     compared: int = 0
     first_mismatch: str = ""
+    ttft_each_s: list[float] = field(default_factory=list)
+    """Every request's time to first token, in request order (the ``prefill`` run reports them by length)."""
+    server_each_s: list[float] = field(default_factory=list)
+    """This shard only, sequential runs: the prefill steps' seconds each request took in the shard (from its
+    Prometheus step histogram); TTFT minus this is the router replay, gRPC and the client."""
 
 
 def figures(
@@ -167,6 +185,8 @@ def figures(
         wall,
         float(np.mean(itl)) if itl else math.nan,
     )
+    out.ttft_each_s = [r["token_times"][0] - r["arrival"] if r["token_times"] else math.nan for r in requests]
+    out.server_each_s = [float(r["server_s"]) for r in requests if "server_s" in r]
     if reference is not None:
         out.compared, out.matched = min(len(requests), len(reference)), 0
         for i, (r, ref) in enumerate(zip(requests, reference)):

@@ -3,7 +3,10 @@
 Scenarios (``--scenarios``): ``burst`` (the 32-request burst of SmolLM2), ``poisson`` (the same requests at
 Poisson arrivals), ``single`` (one request, 128 new tokens: per-token latency) and ``hostbound`` (the burst
 on the host-bound model, :mod:`integration.peers.hostbound`). The first three share one section (SmolLM2,
-one process per engine and round), ``hostbound`` is a section of its own (another model).
+one process per engine and round), ``hostbound`` is a section of its own per layer form (``--hostbound-forms``:
+``hostbound`` for the Llama form, ``hostbound-qwen3`` ...), and each ``--models`` directory a burst section
+(``model:<name>``). ``prefill`` is SmolLM2 once more: one request at a time at 128-2,048 prompt tokens, one new
+token each (time to first token; transformers' continuous batching does not serve it).
 
 Rounds: this shard and vLLM alternate, ``shard, vLLM, shard, vLLM, ...`` for ``--repeats`` rounds, a fresh
 process each time, so a slow spell of the shared box hits both engines rather than one. Every round serves
@@ -18,10 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 
 from integration.peers.jobs import EngineResult, RunFigures
 
-SCENARIOS = ("burst", "poisson", "single", "hostbound")
+SCENARIOS = ("burst", "poisson", "single", "hostbound", "prefill")
 SMOLLM2_RUNS = ("burst", "poisson", "single")
 ONCE = frozenset({"poisson"})
 """Runs served in the first round only."""
@@ -32,13 +38,22 @@ ALTERNATED = ("shard", "vllm")
 @dataclass(frozen=True, slots=True)
 class Section:
     key: str
-    """``smollm2`` or ``hostbound``."""
+    """``smollm2``, ``hostbound`` (the Llama form), ``hostbound-<form>`` or ``model:<directory name>``."""
     runs: tuple[str, ...]
     """Run names this section serves, in order."""
+    form: str = ""
+    """The host-bound model's layer form (host-bound sections only)."""
+    model_dir: str = ""
+    """The model directory (``--models`` sections only)."""
+
+    @property
+    def hostbound(self) -> bool:
+        return bool(self.form)
 
 
-def sections(scenarios: Sequence[str]) -> list[Section]:
-    """The sections that ``scenarios`` need, SmolLM2 first (unknown names raise ``ValueError``)."""
+def sections(scenarios: Sequence[str], forms: Sequence[str] = ("llama",), models: Sequence[str] = ()) -> list[Section]:
+    """The sections that ``scenarios`` need, SmolLM2 first, then one per host-bound ``forms`` (when ``hostbound`` is
+    a scenario) and one burst per ``models`` directory (unknown scenario names raise ``ValueError``)."""
     unknown = sorted(set(scenarios) - set(SCENARIOS))
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}: choose from {SCENARIOS}")
@@ -46,8 +61,13 @@ def sections(scenarios: Sequence[str]) -> list[Section]:
     smol = tuple(r for r in SMOLLM2_RUNS if r in scenarios)
     if smol:
         out.append(Section("smollm2", smol))
+    if "prefill" in scenarios:
+        out.append(Section("prefill", ("prefill",)))
     if "hostbound" in scenarios:
-        out.append(Section("hostbound", ("burst",)))
+        for form in dict.fromkeys(forms):
+            out.append(Section("hostbound" if form == "llama" else f"hostbound-{form}", ("burst",), form=form))
+    for model in dict.fromkeys(models):
+        out.append(Section(f"model:{Path(model).name}", ("burst",), model_dir=str(model)))
     return out
 
 
@@ -80,7 +100,10 @@ def schedule(runs: Sequence[str], engines: Sequence[str], repeats: int) -> list[
 
 def headline(run: str, figures: RunFigures) -> float:
     """The figure a run is judged by, larger = better: tokens/s, or minus the mean ITL for ``single``."""
-    value = -figures.itl_mean_s if run == "single" else figures.tokens_per_s
+    if run == "prefill":
+        value = -float(np.mean(figures.ttft_each_s)) if figures.ttft_each_s else math.nan
+    else:
+        value = -figures.itl_mean_s if run == "single" else figures.tokens_per_s
     return -math.inf if value is None or math.isnan(value) else value
 
 

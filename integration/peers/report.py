@@ -140,14 +140,46 @@ def anatomy_table(shard: EngineResult | None, bare: dict[str, Any] | None, shape
     return "\n".join(lines)
 
 
+def prefill_table(results: list[EngineResult], config: dict[str, Any]) -> str:
+    """The ``prefill`` run: per prompt length, each engine's time to first token (best round), this shard's ratio to
+    vLLM, and where this shard's time went: its prefill steps, and the rest (router replay, gRPC, the client)."""
+    by = engines_by_key({"results": results})
+    shard, vllm = (by.get(k).runs.get("prefill") if by.get(k) else None for k in ("shard", "vllm"))
+    lengths = config.get("prefill_prompts", [])
+    rows = []
+    for k, n in enumerate(lengths):
+
+        def at(run: RunFigures | None, attr: str = "ttft_each_s", k=k) -> float | None:
+            values = getattr(run, attr) if run else []
+            return values[k] if k < len(values) else None
+
+        ours, theirs, server = at(shard), at(vllm), at(shard, "server_each_s")
+        rest = None if ours is None or server is None else ours - server
+        rows.append(
+            [
+                str(n),
+                *(_f(None if v is None else 1000 * v, "{:.0f}") for v in (ours, theirs)),
+                _ratio(ours, theirs),
+                *(_f(None if v is None else 1000 * v, "{:.0f}") for v in (server, rest)),
+            ]
+        )
+    head = ["prompt tokens", "shard TTFT ms", "vLLM TTFT ms", "shard / vLLM", "shard prefill steps ms", "rest ms"]
+    note = (
+        "one request at a time, one new token; best round each; 'rest' = this shard's TTFT minus its prefill steps: "
+        "the router replay (tokenizing, validating), gRPC and the client"
+    )
+    return "\n".join([table(head, rows), note])
+
+
 def _head(c: dict[str, Any]) -> str:
     model = c.get("model", "?")
-    if c.get("section") == "hostbound":
+    if str(c.get("section", "")).startswith("hostbound"):
         h = c.get("hostbound", {})
         model += (
-            f" (host-bound: {h.get('num_hidden_layers')} layers, hidden {h.get('hidden_size')}, head_dim "
-            f"{h.get('head_dim')}, {h.get('num_attention_heads')} heads / {h.get('num_key_value_heads')} KV, MLP "
-            f"{h.get('intermediate_size')}, random weights seed {h.get('seed')}, SmolLM2's tokenizer)"
+            f" (host-bound {h.get('form', 'llama')} form: {h.get('num_hidden_layers')} layers, hidden "
+            f"{h.get('hidden_size')}, head_dim {h.get('head_dim')}, {h.get('num_attention_heads')} heads / "
+            f"{h.get('num_key_value_heads')} KV, MLP {h.get('intermediate_size')}, random weights seed "
+            f"{h.get('seed')}, SmolLM2's tokenizer)"
         )
     parts = []
     if "prompt_min" in c:
@@ -171,6 +203,8 @@ def section_report(section: dict[str, Any]) -> str:
     skipped = [f"  {r.engine}: skipped: {r.skipped}" for r in results if r.skipped]
     notes = [f"  {r.engine}: {'; '.join(r.notes)}" for r in results if not r.skipped and r.notes]
     parts = [_head(c), "", engines_table(results, c.get("rate", 1.0), c), ""]
+    if "prefill" in c.get("runs", []):
+        parts += [prefill_table(results, c), ""]
     if skipped:
         parts += ["skipped:", *skipped, ""]
     parts += ["notes:", *notes]
@@ -185,7 +219,43 @@ def section_report(section: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-TITLES = {"smollm2": "SmolLM2", "hostbound": "the host-bound model"}
+TITLES = {"smollm2": "SmolLM2", "hostbound": "the host-bound model", "prefill": "SmolLM2, time to first token"}
+
+
+def _title(key: str) -> str:
+    if key.startswith("hostbound-"):
+        return f"the host-bound model, {key.removeprefix('hostbound-')} form"
+    return TITLES.get(key, key)
+
+
+def breadth_table(reports: list[dict[str, Any]]) -> str:
+    """One row per model and dtype over several runs' reports (``--dtype float32 bfloat16``): the burst's tokens/s of
+    this shard and vLLM, their ratio, and whether this shard's greedy tokens matched HF's."""
+    rows = []
+    for report in reports:
+        for section in report.get("sections", []):
+            c = section["config"]
+            if "burst" not in c.get("runs", []):
+                continue
+            by = engines_by_key(section)
+            shard, vllm = by.get("shard"), by.get("vllm")
+            mine = shard.runs.get("burst") if shard else None
+            theirs = vllm.runs.get("burst") if vllm else None
+            ours, peer = (None if r is None else r.tokens_per_s for r in (mine, theirs))
+            skipped = [r.engine for r in section["results"] if r.skipped]
+            rows.append(
+                [
+                    _title(section.get("key", "")),
+                    c.get("dtype", report.get("dtype", "float32")),
+                    _f(ours, "{:.0f}"),
+                    _f(peer, "{:.0f}"),
+                    _ratio(ours, peer),
+                    _match(mine),
+                    ", ".join(skipped) or "-",
+                ]
+            )
+    head = ["model", "dtype", "shard tok/s", "vLLM tok/s", "shard / vLLM", "shard greedy vs HF", "skipped"]
+    return "\n".join(["breadth (burst, best round each; one row per model and dtype):", table(head, rows)])
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -204,7 +274,7 @@ def format_report(report: dict[str, Any]) -> str:
         runs = ", ".join(section["config"].get("runs", ["burst", "poisson"]))
         parts += [
             "",
-            f"== {TITLES.get(section.get('key', ''), section.get('key'))}: {runs} ==",
+            f"== {_title(section.get('key', ''))}: {runs} ==",
             section_report(section),
         ]
     parts += ["", goals_table(issue21_goals(report))]

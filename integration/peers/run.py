@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from integration.peers.jobs import (
     build_job,
     figures,
     peer_traces,
+    prefill_trace,
     prompt_ids,
     python_env,
     run_worker,
@@ -57,6 +58,11 @@ class PeersConfig:
     """Alternated rounds of this shard and vLLM (``plan.schedule``); the best round is reported."""
     scenarios: tuple[str, ...] = SCENARIOS
     hostbound: HostBoundSpec = field(default_factory=HostBoundSpec)
+    """The host-bound shape and seed; its ``form`` is set per section from ``hostbound_forms``."""
+    hostbound_forms: tuple[str, ...] = ("llama",)
+    """Layer forms of the host-bound model, a section each (:data:`integration.peers.hostbound_forms.FORMS`)."""
+    models: tuple[Path, ...] = ()
+    """More model directories, a burst section each (their own tokenizer)."""
     hostbound_check: int = 8
     """Requests of the host-bound burst compared with HF greedy (random weights: near-ties; 0 skips it)."""
     vllm_python: Path = DEFAULT_PEERS / "vllm" / "bin" / "python"
@@ -73,12 +79,16 @@ def run_all(cfg: PeersConfig, *, log=print) -> dict[str, Any]:
     load = (os.getloadavg()[0], cpu_probe_ms())
     tok = transformers.AutoTokenizer.from_pretrained(cfg.model_dir)
     out = []
-    for section in sections(cfg.scenarios):
-        if section.key == "hostbound":
-            model_dir = ensure_hostbound_model(cfg.cache_dir, cfg.model_dir, cfg.hostbound, log=log)
+    for section in sections(cfg.scenarios, cfg.hostbound_forms, [str(m) for m in cfg.models]):
+        if section.hostbound:
+            spec = replace(cfg.hostbound, form=section.form)
+            model_dir = ensure_hostbound_model(cfg.cache_dir, cfg.model_dir, spec, log=log)
+        elif section.model_dir:
+            model_dir = Path(section.model_dir)
         else:
             model_dir = cfg.model_dir
-        out.append(run_section(cfg, section, model_dir, tok, log=log))
+        own = transformers.AutoTokenizer.from_pretrained(model_dir) if section.model_dir else tok
+        out.append(run_section(cfg, section, model_dir, own, log=log))
     machine = (
         f"{os.cpu_count()} CPUs; load average {load[0]:.1f} -> {os.getloadavg()[0]:.1f}; cpu probe "
         f"{load[1]:.0f} ms before, {cpu_probe_ms():.0f} ms after (fixed single-thread matmul loop; higher = busier)"
@@ -97,13 +107,14 @@ def run_all(cfg: PeersConfig, *, log=print) -> dict[str, Any]:
 def run_section(cfg: PeersConfig, section: Section, model_dir: Path, tok: Any, *, log=print) -> dict[str, Any]:
     """One model: its job, reference, engine rounds and bare forward; the dict ``report.section_report`` reads."""
     t0 = time.perf_counter()
-    both = peer_traces(cfg.requests, cfg.rate, cfg.seed)
-    traces = {name: single_trace() if name == "single" else both[name] for name in section.runs}
+    both = {**peer_traces(cfg.requests, cfg.rate, cfg.seed), "single": single_trace(), "prefill": prefill_trace()}
+    traces = {name: both[name] for name in section.runs}
     # Same lengths and seed give the same texts: burst and Poisson serve the same prompts.
     prompts = {name: build_prompts(tok, trace, cfg.seed + (name == "single")) for name, trace in traces.items()}
     ids = {name: prompt_ids(tok, texts) for name, texts in prompts.items()}
     max_new = max(r.max_new_tokens for trace in traces.values() for r in trace)
-    max_model_len = max(256, max(len(i) for run in ids.values() for i in run)) + max_new
+    longest = max(len(i) for run in ids.values() for i in run)
+    max_model_len = max(256, longest) + max_new
     job = build_job(
         model_dir=model_dir,
         dtype=cfg.dtype,
@@ -113,8 +124,10 @@ def run_section(cfg: PeersConfig, section: Section, model_dir: Path, tok: Any, *
         threads=cfg.threads,
         kv_tokens=cfg.kv_tokens,
         block_size=cfg.block_size,
-        max_batch_tokens=cfg.max_batch_tokens,
+        # A prompt in one prefill step for every engine (the prefill run's prompts exceed the burst's budget).
+        max_batch_tokens=max(cfg.max_batch_tokens, longest) if section.key == "prefill" else cfg.max_batch_tokens,
         max_model_len=max_model_len,
+        sequential=section.key == "prefill",
     )
     env = python_env(cfg.threads)
     timings: list[tuple[str, float]] = []
@@ -126,7 +139,8 @@ def run_section(cfg: PeersConfig, section: Section, model_dir: Path, tok: Any, *
     burst = traces.get("burst") or next(iter(traces.values()))
     lengths = [len(i) for i in ids.get("burst", next(iter(ids.values())))]
     shape = {"batch": min(len(burst), 32), "context": int(np.mean(lengths) + max_new / 2)}
-    for slot in schedule(section.runs, cfg.engines, cfg.repeats):
+    engines = [e for e in cfg.engines if not (section.key == "prefill" and e == "transformers")]  # no sequential
+    for slot in schedule(section.runs, engines, cfg.repeats):
         label = f"{ENGINE_LABELS[slot.engine]}, round {slot.round + 1} ({', '.join(slot.runs)})"
         log(f"[{section.key}] {label} ...")
         t, load, probe = time.perf_counter(), os.getloadavg()[0], cpu_probe_ms()
@@ -156,7 +170,7 @@ def run_section(cfg: PeersConfig, section: Section, model_dir: Path, tok: Any, *
         except Exception as err:  # report-only
             log(f"  bare forward failed: {type(err).__name__}: {str(err)[-300:]}")
         timings.append(("bare forward", time.perf_counter() - t))
-    results = [merge_rounds(rounds[e]) for e in cfg.engines if e in rounds]
+    results = [merge_rounds(rounds[e]) for e in engines if e in rounds]
     return {
         "key": section.key,
         "config": _section_config(cfg, section, model_dir, traces, ids, refs),
@@ -194,10 +208,13 @@ def _section_config(cfg, section, model_dir, traces, ids, refs) -> dict[str, Any
             output_mean=float(np.mean([r.output_tokens for r in burst])),
             useful_tokens=sum(r.output_tokens for r in burst),
         )
+    if "prefill" in traces:
+        config["prefill_prompts"] = [len(i) for i in ids["prefill"]]
     if "single" in traces:
         config.update(single_prompt=len(ids["single"][0]), single_new=traces["single"][0].output_tokens)
-    if section.key == "hostbound":
-        config["hostbound"] = {k: getattr(cfg.hostbound, k) for k in cfg.hostbound.__dataclass_fields__}
+    if section.hostbound:
+        spec = replace(cfg.hostbound, form=section.form)
+        config["hostbound"] = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
     return config
 
 
@@ -207,7 +224,7 @@ def _references(cfg: PeersConfig, section: Section, job: dict, env: dict, log) -
     On the host-bound model only the first ``cfg.hostbound_check`` burst requests are compared (random weights).
     """
     runs = job["runs"]
-    limit = cfg.hostbound_check if section.key == "hostbound" else None
+    limit = cfg.hostbound_check if section.hostbound else None
     out: dict[str, list[list[int]]] = {}
     shared = runs.get("burst") or runs.get("poisson")
     if shared and limit != 0:
@@ -247,7 +264,7 @@ def _engine(engine: str, job: dict, cfg: PeersConfig, env: dict, log) -> tuple[E
         from integration.peers.shard_run import run_shard
 
         try:
-            return run_shard(job, max_batch_prefill_tokens=cfg.max_batch_tokens, log=log)
+            return run_shard(job, max_batch_prefill_tokens=job["max_batch_tokens"], log=log)
         except Exception as err:  # report-only: show the reason, go on with the others
             return EngineResult(engine="this shard", key="shard", skipped=f"{type(err).__name__}: {err}"), {}, {}
     if engine == "vllm":

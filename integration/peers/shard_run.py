@@ -48,8 +48,10 @@ def _vm_hwm(pid: int) -> int:
 
 
 async def _drive(
-    router: Any, requests: list[dict], port: int, *, block_size: int, max_new_tokens: int
+    router: Any, requests: list[dict], port: int, *, block_size: int, max_new_tokens: int, sequential: bool = False
 ) -> tuple[list[dict], dict]:
+    """Every request at its arrival time or, ``sequential``, each when the previous one has finished (its arrival then
+    the time it was sent, and ``server_s`` the shard's prefill step seconds during it, from two scrapes)."""
     from integration.router_replay import GenerateParameters, TokenEvent
 
     t0 = time.perf_counter()
@@ -76,6 +78,15 @@ async def _drive(
             samples["running"].append(running)
             samples["used_tokens"].append(sample_value(m, "tgi_paged_kv_blocks", state="used") * block_size)
 
+    if sequential:
+        for i in range(len(requests)):
+            before = await asyncio.to_thread(scrape, port)
+            results[i]["arrival"] = time.perf_counter() - t0
+            await one(i)
+            await asyncio.sleep(0.1)  # the step's histogram is recorded after its token went out
+            after = await asyncio.to_thread(scrape, port)
+            results[i]["server_s"] = counter_delta(before, after, "tgi_paged_step_seconds_sum", phase="prefill")
+        return results, samples
     task = asyncio.create_task(scrape_every(port, 1.0, take))  # light: the router replay shares the CPU
     try:
         await asyncio.gather(*(one(i) for i in range(len(requests))))
@@ -142,6 +153,7 @@ def run_shard(
                             port,
                             block_size=job["block_size"],
                             max_new_tokens=job["max_new_tokens"],
+                            sequential=bool(job.get("sequential")),
                         )
                         await asyncio.sleep(0.3)
                         after = await asyncio.to_thread(scrape, port)

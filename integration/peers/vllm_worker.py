@@ -6,7 +6,8 @@ One ``vllm.LLM`` (eager, the job's ``dtype``, greedy, ``ignore_eos``, ``max_toke
 ``output_tokens``; KV pool = ``kv_tokens`` via ``num_gpu_blocks_override``; the engine core in this
 process) serves every run of the job. Requests go in through the LLM's own engine
 (``llm.llm_engine.add_request`` / ``step``, what ``LLM.generate`` loops over), added when their arrival
-time has come, so each token gets a timestamp and Poisson arrivals are honoured.
+time has come (or, for a ``sequential`` job, when the previous one finished), so each token gets a timestamp and
+Poisson arrivals are honoured.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main(job_path: str, out_path: str) -> None:
     )
     runs = {}
     for name, requests in job["runs"].items():
-        runs[name] = serve(engine, SamplingParams, requests)
+        runs[name] = serve(engine, SamplingParams, requests, bool(job.get("sequential")))
     out = {
         "engine": f"vllm {vllm.__version__} (CPU, eager, block {block})",
         "key": "vllm",
@@ -70,15 +71,19 @@ def main(job_path: str, out_path: str) -> None:
     json.dump(out, open(out_path, "w"))
 
 
-def serve(engine, SamplingParams, requests: list[dict]) -> list[dict]:
+def serve(engine, SamplingParams, requests: list[dict], sequential: bool = False) -> list[dict]:
+    """Each request added at its arrival time or, ``sequential``, when the one before it has finished (its
+    ``arrival`` is then the time it was added)."""
     order = sorted(range(len(requests)), key=lambda i: requests[i]["arrival"])
     results = [{"tokens": [], "arrival": r["arrival"], "token_times": []} for r in requests]
     pending, live = list(order), set()
     t0 = time.perf_counter()
     while pending or live:
         now = time.perf_counter() - t0
-        while pending and requests[pending[0]]["arrival"] <= now:
+        while pending and requests[pending[0]]["arrival"] <= now and not (sequential and live):
             i = pending.pop(0)
+            if sequential:
+                results[i]["arrival"] = now
             params = SamplingParams(max_tokens=requests[i]["output_tokens"], temperature=0.0, ignore_eos=True)
             engine.add_request(str(i), {"prompt_token_ids": requests[i]["prompt_ids"]}, params)
             live.add(i)

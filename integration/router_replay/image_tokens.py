@@ -10,6 +10,11 @@
 - Idefics2: ``<fake_token_around_image>`` + ``<image>`` × 64 + ``<fake_token_around_image>``, five times when
   the checkpoint's ``preprocessor_config.json`` says ``"processor_class": "Idefics2Processor"`` and
   ``do_image_splitting``; then every ``<fake><fake>`` in the whole text collapsed into one.
+- Gemma 3: ``\n\n<start_of_image>`` + ``<image_soft_token>`` × 256 (hardcoded, whatever the config's
+  ``mm_tokens_per_image``: a budget, exact for every released checkpoint) + ``<end_of_image>\n\n``.
+- PaliGemma: ``<image>`` × ``text_config.num_image_tokens``; the router counts the text as sent (the shard's
+  ``<bos>`` + text + ``\n`` wrap is server-side, and it tokenizes without special tokens: the shard's prompt is one
+  token longer than the router's count for one text chunk, which the ``max_new_tokens - 1`` slots absorb).
 
 The ``model_type`` ``smolvlm`` (SmolVLM2) is not in stock's router ``Config``: there the images stay text.
 """
@@ -32,6 +37,7 @@ IDEFICS3_MAX_IMAGE_SIZE = 4096
 IDEFICS3_TILE_EDGE = 364
 IDEFICS3_TILE_TOKENS = 169
 IDEFICS2_IMAGE_TOKENS = 64
+GEMMA3_IMAGE_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,12 @@ def router_image_rule(config: Any, preprocessor: dict[str, Any] | None = None) -
         return idefics2_rule(preprocessor)
     if model_type in ("qwen2_vl", "qwen2_5_vl"):
         return RouterImageRule(qwen2_vl_budget_text(config))
+    if model_type == "gemma3":
+        text = f"\n\n<start_of_image>{'<image_soft_token>' * GEMMA3_IMAGE_TOKENS}<end_of_image>\n\n"
+        return RouterImageRule(lambda height, width: text)
+    if model_type == "paligemma":
+        count = int(config.text_config.num_image_tokens)
+        return RouterImageRule(lambda height, width: IMAGE * count)
     return None
 
 

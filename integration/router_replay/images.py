@@ -55,7 +55,7 @@ Chunk = str | ImageChunk
 PlaceholderRule = Callable[[int, int], str]
 """``(height, width) -> placeholder text`` of one image for the router's token count (a
 :class:`~.image_tokens.RouterImageRule` also has the ``fixup`` of the whole counted text)."""
-ROUTER_VLM_TYPES = frozenset({"llava_next", "idefics3", "idefics2", "qwen2_vl", "qwen2_5_vl"})
+ROUTER_VLM_TYPES = frozenset({"llava_next", "idefics3", "idefics2", "qwen2_vl", "qwen2_5_vl", "gemma3", "paligemma"})
 """The ``model_type``s whose images this replay turns into chunks (the served VLMs stock's router knows)."""
 
 

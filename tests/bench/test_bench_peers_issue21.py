@@ -20,7 +20,7 @@ import pytest
 
 from integration.peers.goals import Goal, issue21_goals, judge
 from integration.peers.host import HostInfo, describe, parse_cpuinfo
-from integration.peers.hostbound import HostBoundSpec, is_current, llama_config_dict
+from integration.peers.hostbound import HostBoundSpec, config_dict, is_current
 from integration.peers.jobs import EngineResult, RunFigures
 from integration.peers.plan import merge_rounds, schedule, sections
 from integration.peers.report import format_report
@@ -168,12 +168,12 @@ def test_hostbound_config_keeps_smollm2s_tokens_and_rope(tmp_path) -> None:
         "tie_word_embeddings": True,
         "hidden_size": 576,
     }
-    config = llama_config_dict(source, HostBoundSpec())
+    config = config_dict(source, HostBoundSpec())
     assert config["vocab_size"] == 49152 and config["eos_token_id"] == 2 and config["rope_theta"] == 1e5
     assert (config["num_hidden_layers"], config["hidden_size"], config["head_dim"]) == (30, 128, 64)
     assert config["num_attention_heads"] * config["head_dim"] == config["hidden_size"]
     with pytest.raises(ValueError, match="head_dim"):
-        llama_config_dict(source, HostBoundSpec(num_attention_heads=3))
+        config_dict(source, HostBoundSpec(num_attention_heads=3))
     spec = HostBoundSpec()
     assert not is_current(tmp_path, spec)
     for name in ("config.json", "model.safetensors", "tokenizer.json"):

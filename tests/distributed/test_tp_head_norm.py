@@ -170,15 +170,19 @@ class FakeGroup:
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    def all_gather_ints(self, values: list[int], what: str) -> list[list[int]]:
+        return [list(values)] * self.world_size
+
 
 def test_a_tp_rank_fuses_the_attention_around_the_shard_and_decodes_per_op(olmo2_dir: Path) -> None:
-    """The fused attention calls the shard's norm (its all-reduce included); the native decode layer, which has no
-    all-reduce, is not taken (its row-parallel projections are not plain linears), and the fast-layer swap leaves
+    """The fused attention calls the shard's norm (its all-reduce included); the native decode layer, which runs no
+    all-reduce inside a q/k norm, is not taken (the shard is not an RMSNorm it reads), and the fast-layer swap leaves
     the shards alone (only Olmo2RMSNorms become FusedRMSNorms)."""
     runner = TensorParallelRunner(ModelConfig(model_id=str(olmo2_dir)), CacheConfig(block_size=8), "cpu", FakeGroup())
     layers = runner.model.model.layers
     assert runner.rewrites.get("fuse").attentions == 2
     assert runner.native_layers is not None and runner.native_layers.wrapped == 0
+    assert any("q_norm: AllHeadsNormShard" in line for line in runner.native_layers.kept), runner.native_layers.kept
     for layer in layers:
         attn = layer.self_attn
         assert isinstance(attn, FusedPagedAttention) and attn.qk_norm_over_heads

@@ -18,7 +18,8 @@ import torch  # noqa: E402
 
 from tests.helpers.paged_driver import greedy_paged  # noqa: E402
 from tgi_paged_backend.config import CacheConfig, ModelConfig, ServerConfig  # noqa: E402
-from tgi_paged_backend.runner.cpu import fast_layers  # noqa: E402
+from tgi_paged_backend.runner.cpu import fast_layers, native_layers  # noqa: E402
+from tgi_paged_backend.runner.cpu.native_layers import NativeDecoderLayer  # noqa: E402
 from tgi_paged_backend.runner.model.loader import ModelLoadError  # noqa: E402
 from tgi_paged_backend.runner.parallel.process_group import TensorParallelGroup  # noqa: E402
 from tgi_paged_backend.runner.parallel.tp_runner import TensorParallelRunner  # noqa: E402
@@ -43,12 +44,20 @@ def main() -> None:
         action="store_true",
         help="record a model the slicing refuses (ModelLoadError) instead of failing",
     )
+    parser.add_argument(
+        "--native-check-fails-on",
+        type=int,
+        default=None,
+        help="this rank's load-time check of the native decode layers fails (every rank must then keep them all)",
+    )
     parser.add_argument("models", nargs="+")
     args = parser.parse_args()
 
     server = ServerConfig(
         rank=args.rank, world_size=args.world_size, master_addr="127.0.0.1", master_port=args.port, dist_timeout_s=60
     )
+    if args.native_check_fails_on == args.rank:
+        native_layers._reproduces = lambda *_args, **_kwargs: False  # type: ignore[assignment]
     group = TensorParallelGroup.initialize(server, torch.device("cpu"), startup_timeout_s=120)
     prompts = json.loads(args.prompts)
     result: dict[str, dict] = {}
@@ -64,7 +73,13 @@ def main() -> None:
             continue
         tokens = greedy_paged(runner, prompts, args.max_new, seed=args.rank)
         sizes = [runner.block_bytes, runner.spec.num_q_heads, runner.spec.num_kv_heads, runner.weights_bytes]
-        result[model] = {"tokens": tokens, "sizes": group.all_gather_ints(sizes, "test")}
+        native = [m for m in runner.model.modules() if isinstance(m, NativeDecoderLayer)]
+        counts = [len(native), sum(m.native_steps for m in native)]  # layers wrapped, native decode steps
+        result[model] = {
+            "tokens": tokens,
+            "sizes": group.all_gather_ints(sizes, "test"),
+            "native": group.all_gather_ints(counts, "test"),
+        }
     if args.rank == 0:
         Path(args.out).write_text(json.dumps(result))
     group.close()

@@ -4,7 +4,7 @@ for token against HF ``generate`` with the same images as ``pixel_values``: one 
 text-only requests, chunked prefill cutting inside an image, prefix retention keyed by the image bytes,
 recompute and swap preemption (the scenarios of :mod:`tests.helpers.llava_next_scenarios`, which are
 family-agnostic); the placeholder text equal to transformers' processor's; a router reservation smaller than
-the shard's count refused; tensor parallelism refused."""
+the shard's count refused; tensor parallelism: tests/distributed/test_tp_vlm.py."""
 
 from __future__ import annotations
 
@@ -153,20 +153,6 @@ def test_router_reservation_short_of_the_shards_count_is_refused(model_dir) -> N
     with pytest.raises(InvalidRequestError, match="router and shard tokenizers may disagree"):
         engine.prefill(BatchSpec(id=9, requests=(short,)), None)
     assert engine.requests == {}
-
-
-def test_refused_under_tensor_parallelism(model_dir) -> None:
-    from types import SimpleNamespace
-
-    import torch
-
-    from tgi_paged_backend.config import ModelConfig
-    from tgi_paged_backend.runner.model.loader import ModelLoadError
-    from tgi_paged_backend.runner.parallel.tp_runner import TensorParallelRunner
-
-    rank = SimpleNamespace(device=torch.device("cpu"))
-    with pytest.raises(ModelLoadError, match="vision-language model, served on one shard only so far"):
-        TensorParallelRunner._load_model(rank, ModelConfig(model_id=str(model_dir)))  # type: ignore[arg-type]
 
 
 def test_idefics2_without_image_splitting(tmp_path) -> None:

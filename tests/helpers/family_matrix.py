@@ -55,6 +55,7 @@ from tests.helpers.llava_next_scenarios import run_matrix_scenarios
 from tests.helpers.speculation_oracle import oracle_drafts
 from tests.helpers.tiny_models import load_reference
 from tests.helpers.vlm_families import VLM_FAMILIES, VlmFamily, as_family, write_config_only, write_served
+from tests.helpers.vlm_tp import vlm_tp_outcome
 from tgi_paged_backend.bench.sliding_window import long_run_table
 from tgi_paged_backend.engine.types import BatchSpec
 from tgi_paged_backend.runner.model.loader import ModelLoadError
@@ -285,13 +286,7 @@ def _mark(ok: bool | None) -> str:
     return "n/a" if ok is None else ("yes" if ok else "**NO**")
 
 
-SERVED_VLM_NAMES = frozenset(v.name for v in VLM_FAMILIES if v.served)
-"""Served VLMs: refused at start under TP (``runner/parallel/tp_runner.py``; ``tests/runner/test_vlm_refusals.py``)."""
-
-
-def _tp_mark(outcome: TpOutcome | None, served_vlm: bool = False) -> str:
-    if outcome is None and served_vlm:
-        return "refused (a vision-language model: served on one shard only so far)"
+def _tp_mark(outcome: TpOutcome | None) -> str:
     if outcome is None:
         return "not run"
     if outcome.refusal is not None:
@@ -351,7 +346,7 @@ def render_markdown(
         lines.append(
             f"| {r.family.name} | {r.architecture} | {_mark(single)} | {_mark(preempt)} | "
             f"{_mark(r.exact.get('speculate'))} | "  # n/a: not run (the VLM rows)
-            f"{_tp_mark(tp.get(r.family.name), r.family.name in SERVED_VLM_NAMES)} | "
+            f"{_tp_mark(tp.get(r.family.name))} | "
             f"{windowed} | {r.cpu_decode} | {r.family.feature} |"
         )
     if reclaim_table is not None:
@@ -412,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         vlms = [v for v in VLM_FAMILIES if not args.family or v.name in args.family]
         results += [run_vlm_family(vlm, Path(tmp)) for vlm in vlms]
         tp = run_tp([f for f in tp_families() if f in families], Path(tmp))
+        served = [v for v in vlms if v.served and is_available(as_family(v))]
+        tp.update({v.name: vlm_tp_outcome(v, Path(tmp)) for v in served})  # tests/helpers/vlm_tp.py
     text = render_markdown(results, tp, long_run_table())
     if args.write:
         args.write.write_text(text)

@@ -129,8 +129,10 @@ def preemption(model_dir: Path, mode: str, *, reference: Any = None) -> Scenario
     sizer = make_engine(model_dir, num_blocks=8)
     lengths = [len(sizer.image_prompts.encode(image_spec(sizer, None, 0, p))[0]) for p in parts]
     prompt_blocks = sum(-(-n // 8) for n in lengths)
+    # One page map (Gemma 3's sliding layers would otherwise hold fewer blocks than the prompts: no pool to fill)
     run = _started(model_dir, prompt_blocks * 8, num_blocks=prompt_blocks + 1, block_size=8, preemption=mode,
-                   TGI_PAGED_OVERCOMMIT="3", PREFIX_CACHING="0", speculate=3 if reference else 0)  # fmt: skip
+                   TGI_PAGED_OVERCOMMIT="3", PREFIX_CACHING="0", speculate=3 if reference else 0,
+                   TGI_PAGED_LAYER_GROUPS="0")  # fmt: skip
     run.specs = [image_spec(run.engine, run.driver.blocks, 40 + i, p, 16) for i, p in enumerate(parts)]
     truth = [] if reference is None else [_truth(run.engine, reference, spec) for spec in run.specs]
     with oracle_drafts(truth) if reference is not None else contextlib.nullcontext():

@@ -71,3 +71,20 @@ def test_smolvlm_type_and_text_models_keep_images_as_text() -> None:
     """Stock's router ``Config`` has no ``smolvlm``: its images stay text there (SmolVLM v1 is ``idefics3``)."""
     assert placeholder_rule(SimpleNamespace(model_type="smolvlm")) is None
     assert placeholder_rule(SimpleNamespace(model_type="mistral")) is None
+
+
+@pytest.mark.parametrize(("height", "width"), [(20, 20), (480, 640), (4000, 100)])
+def test_gemma3_counts_stocks_256_soft_tokens_per_image(height, width) -> None:
+    """Stock's router hardcodes 256 soft tokens between ``\\n\\n<start_of_image>`` and ``<end_of_image>\\n\\n``,
+    whatever the image's size (the shard counts the config's ``mm_tokens_per_image``, 256 when released)."""
+    rule = placeholder_rule(SimpleNamespace(model_type="gemma3"))
+    text = rule(height, width)
+    assert text == "\n\n<start_of_image>" + "<image_soft_token>" * 256 + "<end_of_image>\n\n"
+    assert _input_length(f"a ![]({_uri(height, width)}) b", rule) == 1 + len("a  b") + len(text)
+
+
+@pytest.mark.parametrize(("height", "width"), [(20, 20), (480, 640)])
+def test_paligemma_counts_num_image_tokens(height, width) -> None:
+    rule = placeholder_rule(SimpleNamespace(model_type="paligemma", text_config=SimpleNamespace(num_image_tokens=16)))
+    assert rule(height, width) == IMAGE * 16
+    assert _input_length(f"![]({_uri(height, width)})caption en", rule) == 1 + 16 * len(IMAGE) + len("caption en")

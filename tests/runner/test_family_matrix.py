@@ -120,7 +120,7 @@ def test_models_doc_agrees_with_the_matrix(family_dir):
         if name in vlm_phrases:  # every VLM stock TGI serves: refused at start with its own reason (issue 40)
             assert cells[2] == "refused" and re.search(r"Refused at start:.*" + re.escape(vlm_phrases[name]), cells[8])
         elif name in served_vlms:  # its image scenarios (tests/engine/test_shard_engine_llava_next.py)
-            assert cells[2:5] == ["yes", "yes", "yes"], cells
+            assert cells[2:6] == ["yes", "yes", "yes", "yes"], cells  # TP=2: tests/helpers/vlm_tp.py
         elif name in REFUSED:
             assert cells[2] == "refused" and re.search(r"Refused at start:.*" + re.escape(REFUSED[name]), cells[8])
             assert cells[7] == "n/a", cells

@@ -36,6 +36,7 @@ from tgi_paged_backend.runner.cpu.fast_layers import PackedLinear
 from tgi_paged_backend.runner.model.loader import ModelLoadError, load_model
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.quant.linear import IntLinear
+from tgi_paged_backend.runner.rewrites.pipeline import model_rewrites
 
 CROSSCHECK = Path(__file__).parents[1] / "helpers" / "compressed_tensors_check.py"
 FLAG = {"gptq": "gptq", "awq": "awq", "pack-quantized": "compressed-tensors"}
@@ -80,9 +81,10 @@ def _rewrite_config(ckpt_dir: Path, dst: Path, edit) -> Path:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_linears_hold_the_file_codes_and_match_the_dequantized_model(case, src, checkpoints, prompts):
     ckpt = checkpoints[case]
-    runner = ModelRunner(
-        ModelConfig(model_id=str(ckpt.path), quantize=FLAG[ckpt.fmt]), CacheConfig(block_size=8), "cpu"
-    )
+    runner = ModelRunner(  # loading only: the int8 layers' native decode (their codes packed) is test_native_int8's
+        ModelConfig(model_id=str(ckpt.path), quantize=FLAG[ckpt.fmt]), CacheConfig(block_size=8), "cpu",
+        rewrites=model_rewrites(without=("fuse", "native")),
+    )  # fmt: skip
     names = linear_names(src)
     assert {n for n, m in runner.model.named_modules() if isinstance(m, IntLinear)} == set(names)
     # the LM head stays full precision (a plain linear, packed for oneDNN by the fast-layer swap)

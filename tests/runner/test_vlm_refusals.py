@@ -1,7 +1,7 @@
 """Every vision-language family stock TGI 3.3 serves is refused at start with its own reason
 (``family_support.VLM_FAMILIES``) until this backend serves it (issue 40, docs/vlm.md); LLaVA-NeXT,
-Idefics2/3, SmolVLM, Qwen2-VL and Qwen2.5-VL are served (``vlm_loading.SERVED_VLM_MODEL_TYPES``), except
-checkpoints outside their image-token rule."""
+Idefics2/3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Gemma 3 and PaliGemma are served
+(``vlm_loading.SERVED_VLM_MODEL_TYPES``), except checkpoints outside their image-token rule."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import transformers
 
 from tests.helpers.family_matrix import start_error
 from tests.helpers.llava_next_models import write_llava_next_model
-from tests.helpers.qwen2_vl_models import write_qwen2_vl_model
 from tests.helpers.vlm_families import VLM_FAMILIES, write_config_only
 from tgi_paged_backend.runner.model import family_support, vlm_loading
 
@@ -32,8 +31,6 @@ STOCK_VLM_MODEL_TYPES = (
 PHRASES = {
     "mllama": "cross-attention",
     "idefics": "cross-attention",
-    "paligemma": "prefix-LM",
-    "gemma3": "bidirectional attention within each image",
     "llama4": "chunked local attention",
 }
 
@@ -93,7 +90,7 @@ def test_vlm_config_is_refused_with_its_reason(model_type: str) -> None:
     assert reason is not None and PHRASES[model_type] in reason, reason
 
 
-@pytest.mark.parametrize("vlm", [v for v in VLM_FAMILIES if v.model_type in ("paligemma", "gemma3", "mllama")])
+@pytest.mark.parametrize("vlm", [v for v in VLM_FAMILIES if v.model_type in ("llama4", "mllama")])
 def test_vlm_checkpoint_stops_the_start(vlm, tmp_path) -> None:
     error = start_error(write_config_only(vlm, tmp_path))
     assert error is not None and vlm.architecture in error and PHRASES[vlm.model_type] in error, error
@@ -107,20 +104,14 @@ def test_text_only_siblings_are_not_vlm_refused() -> None:
             assert reason is None or "vision-language" not in reason, (model_type, reason)
 
 
-@pytest.mark.parametrize("model_type", ["llava_next", "qwen2_vl", "qwen2_5_vl"])
-def test_served_vlm_is_refused_under_tensor_parallelism(tmp_path, model_type) -> None:
-    from types import SimpleNamespace
+def test_gemma3_with_pan_and_scan_is_refused(tmp_path) -> None:
+    """Pan-and-scan crops add an image sequence per crop: outside stock's count (256 per image)."""
+    import json
 
-    import torch
+    from tests.helpers.gemma_vlm_models import write_gemma_vlm_model
 
-    from tgi_paged_backend.config import ModelConfig
-    from tgi_paged_backend.runner.model.loader import ModelLoadError
-    from tgi_paged_backend.runner.parallel.tp_runner import TensorParallelRunner
-
-    if model_type == "llava_next":
-        path = write_llava_next_model(tmp_path / "llava")
-    else:
-        path = write_qwen2_vl_model(tmp_path / model_type, model_type)
-    rank = SimpleNamespace(device=torch.device("cpu"))  # what loading reads of the runner
-    with pytest.raises(ModelLoadError, match="vision-language model, served on one shard only so far"):
-        TensorParallelRunner._load_model(rank, ModelConfig(model_id=str(path)))  # type: ignore[arg-type]
+    path = write_gemma_vlm_model(tmp_path / "gemma3", "gemma3")
+    config = json.loads((path / vlm_loading.PREPROCESSOR_CONFIG).read_text())
+    (path / vlm_loading.PREPROCESSOR_CONFIG).write_text(json.dumps({**config, "do_pan_and_scan": True}))
+    error = start_error(path)
+    assert error is not None and "do_pan_and_scan" in error, error

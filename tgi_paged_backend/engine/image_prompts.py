@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from tgi_paged_backend.engine.images import decode_image, decode_request_images, request_images
 from tgi_paged_backend.engine.tokenize import PromptTokenizer
 from tgi_paged_backend.engine.types import ImageInput, RequestSpec
+from tgi_paged_backend.vision.attend_spans import key_spans
 from tgi_paged_backend.vision.image_keys import extent, image_positions, keyed_token_ids
 from tgi_paged_backend.vision.prompt import build_prompt
 
@@ -53,11 +54,14 @@ class RequestImages:
     rope: MRopePositions | None = None
     """The request's 3-D rotary positions and their delta past the prompt (M-RoPE families), else ``None``:
     computed once from the prompt at admission, so prefix hits and recompute re-prefills reuse them."""
+    bidirectional: tuple[range, ...] = ()
+    """Prompt spans whose tokens attend to each other both ways (:mod:`~tgi_paged_backend.vision.attend_spans`:
+    Gemma 3's images, PaliGemma's whole prompt, a text-only one's too); ``()``: causal."""
 
     @property
     def end(self) -> int:
-        """The position after the last image placeholder."""
-        return max(span.stop for span in self.spans)
+        """The position after the last image placeholder (0 without images)."""
+        return max((span.stop for span in self.spans), default=0)
 
     def chunk_rows(
         self, request_id: int, start: int, count: int, row: int, encoder: Any
@@ -95,7 +99,9 @@ class ImagePrompts:
         self.encoder = encoder
         """The family's VLM adapter: ``image_token_id``, ``token_count(image)``, ``placeholder_text(image, token)``,
         ``finish_prompt(text)``, ``encode(images)`` and ``largest_image()`` (e.g.
-        :class:`~tgi_paged_backend.vision.llava_next_encoder.LlavaNextEncoder`)."""
+        :class:`~tgi_paged_backend.vision.llava_next_encoder.LlavaNextEncoder`); optional: ``rope_positions``
+        (M-RoPE), ``bidirectional_spans(num_tokens, image_spans)``, ``wrap_text(text)`` (each text chunk, text-only
+        requests' too) and ``adds_special_tokens`` (overrides the request's ``add_special_tokens``)."""
         self.tokenizer = tokenizer
         self.image_token_id = int(encoder.image_token_id)
         self.image_token = tokenizer.tokenizer.convert_ids_to_tokens(self.image_token_id)
@@ -113,20 +119,35 @@ class ImagePrompts:
         chunks = request_images(spec)
         decoded = decode_request_images(spec, MAX_IMAGES_PER_REQUEST)
         counts = [self.encoder.token_count(image) for image in decoded]
-        if chunks:
-            text = build_prompt(spec.chunks, lambda i: self.encoder.placeholder_text(decoded[i], self.image_token))
+        wrap_text = getattr(self.encoder, "wrap_text", None)  # PaliGemma's: text-only prompts are wrapped too
+        if chunks or wrap_text is not None:
+            parts = spec.chunks if chunks else (spec.text,)
+            text = build_prompt(parts, lambda i: self.encoder.placeholder_text(decoded[i], self.image_token), wrap_text)
             text = self.encoder.finish_prompt(text)
         else:
             text = spec.text
-        ids = self.tokenizer.encode(text, spec.truncate, spec.add_special_tokens)
+        special = getattr(self.encoder, "adds_special_tokens", None)
+        ids = self.tokenizer.encode(text, spec.truncate, spec.add_special_tokens if special is None else special)
         positions = image_positions(spec.id, ids, self.image_token_id, counts)
-        if not chunks:
-            return ids, None
         spans = [extent(run) for run in positions]
-        keys = keyed_token_ids(ids, spans, [image.data for image in chunks])
+        bidirectional_spans = getattr(self.encoder, "bidirectional_spans", None)
+        bidirectional = () if bidirectional_spans is None else tuple(bidirectional_spans(len(ids), spans))
+        if not chunks and not bidirectional:
+            return ids, None
+        data = [image.data for image in chunks]
+        keys = key_spans(keyed_token_ids(ids, spans, data), ids, bidirectional, spans, data)
         rope_positions = getattr(self.encoder, "rope_positions", None)  # only M-RoPE families' adapters have it
         rope = None if rope_positions is None else rope_positions(len(ids), spans, decoded)
-        return ids, RequestImages(tuple(chunks), tuple(spans), tuple(positions), keys, rope=rope)
+        images = RequestImages(
+            tuple(chunks), tuple(spans), tuple(positions), keys, rope=rope, bidirectional=bidirectional
+        )
+        return ids, images
+
+    def router_slack(self, spec: RequestSpec) -> int:
+        """Prompt tokens stock's router does not count for ``spec`` (the adapter's ``router_slack`` per text chunk)."""
+        per_chunk = getattr(self.encoder, "router_slack", 0)
+        text_chunks = sum(1 for c in spec.chunks if isinstance(c, str)) if request_images(spec) else 1
+        return int(per_chunk) * text_chunks
 
     def encode_requests(self, specs: Sequence[RequestSpec]) -> tuple[list[list[int]], list[RequestImages | None]]:
         """:meth:`encode` of every request, in order."""

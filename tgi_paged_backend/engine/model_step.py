@@ -27,6 +27,7 @@ from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
 from tgi_paged_backend.offload.tier_io import TierIO
 from tgi_paged_backend.runner.input_batch import ForwardBatch, layout_tokens
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.vision.attend_spans import attend_limits
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,9 +167,11 @@ class ModelStep:
         else:
             slots = self.kv.slot_mapping(ids, starts, counts)
             group_slots = [self.kv.slot_mapping(ids, starts, counts, group=g) for g in groups]
+        # PaliGemma's rotary positions start at 1 (HF's and stock's), the KV layout's at 0
+        offset = int(getattr(self.runner.image_encoder, "position_offset", 0))
         batch = ForwardBatch.from_numpy(
             input_ids=np.fromiter((t for c in chunks for t in c), dtype=np.int64, count=len(layout.positions)),
-            positions=layout.positions,
+            positions=layout.positions + offset if offset else layout.positions,
             slot_mapping=slots,
             block_tables=self.kv.block_tables(ids),
             query_start_loc=layout.query_start_loc,
@@ -187,6 +190,9 @@ class ModelStep:
                 encoded += 0 if held or r.images.features is None else len(r.images.images)
         if image_rows:
             batch = dataclasses.replace(batch, image_rows=tuple(image_rows))
+        limits = self._attend_limits(plan, layout.positions, layout.query_start_loc)
+        if limits is not None:
+            batch = dataclasses.replace(batch, attend_limits=torch.from_numpy(limits))
         rope = self._rope_positions(plan, layout.positions, layout.query_start_loc)
         if rope is not None and (rope == rope[0]).all():  # the three streams agree (decode): 1-D, static decode
             batch = dataclasses.replace(batch, positions=torch.from_numpy(rope[0].copy()))
@@ -207,6 +213,19 @@ class ModelStep:
             if r.images is not None and r.images.rope is not None:
                 rope[:, first:stop] = r.images.rope.at(positions[first:stop])
         return rope
+
+    @staticmethod
+    def _attend_limits(plan: StepPlan, positions: np.ndarray, starts: np.ndarray) -> np.ndarray | None:
+        """int32 ``[T]`` last key position of each packed row when a chunk of the step touches a bidirectional
+        span (:mod:`~..vision.attend_spans`; every other row: its own position), else ``None`` (causal)."""
+        limits: np.ndarray | None = None
+        for (r, n), first in zip(plan.scheduled, starts[:-1]):
+            rows = attend_limits(r.attend_spans, r.num_computed, n) if r.attend_spans and not r.draft else None
+            if rows is not None:
+                if limits is None:
+                    limits = positions.astype(np.int32)
+                limits[first : first + n] = rows
+        return limits
 
     @staticmethod
     def _lora_slots(plan: StepPlan, counts: np.ndarray) -> np.ndarray | None:

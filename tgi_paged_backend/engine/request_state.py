@@ -103,6 +103,11 @@ class RequestState:
         return self.prompt_ids if self.images is None else self.images.prompt_keys
 
     @property
+    def attend_spans(self) -> tuple[range, ...]:
+        """Prompt spans attended bidirectionally (``vision.attend_spans``; ``()``: causal)."""
+        return () if self.images is None else self.images.bidirectional
+
+    @property
     def key_ids(self) -> list[int]:
         """:attr:`all_ids` with the prompt keyed (:attr:`prompt_keys`)."""
         return self.prompt_keys + self.output_ids

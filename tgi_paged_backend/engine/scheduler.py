@@ -23,6 +23,7 @@ from tgi_paged_backend.engine.request_state import RequestState, RequestStatus
 from tgi_paged_backend.memory.kv_cache_manager import KVCacheManager
 from tgi_paged_backend.policy.lora_slots import may_run_adapter
 from tgi_paged_backend.policy.victims import VictimCandidate, victim_order
+from tgi_paged_backend.vision.attend_spans import chunk_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,7 @@ class Scheduler:
         )
         num_decodes = sum(1 for r in live if not r.is_preempted and r.num_remaining == 1)
         prefill_budget = max(self.max_batch_tokens - num_decodes, 0)
+        prefilled = False  # a prefill chunk is planned already: a bidirectional span must fit what is left
         adapters: set[int] = set()
         for request in live:
             if request.status is RequestStatus.FINISHED or request.id in _preempted(plan):
@@ -102,7 +104,7 @@ class Scheduler:
                 self._take_tier_moves(plan)
             if request.draft and not self._allocate_draft(request, plan):
                 request.draft = []  # the pool cannot back the draft without preempting: decode one token
-            n = self._num_tokens(request, prefill_budget)
+            n = self._num_tokens(request, prefill_budget, prefilled)
             request.waiting_for_blocks = (  # a draft's blocks are allocated already (allocate once per step:
                 n > 0  # the sliding-window release reads where the step's first query is)
                 and not request.draft
@@ -114,7 +116,8 @@ class Scheduler:
             if request.status is RequestStatus.PREEMPTED:
                 plan.resumed_wait_s.append(request.mark_resumed())
             if request.num_remaining > 1:  # a prefill chunk (a decode's draft tokens do not count)
-                prefill_budget -= n
+                prefill_budget = max(prefill_budget - n, 0)
+                prefilled = True
             plan.scheduled.append((request, n))
             if request.adapter:
                 adapters.add(request.adapter)
@@ -129,13 +132,20 @@ class Scheduler:
 
     # -- phases ------------------------------------------------------------------------------
 
-    def _num_tokens(self, request: RequestState, prefill_budget: int) -> int:
+    def _num_tokens(self, request: RequestState, prefill_budget: int, prefilled: bool) -> int:
+        """Decode: 1 plus the draft. A prefill chunk: what the budget (and the router's first ``chunk_len``) allows,
+        its end moved out of any bidirectional span (``vision.attend_spans.chunk_tokens``): a span taken whole may
+        use the whole prefill budget when it is the step's first prefill chunk (decodes ride along, as stock's
+        budget counts prefill tokens only), else only what is left; admission refused longer spans."""
         remaining = request.num_remaining
         if remaining == 1:
             return 1 + len(request.draft)
         n = min(remaining, prefill_budget)
         if request.chunk_len_hint is not None:
             n = min(n, request.chunk_len_hint)
+        if request.attend_spans and n > 0:
+            room = prefill_budget if prefilled else self.max_batch_tokens
+            n = chunk_tokens(request.attend_spans, request.num_computed, n, room)
         return max(n, 0)
 
     def _swap_in(self, request: RequestState, victims_pool: list[RequestState], plan: StepPlan) -> bool:

@@ -39,7 +39,7 @@ from tgi_paged_backend.engine.types import (
     StepResult,
     WarmupResult,
 )
-from tgi_paged_backend.engine.validation import validate_batch, validate_fits_pool, validate_tokenized
+from tgi_paged_backend.engine.validation import validate_batch, validate_fits_pool, validate_spans, validate_tokenized
 from tgi_paged_backend.policy.admission import reported_batch_tokens, should_brake
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.telemetry.step_record import MemoryBudget
@@ -129,7 +129,7 @@ class PagedShardEngine(StepEngine):
         self.runner.profile_decode_graphs(max_total_tokens or self.runner.spec.max_position_embeddings)
         ids = [r.id for r in warm.requests]
         try:
-            self._add_requests(warm, max_input_tokens=None)
+            self._add_requests(warm, max_input_tokens=None, warmup=True)
             for _ in range(4 * len(ids) + 4):  # bounded: each step completes or advances a prefill
                 self._step(ids)
                 done = [i for i in ids if i not in self.requests or self.requests[i].output_ids]
@@ -258,16 +258,36 @@ class PagedShardEngine(StepEngine):
     # -- internals --------------------------------------------------------------------------
 
     def _add_requests(
-        self, batch: BatchSpec, *, max_input_tokens: int | None, usable_blocks: int | None = None, probe: bool = False
+        self,
+        batch: BatchSpec,
+        *,
+        max_input_tokens: int | None,
+        usable_blocks: int | None = None,
+        probe: bool = False,
+        warmup: bool = False,
     ) -> None:
         """Validate everything, then register (no state changes before validation passes). With
         ``usable_blocks``, a request whose whole history cannot fit the pool is refused; only the liveness
-        ``probe`` may use its reserved id and block."""
+        ``probe`` may use its reserved id and block; the ``warmup`` batch (its outputs are dropped) runs without
+        bidirectional spans (a PaliGemma prompt of the router's warmup length may pass the budget or the window)."""
         validate_batch(batch, live_ids=set(self.requests), num_virtual_blocks=self.num_virtual_blocks, probe=probe)
         prompts, images = self._encode_prompts(batch.requests)
-        for spec, prompt_ids in zip(batch.requests, prompts):
+        for spec, prompt_ids, request_images in zip(batch.requests, prompts, images):
             validate_sampling_params(spec.sampling)
-            validate_tokenized(spec, prompt_ids, block_size=self.block_size, max_input_tokens=max_input_tokens)
+            slack = 0 if self.image_prompts is None else self.image_prompts.router_slack(spec)
+            validate_tokenized(
+                spec, prompt_ids, block_size=self.block_size, max_input_tokens=max_input_tokens, slack=slack
+            )
+            if request_images is not None and warmup:  # its outputs are dropped: causal, any length, any chunking
+                request_images.bidirectional = ()
+            elif request_images is not None:
+                window = getattr(self.runner.image_encoder, "span_window", None)
+                validate_spans(
+                    spec,
+                    request_images.bidirectional,
+                    max_prefill_tokens=self.capacity.max_prefill_tokens,
+                    window=window,
+                )
             if usable_blocks is not None:
                 positions = len(prompt_ids) + spec.stopping.max_new_tokens - 1
                 peak = self.runner.kv_groups.request_blocks(

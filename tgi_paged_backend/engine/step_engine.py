@@ -182,7 +182,8 @@ class StepEngine:
         state.stop_state = StoppingCriteria(spec.stopping, self.eos_ids)
         state.detok_state = self.decoder.new_request(prompt_ids)
         state.adapter = self.adapter_names.resolve(spec.adapter_id)
-        self.kv.add_request(spec.id, spec.blocks, namespace=state.adapter)
+        slack = 0 if self.image_prompts is None else self.image_prompts.router_slack(spec)  # PaliGemma's wrap
+        self.kv.add_request(spec.id, spec.blocks, namespace=state.adapter, extra=-(-slack // self.block_size))
         self.requests[spec.id] = state
         if self.tier_io.disk is not None and state.may_reuse_prefix:  # the disk tier's blocks go to the host tier
             fetched = self.tier_io.fetch(self.kv, state.prompt_keys, state.adapter, self._agree_min)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tgi_paged_backend.engine.types import U64_MAX, BatchSpec, InvalidRequestError, RequestSpec
+from tgi_paged_backend.vision.attend_spans import longest_span_reason
 
 
 def validate_batch(batch: BatchSpec, *, live_ids: set[int], num_virtual_blocks: int, probe: bool = False) -> None:
@@ -57,9 +58,11 @@ def validate_request_spec(request: RequestSpec, *, num_virtual_blocks: int) -> N
 
 
 def validate_tokenized(
-    request: RequestSpec, prompt_ids: Sequence[int], *, block_size: int, max_input_tokens: int | None
+    request: RequestSpec, prompt_ids: Sequence[int], *, block_size: int, max_input_tokens: int | None, slack: int = 0
 ) -> None:
-    """Checks against the server's own tokenization of the prompt."""
+    """Checks against the server's own tokenization of the prompt. ``slack``: tokens the shard's prompt may hold past
+    the router's reservation (PaliGemma's server-side ``<bos>`` + text + ``\n`` wrap, which stock's router does not
+    count): the page map backs them with pool blocks past the router's, as any overcommit."""
     rid = request.id
     num_prompt = len(prompt_ids)
     if num_prompt == 0:
@@ -72,7 +75,7 @@ def validate_tokenized(
         raise InvalidRequestError(f"request {rid}: cache_len={request.cache_len} must be < prompt length {num_prompt}")
     if request.blocks or request.slots:
         needed = num_prompt + request.stopping.max_new_tokens - 1
-        if len(request.slots) < needed:
+        if len(request.slots) < needed - slack:
             raise InvalidRequestError(
                 f"request {rid}: {len(request.slots)} slots for {needed} tokens to write "
                 f"(prompt {num_prompt} + max_new_tokens {request.stopping.max_new_tokens} - 1); "
@@ -80,7 +83,7 @@ def validate_tokenized(
                 "below the shard's own: stock's router budgets Idefics3 with fixed tiles)"
             )
         capacity = len(request.blocks) * block_size
-        if capacity < needed:
+        if capacity < needed - slack:
             raise InvalidRequestError(
                 f"request {rid}: {len(request.blocks)} blocks hold {capacity} tokens, {needed} needed"
             )
@@ -106,3 +109,13 @@ def validate_fits_pool(request: RequestSpec, num_prompt: int, *, peak_blocks: in
             f"needs {peak_blocks} KV blocks at its peak, more than the {usable_blocks} of the pool: it could never "
             "finish"
         )
+
+
+def validate_spans(
+    request: RequestSpec, spans: Sequence[range], *, max_prefill_tokens: int, window: int | None = None
+) -> None:
+    """A bidirectional span (Gemma 3's image, PaliGemma's prompt) is prefilled in one chunk: one longer than the
+    step's prefill budget could never run; ``window``: spans that see past the sliding window must fit it."""
+    reason = longest_span_reason(spans, max_prefill_tokens, window)
+    if reason is not None:
+        raise InvalidRequestError(f"request {request.id}: {reason}")

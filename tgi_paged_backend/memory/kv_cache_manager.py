@@ -157,8 +157,10 @@ class KVCacheManager:
         return maps[0].serials
 
     # ------------------------------------------------------------------------------- lifecycle
-    def add_request(self, request_id: int, virtual_blocks: Sequence[int] = (), namespace: int = 0) -> None:
-        """Register a request; ``virtual_blocks`` are the router's blocks (empty: self-managed).
+    def add_request(
+        self, request_id: int, virtual_blocks: Sequence[int] = (), namespace: int = 0, extra: int = 0
+    ) -> None:
+        """Register a request; ``virtual_blocks``: the router's blocks (empty: self-managed), ``extra``: more to map.
 
         ``namespace``: the request's LoRA adapter index (0: the base model); prefix blocks are matched and
         registered only within it (:func:`.prefix_cache.chain_root`)."""
@@ -171,6 +173,7 @@ class KVCacheManager:
         for group in self._groups:
             table_row = row if group is self._groups[0] else group.table.add_row(row)
             group.requests[request_id] = PageMap.create(table_row, virtual, chain_root(namespace))
+            group.requests[request_id].extra_blocks = extra
         self._rows_cache = None
 
     def match_prefix(self, request_id: int, prompt_ids: Sequence[int]) -> PrefixMatch:
@@ -223,7 +226,7 @@ class KVCacheManager:
                     req.num_allocated_tokens = num_tokens
             return EMPTY_ALLOCATION
         assert first.swapped is None, f"request {request_id} is swapped out"
-        if first.virtual_blocks and num_want > len(first.virtual_blocks):
+        if first.virtual_blocks and num_want > len(first.virtual_blocks) + first.extra_blocks:
             raise ValueError(
                 f"request {request_id}: {num_tokens} tokens exceed its {len(first.virtual_blocks)} router blocks"
             )

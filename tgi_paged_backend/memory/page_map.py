@@ -54,6 +54,9 @@ class PageMap:
     tier instead of copied to swap space (:mod:`.swap_moves`)."""
     swap_pins: tuple[bytes, ...] = ()
     """While swapped out, in the anchor group: the host-tier entries those blocks come back from (pinned)."""
+    extra_blocks: int = 0
+    """Blocks it may map past the router's reservation (a server-side prompt longer than the router's count:
+    PaliGemma's ``<bos>`` + text + ``\n`` wrap; ``engine.image_prompts.ImagePrompts.router_slack``)."""
     has_scratch: bool = False
     """Some virtual block is 0 (the liveness probe's): it maps to the scratch block."""
     num_holes: int = 0

@@ -242,8 +242,9 @@ def paged_attention(
             **options,
         )  # fmt: skip
     return tgi_paged_kernels.paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, batch.query_start_loc, batch.seq_lens, new_kv=(k, v), **options
-    )
+        q, k_cache, v_cache, block_tables, batch.query_start_loc, batch.seq_lens, new_kv=(k, v),
+        attend_limits=batch.attend_limits, **options,
+    )  # fmt: skip
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

@@ -57,6 +57,10 @@ class ForwardBatch:
         ``[3, T]`` int64 multimodal rotary positions (M-RoPE families, :mod:`tgi_paged_backend.vision.mrope`)
         given to the model instead of ``positions`` when a row of the step has three different streams (a
         prefill chunk over an image); ``None``: the model rotates by ``positions``.
+    attend_limits : torch.Tensor or None
+        ``[T]`` int32 last key position each packed row attends to (bidirectional spans: Gemma 3's image tokens,
+        PaliGemma's prefix-LM prompt; :mod:`tgi_paged_backend.vision.attend_spans`): a row inside a span sees the
+        whole span, every other row its own position. ``None`` (every step without such a span): causal.
     """
 
     input_ids: torch.Tensor
@@ -72,6 +76,7 @@ class ForwardBatch:
     group_block_tables: tuple[torch.Tensor, ...] = ()
     image_rows: tuple[tuple[int, torch.Tensor], ...] = ()
     rope_positions: torch.Tensor | None = None
+    attend_limits: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -189,6 +194,7 @@ class ForwardBatch:
             group_block_tables=tuple(move(t) for t in self.group_block_tables),
             image_rows=tuple((row, values.to(device)) for row, values in self.image_rows),
             rope_positions=None if self.rope_positions is None else move(self.rope_positions),
+            attend_limits=None if self.attend_limits is None else move(self.attend_limits),
         )
 
 

@@ -12,8 +12,11 @@ from collections.abc import Callable, Sequence
 from tgi_paged_backend.engine.types import ImageInput
 
 
-def build_prompt(chunks: Sequence[str | ImageInput], placeholder: Callable[[int], str]) -> str:
-    """The chunks joined, the ``i``-th image (in order) replaced by ``placeholder(i)``."""
+def build_prompt(
+    chunks: Sequence[str | ImageInput], placeholder: Callable[[int], str], wrap_text: Callable[[str], str] | None = None
+) -> str:
+    """The chunks joined, the ``i``-th image (in order) replaced by ``placeholder(i)``, each text chunk by
+    ``wrap_text(text)`` when given (PaliGemma: ``<bos>`` + text + ``\n``, stock's ``preprocess_text``)."""
     parts: list[str] = []
     index = 0
     for chunk in chunks:
@@ -21,5 +24,5 @@ def build_prompt(chunks: Sequence[str | ImageInput], placeholder: Callable[[int]
             parts.append(placeholder(index))
             index += 1
         else:
-            parts.append(chunk)
+            parts.append(chunk if wrap_text is None else wrap_text(chunk))
     return "".join(parts)

@@ -5,6 +5,8 @@
 // tests/kernels/test_cpu_layer.py.
 
 #include "cpu_gemm.h"
+#include "cpu_gemm_quant.h"
+#include "cpu_layer_rows.h"
 #include "cpu_lora.h"
 #include "cpu_moe.h"
 
@@ -30,6 +32,7 @@ struct LayerSpec {
   int32_t experts, top_k, norm_top_k;  // experts > 0: an MoE MLP (cpu_moe.h), gated, w_gate_up / w_down per expert
   int32_t shared_intermediate;  // > 0: plus a shared expert, sigmoid(w_shared_gate . x) * its gated MLP (Qwen2-MoE)
   float scale, softcap, residual_scale;
+  int32_t weight_dtype;  // the four projections' weights: 0 fp32 (cpu_gemm.h), 2 int8 codes (cpu_gemm_quant.h)
   float eps_attn_in, eps_attn_out, eps_mlp_in, eps_mlp_out, eps_q, eps_k;
   const float *attn_in, *attn_out, *mlp_in, *mlp_out;  // before / after attention, before / after the MLP
   const float *q_norm, *k_norm;
@@ -38,7 +41,22 @@ struct LayerSpec {
   const float *b_o, *b_gate_up, *b_down;                       // projection biases (null: none)
   const float* w_router;                                       // packed [experts, H] (MoE only)
   const float *w_shared_gate_up, *w_shared_down, *w_shared_gate;  // packed [2Is, H], [H, Is], [1, H]
+  const float* w_zeros[4];   // int8: per packed column of w_qkv, w_o, w_gate_up, w_down (kQkv .. kDown)
+  const float* w_scales[4];  // the same columns' scales
 };
+
+enum Projection { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
+
+// gemm_packed of one of the layer's four projections (w its packed weight) in the spec's weight dtype.
+inline void gemm_proj(const LayerSpec& S, int p, const float* a, int64_t lda, int64_t M, int64_t K, const float* w,
+                      int64_t N, const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
+  if (S.weight_dtype == 2) {
+    gemm_packed_i8(a, lda, M, K, reinterpret_cast<const uint8_t*>(w), S.w_zeros[p], S.w_scales[p], N, bias, add,
+                   ldadd, out, ldo);
+  } else {
+    gemm_packed(a, lda, M, K, w, N, bias, add, ldadd, out, ldo);
+  }
+}
 
 struct StepArgs {
   float* hidden;  // [T, H] in/out: the residual stream
@@ -46,121 +64,12 @@ struct StepArgs {
   const float *cos, *sin;  // [T, D]
   const int64_t* slot_mapping;
   float* scratch;
-  const LayerLora* lora;  // null: no adapter rows (cpu_lora.h)
+  int stage;       // 0: the whole layer; 1, 2, 3: a tensor-parallel rank's parts (tgi_paged_decode_layer_stage)
+  float* partial;  // [T, H] stages 1-3: the rank's partial sums of a row-parallel projection, all-reduced between
+  const LayerLora* lora;          // null: no adapter rows (cpu_lora.h; stage 0 only)
   const LoraGroups* lora_groups;  // the rows with an adapter, grouped by it
   float* lora_xa;                 // lora_scratch_floats(lora, tokens) floats
 };
-
-// 1 / sqrt(mean(x^2) + eps) over `width` values (the RMSNorm's scale, summed as rms_row_f32 does).
-inline float rms_inv(const float* x, int64_t width, float eps) {
-  float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t i = 0; i < width; ++i) total += x[i] * x[i];
-  return 1.0f / std::sqrt(total / static_cast<float>(width) + eps);
-}
-
-// LayerNorm of one row, as torch's (x - mean) * rsqrt(var + eps) * w (+ b, when not null) (mean and variance
-// summed in order; the reference is F.layer_norm, within the load-time check's tolerance).
-inline void layer_norm_row_f32(const float* x, const float* w, const float* b, float* o, int64_t width, float eps) {
-  float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t i = 0; i < width; ++i) total += x[i];
-  const float mean = total / static_cast<float>(width);
-  float var = 0.0f;
-#pragma omp simd reduction(+ : var)
-  for (int64_t i = 0; i < width; ++i) var += (x[i] - mean) * (x[i] - mean);
-  const float inv = 1.0f / std::sqrt(var / static_cast<float>(width) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < width; ++i) o[i] = w[i] * ((x[i] - mean) * inv);
-  if (b) {
-#pragma omp simd
-    for (int64_t i = 0; i < width; ++i) o[i] = o[i] + b[i];
-  }
-}
-
-// The layer's norm of one row: RMSNorm, or LayerNorm without bias when `layer_norm`.
-inline void norm_row(const float* x, const float* w, const float* b, float* o, int64_t width, float eps,
-                     bool layer_norm) {
-  if (layer_norm) {
-    layer_norm_row_f32(x, w, b, o, width, eps);
-  } else {
-    rms_row_f32(x, w, o, width, eps);
-  }
-}
-
-// One fp32 head of interleaved RoPE (Cohere): pairs (2i, 2i + 1) rotate, o = x * cos + rot(x) * sin with
-// rot(x)[2i] = -x[2i + 1], rot(x)[2i + 1] = x[2i]; each product and the sum rounded apart, as torch's.
-inline void rope_interleaved_row_f32(const float* x, const float* c, const float* s, float* o, int64_t head_dim) {
-  for (int64_t i = 0; i < head_dim; i += 2) {
-    const float a0 = x[i] * c[i], b0 = -x[i + 1] * s[i];
-    const float a1 = x[i + 1] * c[i + 1], b1 = x[i] * s[i + 1];
-    o[i] = a0 + b0;
-    o[i + 1] = a1 + b1;
-  }
-}
-
-// x[i] = w[i] * (x[i] * inv), in place.
-inline void scale_row(float* x, const float* w, float inv, int64_t width) {
-#pragma omp simd
-  for (int64_t i = 0; i < width; ++i) x[i] = w[i] * (x[i] * inv);
-}
-
-// q/k RMSNorm of `heads` heads of D values at `x`, in place: each head over its own D values (mode 1, one
-// [D] weight) or all heads as one row (mode 2, weight [heads * D]).
-inline void qk_norm_heads(float* x, int heads, int64_t D, int mode, const float* w, float eps) {
-  if (mode == 1) {
-    for (int h = 0; h < heads; ++h) scale_row(x + h * D, w, rms_inv(x + h * D, D, eps), D);
-  } else {
-    scale_row(x, w, rms_inv(x, heads * D, eps), heads * D);
-  }
-}
-
-// One fp32 row of gelu_tanh(gate) * up: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) as torch's
-// F.gelu(approximate="tanh") writes it, with tanh(|u|) = (1 - e) / (1 + e), e = exp(-2|u|) (vectorized;
-// within a few ulp of tanh where it matters, ~1e-7 absolute near 0).
-// kMul false: gelu_tanh(g) alone (an ungated MLP; u unused).
-template <bool kMul = true>
-inline void gelu_tanh_mul_row_f32(const float* g, const float* u, float* o, int64_t width) {
-  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
-#pragma omp simd
-  for (int64_t i = 0; i < width; ++i) {
-    const float x = g[i], cube = x * x * x;
-    const float inner = kBeta * (x + kKappa * cube);
-    const float e = exp_nonpositive(-2.0f * std::fabs(inner));
-    const float t = (1.0f - e) / (1.0f + e);
-    const float gelu = 0.5f * x * (1.0f + (inner >= 0.0f ? t : -t));
-    o[i] = kMul ? gelu * u[i] : gelu;
-  }
-}
-
-// One fp32 row of gelu(g) (* u when kMul), exact: 0.5 g (1 + erf(g / sqrt(2))), as torch's F.gelu.
-template <bool kMul>
-inline void gelu_erf_mul_row_f32(const float* g, const float* u, float* o, int64_t width) {
-  constexpr float kInvSqrt2 = 0.7071067811865476f;
-  for (int64_t i = 0; i < width; ++i) {
-    const float gelu = g[i] * 0.5f * (1.0f + std::erf(g[i] * kInvSqrt2));
-    o[i] = kMul ? gelu * u[i] : gelu;
-  }
-}
-
-// One row normed in place: RMSNorm, or LayerNorm (with bias b when not null) when `layer_norm`.
-inline void norm_in_place(float* x, const float* w, const float* b, int64_t width, float eps, bool layer_norm) {
-  if (layer_norm) {
-    layer_norm_row_f32(x, w, b, x, width, eps);
-  } else {
-    scale_row(x, w, rms_inv(x, width, eps), width);
-  }
-}
-
-// One fp32 row of relu(g) (* u when kMul), as torch's F.relu (max(g, 0); NaN kept).
-template <bool kMul>
-inline void relu_mul_row_f32(const float* g, const float* u, float* o, int64_t width) {
-#pragma omp simd
-  for (int64_t i = 0; i < width; ++i) {
-    const float r = g[i] > 0.0f ? g[i] : (g[i] == g[i] ? 0.0f : g[i]);
-    o[i] = kMul ? r * u[i] : r;
-  }
-}
 
 // hidden[t] += scale * norm(y[t]) (norm: RMSNorm with weight w, skipped when w is null) for T rows of H;
 // y is scratch, normed in place. The sum rounds like torch's residual + y * scale. post_add: hidden[t] =
@@ -186,6 +95,18 @@ inline void add_residual(float* hidden, float* y, int64_t T, int64_t H, const fl
       for (int64_t i = 0; i < H; ++i) ht[i] = ht[i] + yt[i] * scale;
     }
   }
+}
+
+// y[t] += b1 (+ b2) (a row-parallel projection's replicated biases, added once to the all-reduced sums; null:
+// none), then onto hidden as add_residual adds a block's output.
+inline void add_reduced(float* hidden, float* y, int64_t T, int64_t H, const float* b1, const float* b2,
+                        const float* w, const float* b, float eps, const LayerSpec& S) {
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t i = 0; b1 && i < H; ++i) y[t * H + i] = y[t * H + i] + b1[i];
+    for (int64_t i = 0; b2 && i < H; ++i) y[t * H + i] = y[t * H + i] + b2[i];
+  }
+  add_residual(hidden, y, T, H, w, b, eps, S.residual_scale, S.layer_norm, S.post_add);
 }
 
 // act[r] = activation of gate_up[r] (gated: act(gate) * up) for `rows` rows of the layer's MLP (work-shared).
@@ -225,32 +146,34 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
   // scaled first (sandwich norms, residual multipliers): then through x and add_residual.
   // A LoRA delta joins its projection's output before the add, as the per-op path adds it (a parallel block's
   // attention output still goes straight onto h: its normed input, in x, is the MLP's).
-  const bool direct_attn = !S.attn_out && S.residual_scale == 1.0f && (S.parallel || !lora_targets(A.lora, 1));
-  const bool direct_mlp = !S.mlp_out && S.residual_scale == 1.0f && !lora_targets(A.lora, 3);
+  const bool direct_attn = !S.attn_out && S.residual_scale == 1.0f && (S.parallel || !lora_targets(A.lora, kO));
+  const bool direct_mlp = !S.mlp_out && S.residual_scale == 1.0f && !lora_targets(A.lora, kDown);
   d.query = qk;
   d.q_sb = static_cast<int64_t>(hq + hkv) * D;
   d.q_sh = D;
   d.out = attn;
   int status = kOk;
   MoeRouting routing;  // shared: filled by one thread, read by all (MoE forms)
+  const int stage = A.stage;
+  float* partial = A.partial;
 #pragma omp parallel num_threads(num_threads)
   {
     const float* attn_x = A.hidden;
-    if (S.attn_in) {
+    if (stage <= 1 && S.attn_in) {
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t)
         norm_row(A.hidden + t * H, S.attn_in, S.attn_in_b, x + t * H, H, S.eps_attn_in, S.layer_norm);
       attn_x = x;
     }
-    if (S.parallel && S.mlp_in) {  // GPT-NeoX: the MLP's own norm of h, before the attention adds to it
+    if (stage <= 1 && S.parallel && S.mlp_in) {  // GPT-NeoX: the MLP's own norm of h, before the attention adds to it
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t)
         norm_row(A.hidden + t * H, S.mlp_in, S.mlp_in_b, x_mlp + t * H, H, S.eps_mlp_in, S.layer_norm);
     }
-    gemm_packed(attn_x, H, T, H, S.w_qkv, n_qkv, S.b_qkv, nullptr, 0, qkv, n_qkv);
-    lora_add_rows(A.lora, *A.lora_groups, 0, attn_x, H, T, qkv, n_qkv, A.lora_xa);
+    if (stage <= 1) gemm_proj(S, kQkv, attn_x, H, T, H, S.w_qkv, n_qkv, S.b_qkv, nullptr, 0, qkv, n_qkv);
+    lora_add_rows(A.lora, *A.lora_groups, kQkv, attn_x, H, T, qkv, n_qkv, A.lora_xa);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t t = 0; t < (stage <= 1 ? T : 0); ++t) {
       float* row = qkv + t * n_qkv;
       float* rotated = qk + t * d.q_sb;
       if (S.qk_norm) {
@@ -283,18 +206,28 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
         std::memcpy(const_cast<char*>(d.v_cache) + (base + h * d.c_shead) * 4, row + n_q + (hkv + h) * D, D * 4);
       }
     }
-    decode_tasks<0, kHeadDim>(d, num_threads, status);
-    if (direct_attn) {
-      gemm_packed(attn, n_q, T, n_q, S.w_o, H, S.b_o, A.hidden, H, A.hidden, H);
-      lora_add_rows(A.lora, *A.lora_groups, 1, attn, n_q, T, A.hidden, H, A.lora_xa);
+    if (stage <= 1) decode_tasks<0, kHeadDim>(d, num_threads, status);
+    if (stage == 1) {  // the rank's partial sums of o (its bias comes after the all-reduce)
+      gemm_proj(S, kO, attn, n_q, T, n_q, S.w_o, H, nullptr, nullptr, 0, partial, H);
+    } else if (stage == 2) {
+      add_reduced(A.hidden, partial, T, H, S.b_o, nullptr, S.attn_out, S.attn_out_b, S.eps_attn_out, S);
+    } else if (stage == 3) {  // a parallel block's partial sums are both blocks' (one all-reduce)
+      add_reduced(A.hidden, partial, T, H, S.b_down, S.parallel ? S.b_o : nullptr, S.mlp_out, S.mlp_out_b,
+                  S.eps_mlp_out, S);
+    } else if (direct_attn) {
+      gemm_proj(S, kO, attn, n_q, T, n_q, S.w_o, H, S.b_o, A.hidden, H, A.hidden, H);
+      lora_add_rows(A.lora, *A.lora_groups, kO, attn, n_q, T, A.hidden, H, A.lora_xa);
     } else {
-      gemm_packed(attn, n_q, T, n_q, S.w_o, H, S.b_o, nullptr, 0, x, H);
-      lora_add_rows(A.lora, *A.lora_groups, 1, attn, n_q, T, x, H, A.lora_xa);
+      gemm_proj(S, kO, attn, n_q, T, n_q, S.w_o, H, S.b_o, nullptr, 0, x, H);
+      lora_add_rows(A.lora, *A.lora_groups, kO, attn, n_q, T, x, H, A.lora_xa);
       add_residual(A.hidden, x, T, H, S.attn_out, S.attn_out_b, S.eps_attn_out, S.residual_scale, S.layer_norm,
                    S.post_add);
     }
+    // stage 1 of a sequential block ends with o's partial sums (the all-reduce comes next); stage 3 is done
+    const bool mlp_here = stage == 0 || stage == 2 || (stage == 1 && S.parallel);
     const float* mlp_x = A.hidden;
-    if (S.parallel) {  // x still holds the normed input: the attention's output went straight onto h
+    if (!mlp_here) {
+    } else if (S.parallel) {  // x still holds the normed input: the attention's output went straight onto h
       mlp_x = S.mlp_in ? x_mlp : attn_x;
     } else if (S.mlp_in) {
 #pragma omp for schedule(static)
@@ -302,7 +235,8 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
         norm_row(A.hidden + t * H, S.mlp_in, S.mlp_in_b, x + t * H, H, S.eps_mlp_in, S.layer_norm);
       mlp_x = x;
     }
-    if (S.experts > 0) {  // the MoE MLP's sum goes to moe_out, then onto h like a normed block's output
+    if (!mlp_here) {
+    } else if (S.experts > 0) {  // the MoE MLP's sum goes to moe_out, then onto h like a normed block's output
       float* moe_out = x_mlp + T * H;
       moe_mlp(mlp_x, T, H, I, S.experts, S.top_k, S.norm_top_k, S.w_router, S.w_gate_up, S.w_down, moe_out + T * H,
               gate_up, act, moe_out, routing,
@@ -325,14 +259,16 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
                    S.post_add);
     } else {
       const int64_t n_gu = S.gated ? 2 * I : I;
-      gemm_packed(mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
-      lora_add_rows(A.lora, *A.lora_groups, 2, mlp_x, H, T, gate_up, n_gu, A.lora_xa);
+      gemm_proj(S, kGateUp, mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
+      lora_add_rows(A.lora, *A.lora_groups, kGateUp, mlp_x, H, T, gate_up, n_gu, A.lora_xa);
       activate_rows(S, gate_up, act, T, I);
-      if (direct_mlp) {
-        gemm_packed(act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
+      if (stage) {  // the rank's partial sums of down (onto o's in a parallel block)
+        gemm_proj(S, kDown, act, I, T, I, S.w_down, H, nullptr, stage == 1 ? partial : nullptr, H, partial, H);
+      } else if (direct_mlp) {
+        gemm_proj(S, kDown, act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
       } else {
-        gemm_packed(act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
-        lora_add_rows(A.lora, *A.lora_groups, 3, act, I, T, x, H, A.lora_xa);
+        gemm_proj(S, kDown, act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
+        lora_add_rows(A.lora, *A.lora_groups, kDown, act, I, T, x, H, A.lora_xa);
         add_residual(A.hidden, x, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm,
                      S.post_add);
       }
@@ -352,6 +288,63 @@ int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, con
 #pragma omp parallel num_threads(num_threads)
   gemm_packed(a, lda, M, K, packed, N, bias, add, ldadd, out, ldo);
   return kOk;
+}
+
+// The decode step of a tensor-parallel rank's layer `spec` (its heads' and MLP columns' slices), in the parts
+// between the all-reduces of its row-parallel projections (o, down), which the caller runs on `partial` [T, H]:
+//   stage 1: the attention (K/V stored) and o's partial sums (no bias) to partial; a parallel block adds the
+//            MLP's partial sums of down to them (one all-reduce for both);
+//   stage 2 (sequential blocks): h += rs * n_ao(partial + b_o), then the MLP's partial sums of down to partial;
+//   stage 3: h += rs * n_mo(partial + b_down (+ b_o: parallel)).
+// Arguments as tgi_paged_decode_layer's (the same each stage), hidden updated by stages 2 and 3. No MoE MLP.
+int tgi_paged_decode_layer_stage(
+    int stage, float* partial, const LayerSpec* spec, float* hidden, int64_t tokens, const float* cos,
+    const float* sin, void* k_cache, void* v_cache, int64_t num_blocks, int64_t c_sblock, int64_t c_sslot,
+    int64_t c_shead, const int64_t* slot_mapping, const void* block_tables, int bt_int64, int64_t bt_stride,
+    int64_t bt_width, const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads,
+    const int32_t* query_start_loc, int64_t num_requests, const LayerLora* lora) {
+  const LayerSpec& S = *spec;
+  const bool int8_columns = S.w_zeros[0] && S.w_zeros[1] && S.w_zeros[2] && S.w_zeros[3] && S.w_scales[0] &&
+                            S.w_scales[1] && S.w_scales[2] && S.w_scales[3];
+  if (stage < 0 || stage > 3 || (stage && (!partial || S.experts > 0)) || (stage == 2 && S.parallel) ||
+      (S.weight_dtype != 0 && S.weight_dtype != 2) || (S.weight_dtype == 2 && (!int8_columns || S.experts > 0)) ||
+      S.activation < 0 || S.activation > 3 || (S.experts > 0 && (!S.gated || !S.w_router || S.top_k < 1 ||
+                                                                  S.top_k > S.experts || S.b_gate_up)) ||
+      (S.shared_intermediate > 0 && (!S.experts || !S.w_shared_gate_up || !S.w_shared_down || !S.w_shared_gate)) || S.qk_norm < 0 || S.qk_norm > 2 ||
+      (S.qk_norm && (!S.q_norm || !S.k_norm)) || S.rope < 0 || S.rope > 2 ||
+      S.rotary_dim <= 0 || S.rotary_dim > S.head_dim || S.rotary_dim % 2 || (!S.gated && S.activation == 0) ||
+      // parallel: the attention's normed input must survive its output (kept in scratch, added directly)
+      (S.parallel && (!S.attn_in || S.attn_out || S.mlp_out || S.residual_scale != 1.0f)) ||
+      (S.post_add && (S.parallel || S.residual_scale != 1.0f)) || (S.rope != 2 && (!cos || !sin)))
+    return kBadSpec;
+  const int64_t n_q = static_cast<int64_t>(S.num_q_heads) * S.head_dim;
+  const int64_t n_qkv = n_q + 2 * static_cast<int64_t>(S.num_kv_heads) * S.head_dim;
+  const int64_t lora_in[kLoraProjections] = {S.hidden_size, n_q, S.hidden_size, S.intermediate};
+  const int64_t lora_out[kLoraProjections] = {n_qkv, S.hidden_size, (S.gated ? 2 : 1) * S.intermediate, S.hidden_size};
+  if ((lora && stage) || !lora_fits(lora, tokens, lora_in, lora_out, S.experts > 0)) return kBadSpec;
+  std::vector<int64_t> row_request, row_len;
+  if (query_start_loc &&
+      !query_rows(query_start_loc, num_requests, tokens, seq_lens, sl_int64, row_request, row_len))
+    return kBadSpec;
+  std::vector<float> lora_xa(static_cast<size_t>(lora_scratch_floats(lora, tokens)));
+  LoraGroups lora_groups;
+  if (lora) group_rows(lora->token_slots, tokens, lora_groups);
+  const StepArgs A{hidden, tokens, cos, sin, slot_mapping, scratch, stage, partial, lora, &lora_groups,
+                   lora_xa.data()};
+  DecodeArgs d{nullptr, 0, 0, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), nullptr,
+                     c_sblock, c_sslot, c_shead, num_blocks, block_tables, bt_int64, bt_stride, bt_width,
+                     seq_lens, sl_int64, nullptr, static_cast<int>(tokens), S.num_q_heads, S.num_kv_heads,
+                     S.head_dim, block_size, S.scale, S.softcap, S.window, nullptr, 1.0f, 1.0f, S.head_dim};
+  if (query_start_loc) {
+    d.row_request = row_request.data();
+    d.row_len = row_len.data();
+  }
+  switch (S.head_dim) {
+    case 64: return layer_impl<64>(S, A, d, num_threads);
+    case 128: return layer_impl<128>(S, A, d, num_threads);
+    case 256: return layer_impl<256>(S, A, d, num_threads);
+    default: return layer_impl<0>(S, A, d, num_threads);
+  }
 }
 
 // One decode step of the decoder layer `spec` describes over T requests (one token each), fp32 throughout
@@ -377,50 +370,17 @@ int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, con
 // query_start_loc (int32 [num_requests + 1], null for one token per request): a step of several query rows per
 // request (speculative verify: the last token and the draft), each row attending causally over its request's
 // positions up to its own (block_tables and seq_lens per request, hidden and slot_mapping per row).
-// lora (null: none): the LoRA deltas of the rows' adapters, added to the projections' outputs (cpu_lora.h).
+// lora (null: none; stage 0 only): the LoRA deltas of the rows' adapters, added to the projections' outputs.
 int tgi_paged_decode_layer(
     const LayerSpec* spec, float* hidden, int64_t tokens, const float* cos, const float* sin,
     void* k_cache, void* v_cache, int64_t num_blocks, int64_t c_sblock, int64_t c_sslot, int64_t c_shead,
     const int64_t* slot_mapping, const void* block_tables, int bt_int64, int64_t bt_stride, int64_t bt_width,
     const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads,
     const int32_t* query_start_loc, int64_t num_requests, const LayerLora* lora) {
-  const LayerSpec& S = *spec;
-  const int64_t n_q = static_cast<int64_t>(S.num_q_heads) * S.head_dim;
-  const int64_t n_qkv = n_q + 2 * static_cast<int64_t>(S.num_kv_heads) * S.head_dim;
-  const int64_t lora_in[kLoraProjections] = {S.hidden_size, n_q, S.hidden_size, S.intermediate};
-  const int64_t lora_out[kLoraProjections] = {n_qkv, S.hidden_size, (S.gated ? 2 : 1) * S.intermediate, S.hidden_size};
-  if (!lora_fits(lora, tokens, lora_in, lora_out, S.experts > 0)) return kBadSpec;
-  std::vector<int64_t> row_request, row_len;
-  if (query_start_loc &&
-      !query_rows(query_start_loc, num_requests, tokens, seq_lens, sl_int64, row_request, row_len))
-    return kBadSpec;
-  std::vector<float> lora_xa(static_cast<size_t>(lora_scratch_floats(lora, tokens)));
-  LoraGroups lora_groups;
-  if (lora) group_rows(lora->token_slots, tokens, lora_groups);
-  if (S.activation < 0 || S.activation > 3 || (S.experts > 0 && (!S.gated || !S.w_router || S.top_k < 1 ||
-                                                                  S.top_k > S.experts || S.b_gate_up)) ||
-      (S.shared_intermediate > 0 && (!S.experts || !S.w_shared_gate_up || !S.w_shared_down || !S.w_shared_gate)) || S.qk_norm < 0 || S.qk_norm > 2 ||
-      (S.qk_norm && (!S.q_norm || !S.k_norm)) || S.rope < 0 || S.rope > 2 ||
-      S.rotary_dim <= 0 || S.rotary_dim > S.head_dim || S.rotary_dim % 2 || (!S.gated && S.activation == 0) ||
-      // parallel: the attention's normed input must survive its output (kept in scratch, added directly)
-      (S.parallel && (!S.attn_in || S.attn_out || S.mlp_out || S.residual_scale != 1.0f)) ||
-      (S.post_add && (S.parallel || S.residual_scale != 1.0f)) || (S.rope != 2 && (!cos || !sin)))
-    return kBadSpec;
-  const StepArgs A{hidden, tokens, cos, sin, slot_mapping, scratch, lora, &lora_groups, lora_xa.data()};
-  DecodeArgs d{nullptr, 0, 0, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), nullptr,
-                     c_sblock, c_sslot, c_shead, num_blocks, block_tables, bt_int64, bt_stride, bt_width,
-                     seq_lens, sl_int64, nullptr, static_cast<int>(tokens), S.num_q_heads, S.num_kv_heads,
-                     S.head_dim, block_size, S.scale, S.softcap, S.window, nullptr, 1.0f, 1.0f, S.head_dim};
-  if (query_start_loc) {
-    d.row_request = row_request.data();
-    d.row_len = row_len.data();
-  }
-  switch (S.head_dim) {
-    case 64: return layer_impl<64>(S, A, d, num_threads);
-    case 128: return layer_impl<128>(S, A, d, num_threads);
-    case 256: return layer_impl<256>(S, A, d, num_threads);
-    default: return layer_impl<0>(S, A, d, num_threads);
-  }
+  return tgi_paged_decode_layer_stage(0, nullptr, spec, hidden, tokens, cos, sin, k_cache, v_cache, num_blocks,
+                                      c_sblock, c_sslot, c_shead, slot_mapping, block_tables, bt_int64, bt_stride,
+                                      bt_width, seq_lens, sl_int64, block_size, scratch, num_threads,
+                                      query_start_loc, num_requests, lora);
 }
 
 }  // extern "C"

@@ -7,7 +7,8 @@
 // (any pool dtype, decoded to fp32) into the packed layout of cpu_gemm.h, then for each query head of the
 // group and each tile of query rows: scores = q K^T by the packed GEMM over the key blocks the tile can see
 // (causal: none past its last row), scale, soft-cap, causal and window masks, softmax (a sink joins the
-// denominator), and out = p V by the same GEMM.
+// denominator), and out = p V by the same GEMM. With per-row key limits (bidirectional spans: a row sees keys up
+// to its limit, not only up to itself) the tile reads keys up to its rows' largest limit.
 
 #include "cpu_gemm.h"
 
@@ -34,9 +35,11 @@ struct PrefillArgs {
   int window;
   const float* sinks;
   float k_scale, v_scale;
+  const int64_t* limits;  // [T] last key position of each query row (>= its position, < seq_len), or null: causal
 };
 
 constexpr int kBadQueries = 4;  // query_start_loc not rising within [0, T], or more queries than seq_len
+constexpr int kBadLimits = 5;   // a row's key limit before its own position or at/after its seq_len
 
 struct PrefillScratch {
   std::vector<float> keys, values, scores, row;
@@ -52,6 +55,9 @@ int prefill_task(const PrefillArgs& a, int b, int h, PrefillScratch& s) {
   if (nq == 0) return kOk;
   if (len > a.bt_width * bs) return kTableTooNarrow;
   const int64_t first = len - nq;  // position of the first query
+  if (a.limits)
+    for (int64_t r = 0; r < nq; ++r)
+      if (a.limits[q0 + r] < first + r || a.limits[q0 + r] >= len) return kBadLimits;
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, first - a.window + 1) : 0;  // first key any query sees
   const int64_t n = len - lo, n_pad = (n + kNB - 1) / kNB * kNB;
   for (int64_t col = lo / bs; col < (len + bs - 1) / bs; ++col) {
@@ -78,7 +84,10 @@ int prefill_task(const PrefillArgs& a, int b, int h, PrefillScratch& s) {
     for (int64_t r0 = 0; r0 < nq; r0 += kMR) {
       const int rows = static_cast<int>(std::min<int64_t>(kMR, nq - r0));
       const float* q = a.query + (q0 + r0) * a.q_st + static_cast<int64_t>(j) * a.q_sh;
-      const int64_t seen = first + r0 + rows - lo;  // keys [0, seen) are visible to some row of the tile
+      int64_t reach = first + r0 + rows - 1;  // the last key some row of the tile sees
+      if (a.limits)
+        for (int r = 0; r < rows; ++r) reach = std::max(reach, a.limits[q0 + r0 + r]);
+      const int64_t seen = reach + 1 - lo;  // keys [0, seen) are visible to some row of the tile
       const int64_t seen_pad = (seen + kNB - 1) / kNB * kNB;
       float* sc = s.scores.data();
       for (int64_t i0 = 0; i0 < seen_pad; i0 += kNB)
@@ -86,8 +95,10 @@ int prefill_task(const PrefillArgs& a, int b, int h, PrefillScratch& s) {
                        kNB);
       for (int r = 0; r < rows; ++r) {
         float* sr = sc + r * n_pad;
-        const int64_t p = first + r0 + r;  // this row's position: keys lo..p, the last `window` of them
-        const int64_t vis_lo = (a.window > 0 ? std::max<int64_t>(lo, p - a.window + 1) : lo) - lo, vis_hi = p - lo + 1;
+        const int64_t p = first + r0 + r;  // this row's position: keys lo..its limit, the window before p
+        const int64_t limit = a.limits ? a.limits[q0 + r0 + r] : p;
+        const int64_t vis_lo = (a.window > 0 ? std::max<int64_t>(lo, p - a.window + 1) : lo) - lo;
+        const int64_t vis_hi = limit - lo + 1;
         float peak = sink;
         for (int64_t i = 0; i < seen_pad; ++i) {
           float x = sr[i] * a.scale;
@@ -143,8 +154,9 @@ extern "C" {
 // head_dim contiguous), at positions seq_lens[b] - q_len .. seq_lens[b] - 1; pools [num_blocks, block_size,
 // Hkv, D] (strides c_sblock, c_sslot, c_shead; storage dtype codes as cpu_kernels.cpp); block_tables [B, *]
 // (row stride bt_stride); query_start_loc [B + 1], seq_lens [B] (int32 or int64); out fp32 [T, Hq, D]
-// contiguous (T = num_tokens rows). window <= 0: full attention; softcap <= 0: none; sinks fp32 [Hq] or null.
-// Returns 0; 1 for a
+// contiguous (T = num_tokens rows). window <= 0: full attention; softcap <= 0: none; sinks fp32 [Hq] or null;
+// limits int64 [T] (the last key position each row sees, from its own position to seq_len - 1) or null: causal.
+// Returns 0; 5 for a limit outside its row's [position, seq_len); 1 for a
 // bad dtype code, 2 when a seq_len needs more blocks than the table's width, 3 for a block id outside
 // [0, num_blocks), 4 for query_start_loc not rising within [0, T] or more queries than seq_len (nothing outside the table
 // or the pool is read; the output is then undefined).
@@ -156,12 +168,12 @@ int tgi_paged_prefill_attention(
     const void* query_start_loc, int qsl_int64, const void* seq_lens, int sl_int64,
     float* out, int64_t num_tokens, int num_requests, int num_q_heads, int num_kv_heads, int head_dim,
     int block_size, float scale, float softcap, int window, const float* sinks, float k_scale, float v_scale,
-    int num_threads) {
+    const int64_t* limits, int num_threads) {
   const PrefillArgs a{query, q_st, q_sh, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), lut,
                       c_sblock, c_sslot, c_shead, num_blocks, block_tables, bt_int64, bt_stride, bt_width,
                       query_start_loc, qsl_int64, seq_lens, sl_int64, out, num_tokens, num_requests, num_q_heads,
                       num_kv_heads,
-                      head_dim, block_size, scale, softcap, window, sinks, k_scale, v_scale};
+                      head_dim, block_size, scale, softcap, window, sinks, k_scale, v_scale, limits};
   switch (cache_dtype) {
     case 0: return prefill_all<0>(a, num_threads);
     case 1: return prefill_all<1>(a, num_threads);

@@ -9,8 +9,8 @@ transformers' modules stay the model definition of every served family; after lo
   (``torch.ops.mkldnn._reorder_linear_weight``, what inductor does on CPU) and every call is one
   ``_linear_pointwise`` primitive, for any batch size. A decode step streams every weight from memory
   (cold in cache: 30 layers of distinct weights plus the LM head), and the packed layout reads it about
-  twice as fast as ``F.linear`` on the same box (``docs/performance.md``, "CPU forward"). On CUDA linears stay as they
-  are (cuBLAS). Quantized linears (:mod:`.quant`) are not plain ``nn.Linear`` and are left alone;
+  twice as fast as ``F.linear`` on the same box (``docs/performance-cpu.md``, "CPU forward"). On CUDA linears stay
+  as they are (cuBLAS). Quantized linears (:mod:`.quant`) are not plain ``nn.Linear`` and are left alone;
 - every RMSNorm of the Llama form (``weight * x / sqrt(mean(x^2) + eps)``, computed in fp32) by
   :class:`FusedRMSNorm`, one ``torch.rms_norm`` call instead of six elementwise kernels. A norm is
   swapped only after it reproduces the original on a random input (Gemma's ``1 + weight`` form and

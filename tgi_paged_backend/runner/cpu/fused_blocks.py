@@ -17,10 +17,12 @@ transformers' decoder layers stay the model definition; inside them, :func:`fuse
   scratch pool.
 
 Both cut the per-layer host time of a decode step (each tensor op costs ~2-30 us of dispatch before
-any math; ``docs/performance.md``, "CPU forward"). They run before the linears are packed
-(:mod:`tgi_paged_backend.runner.cpu.fast_layers`), so the fused projections are packed too. Quantized or tensor-parallel
-projections are not plain ``nn.Linear`` and keep their blocks. CPU only: on CUDA the eager modules are
-captured in CUDA graphs instead (not measured with fusion; no GPU was lent).
+any math; ``docs/performance-cpu.md``, "CPU forward"). They run before the linears are packed
+(:mod:`tgi_paged_backend.runner.cpu.fast_layers`), so the fused projections are packed too. Quantized
+projections are not plain ``nn.Linear`` and keep their blocks; a tensor-parallel rank's blocks fuse over its
+slices (its row-parallel o and down projections kept as they are; the checks run with the all-reduces as the
+identity: :func:`~tgi_paged_backend.runner.parallel.row_parallel.local_sums`). CPU only: on CUDA the eager
+modules are captured in CUDA graphs instead (not measured with fusion; no GPU was lent).
 """
 
 from __future__ import annotations
@@ -38,12 +40,16 @@ from tgi_paged_backend.runner.cpu.fast_layers import outputs_close, same_output
 from tgi_paged_backend.runner.cpu.qkv_layouts import (
     QkvLayout,
     head_dim_of,
+    linear_input,
     linearize_conv1d,
     output_projection,
     qkv_layout,
+    stackable,
     stacked,
 )
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
+from tgi_paged_backend.runner.parallel.row_parallel import RowParallelLinear
+from tgi_paged_backend.runner.quant.linear import IntLinear
 from tgi_paged_kernels import native_kernels
 
 CHECK_TOKENS = 12
@@ -71,6 +77,8 @@ LLAMA_FORM_ATTENTION = frozenset(
         "PhiAttention",
         "Qwen2Attention",
         "Qwen2MoeAttention",
+        "Qwen2VLAttention",  # transformers >= 5 merges M-RoPE's sections in the rotary module: plain tables here
+        "Qwen2_5_VLAttention",
         "Qwen3Attention",
         "Qwen3MoeAttention",
         "Starcoder2Attention",
@@ -116,6 +124,21 @@ def _plain(*modules: Any) -> bool:
     return all(type(lora_base(m)) is nn.Linear for m in modules)
 
 
+def _fusable(*parts: Any, down: Any) -> bool:
+    """Plain gate/up (one, or two stacked into one GEMM) and down projections, or int8 ones of one group per
+    channel (:func:`~.qkv_layouts.stacked` stacks their codes; other int layouts keep their MLP)."""
+    if all(isinstance(lora_base(m), IntLinear) for m in (*parts, down)):
+        return stackable(*parts) and stackable(down)
+    return _plain(*parts) and _plain_down(down)
+
+
+def _plain_down(module: Any) -> bool:
+    """A plain down projection, or a tensor-parallel rank's row-parallel one over a plain ``nn.Linear`` of its
+    input columns (the MLP's output is then the all-reduced sum: fusing gate and up does not touch it)."""
+    base = lora_base(module)
+    return _plain(base) or (isinstance(base, RowParallelLinear) and _plain(base.local))
+
+
 class FusedGatedMLP(nn.Module):
     """``down(act(x @ [gate; up]^T)[:, :I] * ...[:, I:])``: gate and up in one GEMM."""
 
@@ -134,7 +157,7 @@ class FusedGatedMLP(nn.Module):
             self.intermediate = int(mlp.gate_proj.out_features)  # type: ignore[union-attr, arg-type]
         self.down_proj = cast(nn.Module, mlp.down_proj)
         silu = isinstance(self.act_fn, nn.SiLU) or type(self.act_fn).__name__ == "SiLUActivation"
-        on_cpu = cast(nn.Linear, lora_base(self.gate_up)).weight.device.type == "cpu"
+        on_cpu = linear_input(self.gate_up)[2].type == "cpu"
         self.native = native_kernels() if silu and on_cpu else None
         """SiLU on CPU: the C++ ``silu_and_mul`` (one call for the two slices, the activation and the product)."""
 
@@ -150,14 +173,14 @@ class FusedGatedMLP(nn.Module):
 def _gated_mlp(module: nn.Module) -> bool:
     if all(hasattr(module, n) for n in ("gate_up_proj", "down_proj", "activation_fn")):  # Phi-3
         gate_up = module.gate_up_proj
-        if not isinstance(gate_up, nn.Module) or not _plain(gate_up, module.down_proj):
+        if not isinstance(gate_up, nn.Module) or not _fusable(gate_up, down=module.down_proj):
             return False  # experts' stacked weights (a parameter), quantized or sliced projections
         return cast(nn.Linear, lora_base(gate_up)).out_features % 2 == 0
     if not all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return False
     gate, up = module.gate_proj, module.up_proj
     same_bias = len({cast(nn.Linear, lora_base(cast(nn.Module, m))).bias is None for m in (gate, up)}) == 1
-    return _plain(gate, up, module.down_proj) and same_bias and gate.out_features == up.out_features  # type: ignore[union-attr]
+    return _fusable(gate, up, down=module.down_proj) and same_bias and gate.out_features == up.out_features  # type: ignore[union-attr]
 
 
 def _rotary_dim(attn: nn.Module) -> int:
@@ -210,7 +233,7 @@ class FusedPagedAttention(nn.Module):
         q_width = getattr(self.q_norm, "weight", torch.empty(0)).shape[-1]
         self.qk_norm_over_heads = self.num_q_heads > 1 and q_width == self.num_q_heads * self.head_dim
         """OLMo2's q/k norms: each over all query (key) heads of a token at once, not head by head."""
-        on_cpu = cast(nn.Linear, lora_base(self.qkv_proj)).weight.device.type == "cpu"
+        on_cpu = linear_input(self.qkv_proj)[2].type == "cpu"
         self.native = native_kernels() if on_cpu else None
         """On CPU, RoPE runs as one C++ call (the same roundings as transformers' five tensor ops)."""
 
@@ -286,9 +309,8 @@ def _fused_mlp(mlp: nn.Module) -> FusedGatedMLP | None:
     """The fused form of ``mlp`` if it reproduces it on a random input, else ``None`` (also on any error: a
     forward of another signature keeps its module)."""
     fused = FusedGatedMLP(mlp)
-    weight = cast(nn.Linear, lora_base(fused.gate_up)).weight
     try:
-        return fused if same_output(mlp, fused, int(weight.shape[1]), weight.dtype, weight.device) else None
+        return fused if same_output(mlp, fused, *linear_input(fused.gate_up)) else None
     except Exception as e:  # noqa: BLE001 - any failure means: keep the original
         logger.debug("MLP {} not fused: {}: {}", type(mlp).__name__, type(e).__name__, e)
         return None
@@ -314,16 +336,16 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
     layout = qkv_layout(attn)
     if layout is None:
         return None
-    weight = cast(nn.Linear, lora_base(layout.projection)).weight
+    width, dtype, device = linear_input(layout.projection)
     geometry = (layout.num_kv_heads, layout.head_dim)
     tries = ROPE_TRIES.get(type(attn).__name__, ("neox",))
     table = rope_table_width(tries[0], _rotary_dim(attn))
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(1, CHECK_TOKENS, int(weight.shape[1]), generator=generator).to(weight.dtype)
-    cos, sin = (torch.randn(1, CHECK_TOKENS, table, generator=generator).to(weight.dtype) for _ in range(2))
+    x = torch.randn(1, CHECK_TOKENS, width, generator=generator).to(dtype)
+    cos, sin = (torch.randn(1, CHECK_TOKENS, table, generator=generator).to(dtype) for _ in range(2))
     try:
         with torch.inference_mode():
-            metadata = _scratch_metadata(geometry, int(attn.layer_idx), weight.device, block_size, kv_dtype)  # type: ignore[arg-type]
+            metadata = _scratch_metadata(geometry, int(attn.layer_idx), device, block_size, kv_dtype)  # type: ignore[arg-type]
             expected = attn(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: metadata})[0]
             seen = metadata.seen_options or []
             if len(seen) != 1 or seen[0]["sinks"] or seen[0]["alibi"]:  # not one plain paged call
@@ -335,7 +357,7 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
                     attn, layout, scaling=scaling, sliding_window=options["sliding_window"],
                     softcap=options["softcap"], rope=rope,
                 )  # fmt: skip
-                metadata = _scratch_metadata(geometry, fused.layer_idx, weight.device, block_size, kv_dtype)
+                metadata = _scratch_metadata(geometry, fused.layer_idx, device, block_size, kv_dtype)
                 got = fused(x, position_embeddings=(cos, sin), attention_mask=None, **{METADATA_KWARG: metadata})[0]
                 if outputs_close(expected, got):
                     return fused

@@ -6,7 +6,9 @@ post-norms; OPT's and Falcon's by their config: :func:`layer_places`), and, read
 each norm's kind (``w`` or Gemma's ``1 + w``, found by running the norm on a random input against both) and
 epsilon, the q/k norms (per head or over all heads), the MLP's activation (SiLU, GeLU-tanh, GeLU or ReLU, found
 the same way), the q/k/v bias, the attention's scale, window and soft-cap (what the fused attention's load-time
-check recorded) and Granite's residual multiplier.
+check recorded) and Granite's residual multiplier. A tensor-parallel rank's layer is described by its slices: its
+heads and MLP columns, its o and down projections' linears over its input columns (:func:`row_parallel_part`; their
+replicated biases are added after the all-reduce, which the native step leaves to its caller).
 
 Nothing here is trusted: a layer is served natively only after :func:`.native_layers._reproduces` has shown
 one decode step of the description gives the module's output and K/V.
@@ -25,7 +27,9 @@ from tgi_paged_backend.runner.cpu.fast_layers import outputs_close, rms_norm_eps
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedAttention
 from tgi_paged_backend.runner.cpu.moe_forms import MoeParts, moe_parts
 from tgi_paged_backend.runner.cpu.qkv_layouts import plain_linear
-from tgi_paged_kernels import LayerForm
+from tgi_paged_backend.runner.parallel.row_parallel import RowParallelLinear
+from tgi_paged_backend.runner.quant.linear import IntLinear
+from tgi_paged_kernels import LayerForm, PackedInt8, pack_int8
 
 _PLACES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 _PRE = ("input_layernorm", None, "post_attention_layernorm", None)
@@ -52,6 +56,8 @@ NORM_PLACES: dict[str, tuple[str | None, str | None, str | None, str | None]] = 
     "MixtralDecoderLayer": _PRE,  # MoE: router and experts in the native step (.moe_forms)
     "Qwen3MoeDecoderLayer": _PRE,
     "Qwen2MoeDecoderLayer": _PRE,  # MoE with a shared expert; its dense layers (mlp_only_layers) too
+    "Qwen2VLDecoderLayer": _PRE,  # the VLMs' text layers: Qwen2's (M-RoPE is in the tables the model passes)
+    "Qwen2_5_VLDecoderLayer": _PRE,
     "OPTDecoderLayer": ("self_attn_layer_norm", None, "final_layer_norm", None),  # per config: _configured_places
     "FalconDecoderLayer": ("input_layernorm", None, "post_attention_layernorm", None),  # per config: the same
 }
@@ -170,7 +176,25 @@ def _plain(linear: Any, bias: bool = False) -> bool:
     return plain_linear(linear) and linear.weight.dtype == torch.float32 and (bias or linear.bias is None)
 
 
-def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | None]] | str:
+def row_parallel_part(module: Any) -> tuple[Any, torch.Tensor | None, RowParallelLinear | None]:
+    """``(linear, bias, row_parallel)`` of an output projection: the linear that computes this rank's part and
+    the bias added to its output; for a tensor-parallel rank's :class:`RowParallelLinear`, its linear over the
+    rank's input columns, the replicated bias added after the all-reduce, and the row-parallel module itself."""
+    base = lora_base(module)
+    if isinstance(base, RowParallelLinear):  # LoRA wraps its local linear (the adapter's A cut to its columns)
+        return lora_base(base.local), base.bias, base
+    return base, getattr(base, "bias", None), None
+
+
+def _int8(linear: Any) -> PackedInt8 | None:
+    """An :class:`IntLinear` of 8 bits and one group per output channel (per-channel scales), packed for the native
+    GEMM (:func:`~tgi_paged_kernels.pack_int8`); ``None`` for anything else."""
+    if not isinstance(linear, IntLinear) or linear.bits != 8 or linear.scales.shape[1] != 1:
+        return None
+    return pack_int8(linear.codes(), linear.scales, linear.zeros)
+
+
+def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, Any]] | str:
     """The form of ``layer`` and its weights as :meth:`~tgi_paged_kernels.LayerWeights.pack` takes them, or
     why the native step cannot run it (one line, for the start-up log)."""
     found_places = layer_places(layer)
@@ -190,11 +214,21 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
     if isinstance(found_mlp, str):
         return found_mlp
     raw, mlp_bias, act_fn = found_mlp
-    qkv, o = (cast(nn.Linear, lora_base(m)) for m in (attn.qkv_proj, attn.o_proj))
-    if not (_plain(qkv, bias=True) and _plain(o, bias=True)):
-        return "its projections are not plain fp32 linears (quantized, sliced or biased in part)"
+    qkv = cast(nn.Linear, lora_base(attn.qkv_proj))
+    o, o_bias, o_row_parallel = row_parallel_part(attn.o_proj)
+    qkv_w: Any = _int8(qkv)  # int8 of one group per channel: dequantized in the native GEMM's tile
+    o_w: Any = _int8(o)
+    if qkv_w is None or o_w is None:
+        if not (_plain(qkv, bias=True) and _plain(o, bias=True)):
+            return "its projections are not plain fp32 linears (quantized, sliced or biased in part)"
+        qkv_w, o_w = qkv.weight, o.weight
+    if isinstance(raw["gate_up"], PackedInt8) != isinstance(qkv_w, PackedInt8):
+        return "its projections are not all fp32 or all int8 of one group per channel"
+    down_row_parallel = row_parallel_part(getattr(mlp, names[1]))[2] if names is not None and moe is None else None
+    if (o_row_parallel is None) != (down_row_parallel is None):  # a sharded MoE block: not a fused MLP here
+        return "one of its o and down projections is row-parallel, the other not"
     hidden, hq, hkv, d = int(o.out_features), attn.num_q_heads, attn.num_kv_heads, attn.head_dim
-    raw.update(qkv=qkv.weight, qkv_bias=qkv.bias, o=o.weight, o_bias=o.bias)
+    raw.update(qkv=qkv_w, qkv_bias=qkv.bias, o=o_w, o_bias=o_bias)
     layer_norms: list[tuple[str, float]] = []
     for place, attr in zip(_PLACES, places):
         if attr is None:
@@ -230,7 +264,7 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
         qk_norm=qk_norm, qk_norm_kind=qk_kind, qk_eps=qk_eps, activation=activation,
         qkv_bias=qkv.bias is not None, softcap=float(attn.softcap or 0.0), window=int(attn.sliding_window or 0),
         residual_scale=float(cast(float, getattr(layer, "residual_multiplier", 1.0))),
-        rope=rope, parallel=parallel, gated=gated, o_bias=o.bias is not None, mlp_bias=mlp_bias,
+        rope=rope, parallel=parallel, gated=gated, o_bias=o_bias is not None, mlp_bias=mlp_bias,
         rotary_dim=attn.rotary_dim if attn.rotary_dim < d else 0, norm_bias=True in norm_biases,
         post_add_norms=post_add, experts=0 if moe is None else int(moe.router.shape[0]),
         top_k=0 if moe is None else moe.top_k, norm_top_k=moe is not None and moe.norm_top_k,
@@ -239,25 +273,29 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, torch.Tensor | No
     return form, raw
 
 
-_MlpRaw = tuple[dict[str, "torch.Tensor | None"], bool, nn.Module]
+_MlpRaw = tuple[dict[str, Any], bool, nn.Module]
 """An MLP's weights as :meth:`~tgi_paged_kernels.LayerWeights.pack` takes them, whether it has biases, its
 activation module."""
 
 
 def _dense_mlp(mlp: Any, names: tuple[str, str, str]) -> _MlpRaw | str:
     up, down_name, act_name = names
-    gate_up, down = (cast(nn.Linear, lora_base(getattr(mlp, n))) for n in (up, down_name))
+    gate_up = cast(nn.Linear, lora_base(getattr(mlp, up)))
+    down, down_bias, _ = row_parallel_part(getattr(mlp, down_name))
+    act_fn = cast(nn.Module, getattr(mlp, act_name))
+    gate_up_w, down_w = _int8(gate_up), _int8(down)
+    if gate_up_w is not None and down_w is not None and (gate_up.bias is None) == (down_bias is None):
+        int8 = dict(gate_up=gate_up_w, down=down_w, gate_up_bias=gate_up.bias, down_bias=down_bias)
+        return int8, gate_up.bias is not None, act_fn
     mlp_bias = _plain(gate_up, bias=True) and gate_up.bias is not None
-    if not (_plain(gate_up, mlp_bias) and _plain(down, mlp_bias)) or (mlp_bias and down.bias is None):
+    if not (_plain(gate_up, mlp_bias) and _plain(down, mlp_bias)) or mlp_bias != (down_bias is not None):
         return "its projections are not plain fp32 linears (quantized, sliced or biased in part)"
-    raw: dict[str, torch.Tensor | None] = dict(
-        gate_up=gate_up.weight, down=down.weight, gate_up_bias=gate_up.bias, down_bias=down.bias
-    )
-    return raw, mlp_bias, cast(nn.Module, getattr(mlp, act_name))
+    raw: dict[str, Any] = dict(gate_up=gate_up.weight, down=down.weight, gate_up_bias=gate_up.bias, down_bias=down_bias)
+    return raw, mlp_bias, act_fn
 
 
 def _moe_mlp(moe: MoeParts) -> _MlpRaw | str:
-    raw: dict[str, torch.Tensor | None] = dict(router=moe.router, gate_up=moe.gate_up, down=moe.down)
+    raw: dict[str, Any] = dict(router=moe.router, gate_up=moe.gate_up, down=moe.down)
     if moe.shared is not None:
         raw.update(shared_gate_up=moe.shared[0], shared_down=moe.shared[1], shared_gate=moe.shared[2])
         if _activation(moe.shared[3]) != _activation(moe.act_fn):

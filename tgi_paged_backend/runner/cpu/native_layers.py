@@ -19,16 +19,26 @@ router, top-k, experts' GEMMs: :mod:`.moe_forms`)) is wrapped by :class:`NativeD
   packed weights (the native GEMM, as fast as oneDNN
   at every shape we measured): one copy of the weights, no extra memory.
 
+A **tensor-parallel rank**'s layer (its slices: its heads, its MLP columns, its row-parallel o and down over its
+input columns) is wrapped the same way; its decode step is native calls between the all-reduces of o's and down's
+partial sums (:func:`tgi_paged_kernels.decode_layer_parts`: two all-reduces, one for a parallel block), which run
+in Python through the row-parallel module's own all-reduce. Its prefills keep the row-parallel modules, their
+local linears native. Each rank checks its own slices with the all-reduces as the identity (no collective in the
+check), then the ranks agree (one all-gather): a layer is wrapped only where every rank's check passed, since a
+native rank and a per-op rank would make different all-reduces. An MoE block (sharded: its all-reduce wraps the
+block) or OLMo2's q/k norms over all heads (an all-reduce inside the norm) keep the per-op path under TP.
+
 Wrapped only after one decode step over scratch pools gives the original's output and K/V (to 1e-4: the
 GEMM sums in another order than oneDNN/MKL): a description that is wrong is never served.
 ``TGI_PAGED_NATIVE_LAYERS=0`` (``ModelConfig.native_layers``) keeps the per-op path. Figures:
-``docs/performance.md``, "CPU forward".
+``docs/performance-cpu.md``, "CPU forward".
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -40,16 +50,30 @@ from torch import nn
 from tgi_paged_backend.lora.layers import find_lora_step, replace_lora_base
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention, rope_table_width, rope_tables
-from tgi_paged_backend.runner.cpu.layer_forms import NORM_PLACES, layer_attention, layer_form, layer_mlp, mlp_parts
+from tgi_paged_backend.runner.cpu.layer_forms import (
+    NORM_PLACES,
+    layer_attention,
+    layer_form,
+    layer_mlp,
+    mlp_parts,
+    row_parallel_part,
+)
 from tgi_paged_backend.runner.cpu.moe_forms import NativeExperts
 from tgi_paged_backend.runner.cpu.native_lora import layer_lora
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
+from tgi_paged_backend.runner.model.vlm_loading import text_model
+from tgi_paged_backend.runner.parallel.row_parallel import local_sums
 from tgi_paged_kernels import (
     LayerWeights,
     NativeKernels,
+    PackedInt8,
     decode_layer,
+    decode_layer_parts,
+    dequantized_int8,
     gemm_packed,
+    gemm_packed_int8,
     native_kernels,
+    pack_int8_layer,
 )
 
 MAX_ROWS = 256
@@ -66,10 +90,12 @@ def layer_weights(layer: nn.Module) -> LayerWeights | str:
         return found
     form, raw = found
     attn = cast(FusedPagedAttention, layer_attention(layer))
+    heads = dict(num_q_heads=attn.num_q_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
+    int8 = {name: raw.pop(name) for name in ("qkv", "o", "gate_up", "down") if isinstance(raw.get(name), PackedInt8)}
     try:
-        return LayerWeights.pack(
-            form, raw, num_q_heads=attn.num_q_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim
-        )
+        if int8:  # int8 projections of one group per channel (GPTQ, compressed-tensors): dequantized in the tile
+            return pack_int8_layer(form, raw, int8, **heads)
+        return LayerWeights.pack(form, raw, **heads)
     except ValueError as e:  # weights that do not fit the form
         return str(e)
 
@@ -97,6 +123,11 @@ class NativeDecoderLayer(nn.Module):
         self.lora_kept = found if isinstance(found, str) else None
         self.verify_steps = False
         """Whether verify steps run natively (set when the load-time check has shown one gives the original's)."""
+        row_parallel = row_parallel_part(layer_attention(layer).o_proj)[2]
+        self._all_reduce = None if row_parallel is None else row_parallel.all_reduce
+        """A tensor-parallel rank's layer (its o and down projections row-parallel): what sums their partial sums
+        over the ranks, between the native calls of :func:`~tgi_paged_kernels.decode_layer_parts`; ``None``: the
+        whole layer is one call."""
         self.native_steps = 0
         """Decode steps this layer ran as one native call (the load-time check needs its step to be one)."""
         self.as_tuple = False
@@ -108,9 +139,10 @@ class NativeDecoderLayer(nn.Module):
         :class:`NativeLinear` views of them (prefills then run the native GEMM too)."""
         attn, mlp, w = cast(FusedPagedAttention, layer_attention(self.layer)), layer_mlp(self.layer), self.weights
         qkv_width = (w.num_q_heads + 2 * w.num_kv_heads) * w.head_dim
+        o_owner, o_name, o_bias = _computing(attn, "o_proj", w.o_bias)
         native: dict[tuple[nn.Module, str], nn.Module] = {
-            (attn, "qkv_proj"): NativeLinear(w.qkv, qkv_width, w.qkv_bias, self.native),
-            (attn, "o_proj"): NativeLinear(w.o, w.hidden_size, w.o_bias, self.native),
+            (attn, "qkv_proj"): self._linear(0, qkv_width, w.qkv_bias),
+            (o_owner, o_name): self._linear(1, w.hidden_size, o_bias),
         }
         if w.form.experts:  # the experts' packed weights serve the other steps too (the router keeps its own)
             act_fn = cast(nn.Module, mlp.experts.act_fn)
@@ -123,12 +155,20 @@ class NativeDecoderLayer(nn.Module):
                 native[(shared, "down_proj")] = NativeLinear(w.shared_down, w.hidden_size, None, self.native)
         else:
             up, down, _ = cast(tuple[str, str, str], mlp_parts(mlp))
-            gate_up = NativeLinear(w.gate_up, (1 + w.form.gated) * w.intermediate, w.gate_up_bias, self.native)
-            native.update(
-                {(mlp, up): gate_up, (mlp, down): NativeLinear(w.down, w.hidden_size, w.down_bias, self.native)}
-            )
+            down_owner, down_name, down_bias = _computing(mlp, down, w.down_bias)
+            native[(mlp, up)] = self._linear(2, (1 + w.form.gated) * w.intermediate, w.gate_up_bias)
+            native[(down_owner, down_name)] = self._linear(3, w.hidden_size, down_bias)
         for (owner, name), linear in native.items():  # under any LoRA wrappers, which stay
             setattr(owner, name, replace_lora_base(getattr(owner, name), linear))
+
+    def _linear(self, index: int, width: int, bias: torch.Tensor | None) -> nn.Module:
+        """The module of projection ``index`` (qkv, o, gate_up, down) over its packed weight: fp32 or int8."""
+        w = self.weights
+        packed = (w.qkv, w.o, w.gate_up, w.down)[index]
+        if w.int8_columns is None:
+            return NativeLinear(packed, width, bias, self.native)
+        zeros, scales = w.int8_columns[2 * index : 2 * index + 2]
+        return NativeInt8Linear(PackedInt8(packed, zeros, scales, width), bias, self.native)
 
     def __getattr__(self, name: str) -> Any:
         """Attributes of the wrapped layer read through (``self_attn``, ``mlp``, ``attention_type``, ...)."""
@@ -167,12 +207,13 @@ class NativeDecoderLayer(nn.Module):
         slot_mapping, block_tables = metadata.tables(self.layer_idx)
         batch = metadata.batch
         token_slots = None if self.lora_step is None else self.lora_step.token_slots
-        out = decode_layer(
+        step = (
             self.native, self.weights, hidden_states[0], cos, sin,
             metadata.k_caches[self.layer_idx], metadata.v_caches[self.layer_idx],
             slot_mapping, block_tables, batch.seq_lens, None if batch.is_decode else batch.query_start_loc,
             None if token_slots is None else self.lora, token_slots,
         )  # fmt: skip
+        out = decode_layer(*step) if self._all_reduce is None else decode_layer_parts(*step[:10], self._all_reduce)
         if out is None:  # inputs of another kind (slot dtype, RoPE table layout): the per-op path serves
             return self.layer(hidden_states, *args, **kwargs)
         self.native_steps += 1
@@ -186,6 +227,13 @@ def _verify_rows(batch: Any) -> bool:
         return False
     q_lens = (qsl[1:] - qsl[:-1]).numpy()
     return bool(q_lens.max(initial=0) <= MAX_QUERY_ROWS and (seq_lens.numpy() > q_lens).all())
+
+
+def _computing(owner: nn.Module, name: str, bias: torch.Tensor | None) -> tuple[nn.Module, str, torch.Tensor | None]:
+    """Where the native GEMM of ``owner.name`` goes and the bias it adds: the projection itself, or a tensor-parallel
+    rank's row-parallel projection's ``local`` linear, without bias (added after the all-reduce, which stays)."""
+    row_parallel = row_parallel_part(getattr(owner, name))[2]
+    return (owner, name, bias) if row_parallel is None else (row_parallel, "local", None)
 
 
 class NativeLinear(nn.Module):
@@ -211,6 +259,28 @@ class NativeLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class NativeInt8Linear(nn.Module):
+    """:class:`NativeLinear` of int8 codes (:func:`~tgi_paged_kernels.gemm_packed_int8`: dequantized in the tile),
+    the int8 layer's one copy of its weights; other inputs (compiled, not fp32) run ``F.linear`` on them
+    dequantized_int8."""
+
+    def __init__(self, packed: PackedInt8, bias: torch.Tensor | None, native: NativeKernels):
+        super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.native = native
+        self.resident_bytes = sum(t.numel() * t.element_size() for t in (packed.codes, packed.zeros, packed.scales))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling() or x.dtype != torch.float32 or rows.stride(-1) != 1:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, dequantized_int8(self.packed).to(x.dtype), bias)
+        out = gemm_packed_int8(self.native, rows, self.packed, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,12 +377,21 @@ def _checked(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int, row
         wrapped.verify_steps = verify_steps
 
 
-def wrap_native_layers(model: nn.Module, block_size: int) -> NativeLayersReport:
+Agree = Callable[[list[bool]], list[bool]]
+"""Tensor parallelism: each layer's check outcome on this rank to the outcomes every rank agrees on (a layer is
+wrapped only where every rank's check passed: a rank running the native parts and another the per-op layer
+would make different all-reduces)."""
+
+
+def wrap_native_layers(model: nn.Module, block_size: int, agree: Agree | None = None) -> NativeLayersReport:
     """Wrap the decoder layers of ``model`` whose form is described and reproduced (see the module docstring) in
-    place; other decoder layers are reported as kept, with the reason."""
+    place; other decoder layers are reported as kept, with the reason. A tensor-parallel rank checks its own slices
+    with the all-reduces as the identity (no collective: :func:`~..parallel.row_parallel.local_sums`), then wraps
+    what ``agree`` returns (every candidate layer's outcome, in model order, on every rank)."""
     native = native_kernels()
-    wrapped, kept = 0, set()
-    for parent in list(model.modules()):
+    kept = set()
+    candidates: list[tuple[nn.Module, str, NativeDecoderLayer | None]] = []
+    for parent in list(text_model(model).modules()):  # a VLM's vision tower has no decode step
         for name, child in list(parent.named_children()):
             kind = type(child).__name__
             layer_like = kind.endswith(("DecoderLayer", "Block")) and (hasattr(child, "mlp") or hasattr(child, "ffn"))
@@ -321,22 +400,36 @@ def wrap_native_layers(model: nn.Module, block_size: int) -> NativeLayersReport:
             weights = layer_weights(child) if native is not None else "no native kernels"
             if isinstance(weights, str):
                 kept.add(f"{kind}: {weights}")
+                candidates.append((parent, name, None))
                 continue
-            candidate = NativeDecoderLayer(child, weights, native)  # type: ignore[arg-type]
-            ok = _checked(child, candidate, block_size)
-            if ok:
-                candidate.verify_steps = _checked(child, candidate, block_size, rows=3)
-                if candidate.lora is not None and not _checked(child, candidate, block_size, lora=True):
-                    candidate.lora, candidate.lora_kept = None, "its LoRA step differs"
-                if candidate.lora_kept:
-                    kept.add(f"{kind}: LoRA steps per op: {candidate.lora_kept}")
-                if not candidate.verify_steps:
-                    kept.add(f"{kind}: verify steps per op: its verify step differs")
-                candidate.own_projections()
-                setattr(parent, name, candidate)
-                wrapped += 1
-            else:
+            wrapper = NativeDecoderLayer(child, weights, native)  # type: ignore[arg-type]
+            with local_sums(wrapper):
+                ok = _checked(child, wrapper, block_size)
+                if ok and wrapper._all_reduce is None:  # a tensor-parallel rank's verify and LoRA steps run per op
+                    wrapper.verify_steps = _checked(child, wrapper, block_size, rows=3)
+                    if wrapper.lora is not None and not _checked(child, wrapper, block_size, lora=True):
+                        wrapper.lora, wrapper.lora_kept = None, "its LoRA step differs"
+                    if wrapper.lora_kept:
+                        kept.add(f"{kind}: LoRA steps per op: {wrapper.lora_kept}")
+                    if not wrapper.verify_steps:
+                        kept.add(f"{kind}: verify steps per op: its verify step differs")
+                else:
+                    wrapper.lora = None
+            if not ok:
                 kept.add(f"{type(child).__name__}: its decode step differs")
+            candidates.append((parent, name, wrapper if ok else None))
+    if agree is not None and candidates:
+        for i, agreed in enumerate(agree([c is not None for _, _, c in candidates])):
+            parent, name, passed = candidates[i]
+            if passed is not None and not agreed:
+                kept.add(f"{type(passed.layer).__name__}: another rank's check failed")
+                candidates[i] = (parent, name, None)
+    wrapped = 0
+    for parent, name, candidate in candidates:
+        if candidate is not None:
+            candidate.own_projections()
+            setattr(parent, name, candidate)
+            wrapped += 1
     report = NativeLayersReport(wrapped=wrapped, kept=tuple(sorted(kept)))
     if wrapped or kept:
         logger.info("native decode layers: {} wrapped{}", wrapped, f"; kept: {'; '.join(report.kept)}" if kept else "")

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tgi_paged_backend.lora.layers import lora_base, stack_with_lora
+from tgi_paged_backend.runner.quant.linear import IntLinear, stacked_int_linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,19 +62,37 @@ def stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
+def linear_input(linear: Any) -> tuple[int, torch.dtype, torch.device]:
+    """``(in_features, dtype, device)`` of the input a projection takes (LoRA seen through): a plain linear's
+    weight's, an int linear's fp32 (it dequantizes into the input's dtype; the CPU checks run fp32)."""
+    base = lora_base(linear)
+    if isinstance(base, IntLinear):
+        return int(base.in_features), torch.float32, base.qweight.device
+    weight = cast(nn.Linear, base).weight
+    return int(weight.shape[1]), weight.dtype, weight.device
+
+
+def _stack_bases(bases: list[nn.Module]) -> nn.Module:
+    if all(isinstance(m, IntLinear) for m in bases):
+        return stacked_int_linear(cast(list[IntLinear], bases))
+    return stacked_linear(cast(list[nn.Linear], bases))
+
+
 def stacked(parts: list[nn.Module]) -> nn.Module:
-    """:func:`stacked_linear` of the parts' GEMMs, each part's LoRA adapters (if any) kept on its columns."""
-    return stack_with_lora(parts, lambda bases: stacked_linear(cast(list[nn.Linear], bases)))
+    """:func:`stacked_linear` of the parts' GEMMs (:func:`~..quant.linear.stacked_int_linear` for int linears), each
+    part's LoRA adapters (if any) kept on its columns."""
+    return stack_with_lora(parts, _stack_bases)
 
 
-def _stackable(*linears: Any) -> bool:
-    """Plain linears of one input width, all with a bias or all without (so one GEMM computes them)."""
+def stackable(*linears: Any) -> bool:
+    """Plain linears of one input width, all with a bias or all without (so one GEMM computes them); or int8 linears
+    of one group per output channel (GPTQ, compressed-tensors: what the native decode layer runs)."""
     bases = [lora_base(m) for m in linears]
-    return (
-        all(type(m) is nn.Linear for m in bases)
-        and len({m.in_features for m in bases}) == 1
-        and len({m.bias is None for m in bases}) == 1
-    )
+    same = len({m.in_features for m in bases}) == 1 and len({m.bias is None for m in bases}) == 1
+    ints = [m for m in bases if isinstance(m, IntLinear) and m.bits == 8 and m.scales.shape[1] == 1]
+    if ints and len(ints) == len(bases):  # the int8 layouts the native layer runs (one group per channel)
+        return same
+    return all(type(m) is nn.Linear for m in bases) and same
 
 
 def _reordered(linear: nn.Linear, rows: torch.Tensor) -> nn.Linear:
@@ -139,7 +158,7 @@ def qkv_layout(attn: nn.Module) -> QkvLayout | None:
     d = head_dim_of(attn)
     a: Any = attn
     if hasattr(a, "q_proj"):
-        if not _stackable(a.q_proj, a.k_proj, a.v_proj):
+        if not stackable(a.q_proj, a.k_proj, a.v_proj):
             return None
         hq, hkv = _out_features(a.q_proj) // d, _out_features(a.k_proj) // d
         return QkvLayout(hq, hkv, d, stacked([a.q_proj, a.k_proj, a.v_proj]))

@@ -68,10 +68,6 @@ _VLM_NOT_YET = (
     "are carried and validated, but the vision tower's embeddings are not merged at the image placeholders"
 )
 VLM_FAMILIES: dict[str, str] = {
-    "paligemma": _VLM_NOT_YET + ", and PaliGemma's prefix-LM mask (bidirectional over image + prompt) is not "
-    "implemented by the paged attention",
-    "gemma3": _VLM_NOT_YET + ", and Gemma 3's bidirectional attention within each image is not implemented "
-    "by the paged attention",
     "llama4": _VLM_NOT_YET + ", and Llama 4's chunked local attention layers are not implemented",
     "mllama": "Mllama (Llama 3.2 Vision) attends to the image through cross-attention layers, whose "
     "per-request vision KV is not held by the paged KV pool",
@@ -79,7 +75,8 @@ VLM_FAMILIES: dict[str, str] = {
     "vision KV is not held by the paged KV pool",
 }
 """Vision-language ``model_type``s stock TGI 3.3 serves -> why the paged path refuses them today (LLaVA-NeXT,
-Idefics2/3, SmolVLM, Qwen2-VL and Qwen2.5-VL are served: :data:`.vlm_loading.SERVED_VLM_MODEL_TYPES`)."""
+Idefics2/3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Gemma 3 and PaliGemma are served:
+:data:`.vlm_loading.SERVED_VLM_MODEL_TYPES`)."""
 
 _MULTIMODAL_SUBCONFIGS = ("vision_config", "audio_config", "speech_config", "vision_tower_config")
 

@@ -22,6 +22,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 ENCODERS: dict[str, str] = {
     "llava_next": "tgi_paged_backend.vision.llava_next_encoder:LlavaNextEncoder",
     "idefics3": "tgi_paged_backend.vision.idefics_encoder:Idefics3Encoder",
@@ -29,6 +31,8 @@ ENCODERS: dict[str, str] = {
     "idefics2": "tgi_paged_backend.vision.idefics_encoder:Idefics2Encoder",
     "qwen2_vl": "tgi_paged_backend.vision.qwen2_vl_encoder:Qwen2VlEncoder",
     "qwen2_5_vl": "tgi_paged_backend.vision.qwen2_vl_encoder:Qwen2VlEncoder",
+    "gemma3": "tgi_paged_backend.vision.gemma_encoder:Gemma3Encoder",
+    "paligemma": "tgi_paged_backend.vision.gemma_encoder:PaliGemmaEncoder",
 }
 """Served ``model_type`` -> its VLM adapter class (``module:Class``, imported at load)."""
 SERVED_VLM_MODEL_TYPES = frozenset(ENCODERS)
@@ -65,6 +69,15 @@ def checkpoint_reason(config: Any, path: Path) -> str | None:
         return _llava_next_reason(config, path)
     if str(config.model_type) in ("idefics3", "smolvlm"):
         return _idefics3_reason(config, path)
+    if str(config.model_type) == "gemma3":
+        return _gemma3_reason(path)
+    return None
+
+
+def _gemma3_reason(path: Path) -> str | None:
+    """Pan-and-scan crops add an image sequence per crop, which neither stock's count nor the adapter writes."""
+    if json.loads((path / PREPROCESSOR_CONFIG).read_text()).get("do_pan_and_scan"):
+        return "the image processor has do_pan_and_scan on: its crops are not counted (stock counts 256 per image)"
     return None
 
 
@@ -107,3 +120,19 @@ def load_image_encoder(model: Any, path: Path) -> Any:
     module, name = ENCODERS[str(model.config.model_type)].split(":")
     processor = transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True)
     return getattr(importlib.import_module(module), name)(model, processor)
+
+
+TEXT_MODELS = ("language_model", "text_model")
+"""Where a vision-language model keeps its language model (``model.model.<name>`` in transformers 5, or
+``model.<name>``): tensor parallelism slices only its decoder layers (the vision tower and Idefics2's resampler stay
+whole on every rank, which encodes the images itself) and only its layers get native decode steps."""
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The module holding the decoder layers: a VLM's language model, else ``model``."""
+    for owner in (getattr(model, "model", None), model):
+        for name in TEXT_MODELS:
+            found = getattr(owner, name, None) if isinstance(owner, nn.Module) else None
+            if isinstance(found, nn.Module):
+                return found
+    return model

@@ -6,7 +6,8 @@ the unsharded layer's scales and zero points for their columns.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -16,6 +17,29 @@ from tgi_paged_backend.runner.quant.linear import QUANTIZED_LINEARS, QuantizedLi
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over the ranks in place and returns it."""
+
+
+def _unreduced(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextmanager
+def local_sums(module: nn.Module) -> Iterator[None]:
+    """Within: every all-reduce held by ``module`` or a module under it (row-parallel linears, sharded norms and
+    blocks: their ``_all_reduce``) is the identity, so the rank computes its own partial sums.
+
+    For the load-time checks that compare a replacement with the module it replaces on each rank alone: no
+    collective runs, so a check whose outcome differs between ranks cannot leave them in different collectives
+    (the ranks agree on the outcome afterwards, e.g. ``runner.cpu.native_layers.wrap_native_layers``). Both sides
+    of such a check sum at the same points, so equal partial sums mean equal all-reduced ones."""
+    held = [(m, m.__dict__["_all_reduce"]) for m in module.modules() if m.__dict__.get("_all_reduce") is not None]
+    for m, _ in held:
+        m.__dict__["_all_reduce"] = _unreduced
+    try:
+        yield
+    finally:
+        for m, all_reduce in held:
+            m.__dict__["_all_reduce"] = all_reduce
 
 
 class RowParallelQuantLinear(nn.Module):
@@ -78,6 +102,11 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._all_reduce(self.local(x))
         return out if self.bias is None else out + self.bias
+
+    @property
+    def all_reduce(self) -> AllReduce:
+        """What sums this rank's partial products over the ranks (the native decode layer calls it itself)."""
+        return self._all_reduce
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (local), out_features={self.out_features}, bias={self.bias is not None}"

@@ -20,6 +20,7 @@ from tgi_paged_backend.runner.cpu.qkv_layouts import linearize_conv1d
 from tgi_paged_backend.runner.families.mla import PagedLatentAttention
 from tgi_paged_backend.runner.model.loader import ModelLoadError
 from tgi_paged_backend.runner.model.spec import ModelSpec
+from tgi_paged_backend.runner.model.vlm_loading import text_model
 from tgi_paged_backend.runner.parallel.fused_parts import (
     ReducedOutput,
     shard_experts,
@@ -250,8 +251,9 @@ def _mlp_owner(layer: nn.Module) -> nn.Module | None:
     return layer if isinstance(getattr(layer, "fc1", None), nn.Module) else None
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if _attention(m) is not None and _mlp_owner(m) is not None]
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:  # a VLM's: its language model's (text_model)
+    root = text_model(model)
+    return [m for m in root.modules() if _attention(m) is not None and _mlp_owner(m) is not None]
 
 
 def shard_model(model: nn.Module, spec: ModelSpec, rank: int, world_size: int, all_reduce: AllReduce) -> ShardLayout:

@@ -26,7 +26,7 @@ import torch
 from loguru import logger
 
 from tgi_paged_backend.config import CacheConfig, ModelConfig
-from tgi_paged_backend.runner.model.loader import LoadedModel, ModelLoadError, load_model, resolve_dtype
+from tgi_paged_backend.runner.model.loader import LoadedModel, load_model, resolve_dtype
 from tgi_paged_backend.runner.model.spec import ModelSpec
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.parallel.slicing import ShardLayout, local_spec
@@ -86,13 +86,8 @@ class TensorParallelRunner(ModelRunner):
         """Load the full checkpoint on the CPU in the target dtype; the ``tp_slice`` rewrite keeps this rank's
         shard and moves it to the device."""
         dtype = resolve_dtype(model_config.dtype, self.device)
-        loaded = load_model(dataclasses.replace(model_config, dtype=_DTYPE_NAMES[dtype]), "cpu")
-        if loaded.image_encoder is not None:  # the slicing would take the vision tower's layers for decoder layers
-            raise ModelLoadError(
-                f"tensor parallelism: {type(loaded.model).__name__} is a vision-language model, served on one shard "
-                "only so far (docs/vlm.md): use --num-shard 1"
-            )
-        return loaded
+        # A vision-language model's language model is sliced, its vision tower kept whole (slicing.text_model).
+        return load_model(dataclasses.replace(model_config, dtype=_DTYPE_NAMES[dtype]), "cpu")
 
     def _serving_spec(self, full_spec: ModelSpec) -> ModelSpec:
         """This rank's heads and MLP columns."""

@@ -178,6 +178,26 @@ class IntLinear(nn.Module):
         )
 
 
+def stacked_int_linear(parts: Sequence[IntLinear]) -> IntLinear:
+    """One :class:`IntLinear` whose output is the outputs of ``parts`` side by side (the same bits and ``g_idx``;
+    all with a bias or none): their codes, scales and zeros stacked by output channel (q/k/v or gate/up in one
+    GEMM)."""
+    first = parts[0]
+    if any(p.bits != first.bits or not torch.equal(p.g_idx, first.g_idx) for p in parts) or (
+        len({p.bias is None for p in parts}) != 1
+    ):
+        raise ValueError("stacked_int_linear: parts of other bits, groups or biases")
+    biases = [p.bias.detach() for p in parts if p.bias is not None]
+    return IntLinear(
+        torch.cat([p.qweight for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        torch.cat([p.zeros for p in parts]),
+        first.g_idx.clone(),
+        first.bits,
+        torch.cat(biases) if biases else None,
+    )
+
+
 def _row_index(rows: Sequence[slice], out_features: int, device: torch.device) -> torch.Tensor:
     """The output channels of ``rows`` in order, as an index (advanced indexing copies)."""
     runs = [range(*r.indices(out_features)) for r in rows]

@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from tgi_paged_backend.runner.cpu.fused_blocks import FusionReport, fuse_blocks
+from tgi_paged_backend.runner.parallel.row_parallel import local_sums
 from tgi_paged_backend.runner.rewrites.base import Decision, RewriteContext, runs, skip
 
 
@@ -19,5 +20,6 @@ class FuseBlocks:
         return runs() if ctx.device.type == "cpu" else skip(f"on {ctx.device.type} the unfused modules run")
 
     def apply(self, model: nn.Module, ctx: RewriteContext) -> tuple[FusionReport, int]:
-        report = fuse_blocks(model, ctx.block_size, ctx.kv_dtype)
+        with local_sums(model):  # a tensor-parallel rank's checks: no collective (see local_sums)
+            report = fuse_blocks(model, ctx.block_size, ctx.kv_dtype)
         return report, report.mlps + report.attentions
