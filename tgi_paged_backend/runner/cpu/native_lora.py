@@ -17,7 +17,7 @@ from torch import nn
 
 from tgi_paged_backend.lora.layers import LoraLinear
 from tgi_paged_backend.runner.cpu.layer_forms import layer_attention, layer_mlp, mlp_parts
-from tgi_paged_kernels.cpu_layer_lora import LayerLora, LoraTarget
+from tgi_paged_kernels import LayerLora, LoraTarget
 
 
 def _chain(module: Any) -> list[LoraLinear]:
