@@ -6,8 +6,12 @@ Each scenario sends the same burst (``--requests`` prompts of 40-80 tokens, ``--
 ignore EOS) straight to the engine (no router, no gRPC); request ``i`` uses adapter ``i % k``. Runs
 alternate scenario by scenario for ``--repeats`` rounds; printed: median burst wall time, generated
 tokens/s, median decode step, each against the base engine, and the KV blocks the adapters' bytes cost.
+``--per-op`` adds, for each scenario with adapters used, the same burst with the native decode layers' LoRA
+switched off (adapter rows on the per-op path, as before the deltas joined the native call), alternated with
+the others; ``--used`` picks the scenarios.
 
     .venv/bin/python examples/bench_lora.py [--requests 32] [--max-new 32] [--repeats 3] [--threads 2]
+        [--used 0,1,4,16] [--per-op]
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import random
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -29,6 +34,7 @@ from integration.smollm2 import ensure_smollm2  # noqa: E402
 from tgi_paged_backend.engine import build_engine  # noqa: E402
 from tgi_paged_backend.engine.types import BatchSpec, RequestSpec, StoppingParams  # noqa: E402
 from tgi_paged_backend.envs import build_config  # noqa: E402
+from tgi_paged_backend.runner.cpu.native_layers import NativeDecoderLayer  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NUM_ADAPTERS = 16
@@ -95,6 +101,22 @@ def burst(num: int, max_new: int, num_adapters: int, seed: int = 0) -> tuple[Req
     )
 
 
+@contextmanager
+def native_lora(engine, on: bool):
+    """The engine's native decode layers add the LoRA deltas in their call (``on``) or leave adapter rows to the
+    per-op path."""
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, NativeDecoderLayer)]
+    kept = [layer.lora for layer in layers]
+    if not on:
+        for layer in layers:
+            layer.lora = None
+    try:
+        yield
+    finally:
+        for layer, lora in zip(layers, kept):
+            layer.lora = lora
+
+
 def run_burst(engine, requests: tuple[RequestSpec, ...], batch_id: int) -> tuple[float, int, list[float]]:
     """Wall seconds, generated tokens and decode step seconds of one burst, to the last token."""
     live = {r.id for r in requests}
@@ -123,6 +145,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("out/bench/lora"))
+    parser.add_argument("--used", default="0,1,4,16", help="adapters used per scenario, comma-separated")
+    parser.add_argument("--per-op", action="store_true", help="also each scenario with LoRA rows on the per-op path")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(describe(host_info(), "float32"))
@@ -138,22 +162,26 @@ def main() -> None:
         f"{runner.lora_bytes / 2**20:.1f} MiB = {runner.lora_bytes / runner.block_bytes:.0f} KV blocks of "
         f"{runner.block_size} tokens ({runner.block_bytes / 2**10:.0f} KiB each, {runner.kv_dtype})"
     )
-    scenarios = [("base engine (no LORA_ADAPTERS)", base, 0)] + [
-        (f"16 loaded, {k} used", lora, k) for k in (0, 1, 4, 16)
-    ]
-    results: dict[str, list[tuple[float, int, list[float]]]] = {name: [] for name, _, _ in scenarios}
+    used = [int(k) for k in args.used.split(",")]
+    scenarios = [("base engine (no LORA_ADAPTERS)", base, 0, True)]
+    for k in used:
+        scenarios.append((f"16 loaded, {k} used", lora, k, True))
+        if args.per_op and k:
+            scenarios.append((f"16 loaded, {k} used, per-op LoRA", lora, k, False))
+    results: dict[str, list[tuple[float, int, list[float]]]] = {name: [] for name, _, _, _ in scenarios}
     run_burst(base, burst(4, 4, 0), 999)  # first-call costs out of the figures
     run_burst(lora, burst(4, 4, 4), 999)
     batch_id = 1
     for _ in range(args.repeats):
-        for name, engine, k in scenarios:
-            results[name].append(run_burst(engine, burst(args.requests, args.max_new, k), batch_id))
+        for name, engine, k, native in scenarios:
+            with native_lora(engine, native):
+                results[name].append(run_burst(engine, burst(args.requests, args.max_new, k), batch_id))
             batch_id += 1
     ref_wall = statistics.median(w for w, _, _ in results[scenarios[0][0]])
     ref_step = statistics.median(s for _, _, steps in results[scenarios[0][0]] for s in steps)
     print(f"\n{args.requests}-request burst, {args.max_new} new tokens each, median of {args.repeats} runs")
     print(f"{'scenario':34} {'burst s':>8} {'tok/s':>8} {'vs base':>8} {'decode ms':>10} {'vs base':>8}")
-    for name, _, _ in scenarios:
+    for name, _, _, _ in scenarios:
         wall = statistics.median(w for w, _, _ in results[name])
         tokens = results[name][0][1]
         step = statistics.median(s for _, _, steps in results[name] for s in steps)

@@ -61,6 +61,8 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers
     from .cpu_layer import (
         pack_weight as pack_weight,
     )
+    from .cpu_layer_lora import LayerLora as LayerLora
+    from .cpu_layer_lora import LoraTarget as LoraTarget
     from .cpu_layer_step import decode_layer_parts as decode_layer_parts
     from .cpu_lora import add_lora_cpu as add_lora_cpu
     from .cpu_lora import cpu_b_stack as cpu_b_stack
@@ -105,6 +107,8 @@ _LAZY = {
     "LayerWeights": "cpu_layer",
     "decode_layer": "cpu_layer",
     "decode_layer_parts": "cpu_layer_step",
+    "LayerLora": "cpu_layer_lora",
+    "LoraTarget": "cpu_layer_lora",
     "PackedInt8": "cpu_quant",
     "dequantized_int8": "cpu_quant",
     "gemm_packed_int8": "cpu_quant",

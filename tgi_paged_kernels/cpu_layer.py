@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .cpu_layer_step import LayerStep, address
 from .cpu_native import NativeKernels
+
+if TYPE_CHECKING:
+    from .cpu_layer_lora import LayerLora
 
 PACK_BLOCK = 16
 """Columns per packed block (``kNB`` in the C++)."""
@@ -378,10 +381,15 @@ def decode_layer(
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None = None,
+    lora: LayerLora | None = None,
+    token_slots: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The layer's output for fp32 ``hidden`` ``[T, H]`` (one token of each of ``T`` requests; a new tensor),
     writing the tokens' K/V into fp32 pools ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (int64;
-    negative slots skipped).
+    negative slots skipped). With ``query_start_loc`` (int32 ``[B + 1]``): ``B`` requests of several rows each
+    (a speculative verify step), each row attending over its request's positions up to its own. With ``lora``
+    (:class:`.cpu_layer_lora.LayerLora`): row ``t`` adds adapter ``token_slots[t]``'s deltas (``-1``: none).
 
     ``cos``/``sin`` ``[T, rotary_dim or D]`` fp32 contiguous (unread, may be ``None``, for the rotary kind
     ``none``); ``block_tables`` ``[T, *]`` and ``seq_lens`` ``[T]``, int32 or int64. ``None`` for inputs of
@@ -389,7 +397,10 @@ def decode_layer(
     table too narrow (as the single kernels do). A tensor-parallel rank's layer:
     :func:`.cpu_layer_step.decode_layer_parts`.
     """
-    step = LayerStep.prepare(native, w, hidden, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens)
+    step = LayerStep.prepare(
+        native, w, hidden, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, lora,
+        token_slots,
+    )  # fmt: skip
     if step is None:
         return None
     step.run()

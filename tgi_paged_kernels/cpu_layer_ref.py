@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from .cpu_decode import decode_attention_math
 from .cpu_layer import LayerForm, LayerWeights, norm_weight
+from .cpu_layer_lora import LayerLora
+from .lora import lora_delta_reference
 
 
 def gemm_packed_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,10 +40,15 @@ def decode_layer_ref(
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None = None,
+    lora: LayerLora | None = None,
+    token_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of :func:`decode_layer` in torch ops, on the module's ``weights`` as :meth:`LayerWeights.pack`
     takes them (unpacked ``[N, K]`` projections, the norms' own weights): the decoder layer ``w.form``
-    describes, over the paged pools (same arguments otherwise; writes the pools too)."""
+    describes, over the paged pools (same arguments otherwise; writes the pools too). Several rows per request
+    (``query_start_loc``): each row is a one-token request of its own over its request's table, seeing the
+    positions up to its own. LoRA: PEFT's delta of each row's adapter added to each target's output columns."""
     form = w.form
     tokens, hq, hkv, d = hidden.shape[0], w.num_q_heads, w.num_kv_heads, w.head_dim
 
@@ -50,7 +57,12 @@ def decode_layer_ref(
         assert weight is not None
         if bias is None and (form.o_bias if name == "o" else form.mlp_bias and name != "qkv"):
             bias = weights[f"{name}_bias"]
-        return F.linear(x, weight, bias)
+        out = F.linear(x, weight, bias)
+        for t in lora.targets if lora is not None else ():
+            if t.projection == name and token_slots is not None:
+                columns = slice(t.column, t.column + t.b_stack.shape[1])
+                out[:, columns] += lora_delta_reference(x, token_slots, t.a_stack, t.b_stack, t.scales)
+        return out
 
     def norm(x: torch.Tensor, name: str) -> torch.Tensor:
         if name not in form.norms:
@@ -85,6 +97,11 @@ def decode_layer_ref(
     blocks, offsets = slot_mapping[keep] // block_size, slot_mapping[keep] % block_size
     k_cache[blocks, offsets] = k[keep]
     v_cache[blocks, offsets] = v[keep]
+    if query_start_loc is not None:  # row t of request b sees seq_lens[b] - (its rows after t) positions
+        q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+        request = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
+        after = query_start_loc[1:].long()[request] - 1 - torch.arange(tokens)
+        block_tables, seq_lens = block_tables[request], seq_lens.long()[request] - after
     attn = decode_attention_math(
         qk[:, :hq], k_cache, v_cache, block_tables.long(), seq_lens, form.scale, form.softcap, form.window or None,
         None, 1.0, 1.0,

@@ -34,11 +34,13 @@ from .cpu_native import NativeKernels
 
 if TYPE_CHECKING:
     from .cpu_layer import LayerWeights
+    from .cpu_layer_lora import LayerLora
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over the ranks in place and returns it."""
 
 _SLOT_OUT_OF_RANGE = 5
+_BAD_SPEC = 6
 
 
 def address(t: torch.Tensor | None) -> int | None:
@@ -81,9 +83,13 @@ class LayerStep:
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor | None = None,
+        lora: LayerLora | None = None,
+        token_slots: torch.Tensor | None = None,
     ) -> LayerStep | None:
         """The step of :func:`.cpu_layer.decode_layer`'s arguments, ``None`` for inputs of another kind."""
         tokens = hidden.shape[0]
+        requests = tokens if query_start_loc is None else query_start_loc.numel() - 1
         d = w.head_dim
         if w.form.rope == "none":
             cos = sin = None
@@ -100,8 +106,10 @@ class LayerStep:
             or slot_mapping.dtype != torch.int64
             or slot_mapping.numel() != tokens
             or block_tables.dim() != 2
-            or block_tables.shape[0] < tokens
-            or seq_lens.numel() < tokens
+            or block_tables.shape[0] < requests
+            or seq_lens.numel() < requests
+            or (query_start_loc is not None and (query_start_loc.dtype != torch.int32 or requests < 1))
+            or (lora is not None and (token_slots is None or token_slots.shape != (tokens,)))
             or block_tables.dtype not in (torch.int32, torch.int64)
             or seq_lens.dtype not in (torch.int32, torch.int64)
         ):
@@ -110,6 +118,10 @@ class LayerStep:
         slot_mapping, seq_lens = slot_mapping.contiguous(), seq_lens.contiguous()
         if block_tables.stride(-1) != 1:
             block_tables = block_tables.contiguous()
+        qsl = None if query_start_loc is None else query_start_loc.contiguous()
+        lora_args = None if lora is None or token_slots is None else lora.args(token_slots)
+        if lora is not None and lora_args is None:
+            return None
         scratch = torch.empty(w.scratch_floats(tokens), dtype=torch.float32)
         block_size = k_cache.shape[1]
         args = (
@@ -119,8 +131,9 @@ class LayerStep:
             slot_mapping.data_ptr(), block_tables.data_ptr(), int(block_tables.dtype == torch.int64),
             block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64),
             block_size, scratch.data_ptr(), torch.get_num_threads(),
+            address(qsl), requests, None if lora_args is None else ctypes.addressof(lora_args),
         )  # fmt: skip
-        keep = (scratch, slot_mapping, cos, sin)
+        keep = (scratch, slot_mapping, cos, sin, qsl, lora_args, token_slots)
         return cls(native, out, args, block_tables, seq_lens, block_size, int(k_cache.shape[0]), keep)
 
     def run(self, stage: int = 0, partial: torch.Tensor | None = None) -> None:
@@ -131,6 +144,10 @@ class LayerStep:
         if status == _SLOT_OUT_OF_RANGE:
             slots = self.num_blocks * self.block_size
             raise ValueError(f"decode_layer: slot_mapping holds a slot outside the pool's {slots} slots")
+        if status == _BAD_SPEC:
+            raise ValueError(
+                "decode_layer: status 6: the stage, query_start_loc or the LoRA slots / targets do not fit this layer"
+            )
         if status != 0:
             raise ValueError(
                 self.native.decode_error(status, self.block_tables, self.seq_lens, self.block_size, self.num_blocks)

@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f"{name}.cpp" for name in ("cpu_kernels", "cpu_layer", "cpu_prefill", "cpu_lora", "cpu_quant"))
 """Compiled into one library; the headers they include are part of the cache key."""
-HEADERS = tuple(CSRC / f"{n}.h" for n in ("cpu_common", "cpu_gemm", "cpu_gemm_quant", "cpu_layer_rows", "cpu_moe"))
+_HEADER_NAMES = "cpu_common cpu_gemm cpu_gemm_quant cpu_layer_rows cpu_lora cpu_lora_tiles cpu_moe"
+HEADERS = tuple(CSRC / f"{n}.h" for n in _HEADER_NAMES.split())
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 """Storage dtypes the kernels read natively; one-byte (fp8) pools go through a decode table (code 2)."""
@@ -172,6 +173,7 @@ class NativeKernels:
             _ptr, _ptr, _i64, _i64, _i64, _i64,  # pools, blocks, strides
             _ptr, _ptr, _int, _i64, _i64, _ptr, _int,  # slots, tables, seq lens
             _int, _ptr, _int,  # block size, scratch, threads
+            _ptr, _i64, _ptr,  # query_start_loc and requests (verify steps), LoRA (cpu_layer_lora.LayerLora)
         )  # fmt: skip
         # stage, partial sums (a tensor-parallel rank's parts; 0, null: the whole layer), decode_layer's arguments
         self.decode_layer_stage = bind("tgi_paged_decode_layer_stage", _int, _ptr, *self.decode_layer.argtypes)

@@ -7,7 +7,8 @@ base model alone for an empty or unknown ``adapter_id``). Three adapters per tin
 projections, with per-module rank and alpha patterns). Scenarios: a mixed batch of base, the three
 adapters (one twice, non-adjacent) and an unknown id on llama, qwen2 and mistral; preemption by
 recompute and by swap; chunked prefill; prefix retention keyed by adapter; ``TGI_PAGED_MAX_LORAS=1``
-(never two adapters in one forward); a bad ``LORA_ADAPTERS`` entry.
+(never two adapters in one forward); a bad ``LORA_ADAPTERS`` entry; decode and verify steps with adapter rows
+served by the native decode layers (one call per layer, not the per-op path).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from tests.engine.conftest import (
     router_warmup,
 )
 from tests.helpers.lora_adapters import LLAMA_TARGETS, peft_greedy, write_adapter
+from tests.helpers.native_steps import num_native_layers, record_steps
+from tests.helpers.speculation_oracle import OracleDrafts
 from tgi_paged_backend.config import ConfigError
+from tgi_paged_backend.engine import speculation
 from tgi_paged_backend.engine.types import BatchSpec, FinishReason
 
 MAX_NEW = 8
@@ -328,3 +332,41 @@ def test_an_adapter_above_the_rank_limit_is_refused_at_start(tiny_llama_dir, tmp
     with pytest.raises(ConfigError, match="TGI_PAGED_MAX_LORA_RANK='0' is invalid"):
         make_engine(tiny_llama_dir, LORA_ADAPTERS=f"r8={adapter}", TGI_PAGED_MAX_LORA_RANK="0")
     assert make_engine(tiny_llama_dir, LORA_ADAPTERS=f"r8={adapter}", TGI_PAGED_MAX_LORA_RANK="8").runner.lora
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_KIND_FIXTURES))
+def test_adapter_rows_decode_on_the_native_layers(families, monkeypatch, kind):
+    """Decode steps with adapter rows run as one native call per layer (the deltas inside it), token-exact."""
+    family = families(kind)
+    engine = family.engine(num_blocks=48)
+    record = record_steps(engine, monkeypatch)
+    blocks = RouterBlocks(engine)
+    driver = RouterDriver(engine, blocks)
+    layout = [(1, "full", 6), (2, "", 9), (3, "rs", 4), (4, "qv", 11), (5, "full", 3)]
+    requests = [
+        router_spec(engine, blocks, rid, make_text(300 + rid, words), MAX_NEW, adapter_id=adapter)
+        for rid, adapter, words in layout
+    ]
+    driver.run(BatchSpec(id=7, requests=tuple(requests)))
+    expect_reference(engine, family, driver, requests)
+    forwards, native = record.count(verify=False, lora=True)
+    assert forwards >= MAX_NEW - 1 and native == forwards * num_native_layers(engine) > 0
+
+
+def test_adapter_rows_verify_drafts_on_the_native_layers(families, monkeypatch):
+    """Speculation with adapters: each request's verify step (its last token and an oracle's draft of its PEFT
+    continuation, a wrong token planted) runs natively with the request's adapter, and stays token-exact."""
+    family = families("llama")
+    engine = family.engine(num_blocks=48, speculate=3)
+    blocks = RouterBlocks(engine)
+    request = router_spec(engine, blocks, 1, make_text(400, 7), 12, adapter_id="qv")
+    ids = prompt_ids(engine, request.text)
+    (want,) = family.reference("qv", [ids], 12)
+    monkeypatch.setattr(speculation, "ngram_draft", OracleDrafts([ids + want], wrong_every=3))
+    record = record_steps(engine, monkeypatch)
+    driver = RouterDriver(engine, blocks)
+    driver.run(BatchSpec(id=8, requests=(request,)))
+    expect_reference(engine, family, driver, [request])
+    assert 0 < engine.stats.accepted_tokens < engine.stats.draft_tokens
+    forwards, native = record.count(verify=True, lora=True)
+    assert forwards > 0 and native == forwards * num_native_layers(engine)

@@ -10,7 +10,7 @@ and the SmolLM2 figures.
 Scenarios: single request and mixed batch with router reservations at N = 1..4; a pool small enough to
 preempt by recompute and by swap; seeded sampling; stop sequences and EOS; top-n and logprobs per id;
 grammar-constrained rows and penalised rows drafting beside plain ones (greedy and seeded). Pool
-invariants are checked after every RPC.
+invariants are checked after every RPC. Verify steps run on the native decode layers (one call per layer).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tests.engine.conftest import (
     router_spec,
     spec,
 )
+from tests.helpers.native_steps import num_native_layers, record_steps
 from tests.helpers.speculation_oracle import OracleDrafts
 from tgi_paged_backend.engine import speculation
 from tgi_paged_backend.engine.types import BatchSpec, GrammarSpec, SamplingParams
@@ -207,3 +208,20 @@ def test_cpu_drafts_only_alone_by_default(tiny_llama_dir, monkeypatch):
 
 def test_info_reports_speculate(tiny_llama_dir):
     assert make_engine(tiny_llama_dir, speculate=3).info().speculate == 3
+
+
+@pytest.mark.parametrize("speculate", [2, 4])
+def test_verify_steps_run_on_the_native_layers(tiny_llama_dir, hf_greedy, monkeypatch, speculate):
+    """Every verify step (last token + draft, rows causal within the request) is one native call per layer."""
+    engine = make_engine(tiny_llama_dir, speculate=speculate)
+    request = spec(1, make_text(60, 6), 14)
+    ids = prompt_ids(engine, request.text)
+    truth = ids + hf_greedy(tiny_llama_dir, ids, 14)
+    monkeypatch.setattr(speculation, "ngram_draft", OracleDrafts([truth], wrong_every=2))
+    record = record_steps(engine, monkeypatch)
+    driver = RouterDriver(engine, check_preempted=False)
+    driver.run(BatchSpec(id=0, requests=(request,)))
+    assert driver.tokens[1] == truth[len(ids) :]
+    assert 0 < engine.stats.accepted_tokens < engine.stats.draft_tokens
+    forwards, native = record.count(verify=True)
+    assert forwards > 0 and native == forwards * num_native_layers(engine)

@@ -98,9 +98,35 @@ struct DecodeArgs {
   const float* sinks;
   float k_scale, v_scale;
   int v_head_dim;  // <= head_dim: V rows (read with K's strides) and output rows are this wide (a latent cache)
+  // Several query rows per request (a speculative verify step): query row b belongs to request row_request[b]
+  // (its block table row) and sees that request's first row_len[b] positions (causal over its new tokens).
+  // Null: row b is request b, which sees its seq_lens[b] positions.
+  const int64_t* row_request = nullptr;
+  const int64_t* row_len = nullptr;
 };
 
 constexpr int kOk = 0, kBadDtype = 1, kTableTooNarrow = 2, kBlockOutOfRange = 3;
+
+// Each query row's request and visible length when requests have several new tokens (query_start_loc [B + 1]
+// int32): row t of request b (rows qsl[b] .. qsl[b + 1]) sees seq_lens[b] - (qsl[b + 1] - 1 - t) positions, its
+// own included. False for a query_start_loc that does not describe T rows, or a row that would see nothing.
+inline bool query_rows(const int32_t* qsl, int64_t B, int64_t T, const void* seq_lens, int sl_int64,
+                       std::vector<int64_t>& row_request, std::vector<int64_t>& row_len) {
+  if (qsl[0] != 0 || qsl[B] != T) return false;
+  row_request.resize(T);
+  row_len.resize(T);
+  for (int64_t b = 0; b < B; ++b) {
+    if (qsl[b + 1] < qsl[b]) return false;
+    const int64_t len = read_index(seq_lens, sl_int64, b);
+    for (int64_t t = qsl[b]; t < qsl[b + 1]; ++t) {
+      row_request[t] = b;
+      row_len[t] = len - (qsl[b + 1] - 1 - t);
+      if (row_len[t] < 1) return false;
+    }
+  }
+  return true;
+}
+
 
 // One request's KV heads [h0, h1) and the query heads sharing them. Rows are visited in pool order (block,
 // slot, head), so a request's whole row of heads is read contiguously when one task holds every head.
@@ -113,7 +139,8 @@ int decode_heads(const DecodeArgs& a, int b, int h0, int h1, std::vector<float>&
   const int group = a.num_q_heads / a.num_kv_heads;
   const int rows_q = (h1 - h0) * group;  // query heads of this task; query head j = h0 * group + j
   const int bs = a.block_size;
-  const int64_t len = read_index(a.seq_lens, a.sl_int64, b);
+  const int64_t req = a.row_request ? a.row_request[b] : b;
+  const int64_t len = a.row_len ? a.row_len[b] : read_index(a.seq_lens, a.sl_int64, b);
   const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
   const int64_t n = len - start;
   const float* q = a.query + b * a.q_sb + static_cast<int64_t>(h0) * group * a.q_sh;
@@ -125,14 +152,14 @@ int decode_heads(const DecodeArgs& a, int b, int h0, int h1, std::vector<float>&
   if (len > a.bt_width * bs) return kTableTooNarrow;
   const int64_t first_col = start / bs, end_col = (len + bs - 1) / bs;
   for (int64_t col = first_col; col < end_col; ++col) {
-    const int64_t blk = read_index(a.block_tables, a.bt_int64, b * a.bt_stride + col);
+    const int64_t blk = read_index(a.block_tables, a.bt_int64, req * a.bt_stride + col);
     if (blk < 0 || blk >= a.num_blocks) return kBlockOutOfRange;
   }
   scores.resize(static_cast<size_t>(n) * rows_q);
   const int64_t slot_bytes = a.c_sslot * bytes, head_bytes = a.c_shead * bytes, row_bytes = D * bytes;
   const int64_t span_bytes = (h1 - h0 - 1) * head_bytes + row_bytes;  // one slot's heads h0..h1-1
   auto block_base = [&](const char* cache, int64_t col) {
-    const int64_t blk = read_index(a.block_tables, a.bt_int64, b * a.bt_stride + col);
+    const int64_t blk = read_index(a.block_tables, a.bt_int64, req * a.bt_stride + col);
     return cache + (blk * a.c_sblock + static_cast<int64_t>(h0) * a.c_shead) * bytes;
   };
   // Visits positions [start, len) block by block: fn(row of head h0 at that position, i = position - start).

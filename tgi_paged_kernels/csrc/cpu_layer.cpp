@@ -7,6 +7,7 @@
 #include "cpu_gemm.h"
 #include "cpu_gemm_quant.h"
 #include "cpu_layer_rows.h"
+#include "cpu_lora.h"
 #include "cpu_moe.h"
 
 namespace {
@@ -65,6 +66,9 @@ struct StepArgs {
   float* scratch;
   int stage;       // 0: the whole layer; 1, 2, 3: a tensor-parallel rank's parts (tgi_paged_decode_layer_stage)
   float* partial;  // [T, H] stages 1-3: the rank's partial sums of a row-parallel projection, all-reduced between
+  const LayerLora* lora;          // null: no adapter rows (cpu_lora.h; stage 0 only)
+  const LoraGroups* lora_groups;  // the rows with an adapter, grouped by it
+  float* lora_xa;                 // lora_scratch_floats(lora, tokens) floats
 };
 
 // hidden[t] += scale * norm(y[t]) (norm: RMSNorm with weight w, skipped when w is null) for T rows of H;
@@ -140,8 +144,10 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
   float* x_mlp = act + T * I;        // [T, H] a parallel block's MLP input (its own norm of h)
   // A block's output goes straight onto the residual stream in the GEMM's epilogue unless it is normed or
   // scaled first (sandwich norms, residual multipliers): then through x and add_residual.
-  const bool direct_attn = !S.attn_out && S.residual_scale == 1.0f;
-  const bool direct_mlp = !S.mlp_out && S.residual_scale == 1.0f;
+  // A LoRA delta joins its projection's output before the add, as the per-op path adds it (a parallel block's
+  // attention output still goes straight onto h: its normed input, in x, is the MLP's).
+  const bool direct_attn = !S.attn_out && S.residual_scale == 1.0f && (S.parallel || !lora_targets(A.lora, kO));
+  const bool direct_mlp = !S.mlp_out && S.residual_scale == 1.0f && !lora_targets(A.lora, kDown);
   d.query = qk;
   d.q_sb = static_cast<int64_t>(hq + hkv) * D;
   d.q_sh = D;
@@ -165,6 +171,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
         norm_row(A.hidden + t * H, S.mlp_in, S.mlp_in_b, x_mlp + t * H, H, S.eps_mlp_in, S.layer_norm);
     }
     if (stage <= 1) gemm_proj(S, kQkv, attn_x, H, T, H, S.w_qkv, n_qkv, S.b_qkv, nullptr, 0, qkv, n_qkv);
+    lora_add_rows(A.lora, *A.lora_groups, kQkv, attn_x, H, T, qkv, n_qkv, A.lora_xa);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < (stage <= 1 ? T : 0); ++t) {
       float* row = qkv + t * n_qkv;
@@ -209,8 +216,10 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
                   S.eps_mlp_out, S);
     } else if (direct_attn) {
       gemm_proj(S, kO, attn, n_q, T, n_q, S.w_o, H, S.b_o, A.hidden, H, A.hidden, H);
+      lora_add_rows(A.lora, *A.lora_groups, kO, attn, n_q, T, A.hidden, H, A.lora_xa);
     } else {
       gemm_proj(S, kO, attn, n_q, T, n_q, S.w_o, H, S.b_o, nullptr, 0, x, H);
+      lora_add_rows(A.lora, *A.lora_groups, kO, attn, n_q, T, x, H, A.lora_xa);
       add_residual(A.hidden, x, T, H, S.attn_out, S.attn_out_b, S.eps_attn_out, S.residual_scale, S.layer_norm,
                    S.post_add);
     }
@@ -251,6 +260,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
     } else {
       const int64_t n_gu = S.gated ? 2 * I : I;
       gemm_proj(S, kGateUp, mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
+      lora_add_rows(A.lora, *A.lora_groups, kGateUp, mlp_x, H, T, gate_up, n_gu, A.lora_xa);
       activate_rows(S, gate_up, act, T, I);
       if (stage) {  // the rank's partial sums of down (onto o's in a parallel block)
         gemm_proj(S, kDown, act, I, T, I, S.w_down, H, nullptr, stage == 1 ? partial : nullptr, H, partial, H);
@@ -258,6 +268,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
         gemm_proj(S, kDown, act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
       } else {
         gemm_proj(S, kDown, act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
+        lora_add_rows(A.lora, *A.lora_groups, kDown, act, I, T, x, H, A.lora_xa);
         add_residual(A.hidden, x, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm,
                      S.post_add);
       }
@@ -290,7 +301,8 @@ int tgi_paged_decode_layer_stage(
     int stage, float* partial, const LayerSpec* spec, float* hidden, int64_t tokens, const float* cos,
     const float* sin, void* k_cache, void* v_cache, int64_t num_blocks, int64_t c_sblock, int64_t c_sslot,
     int64_t c_shead, const int64_t* slot_mapping, const void* block_tables, int bt_int64, int64_t bt_stride,
-    int64_t bt_width, const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads) {
+    int64_t bt_width, const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads,
+    const int32_t* query_start_loc, int64_t num_requests, const LayerLora* lora) {
   const LayerSpec& S = *spec;
   const bool int8_columns = S.w_zeros[0] && S.w_zeros[1] && S.w_zeros[2] && S.w_zeros[3] && S.w_scales[0] &&
                             S.w_scales[1] && S.w_scales[2] && S.w_scales[3];
@@ -305,11 +317,28 @@ int tgi_paged_decode_layer_stage(
       (S.parallel && (!S.attn_in || S.attn_out || S.mlp_out || S.residual_scale != 1.0f)) ||
       (S.post_add && (S.parallel || S.residual_scale != 1.0f)) || (S.rope != 2 && (!cos || !sin)))
     return kBadSpec;
-  const StepArgs A{hidden, tokens, cos, sin, slot_mapping, scratch, stage, partial};
-  const DecodeArgs d{nullptr, 0, 0, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), nullptr,
+  const int64_t n_q = static_cast<int64_t>(S.num_q_heads) * S.head_dim;
+  const int64_t n_qkv = n_q + 2 * static_cast<int64_t>(S.num_kv_heads) * S.head_dim;
+  const int64_t lora_in[kLoraProjections] = {S.hidden_size, n_q, S.hidden_size, S.intermediate};
+  const int64_t lora_out[kLoraProjections] = {n_qkv, S.hidden_size, (S.gated ? 2 : 1) * S.intermediate, S.hidden_size};
+  if ((lora && stage) || !lora_fits(lora, tokens, lora_in, lora_out, S.experts > 0)) return kBadSpec;
+  std::vector<int64_t> row_request, row_len;
+  if (query_start_loc &&
+      !query_rows(query_start_loc, num_requests, tokens, seq_lens, sl_int64, row_request, row_len))
+    return kBadSpec;
+  std::vector<float> lora_xa(static_cast<size_t>(lora_scratch_floats(lora, tokens)));
+  LoraGroups lora_groups;
+  if (lora) group_rows(lora->token_slots, tokens, lora_groups);
+  const StepArgs A{hidden, tokens, cos, sin, slot_mapping, scratch, stage, partial, lora, &lora_groups,
+                   lora_xa.data()};
+  DecodeArgs d{nullptr, 0, 0, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), nullptr,
                      c_sblock, c_sslot, c_shead, num_blocks, block_tables, bt_int64, bt_stride, bt_width,
                      seq_lens, sl_int64, nullptr, static_cast<int>(tokens), S.num_q_heads, S.num_kv_heads,
                      S.head_dim, block_size, S.scale, S.softcap, S.window, nullptr, 1.0f, 1.0f, S.head_dim};
+  if (query_start_loc) {
+    d.row_request = row_request.data();
+    d.row_len = row_len.data();
+  }
   switch (S.head_dim) {
     case 64: return layer_impl<64>(S, A, d, num_threads);
     case 128: return layer_impl<128>(S, A, d, num_threads);
@@ -336,15 +365,22 @@ int tgi_paged_decode_layer_stage(
 // T * (2H + (2 Hq + 3 Hkv) D + Hq D + 3I) floats, plus T * (E + 4H) for an MoE MLP of E experts (experts > 0:
 // w_router packed [E, H], w_gate_up / w_down each expert's packed [2I, H] / [H, I] in turn; top_k of the router's
 // softmax, renormalized when norm_top_k), plus T * (3 Is + H + 1) for a shared expert of Is. Returns 0; 2 for a table too narrow for a seq_len, 3 for a
-// block id outside the pool, 5 for a slot outside the pool, 6 for a spec this library does not know.
+// block id outside the pool, 5 for a slot outside the pool, 6 for a spec this library does not know (or a
+// LoRA or query_start_loc that does not fit).
+// query_start_loc (int32 [num_requests + 1], null for one token per request): a step of several query rows per
+// request (speculative verify: the last token and the draft), each row attending causally over its request's
+// positions up to its own (block_tables and seq_lens per request, hidden and slot_mapping per row).
+// lora (null: none; stage 0 only): the LoRA deltas of the rows' adapters, added to the projections' outputs.
 int tgi_paged_decode_layer(
     const LayerSpec* spec, float* hidden, int64_t tokens, const float* cos, const float* sin,
     void* k_cache, void* v_cache, int64_t num_blocks, int64_t c_sblock, int64_t c_sslot, int64_t c_shead,
     const int64_t* slot_mapping, const void* block_tables, int bt_int64, int64_t bt_stride, int64_t bt_width,
-    const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads) {
+    const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads,
+    const int32_t* query_start_loc, int64_t num_requests, const LayerLora* lora) {
   return tgi_paged_decode_layer_stage(0, nullptr, spec, hidden, tokens, cos, sin, k_cache, v_cache, num_blocks,
                                       c_sblock, c_sslot, c_shead, slot_mapping, block_tables, bt_int64, bt_stride,
-                                      bt_width, seq_lens, sl_int64, block_size, scratch, num_threads);
+                                      bt_width, seq_lens, sl_int64, block_size, scratch, num_threads,
+                                      query_start_loc, num_requests, lora);
 }
 
 }  // extern "C"

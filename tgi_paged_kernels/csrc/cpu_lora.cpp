@@ -2,13 +2,15 @@
 // One call per adapted layer and step, whatever the mix of adapters: each row t with slot s >= 0 gets
 //   out[t, :] += scales[s] * (B[s] @ (A[s] @ x[t, :]))      over the slot's own rank ranks[s] <= R,
 // rows with s < 0 are left as they are. A and B of one adapter are read once per row, from cache after the
-// first row of that adapter (a decode step's rows of one adapter share them).
+// first row of that adapter (a decode step's rows of one adapter share them). The row code is cpu_lora.h's,
+// which the native decode layer runs too.
 #include <cstdint>
+
+#include "cpu_lora.h"
 
 namespace {
 constexpr int kOk = 0;
 constexpr int kBadSlot = 4;
-constexpr int kMaxRank = 256;
 }  // namespace
 
 extern "C" {
@@ -22,7 +24,7 @@ int tgi_paged_lora_add(float* out, int64_t out_stride, const float* x, int64_t x
                        int64_t num_rows, int64_t in_features, int64_t out_features, const float* a_stack,
                        const float* bt_stack, int64_t num_slots, int64_t max_rank, const float* scales,
                        const int32_t* ranks, int num_threads) {
-  if (max_rank > kMaxRank) return kBadSlot;
+  if (max_rank > kLoraMaxRank) return kBadSlot;
   for (int64_t t = 0; t < num_rows; ++t) {
     if (slots[t] >= num_slots) return kBadSlot;
   }
@@ -36,32 +38,12 @@ int tgi_paged_lora_add(float* out, int64_t out_stride, const float* x, int64_t x
     const int64_t s = slots[t];
     if (s < 0 || ranks[s] == 0) continue;
     const int rank = ranks[s];
-    const float* xr = x + t * x_stride;
-    const float* a = a_stack + s * max_rank * in_features;
-    float xa[kMaxRank];
-    for (int r = 0; r < rank; ++r) {
-      const float* ar = a + r * in_features;
-      float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t k = 0; k < in_features; ++k) acc += xr[k] * ar[k];
-      xa[r] = acc;
-    }
-    const float scale = scales[s];
+    float xa[kLoraMaxRank];
+    lora_shrink_row(x + t * x_stride, a_stack + s * max_rank * in_features, rank, in_features, xa);
     const float* bt = bt_stack + s * max_rank * out_features;
-    float* orow = out + t * out_stride;
-    constexpr int64_t kChunk = 256;  // the delta of kChunk outputs stays in registers / L1
-    float acc[kChunk];
-    for (int64_t n0 = 0; n0 < out_features; n0 += kChunk) {
-      const int64_t width = out_features - n0 < kChunk ? out_features - n0 : kChunk;
-      for (int64_t i = 0; i < width; ++i) acc[i] = 0.0f;
-      for (int r = 0; r < rank; ++r) {
-        const float xr_val = xa[r];
-        const float* btr = bt + r * out_features + n0;
-#pragma omp simd
-        for (int64_t i = 0; i < width; ++i) acc[i] += xr_val * btr[i];
-      }
-#pragma omp simd
-      for (int64_t i = 0; i < width; ++i) orow[n0 + i] += acc[i] * scale;
+    for (int64_t n0 = 0; n0 < out_features; n0 += kLoraChunk) {
+      const int64_t width = out_features - n0 < kLoraChunk ? out_features - n0 : kLoraChunk;
+      lora_expand_chunk(xa, bt, rank, out_features, n0, width, scales[s], out + t * out_stride);
     }
   }
   return kOk;

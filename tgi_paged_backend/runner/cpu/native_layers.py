@@ -11,7 +11,9 @@ router, top-k, experts' GEMMs: :mod:`.moe_forms`)) is wrapped by :class:`NativeD
 
 - a **decode step** (one new token per request, fp32 pools) runs the whole layer through
   :func:`tgi_paged_kernels.cpu_layer.decode_layer`: one call and one OpenMP region instead of ~10
-  calls, each with its Python, dispatch and thread wake-up;
+  calls, each with its Python, dispatch and thread wake-up; so does a **speculative verify step** (a few query
+  rows per request that already has context: :data:`MAX_QUERY_ROWS`) and a step whose rows use **LoRA adapters**
+  (each row's delta added inside the call, :mod:`.native_lora`);
 - every other step (prefill, chunks, the static step, probes and checks) runs the wrapped layer, whose four
   projections are :class:`NativeLinear` (an MoE block's experts :class:`~.moe_forms.NativeExperts`) over the same
   packed weights (the native GEMM, as fast as oneDNN
@@ -34,6 +36,7 @@ GEMM sums in another order than oneDNN/MKL): a description that is wrong is neve
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +59,7 @@ from tgi_paged_backend.runner.cpu.layer_forms import (
     row_parallel_part,
 )
 from tgi_paged_backend.runner.cpu.moe_forms import NativeExperts
+from tgi_paged_backend.runner.cpu.native_lora import layer_lora
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
 from tgi_paged_backend.runner.model.vlm_loading import text_model
 from tgi_paged_backend.runner.parallel.row_parallel import local_sums
@@ -74,6 +78,9 @@ from tgi_paged_kernels import (
 
 MAX_ROWS = 256
 """Decode batches up to this many requests run natively (scratch and tiles sized for decode)."""
+MAX_QUERY_ROWS = 16
+"""A step of several rows per request runs natively when each request has at most this many new rows and earlier
+context (a verify step: the last token and its draft; prompts keep the prefill path)."""
 
 
 def layer_weights(layer: nn.Module) -> LayerWeights | str:
@@ -108,7 +115,14 @@ class NativeDecoderLayer(nn.Module):
         self.channel = cast(FusedPagedAttention, layer_attention(layer)).channel
         """Falcon's layers pass no metadata down: the model call's, from our Falcon attention's channel."""
         self.lora_step = find_lora_step(layer)
-        """The adapters' routing when the layer has LoRA wrappers: steps with adapter rows run the per-op path."""
+        """The adapters' routing when the layer has LoRA wrappers."""
+        found = layer_lora(layer)
+        self.lora = found if not isinstance(found, str) else None
+        """The adapters as the native step adds them; ``None``: steps with adapter rows run the per-op path
+        (:attr:`lora_kept` says why when the layer has adapters)."""
+        self.lora_kept = found if isinstance(found, str) else None
+        self.verify_steps = False
+        """Whether verify steps run natively (set when the load-time check has shown one gives the original's)."""
         row_parallel = row_parallel_part(layer_attention(layer).o_proj)[2]
         self._all_reduce = None if row_parallel is None else row_parallel.all_reduce
         """A tensor-parallel rank's layer (its o and down projections row-parallel): what sums their partial sums
@@ -169,7 +183,7 @@ class NativeDecoderLayer(nn.Module):
             metadata = self.channel.metadata
         if (
             metadata is None
-            or not metadata.batch.is_decode
+            or not (metadata.batch.is_decode or (self.verify_steps and _verify_rows(metadata.batch)))
             or metadata.static
             or metadata.layer_calls is not None
             or metadata.seen_options is not None
@@ -178,7 +192,7 @@ class NativeDecoderLayer(nn.Module):
             or hidden.shape[0] != 1
             or hidden.shape[1] > MAX_ROWS
             or metadata.cpu_decode != "native"  # TGI_PAGED_CPU_DECODE=compiled|sdpa: that kernel serves
-            or (self.lora_step is not None and self.lora_step.token_slots is not None)  # LoRA rows: per-op path
+            or (self.lora is None and self.lora_step is not None and self.lora_step.token_slots is not None)
             or torch.compiler.is_compiling()
         ):
             return None
@@ -191,16 +205,28 @@ class NativeDecoderLayer(nn.Module):
             return self.layer(hidden_states, *args, **kwargs)
         cos, sin = (None, None) if self.rope == "none" else rope_tables(tables, self.rope)
         slot_mapping, block_tables = metadata.tables(self.layer_idx)
+        batch = metadata.batch
+        token_slots = None if self.lora_step is None else self.lora_step.token_slots
         step = (
             self.native, self.weights, hidden_states[0], cos, sin,
             metadata.k_caches[self.layer_idx], metadata.v_caches[self.layer_idx],
-            slot_mapping, block_tables, metadata.batch.seq_lens,
+            slot_mapping, block_tables, batch.seq_lens, None if batch.is_decode else batch.query_start_loc,
+            None if token_slots is None else self.lora, token_slots,
         )  # fmt: skip
-        out = decode_layer(*step) if self._all_reduce is None else decode_layer_parts(*step, self._all_reduce)
+        out = decode_layer(*step) if self._all_reduce is None else decode_layer_parts(*step[:10], self._all_reduce)
         if out is None:  # inputs of another kind (slot dtype, RoPE table layout): the per-op path serves
             return self.layer(hidden_states, *args, **kwargs)
         self.native_steps += 1
         return (out.unsqueeze(0),) if self.as_tuple else out.unsqueeze(0)
+
+
+def _verify_rows(batch: Any) -> bool:
+    """Whether every request of ``batch`` has earlier context and at most :data:`MAX_QUERY_ROWS` new rows."""
+    qsl, seq_lens = batch.query_start_loc, batch.seq_lens
+    if qsl.device.type != "cpu":
+        return False
+    q_lens = (qsl[1:] - qsl[:-1]).numpy()
+    return bool(q_lens.max(initial=0) <= MAX_QUERY_ROWS and (seq_lens.numpy() > q_lens).all())
 
 
 def _computing(owner: nn.Module, name: str, bias: torch.Tensor | None) -> tuple[nn.Module, str, torch.Tensor | None]:
@@ -271,10 +297,11 @@ def _check_lengths(block_size: int) -> tuple[int, ...]:
     return (5, block_size + 3, 2 * block_size, 3 * block_size + 5)
 
 
-def _check_metadata(w: LayerWeights, layer_idx: int, block_size: int) -> PagedAttentionMetadata:
-    """A decode step of :func:`_check_lengths` requests over random fp32 pools."""
+def _check_metadata(w: LayerWeights, layer_idx: int, block_size: int, rows: int) -> PagedAttentionMetadata:
+    """A decode step (``rows`` 1) or verify step (``rows`` new tokens per request) of :func:`_check_lengths`
+    requests over random fp32 pools."""
     lengths = _check_lengths(block_size)
-    chunks, block = on_consecutive_blocks([([0], length - 1) for length in lengths], block_size)
+    chunks, block = on_consecutive_blocks([([0] * rows, length - rows) for length in lengths], block_size)
     generator = torch.Generator().manual_seed(layer_idx)
     shape = (block, block_size, w.num_kv_heads, w.head_dim)
     pools = [torch.randn(shape, generator=generator) for _ in range(2)]
@@ -298,21 +325,28 @@ def _call(layer: nn.Module, channel: Any, x: torch.Tensor, tables: Any, metadata
             channel.metadata = None
 
 
-def _reproduces(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int) -> bool:
-    """Whether ``wrapped`` gives ``layer``'s output and K/V on one random decode step that it ran natively (it
-    learns there whether the layer returns a tuple)."""
+def _reproduces(
+    layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int, rows: int = 1, lora: bool = False
+) -> bool:
+    """Whether ``wrapped`` gives ``layer``'s output and K/V on one random decode step (``rows`` > 1: a verify step
+    of that many rows per request; ``lora``: rows of the base model and of the first adapters mixed) that it ran
+    natively (it learns there whether the layer returns a tuple)."""
     w = wrapped.weights
     generator = torch.Generator().manual_seed(0)
-    rows = len(_check_lengths(block_size))
-    x = torch.randn(1, rows, w.hidden_size, generator=generator)
+    tokens = rows * len(_check_lengths(block_size))
+    x = torch.randn(1, tokens, w.hidden_size, generator=generator)
     table = rope_table_width(wrapped.rope, w.form.rotary_dim or w.head_dim)
-    cos, sin = (torch.randn(1, rows, table, generator=generator) for _ in range(2))
-    with torch.inference_mode():
-        ref_meta = _check_metadata(w, wrapped.layer_idx, block_size)
+    cos, sin = (torch.randn(1, tokens, table, generator=generator) for _ in range(2))
+    step, slots = wrapped.lora_step, None
+    if lora and step is not None and wrapped.lora is not None:
+        slots = torch.arange(tokens) % (wrapped.lora.num_slots + 1) - 1
+    routing = step.open(slots) if step is not None else contextlib.nullcontext()
+    with torch.inference_mode(), routing:
+        ref_meta = _check_metadata(w, wrapped.layer_idx, block_size, rows)
         expected = _call(layer, wrapped.channel, x, (cos, sin), ref_meta)
         as_tuple = isinstance(expected, tuple)
         wrapped.as_tuple = as_tuple
-        meta = _check_metadata(w, wrapped.layer_idx, block_size)
+        meta = _check_metadata(w, wrapped.layer_idx, block_size, rows)
         steps = wrapped.native_steps
         got = _call(wrapped, wrapped.channel, x, (cos, sin), meta)
         if wrapped.native_steps == steps:  # the step fell back to the per-op path: nothing proven
@@ -327,6 +361,20 @@ def _reproduces(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int) 
         )
     )
     return close
+
+
+def _checked(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int, rows: int = 1, lora: bool = False) -> bool:
+    """:func:`_reproduces`, False on any failure (the step then keeps the per-op path)."""
+    verify_steps = wrapped.verify_steps
+    wrapped.verify_steps = rows > 1  # a verify step runs natively only while its check does
+    try:
+        return _reproduces(layer, wrapped, block_size, rows, lora)
+    except Exception as e:  # noqa: BLE001 - any failure means: keep the Python path
+        logger.debug("layer {} not native ({} rows, LoRA {}): {}: {}", type(layer).__name__, rows, lora,
+                     type(e).__name__, e)  # fmt: skip
+        return False
+    finally:
+        wrapped.verify_steps = verify_steps
 
 
 Agree = Callable[[list[bool]], list[bool]]
@@ -355,12 +403,18 @@ def wrap_native_layers(model: nn.Module, block_size: int, agree: Agree | None = 
                 candidates.append((parent, name, None))
                 continue
             wrapper = NativeDecoderLayer(child, weights, native)  # type: ignore[arg-type]
-            try:
-                with local_sums(wrapper):
-                    ok = _reproduces(child, wrapper, block_size)
-            except Exception as e:  # noqa: BLE001 - any failure means: keep the Python path
-                ok = False
-                logger.debug("layer {} not native: {}: {}", type(child).__name__, type(e).__name__, e)
+            with local_sums(wrapper):
+                ok = _checked(child, wrapper, block_size)
+                if ok and wrapper._all_reduce is None:  # a tensor-parallel rank's verify and LoRA steps run per op
+                    wrapper.verify_steps = _checked(child, wrapper, block_size, rows=3)
+                    if wrapper.lora is not None and not _checked(child, wrapper, block_size, lora=True):
+                        wrapper.lora, wrapper.lora_kept = None, "its LoRA step differs"
+                    if wrapper.lora_kept:
+                        kept.add(f"{kind}: LoRA steps per op: {wrapper.lora_kept}")
+                    if not wrapper.verify_steps:
+                        kept.add(f"{kind}: verify steps per op: its verify step differs")
+                else:
+                    wrapper.lora = None
             if not ok:
                 kept.add(f"{type(child).__name__}: its decode step differs")
             candidates.append((parent, name, wrapper if ok else None))
