@@ -37,10 +37,15 @@ from ._checks import cdiv
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "cpu_layer.cpp", CSRC / "cpu_prefill.cpp", CSRC / "cpu_lora.cpp")
+SOURCES = tuple(
+    CSRC / name for name in ("cpu_kernels.cpp", "cpu_layer.cpp", "cpu_gemm.cpp", "cpu_prefill.cpp", "cpu_lora.cpp")
+)
 """Compiled into one library; the headers they include are part of the cache key."""
-HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_gemm.h", CSRC / "cpu_moe.h")
+HEADERS = tuple(
+    CSRC / name for name in ("cpu_common.h", "cpu_gemm.h", "cpu_gemm_bf16.h", "cpu_layer_rows.h", "cpu_moe.h")
+)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+"""Build flags; :func:`build_library`'s ``arch`` replaces ``native`` (the tests build ``x86-64-v3``: AVX2 paths)."""
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 """Storage dtypes the kernels read natively; one-byte (fp8) pools go through a decode table (code 2)."""
 
@@ -94,16 +99,21 @@ def check_private(directory: Path, library: Path | None = None) -> None:
         )
 
 
-def library_path(compiler: str) -> Path:
-    """Where the build of :data:`SOURCES` by ``compiler`` for this CPU is cached."""
+def _flags(arch: str) -> tuple[str, ...]:
+    return tuple(f"-march={arch}" if flag == "-march=native" else flag for flag in FLAGS)
+
+
+def library_path(compiler: str, arch: str = "native") -> Path:
+    """Where the build of :data:`SOURCES` by ``compiler`` for this CPU (``-march=arch``) is cached."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, compiler, version, *FLAGS, _cpu_signature()]).encode()).hexdigest()
+    flags = _flags(arch)
+    key = hashlib.sha256("\0".join([*texts, compiler, version, *flags, _cpu_signature()]).encode()).hexdigest()
     return _cache_dir() / f"cpu_kernels-{key[:24]}.so"
 
 
-def build_library(compiler: str | None = None) -> Path:
-    """Compile :data:`SOURCES` (or reuse the cached build) and return the shared library's path.
+def build_library(compiler: str | None = None, arch: str = "native") -> Path:
+    """Compile :data:`SOURCES` for ``-march=arch`` (or reuse the cached build) and return the shared library's path.
 
     Raises ``RuntimeError`` with the compiler's message when no compiler is found or the build fails, and
     :class:`UnsafeKernelCache` (before building or returning a cached build) when :func:`check_private` fails.
@@ -111,7 +121,7 @@ def build_library(compiler: str | None = None) -> Path:
     compiler = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         raise RuntimeError("no C++ compiler (set CXX or install g++)")
-    target = library_path(compiler)
+    target = library_path(compiler, arch)
     target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the mode applies when it is created here
     check_private(target.parent)
     if target.is_file():
@@ -119,7 +129,9 @@ def build_library(compiler: str | None = None) -> Path:
         return target
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         staged = Path(tmp) / target.name
-        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(staged)], capture_output=True, text=True)
+        done = subprocess.run(
+            [compiler, *_flags(arch), *map(str, SOURCES), "-o", str(staged)], capture_output=True, text=True
+        )
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         staged.chmod(0o755)  # not group-writable whatever the umask, or the next start would refuse it
@@ -161,13 +173,20 @@ class NativeKernels:
         self.gemm_packed = bind(
             "tgi_paged_gemm_packed", _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int
         )
-        """Raw entry points of ``csrc/cpu_layer.cpp``; :mod:`tgi_paged_kernels.cpu_layer` wraps them."""
+        self.gemm_packed_bf16 = bind(
+            "tgi_paged_gemm_packed_bf16", _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int
+        )
+        """Raw entry points of ``csrc/cpu_gemm.cpp`` and ``csrc/cpu_layer.cpp``; :mod:`tgi_paged_kernels.cpu_gemm`
+        and :mod:`tgi_paged_kernels.cpu_layer` wrap them."""
+        self.gemm_bf16_rounds_activations = bool(bind("tgi_paged_gemm_bf16_rounds_activations")())
+        """Whether this build's bf16 GEMM rounds activation pairs to bf16 (AVX512-BF16 ``vdpbf16ps``) rather than
+        widening the weights for fp32 fused multiply-adds (``csrc/cpu_gemm_bf16.h``)."""
         self.decode_layer = bind(
             "tgi_paged_decode_layer",
             _ptr, _ptr, _i64, _ptr, _ptr,  # layer spec, hidden, T, cos, sin
             _ptr, _ptr, _i64, _i64, _i64, _i64,  # pools, blocks, strides
             _ptr, _ptr, _int, _i64, _i64, _ptr, _int,  # slots, tables, seq lens
-            _int, _ptr, _int,  # block size, scratch, threads
+            _int, _ptr, _int, _int, _int,  # block size, scratch, threads, act dtype, KV dtype
         )  # fmt: skip
         self.prefill_attention = bind(
             "tgi_paged_prefill_attention",

@@ -1,10 +1,13 @@
-// A decoder layer's decode step as one call (fp32), for any layer form the LayerSpec describes (norm
+// A decoder layer's decode step as one call (fp32 arithmetic), for any layer form the LayerSpec describes (norm
 // placement, q/k norms, activation, biases, attention scale, soft-cap, window, residual scale), on weights
-// packed once for the GEMM of cpu_gemm.h. Built into the same library as cpu_kernels.cpp (cpu_native.py).
+// packed once for the GEMM of cpu_gemm.h (fp32) or cpu_gemm_bf16.h (bf16); hidden state and pools fp32 or bf16.
+// Built into the same library as cpu_kernels.cpp (cpu_native.py).
 // Torch references: tgi_paged_kernels.cpu_layer_ref (gemm_packed_ref, decode_layer_ref), compared in
 // tests/kernels/test_cpu_layer.py.
 
 #include "cpu_gemm.h"
+#include "cpu_gemm_bf16.h"
+#include "cpu_layer_rows.h"
 #include "cpu_moe.h"
 
 namespace {
@@ -29,132 +32,39 @@ struct LayerSpec {
   int32_t experts, top_k, norm_top_k;  // experts > 0: an MoE MLP (cpu_moe.h), gated, w_gate_up / w_down per expert
   int32_t shared_intermediate;  // > 0: plus a shared expert, sigmoid(w_shared_gate . x) * its gated MLP (Qwen2-MoE)
   float scale, softcap, residual_scale;
+  int32_t weight_dtype;  // the packed projections: 0 fp32 (cpu_gemm.h), 1 bf16 (cpu_gemm_bf16.h); norms stay fp32
   float eps_attn_in, eps_attn_out, eps_mlp_in, eps_mlp_out, eps_q, eps_k;
   const float *attn_in, *attn_out, *mlp_in, *mlp_out;  // before / after attention, before / after the MLP
   const float *q_norm, *k_norm;
-  const float *w_qkv, *b_qkv, *w_o, *w_gate_up, *w_down;  // packed; b_qkv may be null
+  const void* w_qkv;                           // packed in weight_dtype, as w_o, w_gate_up, w_down, w_router, ...
+  const float* b_qkv;                          // may be null
+  const void *w_o, *w_gate_up, *w_down;
   const float *attn_in_b, *attn_out_b, *mlp_in_b, *mlp_out_b;  // LayerNorm biases (null: none)
   const float *b_o, *b_gate_up, *b_down;                       // projection biases (null: none)
-  const float* w_router;                                       // packed [experts, H] (MoE only)
-  const float *w_shared_gate_up, *w_shared_down, *w_shared_gate;  // packed [2Is, H], [H, Is], [1, H]
+  const void* w_router;                                        // packed [experts, H] (MoE only)
+  const void *w_shared_gate_up, *w_shared_down, *w_shared_gate;  // packed [2Is, H], [H, Is], [1, H]
 };
 
 struct StepArgs {
-  float* hidden;  // [T, H] in/out: the residual stream
+  float* hidden;  // [T, H] in/out: the residual stream (fp32; a bf16 step's widened copy of hidden_bf16)
   int64_t tokens;
-  const float *cos, *sin;  // [T, D]
+  const float *cos, *sin;  // [T, R] (a bf16 step's widened copies)
   const int64_t* slot_mapping;
   float* scratch;
+  uint16_t* hidden_bf16;                      // a bf16 step: [T, H] in/out, widened at entry, rounded (RNE) at exit
+  const uint16_t *cos_bf16, *sin_bf16;        // a bf16 step's tables [T, R] (null without RoPE)
 };
 
-// 1 / sqrt(mean(x^2) + eps) over `width` values (the RMSNorm's scale, summed as rms_row_f32 does).
-inline float rms_inv(const float* x, int64_t width, float eps) {
-  float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t i = 0; i < width; ++i) total += x[i] * x[i];
-  return 1.0f / std::sqrt(total / static_cast<float>(width) + eps);
-}
-
-// LayerNorm of one row, as torch's (x - mean) * rsqrt(var + eps) * w (+ b, when not null) (mean and variance
-// summed in order; the reference is F.layer_norm, within the load-time check's tolerance).
-inline void layer_norm_row_f32(const float* x, const float* w, const float* b, float* o, int64_t width, float eps) {
-  float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t i = 0; i < width; ++i) total += x[i];
-  const float mean = total / static_cast<float>(width);
-  float var = 0.0f;
-#pragma omp simd reduction(+ : var)
-  for (int64_t i = 0; i < width; ++i) var += (x[i] - mean) * (x[i] - mean);
-  const float inv = 1.0f / std::sqrt(var / static_cast<float>(width) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < width; ++i) o[i] = w[i] * ((x[i] - mean) * inv);
-  if (b) {
-#pragma omp simd
-    for (int64_t i = 0; i < width; ++i) o[i] = o[i] + b[i];
-  }
-}
-
-// The layer's norm of one row: RMSNorm, or LayerNorm without bias when `layer_norm`.
-inline void norm_row(const float* x, const float* w, const float* b, float* o, int64_t width, float eps,
-                     bool layer_norm) {
-  if (layer_norm) {
-    layer_norm_row_f32(x, w, b, o, width, eps);
-  } else {
-    rms_row_f32(x, w, o, width, eps);
-  }
-}
-
-// One fp32 head of interleaved RoPE (Cohere): pairs (2i, 2i + 1) rotate, o = x * cos + rot(x) * sin with
-// rot(x)[2i] = -x[2i + 1], rot(x)[2i + 1] = x[2i]; each product and the sum rounded apart, as torch's.
-inline void rope_interleaved_row_f32(const float* x, const float* c, const float* s, float* o, int64_t head_dim) {
-  for (int64_t i = 0; i < head_dim; i += 2) {
-    const float a0 = x[i] * c[i], b0 = -x[i + 1] * s[i];
-    const float a1 = x[i + 1] * c[i + 1], b1 = x[i] * s[i + 1];
-    o[i] = a0 + b0;
-    o[i + 1] = a1 + b1;
-  }
-}
-
-// x[i] = w[i] * (x[i] * inv), in place.
-inline void scale_row(float* x, const float* w, float inv, int64_t width) {
-#pragma omp simd
-  for (int64_t i = 0; i < width; ++i) x[i] = w[i] * (x[i] * inv);
-}
-
-// q/k RMSNorm of `heads` heads of D values at `x`, in place: each head over its own D values (mode 1, one
-// [D] weight) or all heads as one row (mode 2, weight [heads * D]).
-inline void qk_norm_heads(float* x, int heads, int64_t D, int mode, const float* w, float eps) {
-  if (mode == 1) {
-    for (int h = 0; h < heads; ++h) scale_row(x + h * D, w, rms_inv(x + h * D, D, eps), D);
-  } else {
-    scale_row(x, w, rms_inv(x, heads * D, eps), heads * D);
-  }
-}
-
-// One fp32 row of gelu_tanh(gate) * up: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) as torch's
-// F.gelu(approximate="tanh") writes it, with tanh(|u|) = (1 - e) / (1 + e), e = exp(-2|u|) (vectorized;
-// within a few ulp of tanh where it matters, ~1e-7 absolute near 0).
-// kMul false: gelu_tanh(g) alone (an ungated MLP; u unused).
-template <bool kMul = true>
-inline void gelu_tanh_mul_row_f32(const float* g, const float* u, float* o, int64_t width) {
-  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
-#pragma omp simd
-  for (int64_t i = 0; i < width; ++i) {
-    const float x = g[i], cube = x * x * x;
-    const float inner = kBeta * (x + kKappa * cube);
-    const float e = exp_nonpositive(-2.0f * std::fabs(inner));
-    const float t = (1.0f - e) / (1.0f + e);
-    const float gelu = 0.5f * x * (1.0f + (inner >= 0.0f ? t : -t));
-    o[i] = kMul ? gelu * u[i] : gelu;
-  }
-}
-
-// One fp32 row of gelu(g) (* u when kMul), exact: 0.5 g (1 + erf(g / sqrt(2))), as torch's F.gelu.
-template <bool kMul>
-inline void gelu_erf_mul_row_f32(const float* g, const float* u, float* o, int64_t width) {
-  constexpr float kInvSqrt2 = 0.7071067811865476f;
-  for (int64_t i = 0; i < width; ++i) {
-    const float gelu = g[i] * 0.5f * (1.0f + std::erf(g[i] * kInvSqrt2));
-    o[i] = kMul ? gelu * u[i] : gelu;
-  }
-}
-
-// One row normed in place: RMSNorm, or LayerNorm (with bias b when not null) when `layer_norm`.
-inline void norm_in_place(float* x, const float* w, const float* b, int64_t width, float eps, bool layer_norm) {
-  if (layer_norm) {
-    layer_norm_row_f32(x, w, b, x, width, eps);
-  } else {
-    scale_row(x, w, rms_inv(x, width, eps), width);
-  }
-}
-
-// One fp32 row of relu(g) (* u when kMul), as torch's F.relu (max(g, 0); NaN kept).
-template <bool kMul>
-inline void relu_mul_row_f32(const float* g, const float* u, float* o, int64_t width) {
-#pragma omp simd
-  for (int64_t i = 0; i < width; ++i) {
-    const float r = g[i] > 0.0f ? g[i] : (g[i] == g[i] ? 0.0f : g[i]);
-    o[i] = kMul ? r * u[i] : r;
+// A bf16 step's inputs widened into the fp32 buffers of `A` (work-shared).
+inline void widen_inputs(const StepArgs& A, int64_t H, int64_t R) {
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < A.tokens; ++t) {
+    for (int64_t i = 0; i < H; ++i) A.hidden[t * H + i] = bf16_to_float(A.hidden_bf16[t * H + i]);
+    if (!A.cos_bf16) continue;
+    for (int64_t i = 0; i < R; ++i) {
+      const_cast<float*>(A.cos)[t * R + i] = bf16_to_float(A.cos_bf16[t * R + i]);
+      const_cast<float*>(A.sin)[t * R + i] = bf16_to_float(A.sin_bf16[t * R + i]);
+    }
   }
 }
 
@@ -204,7 +114,18 @@ inline void activate_rows(const LayerSpec& S, const float* gate_up, float* act, 
   }
 }
 
-template <int kHeadDim>
+// One value of a pool of storage dtype kKv (0 fp32, 1 bf16: rounded to nearest even).
+template <int kKv>
+inline void store_row(char* dst, const float* src, int n) {
+  if constexpr (kKv == 0) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+  } else {
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+    for (int i = 0; i < n; ++i) d[i] = float_to_bf16(src[i]);
+  }
+}
+
+template <int kKv, int kHeadDim>
 int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_threads) {
   const int64_t T = A.tokens, H = S.hidden_size, I = S.intermediate;
   const int hq = d.num_q_heads, hkv = d.num_kv_heads, D = d.head_dim;
@@ -229,6 +150,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
   MoeRouting routing;  // shared: filled by one thread, read by all (MoE forms)
 #pragma omp parallel num_threads(num_threads)
   {
+    if (A.hidden_bf16) widen_inputs(A, H, S.rotary_dim);
     const float* attn_x = A.hidden;
     if (S.attn_in) {
 #pragma omp for schedule(static)
@@ -241,7 +163,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
       for (int64_t t = 0; t < T; ++t)
         norm_row(A.hidden + t * H, S.mlp_in, S.mlp_in_b, x_mlp + t * H, H, S.eps_mlp_in, S.layer_norm);
     }
-    gemm_packed(attn_x, H, T, H, S.w_qkv, n_qkv, S.b_qkv, nullptr, 0, qkv, n_qkv);
+    gemm_weights(S.weight_dtype, attn_x, H, T, H, S.w_qkv, n_qkv, S.b_qkv, nullptr, 0, qkv, n_qkv);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       float* row = qkv + t * n_qkv;
@@ -271,16 +193,17 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
         continue;
       }
       const int64_t base = (slot / d.block_size) * d.c_sblock + (slot % d.block_size) * d.c_sslot;
+      constexpr int64_t bytes = kKv == 0 ? 4 : 2;
       for (int h = 0; h < hkv; ++h) {
-        std::memcpy(const_cast<char*>(d.k_cache) + (base + h * d.c_shead) * 4, rotated + (hq + h) * D, D * 4);
-        std::memcpy(const_cast<char*>(d.v_cache) + (base + h * d.c_shead) * 4, row + n_q + (hkv + h) * D, D * 4);
+        store_row<kKv>(const_cast<char*>(d.k_cache) + (base + h * d.c_shead) * bytes, rotated + (hq + h) * D, D);
+        store_row<kKv>(const_cast<char*>(d.v_cache) + (base + h * d.c_shead) * bytes, row + n_q + (hkv + h) * D, D);
       }
     }
-    decode_tasks<0, kHeadDim>(d, num_threads, status);
+    decode_tasks<kKv, kHeadDim>(d, num_threads, status);
     if (direct_attn) {
-      gemm_packed(attn, n_q, T, n_q, S.w_o, H, S.b_o, A.hidden, H, A.hidden, H);
+      gemm_weights(S.weight_dtype, attn, n_q, T, n_q, S.w_o, H, S.b_o, A.hidden, H, A.hidden, H);
     } else {
-      gemm_packed(attn, n_q, T, n_q, S.w_o, H, S.b_o, nullptr, 0, x, H);
+      gemm_weights(S.weight_dtype, attn, n_q, T, n_q, S.w_o, H, S.b_o, nullptr, 0, x, H);
       add_residual(A.hidden, x, T, H, S.attn_out, S.attn_out_b, S.eps_attn_out, S.residual_scale, S.layer_norm,
                    S.post_add);
     }
@@ -295,17 +218,17 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
     }
     if (S.experts > 0) {  // the MoE MLP's sum goes to moe_out, then onto h like a normed block's output
       float* moe_out = x_mlp + T * H;
-      moe_mlp(mlp_x, T, H, I, S.experts, S.top_k, S.norm_top_k, S.w_router, S.w_gate_up, S.w_down, moe_out + T * H,
-              gate_up, act, moe_out, routing,
+      moe_mlp(mlp_x, T, H, I, S.experts, S.top_k, S.norm_top_k, S.weight_dtype, S.w_router, S.w_gate_up, S.w_down,
+              moe_out + T * H, gate_up, act, moe_out, routing,
               [&S](const float* gu, float* a, int64_t rows) { activate_rows(S, gu, a, rows, S.intermediate); });
       if (S.shared_intermediate > 0) {  // moe_out += sigmoid(x . w_shared_gate) * shared(x), as Qwen2-MoE adds it
         const int64_t Is = S.shared_intermediate;
         float* s_gu = moe_out + T * (S.experts + 3 * H);
         float *s_act = s_gu + T * 2 * Is, *s_out = s_act + T * Is, *s_gate = s_out + T * H;
-        gemm_packed(mlp_x, H, T, H, S.w_shared_gate_up, 2 * Is, nullptr, nullptr, 0, s_gu, 2 * Is);
+        gemm_weights(S.weight_dtype, mlp_x, H, T, H, S.w_shared_gate_up, 2 * Is, nullptr, nullptr, 0, s_gu, 2 * Is);
         activate_rows(S, s_gu, s_act, T, Is);
-        gemm_packed(s_act, Is, T, Is, S.w_shared_down, H, nullptr, nullptr, 0, s_out, H);
-        gemm_packed(mlp_x, H, T, H, S.w_shared_gate, 1, nullptr, nullptr, 0, s_gate, 1);
+        gemm_weights(S.weight_dtype, s_act, Is, T, Is, S.w_shared_down, H, nullptr, nullptr, 0, s_out, H);
+        gemm_weights(S.weight_dtype, mlp_x, H, T, H, S.w_shared_gate, 1, nullptr, nullptr, 0, s_gate, 1);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) {
           const float g = 1.0f / (1.0f + std::exp(-s_gate[t]));
@@ -316,35 +239,40 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
                    S.post_add);
     } else {
       const int64_t n_gu = S.gated ? 2 * I : I;
-      gemm_packed(mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
+      gemm_weights(S.weight_dtype, mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
       activate_rows(S, gate_up, act, T, I);
       if (direct_mlp) {
-        gemm_packed(act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
+        gemm_weights(S.weight_dtype, act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
       } else {
-        gemm_packed(act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
+        gemm_weights(S.weight_dtype, act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
         add_residual(A.hidden, x, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm,
                      S.post_add);
       }
     }
+    if (A.hidden_bf16) {  // the step's output rounded to bf16, as a bf16 model's residual stream holds it
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < T * H; ++i) A.hidden_bf16[i] = float_to_bf16(A.hidden[i]);
+    }
   }
   return status;
+}
+
+template <int kKv>
+int layer_dispatch_dim(const LayerSpec& S, const StepArgs& A, const DecodeArgs& d, int num_threads) {
+  switch (S.head_dim) {
+    case 64: return layer_impl<kKv, 64>(S, A, d, num_threads);
+    case 128: return layer_impl<kKv, 128>(S, A, d, num_threads);
+    case 256: return layer_impl<kKv, 256>(S, A, d, num_threads);
+    default: return layer_impl<kKv, 0>(S, A, d, num_threads);
+  }
 }
 
 }  // namespace
 
 extern "C" {
 
-// out[M, N] = a[M, K] @ W^T (+ bias) (+ add), W packed as above (torch reference: cpu_layer_ref.gemm_packed_ref).
-// a, add and out row-major with the given row strides; bias [N] or null; add may be null or alias out.
-int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, const float* packed, int64_t N,
-                          const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo, int num_threads) {
-#pragma omp parallel num_threads(num_threads)
-  gemm_packed(a, lda, M, K, packed, N, bias, add, ldadd, out, ldo);
-  return kOk;
-}
-
-// One decode step of the decoder layer `spec` describes over T requests (one token each), fp32 throughout
-// (torch reference: cpu_layer_ref.decode_layer_ref):
+// One decode step of the decoder layer `spec` describes over T requests (one token each), fp32 arithmetic on
+// weights packed in spec->weight_dtype (torch reference: cpu_layer_ref.decode_layer_ref):
 //   h += rs * n_ao(o_proj(attention(rope(qk_norm(qkv_proj(n_ai(h)))))))
 //   h += rs * n_mo(down(act(gate) * up)(n_mi(h)))
 // or, parallel: h += o_proj(attention(...n_ai(h)...)) + mlp(n_mi(h)) (Cohere, Phi: n_mi is n_ai; GPT-NeoX).
@@ -355,18 +283,22 @@ int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, con
 // with n_* the spec's RMSNorms (identity where absent) and rs its residual scale. hidden [T, H] contiguous,
 // updated in place; w_qkv packed [(Hq + 2 Hkv) D, H] (q, k, v heads in order) with optional bias; w_o
 // [H, Hq D]; w_gate_up [2I, H] (gate rows first); w_down [H, I]; cos/sin [T, D]; the new K (after its
-// norm and RoPE) and V are written to their slots of fp32 pools [num_blocks, block_size, Hkv, D] (element
+// norm and RoPE) and V are written to their slots of pools [num_blocks, block_size, Hkv, D] of kv_dtype (0
+// fp32, 1 bf16: rounded to nearest even, read back widened; element
 // strides c_sblock, c_sslot, c_shead; negative slots skipped) before request b attends over its
 // seq_lens[b] positions (window > 0: the last `window`; softcap > 0: scores soft-capped). scratch:
 // T * (2H + (2 Hq + 3 Hkv) D + Hq D + 3I) floats, plus T * (E + 4H) for an MoE MLP of E experts (experts > 0:
 // w_router packed [E, H], w_gate_up / w_down each expert's packed [2I, H] / [H, I] in turn; top_k of the router's
 // softmax, renormalized when norm_top_k), plus T * (3 Is + H + 1) for a shared expert of Is. Returns 0; 2 for a table too narrow for a seq_len, 3 for a
 // block id outside the pool, 5 for a slot outside the pool, 6 for a spec this library does not know.
+// act_dtype 1: hidden and cos/sin are bf16 (a bf16 model's), widened at entry (scratch holds T * (H + 2R) more
+// floats for them, R = rotary_dim) and hidden rounded to bf16 at exit; 0: fp32.
 int tgi_paged_decode_layer(
-    const LayerSpec* spec, float* hidden, int64_t tokens, const float* cos, const float* sin,
+    const LayerSpec* spec, void* hidden, int64_t tokens, const void* cos, const void* sin,
     void* k_cache, void* v_cache, int64_t num_blocks, int64_t c_sblock, int64_t c_sslot, int64_t c_shead,
     const int64_t* slot_mapping, const void* block_tables, int bt_int64, int64_t bt_stride, int64_t bt_width,
-    const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads) {
+    const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads, int act_dtype,
+    int kv_dtype) {
   const LayerSpec& S = *spec;
   if (S.activation < 0 || S.activation > 3 || (S.experts > 0 && (!S.gated || !S.w_router || S.top_k < 1 ||
                                                                   S.top_k > S.experts || S.b_gate_up)) ||
@@ -375,19 +307,26 @@ int tgi_paged_decode_layer(
       S.rotary_dim <= 0 || S.rotary_dim > S.head_dim || S.rotary_dim % 2 || (!S.gated && S.activation == 0) ||
       // parallel: the attention's normed input must survive its output (kept in scratch, added directly)
       (S.parallel && (!S.attn_in || S.attn_out || S.mlp_out || S.residual_scale != 1.0f)) ||
-      (S.post_add && (S.parallel || S.residual_scale != 1.0f)) || (S.rope != 2 && (!cos || !sin)))
+      (S.post_add && (S.parallel || S.residual_scale != 1.0f)) || (S.rope != 2 && (!cos || !sin)) ||
+      S.weight_dtype < 0 || S.weight_dtype > 1 || act_dtype < 0 || act_dtype > 1 || kv_dtype < 0 || kv_dtype > 1)
     return kBadSpec;
-  const StepArgs A{hidden, tokens, cos, sin, slot_mapping, scratch};
+  StepArgs A{static_cast<float*>(hidden), tokens, static_cast<const float*>(cos), static_cast<const float*>(sin),
+             slot_mapping, scratch, nullptr, nullptr, nullptr};
+  if (act_dtype == 1) {  // fp32 copies at the front of scratch; the layer's own scratch after them
+    const int64_t H = S.hidden_size, R = S.rotary_dim;
+    A.hidden_bf16 = static_cast<uint16_t*>(hidden);
+    A.hidden = scratch;
+    A.cos = S.rope == 2 ? nullptr : scratch + tokens * H;
+    A.sin = S.rope == 2 ? nullptr : scratch + tokens * (H + R);
+    A.cos_bf16 = S.rope == 2 ? nullptr : static_cast<const uint16_t*>(cos);
+    A.sin_bf16 = S.rope == 2 ? nullptr : static_cast<const uint16_t*>(sin);
+    A.scratch = scratch + tokens * (H + 2 * R);
+  }
   const DecodeArgs d{nullptr, 0, 0, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), nullptr,
                      c_sblock, c_sslot, c_shead, num_blocks, block_tables, bt_int64, bt_stride, bt_width,
                      seq_lens, sl_int64, nullptr, static_cast<int>(tokens), S.num_q_heads, S.num_kv_heads,
                      S.head_dim, block_size, S.scale, S.softcap, S.window, nullptr, 1.0f, 1.0f, S.head_dim};
-  switch (S.head_dim) {
-    case 64: return layer_impl<64>(S, A, d, num_threads);
-    case 128: return layer_impl<128>(S, A, d, num_threads);
-    case 256: return layer_impl<256>(S, A, d, num_threads);
-    default: return layer_impl<0>(S, A, d, num_threads);
-  }
+  return kv_dtype == 1 ? layer_dispatch_dim<1>(S, A, d, num_threads) : layer_dispatch_dim<0>(S, A, d, num_threads);
 }
 
 }  // extern "C"
