@@ -1,4 +1,5 @@
-"""Decoder layers that run on the native CPU kernels (fp32): a decode step as one call, for every layer form.
+"""Decoder layers that run on the native CPU kernels (fp32 and bf16 models): a decode step as one call, for every
+layer form.
 
 After :func:`~runner.cpu.fused_blocks.fuse_blocks`, a decoder layer whose form :mod:`.layer_forms` can describe
 (a class of :data:`~.layer_forms.NORM_PLACES` made of a :class:`~runner.cpu.fused_blocks.FusedPagedAttention`, a
@@ -9,7 +10,7 @@ ungated MLPs), GPT-2, GPT-BigCode, OPT (learned positions: no RoPE; ReLU; OPT-35
 Falcon (parallel blocks with one or two LayerNorms, grouped or one KV head), Mixtral and Qwen3-MoE (an MoE MLP:
 router, top-k, experts' GEMMs: :mod:`.moe_forms`)) is wrapped by :class:`NativeDecoderLayer`:
 
-- a **decode step** (one new token per request, fp32 pools) runs the whole layer through
+- a **decode step** (one new token per request, fp32 or bf16 pools) runs the whole layer through
   :func:`tgi_paged_kernels.cpu_layer.decode_layer`: one call and one OpenMP region instead of ~10
   calls, each with its Python, dispatch and thread wake-up;
 - every other step (prefill, chunks, the static step, probes and checks) runs the wrapped layer, whose four
@@ -18,7 +19,9 @@ router, top-k, experts' GEMMs: :mod:`.moe_forms`)) is wrapped by :class:`NativeD
   at every shape we measured): one copy of the weights, no extra memory.
 
 Wrapped only after one decode step over scratch pools gives the original's output and K/V (to 1e-4: the
-GEMM sums in another order than oneDNN/MKL): a description that is wrong is never served.
+GEMM sums in another order than oneDNN/MKL): a description that is wrong is never served. A bf16 layer's
+description is proven so on the layer widened to fp32, then its bf16 step (weights packed in bf16, fp32
+arithmetic, bf16 hidden state) is checked against the module's bf16 step (:mod:`.native_bf16`).
 ``TGI_PAGED_NATIVE_LAYERS=0`` (``ModelConfig.native_layers``) keeps the per-op path. Figures:
 ``docs/performance.md``, "CPU forward".
 """
@@ -26,6 +29,7 @@ GEMM sums in another order than oneDNN/MKL): a description that is wrong is neve
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -39,6 +43,7 @@ from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMet
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention, rope_table_width, rope_tables
 from tgi_paged_backend.runner.cpu.layer_forms import NORM_PLACES, layer_attention, layer_form, layer_mlp, mlp_parts
 from tgi_paged_backend.runner.cpu.moe_forms import NativeExperts
+from tgi_paged_backend.runner.cpu.native_bf16 import bf16_step_close, fp32_params, projection_dtype
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
 from tgi_paged_kernels import (
     LayerWeights,
@@ -47,6 +52,7 @@ from tgi_paged_kernels import (
     gemm_packed,
     native_kernels,
 )
+from tgi_paged_kernels.cpu_gemm import unpack_weight
 
 MAX_ROWS = 256
 """Decode batches up to this many requests run natively (scratch and tiles sized for decode)."""
@@ -94,9 +100,10 @@ class NativeDecoderLayer(nn.Module):
         :class:`NativeLinear` views of them (prefills then run the native GEMM too)."""
         attn, mlp, w = cast(FusedPagedAttention, layer_attention(self.layer)), layer_mlp(self.layer), self.weights
         qkv_width = (w.num_q_heads + 2 * w.num_kv_heads) * w.head_dim
+        h, q_width = w.hidden_size, w.num_q_heads * w.head_dim
         native: dict[tuple[nn.Module, str], nn.Module] = {
-            (attn, "qkv_proj"): NativeLinear(w.qkv, qkv_width, w.qkv_bias, self.native),
-            (attn, "o_proj"): NativeLinear(w.o, w.hidden_size, w.o_bias, self.native),
+            (attn, "qkv_proj"): NativeLinear(w.qkv, qkv_width, w.qkv_bias, self.native, h),
+            (attn, "o_proj"): NativeLinear(w.o, h, w.o_bias, self.native, q_width),
         }
         if w.form.experts:  # the experts' packed weights serve the other steps too (the router keeps its own)
             act_fn = cast(nn.Module, mlp.experts.act_fn)
@@ -105,14 +112,13 @@ class NativeDecoderLayer(nn.Module):
             )
             if w.shared_gate_up is not None and w.shared_down is not None:  # Qwen2-MoE's (fused) shared expert
                 shared, width = mlp.shared_expert, w.shared_intermediate
-                native[(shared, "gate_up")] = NativeLinear(w.shared_gate_up, 2 * width, None, self.native)
-                native[(shared, "down_proj")] = NativeLinear(w.shared_down, w.hidden_size, None, self.native)
+                native[(shared, "gate_up")] = NativeLinear(w.shared_gate_up, 2 * width, None, self.native, h)
+                native[(shared, "down_proj")] = NativeLinear(w.shared_down, h, None, self.native, width)
         else:
             up, down, _ = cast(tuple[str, str, str], mlp_parts(mlp))
-            gate_up = NativeLinear(w.gate_up, (1 + w.form.gated) * w.intermediate, w.gate_up_bias, self.native)
-            native.update(
-                {(mlp, up): gate_up, (mlp, down): NativeLinear(w.down, w.hidden_size, w.down_bias, self.native)}
-            )
+            gate_up = NativeLinear(w.gate_up, (1 + w.form.gated) * w.intermediate, w.gate_up_bias, self.native, h)
+            down_linear = NativeLinear(w.down, h, w.down_bias, self.native, w.intermediate)
+            native.update({(mlp, up): gate_up, (mlp, down): down_linear})
         for (owner, name), linear in native.items():  # under any LoRA wrappers, which stay
             setattr(owner, name, replace_lora_base(getattr(owner, name), linear))
 
@@ -150,6 +156,8 @@ class NativeDecoderLayer(nn.Module):
         if metadata is None or (tables is None and self.rope != "none"):
             return self.layer(hidden_states, *args, **kwargs)
         cos, sin = (None, None) if self.rope == "none" else rope_tables(tables, self.rope)
+        if cos is not None and sin is not None and cos.dtype != hidden_states.dtype:  # the step takes them alike
+            cos, sin = cos.to(hidden_states.dtype), sin.to(hidden_states.dtype)
         slot_mapping, block_tables = metadata.tables(self.layer_idx)
         out = decode_layer(
             self.native, self.weights, hidden_states[0], cos, sin,
@@ -163,25 +171,29 @@ class NativeDecoderLayer(nn.Module):
 
 
 class NativeLinear(nn.Module):
-    """``x @ W.T (+ bias)`` through the native GEMM on ``W`` packed once (:func:`pack_weight`), for any rows.
+    """``x @ W.T (+ bias)`` through the native GEMM on ``W`` packed once (fp32 or bf16, :mod:`tgi_paged_kernels.
+    cpu_gemm`), for any rows; a bf16 ``x`` is widened, the fp32 result rounded back to bf16.
 
     Under ``torch.compile`` (the static step) it runs ``F.linear`` on an unpacked view instead."""
 
-    def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, native: NativeKernels):
+    def __init__(
+        self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, native: NativeKernels,
+        in_features: int,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.packed = packed
-        self.in_features, self.out_features = int(packed.shape[1]), int(out_features)
+        self.in_features, self.out_features = int(in_features), int(out_features)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.native = native
         self.resident_bytes = packed.numel() * packed.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling() or x.dtype != torch.float32 or rows.stride(-1) != 1:
-            weight = self.packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+        if torch.compiler.is_compiling() or x.dtype not in (torch.float32, torch.bfloat16) or rows.stride(-1) != 1:
+            weight = unpack_weight(self.packed, self.out_features, self.in_features)
             return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        out = gemm_packed(self.native, rows, self.packed, self.out_features, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        out = gemm_packed(self.native, rows.float(), self.packed, self.out_features, self.bias)
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -201,13 +213,17 @@ def _check_lengths(block_size: int) -> tuple[int, ...]:
     return (5, block_size + 3, 2 * block_size, 3 * block_size + 5)
 
 
-def _check_metadata(w: LayerWeights, layer_idx: int, block_size: int) -> PagedAttentionMetadata:
-    """A decode step of :func:`_check_lengths` requests over random fp32 pools."""
+def _check_metadata(
+    w: LayerWeights, layer_idx: int, block_size: int, dtype: torch.dtype = torch.float32, bf16_values: bool = False
+) -> PagedAttentionMetadata:
+    """A decode step of :func:`_check_lengths` requests over random pools of ``dtype`` (``bf16_values``: values
+    rounded to bf16, whatever ``dtype`` holds them)."""
     lengths = _check_lengths(block_size)
     chunks, block = on_consecutive_blocks([([0], length - 1) for length in lengths], block_size)
     generator = torch.Generator().manual_seed(layer_idx)
     shape = (block, block_size, w.num_kv_heads, w.head_dim)
-    pools = [torch.randn(shape, generator=generator) for _ in range(2)]
+    values = [torch.randn(shape, generator=generator) for _ in range(2)]
+    pools = [(v.bfloat16() if bf16_values else v).to(dtype) for v in values]
     layers = layer_idx + 1
     return PagedAttentionMetadata(build_forward_batch(chunks, block_size), [pools[0]] * layers, [pools[1]] * layers)
 
@@ -259,9 +275,81 @@ def _reproduces(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int) 
     return close
 
 
-def wrap_native_layers(model: nn.Module, block_size: int) -> NativeLayersReport:
+def _bf16_inputs(wrapped: NativeDecoderLayer, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The bf16 check's hidden state and RoPE tables: random values rounded to bf16, held in ``dtype``."""
+    w, rows = wrapped.weights, len(_check_lengths(1))
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(1, rows, w.hidden_size, generator=generator).bfloat16().to(dtype)
+    table = rope_table_width(wrapped.rope, w.form.rotary_dim or w.head_dim)
+    return x, tuple(torch.randn(1, rows, table, generator=generator).bfloat16().to(dtype) for _ in range(2))
+
+
+def _bf16_step(
+    layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``layer`` (or ``wrapped``) on the bf16 check's step in ``dtype`` over pools of ``kv_dtype``: its output and
+    the K and V pools after it."""
+    x, tables = _bf16_inputs(wrapped, dtype)
+    meta = _check_metadata(wrapped.weights, wrapped.layer_idx, block_size, kv_dtype, bf16_values=True)
+    with torch.inference_mode():
+        out = _call(layer, wrapped.channel, x, tables, meta)
+    out = out[0] if isinstance(out, tuple) else out
+    return out, meta.k_caches[-1], meta.v_caches[-1]
+
+
+def _reproduces_bf16(
+    layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int, kv_dtype: torch.dtype, exact: tuple
+) -> bool:
+    """Whether ``wrapped`` (bf16 weights) runs the bf16 check's step natively, as close to the fp32 module's
+    results ``exact`` as the bf16 module's own step (:func:`.native_bf16.bf16_step_close`), output and K/V."""
+    per_op = _bf16_step(layer, wrapped, block_size, torch.bfloat16, kv_dtype)
+    steps = wrapped.native_steps
+    native = _bf16_step(wrapped, wrapped, block_size, torch.bfloat16, kv_dtype)
+    if wrapped.native_steps == steps:
+        return False
+    return all(bf16_step_close(*triple) for triple in zip(native, per_op, exact))
+
+
+def _candidate(
+    child: nn.Module, native: NativeKernels, block_size: int, kv_dtype: torch.dtype
+) -> NativeDecoderLayer | str:
+    """``child`` wrapped, its step proven (fp32: :func:`_reproduces`; bf16: the description on the layer widened to
+    fp32, then :func:`_reproduces_bf16`), or why it keeps its Python path."""
+    bf16 = projection_dtype(child) == torch.bfloat16
+    with fp32_params(child) if bf16 else nullcontext():
+        weights = layer_weights(child)
+        if isinstance(weights, str):
+            return weights
+        candidate = NativeDecoderLayer(child, weights, native)
+        if not _proven(_reproduces, child, candidate, block_size):
+            return "its decode step differs"
+        if not bf16:
+            return candidate
+        exact = _bf16_step(child, candidate, block_size, torch.float32, torch.float32)
+    try:
+        bf16_candidate = NativeDecoderLayer(child, weights.as_bf16(), native)
+    except ValueError as e:
+        return str(e)
+    bf16_candidate.as_tuple = candidate.as_tuple
+    if not _proven(_reproduces_bf16, child, bf16_candidate, block_size, kv_dtype, exact):
+        return "its bf16 decode step differs"
+    return bf16_candidate
+
+
+def _proven(check: Any, layer: nn.Module, *args: Any) -> bool:
+    """``check(layer, *args)``, any failure counting as not proven (logged at debug level)."""
+    try:
+        return bool(check(layer, *args))
+    except Exception as e:  # noqa: BLE001 - any failure means: keep the Python path
+        logger.debug("layer {} not native: {}: {}", type(layer).__name__, type(e).__name__, e)
+        return False
+
+
+def wrap_native_layers(
+    model: nn.Module, block_size: int, kv_dtype: torch.dtype = torch.float32
+) -> NativeLayersReport:
     """Wrap the decoder layers of ``model`` whose form is described and reproduced (see the module docstring) in
-    place; other decoder layers are reported as kept, with the reason."""
+    place, their checks over pools of ``kv_dtype``; other decoder layers are reported as kept, with the reason."""
     native = native_kernels()
     wrapped, kept = 0, set()
     for parent in list(model.modules()):
@@ -270,22 +358,13 @@ def wrap_native_layers(model: nn.Module, block_size: int) -> NativeLayersReport:
             layer_like = kind.endswith(("DecoderLayer", "Block")) and (hasattr(child, "mlp") or hasattr(child, "ffn"))
             if isinstance(child, NativeDecoderLayer) or (kind not in NORM_PLACES and not layer_like):
                 continue
-            weights = layer_weights(child) if native is not None else "no native kernels"
-            if isinstance(weights, str):
-                kept.add(f"{kind}: {weights}")
+            candidate = _candidate(child, native, block_size, kv_dtype) if native is not None else "no native kernels"
+            if isinstance(candidate, str):
+                kept.add(f"{kind}: {candidate}")
                 continue
-            candidate = NativeDecoderLayer(child, weights, native)  # type: ignore[arg-type]
-            try:
-                ok = _reproduces(child, candidate, block_size)
-            except Exception as e:  # noqa: BLE001 - any failure means: keep the Python path
-                ok = False
-                logger.debug("layer {} not native: {}: {}", type(child).__name__, type(e).__name__, e)
-            if ok:
-                candidate.own_projections()
-                setattr(parent, name, candidate)
-                wrapped += 1
-            else:
-                kept.add(f"{type(child).__name__}: its decode step differs")
+            candidate.own_projections()
+            setattr(parent, name, candidate)
+            wrapped += 1
     report = NativeLayersReport(wrapped=wrapped, kept=tuple(sorted(kept)))
     if wrapped or kept:
         logger.info("native decode layers: {} wrapped{}", wrapped, f"; kept: {'; '.join(report.kept)}" if kept else "")

@@ -1,4 +1,4 @@
-"""Rewrite ``native`` (CPU, fp32): a fused decoder layer's decode step as one C++ call, for every layer form
+"""Rewrite ``native`` (CPU, fp32 and bf16 models): a fused decoder layer's decode step as one C++ call, for every layer form
 :mod:`tgi_paged_backend.runner.cpu.layer_forms` describes (:mod:`tgi_paged_backend.runner.cpu.native_layers`)."""
 
 from __future__ import annotations
@@ -13,6 +13,10 @@ from tgi_paged_backend.runner.cpu.native_layers import NativeLayersReport, wrap_
 from tgi_paged_backend.runner.rewrites.base import Decision, RewriteContext, runs, skip
 
 
+_DTYPES = (torch.float32, torch.bfloat16)
+"""Model and KV dtypes the native layer runs (fp32 arithmetic, fp32 or bf16 weights, hidden state and pools)."""
+
+
 class NativeLayers:
     name = "native"
 
@@ -21,8 +25,10 @@ class NativeLayers:
             return skip("needs the fused blocks (CPU only)")
         if not ctx.model_config.native_layers:
             return skip("TGI_PAGED_NATIVE_LAYERS=0")
-        if ctx.kv_dtype != torch.float32:
-            return skip(f"KV cache in {ctx.kv_dtype}, the native layer is fp32")
+        if ctx.dtype not in _DTYPES:
+            return skip(f"model in {ctx.dtype}: the native layer runs fp32 and bf16 models (fp16 runs per op)")
+        if ctx.kv_dtype not in _DTYPES or (ctx.dtype == torch.float32 and ctx.kv_dtype != torch.float32):
+            return skip(f"KV cache in {ctx.kv_dtype}: the native layer stores fp32 pools, or bf16 for a bf16 model")
         if ctx.model_config.compile_decode:
             # Its static step traces the per-op path, which would unpack the native layers' weights inside
             # the graph.
@@ -30,5 +36,5 @@ class NativeLayers:
         return runs()
 
     def apply(self, model: nn.Module, ctx: RewriteContext) -> tuple[NativeLayersReport, int]:
-        report = wrap_native_layers(model, ctx.block_size)
+        report = wrap_native_layers(model, ctx.block_size, ctx.kv_dtype)
         return report, report.wrapped
