@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -243,7 +243,7 @@ class LayerWeights:
             return t
 
         hidden, intermediate = int(need("o").shape[0]), int(need("down").shape[-1])
-        norms = {name: norm_weight(need(name), form.norm) for name in form.norms}
+        norms: dict[str, Any] = {name: norm_weight(need(name), form.norm) for name in form.norms}
         if form.qk_norm != "none":
             norms.update({n: norm_weight(need(n), form.qk_norm_kind) for n in ("q_norm", "k_norm")})
         bias = need("qkv_bias").detach().float().contiguous() if form.qkv_bias else None
@@ -255,7 +255,8 @@ class LayerWeights:
             qkv=pack_weight(need("qkv")), qkv_bias=bias, o=pack_weight(need("o")),
             gate_up=_pack_each(need("gate_up")), down=_pack_each(need("down")),
             router=pack_weight(need("router")) if form.experts else None,
-            **{name: pack_weight(need(name)) for name in (_SHARED if form.shared_expert else ())}, **norms,
+            **cast(dict[str, Any], {name: pack_weight(need(name)) for name in (_SHARED if form.shared_expert else ())}),
+            **norms,
         )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -326,7 +327,7 @@ class LayerWeights:
             raise ValueError("LayerWeights.as_bf16: needs fp32-packed weights of even input widths")
         names = ("qkv", "o", "gate_up", "down", "router", *_SHARED)
         packed = {name: getattr(self, name) for name in names}
-        repacked = {name: None if t is None else bf16_from_packed(t) for name, t in packed.items()}
+        repacked: dict[str, Any] = {name: None if t is None else bf16_from_packed(t) for name, t in packed.items()}
         return replace(self, **repacked, weight_dtype=torch.bfloat16)
 
     def scratch_floats(self, tokens: int) -> int:

@@ -37,13 +37,9 @@ from ._checks import cdiv
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(
-    CSRC / name for name in ("cpu_kernels.cpp", "cpu_layer.cpp", "cpu_gemm.cpp", "cpu_prefill.cpp", "cpu_lora.cpp")
-)
+SOURCES = tuple(CSRC / f"cpu_{name}.cpp" for name in ("kernels", "layer", "gemm", "prefill", "lora"))
 """Compiled into one library; the headers they include are part of the cache key."""
-HEADERS = tuple(
-    CSRC / name for name in ("cpu_common.h", "cpu_gemm.h", "cpu_gemm_bf16.h", "cpu_layer_rows.h", "cpu_moe.h")
-)
+HEADERS = tuple(CSRC / f"cpu_{name}.h" for name in ("common", "gemm", "gemm_bf16", "layer_rows", "moe"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 """Build flags; :func:`build_library`'s ``arch`` replaces ``native`` (the tests build ``x86-64-v3``: AVX2 paths)."""
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -129,9 +125,8 @@ def build_library(compiler: str | None = None, arch: str = "native") -> Path:
         return target
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         staged = Path(tmp) / target.name
-        done = subprocess.run(
-            [compiler, *_flags(arch), *map(str, SOURCES), "-o", str(staged)], capture_output=True, text=True
-        )
+        command = [compiler, *_flags(arch), *map(str, SOURCES), "-o", str(staged)]
+        done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         staged.chmod(0o755)  # not group-writable whatever the umask, or the next start would refuse it
@@ -170,17 +165,11 @@ class NativeKernels:
         self._rope = bind("tgi_paged_rope_neox", _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int)
         self._silu_and_mul = bind("tgi_paged_silu_and_mul", _ptr, _i64, _ptr, _i64, _i64, _int, _int)
         self._greedy = bind("tgi_paged_greedy", _ptr, _i64, _i64, _i64, _ptr, _ptr, _int)
-        self.gemm_packed = bind(
-            "tgi_paged_gemm_packed", _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int
-        )
-        self.gemm_packed_bf16 = bind(
-            "tgi_paged_gemm_packed_bf16", _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int
-        )
-        """Raw entry points of ``csrc/cpu_gemm.cpp`` and ``csrc/cpu_layer.cpp``; :mod:`tgi_paged_kernels.cpu_gemm`
-        and :mod:`tgi_paged_kernels.cpu_layer` wrap them."""
+        gemm = (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int)
+        self.gemm_packed, self.gemm_packed_bf16 = (bind(f"tgi_paged_gemm_packed{s}", *gemm) for s in ("", "_bf16"))
+        """Raw entry points of ``csrc/cpu_gemm.cpp``, ``csrc/cpu_layer.cpp``; ``cpu_gemm``, ``cpu_layer`` wrap them."""
         self.gemm_bf16_rounds_activations = bool(bind("tgi_paged_gemm_bf16_rounds_activations")())
-        """Whether this build's bf16 GEMM rounds activation pairs to bf16 (AVX512-BF16 ``vdpbf16ps``) rather than
-        widening the weights for fp32 fused multiply-adds (``csrc/cpu_gemm_bf16.h``)."""
+        """The bf16 GEMM rounds activations to bf16 (AVX512-BF16), not widens the weights (``cpu_gemm_bf16.h``)."""
         self.decode_layer = bind(
             "tgi_paged_decode_layer",
             _ptr, _ptr, _i64, _ptr, _ptr,  # layer spec, hidden, T, cos, sin

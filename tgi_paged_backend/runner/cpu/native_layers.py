@@ -345,9 +345,7 @@ def _proven(check: Any, layer: nn.Module, *args: Any) -> bool:
         return False
 
 
-def wrap_native_layers(
-    model: nn.Module, block_size: int, kv_dtype: torch.dtype = torch.float32
-) -> NativeLayersReport:
+def wrap_native_layers(model: nn.Module, block_size: int, kv_dtype: torch.dtype = torch.float32) -> NativeLayersReport:
     """Wrap the decoder layers of ``model`` whose form is described and reproduced (see the module docstring) in
     place, their checks over pools of ``kv_dtype``; other decoder layers are reported as kept, with the reason."""
     native = native_kernels()

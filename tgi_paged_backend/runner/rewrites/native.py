@@ -1,5 +1,5 @@
-"""Rewrite ``native`` (CPU, fp32 and bf16 models): a fused decoder layer's decode step as one C++ call, for every layer form
-:mod:`tgi_paged_backend.runner.cpu.layer_forms` describes (:mod:`tgi_paged_backend.runner.cpu.native_layers`)."""
+"""Rewrite ``native`` (CPU, fp32 and bf16 models): a fused decoder layer's decode step as one C++ call, for every
+layer form :mod:`.cpu.layer_forms` describes (:mod:`tgi_paged_backend.runner.cpu.native_layers`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from torch import nn
 
 from tgi_paged_backend.runner.cpu.native_layers import NativeLayersReport, wrap_native_layers
 from tgi_paged_backend.runner.rewrites.base import Decision, RewriteContext, runs, skip
-
 
 _DTYPES = (torch.float32, torch.bfloat16)
 """Model and KV dtypes the native layer runs (fp32 arithmetic, fp32 or bf16 weights, hidden state and pools)."""
