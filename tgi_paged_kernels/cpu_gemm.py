@@ -5,10 +5,12 @@ A ``[N, K]`` weight is packed once, in column blocks of 16 (:data:`PACK_BLOCK`, 
 
 - fp32 (:func:`pack_weight`): ``[ceil(N / 16), K, 16]``;
 - bf16 (:func:`pack_weight_bf16`): ``[ceil(N / 16), ceil(K / 2), 16, 2]``, each column's ``k`` pairs side by side
-  (the VNNI layout ``vdpbf16ps`` reads; ``K`` padded to even with zeros). Activations stay fp32, sums fp32: on
-  AVX512-BF16 each activation pair is rounded to bf16 and summed by ``vdpbf16ps``; elsewhere the weights are
-  widened (exact) and summed by fp32 fused multiply-adds (:meth:`NativeKernels.gemm_bf16_rounds_activations`
-  says which; the reference :func:`.cpu_layer_ref.gemm_packed_bf16_ref` models both).
+  (the VNNI layout ``vdpbf16ps`` reads; ``K`` padded to even with zeros). Activations stay fp32, sums fp32: the
+  weights are widened in registers (exact) and summed by fp32 fused multiply-adds, the bits of the fp32 GEMM on
+  the widened weights, at half its weight bytes. A build with ``-DTGI_PAGED_BF16_DOT`` on AVX512-BF16 rounds
+  activation pairs to bf16 and sums them with ``vdpbf16ps`` instead (slower on the cores we measured:
+  ``csrc/cpu_gemm_bf16.h``); :attr:`NativeKernels.gemm_bf16_rounds_activations` says which, and the reference
+  :func:`.cpu_layer_ref.gemm_packed_bf16_ref` models both.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def gemm_packed_bf16_ref(
     """Reference of :func:`.cpu_gemm.gemm_packed` on a bf16 packing of ``weight`` ``[N, K]`` (rounded to bf16
     here), for the build's arithmetic (:attr:`NativeKernels.gemm_bf16_rounds_activations`).
 
-    Widening builds (AVX2, scalar): :func:`gemm_packed_ref` on the bf16 weights. AVX512-BF16 (``vdpbf16ps``): the
+    Widening builds (the default): :func:`gemm_packed_ref` on the bf16 weights. ``-DTGI_PAGED_BF16_DOT``: the
     activations rounded to bf16 too, and per ``k`` pair the odd product added before the even one, each add
     rounded to fp32 (a product of two bf16 values is exact in fp32): the kernel's bits, denormals aside."""
     w = weight.detach().to(torch.bfloat16).float()

@@ -1,16 +1,21 @@
 """The bf16 side of the native decoder layer (``tgi_paged_kernels.cpu_gemm``, ``csrc/cpu_gemm_bf16.h``,
 ``cpu_layer.decode_layer`` with bf16 weights, hidden state and pools) against its torch references, on this host's
-build and on an AVX2-only build (``-march=x86-64-v3``) loaded beside it.
+build, an AVX2-only build (``-march=x86-64-v3``) and the opt-in ``vdpbf16ps`` build, loaded beside it.
 
-Tolerances, derived: the GEMM's reference models the build's arithmetic (:func:`gemm_packed_bf16_ref`): bit for bit
-on AVX512-BF16 (``vdpbf16ps``'s roundings), and within the fp32 GEMM's tolerance where the weights are widened (the
-fp32 GEMM on the widened weights gives the same bits there). The layer's reference is the fp32 reference on the
-bf16-rounded weights (activations rounded before each projection where the build rounds them): both sum in fp32 in
-other orders (1e-4, the fp32 test's tolerance), then round the output and the K/V to bf16, where a sum that close
-to a rounding boundary can land one bf16 ulp (up to 2^-7 relative) away.
+Tolerances, derived: the GEMM's reference models the build's arithmetic (:func:`gemm_packed_bf16_ref`): where the
+weights are widened (the default), the fp32 GEMM on the widened weights gives the same bits, and the float64
+reference is met within the fp32 GEMM's tolerance; the opt-in ``vdpbf16ps`` build meets its reference bit for bit.
+The layer's reference is the fp32 reference on the bf16-rounded weights (activations rounded before each projection
+where the build rounds them): both sum in fp32 in other orders (1e-4, the fp32 test's tolerance), then round the
+output and the K/V to bf16, where a sum that close to a rounding boundary can land one bf16 ulp (up to 2^-7
+relative) away.
 """
 
 from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,9 +138,25 @@ def test_bf16_layer_is_not_the_fp32_layer(native) -> None:
     assert 0 < gap < 0.05 * exact.abs().max().item()
 
 
+def _check_build(lib: cpu_native.NativeKernels) -> None:
+    """``lib``'s bf16 GEMM at :data:`SHAPES` and a bf16 Llama-form layer step against their references."""
+    for shape in SHAPES:
+        _check_gemm(lib, *shape)
+    rounded, w, (_, hkv, d, _) = _bf16_layer("Llama")
+    (k_pool, v_pool), tables, seq_lens, slots = _step([4, 21], 4, hkv, d, torch.int32)
+    k_pool, v_pool = k_pool.bfloat16(), v_pool.bfloat16()
+    x, cs = torch.randn(2, 96).bfloat16(), torch.rand(2, d).bfloat16()
+    ref_k, ref_v = k_pool.clone(), v_pool.clone()
+    got = decode_layer(lib, w, x, cs, cs, k_pool, v_pool, slots, tables, seq_lens)
+    rounds = lib.gemm_bf16_rounds_activations
+    expected = decode_layer_ref(rounded, w, x, cs, cs, ref_k, ref_v, slots, tables, seq_lens, rounds_activations=rounds)
+    assert got is not None
+    torch.testing.assert_close(got.float(), expected.float(), rtol=BF16_ULP, atol=1e-4)
+
+
 def test_avx2_build_bf16_gemm_matches_the_reference(tmp_path, monkeypatch) -> None:
-    """The library builds for an AVX2-only CPU (``-march=x86-64-v3``: the widening bf16 path, no AVX-512), and that
-    build's bf16 GEMM and bf16 layer step match their references (this host runs AVX2 code)."""
+    """The library builds for an AVX2-only CPU (``-march=x86-64-v3``: the widening bf16 path on 8 lanes, no
+    AVX-512), and that build's bf16 GEMM and bf16 layer step match their references (this host runs AVX2 code)."""
     monkeypatch.setenv("TGI_PAGED_KERNEL_CACHE", str(tmp_path / "kernels"))
     try:
         path = cpu_native.build_library(arch="x86-64-v3")
@@ -143,14 +164,19 @@ def test_avx2_build_bf16_gemm_matches_the_reference(tmp_path, monkeypatch) -> No
         pytest.skip(f"no compiler for x86-64-v3 here: {e}")
     avx2 = cpu_native.NativeKernels(path)
     assert not avx2.gemm_bf16_rounds_activations
-    for shape in SHAPES:
-        _check_gemm(avx2, *shape)
-    rounded, w, (_, hkv, d, _) = _bf16_layer("Llama")
-    (k_pool, v_pool), tables, seq_lens, slots = _step([4, 21], 4, hkv, d, torch.int32)
-    k_pool, v_pool = k_pool.bfloat16(), v_pool.bfloat16()
-    x, cs = torch.randn(2, 96).bfloat16(), torch.rand(2, d).bfloat16()
-    ref_k, ref_v = k_pool.clone(), v_pool.clone()
-    got = decode_layer(avx2, w, x, cs, cs, k_pool, v_pool, slots, tables, seq_lens)
-    expected = decode_layer_ref(rounded, w, x, cs, cs, ref_k, ref_v, slots, tables, seq_lens)
-    assert got is not None
-    torch.testing.assert_close(got.float(), expected.float(), rtol=BF16_ULP, atol=1e-4)
+    _check_build(avx2)
+
+
+def test_vdpbf16ps_build_matches_its_reference(tmp_path) -> None:
+    """The opt-in ``vdpbf16ps`` GEMM (``-DTGI_PAGED_BF16_DOT``, not the default: slower here, see
+    ``csrc/cpu_gemm_bf16.h``) builds on an AVX512-BF16 host and gives its reference's bits."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if "avx512_bf16" not in flags or compiler is None:
+        pytest.skip("no AVX512-BF16 or no compiler here")
+    target = tmp_path / "dot.so"
+    command = [compiler, *cpu_native.FLAGS, "-DTGI_PAGED_BF16_DOT", *map(str, cpu_native.SOURCES), "-o", str(target)]
+    subprocess.run(command, check=True, capture_output=True)
+    dot = cpu_native.NativeKernels(target)
+    assert dot.gemm_bf16_rounds_activations
+    _check_build(dot)
