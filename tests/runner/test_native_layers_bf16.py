@@ -29,6 +29,7 @@ from tgi_paged_backend.runner.cpu.native_bf16 import bf16_step_close, fp32_param
 from tgi_paged_backend.runner.cpu.native_layers import NativeDecoderLayer
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_kernels.cpu_gemm import bf16_from_packed, pack_weight
 from tgi_paged_kernels.cpu_native import native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="no C++ compiler here: no native kernels")
@@ -125,3 +126,21 @@ def test_fp32_params_round_trips_and_the_bf16_criterion() -> None:
     per_op = exact.bfloat16().float() + 0.01 * torch.randn(3, 64)
     assert bf16_step_close(exact.bfloat16(), per_op, exact)
     assert not bf16_step_close(exact.bfloat16() * 1.1, per_op, exact)
+
+
+def test_native_linear_bf16_rows_small_and_many() -> None:
+    """Few bf16 rows: the packed bf16 GEMM (fp32 sums, rounded once); many rows: oneDNN on the kept weight, as the
+    per-op linear computes it."""
+    linear = torch.nn.Linear(64, 40, bias=True).to(torch.bfloat16)
+    packed = pack_weight(linear.weight.detach().float())
+    native = native_layers.NativeLinear(
+        bf16_from_packed(packed), 40,
+        linear.bias.detach().float(), native_kernels(), 64,
+    )  # fmt: skip
+    native.keep_dense(linear)
+    for rows in (3, native_layers.BF16_MATMUL_ROWS + 5):
+        x = torch.randn(rows, 64).bfloat16()
+        exact = x.float() @ linear.weight.float().T + linear.bias.float()
+        got = native(x)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), exact, rtol=2**-7, atol=2e-2)
