@@ -15,8 +15,11 @@ rounds, and prints median and min ms per step with the host's CPU and load. Vari
 
     .venv/bin/python examples/bench_forward.py [--model smollm2|hostbound|hostbound-qwen3|...|DIR] [--rows 20]
         [--threads 2] [--variants default per-op unfused compiled] [--prefill TOKENS] [--quantize gptq]
+        [--dtypes float32 bfloat16]
 
 ``--prefill TOKENS`` times a prefill step of fresh prompts (17-156 tokens each, about TOKENS in all) instead.
+``--dtypes``: each variant in each model dtype (``bfloat16``: bf16 weights and KV pool; the native layers then run
+bf16-packed weights), printed as ``variant/dtype``.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def _model_dir(name: str) -> str:
     return name
 
 
-def build(variant: str, model: str, quantize: str | None = None) -> model_runner.ModelRunner:
+def build(variant: str, model: str, quantize: str | None = None, dtype: str = "float32") -> model_runner.ModelRunner:
     """A runner of ``variant`` (see the module docstring)."""
     real_min = fast_layers.PACK_MIN_ELEMENTS
     without = () if variant in ("default", "all-packed") else ("fuse",)
@@ -64,7 +67,11 @@ def build(variant: str, model: str, quantize: str | None = None) -> model_runner
         kernel = variant if variant in ("compiled", "sdpa") else "native"
         runner = model_runner.ModelRunner(
             ModelConfig(
-                model_id=model, cpu_decode=kernel, native_layers=variant in ("default", "all-packed"), quantize=quantize
+                model_id=model,
+                cpu_decode=kernel,
+                native_layers=variant in ("default", "all-packed"),
+                quantize=quantize,
+                dtype=dtype,
             ),
             CacheConfig(block_size=BLOCK_SIZE),
             rewrites=model_rewrites(without=without),
@@ -87,11 +94,14 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["default", "per-op", "unfused", "compiled"])
     parser.add_argument("--prefill", type=int, default=0, help="time a prefill step of about this many tokens")
     parser.add_argument("--quantize", default=None, help="--quantize of a quantized checkpoint (gptq, ...)")
+    parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(describe(host_info(), "float32"))
+    print(describe(host_info(), "/".join(args.dtypes)))
     model = _model_dir(args.model)
-    runners = {variant: build(variant, model, args.quantize) for variant in args.variants}
+    names = [v if args.dtypes == ["float32"] else f"{v}/{d}" for d in args.dtypes for v in args.variants]
+    pairs = [(v, d) for d in args.dtypes for v in args.variants]
+    runners = {n: build(v, model, args.quantize, d) for n, (v, d) in zip(names, pairs)}
     step = random_prefill_step(args.prefill, BLOCK_SIZE) if args.prefill else random_decode_step(args.rows, BLOCK_SIZE)
     batch = step.batch
     for runner in runners.values():
@@ -107,12 +117,10 @@ def main() -> None:
             times[variant].append(1000 * (time.perf_counter() - start))
     shape = f"prefill step, {batch.num_tokens} tokens" if args.prefill else f"decode step, {args.rows} rows"
     print(f"{shape}, {args.model}, {args.threads} threads, {args.steps} steps each, alternated:")
-    first = statistics.median(times[args.variants[0]])
+    first = statistics.median(times[names[0]])
     for variant, ts in times.items():
         median = statistics.median(ts)
-        print(
-            f"  {variant:9s} median {median:7.2f} ms, min {min(ts):7.2f} ms  ({median / first:.2f}x {args.variants[0]})"
-        )
+        print(f"  {variant:9s} median {median:7.2f} ms, min {min(ts):7.2f} ms  ({median / first:.2f}x {names[0]})")
 
 
 if __name__ == "__main__":

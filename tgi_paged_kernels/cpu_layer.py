@@ -5,9 +5,11 @@ On a small model a decode step is host time: per layer transformers' modules and
 make ~10 calls (two to four norms, four GEMMs, RoPE, the KV store, the attention, the activation, two
 residual adds), each with its Python, dispatch and OpenMP fork. :func:`decode_layer` runs all of it in one
 call and one OpenMP region, on weights packed once (:func:`pack_weight`) for a GEMM whose every output is
-one sequential sum of fused multiply-adds (the same on AVX-512, AVX2 and scalar code, whatever the rows
-or threads). fp32 activations and pools, fp32 or int8 projections (:mod:`.cpu_quant`); the caller
-(``runner.cpu.native_layers``) decides when it applies.
+one sequential sum (:mod:`.cpu_gemm`: the same whatever the rows or threads). The arithmetic is fp32; the
+projections are packed in fp32, bf16 (:meth:`LayerWeights.as_bf16`) or int8 (:mod:`.cpu_quant`), the hidden state
+(with the RoPE tables) and the pools are fp32 or bf16 (a bf16 hidden state is widened at entry and rounded at exit,
+a bf16 pool stores rounded K/V and is read widened); the caller (``runner.cpu.native_layers``) decides when it
+applies.
 
 The layer is data, not code: :class:`LayerForm` says which norms the layer has and where (before and
 after attention and MLP: Llama's two pre-norms, Gemma 2/3's sandwich, OLMo2's post-norms), their kind
@@ -24,54 +26,19 @@ References (the specification; ``tests/kernels/test_cpu_layer.py`` compares them
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .cpu_gemm import PACK_BLOCK, bf16_from_packed, gemm_packed, pack_weight, packed_shape
 from .cpu_layer_step import LayerStep, address
 from .cpu_native import NativeKernels
 
 if TYPE_CHECKING:
     from .cpu_layer_lora import LayerLora
 
-PACK_BLOCK = 16
-"""Columns per packed block (``kNB`` in the C++)."""
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 ``[N, K]`` weight as ``[ceil(N / 16), K, 16]`` (columns zero-padded), the GEMM's layout."""
-    if weight.dtype != torch.float32 or weight.dim() != 2:
-        raise ValueError(f"pack_weight: needs an fp32 [N, K] weight, got {weight.dtype} {tuple(weight.shape)}")
-    n, k = weight.shape
-    padded = torch.zeros((-(-n // PACK_BLOCK) * PACK_BLOCK, k), dtype=torch.float32)
-    padded[:n] = weight.detach()
-    return padded.view(-1, PACK_BLOCK, k).transpose(1, 2).contiguous()
-
-
-def gemm_packed(
-    native: NativeKernels, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for fp32 ``x`` ``[M, K]`` (rows contiguous) and ``W`` packed by :func:`pack_weight`."""
-    m, k = x.shape
-    if (
-        x.dtype != torch.float32
-        or x.stride(-1) != 1
-        or packed.dtype != torch.float32
-        or not packed.is_contiguous()
-        or packed.dim() != 3
-        or packed.shape[1:] != (k, PACK_BLOCK)
-        or packed.shape[0] * PACK_BLOCK < n
-        or (bias is not None and (bias.dtype != torch.float32 or bias.numel() < n or not bias.is_contiguous()))
-    ):
-        raise ValueError(f"gemm_packed: x {tuple(x.shape)} {x.dtype} does not fit a packed {tuple(packed.shape)}")
-    out = torch.empty((m, n), dtype=torch.float32)
-    native.gemm_packed(
-        x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n, None if bias is None else bias.data_ptr(), None, 0,
-        out.data_ptr(), n, torch.get_num_threads(),
-    )  # fmt: skip
-    return out
-
+__all__ = ["PACK_BLOCK", "LayerForm", "LayerWeights", "decode_layer", "gemm_packed", "pack_weight"]
 
 NORM_KINDS = ("rms", "rms_1p", "layer")
 """Norm kinds: ``rms`` is ``w * x / rms(x)`` (Llama), ``rms_1p`` is ``(1 + w) * x / rms(x)`` (Gemma), ``layer``
@@ -198,7 +165,7 @@ class _Spec(ctypes.Structure):
         *((name, ctypes.c_int32) for name in ("layer_norm", "rotary_dim", "gated", "post_add_norms")),
         *((name, ctypes.c_int32) for name in ("experts", "top_k", "norm_top_k", "shared_intermediate")),
         *((name, ctypes.c_float) for name in ("scale", "softcap", "residual_scale")),
-        ("weight_dtype", ctypes.c_int32),
+        ("weight_dtype", ctypes.c_int32),  # 0 fp32, 1 bf16, 2 int8 (3 fp8 e4m3: shared convention, not run here)
         *((f"eps_{name}", ctypes.c_float) for name in (*LAYER_NORMS, "q", "k")),
         *((name, ctypes.c_void_p) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias", "o", "gu", "down")),
         *((name, ctypes.c_void_p) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias", "router")),
@@ -261,10 +228,14 @@ class LayerWeights:
     shared_gate: torch.Tensor | None = None
     """MoE: the router's packed ``[E, H]``; then :attr:`gate_up` and :attr:`down` hold every expert's packed
     weight in turn."""
+    weight_dtype: torch.dtype = torch.float32
+    """How the projections are packed: fp32 (:func:`.cpu_gemm.pack_weight`) or bf16 (:meth:`as_bf16`); norm
+    weights and biases stay fp32."""
     int8_columns: tuple[torch.Tensor, ...] | None = None
-    """``None``: fp32 projections. Else :attr:`qkv`, :attr:`o`, :attr:`gate_up`, :attr:`down` hold int8 codes packed
-    by :func:`.cpu_quant.pack_int8` and this their columns' zero points and scales, ``(qkv zeros, qkv scales, o
-    zeros, ...)`` (:func:`.cpu_quant.pack_int8_layer` builds it)."""
+    """``None``: projections packed in :attr:`weight_dtype`. Else :attr:`qkv`, :attr:`o`, :attr:`gate_up`,
+    :attr:`down` hold int8 codes packed by :func:`.cpu_quant.pack_int8` (:attr:`weight_dtype` fp32) and this their
+    columns' zero points and scales, ``(qkv zeros, qkv scales, o zeros, ...)`` (:func:`.cpu_quant.pack_int8_layer`
+    builds it)."""
     spec: Any = field(default=None, init=False, repr=False, compare=False)
     """The ``LayerSpec`` the native call reads (addresses of the tensors above, which this object keeps)."""
 
@@ -317,30 +288,28 @@ class LayerWeights:
                 t is not None and (t.dtype != torch.float32 or t.shape != (width,) or not t.is_contiguous())
             ):
                 raise ValueError(f"LayerWeights: {name} does not fit the form (want an fp32 [{width}] or None)")
-        experts, n_gu, blocks = max(1, f.experts), (2 if f.gated else 1) * self.intermediate, -(-h // PACK_BLOCK)
+        experts, n_gu, dtype = max(1, f.experts), (2 if f.gated else 1) * self.intermediate, self.weight_dtype
+        int8, columns = self.int8_columns is not None, self.int8_columns or ()
+        hq_d, n_qkv, si = self.num_q_heads * d, (self.num_q_heads + 2 * self.num_kv_heads) * d, self.shared_intermediate
         packed = {
-            "gate_up": (experts * -(-n_gu // PACK_BLOCK), h, PACK_BLOCK),
-            "down": (experts * blocks, self.intermediate, PACK_BLOCK),
-            "router": (-(-f.experts // PACK_BLOCK), h, PACK_BLOCK) if f.experts else None,
+            "qkv": packed_shape(n_qkv, h, dtype),
+            "o": packed_shape(h, hq_d, dtype),
+            "gate_up": packed_shape(n_gu, h, dtype, experts),
+            "down": packed_shape(h, self.intermediate, dtype, experts),
+            "router": packed_shape(f.experts, h, dtype) if f.experts else None,
+            "shared_gate_up": packed_shape(2 * si, h, dtype) if f.shared_expert else None,
+            "shared_down": packed_shape(h, si, dtype) if f.shared_expert else None,
+            "shared_gate": packed_shape(1, h, dtype) if f.shared_expert else None,
         }
         for name, shape in packed.items():
             t = getattr(self, name)
-            if (t is None) != (shape is None) or (t is not None and (t.shape != shape or not t.is_contiguous())):
-                raise ValueError(f"LayerWeights: {name} is not a packed {shape} for this form")
-        shared = {
-            "shared_gate_up": (-(-2 * self.shared_intermediate // PACK_BLOCK), h, PACK_BLOCK),
-            "shared_down": (blocks, self.shared_intermediate, PACK_BLOCK),
-            "shared_gate": (1, h, PACK_BLOCK),
-        }
-        for name, shape in shared.items():
-            t = getattr(self, name)
-            if (t is None) == f.shared_expert or (t is not None and (t.shape != shape or not t.is_contiguous())):
-                raise ValueError(f"LayerWeights: {name} is not a packed {shape} for this form (or not None)")
-        int8, columns = self.int8_columns is not None, self.int8_columns or ()
-        if any(getattr(self, n).dtype != (torch.uint8 if int8 else torch.float32) for n in _PROJECTIONS) or (
-            int8 and (f.experts or len(columns) != 8)
-        ):
-            raise ValueError("LayerWeights: the four projections are all fp32 or all int8 codes with their columns")
+            want = torch.uint8 if int8 and name in _PROJECTIONS else dtype
+            if (t is None) != (shape is None) or (
+                t is not None and (t.shape != shape or t.dtype != want or not t.is_contiguous())
+            ):
+                raise ValueError(f"LayerWeights: {name} is not a packed {shape} {want} for this form (or None)")
+        if int8 and (f.experts or len(columns) != 8 or dtype != torch.float32):
+            raise ValueError("LayerWeights: int8 codes are the four projections' (no MoE), with their 8 column tensors")
         if self.num_q_heads % self.num_kv_heads or d % 2 or f.rotary_dim > d:
             raise ValueError(f"LayerWeights: {self.num_q_heads} query heads over {self.num_kv_heads}, head_dim {d}")
         spec = _Spec(
@@ -348,7 +317,7 @@ class LayerWeights:
             ACTIVATIONS.index(f.activation), QK_NORMS.index(f.qk_norm), ROPE_KINDS.index(f.rope), int(f.parallel),
             int(f.norm == "layer"), f.rotary_dim or d, int(f.gated), int(f.post_add_norms),
             f.experts, f.top_k, int(f.norm_top_k), self.shared_intermediate,
-            f.scale, f.softcap, f.residual_scale, 2 if int8 else 0,
+            f.scale, f.softcap, f.residual_scale, 2 if int8 else int(dtype == torch.bfloat16),
             *(f.eps for _ in LAYER_NORMS), f.qk_eps, f.qk_eps,
             *(address(getattr(self, name)) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias")),
             self.o.data_ptr(), self.gate_up.data_ptr(), self.down.data_ptr(),
@@ -360,14 +329,29 @@ class LayerWeights:
 
     @property
     def shared_intermediate(self) -> int:
-        """The shared expert's intermediate width (0: none)."""
-        return int(self.shared_down.shape[1]) if self.shared_down is not None else 0
+        """The shared expert's intermediate width (0: none; its packed down is ``[H, Is]``)."""
+        if self.shared_down is None:
+            return 0
+        return int(self.shared_down.shape[1]) * (2 if self.weight_dtype == torch.bfloat16 else 1)
+
+    def as_bf16(self) -> LayerWeights:
+        """These weights with the projections packed in bf16 (:func:`.cpu_gemm.bf16_from_packed`: exact for a bf16
+        model's weights); norms and biases as they are. Needs even input widths (pairs of ``k``)."""
+        widths = (self.hidden_size, self.intermediate, self.shared_intermediate)
+        if self.weight_dtype != torch.float32 or self.int8_columns is not None or any(k % 2 for k in widths):
+            raise ValueError("LayerWeights.as_bf16: needs fp32-packed weights of even input widths")
+        names = ("qkv", "o", "gate_up", "down", "router", *_SHARED)
+        packed = {name: getattr(self, name) for name in names}
+        repacked: dict[str, Any] = {name: None if t is None else bf16_from_packed(t) for name, t in packed.items()}
+        return replace(self, **repacked, weight_dtype=torch.bfloat16)
 
     def scratch_floats(self, tokens: int) -> int:
+        """fp32 scratch of a step of ``tokens`` rows (a bf16 hidden state's widened copy and tables included)."""
         hq, hkv, d, h = self.num_q_heads, self.num_kv_heads, self.head_dim, self.hidden_size
         moe = self.form.experts + 4 * h + (3 * self.shared_intermediate + h + 1 if self.form.shared_expert else 0)
         moe = moe if self.form.experts else 0
-        return tokens * (2 * h + (2 * hq + 3 * hkv) * d + hq * d + 3 * self.intermediate + moe)
+        widened = h + 2 * (self.form.rotary_dim or d)
+        return tokens * (2 * h + (2 * hq + 3 * hkv) * d + hq * d + 3 * self.intermediate + moe + widened)
 
 
 def decode_layer(
@@ -385,14 +369,15 @@ def decode_layer(
     lora: LayerLora | None = None,
     token_slots: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """The layer's output for fp32 ``hidden`` ``[T, H]`` (one token of each of ``T`` requests; a new tensor),
-    writing the tokens' K/V into fp32 pools ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (int64;
-    negative slots skipped). With ``query_start_loc`` (int32 ``[B + 1]``): ``B`` requests of several rows each
-    (a speculative verify step), each row attending over its request's positions up to its own. With ``lora``
-    (:class:`.cpu_layer_lora.LayerLora`): row ``t`` adds adapter ``token_slots[t]``'s deltas (``-1``: none).
+    """The layer's output for fp32 or bf16 ``hidden`` ``[T, H]`` (one token of each of ``T`` requests; a new tensor
+    of its dtype), writing the tokens' K/V into fp32 or bf16 pools ``[num_blocks, block_size, Hkv, D]`` at
+    ``slot_mapping`` (int64; negative slots skipped). With ``query_start_loc`` (int32 ``[B + 1]``): ``B`` requests
+    of several rows each (a speculative verify step), each row attending over its request's positions up to its
+    own. With ``lora`` (:class:`.cpu_layer_lora.LayerLora`; fp32 ``hidden`` only): row ``t`` adds adapter
+    ``token_slots[t]``'s deltas (``-1``: none).
 
-    ``cos``/``sin`` ``[T, rotary_dim or D]`` fp32 contiguous (unread, may be ``None``, for the rotary kind
-    ``none``); ``block_tables`` ``[T, *]`` and ``seq_lens`` ``[T]``, int32 or int64. ``None`` for inputs of
+    ``cos``/``sin`` ``[T, rotary_dim or D]`` contiguous, of ``hidden``'s dtype (unread, may be ``None``, for the
+    rotary kind ``none``); ``block_tables`` ``[T, *]`` and ``seq_lens`` ``[T]``, int32 or int64. ``None`` for inputs of
     another kind (the caller runs the per-op path); ``ValueError`` for a slot or block id outside the pool or a
     table too narrow (as the single kernels do). A tensor-parallel rank's layer:
     :func:`.cpu_layer_step.decode_layer_parts`.

@@ -19,6 +19,28 @@ def gemm_packed_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return (out if bias is None else out + bias.double()).float()
 
 
+def gemm_packed_bf16_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, rounds_activations: bool
+) -> torch.Tensor:
+    """Reference of :func:`.cpu_gemm.gemm_packed` on a bf16 packing of ``weight`` ``[N, K]`` (rounded to bf16
+    here), for the build's arithmetic (:attr:`NativeKernels.gemm_bf16_rounds_activations`).
+
+    Widening builds (the default): :func:`gemm_packed_ref` on the bf16 weights. ``-DTGI_PAGED_BF16_DOT``: the
+    activations rounded to bf16 too, and per ``k`` pair the odd product added before the even one, each add
+    rounded to fp32 (a product of two bf16 values is exact in fp32): the kernel's bits, denormals aside."""
+    w = weight.detach().to(torch.bfloat16).float()
+    if not rounds_activations:
+        return gemm_packed_ref(x, w, bias)
+    a = x.to(torch.bfloat16).float()
+    if a.shape[1] % 2:  # the packing's zero pair member
+        a, w = F.pad(a, (0, 1)), F.pad(w, (0, 1))
+    out = torch.zeros(a.shape[0], w.shape[0])
+    for k in range(0, a.shape[1], 2):
+        out = out + a[:, k + 1, None] * w[None, :, k + 1]
+        out = out + a[:, k, None] * w[None, :, k]
+    return out if bias is None else out + bias
+
+
 def _rms_ref(
     x: torch.Tensor, weight: torch.Tensor | None, kind: str, eps: float, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -43,12 +65,24 @@ def decode_layer_ref(
     query_start_loc: torch.Tensor | None = None,
     lora: LayerLora | None = None,
     token_slots: torch.Tensor | None = None,
+    rounds_activations: bool = False,
 ) -> torch.Tensor:
     """Reference of :func:`decode_layer` in torch ops, on the module's ``weights`` as :meth:`LayerWeights.pack`
     takes them (unpacked ``[N, K]`` projections, the norms' own weights): the decoder layer ``w.form``
-    describes, over the paged pools (same arguments otherwise; writes the pools too). Several rows per request
-    (``query_start_loc``): each row is a one-token request of its own over its request's table, seeing the
-    positions up to its own. LoRA: PEFT's delta of each row's adapter added to each target's output columns."""
+    describes, over the paged pools (same arguments otherwise; writes the pools too, rounding to their dtype).
+    Several rows per request (``query_start_loc``): each row is a one-token request of its own over its request's
+    table, seeing the positions up to its own. LoRA: PEFT's delta of each row's adapter added to each target's
+    output columns.
+
+    fp32 arithmetic whatever the dtypes (a bf16 ``hidden`` is widened, the output rounded back to its dtype);
+    ``rounds_activations``: each projection's input is rounded to bf16 first (a bf16-packed layer on an
+    AVX512-BF16 build, :func:`gemm_packed_bf16_ref`)."""
+    out_dtype, hidden = hidden.dtype, hidden.float()
+    cos, sin = (None if t is None else t.float() for t in (cos, sin))
+
+    def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16).float() if rounds_activations else x, weight, bias)
+
     form = w.form
     tokens, hq, hkv, d = hidden.shape[0], w.num_q_heads, w.num_kv_heads, w.head_dim
 
@@ -57,7 +91,7 @@ def decode_layer_ref(
         assert weight is not None
         if bias is None and (form.o_bias if name == "o" else form.mlp_bias and name != "qkv"):
             bias = weights[f"{name}_bias"]
-        out = F.linear(x, weight, bias)
+        out = project(x, weight, bias)
         for t in lora.targets if lora is not None else ():
             if t.projection == name and token_slots is not None:
                 columns = slice(t.column, t.column + t.b_stack.shape[1])
@@ -95,8 +129,8 @@ def decode_layer_ref(
     k = qk[:, hq:]
     block_size, keep = k_cache.shape[1], slot_mapping >= 0  # negative slots: nothing written
     blocks, offsets = slot_mapping[keep] // block_size, slot_mapping[keep] % block_size
-    k_cache[blocks, offsets] = k[keep]
-    v_cache[blocks, offsets] = v[keep]
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
     if query_start_loc is not None:  # row t of request b sees seq_lens[b] - (its rows after t) positions
         q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
         request = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
@@ -122,19 +156,22 @@ def decode_layer_ref(
         return F.silu(x) if form.activation == "silu" else F.gelu(x, approximate=gelu)
 
     if form.experts:
-        return add(hidden, _moe_ref(weights, form, mlp_in if form.parallel else norm(hidden, "mlp_in"), act), "mlp_out")
-    if not form.gated:
-        return add(hidden, linear(act(gate_up), "down"), "mlp_out")
-    gate, up = gate_up.chunk(2, dim=-1)
-    return add(hidden, linear(act(gate) * up, "down"), "mlp_out")
+        moe_in = mlp_in if form.parallel else norm(hidden, "mlp_in")
+        out = add(hidden, _moe_ref(weights, form, moe_in, act, project), "mlp_out")
+    elif not form.gated:
+        out = add(hidden, linear(act(gate_up), "down"), "mlp_out")
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = add(hidden, linear(act(gate) * up, "down"), "mlp_out")
+    return out.to(out_dtype)
 
 
-def _moe_ref(weights: dict[str, torch.Tensor | None], form: LayerForm, x: torch.Tensor, act) -> torch.Tensor:  # noqa: ANN001
+def _moe_ref(weights: dict[str, torch.Tensor | None], form: LayerForm, x: torch.Tensor, act, project) -> torch.Tensor:  # noqa: ANN001
     """transformers' Mixtral / Qwen3-MoE block: softmax of the router's logits, each token's top-k (renormalized
     when the form says so), each expert's gated MLP on its rows, weighted and added in expert order."""
     router, gate_up, down = (weights[n] for n in ("router", "gate_up", "down"))
     assert router is not None and gate_up is not None and down is not None
-    probs = F.softmax(F.linear(x, router).float(), dim=-1)
+    probs = F.softmax(project(x, router).float(), dim=-1)
     top, index = torch.topk(probs, form.top_k, dim=-1)
     if form.norm_top_k:
         top = top / top.sum(dim=-1, keepdim=True)
@@ -142,13 +179,13 @@ def _moe_ref(weights: dict[str, torch.Tensor | None], form: LayerForm, x: torch.
     for e in range(form.experts):
         tokens, slot = torch.where(index == e)
         if tokens.numel():
-            gate, up = F.linear(x[tokens], gate_up[e]).chunk(2, dim=-1)
-            out.index_add_(0, tokens, F.linear(act(gate) * up, down[e]) * top[tokens, slot, None])
+            gate, up = project(x[tokens], gate_up[e]).chunk(2, dim=-1)
+            out.index_add_(0, tokens, project(act(gate) * up, down[e]) * top[tokens, slot, None])
     if form.shared_expert:
         shared_gate_up, shared_down, shared_gate = (
             weights[n] for n in ("shared_gate_up", "shared_down", "shared_gate")
         )
         assert shared_gate_up is not None and shared_down is not None and shared_gate is not None
-        gate, up = F.linear(x, shared_gate_up).chunk(2, dim=-1)
-        out = out + F.sigmoid(F.linear(x, shared_gate)) * F.linear(act(gate) * up, shared_down)
+        gate, up = project(x, shared_gate_up).chunk(2, dim=-1)
+        out = out + F.sigmoid(project(x, shared_gate)) * project(act(gate) * up, shared_down)
     return out

@@ -48,10 +48,15 @@ def address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _rope_tables_fit(cos: torch.Tensor, sin: torch.Tensor, shape: tuple[int, int]) -> bool:
+STEP_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""The hidden state's (with its RoPE tables') and the pools' dtypes the native step takes, as the C++ codes (a bf16
+hidden state: the whole layer only, without LoRA; a rank's parts and LoRA rows keep fp32)."""
+
+
+def _rope_tables_fit(cos: torch.Tensor, sin: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> bool:
     return (
         cos.shape == shape and sin.shape == shape and cos.is_contiguous() and sin.is_contiguous()
-        and cos.dtype == torch.float32 and sin.dtype == torch.float32
+        and cos.dtype == dtype and sin.dtype == dtype
     )  # fmt: skip
 
 
@@ -61,7 +66,7 @@ class LayerStep:
 
     native: NativeKernels
     out: torch.Tensor
-    """The layer's output ``[T, H]``: a copy of its input that stages 0, 2 and 3 update."""
+    """The layer's output ``[T, H]`` (its input's dtype): a copy of its input that stages 0, 2 and 3 update."""
     args: tuple
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
@@ -93,12 +98,15 @@ class LayerStep:
         d = w.head_dim
         if w.form.rope == "none":
             cos = sin = None
-        elif cos is None or sin is None or not _rope_tables_fit(cos, sin, (tokens, w.form.rotary_dim or d)):
+        elif (
+            cos is None or sin is None or not _rope_tables_fit(cos, sin, (tokens, w.form.rotary_dim or d), hidden.dtype)
+        ):
             return None
         if (
-            hidden.dtype != torch.float32
+            hidden.dtype not in STEP_DTYPES
             or hidden.shape != (tokens, w.hidden_size)
-            or k_cache.dtype != torch.float32
+            or k_cache.dtype not in STEP_DTYPES
+            or v_cache.dtype != k_cache.dtype
             or k_cache.shape != v_cache.shape
             or k_cache.stride() != v_cache.stride()
             or k_cache.shape[2:] != (w.num_kv_heads, d)
@@ -109,7 +117,10 @@ class LayerStep:
             or block_tables.shape[0] < requests
             or seq_lens.numel() < requests
             or (query_start_loc is not None and (query_start_loc.dtype != torch.int32 or requests < 1))
-            or (lora is not None and (token_slots is None or token_slots.shape != (tokens,)))
+            or (
+                lora is not None
+                and (token_slots is None or token_slots.shape != (tokens,) or hidden.dtype != torch.float32)
+            )
             or block_tables.dtype not in (torch.int32, torch.int64)
             or seq_lens.dtype not in (torch.int32, torch.int64)
         ):
@@ -132,6 +143,7 @@ class LayerStep:
             block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64),
             block_size, scratch.data_ptr(), torch.get_num_threads(),
             address(qsl), requests, None if lora_args is None else ctypes.addressof(lora_args),
+            STEP_DTYPES[hidden.dtype], STEP_DTYPES[k_cache.dtype],
         )  # fmt: skip
         keep = (scratch, slot_mapping, cos, sin, qsl, lora_args, token_slots)
         return cls(native, out, args, block_tables, seq_lens, block_size, int(k_cache.shape[0]), keep)
@@ -170,8 +182,9 @@ def decode_layer_parts(
     """A tensor-parallel rank's decode step of its layer ``w`` (its slices, packed): :func:`.cpu_layer.decode_layer`
     with ``all_reduce`` summing the row-parallel projections' partial sums over the ranks (see the module
     docstring; one call for a parallel block, two for a sequential one). ``None`` for inputs of another kind, and
-    for a form the parts do not run (an MoE MLP), before any all-reduce; every rank must get the same answer."""
-    if w.form.experts:
+    for a form the parts do not run (an MoE MLP, a bf16 hidden state), before any all-reduce; every rank must get the
+    same answer."""
+    if w.form.experts or hidden.dtype != torch.float32:
         return None
     step = LayerStep.prepare(native, w, hidden, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens)
     if step is None:

@@ -23,7 +23,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -33,34 +32,21 @@ from typing import Any
 import torch
 
 from ._checks import cdiv
+from .kernel_cache import cache_dir, cpu_signature
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f"{name}.cpp" for name in ("cpu_kernels", "cpu_layer", "cpu_prefill", "cpu_lora", "cpu_quant"))
+SOURCES = tuple(CSRC / f"cpu_{n}.cpp" for n in ("kernels", "layer", "gemm", "prefill", "lora", "quant"))
 """Compiled into one library; the headers they include are part of the cache key."""
-_HEADER_NAMES = "cpu_common cpu_gemm cpu_gemm_quant cpu_layer_rows cpu_lora cpu_lora_tiles cpu_moe"
-HEADERS = tuple(CSRC / f"{n}.h" for n in _HEADER_NAMES.split())
+_HEADER_NAMES = "common gemm gemm_bf16 gemm_quant layer_rows lora lora_tiles moe"
+HEADERS = tuple(CSRC / f"cpu_{n}.h" for n in _HEADER_NAMES.split())
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+"""Build flags; :func:`build_library`'s ``arch`` replaces ``native`` (the tests build ``x86-64-v3``: AVX2 paths)."""
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 """Storage dtypes the kernels read natively; one-byte (fp8) pools go through a decode table (code 2)."""
 
 _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-
-
-def _cpu_signature() -> str:
-    """Model name and flags of this CPU (what ``-march=native`` compiles for)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    keep = [line for line in lines if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(keep)))
-
-
-def _cache_dir() -> Path:
-    default = Path.home() / ".cache" / "tgi-paged-backend" / "kernels"
-    return Path(os.environ.get("TGI_PAGED_KERNEL_CACHE", default))
 
 
 class UnsafeKernelCache(RuntimeError):
@@ -95,16 +81,21 @@ def check_private(directory: Path, library: Path | None = None) -> None:
         )
 
 
-def library_path(compiler: str) -> Path:
-    """Where the build of :data:`SOURCES` by ``compiler`` for this CPU is cached."""
+def _flags(arch: str) -> tuple[str, ...]:
+    return tuple(f"-march={arch}" if flag == "-march=native" else flag for flag in FLAGS)
+
+
+def library_path(compiler: str, arch: str = "native") -> Path:
+    """Where the build of :data:`SOURCES` by ``compiler`` for this CPU (``-march=arch``) is cached."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, compiler, version, *FLAGS, _cpu_signature()]).encode()).hexdigest()
-    return _cache_dir() / f"cpu_kernels-{key[:24]}.so"
+    flags = _flags(arch)
+    key = hashlib.sha256("\0".join([*texts, compiler, version, *flags, cpu_signature()]).encode()).hexdigest()
+    return cache_dir() / f"cpu_kernels-{key[:24]}.so"
 
 
-def build_library(compiler: str | None = None) -> Path:
-    """Compile :data:`SOURCES` (or reuse the cached build) and return the shared library's path.
+def build_library(compiler: str | None = None, arch: str = "native") -> Path:
+    """Compile :data:`SOURCES` for ``-march=arch`` (or reuse the cached build) and return the shared library's path.
 
     Raises ``RuntimeError`` with the compiler's message when no compiler is found or the build fails, and
     :class:`UnsafeKernelCache` (before building or returning a cached build) when :func:`check_private` fails.
@@ -112,7 +103,7 @@ def build_library(compiler: str | None = None) -> Path:
     compiler = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         raise RuntimeError("no C++ compiler (set CXX or install g++)")
-    target = library_path(compiler)
+    target = library_path(compiler, arch)
     target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the mode applies when it is created here
     check_private(target.parent)
     if target.is_file():
@@ -120,7 +111,8 @@ def build_library(compiler: str | None = None) -> Path:
         return target
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         staged = Path(tmp) / target.name
-        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(staged)], capture_output=True, text=True)
+        command = [compiler, *_flags(arch), *map(str, SOURCES), "-o", str(staged)]
+        done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         staged.chmod(0o755)  # not group-writable whatever the umask, or the next start would refuse it
@@ -159,14 +151,15 @@ class NativeKernels:
         self._rope = bind("tgi_paged_rope_neox", _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int)
         self._silu_and_mul = bind("tgi_paged_silu_and_mul", _ptr, _i64, _ptr, _i64, _i64, _int, _int)
         self._greedy = bind("tgi_paged_greedy", _ptr, _i64, _i64, _i64, _ptr, _ptr, _int)
-        self.gemm_packed = bind(
-            "tgi_paged_gemm_packed", _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int
-        )
+        gemm = (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int)
+        self.gemm_packed, self.gemm_packed_bf16 = (bind(f"tgi_paged_gemm_packed{s}", *gemm) for s in ("", "_bf16"))
         self.gemm_packed_i8 = bind(  # a, lda, M, K, codes, zeros, scales, N, bias, add, ldadd, out, ldo, threads
             "tgi_paged_gemm_packed_i8", _ptr, _i64, _i64, _i64, *(_ptr,) * 3, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int
         )
-        """Raw entry points of ``csrc/cpu_layer.cpp`` (``cpu_quant.cpp``: the int8 GEMM);
-        :mod:`tgi_paged_kernels.cpu_layer` (:mod:`tgi_paged_kernels.cpu_quant`) wraps them."""
+        """Raw entry points of ``csrc/cpu_gemm.cpp``, ``cpu_quant.cpp`` (int8), ``cpu_layer.cpp``; ``cpu_gemm``,
+        ``cpu_quant``, ``cpu_layer`` wrap them."""
+        self.gemm_bf16_rounds_activations = bool(bind("tgi_paged_gemm_bf16_rounds_activations")())
+        """The bf16 GEMM rounds activations to bf16 (AVX512-BF16), not widens the weights (``cpu_gemm_bf16.h``)."""
         self.decode_layer = bind(
             "tgi_paged_decode_layer",
             _ptr, _ptr, _i64, _ptr, _ptr,  # layer spec, hidden, T, cos, sin
@@ -174,6 +167,7 @@ class NativeKernels:
             _ptr, _ptr, _int, _i64, _i64, _ptr, _int,  # slots, tables, seq lens
             _int, _ptr, _int,  # block size, scratch, threads
             _ptr, _i64, _ptr,  # query_start_loc and requests (verify steps), LoRA (cpu_layer_lora.LayerLora)
+            _int, _int,  # act dtype, KV dtype (0 fp32, 1 bf16)
         )  # fmt: skip
         # stage, partial sums (a tensor-parallel rank's parts; 0, null: the whole layer), decode_layer's arguments
         self.decode_layer_stage = bind("tgi_paged_decode_layer_stage", _int, _ptr, *self.decode_layer.argtypes)

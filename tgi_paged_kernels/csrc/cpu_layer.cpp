@@ -1,10 +1,12 @@
-// A decoder layer's decode step as one call (fp32), for any layer form the LayerSpec describes (norm
+// A decoder layer's decode step as one call (fp32 arithmetic), for any layer form the LayerSpec describes (norm
 // placement, q/k norms, activation, biases, attention scale, soft-cap, window, residual scale), on weights
-// packed once for the GEMM of cpu_gemm.h. Built into the same library as cpu_kernels.cpp (cpu_native.py).
+// packed once for the GEMM of cpu_gemm.h (fp32) or cpu_gemm_bf16.h (bf16); hidden state and pools fp32 or bf16.
+// Built into the same library as cpu_kernels.cpp (cpu_native.py).
 // Torch references: tgi_paged_kernels.cpu_layer_ref (gemm_packed_ref, decode_layer_ref), compared in
 // tests/kernels/test_cpu_layer.py.
 
 #include "cpu_gemm.h"
+#include "cpu_gemm_bf16.h"
 #include "cpu_gemm_quant.h"
 #include "cpu_layer_rows.h"
 #include "cpu_lora.h"
@@ -32,36 +34,40 @@ struct LayerSpec {
   int32_t experts, top_k, norm_top_k;  // experts > 0: an MoE MLP (cpu_moe.h), gated, w_gate_up / w_down per expert
   int32_t shared_intermediate;  // > 0: plus a shared expert, sigmoid(w_shared_gate . x) * its gated MLP (Qwen2-MoE)
   float scale, softcap, residual_scale;
-  int32_t weight_dtype;  // the four projections' weights: 0 fp32 (cpu_gemm.h), 2 int8 codes (cpu_gemm_quant.h)
+  int32_t weight_dtype;  // the packed projections: 0 fp32 (cpu_gemm.h), 1 bf16 (cpu_gemm_bf16.h), 2 int8 codes
+                         // (cpu_gemm_quant.h: the four projections only, no MoE); norms stay fp32
   float eps_attn_in, eps_attn_out, eps_mlp_in, eps_mlp_out, eps_q, eps_k;
   const float *attn_in, *attn_out, *mlp_in, *mlp_out;  // before / after attention, before / after the MLP
   const float *q_norm, *k_norm;
-  const float *w_qkv, *b_qkv, *w_o, *w_gate_up, *w_down;  // packed; b_qkv may be null
+  const void* w_qkv;                           // packed in weight_dtype, as w_o, w_gate_up, w_down, w_router, ...
+  const float* b_qkv;                          // may be null
+  const void *w_o, *w_gate_up, *w_down;
   const float *attn_in_b, *attn_out_b, *mlp_in_b, *mlp_out_b;  // LayerNorm biases (null: none)
   const float *b_o, *b_gate_up, *b_down;                       // projection biases (null: none)
-  const float* w_router;                                       // packed [experts, H] (MoE only)
-  const float *w_shared_gate_up, *w_shared_down, *w_shared_gate;  // packed [2Is, H], [H, Is], [1, H]
+  const void* w_router;                                        // packed [experts, H] (MoE only)
+  const void *w_shared_gate_up, *w_shared_down, *w_shared_gate;  // packed [2Is, H], [H, Is], [1, H]
   const float* w_zeros[4];   // int8: per packed column of w_qkv, w_o, w_gate_up, w_down (kQkv .. kDown)
   const float* w_scales[4];  // the same columns' scales
 };
 
 enum Projection { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
 
-// gemm_packed of one of the layer's four projections (w its packed weight) in the spec's weight dtype.
-inline void gemm_proj(const LayerSpec& S, int p, const float* a, int64_t lda, int64_t M, int64_t K, const float* w,
+// gemm_packed of one of the layer's four projections (w its packed weight) in the spec's weight dtype: int8 codes
+// with their columns' zeros and scales (cpu_gemm_quant.h), else fp32 or bf16 (gemm_weights, cpu_gemm_bf16.h).
+inline void gemm_proj(const LayerSpec& S, int p, const float* a, int64_t lda, int64_t M, int64_t K, const void* w,
                       int64_t N, const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
   if (S.weight_dtype == 2) {
-    gemm_packed_i8(a, lda, M, K, reinterpret_cast<const uint8_t*>(w), S.w_zeros[p], S.w_scales[p], N, bias, add,
-                   ldadd, out, ldo);
+    gemm_packed_i8(a, lda, M, K, static_cast<const uint8_t*>(w), S.w_zeros[p], S.w_scales[p], N, bias, add, ldadd,
+                   out, ldo);
   } else {
-    gemm_packed(a, lda, M, K, w, N, bias, add, ldadd, out, ldo);
+    gemm_weights(S.weight_dtype, a, lda, M, K, w, N, bias, add, ldadd, out, ldo);
   }
 }
 
 struct StepArgs {
-  float* hidden;  // [T, H] in/out: the residual stream
+  float* hidden;  // [T, H] in/out: the residual stream (fp32; a bf16 step's widened copy of hidden_bf16)
   int64_t tokens;
-  const float *cos, *sin;  // [T, D]
+  const float *cos, *sin;  // [T, R] (a bf16 step's widened copies)
   const int64_t* slot_mapping;
   float* scratch;
   int stage;       // 0: the whole layer; 1, 2, 3: a tensor-parallel rank's parts (tgi_paged_decode_layer_stage)
@@ -69,7 +75,22 @@ struct StepArgs {
   const LayerLora* lora;          // null: no adapter rows (cpu_lora.h; stage 0 only)
   const LoraGroups* lora_groups;  // the rows with an adapter, grouped by it
   float* lora_xa;                 // lora_scratch_floats(lora, tokens) floats
+  uint16_t* hidden_bf16;               // a bf16 step: [T, H] in/out, widened at entry, rounded (RNE) at exit
+  const uint16_t *cos_bf16, *sin_bf16;  // a bf16 step's tables [T, R] (null without RoPE)
 };
+
+// A bf16 step's inputs widened into the fp32 buffers of `A` (work-shared).
+inline void widen_inputs(const StepArgs& A, int64_t H, int64_t R) {
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < A.tokens; ++t) {
+    for (int64_t i = 0; i < H; ++i) A.hidden[t * H + i] = bf16_to_float(A.hidden_bf16[t * H + i]);
+    if (!A.cos_bf16) continue;
+    for (int64_t i = 0; i < R; ++i) {
+      const_cast<float*>(A.cos)[t * R + i] = bf16_to_float(A.cos_bf16[t * R + i]);
+      const_cast<float*>(A.sin)[t * R + i] = bf16_to_float(A.sin_bf16[t * R + i]);
+    }
+  }
+}
 
 // hidden[t] += scale * norm(y[t]) (norm: RMSNorm with weight w, skipped when w is null) for T rows of H;
 // y is scratch, normed in place. The sum rounds like torch's residual + y * scale. post_add: hidden[t] =
@@ -129,7 +150,18 @@ inline void activate_rows(const LayerSpec& S, const float* gate_up, float* act, 
   }
 }
 
-template <int kHeadDim>
+// One value of a pool of storage dtype kKv (0 fp32, 1 bf16: rounded to nearest even).
+template <int kKv>
+inline void store_row(char* dst, const float* src, int n) {
+  if constexpr (kKv == 0) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+  } else {
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+    for (int i = 0; i < n; ++i) d[i] = float_to_bf16(src[i]);
+  }
+}
+
+template <int kKv, int kHeadDim>
 int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_threads) {
   const int64_t T = A.tokens, H = S.hidden_size, I = S.intermediate;
   const int hq = d.num_q_heads, hkv = d.num_kv_heads, D = d.head_dim;
@@ -158,6 +190,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
   float* partial = A.partial;
 #pragma omp parallel num_threads(num_threads)
   {
+    if (A.hidden_bf16) widen_inputs(A, H, S.rotary_dim);
     const float* attn_x = A.hidden;
     if (stage <= 1 && S.attn_in) {
 #pragma omp for schedule(static)
@@ -201,12 +234,13 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
         continue;
       }
       const int64_t base = (slot / d.block_size) * d.c_sblock + (slot % d.block_size) * d.c_sslot;
+      constexpr int64_t bytes = kKv == 0 ? 4 : 2;
       for (int h = 0; h < hkv; ++h) {
-        std::memcpy(const_cast<char*>(d.k_cache) + (base + h * d.c_shead) * 4, rotated + (hq + h) * D, D * 4);
-        std::memcpy(const_cast<char*>(d.v_cache) + (base + h * d.c_shead) * 4, row + n_q + (hkv + h) * D, D * 4);
+        store_row<kKv>(const_cast<char*>(d.k_cache) + (base + h * d.c_shead) * bytes, rotated + (hq + h) * D, D);
+        store_row<kKv>(const_cast<char*>(d.v_cache) + (base + h * d.c_shead) * bytes, row + n_q + (hkv + h) * D, D);
       }
     }
-    if (stage <= 1) decode_tasks<0, kHeadDim>(d, num_threads, status);
+    if (stage <= 1) decode_tasks<kKv, kHeadDim>(d, num_threads, status);
     if (stage == 1) {  // the rank's partial sums of o (its bias comes after the all-reduce)
       gemm_proj(S, kO, attn, n_q, T, n_q, S.w_o, H, nullptr, nullptr, 0, partial, H);
     } else if (stage == 2) {
@@ -238,17 +272,17 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
     if (!mlp_here) {
     } else if (S.experts > 0) {  // the MoE MLP's sum goes to moe_out, then onto h like a normed block's output
       float* moe_out = x_mlp + T * H;
-      moe_mlp(mlp_x, T, H, I, S.experts, S.top_k, S.norm_top_k, S.w_router, S.w_gate_up, S.w_down, moe_out + T * H,
-              gate_up, act, moe_out, routing,
+      moe_mlp(mlp_x, T, H, I, S.experts, S.top_k, S.norm_top_k, S.weight_dtype, S.w_router, S.w_gate_up, S.w_down,
+              moe_out + T * H, gate_up, act, moe_out, routing,
               [&S](const float* gu, float* a, int64_t rows) { activate_rows(S, gu, a, rows, S.intermediate); });
       if (S.shared_intermediate > 0) {  // moe_out += sigmoid(x . w_shared_gate) * shared(x), as Qwen2-MoE adds it
         const int64_t Is = S.shared_intermediate;
         float* s_gu = moe_out + T * (S.experts + 3 * H);
         float *s_act = s_gu + T * 2 * Is, *s_out = s_act + T * Is, *s_gate = s_out + T * H;
-        gemm_packed(mlp_x, H, T, H, S.w_shared_gate_up, 2 * Is, nullptr, nullptr, 0, s_gu, 2 * Is);
+        gemm_weights(S.weight_dtype, mlp_x, H, T, H, S.w_shared_gate_up, 2 * Is, nullptr, nullptr, 0, s_gu, 2 * Is);
         activate_rows(S, s_gu, s_act, T, Is);
-        gemm_packed(s_act, Is, T, Is, S.w_shared_down, H, nullptr, nullptr, 0, s_out, H);
-        gemm_packed(mlp_x, H, T, H, S.w_shared_gate, 1, nullptr, nullptr, 0, s_gate, 1);
+        gemm_weights(S.weight_dtype, s_act, Is, T, Is, S.w_shared_down, H, nullptr, nullptr, 0, s_out, H);
+        gemm_weights(S.weight_dtype, mlp_x, H, T, H, S.w_shared_gate, 1, nullptr, nullptr, 0, s_gate, 1);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) {
           const float g = 1.0f / (1.0f + std::exp(-s_gate[t]));
@@ -273,22 +307,27 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
                      S.post_add);
       }
     }
+    if (A.hidden_bf16) {  // the step's output rounded to bf16, as a bf16 model's residual stream holds it
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < T * H; ++i) A.hidden_bf16[i] = float_to_bf16(A.hidden[i]);
+    }
   }
   return status;
+}
+
+template <int kKv>
+int layer_dispatch_dim(const LayerSpec& S, const StepArgs& A, const DecodeArgs& d, int num_threads) {
+  switch (S.head_dim) {
+    case 64: return layer_impl<kKv, 64>(S, A, d, num_threads);
+    case 128: return layer_impl<kKv, 128>(S, A, d, num_threads);
+    case 256: return layer_impl<kKv, 256>(S, A, d, num_threads);
+    default: return layer_impl<kKv, 0>(S, A, d, num_threads);
+  }
 }
 
 }  // namespace
 
 extern "C" {
-
-// out[M, N] = a[M, K] @ W^T (+ bias) (+ add), W packed as above (torch reference: cpu_layer_ref.gemm_packed_ref).
-// a, add and out row-major with the given row strides; bias [N] or null; add may be null or alias out.
-int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, const float* packed, int64_t N,
-                          const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo, int num_threads) {
-#pragma omp parallel num_threads(num_threads)
-  gemm_packed(a, lda, M, K, packed, N, bias, add, ldadd, out, ldo);
-  return kOk;
-}
 
 // The decode step of a tensor-parallel rank's layer `spec` (its heads' and MLP columns' slices), in the parts
 // between the all-reduces of its row-parallel projections (o, down), which the caller runs on `partial` [T, H]:
@@ -298,16 +337,18 @@ int tgi_paged_gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, con
 //   stage 3: h += rs * n_mo(partial + b_down (+ b_o: parallel)).
 // Arguments as tgi_paged_decode_layer's (the same each stage), hidden updated by stages 2 and 3. No MoE MLP.
 int tgi_paged_decode_layer_stage(
-    int stage, float* partial, const LayerSpec* spec, float* hidden, int64_t tokens, const float* cos,
-    const float* sin, void* k_cache, void* v_cache, int64_t num_blocks, int64_t c_sblock, int64_t c_sslot,
+    int stage, float* partial, const LayerSpec* spec, void* hidden, int64_t tokens, const void* cos,
+    const void* sin, void* k_cache, void* v_cache, int64_t num_blocks, int64_t c_sblock, int64_t c_sslot,
     int64_t c_shead, const int64_t* slot_mapping, const void* block_tables, int bt_int64, int64_t bt_stride,
     int64_t bt_width, const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads,
-    const int32_t* query_start_loc, int64_t num_requests, const LayerLora* lora) {
+    const int32_t* query_start_loc, int64_t num_requests, const LayerLora* lora, int act_dtype, int kv_dtype) {
   const LayerSpec& S = *spec;
   const bool int8_columns = S.w_zeros[0] && S.w_zeros[1] && S.w_zeros[2] && S.w_zeros[3] && S.w_scales[0] &&
                             S.w_scales[1] && S.w_scales[2] && S.w_scales[3];
   if (stage < 0 || stage > 3 || (stage && (!partial || S.experts > 0)) || (stage == 2 && S.parallel) ||
-      (S.weight_dtype != 0 && S.weight_dtype != 2) || (S.weight_dtype == 2 && (!int8_columns || S.experts > 0)) ||
+      S.weight_dtype < 0 || S.weight_dtype > 2 || (S.weight_dtype == 2 && (!int8_columns || S.experts > 0)) ||
+      // a bf16 hidden state is the whole layer's only (a rank's stages keep the per-op path)
+      act_dtype < 0 || act_dtype > 1 || (stage && act_dtype) || kv_dtype < 0 || kv_dtype > 1 ||
       S.activation < 0 || S.activation > 3 || (S.experts > 0 && (!S.gated || !S.w_router || S.top_k < 1 ||
                                                                   S.top_k > S.experts || S.b_gate_up)) ||
       (S.shared_intermediate > 0 && (!S.experts || !S.w_shared_gate_up || !S.w_shared_down || !S.w_shared_gate)) || S.qk_norm < 0 || S.qk_norm > 2 ||
@@ -329,8 +370,18 @@ int tgi_paged_decode_layer_stage(
   std::vector<float> lora_xa(static_cast<size_t>(lora_scratch_floats(lora, tokens)));
   LoraGroups lora_groups;
   if (lora) group_rows(lora->token_slots, tokens, lora_groups);
-  const StepArgs A{hidden, tokens, cos, sin, slot_mapping, scratch, stage, partial, lora, &lora_groups,
-                   lora_xa.data()};
+  StepArgs A{static_cast<float*>(hidden), tokens, static_cast<const float*>(cos), static_cast<const float*>(sin),
+             slot_mapping, scratch, stage, partial, lora, &lora_groups, lora_xa.data(), nullptr, nullptr, nullptr};
+  if (act_dtype == 1) {  // fp32 copies at the front of scratch; the layer's own scratch after them
+    const int64_t H = S.hidden_size, R = S.rotary_dim;
+    A.hidden_bf16 = static_cast<uint16_t*>(hidden);
+    A.hidden = scratch;
+    A.cos = S.rope == 2 ? nullptr : scratch + tokens * H;
+    A.sin = S.rope == 2 ? nullptr : scratch + tokens * (H + R);
+    A.cos_bf16 = S.rope == 2 ? nullptr : static_cast<const uint16_t*>(cos);
+    A.sin_bf16 = S.rope == 2 ? nullptr : static_cast<const uint16_t*>(sin);
+    A.scratch = scratch + tokens * (H + 2 * R);
+  }
   DecodeArgs d{nullptr, 0, 0, static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), nullptr,
                      c_sblock, c_sslot, c_shead, num_blocks, block_tables, bt_int64, bt_stride, bt_width,
                      seq_lens, sl_int64, nullptr, static_cast<int>(tokens), S.num_q_heads, S.num_kv_heads,
@@ -339,16 +390,11 @@ int tgi_paged_decode_layer_stage(
     d.row_request = row_request.data();
     d.row_len = row_len.data();
   }
-  switch (S.head_dim) {
-    case 64: return layer_impl<64>(S, A, d, num_threads);
-    case 128: return layer_impl<128>(S, A, d, num_threads);
-    case 256: return layer_impl<256>(S, A, d, num_threads);
-    default: return layer_impl<0>(S, A, d, num_threads);
-  }
+  return kv_dtype == 1 ? layer_dispatch_dim<1>(S, A, d, num_threads) : layer_dispatch_dim<0>(S, A, d, num_threads);
 }
 
-// One decode step of the decoder layer `spec` describes over T requests (one token each), fp32 throughout
-// (torch reference: cpu_layer_ref.decode_layer_ref):
+// One decode step of the decoder layer `spec` describes over T requests (one token each), fp32 arithmetic on
+// weights packed in spec->weight_dtype (torch reference: cpu_layer_ref.decode_layer_ref):
 //   h += rs * n_ao(o_proj(attention(rope(qk_norm(qkv_proj(n_ai(h)))))))
 //   h += rs * n_mo(down(act(gate) * up)(n_mi(h)))
 // or, parallel: h += o_proj(attention(...n_ai(h)...)) + mlp(n_mi(h)) (Cohere, Phi: n_mi is n_ai; GPT-NeoX).
@@ -359,7 +405,8 @@ int tgi_paged_decode_layer_stage(
 // with n_* the spec's RMSNorms (identity where absent) and rs its residual scale. hidden [T, H] contiguous,
 // updated in place; w_qkv packed [(Hq + 2 Hkv) D, H] (q, k, v heads in order) with optional bias; w_o
 // [H, Hq D]; w_gate_up [2I, H] (gate rows first); w_down [H, I]; cos/sin [T, D]; the new K (after its
-// norm and RoPE) and V are written to their slots of fp32 pools [num_blocks, block_size, Hkv, D] (element
+// norm and RoPE) and V are written to their slots of pools [num_blocks, block_size, Hkv, D] of kv_dtype (0
+// fp32, 1 bf16: rounded to nearest even, read back widened; element
 // strides c_sblock, c_sslot, c_shead; negative slots skipped) before request b attends over its
 // seq_lens[b] positions (window > 0: the last `window`; softcap > 0: scores soft-capped). scratch:
 // T * (2H + (2 Hq + 3 Hkv) D + Hq D + 3I) floats, plus T * (E + 4H) for an MoE MLP of E experts (experts > 0:
@@ -371,16 +418,18 @@ int tgi_paged_decode_layer_stage(
 // request (speculative verify: the last token and the draft), each row attending causally over its request's
 // positions up to its own (block_tables and seq_lens per request, hidden and slot_mapping per row).
 // lora (null: none; stage 0 only): the LoRA deltas of the rows' adapters, added to the projections' outputs.
+// act_dtype 1: hidden and cos/sin are bf16 (a bf16 model's), widened at entry (scratch holds T * (H + 2R) more
+// floats for them, R = rotary_dim) and hidden rounded to bf16 at exit; 0: fp32 (stages take fp32 only).
 int tgi_paged_decode_layer(
-    const LayerSpec* spec, float* hidden, int64_t tokens, const float* cos, const float* sin,
+    const LayerSpec* spec, void* hidden, int64_t tokens, const void* cos, const void* sin,
     void* k_cache, void* v_cache, int64_t num_blocks, int64_t c_sblock, int64_t c_sslot, int64_t c_shead,
     const int64_t* slot_mapping, const void* block_tables, int bt_int64, int64_t bt_stride, int64_t bt_width,
     const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads,
-    const int32_t* query_start_loc, int64_t num_requests, const LayerLora* lora) {
+    const int32_t* query_start_loc, int64_t num_requests, const LayerLora* lora, int act_dtype, int kv_dtype) {
   return tgi_paged_decode_layer_stage(0, nullptr, spec, hidden, tokens, cos, sin, k_cache, v_cache, num_blocks,
                                       c_sblock, c_sslot, c_shead, slot_mapping, block_tables, bt_int64, bt_stride,
                                       bt_width, seq_lens, sl_int64, block_size, scratch, num_threads,
-                                      query_start_loc, num_requests, lora);
+                                      query_start_loc, num_requests, lora, act_dtype, kv_dtype);
 }
 
 }  // extern "C"

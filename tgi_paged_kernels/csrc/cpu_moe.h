@@ -8,7 +8,7 @@
 #include <cmath>
 #include <vector>
 
-#include "cpu_gemm.h"
+#include "cpu_gemm_bf16.h"
 
 namespace {
 
@@ -42,19 +42,20 @@ inline void route_token(const float* logits, int experts, int top_k, bool normal
 }
 
 // out[T, H] = sum over each token's top_k experts e of w_e * down_e(act(gate_e(x)) * up_e(x)) for x = mlp_x[t].
-// Called by every thread of the layer's parallel region (work-shared inside). w_router packed [E, H]; expert
-// e's packed gate/up [2I, H] at w_gate_up + e * gu_stride, its down [H, I] at w_down + e * down_stride.
+// Called by every thread of the layer's parallel region (work-shared inside). Weights packed in weight_dtype
+// (gemm_weights): w_router [E, H]; expert e's gate/up [2I, H] and down [H, I] one after another in w_gate_up, w_down.
 // scratch: T * (E + 2H) floats; gate_up [T, 2I] and act [T, I] are the layer's. activate(gu, act, rows) applies
 // the layer's activation to `rows` rows of gate_up.
 template <class Activate>
 void moe_mlp(const float* mlp_x, int64_t T, int64_t H, int64_t I, int experts, int top_k, bool normalize,
-             const float* w_router, const float* w_gate_up, const float* w_down, float* scratch, float* gate_up,
-             float* act, float* out, MoeRouting& routing, Activate activate) {
-  const int64_t gu_stride = (2 * I + kNB - 1) / kNB * kNB * H, down_stride = (H + kNB - 1) / kNB * kNB * I;
+             int weight_dtype, const void* w_router, const void* w_gate_up, const void* w_down, float* scratch,
+             float* gate_up, float* act, float* out, MoeRouting& routing, Activate activate) {
+  const int64_t gu_stride = packed_bytes(weight_dtype, 2 * I, H), down_stride = packed_bytes(weight_dtype, H, I);
+  const char *gu_base = static_cast<const char*>(w_gate_up), *down_base = static_cast<const char*>(w_down);
   float* logits = scratch;              // [T, E]
   float* rows = logits + T * experts;   // [T, H] the rows routed to one expert
   float* expert_out = rows + T * H;     // [T, H] that expert's output for them
-  gemm_packed(mlp_x, H, T, H, w_router, experts, nullptr, nullptr, 0, logits, experts);
+  gemm_weights(weight_dtype, mlp_x, H, T, H, w_router, experts, nullptr, nullptr, 0, logits, experts);
 #pragma omp single
   {
     std::vector<float> probs(experts);
@@ -83,9 +84,9 @@ void moe_mlp(const float* mlp_x, int64_t T, int64_t H, int64_t I, int experts, i
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < n; ++r)
       std::copy(mlp_x + routing.token[first + r] * H, mlp_x + (routing.token[first + r] + 1) * H, rows + r * H);
-    gemm_packed(rows, H, n, H, w_gate_up + e * gu_stride, 2 * I, nullptr, nullptr, 0, gate_up, 2 * I);
+    gemm_weights(weight_dtype, rows, H, n, H, gu_base + e * gu_stride, 2 * I, nullptr, nullptr, 0, gate_up, 2 * I);
     activate(gate_up, act, n);
-    gemm_packed(act, I, n, I, w_down + e * down_stride, H, nullptr, nullptr, 0, expert_out, H);
+    gemm_weights(weight_dtype, act, I, n, I, down_base + e * down_stride, H, nullptr, nullptr, 0, expert_out, H);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < n; ++r) {  // one expert takes a token once: no two rows add to the same output
       float* o = out + routing.token[first + r] * H;

@@ -19,6 +19,10 @@ transformers' modules stay the model definition of every served family; after lo
 A tied LM head (its weight is the embedding table) keeps the table for the embedding lookup and gets
 its own packed copy: that copy counts in the resident weight bytes (:func:`runner.model.loader.resident_bytes`,
 read after the swap), so it comes out of the KV budget like any weight.
+
+The native decoder layer's projections (:class:`NativeLinear`: fp32 or bf16 packed, :class:`NativeInt8Linear`: int8
+codes) are here too: the native GEMM on the packed weights the layer's decode step reads, so that the layer holds one
+copy of its weights (:meth:`.native_layers.NativeDecoderLayer.own_projections`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,15 @@ import torch.nn.functional as F
 from loguru import logger
 from torch import nn
 
-from tgi_paged_kernels import native_kernels
+from tgi_paged_kernels import (
+    NativeKernels,
+    PackedInt8,
+    dequantized_int8,
+    gemm_packed,
+    gemm_packed_int8,
+    native_kernels,
+    unpack_weight,
+)
 
 _PACK_BATCH_HINT = 32
 """Batch size oneDNN tunes the reordered layout for; the packed weight serves any batch size."""
@@ -226,3 +238,74 @@ def swap_fast_layers(model: nn.Module, device: torch.device, dtype: torch.dtype)
         f"; kept {', '.join(report.kept_norms)} (another norm form)" if kept else "",
     )
     return report
+
+
+BF16_MATMUL_ROWS = 32
+"""From this many rows a bf16 :class:`NativeLinear` runs oneDNN's bf16 GEMM (AMX tiles or AVX512-BF16 where present)
+on the module's weight in oneDNN's layout (:meth:`NativeLinear.keep_dense`, :class:`PackedLinear`), as
+the per-op path does: a SmolLM2 prefill of 565 tokens took 813 ms through the packed GEMM, 225 ms per op (Sapphire
+Rapids, 2 threads). A bf16 model so holds its decoder projections twice in bf16: the bytes of one fp32 copy."""
+
+
+class NativeLinear(nn.Module):
+    """``x @ W.T (+ bias)`` through the native GEMM on ``W`` packed once (fp32 or bf16, :mod:`tgi_paged_kernels.
+    cpu_gemm`), for any rows; a bf16 ``x`` is widened, the fp32 result rounded back to bf16, or from
+    :data:`BF16_MATMUL_ROWS` rows, oneDNN's bf16 GEMM (:meth:`keep_dense`, as the per-op path computes it; the
+    weight unpacked per call without it).
+
+    Under ``torch.compile`` (the static step) it runs ``F.linear`` on an unpacked view instead."""
+
+    def __init__(
+        self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, native: NativeKernels,
+        in_features: int,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.native = native
+        self.resident_bytes = packed.numel() * packed.element_size()
+        self.dense: PackedLinear | None = None
+
+    def keep_dense(self, linear: nn.Linear) -> None:
+        """Serve bf16 inputs of many rows by ``linear`` (the module's own, same weight and bias) in oneDNN's layout
+        (its bytes count there, :attr:`PackedLinear.resident_bytes`)."""
+        self.dense = PackedLinear(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        bf16_matmul = x.dtype == torch.bfloat16 and rows.shape[0] >= BF16_MATMUL_ROWS
+        if bf16_matmul or torch.compiler.is_compiling() or x.dtype not in (torch.float32, torch.bfloat16):
+            if self.dense is not None and bf16_matmul and not torch.compiler.is_compiling():
+                return self.dense(x)
+            weight = unpack_weight(self.packed, self.out_features, self.in_features)
+            return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = gemm_packed(self.native, rows.float(), self.packed, self.out_features, self.bias)
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class NativeInt8Linear(nn.Module):
+    """:class:`NativeLinear` of int8 codes (:func:`~tgi_paged_kernels.gemm_packed_int8`: dequantized in the tile),
+    the int8 layer's one copy of its weights; other inputs (compiled, not fp32) run ``F.linear`` on them
+    dequantized_int8."""
+
+    def __init__(self, packed: PackedInt8, bias: torch.Tensor | None, native: NativeKernels):
+        super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.native = native
+        self.resident_bytes = sum(t.numel() * t.element_size() for t in (packed.codes, packed.zeros, packed.scales))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling() or x.dtype != torch.float32 or rows.stride(-1) != 1:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, dequantized_int8(self.packed).to(x.dtype), bias)
+        out = gemm_packed_int8(self.native, rows, self.packed, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)

@@ -123,11 +123,11 @@ class NativeExperts(nn.Module):
         rows_in, width = hidden.reshape(-1, hidden.shape[-1]), hidden.shape[-1]
         for e in torch.unique(top_k_index).tolist():
             tokens, slot = torch.where(top_k_index == e)
-            x = rows_in[tokens].contiguous()
+            x = rows_in[tokens].float().contiguous()  # a bf16 model's rows widened: the GEMMs sum in fp32
             gate_up = gemm_packed(self.native, x, self.gate_up[e], 2 * self.intermediate)
             gate, up = gate_up.chunk(2, dim=-1)
             y = gemm_packed(self.native, (self.act_fn(gate) * up).contiguous(), self.down[e], width)
-            out.index_add_(0, tokens, y * top_k_weights[tokens, slot, None].to(y.dtype))
+            out.index_add_(0, tokens, (y * top_k_weights[tokens, slot, None].to(y.dtype)).to(out.dtype))
         return out
 
     def extra_repr(self) -> str:

@@ -1,4 +1,5 @@
-"""Decoder layers that run on the native CPU kernels (fp32): a decode step as one call, for every layer form.
+"""Decoder layers that run on the native CPU kernels (fp32 and bf16 models): a decode step as one call, for every
+layer form.
 
 After :func:`~runner.cpu.fused_blocks.fuse_blocks`, a decoder layer whose form :mod:`.layer_forms` can describe
 (a class of :data:`~.layer_forms.NORM_PLACES` made of a :class:`~runner.cpu.fused_blocks.FusedPagedAttention`, a
@@ -9,7 +10,7 @@ ungated MLPs), GPT-2, GPT-BigCode, OPT (learned positions: no RoPE; ReLU; OPT-35
 Falcon (parallel blocks with one or two LayerNorms, grouped or one KV head), Mixtral and Qwen3-MoE (an MoE MLP:
 router, top-k, experts' GEMMs: :mod:`.moe_forms`)) is wrapped by :class:`NativeDecoderLayer`:
 
-- a **decode step** (one new token per request, fp32 pools) runs the whole layer through
+- a **decode step** (one new token per request, fp32 or bf16 pools) runs the whole layer through
   :func:`tgi_paged_kernels.cpu_layer.decode_layer`: one call and one OpenMP region instead of ~10
   calls, each with its Python, dispatch and thread wake-up; so does a **speculative verify step** (a few query
   rows per request that already has context: :data:`MAX_QUERY_ROWS`) and a step whose rows use **LoRA adapters**
@@ -29,7 +30,9 @@ native rank and a per-op rank would make different all-reduces. An MoE block (sh
 block) or OLMo2's q/k norms over all heads (an all-reduce inside the norm) keep the per-op path under TP.
 
 Wrapped only after one decode step over scratch pools gives the original's output and K/V (to 1e-4: the
-GEMM sums in another order than oneDNN/MKL): a description that is wrong is never served.
+GEMM sums in another order than oneDNN/MKL): a description that is wrong is never served. A bf16 layer's
+description is proven so on the layer widened to fp32, then its bf16 step (weights packed in bf16, fp32
+arithmetic, bf16 hidden state) is checked against the module's bf16 step (:mod:`.native_checks`).
 ``TGI_PAGED_NATIVE_LAYERS=0`` (``ModelConfig.native_layers``) keeps the per-op path. Figures:
 ``docs/performance-cpu.md``, "CPU forward".
 """
@@ -37,18 +40,18 @@ GEMM sums in another order than oneDNN/MKL): a description that is wrong is neve
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from loguru import logger
 from torch import nn
 
-from tgi_paged_backend.lora.layers import find_lora_step, replace_lora_base
+from tgi_paged_backend.lora.layers import find_lora_step, lora_base, replace_lora_base
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
+from tgi_paged_backend.runner.cpu.fast_layers import NativeInt8Linear, NativeLinear
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention, rope_table_width, rope_tables
 from tgi_paged_backend.runner.cpu.layer_forms import (
     NORM_PLACES,
@@ -59,8 +62,16 @@ from tgi_paged_backend.runner.cpu.layer_forms import (
     row_parallel_part,
 )
 from tgi_paged_backend.runner.cpu.moe_forms import NativeExperts
+from tgi_paged_backend.runner.cpu.native_checks import (
+    bf16_step,
+    call_as_model,
+    check_lengths,
+    check_metadata,
+    fp32_params,
+    projection_dtype,
+    reproduces_bf16,
+)
 from tgi_paged_backend.runner.cpu.native_lora import layer_lora
-from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
 from tgi_paged_backend.runner.model.vlm_loading import text_model
 from tgi_paged_backend.runner.parallel.row_parallel import local_sums
 from tgi_paged_kernels import (
@@ -69,9 +80,6 @@ from tgi_paged_kernels import (
     PackedInt8,
     decode_layer,
     decode_layer_parts,
-    dequantized_int8,
-    gemm_packed,
-    gemm_packed_int8,
     native_kernels,
     pack_int8_layer,
 )
@@ -139,10 +147,11 @@ class NativeDecoderLayer(nn.Module):
         :class:`NativeLinear` views of them (prefills then run the native GEMM too)."""
         attn, mlp, w = cast(FusedPagedAttention, layer_attention(self.layer)), layer_mlp(self.layer), self.weights
         qkv_width = (w.num_q_heads + 2 * w.num_kv_heads) * w.head_dim
+        h, q_width = w.hidden_size, w.num_q_heads * w.head_dim
         o_owner, o_name, o_bias = _computing(attn, "o_proj", w.o_bias)
         native: dict[tuple[nn.Module, str], nn.Module] = {
-            (attn, "qkv_proj"): self._linear(0, qkv_width, w.qkv_bias),
-            (o_owner, o_name): self._linear(1, w.hidden_size, o_bias),
+            (attn, "qkv_proj"): self._linear(0, qkv_width, w.qkv_bias, h),
+            (o_owner, o_name): self._linear(1, h, o_bias, q_width),
         }
         if w.form.experts:  # the experts' packed weights serve the other steps too (the router keeps its own)
             act_fn = cast(nn.Module, mlp.experts.act_fn)
@@ -151,22 +160,24 @@ class NativeDecoderLayer(nn.Module):
             )
             if w.shared_gate_up is not None and w.shared_down is not None:  # Qwen2-MoE's (fused) shared expert
                 shared, width = mlp.shared_expert, w.shared_intermediate
-                native[(shared, "gate_up")] = NativeLinear(w.shared_gate_up, 2 * width, None, self.native)
-                native[(shared, "down_proj")] = NativeLinear(w.shared_down, w.hidden_size, None, self.native)
+                native[(shared, "gate_up")] = NativeLinear(w.shared_gate_up, 2 * width, None, self.native, h)
+                native[(shared, "down_proj")] = NativeLinear(w.shared_down, h, None, self.native, width)
         else:
             up, down, _ = cast(tuple[str, str, str], mlp_parts(mlp))
             down_owner, down_name, down_bias = _computing(mlp, down, w.down_bias)
-            native[(mlp, up)] = self._linear(2, (1 + w.form.gated) * w.intermediate, w.gate_up_bias)
-            native[(down_owner, down_name)] = self._linear(3, w.hidden_size, down_bias)
+            native[(mlp, up)] = self._linear(2, (1 + w.form.gated) * w.intermediate, w.gate_up_bias, h)
+            native[(down_owner, down_name)] = self._linear(3, h, down_bias, w.intermediate)
         for (owner, name), linear in native.items():  # under any LoRA wrappers, which stay
+            if isinstance(linear, NativeLinear) and w.weight_dtype == torch.bfloat16:  # prefills: torch's bf16 GEMM
+                linear.keep_dense(cast(nn.Linear, lora_base(getattr(owner, name))))
             setattr(owner, name, replace_lora_base(getattr(owner, name), linear))
 
-    def _linear(self, index: int, width: int, bias: torch.Tensor | None) -> nn.Module:
-        """The module of projection ``index`` (qkv, o, gate_up, down) over its packed weight: fp32 or int8."""
+    def _linear(self, index: int, width: int, bias: torch.Tensor | None, in_features: int) -> nn.Module:
+        """The module of projection ``index`` (qkv, o, gate_up, down) over its packed weight: fp32, bf16 or int8."""
         w = self.weights
         packed = (w.qkv, w.o, w.gate_up, w.down)[index]
         if w.int8_columns is None:
-            return NativeLinear(packed, width, bias, self.native)
+            return NativeLinear(packed, width, bias, self.native, in_features)
         zeros, scales = w.int8_columns[2 * index : 2 * index + 2]
         return NativeInt8Linear(PackedInt8(packed, zeros, scales, width), bias, self.native)
 
@@ -204,6 +215,8 @@ class NativeDecoderLayer(nn.Module):
         if metadata is None or (tables is None and self.rope != "none"):
             return self.layer(hidden_states, *args, **kwargs)
         cos, sin = (None, None) if self.rope == "none" else rope_tables(tables, self.rope)
+        if cos is not None and sin is not None and cos.dtype != hidden_states.dtype:  # the step takes them alike
+            cos, sin = cos.to(hidden_states.dtype), sin.to(hidden_states.dtype)
         slot_mapping, block_tables = metadata.tables(self.layer_idx)
         batch = metadata.batch
         token_slots = None if self.lora_step is None else self.lora_step.token_slots
@@ -236,53 +249,6 @@ def _computing(owner: nn.Module, name: str, bias: torch.Tensor | None) -> tuple[
     return (owner, name, bias) if row_parallel is None else (row_parallel, "local", None)
 
 
-class NativeLinear(nn.Module):
-    """``x @ W.T (+ bias)`` through the native GEMM on ``W`` packed once (:func:`pack_weight`), for any rows.
-
-    Under ``torch.compile`` (the static step) it runs ``F.linear`` on an unpacked view instead."""
-
-    def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, native: NativeKernels):
-        super().__init__()
-        self.packed = packed
-        self.in_features, self.out_features = int(packed.shape[1]), int(out_features)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.native = native
-        self.resident_bytes = packed.numel() * packed.element_size()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling() or x.dtype != torch.float32 or rows.stride(-1) != 1:
-            weight = self.packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
-            return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        out = gemm_packed(self.native, rows, self.packed, self.out_features, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-class NativeInt8Linear(nn.Module):
-    """:class:`NativeLinear` of int8 codes (:func:`~tgi_paged_kernels.gemm_packed_int8`: dequantized in the tile),
-    the int8 layer's one copy of its weights; other inputs (compiled, not fp32) run ``F.linear`` on them
-    dequantized_int8."""
-
-    def __init__(self, packed: PackedInt8, bias: torch.Tensor | None, native: NativeKernels):
-        super().__init__()
-        self.packed = packed
-        self.in_features, self.out_features = packed.in_features, packed.out_features
-        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        self.native = native
-        self.resident_bytes = sum(t.numel() * t.element_size() for t in (packed.codes, packed.zeros, packed.scales))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling() or x.dtype != torch.float32 or rows.stride(-1) != 1:
-            bias = None if self.bias is None else self.bias.to(x.dtype)
-            return F.linear(x, dequantized_int8(self.packed).to(x.dtype), bias)
-        out = gemm_packed_int8(self.native, rows, self.packed, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
-
-
 @dataclass(frozen=True, slots=True)
 class NativeLayersReport:
     """What :func:`wrap_native_layers` wrapped (logged at start-up, asserted by the tests)."""
@@ -290,39 +256,6 @@ class NativeLayersReport:
     wrapped: int
     kept: tuple[str, ...]
     """Why candidates kept their Python path (one line per distinct reason)."""
-
-
-def _check_lengths(block_size: int) -> tuple[int, ...]:
-    """Contexts of the check's decode step: within a block, across blocks, and past the tests' windows of 8."""
-    return (5, block_size + 3, 2 * block_size, 3 * block_size + 5)
-
-
-def _check_metadata(w: LayerWeights, layer_idx: int, block_size: int, rows: int) -> PagedAttentionMetadata:
-    """A decode step (``rows`` 1) or verify step (``rows`` new tokens per request) of :func:`_check_lengths`
-    requests over random fp32 pools."""
-    lengths = _check_lengths(block_size)
-    chunks, block = on_consecutive_blocks([([0] * rows, length - rows) for length in lengths], block_size)
-    generator = torch.Generator().manual_seed(layer_idx)
-    shape = (block, block_size, w.num_kv_heads, w.head_dim)
-    pools = [torch.randn(shape, generator=generator) for _ in range(2)]
-    layers = layer_idx + 1
-    return PagedAttentionMetadata(build_forward_batch(chunks, block_size), [pools[0]] * layers, [pools[1]] * layers)
-
-
-def _call(layer: nn.Module, channel: Any, x: torch.Tensor, tables: Any, metadata: PagedAttentionMetadata) -> Any:
-    """``layer`` on one step as the model calls it: the metadata as a keyword and, for Falcon's layers (which pass
-    none down), in the attention's channel; arguments the layer requires beyond these (Falcon's ``alibi``) None."""
-    inner = layer.layer if isinstance(layer, NativeDecoderLayer) else layer
-    given = {"position_embeddings": tables, "attention_mask": None, METADATA_KWARG: metadata}
-    params = list(inspect.signature(inner.forward).parameters.values())[1:]
-    required = [p.name for p in params if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
-    if channel is not None:
-        channel.metadata = metadata
-    try:
-        return layer(x, **{name: None for name in required if name not in given}, **given)
-    finally:
-        if channel is not None:
-            channel.metadata = None
 
 
 def _reproduces(
@@ -333,7 +266,7 @@ def _reproduces(
     natively (it learns there whether the layer returns a tuple)."""
     w = wrapped.weights
     generator = torch.Generator().manual_seed(0)
-    tokens = rows * len(_check_lengths(block_size))
+    tokens = rows * len(check_lengths(block_size))
     x = torch.randn(1, tokens, w.hidden_size, generator=generator)
     table = rope_table_width(wrapped.rope, w.form.rotary_dim or w.head_dim)
     cos, sin = (torch.randn(1, tokens, table, generator=generator) for _ in range(2))
@@ -342,13 +275,13 @@ def _reproduces(
         slots = torch.arange(tokens) % (wrapped.lora.num_slots + 1) - 1
     routing = step.open(slots) if step is not None else contextlib.nullcontext()
     with torch.inference_mode(), routing:
-        ref_meta = _check_metadata(w, wrapped.layer_idx, block_size, rows)
-        expected = _call(layer, wrapped.channel, x, (cos, sin), ref_meta)
+        ref_meta = check_metadata(w, wrapped.layer_idx, block_size, rows)
+        expected = call_as_model(layer, wrapped, x, (cos, sin), ref_meta)
         as_tuple = isinstance(expected, tuple)
         wrapped.as_tuple = as_tuple
-        meta = _check_metadata(w, wrapped.layer_idx, block_size, rows)
+        meta = check_metadata(w, wrapped.layer_idx, block_size, rows)
         steps = wrapped.native_steps
-        got = _call(wrapped, wrapped.channel, x, (cos, sin), meta)
+        got = call_as_model(wrapped, wrapped, x, (cos, sin), meta)
         if wrapped.native_steps == steps:  # the step fell back to the per-op path: nothing proven
             return False
     expected, got = (expected[0], got[0]) if as_tuple else (expected, got)
@@ -363,18 +296,53 @@ def _reproduces(
     return close
 
 
-def _checked(layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int, rows: int = 1, lora: bool = False) -> bool:
-    """:func:`_reproduces`, False on any failure (the step then keeps the per-op path)."""
-    verify_steps = wrapped.verify_steps
-    wrapped.verify_steps = rows > 1  # a verify step runs natively only while its check does
+def _candidate(
+    child: nn.Module, native: NativeKernels, block_size: int, kv_dtype: torch.dtype
+) -> NativeDecoderLayer | str:
+    """``child`` wrapped, its step proven (fp32: :func:`_reproduces`, a tensor-parallel rank's with the all-reduces
+    as the identity; bf16: the description on the layer widened to fp32, then :func:`reproduces_bf16`), its
+    verify and LoRA steps checked (fp32 whole layers only), or why it keeps its Python path."""
+    bf16 = projection_dtype(child) == torch.bfloat16
+    with fp32_params(child) if bf16 else nullcontext():
+        weights = layer_weights(child)
+        if isinstance(weights, str):
+            return weights
+        candidate = NativeDecoderLayer(child, weights, native)
+        if bf16 and candidate._all_reduce is not None:  # a rank's parts take an fp32 hidden state only
+            return "a bf16 layer under tensor parallelism runs per op"
+        with local_sums(candidate):
+            if not _proven(_reproduces, child, candidate, block_size):
+                return "its decode step differs"
+        if candidate._all_reduce is None and not bf16:  # a rank's (and a bf16 layer's) verify, LoRA steps: per op
+            candidate.verify_steps = True  # a verify step runs natively only while its check does, then if it passed
+            candidate.verify_steps = _proven(_reproduces, child, candidate, block_size, 3)
+            if candidate.lora is not None and not _proven(_reproduces, child, candidate, block_size, 1, True):
+                candidate.lora, candidate.lora_kept = None, "its LoRA step differs"
+        else:
+            candidate.lora = None
+        if not bf16:
+            return candidate
+        exact = bf16_step(child, candidate, block_size, torch.float32, torch.float32)
     try:
-        return _reproduces(layer, wrapped, block_size, rows, lora)
+        bf16_candidate = NativeDecoderLayer(child, weights.as_bf16(), native)
+    except ValueError as e:
+        return str(e)
+    bf16_candidate.as_tuple = candidate.as_tuple
+    bf16_candidate.lora = None  # its LoRA steps (found by _native_step) run per op
+    if bf16_candidate.lora_step is not None:
+        bf16_candidate.lora_kept = "a bf16 layer's LoRA steps run per op"
+    if not _proven(reproduces_bf16, child, bf16_candidate, block_size, kv_dtype, exact):
+        return "its bf16 decode step differs"
+    return bf16_candidate
+
+
+def _proven(check: Any, layer: nn.Module, *args: Any) -> bool:
+    """``check(layer, *args)``, any failure counting as not proven (logged at debug level)."""
+    try:
+        return bool(check(layer, *args))
     except Exception as e:  # noqa: BLE001 - any failure means: keep the Python path
-        logger.debug("layer {} not native ({} rows, LoRA {}): {}: {}", type(layer).__name__, rows, lora,
-                     type(e).__name__, e)  # fmt: skip
+        logger.debug("layer {} not native: {}: {}", type(layer).__name__, type(e).__name__, e)
         return False
-    finally:
-        wrapped.verify_steps = verify_steps
 
 
 Agree = Callable[[list[bool]], list[bool]]
@@ -383,11 +351,14 @@ wrapped only where every rank's check passed: a rank running the native parts an
 would make different all-reduces)."""
 
 
-def wrap_native_layers(model: nn.Module, block_size: int, agree: Agree | None = None) -> NativeLayersReport:
+def wrap_native_layers(
+    model: nn.Module, block_size: int, kv_dtype: torch.dtype = torch.float32, agree: Agree | None = None
+) -> NativeLayersReport:
     """Wrap the decoder layers of ``model`` whose form is described and reproduced (see the module docstring) in
-    place; other decoder layers are reported as kept, with the reason. A tensor-parallel rank checks its own slices
-    with the all-reduces as the identity (no collective: :func:`~..parallel.row_parallel.local_sums`), then wraps
-    what ``agree`` returns (every candidate layer's outcome, in model order, on every rank)."""
+    place, their checks over pools of ``kv_dtype``; other decoder layers are reported as kept, with the reason. A
+    tensor-parallel rank checks its own slices with the all-reduces as the identity (no collective:
+    :func:`~..parallel.row_parallel.local_sums`), then wraps what ``agree`` returns (every candidate layer's
+    outcome, in model order, on every rank)."""
     native = native_kernels()
     kept = set()
     candidates: list[tuple[nn.Module, str, NativeDecoderLayer | None]] = []
@@ -397,27 +368,17 @@ def wrap_native_layers(model: nn.Module, block_size: int, agree: Agree | None = 
             layer_like = kind.endswith(("DecoderLayer", "Block")) and (hasattr(child, "mlp") or hasattr(child, "ffn"))
             if isinstance(child, NativeDecoderLayer) or (kind not in NORM_PLACES and not layer_like):
                 continue
-            weights = layer_weights(child) if native is not None else "no native kernels"
-            if isinstance(weights, str):
-                kept.add(f"{kind}: {weights}")
+            candidate = _candidate(child, native, block_size, kv_dtype) if native is not None else "no native kernels"
+            if isinstance(candidate, str):
+                kept.add(f"{kind}: {candidate}")
                 candidates.append((parent, name, None))
                 continue
-            wrapper = NativeDecoderLayer(child, weights, native)  # type: ignore[arg-type]
-            with local_sums(wrapper):
-                ok = _checked(child, wrapper, block_size)
-                if ok and wrapper._all_reduce is None:  # a tensor-parallel rank's verify and LoRA steps run per op
-                    wrapper.verify_steps = _checked(child, wrapper, block_size, rows=3)
-                    if wrapper.lora is not None and not _checked(child, wrapper, block_size, lora=True):
-                        wrapper.lora, wrapper.lora_kept = None, "its LoRA step differs"
-                    if wrapper.lora_kept:
-                        kept.add(f"{kind}: LoRA steps per op: {wrapper.lora_kept}")
-                    if not wrapper.verify_steps:
-                        kept.add(f"{kind}: verify steps per op: its verify step differs")
-                else:
-                    wrapper.lora = None
-            if not ok:
-                kept.add(f"{type(child).__name__}: its decode step differs")
-            candidates.append((parent, name, wrapper if ok else None))
+            if candidate.lora_kept:
+                kept.add(f"{kind}: LoRA steps per op: {candidate.lora_kept}")
+            if not candidate.verify_steps and candidate._all_reduce is None:
+                bf16 = candidate.weights.weight_dtype == torch.bfloat16
+                kept.add(f"{kind}: verify steps per op: {'a bf16 layer' if bf16 else 'its verify step differs'}")
+            candidates.append((parent, name, candidate))
     if agree is not None and candidates:
         for i, agreed in enumerate(agree([c is not None for _, _, c in candidates])):
             parent, name, passed = candidates[i]
@@ -425,10 +386,10 @@ def wrap_native_layers(model: nn.Module, block_size: int, agree: Agree | None = 
                 kept.add(f"{type(passed.layer).__name__}: another rank's check failed")
                 candidates[i] = (parent, name, None)
     wrapped = 0
-    for parent, name, candidate in candidates:
-        if candidate is not None:
-            candidate.own_projections()
-            setattr(parent, name, candidate)
+    for parent, name, passed in candidates:
+        if passed is not None:
+            passed.own_projections()
+            setattr(parent, name, passed)
             wrapped += 1
     report = NativeLayersReport(wrapped=wrapped, kept=tuple(sorted(kept)))
     if wrapped or kept:

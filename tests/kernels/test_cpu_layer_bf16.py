@@ -1,0 +1,213 @@
+"""The bf16 side of the native decoder layer (``tgi_paged_kernels.cpu_gemm``, ``csrc/cpu_gemm_bf16.h``,
+``cpu_layer.decode_layer`` with bf16 weights, hidden state and pools) against its torch references, on this host's
+build, an AVX2-only build (``-march=x86-64-v3``) and the opt-in ``vdpbf16ps`` build, loaded beside it.
+
+Tolerances, derived: the GEMM's reference models the build's arithmetic (:func:`gemm_packed_bf16_ref`): where the
+weights are widened (the default), the fp32 GEMM on the widened weights gives the same bits, and the float64
+reference is met within the fp32 GEMM's tolerance; the opt-in ``vdpbf16ps`` build meets its reference bit for bit.
+The layer's reference is the fp32 reference on the bf16-rounded weights (activations rounded before each projection
+where the build rounds them): both sum in fp32 in other orders (1e-4, the fp32 test's tolerance), then round the
+output and the K/V to bf16, where a sum that close to a rounding boundary can land one bf16 ulp (up to 2^-7
+relative) away.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.kernels.test_cpu_layer import FORMS, _layer, _step
+from tests.kernels.test_cpu_layer_lora import HIDDEN as LORA_HIDDEN
+from tests.kernels.test_cpu_layer_lora import INTER as LORA_INTER
+from tests.kernels.test_cpu_layer_lora import _lora
+from tgi_paged_kernels import cpu_native
+from tgi_paged_kernels.cpu_gemm import gemm_packed, pack_weight, pack_weight_bf16, unpack_weight
+from tgi_paged_kernels.cpu_layer import LayerWeights, decode_layer
+from tgi_paged_kernels.cpu_layer_ref import decode_layer_ref, gemm_packed_bf16_ref
+from tgi_paged_kernels.cpu_layer_step import LayerStep, decode_layer_parts
+
+SHAPES = [(1, 128, 256, False), (20, 128, 256, True), (13, 101, 37, True), (300, 64, 48, False), (7, 576, 960, False)]
+"""(M, K, N, bias): rows around the register tiles, an odd K (a zero pair member), N not a multiple of 16."""
+BF16_ULP = 2.0**-7
+"""One bf16 ulp, relative: 2^-7 at the bottom of a binade (7 stored mantissa bits), 2^-8 at its top."""
+
+
+def _check_gemm(native: cpu_native.NativeKernels, m: int, k: int, n: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = gemm_packed(native, x, pack_weight_bf16(w), n, b)
+    rounds = native.gemm_bf16_rounds_activations
+    expected = gemm_packed_bf16_ref(x, w, b, rounds_activations=rounds)
+    if rounds:
+        assert torch.equal(got, expected)
+    else:  # the fp32 GEMM on the widened weights: the same fused multiply-adds in the same order
+        widened = w.to(torch.bfloat16).float()
+        assert torch.equal(got, gemm_packed(native, x, pack_weight(widened), n, b))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5 * k**0.5)
+
+
+@pytest.mark.parametrize(("m", "k", "n", "bias"), SHAPES)
+def test_bf16_gemm_matches_the_reference(native, m, k, n, bias) -> None:
+    _check_gemm(native, m, k, n, bias)
+
+
+def test_bf16_gemm_rows_do_not_depend_on_their_batch(native) -> None:
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(29, 96, generator=g), torch.randn(70, 96, generator=g)
+    packed = pack_weight_bf16(w)
+    whole = gemm_packed(native, x, packed, 70)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 17), slice(28, 29)):
+        assert torch.equal(gemm_packed(native, x[rows].contiguous(), packed, 70), whole[rows])
+
+
+def test_bf16_packing_layout_and_unpacking() -> None:
+    w = torch.arange(15.0).view(3, 5)  # K odd: the last pair's second member is a zero
+    packed = pack_weight_bf16(w)
+    assert packed.shape == (1, 3, 16, 2) and packed.dtype == torch.bfloat16
+    assert packed[0, :, 1].flatten().tolist() == [5, 6, 7, 8, 9, 0]  # column 1: its k pairs side by side
+    assert not packed[0, :, 3:].any()
+    assert torch.equal(unpack_weight(packed, 3, 5), w.to(torch.bfloat16))
+    big = torch.randn(40, 66)
+    assert torch.equal(unpack_weight(pack_weight_bf16(big), 40, 66), big.to(torch.bfloat16))
+    assert torch.equal(unpack_weight(pack_weight(big), 40, 66), big)
+    with pytest.raises(ValueError, match="does not fit"):  # an fp32 packing is not read as bf16, nor K mismatched
+        gemm_packed(cpu_native.native_kernels(), torch.randn(2, 64), pack_weight_bf16(big), 40)
+
+
+def _bf16_layer(form_name: str, hidden: int = 96, inter: int = 160):
+    """A layer of ``FORMS[form_name]`` whose projections are bf16 values: fp32 weights (for the reference, the
+    norms fp32 as the native layer keeps them) and the bf16-packed weights."""
+    hq, hkv, d, form = FORMS[form_name]
+    raw, _ = _layer(hq, hkv, d, hidden, inter, form)
+    projections = ("qkv", "o", "gate_up", "down", "router", "shared_gate_up", "shared_down", "shared_gate")
+    rounded = {n: t.to(torch.bfloat16).float() if n in projections and t is not None else t for n, t in raw.items()}
+    fp32 = LayerWeights.pack(form, rounded, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    return rounded, fp32.as_bf16(), (hq, hkv, d, form)
+
+
+@pytest.mark.parametrize(
+    ("form_name", "kv_dtype"),
+    [
+        ("Llama", torch.bfloat16),
+        ("SmolLM2", torch.float32),  # a bf16 model over an fp32 pool
+        ("Qwen3", torch.bfloat16),
+        ("Gemma3", torch.bfloat16),  # sandwich norms, 1 + w, q/k norms, GeGLU, a window
+        ("Phi", torch.bfloat16),  # biases, LayerNorms with bias, partial rotary, ungated MLP
+        ("GPT-BigCode", torch.bfloat16),  # no RoPE: no tables
+        ("Mixtral", torch.bfloat16),  # the experts' bf16 packings one after another
+        ("Qwen2-MoE", torch.bfloat16),  # plus the shared expert's
+    ],
+)
+def test_bf16_layer_matches_the_reference(native, form_name, kv_dtype) -> None:
+    rounded, w, (hq, hkv, d, form) = _bf16_layer(form_name)
+    lengths = [1, 5, 17, 40, 33, 3, 16]
+    (k_pool, v_pool), tables, seq_lens, slots = _step(lengths, 4, hkv, d, torch.int64)
+    k_pool, v_pool = k_pool.to(kv_dtype), v_pool.to(kv_dtype)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(len(lengths), 96, generator=g).to(torch.bfloat16)
+    r = form.rotary_dim or d
+    cos, sin = (torch.randn(len(lengths), r, generator=g).to(torch.bfloat16) for _ in range(2))
+    if form.rope == "none":
+        cos = sin = None
+    ref_k, ref_v, k_before = k_pool.clone(), v_pool.clone(), k_pool.clone()
+    got = decode_layer(native, w, x, cos, sin, k_pool, v_pool, slots, tables, seq_lens)
+    rounds = native.gemm_bf16_rounds_activations
+    expected = decode_layer_ref(
+        rounded, w, x, cos, sin, ref_k, ref_v, slots, tables, seq_lens, rounds_activations=rounds
+    )
+    assert got is not None and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=BF16_ULP, atol=1e-4)
+    kv_tol = BF16_ULP if kv_dtype == torch.bfloat16 else 1e-4  # an fp32 pool holds the fp32 sums
+    torch.testing.assert_close(k_pool.float(), ref_k.float(), rtol=kv_tol, atol=1e-4)
+    torch.testing.assert_close(v_pool.float(), ref_v.float(), rtol=kv_tol, atol=1e-4)
+    assert (k_pool != k_before).any(dim=(1, 2, 3)).sum() == len(lengths)
+
+
+def test_bf16_layer_is_not_the_fp32_layer(native) -> None:
+    """The bf16 packing is read as bf16: the step's output differs from the fp32 layer's on unrounded weights by
+    about bf16's precision, not by nothing and not by a wrong layout's O(1)."""
+    hq, hkv, d, form = FORMS["Llama"]
+    raw, fp32 = _layer(hq, hkv, d, 96, 160, form)
+    (k_pool, v_pool), tables, seq_lens, slots = _step([9, 30], 16, hkv, d, torch.int32)
+    x, cs = torch.randn(2, 96), torch.rand(2, d)
+    exact = decode_layer(native, fp32, x, cs, cs, k_pool.clone(), v_pool.clone(), slots, tables, seq_lens)
+    bf16 = decode_layer(native, fp32.as_bf16(), x, cs, cs, k_pool.clone(), v_pool.clone(), slots, tables, seq_lens)
+    assert exact is not None and bf16 is not None and bf16.dtype == torch.float32
+    gap = (bf16 - exact).abs().max().item()
+    assert 0 < gap < 0.05 * exact.abs().max().item()
+
+
+def _check_build(lib: cpu_native.NativeKernels) -> None:
+    """``lib``'s bf16 GEMM at :data:`SHAPES` and a bf16 Llama-form layer step against their references."""
+    for shape in SHAPES:
+        _check_gemm(lib, *shape)
+    rounded, w, (_, hkv, d, _) = _bf16_layer("Llama")
+    (k_pool, v_pool), tables, seq_lens, slots = _step([4, 21], 4, hkv, d, torch.int32)
+    k_pool, v_pool = k_pool.bfloat16(), v_pool.bfloat16()
+    x, cs = torch.randn(2, 96).bfloat16(), torch.rand(2, d).bfloat16()
+    ref_k, ref_v = k_pool.clone(), v_pool.clone()
+    got = decode_layer(lib, w, x, cs, cs, k_pool, v_pool, slots, tables, seq_lens)
+    rounds = lib.gemm_bf16_rounds_activations
+    expected = decode_layer_ref(rounded, w, x, cs, cs, ref_k, ref_v, slots, tables, seq_lens, rounds_activations=rounds)
+    assert got is not None
+    torch.testing.assert_close(got.float(), expected.float(), rtol=BF16_ULP, atol=1e-4)
+
+
+def test_avx2_build_bf16_gemm_matches_the_reference(tmp_path, monkeypatch) -> None:
+    """The library builds for an AVX2-only CPU (``-march=x86-64-v3``: the widening bf16 path on 8 lanes, no
+    AVX-512), and that build's bf16 GEMM and bf16 layer step match their references (this host runs AVX2 code)."""
+    monkeypatch.setenv("TGI_PAGED_KERNEL_CACHE", str(tmp_path / "kernels"))
+    try:
+        path = cpu_native.build_library(arch="x86-64-v3")
+    except RuntimeError as e:
+        pytest.skip(f"no compiler for x86-64-v3 here: {e}")
+    avx2 = cpu_native.NativeKernels(path)
+    assert not avx2.gemm_bf16_rounds_activations
+    _check_build(avx2)
+
+
+def test_vdpbf16ps_build_matches_its_reference(tmp_path) -> None:
+    """The opt-in ``vdpbf16ps`` GEMM (``-DTGI_PAGED_BF16_DOT``, not the default: slower here, see
+    ``csrc/cpu_gemm_bf16.h``) builds on an AVX512-BF16 host and gives its reference's bits."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if "avx512_bf16" not in flags or compiler is None:
+        pytest.skip("no AVX512-BF16 or no compiler here")
+    target = tmp_path / "dot.so"
+    command = [compiler, *cpu_native.FLAGS, "-DTGI_PAGED_BF16_DOT", *map(str, cpu_native.SOURCES), "-o", str(target)]
+    subprocess.run(command, check=True, capture_output=True)
+    dot = cpu_native.NativeKernels(target)
+    assert dot.gemm_bf16_rounds_activations
+    _check_build(dot)
+
+
+def test_a_bf16_hidden_state_keeps_the_per_op_path_under_tp_and_lora(native) -> None:
+    """What the merge of bf16 with tensor parallelism and LoRA left per op: a rank's parts and LoRA rows take an fp32
+    hidden state only (``None``: the per-op path, before any all-reduce), and the library refuses a stage of a bf16
+    hidden state (status 6) rather than run it."""
+    _, w, (hq, hkv, d, form) = _bf16_layer("Llama", hidden=LORA_HIDDEN, inter=LORA_INTER)
+    (k_pool, v_pool), tables, seq_lens, slots = _step([3, 9], 4, hkv, d, torch.int32)
+    k_pool, v_pool = k_pool.bfloat16(), v_pool.bfloat16()
+    x = torch.randn(2, LORA_HIDDEN).bfloat16()
+    cs = torch.rand(2, d).bfloat16()
+
+    def refuse(t: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("no all-reduce for a step the parts do not run")
+
+    args = (native, w, x, cs, cs, k_pool, v_pool, slots, tables, seq_lens)
+    assert decode_layer_parts(*args, refuse) is None
+    lora, token_slots = _lora(hq, hkv, d, form.gated), torch.tensor([0, -1])
+    assert decode_layer(*args, None, lora, token_slots) is None
+    assert decode_layer(*args, None, lora, token_slots=torch.tensor([-1, -1])) is None  # whatever the rows' slots
+    step = LayerStep.prepare(*args)
+    assert step is not None  # the whole layer runs it: stage 0
+    with pytest.raises(ValueError, match="status 6"):
+        step.run(1, torch.zeros(2, LORA_HIDDEN))
+    fp32_step = LayerStep.prepare(native, w, x.float(), cs.float(), cs.float(), k_pool, v_pool, slots, tables, seq_lens)
+    assert fp32_step is not None  # an fp32 hidden state over bf16 weights runs the stages
+    fp32_step.run(1, torch.zeros(2, LORA_HIDDEN))

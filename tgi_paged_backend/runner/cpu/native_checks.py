@@ -1,0 +1,149 @@
+"""The load-time check of :mod:`.native_layers` (:func:`~.native_layers.wrap_native_layers`): random decode and
+verify steps over scratch pools (:func:`check_metadata`), a layer called on one as the model calls it
+(:func:`call_as_model`), and what a bf16 layer's check needs: the layer run in fp32 for a while, and the bf16
+step's tolerance.
+
+A bf16 layer is proven in two steps. First its description, on the layer in fp32 (:func:`fp32_params`: every
+bf16 parameter and buffer widened in place, which is exact, and narrowed back after, which gives the same bits):
+the native step on fp32-packed weights must give the module's output and K/V to 1e-4, as for an fp32 model.
+Then the bf16 step (bf16-packed weights, bf16 hidden state, pools of the KV dtype) against the module's own
+bf16 step, on the same bf16-valued inputs, both measured from the fp32 module's output on them
+(:func:`bf16_step_close`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
+from tgi_paged_backend.runner.cpu.fused_blocks import rope_table_width
+from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
+from tgi_paged_kernels import LayerWeights
+
+if TYPE_CHECKING:
+    from tgi_paged_backend.runner.cpu.native_layers import NativeDecoderLayer
+
+
+BF16_EPS = 2.0**-8
+"""bf16's rounding unit (half an ulp at the top of a binade, relative): :func:`bf16_step_close`'s slack."""
+
+
+def projection_dtype(layer: nn.Module) -> torch.dtype | None:
+    """The dtype of the layer's matrices (its first 2-D parameter's), ``None`` when it has none."""
+    return next((p.dtype for p in layer.parameters() if p.dim() == 2), None)
+
+
+@contextmanager
+def fp32_params(module: nn.Module) -> Iterator[None]:
+    """``module``'s bf16 parameters and buffers widened to fp32 in place while the block runs, narrowed back
+    after (bf16 -> fp32 -> bf16 is exact); tensors of other dtypes untouched."""
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.dtype == torch.bfloat16]
+    for t in tensors:
+        t.data = t.data.float()
+    try:
+        yield
+    finally:
+        for t in tensors:
+            t.data = t.data.to(torch.bfloat16)
+
+
+def bf16_step_close(native: torch.Tensor, per_op: torch.Tensor, exact: torch.Tensor) -> bool:
+    """Whether the native bf16 step's result is as close to the fp32 module's (``exact``, on the same bf16-valued
+    inputs and weights) as the module's own bf16 step is, within a factor two and one rounding:
+    ``max|native - exact| <= 2 max|per_op - exact| + 2^-8 max|exact|``.
+
+    The native step sums in fp32 and rounds once (its GEMM may round activations to bf16 first); the module rounds
+    after every op: a right description lands well inside, a wrong packing or layout off by O(1)."""
+    if native.shape != per_op.shape or native.shape != exact.shape:
+        return False
+    exact = exact.float()
+    scale = exact.abs().max().item() if exact.numel() else 0.0
+    native_error = (native.float() - exact).abs().max().item() if exact.numel() else 0.0
+    per_op_error = (per_op.float() - exact).abs().max().item() if exact.numel() else 0.0
+    return bool(native_error <= 2.0 * per_op_error + BF16_EPS * scale)
+
+
+def check_lengths(block_size: int) -> tuple[int, ...]:
+    """Contexts of the check's decode step: within a block, across blocks, and past the tests' windows of 8."""
+    return (5, block_size + 3, 2 * block_size, 3 * block_size + 5)
+
+
+def check_metadata(
+    w: LayerWeights,
+    layer_idx: int,
+    block_size: int,
+    rows: int = 1,
+    dtype: torch.dtype = torch.float32,
+    bf16_values: bool = False,
+) -> PagedAttentionMetadata:
+    """A decode step (``rows`` 1) or verify step (``rows`` new tokens per request) of :func:`check_lengths`
+    requests over random pools of ``dtype`` (``bf16_values``: values rounded to bf16, whatever ``dtype`` holds
+    them)."""
+    lengths = check_lengths(block_size)
+    chunks, block = on_consecutive_blocks([([0] * rows, length - rows) for length in lengths], block_size)
+    generator = torch.Generator().manual_seed(layer_idx)
+    shape = (block, block_size, w.num_kv_heads, w.head_dim)
+    values = [torch.randn(shape, generator=generator) for _ in range(2)]
+    pools = [(v.bfloat16() if bf16_values else v).to(dtype) for v in values]
+    layers = layer_idx + 1
+    return PagedAttentionMetadata(build_forward_batch(chunks, block_size), [pools[0]] * layers, [pools[1]] * layers)
+
+
+def call_as_model(
+    layer: nn.Module, wrapped: NativeDecoderLayer, x: torch.Tensor, tables: Any, metadata: PagedAttentionMetadata
+) -> Any:
+    """``layer`` (``wrapped`` or the layer it wraps) on one step as the model calls it: the metadata as a keyword
+    and, for Falcon's layers (which pass none down), in the attention's channel; arguments the wrapped layer
+    requires beyond these (Falcon's ``alibi``) None."""
+    inner, channel = wrapped.layer, wrapped.channel
+    given = {"position_embeddings": tables, "attention_mask": None, METADATA_KWARG: metadata}
+    params = list(inspect.signature(inner.forward).parameters.values())[1:]
+    required = [p.name for p in params if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
+    if channel is not None:
+        channel.metadata = metadata
+    try:
+        return layer(x, **{name: None for name in required if name not in given}, **given)
+    finally:
+        if channel is not None:
+            channel.metadata = None
+
+
+def bf16_inputs(wrapped: NativeDecoderLayer, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The bf16 check's hidden state and RoPE tables: random values rounded to bf16, held in ``dtype``."""
+    w, rows = wrapped.weights, len(check_lengths(1))
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(1, rows, w.hidden_size, generator=generator).bfloat16().to(dtype)
+    table = rope_table_width(wrapped.rope, w.form.rotary_dim or w.head_dim)
+    return x, tuple(torch.randn(1, rows, table, generator=generator).bfloat16().to(dtype) for _ in range(2))
+
+
+def bf16_step(
+    layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``layer`` (or ``wrapped``) on the bf16 check's step in ``dtype`` over pools of ``kv_dtype``: its output and
+    the K and V pools after it."""
+    x, tables = bf16_inputs(wrapped, dtype)
+    meta = check_metadata(wrapped.weights, wrapped.layer_idx, block_size, 1, kv_dtype, True)
+    with torch.inference_mode():
+        out = call_as_model(layer, wrapped, x, tables, meta)
+    out = out[0] if isinstance(out, tuple) else out
+    return out, meta.k_caches[-1], meta.v_caches[-1]
+
+
+def reproduces_bf16(
+    layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int, kv_dtype: torch.dtype, exact: tuple
+) -> bool:
+    """Whether ``wrapped`` (bf16 weights) runs the bf16 check's step natively, as close to the fp32 module's
+    results ``exact`` as the bf16 module's own step (:func:`bf16_step_close`), output and K/V."""
+    per_op = bf16_step(layer, wrapped, block_size, torch.bfloat16, kv_dtype)
+    steps = wrapped.native_steps
+    native = bf16_step(wrapped, wrapped, block_size, torch.bfloat16, kv_dtype)
+    if wrapped.native_steps == steps:
+        return False
+    return all(bf16_step_close(*triple) for triple in zip(native, per_op, exact))

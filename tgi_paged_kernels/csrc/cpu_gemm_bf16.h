@@ -1,0 +1,182 @@
+// The bf16-weight GEMM of the CPU kernels (cpu_layer.cpp, cpu_moe.h, cpu_gemm.cpp): a [N, K] weight packed as
+// [ceil(N / 16)][ceil(K / 2)][16][2] bf16 (each column's k pairs side by side: the VNNI layout of vdpbf16ps; K
+// padded to even and columns to 16 with zeros; cpu_gemm_bf16.pack_weight_bf16), fp32 activations in, fp32
+// accumulation and output, the epilogue (bias, add) of gemm_packed. Two arithmetics:
+// - by default (AVX-512, AVX2 + FMA, scalar): the weights widened to fp32 (exact: even k = dword << 16, odd k =
+//   dword & 0xffff0000) and fused multiply-adds in k order: the same bits as gemm_packed on the widened weights;
+// - built with -DTGI_PAGED_BF16_DOT on AVX512-BF16 (kBf16Dot): each activation pair rounded to bf16 (RNE) and
+//   vdpbf16ps per pair, which adds the pair's odd product then its even one (exact products). Not the default:
+//   on a Sapphire Rapids core (1 thread) it ran 1.2-1.6x the widening path's time from 8 rows up (0.9x at 1 row):
+//   vdpbf16ps issues once per cycle where two FMAs do, so it only halves the weight bytes, which widening does too.
+// Either way every output is one sequential sum over k: a row's result does not depend on its batch.
+// Torch reference: cpu_layer_ref.gemm_packed_bf16_ref.
+
+#pragma once
+
+#include "cpu_gemm.h"
+
+namespace {
+
+constexpr int kPair = 2 * kNB;  // bf16 values of one k pair of a packed block (16 columns x 2)
+
+#if defined(__AVX512BF16__) && defined(TGI_PAGED_BF16_DOT)
+constexpr bool kBf16Dot = true;
+constexpr int kMRb = 12;  // rows per register tile
+constexpr int kKC = 64;   // k pairs of activations rounded per pass (a [kMRb][kKC] dword buffer on the stack)
+
+// Rows [0, R) of one column block: acc[r] += pair(a[r]) . pair(w) per k pair, then the epilogue.
+template <int R>
+inline void tile_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w, const float* bias, const float* add,
+                      int64_t ldadd, float* out, int64_t ldo, int cols) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  alignas(64) uint32_t pairs[R][kKC];
+  const int64_t K2 = (K + 1) / 2;
+  for (int64_t p0 = 0; p0 < K2; p0 += kKC) {
+    const int np = static_cast<int>(std::min<int64_t>(kKC, K2 - p0));
+    for (int r = 0; r < R; ++r) {  // 32 activations (16 pairs) per conversion, the tail masked to zeros
+      const float* src = a + r * lda + 2 * p0;
+      const int64_t left = K - 2 * p0;
+      for (int p = 0; p < np; p += 16) {
+        const int64_t n0 = std::clamp<int64_t>(left - 2 * p, 0, 16), n1 = std::clamp<int64_t>(left - 2 * p - 16, 0, 16);
+        const __m512 lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n0) - 1u), src + 2 * p);
+        const __m512 hi = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n1) - 1u), src + 2 * p + 16);
+        _mm512_store_si512(pairs[r] + p, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+      }
+    }
+    const uint16_t* wp = w + p0 * kPair;
+    for (int p = 0; p < np; ++p) {
+      const __m512bh wk = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wp + p * kPair));
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[r][p])));
+        acc[r] = _mm512_dpbf16_ps(acc[r], x, wk);
+      }
+    }
+  }
+  store_rows(acc, R, bias, add, ldadd, out, ldo, cols);
+}
+#elif defined(__AVX512F__)
+constexpr bool kBf16Dot = false;
+constexpr int kMRb = 12;  // rows per register tile: 12 accumulators of 16 lanes
+
+// Rows [0, R) of one column block: each pair's 16 dwords widened (even k: dword << 16, odd k: dword &
+// 0xffff0000), fused multiply-adds in k order, then the epilogue.
+template <int R>
+inline void tile_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w, const float* bias, const float* add,
+                      int64_t ldadd, float* out, int64_t ldo, int cols) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t k = 0; k < K; k += 2) {
+    const __m512i d = _mm512_loadu_si512(w + (k / 2) * kPair);
+    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + k]), even, acc[r]);
+    if (k + 1 == K) break;  // K odd: the padded k has no activation
+    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(d, odd_mask));
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + k + 1]), odd, acc[r]);
+  }
+  store_rows(acc, R, bias, add, ldadd, out, ldo, cols);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr bool kBf16Dot = false;
+constexpr int kMRb = 6;  // 6 rows x 2 halves of 8 lanes: 12 accumulators
+
+// Rows [0, R) of one column block: the pair's dwords widened (even k: dword << 16, odd k: dword & 0xffff0000),
+// fused multiply-adds in k order, then the epilogue.
+template <int R>
+inline void tile_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w, const float* bias, const float* add,
+                      int64_t ldadd, float* out, int64_t ldo, int cols) {
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t k = 0; k < K; k += 2) {
+    const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k / 2) * kPair));
+    const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k / 2) * kPair + kNB));
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(d0, 16));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(d1, 16));
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_set1_ps(a[r * lda + k]);
+      lo[r] = _mm256_fmadd_ps(x, e0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(x, e1, hi[r]);
+    }
+    if (k + 1 == K) break;  // K odd: the padded k has no activation
+    const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(d0, odd_mask));
+    const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(d1, odd_mask));
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_set1_ps(a[r * lda + k + 1]);
+      lo[r] = _mm256_fmadd_ps(x, o0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(x, o1, hi[r]);
+    }
+  }
+  float c[kNB];
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(c, lo[r]);
+    _mm256_storeu_ps(c + 8, hi[r]);
+    epilogue(c, bias, add ? add + r * ldadd : nullptr, out + r * ldo, cols);
+  }
+}
+#else
+constexpr bool kBf16Dot = false;
+constexpr int kMRb = 4;
+
+template <int R>
+inline void tile_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w, const float* bias, const float* add,
+                      int64_t ldadd, float* out, int64_t ldo, int cols) {
+  float acc[R][kNB] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const uint16_t* wk = w + (k / 2) * kPair + (k % 2);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < kNB; ++j) acc[r][j] = std::fma(a[r * lda + k], bf16_to_float(wk[2 * j]), acc[r][j]);
+  }
+  for (int r = 0; r < R; ++r) epilogue(acc[r], bias, add ? add + r * ldadd : nullptr, out + r * ldo, cols);
+}
+#endif
+
+template <int R>
+inline void tile_bf16_rows(int rows, const float* a, int64_t lda, int64_t K, const uint16_t* w, const float* bias,
+                           const float* add, int64_t ldadd, float* out, int64_t ldo, int cols) {
+  if (rows == R) {
+    tile_bf16<R>(a, lda, K, w, bias, add, ldadd, out, ldo, cols);
+  } else if constexpr (R > 1) {
+    tile_bf16_rows<R - 1>(rows, a, lda, K, w, bias, add, ldadd, out, ldo, cols);
+  }
+}
+
+// uint16 values of one packed [N, K] bf16 weight (an expert's stride in a stack of them).
+inline int64_t packed_bf16_elements(int64_t N, int64_t K) { return (N + kNB - 1) / kNB * ((K + 1) / 2) * kPair; }
+
+// out[M, N] = a[M, K] @ W^T (+ bias[N]) (+ add[M, N], which may be `out`), W packed as above; strides as
+// gemm_packed's. Orphaned work sharing over tasks of up to kMC rows times one column block.
+void gemm_packed_bf16(const float* a, int64_t lda, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
+                      const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
+  constexpr int64_t kMC = 96;
+  const int64_t blocks = (N + kNB - 1) / kNB, chunks = (M + kMC - 1) / kMC, block_elems = (K + 1) / 2 * kPair;
+#pragma omp for schedule(static)
+  for (int64_t task = 0; task < chunks * blocks; ++task) {
+    const int64_t nb = task % blocks, n0 = nb * kNB;
+    const int64_t m_begin = (task / blocks) * kMC, m_end = std::min(M, m_begin + kMC);
+    const int cols = static_cast<int>(std::min<int64_t>(kNB, N - n0));
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += kMRb) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMRb, m_end - m0));
+      tile_bf16_rows<kMRb>(rows, a + m0 * lda, lda, K, packed + nb * block_elems, bias ? bias + n0 : nullptr,
+                           add ? add + m0 * ldadd + n0 : nullptr, ldadd, out + m0 * ldo + n0, ldo, cols);
+    }
+  }
+}
+
+// gemm_packed (weight_dtype 0: fp32 packed) or gemm_packed_bf16 (1), on a packed weight of that dtype.
+inline void gemm_weights(int weight_dtype, const float* a, int64_t lda, int64_t M, int64_t K, const void* packed,
+                         int64_t N, const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
+  if (weight_dtype == 1) {
+    gemm_packed_bf16(a, lda, M, K, static_cast<const uint16_t*>(packed), N, bias, add, ldadd, out, ldo);
+  } else {
+    gemm_packed(a, lda, M, K, static_cast<const float*>(packed), N, bias, add, ldadd, out, ldo);
+  }
+}
+
+// Bytes of one packed [N, K] weight of `weight_dtype` (an expert's stride in a stack of them).
+inline int64_t packed_bytes(int weight_dtype, int64_t N, int64_t K) {
+  return weight_dtype == 1 ? packed_bf16_elements(N, K) * 2 : (N + kNB - 1) / kNB * kNB * K * 4;
+}
+
+}  // namespace
