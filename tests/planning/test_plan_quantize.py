@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from tgi_paged_backend.cli import tools_app
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.runner.rewrites.pipeline import model_rewrites
 
 
 def _plan(args: list[str], out: Path) -> dict:
@@ -47,8 +48,15 @@ def test_int_weights_match_the_gptq_runner(tiny_llama_dir: Path, tmp_path: Path)
             tmp_path / f"{quantize}.json",
         )
         ckpt = write_int_checkpoint(tiny_llama_dir, tmp_path / fmt, fmt, bits=bits, group_size=group)
+        # Without fuse and native: stacking int8 q/k/v (gate/up) and the native int8 layer's per-column fp32 zero
+        # points change the resident bytes by a few KiB the planner does not count yet (issue-39 closing note).
         runners = [
-            ModelRunner(ModelConfig(model_id=str(m), quantize=q, dtype="float32"), CacheConfig(), "cpu")
+            ModelRunner(
+                ModelConfig(model_id=str(m), quantize=q, dtype="float32"),
+                CacheConfig(),
+                "cpu",
+                rewrites=model_rewrites(without=("fuse", "native")),
+            )
             for m, q in ((tiny_llama_dir, None), (ckpt.path, quantize))
         ]
         saved = plain["weights_bytes"] - planned["weights_bytes"]
