@@ -254,6 +254,8 @@ def breadth_table(reports: list[dict[str, Any]]) -> str:
                     ", ".join(skipped) or "-",
                 ]
             )
+    if not rows:
+        return "breadth: no burst run (--scenarios burst or --models)"
     head = ["model", "dtype", "shard tok/s", "vLLM tok/s", "shard / vLLM", "shard greedy vs HF", "skipped"]
     return "\n".join(["breadth (burst, best round each; one row per model and dtype):", table(head, rows)])
 

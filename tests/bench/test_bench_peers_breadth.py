@@ -24,6 +24,7 @@ from integration.peers.hostbound_forms import FORMS, GEMMA3_WINDOW, MIXTRAL_EXPE
 from integration.peers.jobs import PREFILL_LENGTHS, EngineResult, RunFigures, prefill_trace
 from integration.peers.plan import sections
 from integration.peers.report import breadth_table, prefill_table
+from tgi_paged_backend.planning.report import table
 
 SOURCE = {"vocab_size": 512, "eos_token_id": 2, "bos_token_id": 1, "rope_theta": 1e5, "tie_word_embeddings": True}
 
@@ -90,6 +91,12 @@ def test_breadth_table_has_a_row_per_model_and_dtype_with_the_ratio() -> None:
     assert "1.50x" in llama_fp32 and "4/4 identical" in llama_fp32
     qwen_bf16 = next(r for r in rows if "qwen3" in r and "bfloat16" in r)
     assert "n/a" in qwen_bf16 and "vLLM CPU build" in qwen_bf16  # vLLM skipped: no ratio, says which
+
+
+def test_breadth_table_of_a_run_without_a_burst_says_so() -> None:
+    prefill_only = {"key": "prefill", "config": {"runs": ["prefill"], "dtype": "float32"}, "results": []}
+    assert "no burst run" in breadth_table([{"dtype": "float32", "sections": [prefill_only]}])
+    assert table(["a", "b"], []).splitlines()[0].split() == ["a", "b"]  # headers only
 
 
 def test_prefill_run_is_its_own_section_of_one_request_per_length() -> None:

@@ -36,7 +36,7 @@ def ratio(a: float, b: float) -> str:
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, first_width: int | None = None) -> str:
     """A plain aligned text table (first column left-aligned, the others right-aligned)."""
     cells = [[str(c) for c in row] for row in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(str(h)), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     if first_width:
         widths[0] = max(widths[0], first_width)
     out = ["  ".join(str(h).ljust(w) if i == 0 else str(h).rjust(w) for i, (h, w) in enumerate(zip(headers, widths)))]
