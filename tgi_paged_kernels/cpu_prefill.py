@@ -55,9 +55,6 @@ def prefill_attention(
         or block_tables.shape[0] < seq_lens.numel()
         or (sinks is not None and sinks.numel() != num_q_heads)
         or (attend_limits is not None and attend_limits.shape != (num_tokens,))
-        # One task per (request, KV head): fewer than the threads (one long prompt on a many-core host) would
-        # leave threads idle where the torch path's SDPA uses them all.
-        or seq_lens.numel() * k_cache.shape[2] < torch.get_num_threads()
     ):
         return None
     starts = query_start_loc

@@ -84,3 +84,30 @@ def test_bad_lengths_and_tables_raise(native) -> None:
     with pytest.raises(ValueError, match="block id outside the pool's"):
         prefill_attention(native, query, kv.k_cache, kv.v_cache, outside, query_start_loc([5, 5]), kv.seq_lens,
                           **options)  # fmt: skip
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("window,limits", [(None, False), (23, False), (None, True)], ids=["causal", "window", "spans"])
+def test_one_long_prompt_is_cut_into_row_ranges_across_threads(native, threads, window, limits) -> None:
+    """One request with one KV head has fewer (request, KV head) pairs than threads: the kernel cuts its query
+    rows into ranges (each packing only the keys its rows see); the result is the reference's either way."""
+    generator = torch.Generator().manual_seed(3)
+    seq_lens, q_lens = [150], [131]  # a chunk over a 19-token cached prefix
+    kv = make_paged_kv(seq_lens, num_kv_heads=1, head_dim=32, block_size=16, kv_dtype=torch.float32,
+                       generator=generator)  # fmt: skip
+    query = torch.randn(sum(q_lens), 3, 32, generator=generator)
+    attend = None
+    if limits:  # rows 40..79 see each other both ways (a bidirectional span), the rest causal
+        positions = torch.arange(19, 150)
+        attend = torch.where((positions >= 59) & (positions < 99), torch.tensor(98), positions)
+    options = dict(scale=32**-0.5, softcap=0.0, sliding_window=window, k_scale=1.0, v_scale=1.0, sinks=None)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc(q_lens), kv.seq_lens)
+    expected = paged_prefill_attention_reference(*args, **options, attend_limits=attend)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = prefill_attention(native, *args, **options, attend_limits=attend)
+    finally:
+        torch.set_num_threads(previous)
+    assert got is not None
+    assert_attention_close(got, expected, torch.float32)

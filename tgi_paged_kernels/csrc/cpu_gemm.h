@@ -133,17 +133,26 @@ inline void tile2_rows(int rows, const float* a, int64_t lda, int64_t K, const f
 }
 #endif
 
+// Rows per task of a GEMM of M rows: at most kMaxRows, the chunks equal up to one register tile (`tile_rows`
+// rows), so that threads taking equal numbers of tasks get equal work (128 rows as 96 + 32 left one of two
+// threads a quarter of the work).
+inline int64_t balanced_row_chunk(int64_t M, int64_t tile_rows, int64_t kMaxRows = 96) {
+  const int64_t chunks = std::max<int64_t>(1, (M + kMaxRows - 1) / kMaxRows);
+  const int64_t rows = (M + chunks - 1) / chunks;
+  return std::max<int64_t>(tile_rows, (rows + tile_rows - 1) / tile_rows * tile_rows);
+}
+
 // out[M, N] (row stride ldo) = a[M, K] (row stride lda) times the packed weight's transpose, plus bias[N]
 // when given, then plus add[M, N] (row stride ldadd; it may be `out` itself) when given. Orphaned work
-// sharing (call it inside a parallel region, or from one thread) over tasks of up to kMC rows times one
+// sharing (call it inside a parallel region, or from one thread) over tasks of balanced_row_chunk rows times one
 // column block, or two neighbouring ones where the ISA has the registers; a thread's tasks share rows, so
 // their slice of `a` stays in cache while the weight panels stream.
 void gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, const float* packed, int64_t N,
                  const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
-  constexpr int64_t kMC = 96;
   const int64_t blocks = (N + kNB - 1) / kNB;
   // Pairs of blocks pay from a few row tiles on; a decode batch reads each weight panel in fewer passes alone.
   const int64_t span = kPairs && M >= 3 * kMR ? 2 : 1;
+  const int64_t kMC = balanced_row_chunk(M, span == 2 ? kMR2 : kMR);
   const int64_t groups = (blocks + span - 1) / span, chunks = (M + kMC - 1) / kMC;
 #pragma omp for schedule(static)
   for (int64_t task = 0; task < chunks * groups; ++task) {

@@ -146,10 +146,10 @@ inline void tile_bf16_rows(int rows, const float* a, int64_t lda, int64_t K, con
 inline int64_t packed_bf16_elements(int64_t N, int64_t K) { return (N + kNB - 1) / kNB * ((K + 1) / 2) * kPair; }
 
 // out[M, N] = a[M, K] @ W^T (+ bias[N]) (+ add[M, N], which may be `out`), W packed as above; strides as
-// gemm_packed's. Orphaned work sharing over tasks of up to kMC rows times one column block.
+// gemm_packed's. Orphaned work sharing over tasks of balanced_row_chunk rows times one column block.
 void gemm_packed_bf16(const float* a, int64_t lda, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
                       const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
-  constexpr int64_t kMC = 96;
+  const int64_t kMC = balanced_row_chunk(M, kMRb);
   const int64_t blocks = (N + kNB - 1) / kNB, chunks = (M + kMC - 1) / kMC, block_elems = (K + 1) / 2 * kPair;
 #pragma omp for schedule(static)
   for (int64_t task = 0; task < chunks * blocks; ++task) {

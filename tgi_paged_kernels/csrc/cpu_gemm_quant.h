@@ -92,11 +92,11 @@ inline void tile_i8_rows(int rows, const float* a, int64_t lda, int64_t K, const
 
 // gemm_packed (cpu_gemm.h) of the int8 weight `codes` with its per-column `zeros` and `scales`
 // ([ceil(N / 16) * 16] each): out[M, N] = a[M, K] @ ((codes - zeros) * scales)^T (+ bias) (+ add). Orphaned work
-// sharing over tasks of up to kMC rows times one column block.
+// sharing over tasks of balanced_row_chunk rows times one column block.
 void gemm_packed_i8(const float* a, int64_t lda, int64_t M, int64_t K, const uint8_t* codes, const float* zeros,
                     const float* scales, int64_t N, const float* bias, const float* add, int64_t ldadd, float* out,
                     int64_t ldo) {
-  constexpr int64_t kMC = 96;
+  const int64_t kMC = balanced_row_chunk(M, kQuantMR);
   const int64_t blocks = (N + kNB - 1) / kNB, chunks = (M + kMC - 1) / kMC;
 #pragma omp for schedule(static)
   for (int64_t task = 0; task < chunks * blocks; ++task) {
