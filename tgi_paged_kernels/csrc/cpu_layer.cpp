@@ -299,7 +299,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
         gemm_proj(S, kDown, act, I, T, I, S.w_down, H, nullptr, stage == 1 ? partial : nullptr, H, partial, H);
       } else if (direct_mlp) {
         gemm_proj(S, kDown, act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
-        lora_add_rows(A.lora, *A.lora_groups, kDown, act, I, A.hidden, H);
+        lora_add_rows(A.lora, *A.lora_groups, kDown, act, I, A.hidden, H, !A.hidden_bf16);  // the region's end
       } else {
         gemm_proj(S, kDown, act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
         lora_add_rows(A.lora, *A.lora_groups, kDown, act, I, x, H);

@@ -151,45 +151,56 @@ inline void lora_group_delta(const LoraTarget& g, int64_t s, const float* const 
   lora_expand_tile<kRows>(xa_rows, bt, g.width, rank, g.width, g.scales[s], out_rows);
 }
 
+// Task `task` of lora_add_rows: target (task / G)-th of `projection`, group task % G.
+inline void lora_task(const LayerLora* lora, const LoraGroups& groups, int projection, int64_t task, const float* x,
+                      int64_t ldx, float* out, int64_t ldo) {
+  const int64_t G = groups.count();
+  int64_t i = 0;
+  for (int64_t nth = task / G;; ++i)
+    if (lora->targets[i].projection == projection && nth-- == 0) break;
+  const LoraTarget& g = lora->targets[i];
+  const int64_t grp = task % G;
+  const int64_t* rows = groups.rows.data() + groups.starts[grp];
+  const int count = static_cast<int>(groups.starts[grp + 1] - groups.starts[grp]);
+  const int64_t s = lora->token_slots[rows[0]];
+  if (g.ranks[s] == 0) return;
+  const float* x_rows[kLoraTileRows];
+  float* out_rows[kLoraTileRows];
+  for (int j = 0; j < count; ++j) {
+    x_rows[j] = x + rows[j] * ldx;
+    out_rows[j] = out + rows[j] * ldo + g.column;
+  }
+  switch (count) {
+    case 1: lora_group_delta<1>(g, s, x_rows, out_rows); break;
+    case 2: lora_group_delta<2>(g, s, x_rows, out_rows); break;
+    case 3: lora_group_delta<3>(g, s, x_rows, out_rows); break;
+    case 4: lora_group_delta<4>(g, s, x_rows, out_rows); break;
+    case 5: lora_group_delta<5>(g, s, x_rows, out_rows); break;
+    case 6: lora_group_delta<6>(g, s, x_rows, out_rows); break;
+    case 7: lora_group_delta<7>(g, s, x_rows, out_rows); break;
+    default: lora_group_delta<8>(g, s, x_rows, out_rows); break;
+  }
+}
+
 // out[t, column:column + width] += each row's delta, for every target of `projection`, over the rows of input x
 // (row stride ldx) and output out (row stride ldo) that `groups` holds (group_rows of the step's slots).
 // Work-shared: called by every thread of a parallel region. One task per target of the projection and group of
-// rows: its shrink, then its expand (no barrier between them; only the loop's closing one, and none at all when
-// the projection has no target or the step no adapter row); tasks handed out one at a time, as their sizes
-// differ (q's and k's widths, adapters' ranks). Each output value is one task's: the same bits on any thread count.
+// rows: its shrink, then its expand (no barrier between them; only the loop's closing one, none when `last`: the
+// region's end is the barrier, and none at all when the projection has no target or the step no adapter row);
+// tasks handed out one at a time, as their sizes differ (q's and k's widths, adapters' ranks). Each output value
+// is one task's: the same bits on any thread count.
 inline void lora_add_rows(const LayerLora* lora, const LoraGroups& groups, int projection, const float* x,
-                          int64_t ldx, float* out, int64_t ldo) {
+                          int64_t ldx, float* out, int64_t ldo, bool last = false) {
   const int64_t G = groups.count();
   if (G <= 0 || !lora_targets(lora, projection)) return;
   int64_t matching = 0;
   for (int64_t i = 0; i < lora->num_targets; ++i) matching += lora->targets[i].projection == projection;
+  if (last) {
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t task = 0; task < matching * G; ++task) lora_task(lora, groups, projection, task, x, ldx, out, ldo);
+  } else {
 #pragma omp for schedule(dynamic, 1)
-  for (int64_t task = 0; task < matching * G; ++task) {
-    int64_t i = 0;  // the (task / G)-th target of `projection`
-    for (int64_t nth = task / G;; ++i)
-      if (lora->targets[i].projection == projection && nth-- == 0) break;
-    const LoraTarget& g = lora->targets[i];
-    const int64_t grp = task % G;
-    const int64_t* rows = groups.rows.data() + groups.starts[grp];
-    const int count = static_cast<int>(groups.starts[grp + 1] - groups.starts[grp]);
-    const int64_t s = lora->token_slots[rows[0]];
-    if (g.ranks[s] == 0) continue;
-    const float* x_rows[kLoraTileRows];
-    float* out_rows[kLoraTileRows];
-    for (int j = 0; j < count; ++j) {
-      x_rows[j] = x + rows[j] * ldx;
-      out_rows[j] = out + rows[j] * ldo + g.column;
-    }
-    switch (count) {
-      case 1: lora_group_delta<1>(g, s, x_rows, out_rows); break;
-      case 2: lora_group_delta<2>(g, s, x_rows, out_rows); break;
-      case 3: lora_group_delta<3>(g, s, x_rows, out_rows); break;
-      case 4: lora_group_delta<4>(g, s, x_rows, out_rows); break;
-      case 5: lora_group_delta<5>(g, s, x_rows, out_rows); break;
-      case 6: lora_group_delta<6>(g, s, x_rows, out_rows); break;
-      case 7: lora_group_delta<7>(g, s, x_rows, out_rows); break;
-      default: lora_group_delta<8>(g, s, x_rows, out_rows); break;
-    }
+    for (int64_t task = 0; task < matching * G; ++task) lora_task(lora, groups, projection, task, x, ldx, out, ldo);
   }
 }
 
