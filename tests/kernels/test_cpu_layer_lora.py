@@ -125,6 +125,20 @@ def test_many_rows_of_one_adapter(native) -> None:
     assert ((got - base).abs().amax(dim=1) > 1e-3).tolist() == [s >= 0 for s in token_slots]
 
 
+@pytest.mark.parametrize("counts", [(1, 2, 3), (4, 5, 6), (7, 8, 15)])
+def test_groups_of_every_size(native, counts) -> None:
+    """Each adapter's rows run in groups of up to 8, each size its own register tile (1 to 8 rows; 15 rows: a
+    group of 8 and one of 7), interleaved with base rows, on two threads."""
+    token_slots = []
+    for i in range(max(counts)):
+        token_slots += [slot for slot, n in enumerate(counts) if i < n] + ([-1] if i % 3 == 0 else [])
+    contexts = [2 + (5 * i) % 23 for i in range(len(token_slots))]
+    got, expected, _ = _run(native, "SmolLM2", [1] * len(token_slots), contexts, token_slots, threads=2)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    one, _, _ = _run(native, "SmolLM2", [1] * len(token_slots), contexts, token_slots)
+    assert torch.equal(got, one)
+
+
 def test_lora_rows_are_the_same_with_two_threads(native) -> None:
     token_slots = [2, -1, 0, 1, 1, 0]
     one, _, _ = _run(native, "SmolLM2", [1] * 6, [3, 8, 20, 1, 5, 9], token_slots)

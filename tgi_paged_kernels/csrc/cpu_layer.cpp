@@ -74,7 +74,6 @@ struct StepArgs {
   float* partial;  // [T, H] stages 1-3: the rank's partial sums of a row-parallel projection, all-reduced between
   const LayerLora* lora;          // null: no adapter rows (cpu_lora.h; stage 0 only)
   const LoraGroups* lora_groups;  // the rows with an adapter, grouped by it
-  float* lora_xa;                 // lora_scratch_floats(lora, tokens) floats
   uint16_t* hidden_bf16;               // a bf16 step: [T, H] in/out, widened at entry, rounded (RNE) at exit
   const uint16_t *cos_bf16, *sin_bf16;  // a bf16 step's tables [T, R] (null without RoPE)
 };
@@ -176,10 +175,10 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
   float* x_mlp = act + T * I;        // [T, H] a parallel block's MLP input (its own norm of h)
   // A block's output goes straight onto the residual stream in the GEMM's epilogue unless it is normed or
   // scaled first (sandwich norms, residual multipliers): then through x and add_residual.
-  // A LoRA delta joins its projection's output before the add, as the per-op path adds it (a parallel block's
-  // attention output still goes straight onto h: its normed input, in x, is the MLP's).
-  const bool direct_attn = !S.attn_out && S.residual_scale == 1.0f && (S.parallel || !lora_targets(A.lora, kO));
-  const bool direct_mlp = !S.mlp_out && S.residual_scale == 1.0f && !lora_targets(A.lora, kDown);
+  // A LoRA delta of o or down joins its projection's output before a norm or scale (as the per-op path adds it);
+  // a block that goes straight onto h gets its delta there too (the same sum, no pass through x).
+  const bool direct_attn = !S.attn_out && S.residual_scale == 1.0f;
+  const bool direct_mlp = !S.mlp_out && S.residual_scale == 1.0f;
   d.query = qk;
   d.q_sb = static_cast<int64_t>(hq + hkv) * D;
   d.q_sh = D;
@@ -204,7 +203,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
         norm_row(A.hidden + t * H, S.mlp_in, S.mlp_in_b, x_mlp + t * H, H, S.eps_mlp_in, S.layer_norm);
     }
     if (stage <= 1) gemm_proj(S, kQkv, attn_x, H, T, H, S.w_qkv, n_qkv, S.b_qkv, nullptr, 0, qkv, n_qkv);
-    lora_add_rows(A.lora, *A.lora_groups, kQkv, attn_x, H, T, qkv, n_qkv, A.lora_xa);
+    lora_add_rows(A.lora, *A.lora_groups, kQkv, attn_x, H, qkv, n_qkv);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < (stage <= 1 ? T : 0); ++t) {
       float* row = qkv + t * n_qkv;
@@ -250,10 +249,10 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
                   S.eps_mlp_out, S);
     } else if (direct_attn) {
       gemm_proj(S, kO, attn, n_q, T, n_q, S.w_o, H, S.b_o, A.hidden, H, A.hidden, H);
-      lora_add_rows(A.lora, *A.lora_groups, kO, attn, n_q, T, A.hidden, H, A.lora_xa);
+      lora_add_rows(A.lora, *A.lora_groups, kO, attn, n_q, A.hidden, H);
     } else {
       gemm_proj(S, kO, attn, n_q, T, n_q, S.w_o, H, S.b_o, nullptr, 0, x, H);
-      lora_add_rows(A.lora, *A.lora_groups, kO, attn, n_q, T, x, H, A.lora_xa);
+      lora_add_rows(A.lora, *A.lora_groups, kO, attn, n_q, x, H);
       add_residual(A.hidden, x, T, H, S.attn_out, S.attn_out_b, S.eps_attn_out, S.residual_scale, S.layer_norm,
                    S.post_add);
     }
@@ -294,15 +293,16 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
     } else {
       const int64_t n_gu = S.gated ? 2 * I : I;
       gemm_proj(S, kGateUp, mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
-      lora_add_rows(A.lora, *A.lora_groups, kGateUp, mlp_x, H, T, gate_up, n_gu, A.lora_xa);
+      lora_add_rows(A.lora, *A.lora_groups, kGateUp, mlp_x, H, gate_up, n_gu);
       activate_rows(S, gate_up, act, T, I);
       if (stage) {  // the rank's partial sums of down (onto o's in a parallel block)
         gemm_proj(S, kDown, act, I, T, I, S.w_down, H, nullptr, stage == 1 ? partial : nullptr, H, partial, H);
       } else if (direct_mlp) {
         gemm_proj(S, kDown, act, I, T, I, S.w_down, H, S.b_down, A.hidden, H, A.hidden, H);
+        lora_add_rows(A.lora, *A.lora_groups, kDown, act, I, A.hidden, H, !A.hidden_bf16);  // the region's end
       } else {
         gemm_proj(S, kDown, act, I, T, I, S.w_down, H, S.b_down, nullptr, 0, x, H);
-        lora_add_rows(A.lora, *A.lora_groups, kDown, act, I, T, x, H, A.lora_xa);
+        lora_add_rows(A.lora, *A.lora_groups, kDown, act, I, x, H);
         add_residual(A.hidden, x, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm,
                      S.post_add);
       }
@@ -367,11 +367,10 @@ int tgi_paged_decode_layer_stage(
   if (query_start_loc &&
       !query_rows(query_start_loc, num_requests, tokens, seq_lens, sl_int64, row_request, row_len))
     return kBadSpec;
-  std::vector<float> lora_xa(static_cast<size_t>(lora_scratch_floats(lora, tokens)));
   LoraGroups lora_groups;
   if (lora) group_rows(lora->token_slots, tokens, lora_groups);
   StepArgs A{static_cast<float*>(hidden), tokens, static_cast<const float*>(cos), static_cast<const float*>(sin),
-             slot_mapping, scratch, stage, partial, lora, &lora_groups, lora_xa.data(), nullptr, nullptr, nullptr};
+             slot_mapping, scratch, stage, partial, lora, &lora_groups, nullptr, nullptr, nullptr};
   if (act_dtype == 1) {  // fp32 copies at the front of scratch; the layer's own scratch after them
     const int64_t H = S.hidden_size, R = S.rotary_dim;
     A.hidden_bf16 = static_cast<uint16_t*>(hidden);

@@ -1,7 +1,7 @@
 // Batched multi-LoRA rows on CPU, fp32: the shrink (xa = A[s] x) and expand (out += scale[s] * B[s] xa) of one
 // row (the per-layer kernel, cpu_lora.cpp); the native decode layer's LoRA (cpu_layer.cpp): its targets (LayerLora:
 // the adapters of each projection it runs) and lora_add_rows, which runs the rows of one adapter in groups over the
-// register tiles of cpu_lora_tiles.h. Torch references: tgi_paged_kernels.lora.lora_delta_reference,
+// register tiles of cpu_lora_tiles.h, one task per target and group. Torch references: tgi_paged_kernels.lora.lora_delta_reference,
 // cpu_layer_ref.decode_layer_ref (lora=...).
 
 #pragma once
@@ -14,7 +14,7 @@
 
 namespace {
 
-constexpr int kLoraMaxRank = 256;  // per-row scratch of the shrink
+constexpr int kLoraMaxRank = 256;  // per-row scratch of the shrink (on the stack of a task)
 constexpr int64_t kLoraChunk = 256;  // outputs of one expand chunk (the delta stays in registers / L1)
 
 // xa[r] = A[r, :] . x for r < rank: each a sequential (vectorized) sum over k.
@@ -87,18 +87,6 @@ inline bool lora_fits(const LayerLora* lora, int64_t T, const int64_t* in, const
   return true;
 }
 
-// The widest rank of the layer's targets (the stride of lora_add_rows' scratch rows).
-inline int64_t lora_max_rank(const LayerLora* lora) {
-  int64_t rank = 0;
-  for (int64_t i = 0; lora && i < lora->num_targets; ++i) rank = std::max<int64_t>(rank, lora->targets[i].max_rank);
-  return rank;
-}
-
-// Scratch floats of lora_add_rows for T rows: one row of ranks per target and row.
-inline int64_t lora_scratch_floats(const LayerLora* lora, int64_t T) {
-  return lora ? lora->num_targets * T * lora_max_rank(lora) : 0;
-}
-
 // Whether some target of `lora` adds to `projection`.
 inline bool lora_targets(const LayerLora* lora, int projection) {
   if (!lora) return false;
@@ -131,59 +119,88 @@ inline void group_rows(const int64_t* slots, int64_t T, LoraGroups& groups) {
   if (groups.rows.empty()) groups.starts.assign(1, 0);
 }
 
-// out[t, column:column + width] += each row's delta, for every target of `projection`, over T rows of input x
-// (row stride ldx) and output out (row stride ldo); rows as `groups` holds them (group_rows of the step's slots).
-// Work-shared: called by every thread of a parallel region; xa is scratch of lora_scratch_floats(lora, T)
-// floats. Shrinks (one task per target and group), a barrier, then expands (one task per target, group and
-// chunk of kLoraChunk outputs), each over the group's rows at once (cpu_lora_tiles.h).
-inline void lora_add_rows(const LayerLora* lora, const LoraGroups& groups, int projection, const float* x,
-                          int64_t ldx, int64_t T, float* out, int64_t ldo, float* xa) {
-  if (!lora_targets(lora, projection)) return;
-  const int64_t n = lora->num_targets, G = groups.count();
-  const int64_t* slots = lora->token_slots;
-  const int64_t stride = lora_max_rank(lora);
-#pragma omp for schedule(static)
-  for (int64_t task = 0; task < n * G; ++task) {
-    const int64_t i = task / G, grp = task % G;
-    const LoraTarget& g = lora->targets[i];
-    const int64_t* rows = groups.rows.data() + groups.starts[grp];
-    const int count = static_cast<int>(groups.starts[grp + 1] - groups.starts[grp]);
-    const int64_t s = slots[rows[0]];
-    if (g.projection != projection || g.ranks[s] == 0) continue;
-    const float* a = g.a + s * g.max_rank * g.in_features;
-    const float* x_rows[kLoraTileRows];
-    for (int j = 0; j < kLoraTileRows; ++j) x_rows[j] = x + rows[j < count ? j : 0] * ldx;
-    float xa0[kLoraTileRows], xa1[kLoraTileRows];
-    for (int r = 0; r < g.ranks[s]; r += 2) {  // two rows of A at a time, each vector of them for every row
-      const bool pair = r + 1 < g.ranks[s];
-      lora_shrink_tile(x_rows, a + r * g.in_features, a + (pair ? r + 1 : r) * g.in_features, g.in_features, xa0,
-                       xa1);
-      for (int j = 0; j < count; ++j) {
-        xa[(i * T + rows[j]) * stride + r] = xa0[j];
-        if (pair) xa[(i * T + rows[j]) * stride + r + 1] = xa1[j];
-      }
+// The delta of one target for one group of kRows rows of adapter slot s (rank > 0): the shrink into registers'
+// scratch (xa: the rows' ranks), then the expand over all the target's columns, out_rows[j] its row j's first.
+// Asks for the n floats from p into the cache ahead of their reads: a task's A and B (a few tens of KiB, one
+// adapter's rows of one projection) are too short a stream for the hardware prefetcher to reach full speed.
+inline void lora_prefetch(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 2);
+}
+
+template <int kRows>
+inline void lora_group_delta(const LoraTarget& g, int64_t s, const float* const x_rows[kRows],
+                             float* const out_rows[kRows]) {
+  const int rank = g.ranks[s];
+  const float* a = g.a + s * g.max_rank * g.in_features;
+  const float* bt = g.bt + s * g.max_rank * g.width;
+  lora_prefetch(a, rank * g.in_features);
+  lora_prefetch(bt, rank * g.width);
+  float xa[kRows][kLoraMaxRank];
+  float xa0[kRows], xa1[kRows];
+  for (int r = 0; r < rank; r += 2) {  // two rows of A at a time, each vector of them for every row
+    const bool pair = r + 1 < rank;
+    lora_shrink_tile<kRows>(x_rows, a + r * g.in_features, a + (pair ? r + 1 : r) * g.in_features, g.in_features,
+                            xa0, xa1);
+    for (int j = 0; j < kRows; ++j) {
+      xa[j][r] = xa0[j];
+      if (pair) xa[j][r + 1] = xa1[j];
     }
   }
-  int64_t chunks = 0;  // the widest target's chunks: every target gets as many tasks
-  for (int64_t i = 0; i < n; ++i) chunks = std::max(chunks, (lora->targets[i].width + kLoraChunk - 1) / kLoraChunk);
-#pragma omp for schedule(static)
-  for (int64_t task = 0; task < n * G * chunks; ++task) {
-    const int64_t i = task / (G * chunks), grp = (task / chunks) % G, n0 = (task % chunks) * kLoraChunk;
-    const LoraTarget& g = lora->targets[i];
-    const int64_t* rows = groups.rows.data() + groups.starts[grp];
-    const int count = static_cast<int>(groups.starts[grp + 1] - groups.starts[grp]);
-    const int64_t s = slots[rows[0]];
-    if (g.projection != projection || g.ranks[s] == 0 || n0 >= g.width) continue;
-    const int64_t width = std::min(kLoraChunk, g.width - n0);
-    const float* xa_rows[kLoraTileRows];
-    float* out_rows[kLoraTileRows];
-    static const float kZeros[kLoraMaxRank] = {};
-    for (int j = 0; j < kLoraTileRows; ++j) {
-      xa_rows[j] = j < count ? xa + (i * T + rows[j]) * stride : kZeros;
-      out_rows[j] = j < count ? out + rows[j] * ldo + g.column + n0 : nullptr;
-    }
-    lora_expand_tile(xa_rows, g.bt + s * g.max_rank * g.width + n0, g.width, g.ranks[s], width, g.scales[s],
-                     out_rows, count);
+  const float* xa_rows[kRows];
+  for (int j = 0; j < kRows; ++j) xa_rows[j] = xa[j];
+  lora_expand_tile<kRows>(xa_rows, bt, g.width, rank, g.width, g.scales[s], out_rows);
+}
+
+// Task `task` of lora_add_rows: target (task / G)-th of `projection`, group task % G.
+inline void lora_task(const LayerLora* lora, const LoraGroups& groups, int projection, int64_t task, const float* x,
+                      int64_t ldx, float* out, int64_t ldo) {
+  const int64_t G = groups.count();
+  int64_t i = 0;
+  for (int64_t nth = task / G;; ++i)
+    if (lora->targets[i].projection == projection && nth-- == 0) break;
+  const LoraTarget& g = lora->targets[i];
+  const int64_t grp = task % G;
+  const int64_t* rows = groups.rows.data() + groups.starts[grp];
+  const int count = static_cast<int>(groups.starts[grp + 1] - groups.starts[grp]);
+  const int64_t s = lora->token_slots[rows[0]];
+  if (g.ranks[s] == 0) return;
+  const float* x_rows[kLoraTileRows];
+  float* out_rows[kLoraTileRows];
+  for (int j = 0; j < count; ++j) {
+    x_rows[j] = x + rows[j] * ldx;
+    out_rows[j] = out + rows[j] * ldo + g.column;
+  }
+  switch (count) {
+    case 1: lora_group_delta<1>(g, s, x_rows, out_rows); break;
+    case 2: lora_group_delta<2>(g, s, x_rows, out_rows); break;
+    case 3: lora_group_delta<3>(g, s, x_rows, out_rows); break;
+    case 4: lora_group_delta<4>(g, s, x_rows, out_rows); break;
+    case 5: lora_group_delta<5>(g, s, x_rows, out_rows); break;
+    case 6: lora_group_delta<6>(g, s, x_rows, out_rows); break;
+    case 7: lora_group_delta<7>(g, s, x_rows, out_rows); break;
+    default: lora_group_delta<8>(g, s, x_rows, out_rows); break;
+  }
+}
+
+// out[t, column:column + width] += each row's delta, for every target of `projection`, over the rows of input x
+// (row stride ldx) and output out (row stride ldo) that `groups` holds (group_rows of the step's slots).
+// Work-shared: called by every thread of a parallel region. One task per target of the projection and group of
+// rows: its shrink, then its expand (no barrier between them; only the loop's closing one, none when `last`: the
+// region's end is the barrier, and none at all when the projection has no target or the step no adapter row);
+// tasks handed out one at a time, as their sizes differ (q's and k's widths, adapters' ranks). Each output value
+// is one task's: the same bits on any thread count.
+inline void lora_add_rows(const LayerLora* lora, const LoraGroups& groups, int projection, const float* x,
+                          int64_t ldx, float* out, int64_t ldo, bool last = false) {
+  const int64_t G = groups.count();
+  if (G <= 0 || !lora_targets(lora, projection)) return;
+  int64_t matching = 0;
+  for (int64_t i = 0; i < lora->num_targets; ++i) matching += lora->targets[i].projection == projection;
+  if (last) {
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t task = 0; task < matching * G; ++task) lora_task(lora, groups, projection, task, x, ldx, out, ldo);
+  } else {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < matching * G; ++task) lora_task(lora, groups, projection, task, x, ldx, out, ldo);
   }
 }
 

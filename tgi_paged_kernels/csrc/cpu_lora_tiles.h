@@ -1,9 +1,10 @@
-// Register tiles of the native decode layer's LoRA (cpu_lora.h's lora_add_rows): a group of up to kLoraTileRows
-// rows of one adapter times 16 values, so that each vector of A or B read serves every row of the group. GCC
-// vector extensions: one AVX-512 register per vector where the host has it, two AVX2 registers or scalar code
-// elsewhere (the same source builds for every -march). Rows past the group's are padding (a valid row's input,
-// a zero row of ranks), computed and dropped. Sums: 16 lane sums over k then their sum (shrink), a sum over r in
-// order (expand); within the torch reference's tolerance (tests/kernels/test_cpu_layer_lora.py).
+// Register tiles of the native decode layer's LoRA (cpu_lora.h's lora_add_rows): a group of kRows <=
+// kLoraTileRows rows of one adapter times 16 values, so that each vector of A or B read serves every row of the
+// group. The row count is a template argument: a group of 2 rows computes 2 rows, not a padded 8. GCC vector
+// extensions: one AVX-512 register per vector where the host has it, two AVX2 registers or scalar code elsewhere
+// (the same source builds for every -march). Sums: 16 lane sums over k then their sum (shrink), a sum over r in
+// order (expand), the same for every kRows; within the torch reference's tolerance
+// (tests/kernels/test_cpu_layer_lora.py).
 
 #pragma once
 
@@ -19,20 +20,21 @@ typedef float LoraVecUnaligned __attribute__((vector_size(64), aligned(4)));
 #define TGI_LORA_VEC(p) (*reinterpret_cast<const LoraVecUnaligned*>(p))
 #define TGI_LORA_VEC_OUT(p) (*reinterpret_cast<LoraVecUnaligned*>(p))
 
-// out0[j] = x_j . a0 and out1[j] = x_j . a1 over K values, for the tile's rows j.
-inline void lora_shrink_tile(const float* const x[kLoraTileRows], const float* a0, const float* a1, int64_t K,
-                             float out0[kLoraTileRows], float out1[kLoraTileRows]) {
-  LoraVec acc0[kLoraTileRows] = {}, acc1[kLoraTileRows] = {};
+// out0[j] = x_j . a0 and out1[j] = x_j . a1 over K values, for the tile's rows j < kRows.
+template <int kRows>
+inline void lora_shrink_tile(const float* const x[kRows], const float* a0, const float* a1, int64_t K,
+                             float out0[kRows], float out1[kRows]) {
+  LoraVec acc0[kRows] = {}, acc1[kRows] = {};
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     const LoraVec v0 = TGI_LORA_VEC(a0 + k), v1 = TGI_LORA_VEC(a1 + k);
-    for (int j = 0; j < kLoraTileRows; ++j) {
+    for (int j = 0; j < kRows; ++j) {
       const LoraVec vx = TGI_LORA_VEC(x[j] + k);
       acc0[j] += vx * v0;
       acc1[j] += vx * v1;
     }
   }
-  for (int j = 0; j < kLoraTileRows; ++j) {
+  for (int j = 0; j < kRows; ++j) {
     float s0 = 0.0f, s1 = 0.0f;
     for (int c = 0; c < 16; ++c) {
       s0 += acc0[j][c];
@@ -47,20 +49,21 @@ inline void lora_shrink_tile(const float* const x[kLoraTileRows], const float* a
   }
 }
 
-// out_j[c] += scale * sum_r xa_j[r] * bt[r * ldb + c] for c < width and the tile's first `count` rows.
-inline void lora_expand_tile(const float* const xa[kLoraTileRows], const float* bt, int64_t ldb, int rank,
-                             int64_t width, float scale, float* const out[kLoraTileRows], int count) {
+// out_j[c] += scale * sum_r xa_j[r] * bt[r * ldb + c] for c < width and the tile's rows j < kRows.
+template <int kRows>
+inline void lora_expand_tile(const float* const xa[kRows], const float* bt, int64_t ldb, int rank, int64_t width,
+                             float scale, float* const out[kRows]) {
   int64_t c0 = 0;
   for (; c0 + 16 <= width; c0 += 16) {
-    LoraVec acc[kLoraTileRows] = {};
+    LoraVec acc[kRows] = {};
     for (int r = 0; r < rank; ++r) {
       const LoraVec b = TGI_LORA_VEC(bt + r * ldb + c0);
-      for (int j = 0; j < kLoraTileRows; ++j) acc[j] += xa[j][r] * b;
+      for (int j = 0; j < kRows; ++j) acc[j] += xa[j][r] * b;
     }
-    for (int j = 0; j < count; ++j) TGI_LORA_VEC_OUT(out[j] + c0) = TGI_LORA_VEC(out[j] + c0) + acc[j] * scale;
+    for (int j = 0; j < kRows; ++j) TGI_LORA_VEC_OUT(out[j] + c0) = TGI_LORA_VEC(out[j] + c0) + acc[j] * scale;
   }
   for (; c0 < width; ++c0) {
-    for (int j = 0; j < count; ++j) {
+    for (int j = 0; j < kRows; ++j) {
       float total = 0.0f;
       for (int r = 0; r < rank; ++r) total += xa[j][r] * bt[r * ldb + c0];
       out[j][c0] += total * scale;
