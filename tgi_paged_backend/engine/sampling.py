@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from tgi_paged_backend.engine.types import InvalidRequestError, SamplingParams
-from tgi_paged_backend.runner.logits_ops import greedy_in_one_pass
 
 __all__ = [
     "ChosenToken",
@@ -251,9 +250,12 @@ def process_logits(
 # ----------------------------------------------------------------------------------------------------
 
 
-def _greedy_in_one_pass(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Argmax and its log-probability by the native CPU kernel (one pass over each row), or ``None``."""
-    return greedy_in_one_pass(scores)
+def _first_maximum(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.argmax(dim=-1)``: the first maximum of each row (a NaN counts as the maximum, as in argmax).
+
+    ``max(dim)`` returns the same index as ``argmax`` (first occurrence, NaN first) and is about 3x faster on
+    CPU (``[21, 49152]`` fp32, 2 threads: 0.27 ms against 0.77 ms): the greedy step's largest host cost."""
+    return scores.max(dim=-1).indices
 
 
 def _finite_logprobs(ids: torch.Tensor, chosen: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -284,12 +286,8 @@ def choose_next_tokens(
     sample_rows = [i for i, p in enumerate(params) if p.is_sampling]
     ns = [0] * batch if top_n is None else [max(0, min(int(n), scores.shape[1])) for n in top_n]
     max_n = max(ns, default=0)
-    greedy = _greedy_in_one_pass(scores) if not sample_rows and max_n == 0 else None
-    if greedy is not None:  # every row greedy, no alternatives asked: no [B, V] log-probabilities needed
-        ids_l, lps_l = _finite_logprobs(*greedy)
-        return [ChosenToken(id=i, logprob=lp, top_ids=[], top_logprobs=[]) for i, lp in zip(ids_l, lps_l)]
     logprobs = torch.log_softmax(scores, dim=-1)
-    next_ids = scores.argmax(dim=-1)
+    next_ids = _first_maximum(scores)
 
     if sample_rows:
         vocab = scores.shape[1]
