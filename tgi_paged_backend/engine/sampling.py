@@ -250,12 +250,28 @@ def process_logits(
 # ----------------------------------------------------------------------------------------------------
 
 
-def _first_maximum(scores: torch.Tensor) -> torch.Tensor:
-    """``scores.argmax(dim=-1)``: the first maximum of each row (a NaN counts as the maximum, as in argmax).
+_BLOCK = 512
+"""Columns per block of :func:`_first_maximum`'s first pass."""
 
-    ``max(dim)`` returns the same index as ``argmax`` (first occurrence, NaN first) and is about 3x faster on
-    CPU (``[21, 49152]`` fp32, 2 threads: 0.27 ms against 0.77 ms): the greedy step's largest host cost."""
-    return scores.max(dim=-1).indices
+
+def _first_maximum(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.argmax(dim=-1)``: the first maximum of each row (a NaN counts as the maximum, as argmax has it).
+
+    On CPU ``argmax`` tracks indices in a slow loop (``[21, 49152]`` fp32, 2 threads: 0.77 ms; ``max(dim)``
+    0.27 ms). Here the maxima of 512-column blocks (a vectorized ``amax``) find each row's first block that
+    holds the row maximum (or a NaN), and ``max(dim)`` over that block alone its first position in it:
+    0.16 ms, the same index as argmax."""
+    rows, vocab = scores.shape
+    if not scores.is_cpu or not scores.is_contiguous() or vocab < 4 * _BLOCK:
+        return scores.max(dim=-1).indices
+    whole = vocab - vocab % _BLOCK
+    blocks = scores[:, :whole].view(rows, whole // _BLOCK, _BLOCK).amax(dim=-1)
+    if whole < vocab:
+        blocks = torch.cat([blocks, scores[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
+    holds = (blocks == blocks.amax(dim=-1, keepdim=True)) | blocks.isnan()  # amax propagates NaN
+    starts = holds.to(torch.uint8).argmax(dim=-1) * _BLOCK
+    columns = (torch.arange(_BLOCK) + starts[:, None]).clamp_(max=vocab - 1)  # the short last block repeats
+    return starts + scores.gather(1, columns).max(dim=-1).indices  # its last column, after the real one
 
 
 def _finite_logprobs(ids: torch.Tensor, chosen: torch.Tensor) -> tuple[list[int], list[float]]:
