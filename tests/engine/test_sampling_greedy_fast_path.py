@@ -1,35 +1,111 @@
-"""All-greedy batches without alternatives take the native one-pass choice (``cpu_native.greedy``): the same
-tokens and log-probabilities as the general path (log_softmax, argmax)."""
+"""Greedy ids come from block maxima and ``max(dim)`` (a fifth of ``argmax``'s time on CPU): the same ids as
+``argmax`` on every row (ties, NaN, infinities, strided rows) and log-probabilities equal to ``log_softmax``'s
+at the argmax; requests with penalties, warpers, sampling or alternatives still go through the full processing."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from tgi_paged_backend.engine import sampling
 from tgi_paged_backend.engine.sampling import choose_next_tokens
 from tgi_paged_backend.engine.types import SamplingParams
 
-
-def test_the_fast_path_chooses_what_the_general_path_does(monkeypatch) -> None:
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(5, 4000, generator=generator) * 4
-    logits[2, 100:] = float("-inf")
-    params = [SamplingParams(repetition_penalty=1.3 if i == 1 else 1.0) for i in range(5)]
-    histories = [[1, 2, 3]] * 5
-    fast = choose_next_tokens(logits, params, [0] * 5, histories)
-    calls = []
-    monkeypatch.setattr(sampling, "_greedy_in_one_pass", lambda scores: calls.append(1))
-    general = choose_next_tokens(logits, params, [0] * 5, histories)
-    assert calls == [1]  # asked, declined: the general path served
-    assert [c.id for c in fast] == [c.id for c in general]
-    for a, b in zip(fast, general):
-        assert abs(a.logprob - b.logprob) < 1e-4 and a.top_ids == b.top_ids == []
+FMIN = torch.finfo(torch.float32).min
 
 
-def test_sampling_rows_or_alternatives_take_the_general_path(monkeypatch) -> None:
-    calls = []
-    monkeypatch.setattr(sampling, "_greedy_in_one_pass", lambda scores: calls.append(1))
-    logits = torch.randn(2, 50)
-    choose_next_tokens(logits, [SamplingParams(), SamplingParams(do_sample=True, seed=3)], [0, 0])
-    out = choose_next_tokens(logits, [SamplingParams(), SamplingParams()], [0, 0], top_n=[0, 3])
-    assert calls == [] and len(out[1].top_ids) == 3
+def edge_rows(generator: torch.Generator) -> torch.Tensor:
+    """Random rows with ties at the maximum, NaN, +inf and an all -inf row."""
+    logits = torch.randn(7, 5000, generator=generator) * 4
+    logits[1] = torch.randint(-3, 4, (5000,), generator=generator).float()  # many ties at the maximum
+    logits[2, [10, 4000]] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, [77, 90]] = float("inf")
+    logits[5, 100:] = float("-inf")
+    logits[6, [5, 2500]] = logits[6].max() + 1.0  # a two-way tie of the maximum
+    return logits
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_first_maximum_is_argmax(threads: int) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(threads)
+        logits = edge_rows(generator)
+        assert torch.equal(sampling._first_maximum(logits), logits.argmax(dim=-1))
+        strided = torch.randn(3000, 9, generator=generator).t()  # non-contiguous rows
+        assert torch.equal(sampling._first_maximum(strided), strided.argmax(dim=-1))
+        ties = torch.zeros(4, 49152)
+        assert sampling._first_maximum(ties).tolist() == [0, 0, 0, 0]
+        tail = torch.randn(3, 49000, generator=generator)  # a short last block
+        tail[0, -1] = tail[1, -5] = 100.0
+        tail[2, [48999, 48990]] = float("nan")
+        assert sampling._first_maximum(tail).tolist() == [48999, 48995, 48990]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_first_maximum_is_argmax_on_random_shapes_and_ties() -> None:
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        rows = int(torch.randint(1, 9, (), generator=generator))
+        vocab = int(torch.randint(1, 9000, (), generator=generator))
+        if trial % 2:
+            logits = torch.randint(-2, 3, (rows, vocab), generator=generator).float()  # ties across blocks
+        else:
+            logits = torch.randn(rows, vocab, generator=generator)
+        if trial % 5 == 0:
+            logits[0, torch.randint(0, vocab, (2,), generator=generator)] = float("nan")
+        if trial % 7 == 0:
+            logits[-1] = float("-inf")
+        if trial % 11 == 0:
+            logits[0, torch.randint(0, vocab, (2,), generator=generator)] = float("inf")
+        assert torch.equal(sampling._first_maximum(logits), logits.argmax(dim=-1)), (trial, rows, vocab)
+
+
+def test_greedy_logprobs_equal_log_softmax_at_the_argmax() -> None:
+    logits = edge_rows(torch.Generator().manual_seed(0))
+    out = choose_next_tokens(logits, [SamplingParams() for _ in range(7)], [0] * 7)
+    ids = logits.argmax(dim=-1)
+    expected = torch.log_softmax(logits, dim=-1).gather(1, ids[:, None]).squeeze(1).tolist()
+    assert [c.id for c in out] == ids.tolist()
+    for c, want in zip(out, expected):
+        assert math.isfinite(c.logprob) and c.top_ids == [] and c.top_logprobs == []
+        assert c.logprob == (want if math.isfinite(want) else FMIN)  # bit-equal; NaN / -inf: float32 min
+    assert out[3].logprob == FMIN and out[2].id == 10  # all -inf; the first NaN wins, as in argmax
+
+
+def test_a_vocabulary_sized_batch_matches_to_1e6() -> None:
+    logits = torch.randn(21, 49152, generator=torch.Generator().manual_seed(1)) * 3
+    out = choose_next_tokens(logits, [SamplingParams() for _ in range(21)], [0] * 21)
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    ids = logits.argmax(dim=-1)
+    assert [c.id for c in out] == ids.tolist()
+    for c, row, i in zip(out, reference, ids.tolist()):
+        assert abs(c.logprob - float(row[i])) < 1e-5 * max(1.0, abs(float(row[i])))
+
+
+def test_penalties_warpers_sampling_and_alternatives_still_get_the_full_processing() -> None:
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 300, generator=generator) * 3
+    top = int(logits[0].argmax())
+    params = [
+        SamplingParams(repetition_penalty=50.0),
+        SamplingParams(temperature=0.5),
+        SamplingParams(do_sample=True, seed=3),
+        SamplingParams(),
+    ]
+    histories = [[top], [], [], []]
+    out = choose_next_tokens(logits, params, [0] * 4, histories, top_n=[0, 0, 0, 3])
+    scores = sampling.process_logits(logits, params, histories)
+    assert out[0].id != top  # the penalty moved the choice off the raw argmax
+    assert out[0].id == int(scores[0].argmax())
+    for i in (0, 1, 3):  # logprobs of the processed scores, not of the raw logits
+        want = float(torch.log_softmax(scores[i], dim=-1)[out[i].id])
+        assert out[i].logprob == pytest.approx(want, abs=1e-6)
+    assert out[1].logprob != pytest.approx(float(torch.log_softmax(logits[1], dim=-1)[out[1].id]), abs=1e-3)
+    assert len(out[3].top_ids) == 3 and out[3].top_ids[0] == out[3].id
+    assert out[2].logprob == pytest.approx(float(torch.log_softmax(logits[2], dim=-1)[out[2].id]), abs=1e-6)

@@ -18,9 +18,9 @@ work), and only the last 5 prompt ids are kept per request.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["IncrementalDetokenizer", "TokenDecoder", "special_token_ids"]
+__all__ = ["IncrementalDetokenizer", "TokenDecoder", "backend_decode", "special_token_ids"]
 
 _REPLACEMENT = "\ufffd"
 _PREFIX_WINDOW = 5
@@ -34,6 +34,24 @@ def special_token_ids(tokenizer) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None and i >= 0)
 
 
+def backend_decode(tokenizer) -> Callable[..., str] | None:
+    """The ``tokenizers`` backend's ``decode`` when ``tokenizer.decode`` would return exactly its text, else ``None``.
+
+    That is a fast tokenizer whose ``decode`` / ``_decode`` are transformers' own (no subclass override) and
+    which does not clean up tokenization spaces: transformers' ``decode`` then converts the ids and calls the
+    backend, nothing more, at about 3x the cost (5.3 against 1.8 us for SmolLM2, twice per token and request
+    on the streaming path)."""
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    library_methods = (
+        getattr(getattr(cls, "decode", None), "__module__", "") == "transformers.tokenization_utils_base"
+        and getattr(getattr(cls, "_decode", None), "__module__", "") == "transformers.tokenization_utils_tokenizers"
+    )
+    if not library_methods or getattr(tokenizer, "clean_up_tokenization_spaces", True) is not False:
+        return None
+    return getattr(backend, "decode", None)
+
+
 class TokenDecoder:
     """Per-tokenizer helpers shared by all requests (not thread-safe for the text cache writes, which are
     idempotent dict stores and therefore harmless)."""
@@ -42,6 +60,7 @@ class TokenDecoder:
         self.tokenizer = tokenizer
         self.special_ids: frozenset[int] = special_token_ids(tokenizer)
         self._text_cache: dict[int, str] = {}
+        self._backend_decode = backend_decode(tokenizer)
 
     def is_special(self, token_id: int) -> bool:
         return int(token_id) in self.special_ids
@@ -53,6 +72,8 @@ class TokenDecoder:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool) -> str:
         if not ids:
             return ""
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_texts(self, ids: Iterable[int]) -> list[str]:

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from tgi_paged_backend.engine.types import InvalidRequestError, SamplingParams
-from tgi_paged_backend.runner.logits_ops import greedy_in_one_pass
 
 __all__ = [
     "ChosenToken",
@@ -251,9 +250,28 @@ def process_logits(
 # ----------------------------------------------------------------------------------------------------
 
 
-def _greedy_in_one_pass(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Argmax and its log-probability by the native CPU kernel (one pass over each row), or ``None``."""
-    return greedy_in_one_pass(scores)
+_BLOCK = 512
+"""Columns per block of :func:`_first_maximum`'s first pass."""
+
+
+def _first_maximum(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.argmax(dim=-1)``: the first maximum of each row (a NaN counts as the maximum, as argmax has it).
+
+    On CPU ``argmax`` tracks indices in a slow loop (``[21, 49152]`` fp32, 2 threads: 0.77 ms; ``max(dim)``
+    0.27 ms). Here the maxima of 512-column blocks (a vectorized ``amax``) find each row's first block that
+    holds the row maximum (or a NaN), and ``max(dim)`` over that block alone its first position in it:
+    0.16 ms, the same index as argmax."""
+    rows, vocab = scores.shape
+    if not scores.is_cpu or not scores.is_contiguous() or vocab < 4 * _BLOCK:
+        return scores.max(dim=-1).indices
+    whole = vocab - vocab % _BLOCK
+    blocks = scores[:, :whole].view(rows, whole // _BLOCK, _BLOCK).amax(dim=-1)
+    if whole < vocab:
+        blocks = torch.cat([blocks, scores[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
+    holds = (blocks == blocks.amax(dim=-1, keepdim=True)) | blocks.isnan()  # amax propagates NaN
+    starts = holds.to(torch.uint8).argmax(dim=-1) * _BLOCK
+    columns = (torch.arange(_BLOCK) + starts[:, None]).clamp_(max=vocab - 1)  # the short last block repeats
+    return starts + scores.gather(1, columns).max(dim=-1).indices  # its last column, after the real one
 
 
 def _finite_logprobs(ids: torch.Tensor, chosen: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -284,12 +302,8 @@ def choose_next_tokens(
     sample_rows = [i for i, p in enumerate(params) if p.is_sampling]
     ns = [0] * batch if top_n is None else [max(0, min(int(n), scores.shape[1])) for n in top_n]
     max_n = max(ns, default=0)
-    greedy = _greedy_in_one_pass(scores) if not sample_rows and max_n == 0 else None
-    if greedy is not None:  # every row greedy, no alternatives asked: no [B, V] log-probabilities needed
-        ids_l, lps_l = _finite_logprobs(*greedy)
-        return [ChosenToken(id=i, logprob=lp, top_ids=[], top_logprobs=[]) for i, lp in zip(ids_l, lps_l)]
     logprobs = torch.log_softmax(scores, dim=-1)
-    next_ids = scores.argmax(dim=-1)
+    next_ids = _first_maximum(scores)
 
     if sample_rows:
         vocab = scores.shape[1]
