@@ -14,6 +14,7 @@
 #pragma once
 
 #include "cpu_gemm.h"
+#include "cpu_gemm_amx.h"
 
 namespace {
 
@@ -149,6 +150,10 @@ inline int64_t packed_bf16_elements(int64_t N, int64_t K) { return (N + kNB - 1)
 // gemm_packed's. Orphaned work sharing over tasks of up to kMC rows times one column block.
 void gemm_packed_bf16(const float* a, int64_t lda, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
                       const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
+  if (kAmxBuilt && amx_active()) {  // AMX tiles (cpu_gemm_amx.h): the activations rounded to bf16
+    gemm_packed_bf16_amx(a, lda, M, K, packed, N, bias, add, ldadd, out, ldo);
+    return;
+  }
   constexpr int64_t kMC = 96;
   const int64_t blocks = (N + kNB - 1) / kNB, chunks = (M + kMC - 1) / kMC, block_elems = (K + 1) / 2 * kPair;
 #pragma omp for schedule(static)
