@@ -12,7 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.test_cpu_layer import _step
+from tests.kernels.test_cpu_layer_bf16 import BF16_ULP, _bf16_layer
 from tgi_paged_kernels.cpu_gemm import gemm_packed, pack_weight, pack_weight_bf16, set_bf16_amx
+from tgi_paged_kernels.cpu_layer import decode_layer
+from tgi_paged_kernels.cpu_layer_ref import decode_layer_ref
 
 
 @pytest.fixture
@@ -74,3 +78,22 @@ def test_amx_gemm_many_rows_and_a_long_k(amx) -> None:
     """Past one task's 128 rows (several row chunks) and with a tail of k pairs after many full tiles."""
     x, w, b = _operands(300, 1100, 90, seed=5)
     _check(gemm_packed(amx, x, pack_weight_bf16(w), 90, b), x, w, b)
+
+
+def test_the_switch_reaches_the_decode_layer(amx) -> None:
+    """One switch for the whole library: the native decode layer's projections follow it (AMX: its reference with
+    rounded activations; off: the widening reference), and the two differ."""
+    rounded, w, (_, hkv, d, _) = _bf16_layer("Llama")
+    (k_pool, v_pool), tables, seq_lens, slots = _step([4, 21, 9], 4, hkv, d, torch.int32)
+    x, cs = torch.randn(3, 96).bfloat16(), torch.rand(3, d).bfloat16()
+    outs = []
+    for on in (True, False):
+        assert set_bf16_amx(amx, on) == on
+        pools = k_pool.bfloat16(), v_pool.bfloat16()
+        ref_pools = k_pool.bfloat16(), v_pool.bfloat16()
+        got = decode_layer(amx, w, x, cs, cs, *pools, slots, tables, seq_lens)
+        expected = decode_layer_ref(rounded, w, x, cs, cs, *ref_pools, slots, tables, seq_lens, rounds_activations=on)
+        assert got is not None
+        torch.testing.assert_close(got.float(), expected.float(), rtol=BF16_ULP, atol=1e-4)
+        outs.append(got)
+    assert not torch.equal(outs[0], outs[1])

@@ -25,14 +25,21 @@
 #define TGI_PAGED_AMX 1
 #endif
 
-namespace {
+namespace tgi_paged {
 
-// The runtime switch (tgi_paged_gemm_bf16_set_amx): tests compare the AMX GEMM with the widening one in one
-// process. On by default; it only matters where the build and the kernel allow AMX.
+// The runtime switch (tgi_paged_gemm_bf16_amx): tests compare the AMX GEMM with the widening one in one process.
+// On by default; it only matters where the build and the kernel allow AMX. An inline function of external
+// linkage: one switch for every source file of the library (an anonymous namespace would give each its own).
 inline std::atomic<bool>& amx_switch() {
   static std::atomic<bool> on{true};
   return on;
 }
+
+}  // namespace tgi_paged
+
+namespace {
+
+using tgi_paged::amx_switch;
 
 #if defined(TGI_PAGED_AMX)
 constexpr bool kAmxBuilt = true;
