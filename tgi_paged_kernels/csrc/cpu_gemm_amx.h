@@ -128,6 +128,7 @@ inline void amx_pass(const uint16_t* a16, int64_t a_bytes, int64_t K2, const uin
 // (orphaned work sharing; the rounded activations are allocated by one thread and shared).
 void gemm_packed_bf16_amx(const float* a, int64_t lda, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
                           const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
+  if (M == 0) return;  // an expert without rows (cpu_moe.h): no buffer, no barriers (every thread sees M)
   const int64_t K2 = (K + 1) / 2, K2pad = (K2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs;
   const int64_t Mpad = (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * (2 * kAmxRows);
   const int64_t block_elems = K2 * 2 * kNB, blocks = (N + kNB - 1) / kNB, pairs = (blocks + 1) / 2;
