@@ -154,12 +154,16 @@ void gemm_packed_bf16_amx(const float* a, int64_t lda, int64_t M, int64_t K, con
       if (two_tiles && !two_blocks) amx_pass<2, 1>(a_rows, a_bytes, K2, w, block_elems, tail[0], c[0]);
       if (!two_tiles && two_blocks) amx_pass<1, 2>(a_rows, a_bytes, K2, w, block_elems, tail[0], c[0]);
       if (!two_tiles && !two_blocks) amx_pass<1, 1>(a_rows, a_bytes, K2, w, block_elems, tail[0], c[0]);
-      for (int j = 0; j < (two_blocks ? 2 : 1); ++j) {
+      for (int j = 0; j < (two_blocks ? 2 : 1); ++j) {  // the epilogue's arithmetic, 16 lanes at once
         const int64_t n = n0 + j * kNB;
-        const int cols = static_cast<int>(std::min<int64_t>(kNB, N - n));
-        for (int64_t r = 0; r < rows; ++r)
-          epilogue(c[r] + j * kNB, bias ? bias + n : nullptr, add ? add + (m0 + r) * ldadd + n : nullptr,
-                   out + (m0 + r) * ldo + n, cols);
+        const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(kNB, N - n)) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; ++r) {
+          __m512 v = _mm512_load_ps(c[r] + j * kNB);
+          if (bias) v = _mm512_add_ps(v, b);
+          if (add) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, add + (m0 + r) * ldadd + n), v);
+          _mm512_mask_storeu_ps(out + (m0 + r) * ldo + n, mask, v);
+        }
       }
     }
   }  // the team's barrier: no thread still reads a16
