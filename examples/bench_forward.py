@@ -8,6 +8,8 @@ rounds, and prints median and min ms per step with the host's CPU and load. Vari
   where they apply, packed linears);
 - ``per-op``: the default without the native decode layers (``TGI_PAGED_NATIVE_LAYERS=0``);
 - ``unfused``: without the block fusion (``runner.cpu.fused_blocks``, hence no native decode layers either);
+- ``no-amx``: the default with the bf16 GEMM's AMX tiles off (``cpu_gemm.set_bf16_amx``; the widening path, as
+  before AMX), switched per step;
 - ``all-packed``: the default with every linear packed for any row count (no ``F.linear`` below
   ``fast_layers.PACK_MIN_ELEMENTS``);
 - ``compiled`` / ``sdpa``: ``TGI_PAGED_CPU_DECODE=compiled`` / ``sdpa`` decode attention, unfused, with
@@ -42,10 +44,12 @@ from tgi_paged_backend.config import CacheConfig, ModelConfig  # noqa: E402
 from tgi_paged_backend.runner import model_runner  # noqa: E402
 from tgi_paged_backend.runner.cpu import fast_layers  # noqa: E402
 from tgi_paged_backend.runner.rewrites.pipeline import model_rewrites  # noqa: E402
+from tgi_paged_kernels import cpu_native  # noqa: E402
+from tgi_paged_kernels.cpu_gemm import set_bf16_amx  # noqa: E402
 
 BLOCK_SIZE = 16
 SMOLLM2 = Path.home() / ".cache" / "tgi-paged-backend" / "SmolLM2-135M-Instruct"
-VARIANTS = ("default", "per-op", "unfused", "compiled", "sdpa", "all-packed")
+VARIANTS = ("default", "per-op", "unfused", "compiled", "sdpa", "all-packed", "no-amx")
 
 
 def _model_dir(name: str) -> str:
@@ -60,7 +64,7 @@ def _model_dir(name: str) -> str:
 def build(variant: str, model: str, quantize: str | None = None, dtype: str = "float32") -> model_runner.ModelRunner:
     """A runner of ``variant`` (see the module docstring)."""
     real_min = fast_layers.PACK_MIN_ELEMENTS
-    without = () if variant in ("default", "all-packed") else ("fuse",)
+    without = () if variant in ("default", "all-packed", "no-amx") else ("fuse",)
     if variant == "all-packed":
         fast_layers.PACK_MIN_ELEMENTS = 0
     try:
@@ -69,7 +73,7 @@ def build(variant: str, model: str, quantize: str | None = None, dtype: str = "f
             ModelConfig(
                 model_id=model,
                 cpu_decode=kernel,
-                native_layers=variant in ("default", "all-packed"),
+                native_layers=variant in ("default", "all-packed", "no-amx"),
                 quantize=quantize,
                 dtype=dtype,
             ),
@@ -104,7 +108,14 @@ def main() -> None:
     runners = {n: build(v, model, args.quantize, d) for n, (v, d) in zip(names, pairs)}
     step = random_prefill_step(args.prefill, BLOCK_SIZE) if args.prefill else random_decode_step(args.rows, BLOCK_SIZE)
     batch = step.batch
-    for runner in runners.values():
+    native = cpu_native.native_kernels()
+
+    def amx_for(name: str) -> None:
+        if native is not None:
+            set_bf16_amx(native, not name.startswith("no-amx"))
+
+    for name, runner in runners.items():
+        amx_for(name)
         runner.allocate_kv_cache(step.num_blocks)
         runner.warm_decode()
         for _ in range(3):
@@ -112,6 +123,7 @@ def main() -> None:
     times: dict[str, list[float]] = {variant: [] for variant in runners}
     for _ in range(args.steps):
         for variant, runner in runners.items():
+            amx_for(variant)
             start = time.perf_counter()
             runner.forward(batch)
             times[variant].append(1000 * (time.perf_counter() - start))

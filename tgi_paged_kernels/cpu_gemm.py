@@ -1,5 +1,5 @@
-"""The packed GEMMs of the native CPU layer (``csrc/cpu_gemm.h``, ``csrc/cpu_gemm_bf16.h``): weight packing and
-the ``x @ W.T (+ bias)`` call, for fp32 and bf16 weights.
+"""The packed GEMMs of the native CPU layer (``csrc/cpu_gemm.h``, ``csrc/cpu_gemm_bf16.h``,
+``csrc/cpu_gemm_amx.h``): weight packing and the ``x @ W.T (+ bias)`` call, for fp32 and bf16 weights.
 
 A ``[N, K]`` weight is packed once, in column blocks of 16 (:data:`PACK_BLOCK`, zero-padded):
 
@@ -9,8 +9,10 @@ A ``[N, K]`` weight is packed once, in column blocks of 16 (:data:`PACK_BLOCK`, 
   weights are widened in registers (exact) and summed by fp32 fused multiply-adds, the bits of the fp32 GEMM on
   the widened weights, at half its weight bytes. A build with ``-DTGI_PAGED_BF16_DOT`` on AVX512-BF16 rounds
   activation pairs to bf16 and sums them with ``vdpbf16ps`` instead (slower on the cores we measured:
-  ``csrc/cpu_gemm_bf16.h``); :attr:`NativeKernels.gemm_bf16_rounds_activations` says which, and the reference
-  :func:`.cpu_layer_ref.gemm_packed_bf16_ref` models both.
+  ``csrc/cpu_gemm_bf16.h``). Where the host has AMX-BF16 (and Linux lends the tiles), the bf16 GEMM runs on AMX
+  tiles at every row count (``csrc/cpu_gemm_amx.h``): activations rounded to bf16, as a torch bf16 model holds
+  them, fp32 sums; :func:`set_bf16_amx` turns it off and on. :attr:`NativeKernels.gemm_bf16_rounds_activations`
+  says which arithmetic runs, and the reference :func:`.cpu_layer_ref.gemm_packed_bf16_ref` models each.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from .cpu_native import NativeKernels
 
 PACK_BLOCK = 16
 """Columns per packed block (``kNB`` in the C++)."""
+
+
+def set_bf16_amx(native: NativeKernels, on: bool | None = None) -> bool:
+    """Turn the AMX bf16 GEMM on (the default) or off (the widening path) for this process and library, or leave it
+    (``None``); returns whether AMX now runs (``False`` where the build or the OS has no AMX tiles)."""
+    return bool(native.gemm_bf16_amx(-1 if on is None else int(on)))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f"cpu_{n}.cpp" for n in ("kernels", "layer", "gemm", "prefill", "lora", "quant"))
 """Compiled into one library; the headers they include are part of the cache key."""
-_HEADER_NAMES = "common gemm gemm_bf16 gemm_quant layer_rows lora lora_tiles moe"
+_HEADER_NAMES = "common gemm gemm_amx gemm_bf16 gemm_quant layer_rows lora lora_tiles moe"
 HEADERS = tuple(CSRC / f"cpu_{n}.h" for n in _HEADER_NAMES.split())
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 """Build flags; :func:`build_library`'s ``arch`` replaces ``native`` (the tests build ``x86-64-v3``: AVX2 paths)."""
@@ -158,8 +158,8 @@ class NativeKernels:
         )
         """Raw entry points of ``csrc/cpu_gemm.cpp``, ``cpu_quant.cpp`` (int8), ``cpu_layer.cpp``; ``cpu_gemm``,
         ``cpu_quant``, ``cpu_layer`` wrap them."""
-        self.gemm_bf16_rounds_activations = bool(bind("tgi_paged_gemm_bf16_rounds_activations")())
-        """The bf16 GEMM rounds activations to bf16 (AVX512-BF16), not widens the weights (``cpu_gemm_bf16.h``)."""
+        self._bf16_rounds = bind("tgi_paged_gemm_bf16_rounds_activations")
+        self.gemm_bf16_amx = bind("tgi_paged_gemm_bf16_amx", _int)
         self.decode_layer = bind(
             "tgi_paged_decode_layer",
             _ptr, _ptr, _i64, _ptr, _ptr,  # layer spec, hidden, T, cos, sin
@@ -190,6 +190,12 @@ class NativeKernels:
         )  # fmt: skip
         """Raw entry point of ``csrc/cpu_lora.cpp``; :func:`tgi_paged_kernels.lora.add_lora_cpu` wraps it."""
         self._tables: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def gemm_bf16_rounds_activations(self) -> bool:
+        """The bf16 GEMM now rounds activations to bf16 (AMX tiles: :func:`.cpu_gemm.set_bf16_amx`, or the opt-in
+        AVX512-BF16 build), not widens the weights (``cpu_gemm_bf16.h``)."""
+        return bool(self._bf16_rounds())
 
     def decode_table(self, dtype: torch.dtype) -> torch.Tensor:
         """fp32 value of each of the 256 bytes of a one-byte dtype (fp8)."""

@@ -25,7 +25,7 @@ from tests.kernels.test_cpu_layer_lora import HIDDEN as LORA_HIDDEN
 from tests.kernels.test_cpu_layer_lora import INTER as LORA_INTER
 from tests.kernels.test_cpu_layer_lora import _lora
 from tgi_paged_kernels import cpu_native
-from tgi_paged_kernels.cpu_gemm import gemm_packed, pack_weight, pack_weight_bf16, unpack_weight
+from tgi_paged_kernels.cpu_gemm import gemm_packed, pack_weight, pack_weight_bf16, set_bf16_amx, unpack_weight
 from tgi_paged_kernels.cpu_layer import LayerWeights, decode_layer
 from tgi_paged_kernels.cpu_layer_ref import decode_layer_ref, gemm_packed_bf16_ref
 from tgi_paged_kernels.cpu_layer_step import LayerStep, decode_layer_parts
@@ -43,7 +43,9 @@ def _check_gemm(native: cpu_native.NativeKernels, m: int, k: int, n: int, bias: 
     got = gemm_packed(native, x, pack_weight_bf16(w), n, b)
     rounds = native.gemm_bf16_rounds_activations
     expected = gemm_packed_bf16_ref(x, w, b, rounds_activations=rounds)
-    if rounds:
+    if set_bf16_amx(native):  # AMX tiles: fp32 sums in the tiles' order (test_cpu_gemm_amx bounds them tighter)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5 * k**0.5)
+    elif rounds:
         assert torch.equal(got, expected)
     else:  # the fp32 GEMM on the widened weights: the same fused multiply-adds in the same order
         widened = w.to(torch.bfloat16).float()
@@ -51,9 +53,15 @@ def _check_gemm(native: cpu_native.NativeKernels, m: int, k: int, n: int, bias: 
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5 * k**0.5)
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["widening", "amx"])
 @pytest.mark.parametrize(("m", "k", "n", "bias"), SHAPES)
-def test_bf16_gemm_matches_the_reference(native, m, k, n, bias) -> None:
-    _check_gemm(native, m, k, n, bias)
+def test_bf16_gemm_matches_the_reference(native, m, k, n, bias, amx) -> None:
+    if set_bf16_amx(native, amx) != amx:
+        pytest.skip("no AMX-BF16 tiles here (CPU, build or kernel)")
+    try:
+        _check_gemm(native, m, k, n, bias)
+    finally:
+        set_bf16_amx(native, True)
 
 
 def test_bf16_gemm_rows_do_not_depend_on_their_batch(native) -> None:
@@ -167,7 +175,7 @@ def test_avx2_build_bf16_gemm_matches_the_reference(tmp_path, monkeypatch) -> No
     except RuntimeError as e:
         pytest.skip(f"no compiler for x86-64-v3 here: {e}")
     avx2 = cpu_native.NativeKernels(path)
-    assert not avx2.gemm_bf16_rounds_activations
+    assert not avx2.gemm_bf16_rounds_activations and not set_bf16_amx(avx2, True)  # no AMX code in that build
     _check_build(avx2)
 
 
@@ -182,6 +190,7 @@ def test_vdpbf16ps_build_matches_its_reference(tmp_path) -> None:
     command = [compiler, *cpu_native.FLAGS, "-DTGI_PAGED_BF16_DOT", *map(str, cpu_native.SOURCES), "-o", str(target)]
     subprocess.run(command, check=True, capture_output=True)
     dot = cpu_native.NativeKernels(target)
+    set_bf16_amx(dot, False)  # -march=native builds AMX in too where the host has it: its own switch, off
     assert dot.gemm_bf16_rounds_activations
     _check_build(dot)
 

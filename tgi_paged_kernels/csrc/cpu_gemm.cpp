@@ -24,8 +24,16 @@ int tgi_paged_gemm_packed_bf16(const float* a, int64_t lda, int64_t M, int64_t K
   return kOk;
 }
 
-// Which arithmetic this build's bf16 GEMM does: 1 when it rounds activations to bf16 and sums pairs with
-// vdpbf16ps (AVX512-BF16), 0 when it widens the weights and sums fp32 fused multiply-adds in k order.
-int tgi_paged_gemm_bf16_rounds_activations() { return kBf16Dot ? 1 : 0; }
+// Which arithmetic this build's bf16 GEMM does now: 1 when it rounds activations to bf16 and sums them with
+// vdpbf16ps (AVX512-BF16) or AMX tiles (cpu_gemm_amx.h), 0 when it widens the weights and sums fp32 fused
+// multiply-adds in k order.
+int tgi_paged_gemm_bf16_rounds_activations() { return kBf16Dot || amx_active() ? 1 : 0; }
+
+// The AMX bf16 GEMM turned on (1, the default) or off (0: the widening or vdpbf16ps path), or left as it is
+// (-1); returns whether it is now in use (0 where the build or the kernel has no AMX).
+int tgi_paged_gemm_bf16_amx(int on) {
+  if (on >= 0) amx_switch().store(on != 0);
+  return amx_active() ? 1 : 0;
+}
 
 }  // extern "C"
