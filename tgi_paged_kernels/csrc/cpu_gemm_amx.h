@@ -45,7 +45,7 @@ using tgi_paged::amx_switch;
 constexpr bool kAmxBuilt = true;
 constexpr int64_t kAmxRows = 16;   // rows of an A or C tile
 constexpr int64_t kAmxPairs = 16;  // k pairs of an A or B tile (64 bytes a row)
-constexpr int64_t kAmxMC = 128;    // rows of a task: its B panel is reused across them from cache
+constexpr int64_t kAmxMC = 128;    // rows of a task at most (balanced_row_chunk): its B panel is reused across them
 
 // Whether Linux lets this process use the tile data (asked once; the permission is the whole process's).
 inline bool amx_permitted() {
@@ -132,7 +132,8 @@ void gemm_packed_bf16_amx(const float* a, int64_t lda, int64_t M, int64_t K, con
   const int64_t K2 = (K + 1) / 2, K2pad = (K2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs;
   const int64_t Mpad = (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * (2 * kAmxRows);
   const int64_t block_elems = K2 * 2 * kNB, blocks = (N + kNB - 1) / kNB, pairs = (blocks + 1) / 2;
-  const int64_t chunks = (M + kAmxMC - 1) / kAmxMC, a_bytes = 2 * K2pad * 2;
+  const int64_t mc = balanced_row_chunk(M, 2 * kAmxRows, kAmxMC), chunks = (M + mc - 1) / mc;
+  const int64_t a_bytes = 2 * K2pad * 2;
   uint16_t* a16 = nullptr;
 #pragma omp single copyprivate(a16)
   a16 = static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(Mpad * a_bytes + 63) / 64 * 64));
@@ -143,7 +144,7 @@ void gemm_packed_bf16_amx(const float* a, int64_t lda, int64_t M, int64_t K, con
 #pragma omp for schedule(static)
   for (int64_t task = 0; task < chunks * pairs; ++task) {
     const int64_t pair = task % pairs, nb = 2 * pair, n0 = nb * kNB;
-    const int64_t m_begin = (task / pairs) * kAmxMC, m_end = std::min(M, m_begin + kAmxMC);
+    const int64_t m_begin = (task / pairs) * mc, m_end = std::min(M, m_begin + mc);
     const bool two_blocks = nb + 1 < blocks;
     const uint16_t* w = packed + nb * block_elems;
     for (int64_t m0 = m_begin; m0 < m_end; m0 += 2 * kAmxRows) {
