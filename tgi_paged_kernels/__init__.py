@@ -11,7 +11,6 @@ Public functions (``api``), each with a Triton path for CUDA tensors and a plain
   ``cpu_attention``, the SDPA-based CPU attention)
 - ``copy_blocks``: copy-on-write of whole blocks inside the pool, all layers
 - ``swap_blocks``: whole blocks between the pool and the CPU swap space, all layers
-- ``greedy_in_one_pass``: argmax and its log-probability per row of CPU fp32 logits in one native pass
 - ``fp8_linear`` (module ``fp8_gemm``; no submodule is named like a public function, since importing it
   would replace the function on the package): weight-only FP8 linear, a dequantize-GEMM over float8 e4m3
   weights with per-output-channel scales (``--quantize``); its CPU path dequantizes on the fly
@@ -33,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 from .api import (
     copy_blocks,
     fp8_linear,
-    greedy_in_one_pass,
     int_linear,
     paged_decode_attention,
     paged_prefill_attention,
@@ -131,7 +129,6 @@ _LAZY = {
 __all__ = [
     "copy_blocks",
     "fp8_linear",
-    "greedy_in_one_pass",
     "int_linear",
     "paged_decode_attention",
     "paged_prefill_attention",

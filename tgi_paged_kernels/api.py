@@ -254,15 +254,3 @@ def swap_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], 
             raise ValueError(f"pool blocks differ: {src.dtype} {tuple(src.shape)} vs {dst.dtype} {tuple(dst.shape)}")
     check_block_pairs(src_ids, dst_ids, src_ids.device, dst_ids.device)
     swap_blocks_torch(src_caches, dst_caches, src_ids, dst_ids)
-
-
-def greedy_in_one_pass(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(argmax, log_softmax at the argmax)`` of each row of ``scores`` ``[B, V]`` by the native CPU kernel
-    (one pass, no ``[B, V]`` log-probabilities); ``None`` where it does not apply (not CPU fp32, or the
-    native library is unavailable): the caller then takes its general path."""
-    if not scores.is_cpu:
-        return None
-    from .cpu_native import native_kernels
-
-    native = native_kernels()
-    return None if native is None else native.greedy(scores)

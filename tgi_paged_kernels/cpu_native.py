@@ -150,7 +150,6 @@ class NativeKernels:
         )
         self._rope = bind("tgi_paged_rope_neox", _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int)
         self._silu_and_mul = bind("tgi_paged_silu_and_mul", _ptr, _i64, _ptr, _i64, _i64, _int, _int)
-        self._greedy = bind("tgi_paged_greedy", _ptr, _i64, _i64, _i64, _ptr, _ptr, _int)
         gemm = (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int)
         self.gemm_packed, self.gemm_packed_bf16 = (bind(f"tgi_paged_gemm_packed{s}", *gemm) for s in ("", "_bf16"))
         self.gemm_packed_i8 = bind(  # a, lda, M, K, codes, zeros, scales, N, bias, add, ldadd, out, ldo, threads
@@ -399,22 +398,6 @@ class NativeKernels:
             rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], width, code, torch.get_num_threads()
         )
         return out
-
-    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(argmax, log_softmax at the argmax)`` of fp32 ``[B, V]`` CPU logits in one pass (no ``[B, V]``
-        log-probability tensor); ``None`` for other inputs."""
-        if logits.dtype != torch.float32 or not logits.is_cpu or logits.dim() != 2 or logits.stride(-1) != 1:
-            return None
-        rows, vocab = logits.shape
-        if vocab == 0:
-            return None
-        ids = torch.empty(rows, dtype=torch.int64)
-        logprobs = torch.empty(rows, dtype=torch.float32)
-        self._greedy(
-            logits.data_ptr(), logits.stride(0), rows, vocab, ids.data_ptr(), logprobs.data_ptr(),
-            torch.get_num_threads(),
-        )  # fmt: skip
-        return ids, logprobs
 
     @staticmethod
     def decode_error(

@@ -294,24 +294,6 @@ def test_decode_splits_work_both_ways(native, monkeypatch):
         assert_attention_close(got, expected, torch.float32)
 
 
-def test_greedy_matches_argmax_and_log_softmax(native):
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 1000, generator=generator) * 5
-    logits[1, 10] = logits[1, 20] = logits[1].max() + 1  # a tie: the first maximum, as torch.argmax
-    logits[2, :500] = float("-inf")  # grammar-masked tokens
-    logits[3] = float("-inf")  # nothing allowed
-    logits[4, 7] = float("nan")
-    wide = torch.cat([logits, torch.zeros(6, 3)], dim=1)[:, :1000]  # a row stride wider than the vocab
-    ids, logprobs = native.greedy(wide)
-    expected_ids = logits.argmax(-1)
-    expected = torch.log_softmax(logits, -1).gather(1, expected_ids[:, None]).squeeze(1)
-    assert torch.equal(ids, expected_ids)
-    finite = torch.tensor([0, 1, 2, 5])
-    torch.testing.assert_close(logprobs[finite], expected[finite], rtol=1e-5, atol=1e-5)
-    assert logprobs[3] == float("-inf") and torch.isnan(logprobs[4]) and torch.isnan(expected[4])
-    assert native.greedy(logits.double()) is None and native.greedy(logits[0]) is None
-
-
 def test_decode_refuses_shapes_the_kernel_would_read_past(native):
     kv = make_paged_kv([5, 9], num_kv_heads=2, head_dim=16, block_size=4, kv_dtype=torch.float32)
     args = (kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.25, 0.0, None)
