@@ -1,8 +1,8 @@
 // Batched multi-LoRA rows on CPU, fp32: the shrink (xa = A[s] x) and expand (out += scale[s] * B[s] xa) of one
 // row (the per-layer kernel, cpu_lora.cpp); the native decode layer's LoRA (cpu_layer.cpp): its targets (LayerLora:
 // the adapters of each projection it runs) and lora_add_rows, which runs the rows of one adapter in groups over the
-// register tiles of cpu_lora_tiles.h, one task per target and group. Torch references: tgi_paged_kernels.lora.lora_delta_reference,
-// cpu_layer_ref.decode_layer_ref (lora=...).
+// register tiles of cpu_lora_tiles.h, one task per target and group. Torch references:
+// tgi_paged_kernels.lora.lora_delta_reference, cpu_layer_ref.decode_layer_ref (lora=...).
 
 #pragma once
 
@@ -119,14 +119,14 @@ inline void group_rows(const int64_t* slots, int64_t T, LoraGroups& groups) {
   if (groups.rows.empty()) groups.starts.assign(1, 0);
 }
 
-// The delta of one target for one group of kRows rows of adapter slot s (rank > 0): the shrink into registers'
-// scratch (xa: the rows' ranks), then the expand over all the target's columns, out_rows[j] its row j's first.
 // Asks for the n floats from p into the cache ahead of their reads: a task's A and B (a few tens of KiB, one
 // adapter's rows of one projection) are too short a stream for the hardware prefetcher to reach full speed.
 inline void lora_prefetch(const float* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 2);
 }
 
+// The delta of one target for one group of kRows rows of adapter slot s (rank > 0): the shrink into registers'
+// scratch (xa: the rows' ranks), then the expand over all the target's columns, out_rows[j] its row j's first.
 template <int kRows>
 inline void lora_group_delta(const LoraTarget& g, int64_t s, const float* const x_rows[kRows],
                              float* const out_rows[kRows]) {
