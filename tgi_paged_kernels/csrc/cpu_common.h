@@ -22,9 +22,9 @@ inline float bf16_to_float(uint16_t v) {
 inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does; NaN stays NaN
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t nan = (bits >> 16) | 0x40u;  // a select, not a branch: loops over it vectorize
+  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 // v rounded to bf16 and back: where a torch bf16 op would store its result.

@@ -50,6 +50,7 @@ inline void tile(const float* a, int64_t lda, int64_t K, const float* w, const f
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m512 wk = _mm512_loadu_ps(w + k * kNB);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (K + k) * kNB), _MM_HINT_T1);  // the next panel, a line a step
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + k]), wk, acc[r]);
   }
   store_rows(acc, R, bias, add, ldadd, out, ldo, cols);
@@ -63,6 +64,8 @@ inline void tile2(const float* a, int64_t lda, int64_t K, const float* w0, const
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m512 x0 = _mm512_loadu_ps(w0 + k * kNB), x1 = _mm512_loadu_ps(w1 + k * kNB);
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + (2 * K + k) * kNB), _MM_HINT_T1);  // the next pair's panels
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + (2 * K + k) * kNB), _MM_HINT_T1);
     for (int r = 0; r < R; ++r) {
       const __m512 x = _mm512_set1_ps(a[r * lda + k]);
       acc0[r] = _mm512_fmadd_ps(x, x0, acc0[r]);
@@ -83,6 +86,7 @@ inline void tile(const float* a, int64_t lda, int64_t K, const float* w, const f
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m256 w0 = _mm256_loadu_ps(w + k * kNB), w1 = _mm256_loadu_ps(w + k * kNB + 8);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (K + k) * kNB), _MM_HINT_T1);  // the next panel, a line a step
     for (int r = 0; r < R; ++r) {
       const __m256 x = _mm256_set1_ps(a[r * lda + k]);
       lo[r] = _mm256_fmadd_ps(x, w0, lo[r]);
@@ -142,22 +146,46 @@ inline int64_t balanced_row_chunk(int64_t M, int64_t tile_rows, int64_t kMaxRows
   return std::max<int64_t>(tile_rows, (rows + tile_rows - 1) / tile_rows * tile_rows);
 }
 
+// Rows of `a` (fp32, K a row) a GEMM keeps in cache while every column panel passes over them once: about
+// 1 MiB of them in whole chunks of `chunk` rows, so the weight streams from memory once per this many rows.
+inline int64_t cached_rows(int64_t M, int64_t K, int64_t chunk) {
+  const int64_t fit = (int64_t{1} << 20) / (4 * std::max<int64_t>(K, 1)) / chunk * chunk;
+  return std::min(M, std::max(chunk, fit));
+}
+
+// The task order of every packed GEMM here (fp32, bf16, AMX, int8): fn(group, m_begin, m_end) for each column
+// group (a weight panel: one column block, or neighbouring ones) times each row chunk (balanced_row_chunk of
+// `tile` and `max_rows`), span of cached_rows rows after span, column-major within a span: static scheduling
+// gives each thread its own columns, so a panel is read by one thread, once per span, and stays in cache across
+// the span's row chunks (row-major tasks had every thread stream every panel from memory). Orphaned work sharing
+// (call it from every thread of a parallel region, or from one thread); ends with the team's barrier.
+template <class Fn>
+inline void gemm_tasks(int64_t M, int64_t K, int64_t groups, int64_t tile, int64_t max_rows, Fn&& fn) {
+  const int64_t rows_cached = cached_rows(M, K, balanced_row_chunk(M, tile, max_rows));
+  for (int64_t s0 = 0; s0 < M; s0 += rows_cached) {
+    const int64_t s1 = std::min(M, s0 + rows_cached), chunk = balanced_row_chunk(s1 - s0, tile, max_rows);
+    const int64_t chunks = (s1 - s0 + chunk - 1) / chunk;
+#pragma omp for schedule(static) nowait
+    for (int64_t task = 0; task < chunks * groups; ++task) {
+      const int64_t m_begin = s0 + (task % chunks) * chunk;
+      fn(task / chunks, m_begin, std::min(s1, m_begin + chunk));
+    }
+  }
+#pragma omp barrier
+}
+
 // out[M, N] (row stride ldo) = a[M, K] (row stride lda) times the packed weight's transpose, plus bias[N]
 // when given, then plus add[M, N] (row stride ldadd; it may be `out` itself) when given. Orphaned work
-// sharing (call it inside a parallel region, or from one thread) over tasks of balanced_row_chunk rows times one
-// column block, or two neighbouring ones where the ISA has the registers; a thread's tasks share rows, so
-// their slice of `a` stays in cache while the weight panels stream.
+// sharing over gemm_tasks: one column block a task, or two neighbouring ones where the ISA has the registers.
+// The tiles prefetch the next panel as they stream theirs (a thread's next task is the next panel or the same).
 void gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, const float* packed, int64_t N,
                  const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
   const int64_t blocks = (N + kNB - 1) / kNB;
   // Pairs of blocks pay from a few row tiles on; a decode batch reads each weight panel in fewer passes alone.
   const int64_t span = kPairs && M >= 3 * kMR ? 2 : 1;
-  const int64_t kMC = balanced_row_chunk(M, span == 2 ? kMR2 : kMR);
-  const int64_t groups = (blocks + span - 1) / span, chunks = (M + kMC - 1) / kMC;
-#pragma omp for schedule(static)
-  for (int64_t task = 0; task < chunks * groups; ++task) {
-    const int64_t nb = (task % groups) * span, n0 = nb * kNB;
-    const int64_t m_begin = (task / groups) * kMC, m_end = std::min(M, m_begin + kMC);
+  gemm_tasks(M, K, (blocks + span - 1) / span, span == 2 ? kMR2 : kMR, 96, [&](int64_t group, int64_t m_begin,
+                                                                              int64_t m_end) {
+    const int64_t nb = group * span, n0 = nb * kNB;
     const float* b = bias ? bias + n0 : nullptr;
 #if defined(__AVX512F__)
     if (span == 2 && nb + 1 < blocks) {
@@ -167,7 +195,7 @@ void gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, const float*
         tile2_rows<kMR2>(rows, a + m0 * lda, lda, K, packed + nb * K * kNB, packed + (nb + 1) * K * kNB, b,
                          add ? add + m0 * ldadd + n0 : nullptr, ldadd, out + m0 * ldo + n0, ldo, cols1);
       }
-      continue;
+      return;
     }
 #endif
     const int cols = static_cast<int>(std::min<int64_t>(kNB, N - n0));
@@ -176,7 +204,7 @@ void gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, const float*
       tile_rows<kMR>(rows, a + m0 * lda, lda, K, packed + nb * K * kNB, b, add ? add + m0 * ldadd + n0 : nullptr,
                      ldadd, out + m0 * ldo + n0, ldo, cols);
     }
-  }
+  });
 }
 
 }  // namespace

@@ -104,6 +104,10 @@ inline void amx_pass(const uint16_t* a16, int64_t a_bytes, int64_t K2, const uin
       if constexpr (NB > 1) std::memcpy(tail + kTileElems, b1, left * 2 * kNB * 2);
       b0 = tail, b1 = tail + kTileElems;
     }
+    for (int64_t line = 0; line < kTileElems; line += 32) {  // the next pair's tiles of this step (two 1 KiB)
+      _mm_prefetch(reinterpret_cast<const char*>(w + 2 * block_elems + s * kTileElems + line), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w + 3 * block_elems + s * kTileElems + line), _MM_HINT_T1);
+    }
     _tile_loadd(4, a16 + s * 2 * kAmxPairs, a_bytes);
     _tile_loadd(6, b0, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -132,7 +136,6 @@ void gemm_packed_bf16_amx(const float* a, int64_t lda, int64_t M, int64_t K, con
   const int64_t K2 = (K + 1) / 2, K2pad = (K2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs;
   const int64_t Mpad = (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * (2 * kAmxRows);
   const int64_t block_elems = K2 * 2 * kNB, blocks = (N + kNB - 1) / kNB, pairs = (blocks + 1) / 2;
-  const int64_t mc = balanced_row_chunk(M, 2 * kAmxRows, kAmxMC), chunks = (M + mc - 1) / mc;
   const int64_t a_bytes = 2 * K2pad * 2;
   uint16_t* a16 = nullptr;
 #pragma omp single copyprivate(a16)
@@ -141,10 +144,8 @@ void gemm_packed_bf16_amx(const float* a, int64_t lda, int64_t M, int64_t K, con
   amx_configure();
   alignas(64) float c[2 * kAmxRows][2 * kNB];
   alignas(64) uint16_t tail[2][kAmxPairs * 2 * kNB] = {};
-#pragma omp for schedule(static)
-  for (int64_t task = 0; task < chunks * pairs; ++task) {
-    const int64_t pair = task % pairs, nb = 2 * pair, n0 = nb * kNB;
-    const int64_t m_begin = (task / pairs) * mc, m_end = std::min(M, m_begin + mc);
+  gemm_tasks(M, K, pairs, 2 * kAmxRows, kAmxMC, [&](int64_t pair, int64_t m_begin, int64_t m_end) {
+    const int64_t nb = 2 * pair, n0 = nb * kNB;
     const bool two_blocks = nb + 1 < blocks;
     const uint16_t* w = packed + nb * block_elems;
     for (int64_t m0 = m_begin; m0 < m_end; m0 += 2 * kAmxRows) {
@@ -167,7 +168,7 @@ void gemm_packed_bf16_amx(const float* a, int64_t lda, int64_t M, int64_t K, con
         }
       }
     }
-  }  // the team's barrier: no thread still reads a16
+  });  // the team's barrier: no thread still reads a16
   _tile_release();
 #pragma omp single nowait
   std::free(a16);

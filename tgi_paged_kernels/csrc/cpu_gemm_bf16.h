@@ -73,6 +73,7 @@ inline void tile_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w,
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t k = 0; k < K; k += 2) {
     const __m512i d = _mm512_loadu_si512(w + (k / 2) * kPair);
+    _mm_prefetch(reinterpret_cast<const char*>(w + ((K + 1) / 2 + k / 2) * kPair), _MM_HINT_T1);  // next panel
     const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + k]), even, acc[r]);
     if (k + 1 == K) break;  // K odd: the padded k has no activation
@@ -95,6 +96,7 @@ inline void tile_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w,
   const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t k = 0; k < K; k += 2) {
     const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k / 2) * kPair));
+    _mm_prefetch(reinterpret_cast<const char*>(w + ((K + 1) / 2 + k / 2) * kPair), _MM_HINT_T1);  // next panel
     const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k / 2) * kPair + kNB));
     const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(d0, 16));
     const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(d1, 16));
@@ -150,26 +152,23 @@ inline void tile_bf16_rows(int rows, const float* a, int64_t lda, int64_t K, con
 inline int64_t packed_bf16_elements(int64_t N, int64_t K) { return (N + kNB - 1) / kNB * ((K + 1) / 2) * kPair; }
 
 // out[M, N] = a[M, K] @ W^T (+ bias[N]) (+ add[M, N], which may be `out`), W packed as above; strides as
-// gemm_packed's. Orphaned work sharing over tasks of balanced_row_chunk rows times one column block.
+// gemm_packed's. Orphaned work sharing over gemm_tasks, one column block a task.
 void gemm_packed_bf16(const float* a, int64_t lda, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
                       const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
   if (kAmxBuilt && amx_active()) {  // AMX tiles (cpu_gemm_amx.h): the activations rounded to bf16
     gemm_packed_bf16_amx(a, lda, M, K, packed, N, bias, add, ldadd, out, ldo);
     return;
   }
-  const int64_t kMC = balanced_row_chunk(M, kMRb);
-  const int64_t blocks = (N + kNB - 1) / kNB, chunks = (M + kMC - 1) / kMC, block_elems = (K + 1) / 2 * kPair;
-#pragma omp for schedule(static)
-  for (int64_t task = 0; task < chunks * blocks; ++task) {
-    const int64_t nb = task % blocks, n0 = nb * kNB;
-    const int64_t m_begin = (task / blocks) * kMC, m_end = std::min(M, m_begin + kMC);
+  const int64_t block_elems = (K + 1) / 2 * kPair;
+  gemm_tasks(M, K, (N + kNB - 1) / kNB, kMRb, 96, [&](int64_t nb, int64_t m_begin, int64_t m_end) {
+    const int64_t n0 = nb * kNB;
     const int cols = static_cast<int>(std::min<int64_t>(kNB, N - n0));
     for (int64_t m0 = m_begin; m0 < m_end; m0 += kMRb) {
       const int rows = static_cast<int>(std::min<int64_t>(kMRb, m_end - m0));
       tile_bf16_rows<kMRb>(rows, a + m0 * lda, lda, K, packed + nb * block_elems, bias ? bias + n0 : nullptr,
                            add ? add + m0 * ldadd + n0 : nullptr, ldadd, out + m0 * ldo + n0, ldo, cols);
     }
-  }
+  });
 }
 
 // gemm_packed (weight_dtype 0: fp32 packed) or gemm_packed_bf16 (1), on a packed weight of that dtype.

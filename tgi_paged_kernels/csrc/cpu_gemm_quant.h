@@ -25,6 +25,7 @@ inline void tile_i8(const float* a, int64_t lda, int64_t K, const uint8_t* codes
   const __m512 z = _mm512_loadu_ps(zeros), s = _mm512_loadu_ps(scales);
   for (int64_t k = 0; k < K; ++k) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kNB));
+    if (k % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (K + k) * kNB), _MM_HINT_T1);  // next panel
     const __m512 wk = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), z), s);
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + k]), wk, acc[r]);
   }
@@ -48,6 +49,7 @@ inline void tile_i8(const float* a, int64_t lda, int64_t K, const uint8_t* codes
   const __m256 s0 = _mm256_loadu_ps(scales), s1 = _mm256_loadu_ps(scales + 8);
   for (int64_t k = 0; k < K; ++k) {
     const __m256 w0 = dequant8(codes + k * kNB, z0, s0), w1 = dequant8(codes + k * kNB + 8, z1, s1);
+    if (k % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (K + k) * kNB), _MM_HINT_T1);  // next panel
     for (int r = 0; r < R; ++r) {
       const __m256 x = _mm256_set1_ps(a[r * lda + k]);
       lo[r] = _mm256_fmadd_ps(x, w0, lo[r]);
@@ -92,16 +94,12 @@ inline void tile_i8_rows(int rows, const float* a, int64_t lda, int64_t K, const
 
 // gemm_packed (cpu_gemm.h) of the int8 weight `codes` with its per-column `zeros` and `scales`
 // ([ceil(N / 16) * 16] each): out[M, N] = a[M, K] @ ((codes - zeros) * scales)^T (+ bias) (+ add). Orphaned work
-// sharing over tasks of balanced_row_chunk rows times one column block.
+// sharing over gemm_tasks, one column block a task.
 void gemm_packed_i8(const float* a, int64_t lda, int64_t M, int64_t K, const uint8_t* codes, const float* zeros,
                     const float* scales, int64_t N, const float* bias, const float* add, int64_t ldadd, float* out,
                     int64_t ldo) {
-  const int64_t kMC = balanced_row_chunk(M, kQuantMR);
-  const int64_t blocks = (N + kNB - 1) / kNB, chunks = (M + kMC - 1) / kMC;
-#pragma omp for schedule(static)
-  for (int64_t task = 0; task < chunks * blocks; ++task) {
-    const int64_t nb = task % blocks, n0 = nb * kNB;
-    const int64_t m_begin = (task / blocks) * kMC, m_end = std::min(M, m_begin + kMC);
+  gemm_tasks(M, K, (N + kNB - 1) / kNB, kQuantMR, 96, [&](int64_t nb, int64_t m_begin, int64_t m_end) {
+    const int64_t n0 = nb * kNB;
     const int cols = static_cast<int>(std::min<int64_t>(kNB, N - n0));
     for (int64_t m0 = m_begin; m0 < m_end; m0 += kQuantMR) {
       const int rows = static_cast<int>(std::min<int64_t>(kQuantMR, m_end - m0));
@@ -109,7 +107,7 @@ void gemm_packed_i8(const float* a, int64_t lda, int64_t M, int64_t K, const uin
                              bias ? bias + n0 : nullptr, add ? add + m0 * ldadd + n0 : nullptr, ldadd,
                              out + m0 * ldo + n0, ldo, cols);
     }
-  }
+  });
 }
 
 }  // namespace

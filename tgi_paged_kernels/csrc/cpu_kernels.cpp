@@ -155,9 +155,10 @@ int tgi_paged_silu_and_mul(const void* gate_up, int64_t row_stride, void* out, i
       const uint16_t* g = static_cast<const uint16_t*>(gate_up) + t * row_stride;
       const uint16_t* u = g + width;
       uint16_t* o = static_cast<uint16_t*>(out) + t * width;
-      for (int64_t i = 0; i < width; ++i) {
-        const float x = bf16_to_float(g[i]);
-        const float silu = round_bf16(x / (1.0f + std::exp(-x)));
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) {  // silu as silu_mul_row_f32's (vectorized exp), rounded where torch's is
+        const float x = bf16_to_float(g[i]), e = exp_nonpositive(-std::fabs(x));
+        const float silu = round_bf16((x >= 0.0f ? x : x * e) / (1.0f + e));
         o[i] = float_to_bf16(silu * bf16_to_float(u[i]));
       }
     }
