@@ -8,6 +8,11 @@ repetition, the two ways alternated. Decode attention's old and new paths are co
 
     .venv/bin/python examples/bench_packed_linears.py [--threads 2] [--rows 20]
     .venv/bin/python examples/bench_packed_linears.py --small [ROWS ...]   # small weights by row count
+    .venv/bin/python examples/bench_packed_linears.py --native [ROWS ...]  # oneDNN vs the native packed GEMM
+
+``--native``: the packed oneDNN call against the native packed GEMM (``tgi_paged_kernels.gemm_packed``, what the
+native decode layer and the LM head run) on the same cold 30-layer set, and on the LM heads alone (SmolLM2's
+49152 x 576, the host-bound model's 49152 x 128), each call after a 256 MiB pass that evicts the caches.
 """
 
 from __future__ import annotations
@@ -94,6 +99,46 @@ def small_weights(rows_list: list[int], repeats: int) -> None:
         _pair(f"{rows} rows", plain, fast, repeats)
 
 
+def native_gemms(rows_list: list[int], repeats: int) -> None:
+    """oneDNN's packed linear (old) vs the native packed GEMM (new), weights cold in cache."""
+    from tgi_paged_kernels import gemm_packed, native_kernels, pack_weight
+
+    native = native_kernels()
+    if native is None:
+        print("native kernels unavailable: nothing to compare")
+        return
+    print("GEMMs: packed oneDNN (old) vs the native packed GEMM (new), weights cold in cache")
+    weights = [torch.randn(o, i) * 0.02 for o, i in SMOLLM2_LAYER * 30]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    ours = [pack_weight(w) for w in weights]
+    evict = torch.zeros(64 << 20)
+    for rows in rows_list:
+        inputs = {i: torch.randn(rows, i) for i in (576, 1536)}
+
+        def old(inputs=inputs) -> None:
+            for w, p in zip(weights, onednn):
+                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+
+        def new(inputs=inputs) -> None:
+            for w, p in zip(weights, ours):
+                gemm_packed(native, inputs[w.shape[1]], p, w.shape[0])
+
+        _pair(f"30 layers, {rows} rows", old, new, repeats)
+        for out_f, in_f in [(49152, 576), (49152, 128)]:
+            w, x = torch.randn(out_f, in_f) * 0.02, torch.randn(rows, in_f)
+            p_old, p_new = torch.ops.mkldnn._reorder_linear_weight(w, 32), pack_weight(w)
+
+            def head_old(x=x, p=p_old) -> None:
+                evict.add_(1.0)
+                torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+
+            def head_new(x=x, p=p_new, n=out_f) -> None:
+                evict.add_(1.0)
+                gemm_packed(native, x, p, n)
+
+            _pair(f"LM head {out_f}x{in_f}, {rows} rows (+ the eviction pass)", head_old, head_new, repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -103,10 +148,16 @@ def main() -> None:
         "--small", type=int, nargs="*", default=None, metavar="ROWS",
         help="only the small-weight sweep, at these row counts (default 20 64 128 256 1118)",
     )  # fmt: skip
+    parser.add_argument(
+        "--native", type=int, nargs="*", default=None, metavar="ROWS",
+        help="only oneDNN vs the native packed GEMM, at these row counts (default 1 20 128)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{args.threads} threads; load average {os.getloadavg()[0]:.2f}")
-    if args.small is not None:
+    if args.native is not None:
+        native_gemms(args.native or [1, 20, 128], args.repeats)
+    elif args.small is not None:
         small_weights(args.small or [20, 64, 128, 256, 1118], args.repeats)
     else:
         gemms(args.rows, args.repeats)

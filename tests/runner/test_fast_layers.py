@@ -139,3 +139,29 @@ def test_a_wrong_norm_form_is_rejected_even_beside_one_huge_channel(dtype) -> No
 
     assert not outputs_close(gemma, wrong)
     assert outputs_close(gemma, gemma.clone())
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_wide_fp32_linear_runs_the_native_gemm_unless_told_not_to(monkeypatch: pytest.MonkeyPatch, bias: bool) -> None:
+    from tgi_paged_backend.runner.cpu.fast_layers import NativeLinear
+    from tgi_paged_kernels import native_kernels
+
+    if native_kernels() is None:
+        pytest.skip("native kernels not built here")
+    monkeypatch.setattr(fast_layers, "NATIVE_MIN_OUT_FEATURES", 300)  # the LM head's role, at a test's size
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(72, 310, bias=bias), nn.Linear(72, 200))
+    x = torch.randn(2, 9, 72)
+    with torch.inference_mode():
+        expected = block[0](x)
+    report = swap_fast_layers(block, CPU, torch.float32)
+    assert isinstance(block[0], NativeLinear) and isinstance(block[1], PackedLinear)
+    assert (report.native_heads, report.packed_linears) == (1, 1)
+    with torch.inference_mode():
+        torch.testing.assert_close(block[0](x), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(block[0](x[:, :1]), expected[:, :1], rtol=1e-5, atol=1e-5)  # one row
+    kept = nn.Sequential(nn.Linear(72, 310))
+    assert swap_fast_layers(kept, CPU, torch.float32, native_heads=False).native_heads == 0
+    assert isinstance(kept[0], PackedLinear)  # compiled steps and TGI_PAGED_NATIVE_LAYERS=0 keep oneDNN
+    bf16 = nn.Sequential(nn.Linear(72, 310).to(torch.bfloat16))
+    assert swap_fast_layers(bf16, CPU, torch.bfloat16).native_heads == 0  # fp32 only

@@ -11,6 +11,8 @@ transformers' modules stay the model definition of every served family; after lo
   (cold in cache: 30 layers of distinct weights plus the LM head), and the packed layout reads it about
   twice as fast as ``F.linear`` on the same box (``docs/performance-cpu.md``, "CPU forward"). On CUDA linears stay
   as they are (cuBLAS). Quantized linears (:mod:`.quant`) are not plain ``nn.Linear`` and are left alone;
+- a plain fp32 ``nn.Linear`` of at least :data:`NATIVE_MIN_OUT_FEATURES` outputs (the LM head) by a
+  :class:`NativeLinear` where the native kernels are built (the native packed GEMM reads a cold weight faster);
 - every RMSNorm of the Llama form (``weight * x / sqrt(mean(x^2) + eps)``, computed in fp32) by
   :class:`FusedRMSNorm`, one ``torch.rms_norm`` call instead of six elementwise kernels. A norm is
   swapped only after it reproduces the original on a random input (Gemma's ``1 + weight`` form and
@@ -43,6 +45,7 @@ from tgi_paged_kernels import (
     gemm_packed,
     gemm_packed_int8,
     native_kernels,
+    pack_weight,
     unpack_weight,
 )
 
@@ -55,6 +58,11 @@ than ``F.linear`` before any math (hot in cache, 20 rows, one thread: 128x128 pl
 576x576 186 vs 170 us; ``examples/bench_packed_linears.py``), so packing pays only once the weight itself
 takes longer than that to stream. They are packed too, for inputs of at least :data:`PACKED_MIN_ROWS`
 rows (prefill), where oneDNN's blocked GEMM wins."""
+
+NATIVE_MIN_OUT_FEATURES = 8192
+"""An fp32 linear this wide (the LM head) runs the native packed GEMM (:class:`NativeLinear`) instead of oneDNN where
+the native kernels are built: it streams the weight once across threads and prefetches the next panel, so it reads
+a cold weight faster (``examples/bench_packed_linears.py --native``; figures in ``docs/performance-cpu.md``)."""
 
 PACKED_MIN_ROWS = 128
 """Rows from which a small weight runs packed. 2 threads, 30 layers of the host-bound model's four weights
@@ -202,17 +210,30 @@ class SwapReport:
 
     packed_linears: int
     fused_norms: int
+    native_heads: int
+    """Wide fp32 linears (the LM head) on the native packed GEMM (:data:`NATIVE_MIN_OUT_FEATURES`)."""
     kept_norms: tuple[str, ...]
     """Class names of RMSNorm-looking modules that did not reproduce the fused form (left as they are)."""
 
 
-def swap_fast_layers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> SwapReport:
-    """Replace plain linears and Llama-form RMSNorms of ``model`` in place (see the module docstring)."""
+def swap_fast_layers(
+    model: nn.Module, device: torch.device, dtype: torch.dtype, native_heads: bool = True
+) -> SwapReport:
+    """Replace plain linears and Llama-form RMSNorms of ``model`` in place (see the module docstring);
+    ``native_heads=False`` keeps wide fp32 linears on oneDNN too (a compiled step traces oneDNN's op)."""
     pack = can_pack(dtype, device)
-    packed = fused = 0
+    native = native_kernels() if native_heads and dtype == torch.float32 and device.type == "cpu" else None
+    packed = fused = heads = 0
     kept: set[str] = set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
+            wide = type(child) is nn.Linear and child.out_features >= NATIVE_MIN_OUT_FEATURES
+            if native is not None and wide and child.weight.dtype == dtype:
+                weight, bias = child.weight.detach(), None if child.bias is None else child.bias.detach()
+                packed_weight = pack_weight(weight)
+                setattr(parent, name, NativeLinear(packed_weight, child.out_features, bias, native, child.in_features))
+                heads += 1
+                continue
             if pack and type(child) is nn.Linear and child.weight.dtype == dtype:
                 small = child.weight.numel() < PACK_MIN_ELEMENTS
                 setattr(parent, name, PackedLinear(child, plain_below_rows=PACKED_MIN_ROWS if small else 0))
@@ -229,11 +250,12 @@ def swap_fast_layers(model: nn.Module, device: torch.device, dtype: torch.dtype)
                 fused += 1
             else:
                 kept.add(type(child).__name__)
-    report = SwapReport(packed_linears=packed, fused_norms=fused, kept_norms=tuple(sorted(kept)))
+    report = SwapReport(packed_linears=packed, fused_norms=fused, native_heads=heads, kept_norms=tuple(sorted(kept)))
     logger.info(
-        "fast layers: {} linears packed for oneDNN{}, {} RMSNorms fused{}",
+        "fast layers: {} linears packed for oneDNN{}{}, {} RMSNorms fused{}",
         packed,
         "" if pack else f" (none: {dtype} on {device.type} runs plain linears)",
+        f", {heads} wide on the native GEMM" if heads else "",
         fused,
         f"; kept {', '.join(report.kept_norms)} (another norm form)" if kept else "",
     )

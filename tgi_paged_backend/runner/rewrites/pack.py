@@ -1,4 +1,5 @@
-"""Rewrite ``pack``: plain linears packed for oneDNN on CPU, Llama-form RMSNorms fused into one call
+"""Rewrite ``pack``: plain linears packed for oneDNN on CPU (a wide fp32 LM head for the native GEMM unless the
+native layers are off or the decode step is compiled), Llama-form RMSNorms fused into one call
 (:mod:`tgi_paged_backend.runner.cpu.fast_layers`; on CUDA only the norms change)."""
 
 from __future__ import annotations
@@ -19,5 +20,8 @@ class PackLinears:
         return runs()
 
     def apply(self, model: nn.Module, ctx: RewriteContext) -> tuple[SwapReport, int]:
-        report = swap_fast_layers(model, ctx.device, ctx.dtype)
-        return report, report.packed_linears + report.fused_norms
+        config = ctx.model_config
+        report = swap_fast_layers(
+            model, ctx.device, ctx.dtype, native_heads=config.native_layers and not config.compile_decode
+        )
+        return report, report.packed_linears + report.native_heads + report.fused_norms
