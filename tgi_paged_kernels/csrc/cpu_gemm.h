@@ -181,8 +181,9 @@ inline void gemm_tasks(int64_t M, int64_t K, int64_t groups, int64_t tile, int64
 void gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, const float* packed, int64_t N,
                  const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
   const int64_t blocks = (N + kNB - 1) / kNB;
-  // Pairs of blocks pay from a few row tiles on; a decode batch reads each weight panel in fewer passes alone.
-  const int64_t span = kPairs && M >= 3 * kMR ? 2 : 1;
+  // Pairs of blocks from two row tiles on: half the weight loads per FMA (30 cold SmolLM2 layers, 2 threads: 32
+  // rows 42.6 -> 38.4 ms, 16 rows 29.4 -> 27.0; bench_packed_linears.py --native); below, as fast either way.
+  const int64_t span = kPairs && M >= 2 * kMR2 ? 2 : 1;
   gemm_tasks(M, K, (blocks + span - 1) / span, span == 2 ? kMR2 : kMR, 96, [&](int64_t group, int64_t m_begin,
                                                                               int64_t m_end) {
     const int64_t nb = group * span, n0 = nb * kNB;
