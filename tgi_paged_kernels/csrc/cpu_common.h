@@ -10,6 +10,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float bf16_to_float(uint16_t v) {
@@ -128,6 +132,19 @@ inline bool query_rows(const int32_t* qsl, int64_t B, int64_t T, const void* seq
 }
 
 
+#if defined(__AVX512F__)
+// 16 values c * 16 .. c * 16 + 15 of a K or V row in storage dtype kDtype (0 fp32, 1 bf16) as fp32.
+template <int kDtype>
+inline __m512 row16(const char* row, int c) {
+  if constexpr (kDtype == 0) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * c);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(row) + 16 * c));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+#endif
+
 // One request's KV heads [h0, h1) and the query heads sharing them. Rows are visited in pool order (block,
 // slot, head), so a request's whole row of heads is read contiguously when one task holds every head.
 // kHeadDim 0: runtime head_dim and v_head_dim (> 0: both are kHeadDim). Returns kOk, or an error code before reading outside the table or the pool.
@@ -163,16 +180,47 @@ int decode_heads(const DecodeArgs& a, int b, int h0, int h1, std::vector<float>&
     return cache + (blk * a.c_sblock + static_cast<int64_t>(h0) * a.c_shead) * bytes;
   };
   // Visits positions [start, len) block by block: fn(row of head h0 at that position, i = position - start).
+  // The next block's slots are prefetched one per slot visited here: asked all at once, they filled the
+  // line-fill buffers and the prefetches stalled the core (half of this function's time, SmolLM2 decode).
   auto for_each_slot = [&](const char* cache, auto&& fn) {
     const char* base = block_base(cache, first_col);
     for (int64_t col = first_col; col < end_col; ++col) {
       const char* next = col + 1 < end_col ? block_base(cache, col + 1) : nullptr;
-      if (next) prefetch_rows(next, bs, slot_bytes, span_bytes);
       const int64_t s0 = std::max<int64_t>(start - col * bs, 0), s1 = std::min<int64_t>(len - col * bs, bs);
-      for (int64_t s = s0; s < s1; ++s) fn(base + s * slot_bytes, col * bs + s - start);
+      for (int64_t s = s0; s < s1; ++s) {
+        if (next) prefetch_rows(next + (s - s0) * slot_bytes, 1, slot_bytes, span_bytes);
+        fn(base + s * slot_bytes, col * bs + s - start);
+      }
+      if (next) prefetch_rows(next + (s1 - s0) * slot_bytes, static_cast<int>(bs - (s1 - s0)), slot_bytes, span_bytes);
       base = next;
     }
   };
+#if defined(__AVX512F__)
+  // fp32 and bf16 rows of a fixed head_dim: 16 lanes at a time, widened in registers, one reduction per dot.
+  constexpr bool kLanes = kDtype <= 1 && kHeadDim > 0 && kHeadDim % 16 == 0;
+#else
+  constexpr bool kLanes = false;
+#endif
+  if constexpr (kLanes) {
+#if defined(__AVX512F__)
+    constexpr int C = kHeadDim / 16;
+    for_each_slot(a.k_cache, [&](const char* slot, int64_t i) {
+      for (int h = 0; h < h1 - h0; ++h) {
+        __m512 k[C];
+        for (int c = 0; c < C; ++c) k[c] = row16<kDtype>(slot + h * head_bytes, c);
+        for (int g = 0; g < group; ++g) {
+          const int j = h * group + g;
+          const float* qj = q + j * a.q_sh;
+          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), k[0]);
+          for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c), k[c], acc);
+          float dot = _mm512_reduce_add_ps(acc) * a.scale;
+          if (a.softcap > 0.0f) dot = std::tanh(dot / a.softcap) * a.softcap;
+          scores[j * n + i] = dot;
+        }
+      }
+    });
+#endif
+  } else {
   for_each_slot(a.k_cache, [&](const char* slot, int64_t i) {
     for (int h = 0; h < h1 - h0; ++h) {
       const float* k = row_f32<kDtype>(slot + h * head_bytes, a.lut, a.k_scale, D, buf);
@@ -188,6 +236,7 @@ int decode_heads(const DecodeArgs& a, int b, int h0, int h1, std::vector<float>&
       }
     }
   });
+  }
   // Softmax per query head; a sink joins the denominator as a score without a value.
   for (int j = 0; j < rows_q; ++j) {
     float* sj = scores.data() + j * n;
@@ -206,6 +255,23 @@ int decode_heads(const DecodeArgs& a, int b, int h0, int h1, std::vector<float>&
     for (int64_t i = 0; i < n; ++i) sj[i] *= inv;
   }
   std::fill(acc, acc + static_cast<int64_t>(rows_q) * Dv, 0.0f);
+  if constexpr (kLanes) {
+#if defined(__AVX512F__)
+    constexpr int C = kHeadDim / 16;
+    for_each_slot(a.v_cache, [&](const char* slot, int64_t i) {
+      for (int h = 0; h < h1 - h0; ++h) {
+        __m512 v[C];
+        for (int c = 0; c < C; ++c) v[c] = row16<kDtype>(slot + h * head_bytes, c);
+        for (int g = 0; g < group; ++g) {
+          const int j = h * group + g;
+          const __m512 w = _mm512_set1_ps(scores[j * n + i]);
+          float* aj = acc + j * Dv;
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(aj + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(aj + 16 * c)));
+        }
+      }
+    });
+#endif
+  } else {
   for_each_slot(a.v_cache, [&](const char* slot, int64_t i) {
     for (int h = 0; h < h1 - h0; ++h) {
       const float* v = row_f32<kDtype>(slot + h * head_bytes, a.lut, a.v_scale, Dv, buf);
@@ -218,6 +284,7 @@ int decode_heads(const DecodeArgs& a, int b, int h0, int h1, std::vector<float>&
       }
     }
   });
+  }
   std::copy(acc, acc + static_cast<int64_t>(rows_q) * Dv, o);
   return kOk;
 }
