@@ -142,7 +142,9 @@ def test_a_wrong_norm_form_is_rejected_even_beside_one_huge_channel(dtype) -> No
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_a_wide_fp32_linear_runs_the_native_gemm_unless_told_not_to(monkeypatch: pytest.MonkeyPatch, bias: bool) -> None:
+def test_a_wide_fp32_linear_runs_the_native_gemm_unless_told_not_to(
+    monkeypatch: pytest.MonkeyPatch, bias: bool
+) -> None:
     from tgi_paged_backend.runner.cpu.fast_layers import NativeLinear
     from tgi_paged_kernels import native_kernels
 

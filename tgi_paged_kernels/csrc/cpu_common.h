@@ -139,7 +139,8 @@ inline __m512 row16(const char* row, int c) {
   if constexpr (kDtype == 0) {
     return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * c);
   } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(row) + 16 * c));
+    const uint16_t* values = reinterpret_cast<const uint16_t*>(row) + 16 * c;
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
 }
@@ -266,7 +267,8 @@ int decode_heads(const DecodeArgs& a, int b, int h0, int h1, std::vector<float>&
           const int j = h * group + g;
           const __m512 w = _mm512_set1_ps(scores[j * n + i]);
           float* aj = acc + j * Dv;
-          for (int c = 0; c < C; ++c) _mm512_storeu_ps(aj + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(aj + 16 * c)));
+          for (int c = 0; c < C; ++c)
+            _mm512_storeu_ps(aj + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(aj + 16 * c)));
         }
       }
     });

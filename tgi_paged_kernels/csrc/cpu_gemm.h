@@ -29,7 +29,7 @@ inline void epilogue(const float* c, const float* bias, const float* add, float*
 // order), written through the epilogue's arithmetic to `out`.
 #if defined(__AVX512F__)
 constexpr int kMR = 12;  // rows per register tile of one block: 12 accumulators of 16 lanes
-constexpr int kMR2 = 8;  // rows per register tile of two blocks: 16 accumulators, one broadcast per two FMAs
+constexpr int kMR2 = 12;  // rows per register tile of two blocks: 24 accumulators, one broadcast per two FMAs
 constexpr bool kPairs = true;
 
 inline void store_rows(const __m512* acc, int rows, const float* bias, const float* add, int64_t ldadd, float* out,
@@ -181,9 +181,10 @@ inline void gemm_tasks(int64_t M, int64_t K, int64_t groups, int64_t tile, int64
 void gemm_packed(const float* a, int64_t lda, int64_t M, int64_t K, const float* packed, int64_t N,
                  const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
   const int64_t blocks = (N + kNB - 1) / kNB;
-  // Pairs of blocks from two row tiles on: half the weight loads per FMA (30 cold SmolLM2 layers, 2 threads: 32
-  // rows 42.6 -> 38.4 ms, 16 rows 29.4 -> 27.0; bench_packed_linears.py --native); below, as fast either way.
-  const int64_t span = kPairs && M >= 2 * kMR2 ? 2 : 1;
+  // Pairs of blocks from 16 rows: half the weight loads per FMA, 12 rows a tile (30 cold SmolLM2 layers, 2 threads,
+  // bench_packed_linears.py --native: 20 rows 32.0 -> 28.7 ms, 32 rows 42.6 -> 36.4, 512 rows 404 -> 383 against
+  // 12 x 16 tiles, resp. 8 x 32 from 36 rows); below 16 rows as fast either way.
+  const int64_t span = kPairs && M >= 16 ? 2 : 1;
   gemm_tasks(M, K, (blocks + span - 1) / span, span == 2 ? kMR2 : kMR, 96, [&](int64_t group, int64_t m_begin,
                                                                               int64_t m_end) {
     const int64_t nb = group * span, n0 = nb * kNB;
