@@ -132,6 +132,20 @@ inline bool query_rows(const int32_t* qsl, int64_t B, int64_t T, const void* seq
 }
 
 
+// max(init, x[0], ..., x[n - 1]), NaNs in x skipped (std::max(peak, x[i]) in a loop), 16 lanes at a time: GCC
+// leaves `omp simd reduction(max)` over floats scalar (a 4-cycle chain per value; a fifth of the prefill
+// attention's time).
+inline float row_max(const float* x, int64_t n, float init) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 peak = _mm512_set1_ps(init);
+  for (; i + 16 <= n; i += 16) peak = _mm512_max_ps(_mm512_loadu_ps(x + i), peak);  // NaN in x: keeps peak
+  init = _mm512_reduce_max_ps(peak);
+#endif
+  for (; i < n; ++i) init = std::max(init, x[i]);
+  return init;
+}
+
 #if defined(__AVX512F__)
 // 16 values c * 16 .. c * 16 + 15 of a K or V row in storage dtype kDtype (0 fp32, 1 bf16) as fp32.
 template <int kDtype>
@@ -242,9 +256,7 @@ int decode_heads(const DecodeArgs& a, int b, int h0, int h1, std::vector<float>&
   for (int j = 0; j < rows_q; ++j) {
     float* sj = scores.data() + j * n;
     const float sink = a.sinks ? a.sinks[h0 * group + j] : -INFINITY;
-    float peak = sink;
-#pragma omp simd reduction(max : peak)
-    for (int64_t i = 0; i < n; ++i) peak = std::max(peak, sj[i]);
+    const float peak = row_max(sj, n, sink);
     float total = a.sinks ? exp_nonpositive(sink - peak) : 0.0f;
 #pragma omp simd reduction(+ : total)
     for (int64_t i = 0; i < n; ++i) {

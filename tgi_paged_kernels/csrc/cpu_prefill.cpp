@@ -126,9 +126,7 @@ inline void attend_tile(const PrefillArgs& a, const PairView& v, int j, int64_t 
 #pragma omp simd
       for (int64_t i = vis_lo; i < vis_hi; ++i) sr[i] *= a.scale;
     }
-    float peak = sink;
-#pragma omp simd reduction(max : peak)
-    for (int64_t i = vis_lo; i < vis_hi; ++i) peak = std::max(peak, sr[i]);
+    const float peak = row_max(sr + vis_lo, vis_hi - vis_lo, sink);
     float total = a.sinks ? exp_nonpositive(sink - peak) : 0.0f;
 #pragma omp simd reduction(+ : total)
     for (int64_t i = vis_lo; i < vis_hi; ++i) {
