@@ -200,14 +200,17 @@ def paged_prefill_attention_torch(
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     attend_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Prefill/extend for CPU tensors; see ``api.paged_prefill_attention``. fp32 queries go to the native
-    kernel (:mod:`.cpu_prefill`: all requests in one call) when it is built; the rest runs here, one request at
-    a time (the native kernel's reference). ALiBi (``alibi_slopes``) always runs here, a masked matmul pair per
-    KV head. ``attend_limits``: each row's last visible key position (bidirectional spans), ``None``: causal."""
+    """Prefill/extend for CPU tensors; see ``api.paged_prefill_attention``. fp32 queries (bf16 and fp16 ones
+    widened) go to the native kernel (:mod:`.cpu_prefill`: all requests in one call) when it is built; the rest runs
+    here, one request at a time (the native kernel's reference). ALiBi (``alibi_slopes``) always runs here, a masked
+    matmul pair per KV head. ``attend_limits``: each row's last visible key position (bidirectional spans),
+    ``None``: causal."""
     native = None if torch.compiler.is_compiling() or alibi_slopes is not None else native_kernels()
     if native is not None:
+        # bf16 / fp16 queries widened: the kernel computes in fp32, as the per-request path below does
+        wide = query.float() if query.dtype in (torch.bfloat16, torch.float16) else query
         result = prefill_attention(
-            native, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale, softcap=softcap,
+            native, wide, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale, softcap=softcap,
             sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale, attend_limits=attend_limits,
         )  # fmt: skip
         if result is not None:

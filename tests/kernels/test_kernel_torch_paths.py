@@ -222,9 +222,9 @@ def test_public_names_are_the_functions_after_every_submodule_import():
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
 def test_prefill_of_fresh_requests_reads_their_new_kv_instead_of_the_pool(kv_dtype, monkeypatch):
-    """The torch path (bf16 queries, or no native kernels): requests without a cached prefix attend over the
+    """The torch path (no native kernels, ALiBi, compiled): requests without a cached prefix attend over the
     K/V just computed (when the pool stores them as they are): the same result as reading the pool back. A
-    request with a prefix still reads the pool. (fp32 queries take the native kernel, which reads the pool.)"""
+    request with a prefix still reads the pool. (Otherwise queries take the native kernel, which reads the pool.)"""
     monkeypatch.setattr("tgi_paged_kernels.torch_impl.prefill_attention", lambda *args, **kwargs: None)
     seq_lens = [5, 9, 12]
     q_lens = [5, 3, 12]  # the middle request extends a cached prefix of 6 tokens
@@ -246,3 +246,32 @@ def test_prefill_of_fresh_requests_reads_their_new_kv_instead_of_the_pool(kv_dty
     if kv_dtype == torch.float32:  # the fresh requests (0 and 2) now read the NaN K/V, request 1 the pool
         got = paged_prefill_attention(*args, scale=0.25, new_kv=poisoned)
         assert torch.isnan(got[:5]).all() and torch.isfinite(got[5:8]).all() and torch.isnan(got[8:]).all()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_prefill_queries_take_the_native_kernel_widened(kv_dtype, monkeypatch):
+    """A bf16 model's prefill: its queries are widened to fp32 for the native kernel (one call for the step, as fp32
+    queries), the output rounded back to bf16; the per-request torch path computes the same in fp32."""
+    from tgi_paged_kernels import native_kernels, torch_impl
+
+    if native_kernels() is None:
+        pytest.skip("native kernels not built here")
+    kv = make_paged_kv([7, 30, 19], num_kv_heads=3, head_dim=64, block_size=16, kv_dtype=kv_dtype,
+                       generator=torch.Generator().manual_seed(0))  # fmt: skip
+    query = torch.randn(7 + 12 + 19, 9, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    args = (
+        query,
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_tables,
+        torch.tensor([0, 7, 19, 38], dtype=torch.int32),
+        kv.seq_lens,
+    )
+    calls = []
+    widened = torch_impl.prefill_attention
+    monkeypatch.setattr(torch_impl, "prefill_attention", lambda *a, **k: calls.append(a[1].dtype) or widened(*a, **k))
+    got = paged_prefill_attention(*args, scale=0.125)
+    assert calls == [torch.float32] and got.dtype == torch.bfloat16
+    monkeypatch.setattr(torch_impl, "prefill_attention", lambda *a, **k: None)  # the per-request torch path
+    expected = paged_prefill_attention(*args, scale=0.125)
+    torch.testing.assert_close(got, expected, rtol=1.6e-2, atol=1e-2)  # one bf16 rounding of fp32 sums apart
