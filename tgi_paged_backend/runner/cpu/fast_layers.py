@@ -227,10 +227,11 @@ def swap_fast_layers(
     kept: set[str] = set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            wide = type(child) is nn.Linear and child.out_features >= NATIVE_MIN_OUT_FEATURES
-            if native is not None and wide and child.weight.dtype == dtype:
-                weight, bias = child.weight.detach(), None if child.bias is None else child.bias.detach()
-                packed_weight = pack_weight(weight)
+            wide = isinstance(child, nn.Linear) and child.out_features >= NATIVE_MIN_OUT_FEATURES
+            if native is not None and wide and type(child) is nn.Linear and child.weight.dtype == dtype:
+                assert isinstance(child, nn.Linear)
+                bias = None if child.bias is None else child.bias.detach()
+                packed_weight = pack_weight(child.weight.detach())
                 setattr(parent, name, NativeLinear(packed_weight, child.out_features, bias, native, child.in_features))
                 heads += 1
                 continue
