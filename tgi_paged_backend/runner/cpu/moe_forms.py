@@ -116,6 +116,8 @@ class NativeExperts(nn.Module):
         self.num_experts, self.intermediate = experts, intermediate
         self.act_fn = act_fn
         self.native = native
+        self.silu = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+        """SiLU: the C++ ``silu_and_mul`` on each expert's gate/up rows (as the fused dense MLP's)."""
         self.resident_bytes = (gate_up.numel() + down.numel()) * gate_up.element_size()
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -125,8 +127,11 @@ class NativeExperts(nn.Module):
             tokens, slot = torch.where(top_k_index == e)
             x = rows_in[tokens].float().contiguous()  # a bf16 model's rows widened: the GEMMs sum in fp32
             gate_up = gemm_packed(self.native, x, self.gate_up[e], 2 * self.intermediate)
-            gate, up = gate_up.chunk(2, dim=-1)
-            y = gemm_packed(self.native, (self.act_fn(gate) * up).contiguous(), self.down[e], width)
+            product = self.native.silu_and_mul(gate_up) if self.silu else None
+            if product is None:
+                gate, up = gate_up.chunk(2, dim=-1)
+                product = (self.act_fn(gate) * up).contiguous()
+            y = gemm_packed(self.native, product, self.down[e], width)
             out.index_add_(0, tokens, (y * top_k_weights[tokens, slot, None].to(y.dtype)).to(out.dtype))
         return out
 
