@@ -368,15 +368,17 @@ inline void rope_row_f32(const float* x, const float* c, const float* s, float* 
   }
 }
 
-// One fp32 row of silu(gate) * up, vectorized: with e = exp(-|g|) (never overflows), silu(g) is g / (1 + e)
-// for g >= 0 and g * e / (1 + e) below (torch's g / (1 + exp(-g)) within a few ulp).
+// silu(x) in a form loops vectorize: with e = exp(-|x|) (never overflows), x / (1 + e) for x >= 0 and
+// x * e / (1 + e) below (torch's x / (1 + exp(-x)) within a few ulp).
+inline float silu_f32(float x) {
+  const float e = exp_nonpositive(-std::fabs(x));
+  return (x >= 0.0f ? x : x * e) / (1.0f + e);
+}
+
+// One fp32 row of silu(gate) * up, vectorized.
 inline void silu_mul_row_f32(const float* g, const float* u, float* o, int64_t width) {
 #pragma omp simd
-  for (int64_t i = 0; i < width; ++i) {
-    const float x = g[i], e = exp_nonpositive(-std::fabs(x));
-    const float silu = (x >= 0.0f ? x : x * e) / (1.0f + e);
-    o[i] = silu * u[i];
-  }
+  for (int64_t i = 0; i < width; ++i) o[i] = silu_f32(g[i]) * u[i];
 }
 
 }  // namespace

@@ -156,11 +156,8 @@ int tgi_paged_silu_and_mul(const void* gate_up, int64_t row_stride, void* out, i
       const uint16_t* u = g + width;
       uint16_t* o = static_cast<uint16_t*>(out) + t * width;
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i) {  // silu as silu_mul_row_f32's (vectorized exp), rounded where torch's is
-        const float x = bf16_to_float(g[i]), e = exp_nonpositive(-std::fabs(x));
-        const float silu = round_bf16((x >= 0.0f ? x : x * e) / (1.0f + e));
-        o[i] = float_to_bf16(silu * bf16_to_float(u[i]));
-      }
+      for (int64_t i = 0; i < width; ++i)  // rounded where torch's bf16 ops round
+        o[i] = float_to_bf16(round_bf16(silu_f32(bf16_to_float(g[i]))) * bf16_to_float(u[i]));
     }
   }
   return kOk;

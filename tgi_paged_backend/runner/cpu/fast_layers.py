@@ -176,6 +176,12 @@ def rms_norm_eps(module: nn.Module) -> float | None:
     return None
 
 
+def is_silu(act_fn: nn.Module) -> bool:
+    """Whether ``act_fn`` is SiLU (torch's or transformers' ``SiLUActivation``): its gated MLPs may run the native
+    ``silu_and_mul``."""
+    return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+
+
 def outputs_close(expected: torch.Tensor, got: torch.Tensor) -> bool:
     """Whether a replacement's output ``got`` reproduces the original's: the largest difference within
     1e-5 (fp32; 2e-2 otherwise) of the output's scale (its root mean square, at least 1). Scale-relative,
@@ -227,9 +233,13 @@ def swap_fast_layers(
     kept: set[str] = set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            wide = isinstance(child, nn.Linear) and child.out_features >= NATIVE_MIN_OUT_FEATURES
-            if native is not None and wide and type(child) is nn.Linear and child.weight.dtype == dtype:
-                assert isinstance(child, nn.Linear)
+            if (
+                native is not None
+                and isinstance(child, nn.Linear)
+                and type(child) is nn.Linear
+                and child.weight.dtype == dtype
+                and child.out_features >= NATIVE_MIN_OUT_FEATURES
+            ):
                 bias = None if child.bias is None else child.bias.detach()
                 packed_weight = pack_weight(child.weight.detach())
                 setattr(parent, name, NativeLinear(packed_weight, child.out_features, bias, native, child.in_features))

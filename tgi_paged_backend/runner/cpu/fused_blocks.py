@@ -36,7 +36,7 @@ from torch import nn
 
 from tgi_paged_backend.lora.layers import lora_base
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, paged_attention, step_metadata
-from tgi_paged_backend.runner.cpu.fast_layers import outputs_close, same_output
+from tgi_paged_backend.runner.cpu.fast_layers import is_silu, outputs_close, same_output
 from tgi_paged_backend.runner.cpu.qkv_layouts import (
     QkvLayout,
     head_dim_of,
@@ -156,9 +156,8 @@ class FusedGatedMLP(nn.Module):
             self.act_fn = cast(nn.Module, mlp.act_fn)
             self.intermediate = int(mlp.gate_proj.out_features)  # type: ignore[union-attr, arg-type]
         self.down_proj = cast(nn.Module, mlp.down_proj)
-        silu = isinstance(self.act_fn, nn.SiLU) or type(self.act_fn).__name__ == "SiLUActivation"
         on_cpu = linear_input(self.gate_up)[2].type == "cpu"
-        self.native = native_kernels() if silu and on_cpu else None
+        self.native = native_kernels() if is_silu(self.act_fn) and on_cpu else None
         """SiLU on CPU: the C++ ``silu_and_mul`` (one call for the two slices, the activation and the product)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tgi_paged_backend.runner.cpu.fast_layers import is_silu
 from tgi_paged_kernels import PACK_BLOCK, NativeKernels, gemm_packed
 
 
@@ -116,7 +117,7 @@ class NativeExperts(nn.Module):
         self.num_experts, self.intermediate = experts, intermediate
         self.act_fn = act_fn
         self.native = native
-        self.silu = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+        self.silu = is_silu(act_fn)
         """SiLU: the C++ ``silu_and_mul`` on each expert's gate/up rows (as the fused dense MLP's)."""
         self.resident_bytes = (gate_up.numel() + down.numel()) * gate_up.element_size()
 
