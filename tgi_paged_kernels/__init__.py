@@ -41,6 +41,7 @@ from .api import (
 )
 
 if TYPE_CHECKING:  # the lazy names below, for type checkers
+    from .cpu_gemm import moe_experts as moe_experts
     from .cpu_gemm import unpack_weight as unpack_weight
     from .cpu_layer import (
         PACK_BLOCK as PACK_BLOCK,
@@ -116,6 +117,7 @@ _LAZY = {
     "gemm_packed": "cpu_layer",
     "pack_weight": "cpu_layer",
     "unpack_weight": "cpu_gemm",
+    "moe_experts": "cpu_gemm",
     "dequantize_fp8": "fp8_gemm",
     "check_int_linear": "int_gemm",
     "dequantize_int": "int_gemm",

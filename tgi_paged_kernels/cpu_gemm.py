@@ -5,14 +5,14 @@ A ``[N, K]`` weight is packed once, in column blocks of 16 (:data:`PACK_BLOCK`, 
 
 - fp32 (:func:`pack_weight`): ``[ceil(N / 16), K, 16]``;
 - bf16 (:func:`pack_weight_bf16`): ``[ceil(N / 16), ceil(K / 2), 16, 2]``, each column's ``k`` pairs side by side
-  (the VNNI layout ``vdpbf16ps`` reads; ``K`` padded to even with zeros). Activations stay fp32, sums fp32: the
-  weights are widened in registers (exact) and summed by fp32 fused multiply-adds, the bits of the fp32 GEMM on
-  the widened weights, at half its weight bytes. A build with ``-DTGI_PAGED_BF16_DOT`` on AVX512-BF16 rounds
-  activation pairs to bf16 and sums them with ``vdpbf16ps`` instead (slower on the cores we measured:
-  ``csrc/cpu_gemm_bf16.h``). Where the host has AMX-BF16 (and Linux lends the tiles), the bf16 GEMM runs on AMX
-  tiles at every row count (``csrc/cpu_gemm_amx.h``): activations rounded to bf16, as a torch bf16 model holds
-  them, fp32 sums; :func:`set_bf16_amx` turns it off and on. :attr:`NativeKernels.gemm_bf16_rounds_activations`
-  says which arithmetic runs, and the reference :func:`.cpu_layer_ref.gemm_packed_bf16_ref` models each.
+  (the VNNI layout ``vdpbf16ps`` reads; ``K`` padded to even with zeros). Three arithmetics, fp32 sums each:
+  where the host has AMX-BF16 (and Linux lends the tiles), AMX tiles at every row count (``csrc/cpu_gemm_amx.h``;
+  :func:`set_bf16_amx`); else on AVX512-BF16 cores of AMD's, ``vdpbf16ps`` (``csrc/cpu_gemm_bf16_dot.h``;
+  :func:`set_bf16_dot`: on by default there, 1.7x the widening path's speed on a Zen 4 core, slower on Intel's);
+  these two round the activations to bf16, as a torch bf16 model holds them. Otherwise the weights are widened in
+  registers (exact) and summed by fp32 fused multiply-adds: the bits of the fp32 GEMM on the widened weights, at
+  half its weight bytes. :attr:`NativeKernels.gemm_bf16_rounds_activations` says which arithmetic runs, and the
+  reference :func:`.cpu_layer_ref.gemm_packed_bf16_ref` models each.
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ def set_bf16_amx(native: NativeKernels, on: bool | None = None) -> bool:
     """Turn the AMX bf16 GEMM on (the default) or off (the widening path) for this process and library, or leave it
     (``None``); returns whether AMX now runs (``False`` where the build or the OS has no AMX tiles)."""
     return bool(native.gemm_bf16_amx(-1 if on is None else int(on)))
+
+
+def set_bf16_dot(native: NativeKernels, on: bool | None = None) -> bool:
+    """Turn the ``vdpbf16ps`` bf16 GEMM on or off (the widening path) for this process and library, or leave it
+    (``None``); returns whether it is now on (``False`` where the build has no AVX512-BF16). AMX, where it runs,
+    comes first."""
+    return bool(native.gemm_bf16_dot(-1 if on is None else int(on)))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -97,4 +104,47 @@ def gemm_packed(
         x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n, None if bias is None else bias.data_ptr(), None, 0,
         out.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip
+    return out
+
+
+def moe_experts(
+    native: NativeKernels, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor, down: torch.Tensor, intermediate: int,
+) -> torch.Tensor:  # fmt: skip
+    """An MoE block's SiLU experts given the router's picks, as transformers' experts module sums them: for fp32
+    ``x`` ``[T, H]``, ``top_k_index`` (int64) and ``top_k_weights`` (fp32) ``[T, k]``, each hit expert ``e``'s
+    ``down_e(silu(gate_e(x)) * up_e(x))`` on its rows, weighted, added in expert order (``[T, H]`` fp32). The
+    experts' weights are stacked packings (:func:`packed_shape` with ``experts``): gate/up ``[2I, H]`` each, gate
+    rows first, and down ``[H, I]``, fp32 or bf16. Raises ``ValueError`` for other inputs or a pick outside the
+    experts (or one expert picked twice by a token)."""
+    t, h = x.shape
+    k = top_k_index.shape[-1]
+    experts = gate_up.shape[0] // cdiv(2 * intermediate, PACK_BLOCK)
+    if (
+        x.dtype != torch.float32
+        or not x.is_contiguous()
+        or top_k_index.dtype != torch.int64
+        or top_k_weights.dtype != torch.float32
+        or top_k_index.shape != (t, k)
+        or top_k_weights.shape != (t, k)
+        or not (top_k_index.is_contiguous() and top_k_weights.is_contiguous())
+        or gate_up.dtype not in (torch.float32, torch.bfloat16)
+        or down.dtype != gate_up.dtype
+        or gate_up.shape != packed_shape(2 * intermediate, h, gate_up.dtype, experts)
+        or down.shape != packed_shape(h, intermediate, down.dtype, experts)
+        or not (gate_up.is_contiguous() and down.is_contiguous())
+    ):
+        raise ValueError(
+            f"moe_experts: x {tuple(x.shape)} {x.dtype}, picks {tuple(top_k_index.shape)} {top_k_index.dtype}, "
+            f"do not fit experts packed as {tuple(gate_up.shape)} / {tuple(down.shape)} {gate_up.dtype}"
+        )
+    out = torch.empty((t, h), dtype=torch.float32)
+    scratch = torch.empty(t * (2 * h + 3 * intermediate), dtype=torch.float32)
+    status = native.moe_experts(
+        x.data_ptr(), t, h, top_k_index.data_ptr(), top_k_weights.data_ptr(), k, experts, intermediate,
+        int(gate_up.dtype == torch.bfloat16), gate_up.data_ptr(), down.data_ptr(), scratch.data_ptr(),
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"moe_experts: a pick outside the {experts} experts, or one expert picked twice by a token")
     return out

@@ -25,8 +25,8 @@ def gemm_packed_bf16_ref(
     """Reference of :func:`.cpu_gemm.gemm_packed` on a bf16 packing of ``weight`` ``[N, K]`` (rounded to bf16
     here), for the build's arithmetic (:attr:`NativeKernels.gemm_bf16_rounds_activations`).
 
-    Widening builds (the default): :func:`gemm_packed_ref` on the bf16 weights. ``-DTGI_PAGED_BF16_DOT``: the
-    activations rounded to bf16 too, and per ``k`` pair the odd product added before the even one, each add
+    The widening path: :func:`gemm_packed_ref` on the bf16 weights. The ``vdpbf16ps`` path: the activations
+    rounded to bf16 too, and per ``k`` pair the odd product added before the even one, each add
     rounded to fp32 (a product of two bf16 values is exact in fp32): the kernel's bits, denormals aside."""
     w = weight.detach().to(torch.bfloat16).float()
     if not rounds_activations:
@@ -175,12 +175,7 @@ def _moe_ref(weights: dict[str, torch.Tensor | None], form: LayerForm, x: torch.
     top, index = torch.topk(probs, form.top_k, dim=-1)
     if form.norm_top_k:
         top = top / top.sum(dim=-1, keepdim=True)
-    out = torch.zeros_like(x)
-    for e in range(form.experts):
-        tokens, slot = torch.where(index == e)
-        if tokens.numel():
-            gate, up = project(x[tokens], gate_up[e]).chunk(2, dim=-1)
-            out.index_add_(0, tokens, project(act(gate) * up, down[e]) * top[tokens, slot, None])
+    out = moe_experts_ref(x, index, top, gate_up, down, act, project)
     if form.shared_expert:
         shared_gate_up, shared_down, shared_gate = (
             weights[n] for n in ("shared_gate_up", "shared_down", "shared_gate")
@@ -188,4 +183,19 @@ def _moe_ref(weights: dict[str, torch.Tensor | None], form: LayerForm, x: torch.
         assert shared_gate_up is not None and shared_down is not None and shared_gate is not None
         gate, up = project(x, shared_gate_up).chunk(2, dim=-1)
         out = out + F.sigmoid(project(x, shared_gate)) * project(act(gate) * up, shared_down)
+    return out
+
+
+def moe_experts_ref(
+    x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
+    down: torch.Tensor, act=F.silu, project=gemm_packed_ref,  # noqa: ANN001
+) -> torch.Tensor:  # fmt: skip
+    """Reference of :func:`.cpu_gemm.moe_experts` (and of :func:`_moe_ref`'s experts): each hit expert's gated MLP
+    (``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``, unpacked) on its rows, weighted, added in expert order."""
+    out = torch.zeros_like(x)
+    for e in range(gate_up.shape[0]):
+        tokens, slot = torch.where(top_k_index == e)
+        if tokens.numel():
+            gate, up = project(x[tokens], gate_up[e]).chunk(2, dim=-1)
+            out.index_add_(0, tokens, project(act(gate) * up, down[e]) * top_k_weights[tokens, slot, None])
     return out

@@ -39,8 +39,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f"cpu_{n}.cpp" for n in ("kernels", "layer", "gemm", "prefill", "lora", "quant"))
 """Compiled into one library; the headers they include are part of the cache key."""
-_HEADER_NAMES = "common gemm gemm_amx gemm_bf16 gemm_quant layer_rows lora lora_tiles moe"
-HEADERS = tuple(CSRC / f"cpu_{n}.h" for n in _HEADER_NAMES.split())
+HEADERS = tuple(sorted(CSRC.glob("cpu_*.h")))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 """Build flags; :func:`build_library`'s ``arch`` replaces ``native`` (the tests build ``x86-64-v3``: AVX2 paths)."""
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -152,6 +151,9 @@ class NativeKernels:
         self._silu_and_mul = bind("tgi_paged_silu_and_mul", _ptr, _i64, _ptr, _i64, _i64, _int, _int)
         gemm = (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int)
         self.gemm_packed, self.gemm_packed_bf16 = (bind(f"tgi_paged_gemm_packed{s}", *gemm) for s in ("", "_bf16"))
+        self.moe_experts = bind(  # x, T, H, picks, weights, top_k, E, I, weight dtype, w_gate_up, w_down, scratch...
+            "tgi_paged_moe_experts", _ptr, _i64, _i64, _ptr, _ptr, _int, _int, _i64, _int, _ptr, _ptr, _ptr, _ptr, _int
+        )
         self.gemm_packed_i8 = bind(  # a, lda, M, K, codes, zeros, scales, N, bias, add, ldadd, out, ldo, threads
             "tgi_paged_gemm_packed_i8", _ptr, _i64, _i64, _i64, *(_ptr,) * 3, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int
         )
@@ -159,6 +161,7 @@ class NativeKernels:
         ``cpu_quant``, ``cpu_layer`` wrap them."""
         self._bf16_rounds = bind("tgi_paged_gemm_bf16_rounds_activations")
         self.gemm_bf16_amx = bind("tgi_paged_gemm_bf16_amx", _int)
+        self.gemm_bf16_dot = bind("tgi_paged_gemm_bf16_dot", _int)
         self.decode_layer = bind(
             "tgi_paged_decode_layer",
             _ptr, _ptr, _i64, _ptr, _ptr,  # layer spec, hidden, T, cos, sin
@@ -192,8 +195,8 @@ class NativeKernels:
 
     @property
     def gemm_bf16_rounds_activations(self) -> bool:
-        """The bf16 GEMM now rounds activations to bf16 (AMX tiles: :func:`.cpu_gemm.set_bf16_amx`, or the opt-in
-        AVX512-BF16 build), not widens the weights (``cpu_gemm_bf16.h``)."""
+        """The bf16 GEMM now rounds activations to bf16 (AMX tiles: :func:`.cpu_gemm.set_bf16_amx`, or
+        ``vdpbf16ps``: :func:`.cpu_gemm.set_bf16_dot`), not widens the weights (``cpu_gemm_bf16.h``)."""
         return bool(self._bf16_rounds())
 
     def decode_table(self, dtype: torch.dtype) -> torch.Tensor:

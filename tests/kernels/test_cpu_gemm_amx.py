@@ -14,7 +14,7 @@ import torch
 
 from tests.kernels.test_cpu_layer import _step
 from tests.kernels.test_cpu_layer_bf16 import BF16_ULP, _bf16_layer
-from tgi_paged_kernels.cpu_gemm import gemm_packed, pack_weight, pack_weight_bf16, set_bf16_amx
+from tgi_paged_kernels.cpu_gemm import gemm_packed, pack_weight, pack_weight_bf16, set_bf16_amx, set_bf16_dot
 from tgi_paged_kernels.cpu_layer import decode_layer
 from tgi_paged_kernels.cpu_layer_ref import decode_layer_ref
 
@@ -24,8 +24,10 @@ def amx(native):
     """The native kernels with the AMX GEMM on (restored on after the test), or a skip with the reason."""
     if not set_bf16_amx(native, True):
         pytest.skip("no AMX-BF16 here: the CPU lacks amx_bf16, the build lacks -mamx-bf16 or Linux refused the tiles")
+    dot = set_bf16_dot(native, False)  # AMX off means the widening path in these tests
     yield native
     set_bf16_amx(native, True)
+    set_bf16_dot(native, dot)
 
 
 def _operands(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,10 +1,11 @@
 """The bf16 side of the native decoder layer (``tgi_paged_kernels.cpu_gemm``, ``csrc/cpu_gemm_bf16.h``,
 ``cpu_layer.decode_layer`` with bf16 weights, hidden state and pools) against its torch references, on this host's
-build, an AVX2-only build (``-march=x86-64-v3``) and the opt-in ``vdpbf16ps`` build, loaded beside it.
+build (each of its paths: widening, ``vdpbf16ps``, AMX, switched in one process) and an AVX2-only build
+(``-march=x86-64-v3``), loaded beside it.
 
 Tolerances, derived: the GEMM's reference models the build's arithmetic (:func:`gemm_packed_bf16_ref`): where the
 weights are widened (the default), the fp32 GEMM on the widened weights gives the same bits, and the float64
-reference is met within the fp32 GEMM's tolerance; the opt-in ``vdpbf16ps`` build meets its reference bit for bit.
+reference is met within the fp32 GEMM's tolerance; the ``vdpbf16ps`` path meets its reference bit for bit.
 The layer's reference is the fp32 reference on the bf16-rounded weights (activations rounded before each projection
 where the build rounds them): both sum in fp32 in other orders (1e-4, the fp32 test's tolerance), then round the
 output and the K/V to bf16, where a sum that close to a rounding boundary can land one bf16 ulp (up to 2^-7
@@ -13,8 +14,10 @@ relative) away.
 
 from __future__ import annotations
 
-import shutil
+import contextlib
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,14 @@ from tests.kernels.test_cpu_layer_lora import HIDDEN as LORA_HIDDEN
 from tests.kernels.test_cpu_layer_lora import INTER as LORA_INTER
 from tests.kernels.test_cpu_layer_lora import _lora
 from tgi_paged_kernels import cpu_native
-from tgi_paged_kernels.cpu_gemm import gemm_packed, pack_weight, pack_weight_bf16, set_bf16_amx, unpack_weight
+from tgi_paged_kernels.cpu_gemm import (
+    gemm_packed,
+    pack_weight,
+    pack_weight_bf16,
+    set_bf16_amx,
+    set_bf16_dot,
+    unpack_weight,
+)
 from tgi_paged_kernels.cpu_layer import LayerWeights, decode_layer
 from tgi_paged_kernels.cpu_layer_ref import decode_layer_ref, gemm_packed_bf16_ref
 from tgi_paged_kernels.cpu_layer_step import LayerStep, decode_layer_parts
@@ -53,15 +63,28 @@ def _check_gemm(native: cpu_native.NativeKernels, m: int, k: int, n: int, bias: 
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5 * k**0.5)
 
 
-@pytest.mark.parametrize("amx", [False, True], ids=["widening", "amx"])
-@pytest.mark.parametrize(("m", "k", "n", "bias"), SHAPES)
-def test_bf16_gemm_matches_the_reference(native, m, k, n, bias, amx) -> None:
-    if set_bf16_amx(native, amx) != amx:
-        pytest.skip("no AMX-BF16 tiles here (CPU, build or kernel)")
+@contextlib.contextmanager
+def bf16_path(native: cpu_native.NativeKernels, path: str) -> Iterator[None]:
+    """The bf16 GEMM's ``path`` (``widening``, ``dot``: vdpbf16ps, ``amx``) switched on while the block runs (a
+    skip where this host or build lacks it), the switches restored after."""
+    dot_default = set_bf16_dot(native)
     try:
-        _check_gemm(native, m, k, n, bias)
+        if set_bf16_amx(native, path == "amx") != (path == "amx"):
+            pytest.skip("no AMX-BF16 tiles here (CPU, build or kernel)")
+        if set_bf16_dot(native, path == "dot") != (path == "dot"):
+            pytest.skip("no AVX512-BF16 in this build")
+        yield
     finally:
         set_bf16_amx(native, True)
+        set_bf16_dot(native, dot_default)
+
+
+@pytest.mark.parametrize("path", ["widening", "dot", "amx"])
+@pytest.mark.parametrize(("m", "k", "n", "bias"), SHAPES)
+def test_bf16_gemm_matches_the_reference(native, m, k, n, bias, path) -> None:
+    with bf16_path(native, path):
+        assert native.gemm_bf16_rounds_activations == (path != "widening")
+        _check_gemm(native, m, k, n, bias)
 
 
 def test_bf16_gemm_rows_do_not_depend_on_their_batch(native) -> None:
@@ -179,20 +202,30 @@ def test_avx2_build_bf16_gemm_matches_the_reference(tmp_path, monkeypatch) -> No
     _check_build(avx2)
 
 
-def test_vdpbf16ps_build_matches_its_reference(tmp_path) -> None:
-    """The opt-in ``vdpbf16ps`` GEMM (``-DTGI_PAGED_BF16_DOT``, not the default: slower here, see
-    ``csrc/cpu_gemm_bf16.h``) builds on an AVX512-BF16 host and gives its reference's bits."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if "avx512_bf16" not in flags or compiler is None:
-        pytest.skip("no AVX512-BF16 or no compiler here")
-    target = tmp_path / "dot.so"
-    command = [compiler, *cpu_native.FLAGS, "-DTGI_PAGED_BF16_DOT", *map(str, cpu_native.SOURCES), "-o", str(target)]
-    subprocess.run(command, check=True, capture_output=True)
-    dot = cpu_native.NativeKernels(target)
-    set_bf16_amx(dot, False)  # -march=native builds AMX in too where the host has it: its own switch, off
-    assert dot.gemm_bf16_rounds_activations
-    _check_build(dot)
+@pytest.mark.parametrize("path", ["widening", "dot"])
+def test_each_bf16_path_serves_the_layer_step(native, path) -> None:
+    """The layer step on the widening and the vdpbf16ps GEMM (switched in one process) against the reference of
+    that arithmetic, SmolLM2's projection shapes at 20 rows included."""
+    with bf16_path(native, path):
+        _check_build(native)
+        _check_gemm(native, 20, 576, 3072, False)
+        _check_gemm(native, 20, 1536, 576, True)
+
+
+def test_the_dot_path_is_on_by_default_on_amd_cores_only(tmp_path) -> None:
+    """A fresh library (its own process state) starts with vdpbf16ps on where the CPU is AMD's and the build has
+    AVX512-BF16 (1.7x the widening path there), off on other vendors' cores (slower there)."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    code = (
+        "import sys; from pathlib import Path; from tgi_paged_kernels import cpu_native; "
+        "from tgi_paged_kernels.cpu_gemm import set_bf16_dot; "
+        "print(int(set_bf16_dot(cpu_native.NativeKernels(Path(sys.argv[1])))))"
+    )
+    native = cpu_native.native_kernels()
+    assert native is not None
+    out = subprocess.run([sys.executable, "-c", code, str(native.path)], capture_output=True, text=True, check=True)
+    built = "avx512_bf16" in cpuinfo  # -march=native: the build has it where the CPU does
+    assert out.stdout.strip() == str(int(built and "AuthenticAMD" in cpuinfo))
 
 
 def test_a_bf16_hidden_state_keeps_the_per_op_path_under_tp_and_lora(native) -> None:

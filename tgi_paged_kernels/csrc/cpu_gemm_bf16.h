@@ -5,12 +5,10 @@
 // and the kernel allow it), AMX tiles (cpu_gemm_amx.h) at every row count, unless switched off: activations rounded
 // to bf16 (RNE), fp32 tile sums; from 2 rows 1.2-3x the widening path's speed, 1 row about even (one
 // Sapphire Rapids-class core). Otherwise, two arithmetics:
-// - by default (AVX-512, AVX2 + FMA, scalar): the weights widened to fp32 (exact: even k = dword << 16, odd k =
-//   dword & 0xffff0000) and fused multiply-adds in k order: the same bits as gemm_packed on the widened weights;
-// - built with -DTGI_PAGED_BF16_DOT on AVX512-BF16 (kBf16Dot): each activation pair rounded to bf16 (RNE) and
-//   vdpbf16ps per pair, which adds the pair's odd product then its even one (exact products). Not the default:
-//   on a Sapphire Rapids core (1 thread) it ran 1.2-1.6x the widening path's time from 8 rows up (0.9x at 1 row):
-//   vdpbf16ps issues once per cycle where two FMAs do, so it only halves the weight bytes, which widening does too.
+// - the widening path (AVX-512, AVX2 + FMA, scalar): the weights widened to fp32 (exact: even k = dword << 16, odd
+//   k = dword & 0xffff0000) and fused multiply-adds in k order: the same bits as gemm_packed on the widened weights;
+// - the dot path on AVX512-BF16 (cpu_gemm_bf16_dot.h; by default on AMD cores, where it is 1.7x faster): each
+//   activation pair rounded to bf16 (RNE) and vdpbf16ps per pair (exact products, fp32 sums).
 // Either way every output is one sequential sum over k: a row's result does not depend on its batch.
 // Torch reference: cpu_layer_ref.gemm_packed_bf16_ref.
 
@@ -18,49 +16,11 @@
 
 #include "cpu_gemm.h"
 #include "cpu_gemm_amx.h"
+#include "cpu_gemm_bf16_dot.h"
 
 namespace {
 
-constexpr int kPair = 2 * kNB;  // bf16 values of one k pair of a packed block (16 columns x 2)
-
-#if defined(__AVX512BF16__) && defined(TGI_PAGED_BF16_DOT)
-constexpr bool kBf16Dot = true;
-constexpr int kMRb = 12;  // rows per register tile
-constexpr int kKC = 64;   // k pairs of activations rounded per pass (a [kMRb][kKC] dword buffer on the stack)
-
-// Rows [0, R) of one column block: acc[r] += pair(a[r]) . pair(w) per k pair, then the epilogue.
-template <int R>
-inline void tile_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w, const float* bias, const float* add,
-                      int64_t ldadd, float* out, int64_t ldo, int cols) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  alignas(64) uint32_t pairs[R][kKC];
-  const int64_t K2 = (K + 1) / 2;
-  for (int64_t p0 = 0; p0 < K2; p0 += kKC) {
-    const int np = static_cast<int>(std::min<int64_t>(kKC, K2 - p0));
-    for (int r = 0; r < R; ++r) {  // 32 activations (16 pairs) per conversion, the tail masked to zeros
-      const float* src = a + r * lda + 2 * p0;
-      const int64_t left = K - 2 * p0;
-      for (int p = 0; p < np; p += 16) {
-        const int64_t n0 = std::clamp<int64_t>(left - 2 * p, 0, 16), n1 = std::clamp<int64_t>(left - 2 * p - 16, 0, 16);
-        const __m512 lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n0) - 1u), src + 2 * p);
-        const __m512 hi = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n1) - 1u), src + 2 * p + 16);
-        _mm512_store_si512(pairs[r] + p, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
-      }
-    }
-    const uint16_t* wp = w + p0 * kPair;
-    for (int p = 0; p < np; ++p) {
-      const __m512bh wk = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wp + p * kPair));
-      for (int r = 0; r < R; ++r) {
-        const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[r][p])));
-        acc[r] = _mm512_dpbf16_ps(acc[r], x, wk);
-      }
-    }
-  }
-  store_rows(acc, R, bias, add, ldadd, out, ldo, cols);
-}
-#elif defined(__AVX512F__)
-constexpr bool kBf16Dot = false;
+#if defined(__AVX512F__)
 constexpr int kMRb = 12;  // rows per register tile: 12 accumulators of 16 lanes
 
 // Rows [0, R) of one column block: each pair's 16 dwords widened (even k: dword << 16, odd k: dword &
@@ -83,7 +43,6 @@ inline void tile_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w,
   store_rows(acc, R, bias, add, ldadd, out, ldo, cols);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr bool kBf16Dot = false;
 constexpr int kMRb = 6;  // 6 rows x 2 halves of 8 lanes: 12 accumulators
 
 // Rows [0, R) of one column block: the pair's dwords widened (even k: dword << 16, odd k: dword & 0xffff0000),
@@ -122,7 +81,6 @@ inline void tile_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w,
   }
 }
 #else
-constexpr bool kBf16Dot = false;
 constexpr int kMRb = 4;
 
 template <int R>
@@ -157,6 +115,10 @@ void gemm_packed_bf16(const float* a, int64_t lda, int64_t M, int64_t K, const u
                       const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
   if (kAmxBuilt && amx_active()) {  // AMX tiles (cpu_gemm_amx.h): the activations rounded to bf16
     gemm_packed_bf16_amx(a, lda, M, K, packed, N, bias, add, ldadd, out, ldo);
+    return;
+  }
+  if (kBf16DotBuilt && bf16_dot_active()) {  // vdpbf16ps (cpu_gemm_bf16_dot.h): the activations rounded to bf16
+    gemm_packed_bf16_dot(a, lda, M, K, packed, N, bias, add, ldadd, out, ldo);
     return;
   }
   const int64_t block_elems = (K + 1) / 2 * kPair;

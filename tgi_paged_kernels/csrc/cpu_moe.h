@@ -1,7 +1,8 @@
 // The MoE MLP of a decode step (cpu_layer.cpp): router GEMM, softmax and top-k per token, then each hit expert's
 // gated MLP over the rows routed to it (gathered, two packed GEMMs), weighted and summed per token in expert
-// order, as transformers' MixtralExperts / Qwen3MoeExperts sum them. Torch reference:
-// tgi_paged_kernels.cpu_layer_ref.decode_layer_ref.
+// order, as transformers' MixtralExperts / Qwen3MoeExperts sum them; run_experts alone serves the experts of the
+// other steps (cpu_gemm.cpp's tgi_paged_moe_experts, given transformers' routing). Torch references:
+// tgi_paged_kernels.cpu_layer_ref.decode_layer_ref, cpu_layer_ref.moe_experts_ref.
 #pragma once
 
 #include <algorithm>
@@ -41,44 +42,43 @@ inline void route_token(const float* logits, int experts, int top_k, bool normal
     for (auto& pick : picks) pick.second = pick.second / picked;
 }
 
-// out[T, H] = sum over each token's top_k experts e of w_e * down_e(act(gate_e(x)) * up_e(x)) for x = mlp_x[t].
-// Called by every thread of the layer's parallel region (work-shared inside). Weights packed in weight_dtype
-// (gemm_weights): w_router [E, H]; expert e's gate/up [2I, H] and down [H, I] one after another in w_gate_up, w_down.
-// scratch: T * (E + 2H) floats; gate_up [T, 2I] and act [T, I] are the layer's. activate(gu, act, rows) applies
-// the layer's activation to `rows` rows of gate_up.
+// Groups each token's top_k (expert, weight) picks (index, weight: [T, top_k]) by expert, tokens in order, as
+// torch.where(top_k_index == e) lists them. False (routing unset) for an expert outside [0, experts) or one
+// picked twice by a token (two rows of one expert would then add to the same output).
+inline bool group_by_expert(int64_t T, int top_k, int experts, const int64_t* index, const float* weight,
+                            MoeRouting& routing) {
+  std::vector<int64_t> count(experts + 1, 0);
+  for (int64_t i = 0; i < T * top_k; ++i) {
+    if (index[i] < 0 || index[i] >= experts) return false;
+    ++count[index[i] + 1];
+  }
+  for (int e = 0; e < experts; ++e) count[e + 1] += count[e];
+  routing.start = count;
+  routing.token.assign(T * top_k, 0);
+  routing.weight.assign(T * top_k, 0.0f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int k = 0; k < top_k; ++k) {
+      const int64_t e = index[t * top_k + k], at = count[e]++;
+      if (at > routing.start[e] && routing.token[at - 1] == t) return false;
+      routing.token[at] = t;
+      routing.weight[at] = weight[t * top_k + k];
+    }
+  return true;
+}
+
+// out[T, H] = sum over the routed experts e of w * down_e(act(gate_e(x)) * up_e(x)) for x = mlp_x[t], added in
+// expert order. Called by every thread of a parallel region (work-shared inside). Expert e's gate/up [2I, H] and
+// down [H, I] packed in weight_dtype (gemm_weights), one after another in w_gate_up, w_down. rows, expert_out:
+// [T, H] scratch each; gate_up [T, 2I], act [T, I]. activate(gu, act, rows) applies the activation to `rows` rows.
 template <class Activate>
-void moe_mlp(const float* mlp_x, int64_t T, int64_t H, int64_t I, int experts, int top_k, bool normalize,
-             int weight_dtype, const void* w_router, const void* w_gate_up, const void* w_down, float* scratch,
-             float* gate_up, float* act, float* out, MoeRouting& routing, Activate activate) {
+void run_experts(const float* mlp_x, int64_t T, int64_t H, int64_t I, int weight_dtype, const void* w_gate_up,
+                 const void* w_down, const MoeRouting& routing, float* rows, float* expert_out, float* gate_up,
+                 float* act, float* out, Activate activate) {
   const int64_t gu_stride = packed_bytes(weight_dtype, 2 * I, H), down_stride = packed_bytes(weight_dtype, H, I);
   const char *gu_base = static_cast<const char*>(w_gate_up), *down_base = static_cast<const char*>(w_down);
-  float* logits = scratch;              // [T, E]
-  float* rows = logits + T * experts;   // [T, H] the rows routed to one expert
-  float* expert_out = rows + T * H;     // [T, H] that expert's output for them
-  gemm_weights(weight_dtype, mlp_x, H, T, H, w_router, experts, nullptr, nullptr, 0, logits, experts);
-#pragma omp single
-  {
-    std::vector<float> probs(experts);
-    std::vector<std::pair<int, float>> picks;
-    std::vector<std::vector<std::pair<int64_t, float>>> by_expert(experts);
-    for (int64_t t = 0; t < T; ++t) {
-      route_token(logits + t * experts, experts, top_k, normalize, probs, picks);
-      for (const auto& [e, w] : picks) by_expert[e].emplace_back(t, w);
-    }
-    routing.start.assign(1, 0);
-    routing.token.clear();
-    routing.weight.clear();
-    for (const auto& taken : by_expert) {
-      for (const auto& [t, w] : taken) {
-        routing.token.push_back(t);
-        routing.weight.push_back(w);
-      }
-      routing.start.push_back(static_cast<int64_t>(routing.token.size()));
-    }
-  }  // implicit barrier: every thread sees the routing
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < T * H; ++i) out[i] = 0.0f;
-  for (int e = 0; e < experts; ++e) {
+  for (size_t e = 0; e + 1 < routing.start.size(); ++e) {
     const int64_t first = routing.start[e], n = routing.start[e + 1] - first;
     if (n == 0) continue;
 #pragma omp for schedule(static)
@@ -95,6 +95,33 @@ void moe_mlp(const float* mlp_x, int64_t T, int64_t H, int64_t I, int experts, i
       for (int64_t i = 0; i < H; ++i) o[i] = o[i] + y[i] * w;
     }
   }
+}
+
+// The MoE MLP of the decode step: the router's logits (w_router [E, H], packed), each token's top_k, then
+// run_experts. scratch: T * (E + 2H) floats; gate_up [T, 2I] and act [T, I] are the layer's.
+template <class Activate>
+void moe_mlp(const float* mlp_x, int64_t T, int64_t H, int64_t I, int experts, int top_k, bool normalize,
+             int weight_dtype, const void* w_router, const void* w_gate_up, const void* w_down, float* scratch,
+             float* gate_up, float* act, float* out, MoeRouting& routing, Activate activate) {
+  float* logits = scratch;              // [T, E]
+  float* rows = logits + T * experts;   // [T, H] the rows routed to one expert
+  float* expert_out = rows + T * H;     // [T, H] that expert's output for them
+  gemm_weights(weight_dtype, mlp_x, H, T, H, w_router, experts, nullptr, nullptr, 0, logits, experts);
+#pragma omp single
+  {
+    std::vector<float> probs(experts), weight(T * top_k);
+    std::vector<int64_t> index(T * top_k);
+    std::vector<std::pair<int, float>> picks;
+    for (int64_t t = 0; t < T; ++t) {
+      route_token(logits + t * experts, experts, top_k, normalize, probs, picks);
+      for (int k = 0; k < top_k; ++k) {
+        index[t * top_k + k] = picks[k].first;
+        weight[t * top_k + k] = picks[k].second;
+      }
+    }
+    group_by_expert(T, top_k, experts, index.data(), weight.data(), routing);  // route_token picks each once
+  }  // implicit barrier: every thread sees the routing
+  run_experts(mlp_x, T, H, I, weight_dtype, w_gate_up, w_down, routing, rows, expert_out, gate_up, act, out, activate);
 }
 
 }  // namespace

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tgi_paged_backend.runner.cpu.fast_layers import is_silu
-from tgi_paged_kernels import PACK_BLOCK, NativeKernels, gemm_packed
+from tgi_paged_kernels import PACK_BLOCK, NativeKernels, gemm_packed, moe_experts
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,15 +113,22 @@ class NativeExperts(nn.Module):
         native: NativeKernels,
     ) -> None:  # fmt: skip
         super().__init__()
+        self.packed = (gate_up, down)
         self.gate_up, self.down = gate_up.view(experts, -1, *gate_up.shape[1:]), down.view(experts, -1, *down.shape[1:])
         self.num_experts, self.intermediate = experts, intermediate
         self.act_fn = act_fn
         self.native = native
         self.silu = is_silu(act_fn)
-        """SiLU: the C++ ``silu_and_mul`` on each expert's gate/up rows (as the fused dense MLP's)."""
+        """SiLU: the whole sum in one native call (:func:`~tgi_paged_kernels.moe_experts`) for fp32 rows."""
         self.resident_bytes = (gate_up.numel() + down.numel()) * gate_up.element_size()
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.silu and hidden.dtype == torch.float32 and top_k_weights.dtype == torch.float32:
+            rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+            index = top_k_index.reshape(rows.shape[0], -1).to(torch.int64).contiguous()
+            weights = top_k_weights.reshape(rows.shape[0], -1).contiguous()
+            out = moe_experts(self.native, rows, index, weights, *self.packed, self.intermediate)
+            return out.view(hidden.shape)
         out = torch.zeros_like(hidden)
         rows_in, width = hidden.reshape(-1, hidden.shape[-1]), hidden.shape[-1]
         for e in torch.unique(top_k_index).tolist():
