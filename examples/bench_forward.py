@@ -8,8 +8,8 @@ rounds, and prints median and min ms per step with the host's CPU and load. Vari
   where they apply, packed linears);
 - ``per-op``: the default without the native decode layers (``TGI_PAGED_NATIVE_LAYERS=0``);
 - ``unfused``: without the block fusion (``runner.cpu.fused_blocks``, hence no native decode layers either);
-- ``no-amx``: the default with the bf16 GEMM's AMX tiles off (``cpu_gemm.set_bf16_amx``; the widening path, as
-  before AMX), switched per step;
+- ``no-amx``: the default with the bf16 GEMM's AMX tiles and vdpbf16ps off (``cpu_gemm.set_bf16_amx``,
+  ``set_bf16_dot``: the widening path), switched per step;
 - ``all-packed``: the default with every linear packed for any row count (no ``F.linear`` below
   ``fast_layers.PACK_MIN_ELEMENTS``);
 - ``compiled`` / ``sdpa``: ``TGI_PAGED_CPU_DECODE=compiled`` / ``sdpa`` decode attention, unfused, with
@@ -45,7 +45,7 @@ from tgi_paged_backend.runner import model_runner  # noqa: E402
 from tgi_paged_backend.runner.cpu import fast_layers  # noqa: E402
 from tgi_paged_backend.runner.rewrites.pipeline import model_rewrites  # noqa: E402
 from tgi_paged_kernels import cpu_native  # noqa: E402
-from tgi_paged_kernels.cpu_gemm import set_bf16_amx  # noqa: E402
+from tgi_paged_kernels.cpu_gemm import set_bf16_amx, set_bf16_dot  # noqa: E402
 
 BLOCK_SIZE = 16
 SMOLLM2 = Path.home() / ".cache" / "tgi-paged-backend" / "SmolLM2-135M-Instruct"
@@ -110,9 +110,12 @@ def main() -> None:
     batch = step.batch
     native = cpu_native.native_kernels()
 
+    dot_default = set_bf16_dot(native) if native is not None else False
+
     def amx_for(name: str) -> None:
         if native is not None:
             set_bf16_amx(native, not name.startswith("no-amx"))
+            set_bf16_dot(native, dot_default and not name.startswith("no-amx"))
 
     for name, runner in runners.items():
         amx_for(name)

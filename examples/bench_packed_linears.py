@@ -9,10 +9,15 @@ repetition, the two ways alternated. Decode attention's old and new paths are co
     .venv/bin/python examples/bench_packed_linears.py [--threads 2] [--rows 20]
     .venv/bin/python examples/bench_packed_linears.py --small [ROWS ...]   # small weights by row count
     .venv/bin/python examples/bench_packed_linears.py --native [ROWS ...]  # oneDNN vs the native packed GEMM
+    .venv/bin/python examples/bench_packed_linears.py --bf16-paths [ROWS ...]  # bf16: oneDNN vs each native path
 
 ``--native``: the packed oneDNN call against the native packed GEMM (``tgi_paged_kernels.gemm_packed``, what the
 native decode layer and the LM head run) on the same cold 30-layer set, and on the LM heads alone (SmolLM2's
 49152 x 576, the host-bound model's 49152 x 128), each call after a 256 MiB pass that evicts the caches.
+
+``--bf16-paths``: the same cold 30 layers in bf16: oneDNN's bf16 linear (bf16 rows) against the native bf16 GEMM on
+each path this host has (``widening``, ``dot``: vdpbf16ps, ``amx``; fp32 rows, as the native layer holds them),
+with the fp32 native GEMM for scale; the host's CPU and ISA printed first.
 """
 
 from __future__ import annotations
@@ -20,11 +25,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from integration.peers.host import describe, host_info  # noqa: E402
 
 SMOLLM2_LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 
@@ -139,6 +150,53 @@ def native_gemms(rows_list: list[int], repeats: int) -> None:
             _pair(f"LM head {out_f}x{in_f}, {rows} rows (+ the eviction pass)", head_old, head_new, repeats)
 
 
+def bf16_paths(rows_list: list[int], repeats: int) -> None:
+    """oneDNN's bf16 linear vs the native bf16 GEMM's paths (and the fp32 one), weights cold in cache."""
+    from tgi_paged_kernels import gemm_packed, native_kernels, pack_weight
+    from tgi_paged_kernels.cpu_gemm import pack_weight_bf16, set_bf16_amx, set_bf16_dot
+
+    native = native_kernels()
+    if native is None:
+        print("native kernels unavailable: nothing to compare")
+        return
+    print(describe(host_info(), "bfloat16"))
+    weights = [torch.randn(o, i) * 0.02 for o, i in SMOLLM2_LAYER * 30]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 32) for w in weights]
+    fp32, bf16 = [pack_weight(w) for w in weights], [pack_weight_bf16(w) for w in weights]
+    dot_default = set_bf16_dot(native)
+    paths = {"widening": (False, False), "dot": (False, True), "amx": (True, False)}
+    have = [
+        name
+        for name, (amx, dot) in paths.items()
+        if set_bf16_amx(native, amx) == amx and set_bf16_dot(native, dot) == dot
+    ]
+    print(
+        f"GEMMs of 30 SmolLM2 layers, ms (median of {repeats}; min): oneDNN bf16, native {', '.join(have)}, native fp32"
+    )
+    for rows in rows_list:
+        inputs = {i: torch.randn(rows, i) for i in (576, 1536)}
+        rows_bf16 = {i: x.bfloat16() for i, x in inputs.items()}
+
+        def dnn(inputs=rows_bf16) -> None:
+            for w, p in zip(weights, onednn):
+                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+
+        def ours(packs: list[torch.Tensor], inputs=inputs) -> None:
+            for w, p in zip(weights, packs):
+                gemm_packed(native, inputs[w.shape[1]], p, w.shape[0])
+
+        cells = [("oneDNN bf16", *_ms(dnn, repeats))]
+        for name in have:
+            amx, dot = paths[name]
+            set_bf16_amx(native, amx)
+            set_bf16_dot(native, dot)
+            cells.append((name, *_ms(lambda: ours(bf16), repeats)))
+        cells.append(("fp32", *_ms(lambda: ours(fp32), repeats)))
+        print(f"  {rows:5d} rows: " + " | ".join(f"{n} {m:.2f} ({lo:.2f})" for n, m, lo in cells))
+    set_bf16_amx(native, True)
+    set_bf16_dot(native, dot_default)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -152,10 +210,16 @@ def main() -> None:
         "--native", type=int, nargs="*", default=None, metavar="ROWS",
         help="only oneDNN vs the native packed GEMM, at these row counts (default 1 20 128)",
     )  # fmt: skip
+    parser.add_argument(
+        "--bf16-paths", type=int, nargs="*", default=None, metavar="ROWS",
+        help="only oneDNN bf16 vs the native bf16 GEMM's paths, at these row counts (default 1 20 32 64 256)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{args.threads} threads; load average {os.getloadavg()[0]:.2f}")
-    if args.native is not None:
+    if args.bf16_paths is not None:
+        bf16_paths(args.bf16_paths or [1, 20, 32, 64, 256], args.repeats)
+    elif args.native is not None:
         native_gemms(args.native or [1, 20, 128], args.repeats)
     elif args.small is not None:
         small_weights(args.small or [20, 64, 128, 256, 1118], args.repeats)
