@@ -76,7 +76,11 @@ void run_experts(const float* mlp_x, int64_t T, int64_t H, int64_t I, int weight
                  float* act, float* out, Activate activate) {
   const int64_t gu_stride = packed_bytes(weight_dtype, 2 * I, H), down_stride = packed_bytes(weight_dtype, H, I);
   const char *gu_base = static_cast<const char*>(w_gate_up), *down_base = static_cast<const char*>(w_down);
-#pragma omp for schedule(static)
+  // Barriers: the gather's (every row in place before the GEMM reads them) and the GEMMs' and the activation's own.
+  // The zeroing and each scatter need none: a thread reaches the next scatter only through the next gather's
+  // barrier, which every thread reaches only after its own scatter (expert_out is rewritten only after it); one
+  // barrier at the end.
+#pragma omp for schedule(static) nowait
   for (int64_t i = 0; i < T * H; ++i) out[i] = 0.0f;
   for (size_t e = 0; e + 1 < routing.start.size(); ++e) {
     const int64_t first = routing.start[e], n = routing.start[e + 1] - first;
@@ -87,7 +91,7 @@ void run_experts(const float* mlp_x, int64_t T, int64_t H, int64_t I, int weight
     gemm_weights(weight_dtype, rows, H, n, H, gu_base + e * gu_stride, 2 * I, nullptr, nullptr, 0, gate_up, 2 * I);
     activate(gate_up, act, n);
     gemm_weights(weight_dtype, act, I, n, I, down_base + e * down_stride, H, nullptr, nullptr, 0, expert_out, H);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t r = 0; r < n; ++r) {  // one expert takes a token once: no two rows add to the same output
       float* o = out + routing.token[first + r] * H;
       const float* y = expert_out + r * H;
@@ -95,6 +99,7 @@ void run_experts(const float* mlp_x, int64_t T, int64_t H, int64_t I, int weight
       for (int64_t i = 0; i < H; ++i) o[i] = o[i] + y[i] * w;
     }
   }
+#pragma omp barrier
 }
 
 // The MoE MLP of the decode step: the router's logits (w_router [E, H], packed), each token's top_k, then
