@@ -29,7 +29,7 @@ from tgi_paged_backend.runner.cpu.native_checks import bf16_step_close, fp32_par
 from tgi_paged_backend.runner.cpu.native_layers import NativeDecoderLayer
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
-from tgi_paged_kernels.cpu_gemm import bf16_from_packed, pack_weight
+from tgi_paged_kernels.cpu_gemm import bf16_from_packed, pack_weight, set_bf16_amx, set_bf16_dot
 from tgi_paged_kernels.cpu_native import native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="no C++ compiler here: no native kernels")
@@ -138,9 +138,23 @@ def test_native_linear_bf16_rows_small_and_many() -> None:
         linear.bias.detach().float(), native_kernels(), 64,
     )  # fmt: skip
     native.keep_dense(linear)
-    for rows in (3, fast_layers.BF16_MATMUL_ROWS + 5):
+    assert native.bf16_rows in (fast_layers.BF16_MATMUL_ROWS, fast_layers.BF16_DOT_MATMUL_ROWS)
+    for rows in (3, native.bf16_rows - 1, native.bf16_rows + 5):
         x = torch.randn(rows, 64).bfloat16()
         exact = x.float() @ linear.weight.float().T + linear.bias.float()
         got = native(x)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), exact, rtol=2**-7, atol=2e-2)
+
+
+def test_bf16_matmul_rows_follow_the_gemm_path() -> None:
+    """oneDNN takes bf16 rows from 64 where the native GEMM runs vdpbf16ps (faster below that), else from 32."""
+    native = native_kernels()
+    dot = set_bf16_dot(native)
+    try:
+        if set_bf16_dot(native, True) and not set_bf16_amx(native):
+            assert fast_layers.bf16_matmul_rows(native) == fast_layers.BF16_DOT_MATMUL_ROWS == 64
+        set_bf16_dot(native, False)
+        assert fast_layers.bf16_matmul_rows(native) == fast_layers.BF16_MATMUL_ROWS == 32
+    finally:
+        set_bf16_dot(native, dot)

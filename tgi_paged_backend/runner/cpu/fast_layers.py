@@ -279,11 +279,23 @@ on the module's weight in oneDNN's layout (:meth:`NativeLinear.keep_dense`, :cla
 the per-op path does: a SmolLM2 prefill of 565 tokens took 813 ms through the packed GEMM, 225 ms per op (Sapphire
 Rapids, 2 threads). A bf16 model so holds its decoder projections twice in bf16: the bytes of one fp32 copy."""
 
+BF16_DOT_MATMUL_ROWS = 64
+""":data:`BF16_MATMUL_ROWS` where the native bf16 GEMM runs ``vdpbf16ps`` (:func:`~tgi_paged_kernels.cpu_gemm.
+set_bf16_dot`, no AMX): 30 cold SmolLM2 layers at 32 rows took 22.3 ms against oneDNN's 29.8, at 64 rows even
+(39.8 / 39.7), at 256 rows 157 / 141 (AMD EPYC, 2 threads, ``bench_packed_linears.py --bf16-paths``)."""
+
+
+def bf16_matmul_rows(native: NativeKernels) -> int:
+    """From how many rows a bf16 :class:`NativeLinear` hands its input to oneDNN, for the path this process's
+    bf16 GEMM runs now."""
+    dot = bool(native.gemm_bf16_dot(-1)) and not native.gemm_bf16_amx(-1)
+    return BF16_DOT_MATMUL_ROWS if dot else BF16_MATMUL_ROWS
+
 
 class NativeLinear(nn.Module):
     """``x @ W.T (+ bias)`` through the native GEMM on ``W`` packed once (fp32 or bf16, :mod:`tgi_paged_kernels.
     cpu_gemm`), for any rows; a bf16 ``x`` is widened, the fp32 result rounded back to bf16, or from
-    :data:`BF16_MATMUL_ROWS` rows, oneDNN's bf16 GEMM (:meth:`keep_dense`, as the per-op path computes it; the
+    :attr:`bf16_rows` rows, oneDNN's bf16 GEMM (:meth:`keep_dense`, as the per-op path computes it; the
     weight unpacked per call without it).
 
     Under ``torch.compile`` (the static step) it runs ``F.linear`` on an unpacked view instead."""
@@ -299,6 +311,8 @@ class NativeLinear(nn.Module):
         self.native = native
         self.resident_bytes = packed.numel() * packed.element_size()
         self.dense: PackedLinear | None = None
+        self.bf16_rows = bf16_matmul_rows(native)
+        """From this many bf16 rows, :attr:`dense` (oneDNN) serves the call (:func:`bf16_matmul_rows`)."""
 
     def keep_dense(self, linear: nn.Linear) -> None:
         """Serve bf16 inputs of many rows by ``linear`` (the module's own, same weight and bias) in oneDNN's layout
@@ -307,7 +321,7 @@ class NativeLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        bf16_matmul = x.dtype == torch.bfloat16 and rows.shape[0] >= BF16_MATMUL_ROWS
+        bf16_matmul = x.dtype == torch.bfloat16 and rows.shape[0] >= self.bf16_rows
         if bf16_matmul or torch.compiler.is_compiling() or x.dtype not in (torch.float32, torch.bfloat16):
             if self.dense is not None and bf16_matmul and not torch.compiler.is_compiling():
                 return self.dense(x)
