@@ -115,8 +115,9 @@ def moe_experts(
     ``x`` ``[T, H]``, ``top_k_index`` (int64) and ``top_k_weights`` (fp32) ``[T, k]``, each hit expert ``e``'s
     ``down_e(silu(gate_e(x)) * up_e(x))`` on its rows, weighted, added in expert order (``[T, H]`` fp32). The
     experts' weights are stacked packings (:func:`packed_shape` with ``experts``): gate/up ``[2I, H]`` each, gate
-    rows first, and down ``[H, I]``, fp32 or bf16. Raises ``ValueError`` for other inputs or a pick outside the
-    experts (or one expert picked twice by a token)."""
+    rows first, and down ``[H, I]``, fp32 or bf16. A pick of ``E`` (the expert count) is no expert, as transformers'
+    experts skip it. Raises ``ValueError`` for other inputs or a pick outside ``[0, E]`` (or one expert picked twice
+    by a token)."""
     t, h = x.shape
     k = top_k_index.shape[-1]
     experts = gate_up.shape[0] // cdiv(2 * intermediate, PACK_BLOCK)
@@ -146,5 +147,8 @@ def moe_experts(
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise ValueError(f"moe_experts: a pick outside the {experts} experts, or one expert picked twice by a token")
+        raise ValueError(
+            f"moe_experts: a pick outside the {experts} experts (or {experts}: none), "
+            "or one expert picked twice by a token"
+        )
     return out

@@ -24,7 +24,8 @@ def amx(native):
     """The native kernels with the AMX GEMM on (restored on after the test), or a skip with the reason."""
     if not set_bf16_amx(native, True):
         pytest.skip("no AMX-BF16 here: the CPU lacks amx_bf16, the build lacks -mamx-bf16 or Linux refused the tiles")
-    dot = set_bf16_dot(native, False)  # AMX off means the widening path in these tests
+    dot = set_bf16_dot(native)
+    set_bf16_dot(native, False)  # AMX off means the widening path in these tests
     yield native
     set_bf16_amx(native, True)
     set_bf16_dot(native, dot)

@@ -76,7 +76,19 @@ def test_the_reference_is_transformers_loop() -> None:
     torch.testing.assert_close(moe_experts_ref(x, index, weights, gate_up, down, project=gemm_packed_ref), want)
 
 
-@pytest.mark.parametrize("bad", [[[0, 4]], [[-1, 0]], [[2, 2]]], ids=["past-the-experts", "negative", "twice"])
+def test_a_pick_of_the_expert_count_is_no_expert(native) -> None:
+    """transformers' experts skip a pick equal to their count (expert parallelism's mark for an expert held
+    elsewhere); so does the kernel, even twice for one token."""
+    gate_up, down = _experts(4, 16, 8, 0)
+    packed = (torch.cat([pack_weight(w) for w in gate_up]), torch.cat([pack_weight(w) for w in down]))
+    x = torch.randn(3, 16)
+    index, weights = torch.tensor([[1, 4], [4, 4], [0, 2]]), torch.rand(3, 2)
+    got = moe_experts(native, x, index, weights, *packed, 8)
+    torch.testing.assert_close(got, moe_experts_ref(x, index, weights, gate_up, down), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], torch.zeros(16))
+
+
+@pytest.mark.parametrize("bad", [[[0, 5]], [[-1, 0]], [[2, 2]]], ids=["past-the-experts", "negative", "twice"])
 def test_bad_picks_are_refused(native, bad) -> None:
     gate_up, down = _experts(4, 16, 8, 0)
     packed = (torch.cat([pack_weight(w) for w in gate_up]), torch.cat([pack_weight(w) for w in down]))

@@ -71,3 +71,25 @@ def test_native_experts_give_transformers_experts_output() -> None:
         want = block.experts(x, index, weights)
         got = native(x, index, weights)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(native_kernels() is None, reason="no C++ compiler here: no native kernels")
+def test_native_experts_take_no_rows_and_skip_the_expert_count() -> None:
+    """No tokens: an empty output (as transformers' loop gives), on the native call and the Python loop alike; a pick
+    equal to the expert count is skipped on both."""
+    block = _qwen3_moe_block(False)
+    parts = moe_parts(block)
+    assert not isinstance(parts, str)
+    native = NativeExperts(
+        torch.cat([pack_weight(w) for w in parts.gate_up]), torch.cat([pack_weight(w) for w in parts.down]),
+        6, 48, parts.act_fn, native_kernels(),
+    )  # fmt: skip
+    empty = native(torch.zeros(0, 32), torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0, 3))
+    assert empty.shape == (0, 32)
+    x, index, weights = torch.randn(2, 32), torch.tensor([[0, 6, 2], [6, 1, 5]]), torch.rand(2, 3)
+    with torch.inference_mode():
+        want = block.experts(x, index, weights)
+        got = native(x, index, weights)
+        looped = native(x.double(), index, weights.double()).float()  # not fp32: the Python loop
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(looped, want, rtol=1e-5, atol=1e-5)

@@ -43,23 +43,24 @@ inline void route_token(const float* logits, int experts, int top_k, bool normal
 }
 
 // Groups each token's top_k (expert, weight) picks (index, weight: [T, top_k]) by expert, tokens in order, as
-// torch.where(top_k_index == e) lists them. False (routing unset) for an expert outside [0, experts) or one
+// torch.where(top_k_index == e) lists them. A pick of `experts` is no expert (transformers' experts skip it: expert
+// parallelism marks picks held elsewhere so). False (routing unset) for a pick outside [0, experts] or an expert
 // picked twice by a token (two rows of one expert would then add to the same output).
 inline bool group_by_expert(int64_t T, int top_k, int experts, const int64_t* index, const float* weight,
                             MoeRouting& routing) {
-  std::vector<int64_t> count(experts + 1, 0);
+  std::vector<int64_t> count(experts + 2, 0);  // the last: the skipped picks
   for (int64_t i = 0; i < T * top_k; ++i) {
-    if (index[i] < 0 || index[i] >= experts) return false;
+    if (index[i] < 0 || index[i] > experts) return false;
     ++count[index[i] + 1];
   }
-  for (int e = 0; e < experts; ++e) count[e + 1] += count[e];
-  routing.start = count;
+  for (int e = 0; e <= experts; ++e) count[e + 1] += count[e];
+  routing.start.assign(count.begin(), count.end() - 1);  // experts + 1 starts: the skipped picks come last
   routing.token.assign(T * top_k, 0);
   routing.weight.assign(T * top_k, 0.0f);
   for (int64_t t = 0; t < T; ++t)
     for (int k = 0; k < top_k; ++k) {
       const int64_t e = index[t * top_k + k], at = count[e]++;
-      if (at > routing.start[e] && routing.token[at - 1] == t) return false;
+      if (e < experts && at > routing.start[e] && routing.token[at - 1] == t) return false;
       routing.token[at] = t;
       routing.weight[at] = weight[t * top_k + k];
     }

@@ -125,13 +125,15 @@ class NativeExperts(nn.Module):
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if self.silu and hidden.dtype == torch.float32 and top_k_weights.dtype == torch.float32:
             rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-            index = top_k_index.reshape(rows.shape[0], -1).to(torch.int64).contiguous()
-            weights = top_k_weights.reshape(rows.shape[0], -1).contiguous()
+            index = top_k_index.reshape(rows.shape[0], top_k_index.shape[-1]).to(torch.int64).contiguous()
+            weights = top_k_weights.reshape(rows.shape[0], top_k_weights.shape[-1]).contiguous()
             out = moe_experts(self.native, rows, index, weights, *self.packed, self.intermediate)
             return out.view(hidden.shape)
         out = torch.zeros_like(hidden)
         rows_in, width = hidden.reshape(-1, hidden.shape[-1]), hidden.shape[-1]
         for e in torch.unique(top_k_index).tolist():
+            if e >= self.num_experts:  # no expert (expert parallelism's mark), as transformers' experts skip it
+                continue
             tokens, slot = torch.where(top_k_index == e)
             x = rows_in[tokens].float().contiguous()  # a bf16 model's rows widened: the GEMMs sum in fp32
             gate_up = gemm_packed(self.native, x, self.gate_up[e], 2 * self.intermediate)
