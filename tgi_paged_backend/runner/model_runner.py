@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,8 +36,8 @@ from tgi_paged_backend.runner.model.medusa import MedusaHeads, load_medusa_for
 from tgi_paged_backend.runner.model.spec import ModelSpec, resolve_kv_dtype
 from tgi_paged_backend.runner.rewrites.base import AppliedRewrites, ModelRewrite, RewriteContext
 from tgi_paged_backend.runner.rewrites.pipeline import model_rewrites, run_rewrites
-from tgi_paged_backend.runner.static.cuda_graphs import measure_decode_graph_bytes
-from tgi_paged_backend.runner.static.decode_step import CPU_COMPILE_BUCKETS, StaticDecodeStep, blocks_per_request
+from tgi_paged_backend.runner.static import setup as static_setup
+from tgi_paged_backend.runner.static.decode_step import StaticDecodeStep
 
 if TYPE_CHECKING:
     from tgi_paged_backend.runner.parallel.process_group import TensorParallelGroup
@@ -314,51 +313,19 @@ class ModelRunner:
     """Whether decode may run through the static step (not yet the tensor-parallel runner: collectives
     inside a captured graph are untested)."""
 
-    def _compiles_decode(self) -> bool:
-        """``TGI_PAGED_COMPILE`` on a CPU runner: decode through the compiled static step."""
-        return self.device.type == "cpu" and self.model_config.compile_decode and self.static_decode_supported
-
-    def _graph_buckets(self) -> tuple[int, ...]:
-        """The ``CUDA_GRAPHS`` batch sizes this runner captures (none off CUDA)."""
-        if self.device.type != "cuda" or not self.static_decode_supported:
-            return ()
-        return self.model_config.cuda_graphs
-
     def _static_step(
-        self,
-        k_caches: list[torch.Tensor],
-        v_caches: list[torch.Tensor],
-        *,
-        max_seq_len: int,
-        buckets: Sequence[int],
-        fixed_width: bool = True,
-        groups: LayerGroups | None = None,
+        self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], **options: Any
     ) -> StaticDecodeStep:
-        """The static step over ``k_caches``/``v_caches`` laid out for ``groups`` (default: the pool's)."""
-        groups = self.pool_groups if groups is None else groups
-        layer_groups = tuple(groups.layer_group(layer) for layer in range(self.spec.num_layers))
-        max_blocks = blocks_per_request(max_seq_len, self.block_size)
-        return StaticDecodeStep(
-            self.model, k_caches, v_caches, self.k_scale, self.v_scale, buckets, max_blocks, fixed_width,
-            layer_groups=layer_groups if groups.num_groups > 1 else None,
-        )  # fmt: skip
+        """The static step over ``k_caches``/``v_caches`` (:func:`.static.setup.static_step`)."""
+        return static_setup.static_step(self, k_caches, v_caches, **options)
 
     def profile_decode_graphs(self, max_seq_len: int) -> int:
         """Device bytes the decode CUDA graphs will take (0 off CUDA or without ``CUDA_GRAPHS``), measured
         by capturing them against a temporary pool before the real one is sized; stored in
         :attr:`graph_bytes`, which :meth:`available_kv_bytes` leaves out. A failed capture turns graphs off."""
-        self.graph_bytes = 0
-        buckets = self._graph_buckets()
-        if buckets:
-            # Before the pool exists: the step the engine's (grouped) pool will get.
-            make = partial(self._static_step, max_seq_len=max_seq_len, buckets=buckets, groups=self.kv_groups)
-            try:
-                self.graph_bytes = measure_decode_graph_bytes(
-                    make, self.pool.new_caches, self.spec.num_layers, self.device
-                )
-            except Exception as e:  # a family whose forward syncs or branches on values: serve it eagerly
-                logger.warning("decode CUDA graphs off: capture failed ({}: {})", type(e).__name__, e)
-                self.model_config = dataclasses.replace(self.model_config, cuda_graphs=())
+        self.graph_bytes, failed = static_setup.decode_graph_bytes(self, max_seq_len)
+        if failed:
+            self.model_config = dataclasses.replace(self.model_config, cuda_graphs=())
         return self.graph_bytes
 
     def prepare_static_decode(
@@ -374,7 +341,7 @@ class ModelRunner:
         tokens (Warmup, after :meth:`allocate_kv_cache`, which drops it again).
 
         By default (``mode=None``): on CUDA with ``CUDA_GRAPHS`` buckets, capture one graph per bucket;
-        on CPU with ``TGI_PAGED_COMPILE``, compile one graph for :data:`CPU_COMPILE_BUCKETS`; otherwise
+        on CPU with ``TGI_PAGED_COMPILE``, compile one graph for :data:`.decode_step.CPU_COMPILE_BUCKETS`; otherwise
         nothing, and decode stays eager. ``mode`` ``"graphs"``, ``"compile"`` (``torch.compile``
         with ``compile_options``, e.g. ``backend``) or ``"eager"`` with ``buckets`` (default: the
         ``CUDA_GRAPHS`` ones) choose explicitly (tests, benchmarks); ``fixed_width`` (default: only for
@@ -384,19 +351,9 @@ class ModelRunner:
         self.static_decode = None
         if not self.k_caches:
             raise RuntimeError("allocate_kv_cache() must be called before prepare_static_decode()")
-        chosen = tuple(buckets) if buckets is not None else self.model_config.cuda_graphs
-        if mode is None and self._graph_buckets():
-            mode, chosen = "graphs", self._graph_buckets()
-        elif mode is None and self._compiles_decode():  # one graph, rows dynamic: no per-size compile
-            mode, chosen, compile_options = "compile", CPU_COMPILE_BUCKETS, {"dynamic_rows": True, **compile_options}
-        if mode is None or not chosen:
-            return
-        fixed = mode == "graphs" if fixed_width is None else fixed_width
-        step = self._static_step(
-            self.k_caches, self.v_caches, max_seq_len=max_seq_len, buckets=chosen, fixed_width=fixed
+        self.static_decode = static_setup.prepared_static_decode(
+            self, max_seq_len, mode, buckets, fixed_width, compile_options
         )
-        if step.prepare(mode, **compile_options):
-            self.static_decode = step
 
     # ------------------------------------------------------------ block moves
     def copy_blocks(self, src: BlockIds, dst: BlockIds) -> None:
