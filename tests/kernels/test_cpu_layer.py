@@ -223,6 +223,20 @@ def test_layer_matches_the_reference(native, form_name, block_size, index_dtype)
     assert (k_pool != k_before).any(dim=(1, 2, 3)).sum() == len(lengths)  # one slot per request, nothing else
 
 
+def test_a_nan_router_gives_nan_as_transformers_does(native) -> None:
+    """A NaN router weight makes every token's router logits NaN: the step's output is NaN, as the reference's (torch
+    softmax and topk), not an expert read out of range or a silent zero."""
+    hq, hkv, d, form = FORMS["Mixtral"]
+    raw, _ = _layer(hq, hkv, d, 96, 160, form)
+    raw["router"][3, 0] = float("nan")
+    packed = LayerWeights.pack(form, raw, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    (k_pool, v_pool), tables, seq_lens, slots = _step([4, 9], 4, hkv, d, torch.int64)
+    x, cs = torch.randn(2, 96, generator=torch.Generator().manual_seed(3)), torch.rand(2, d)
+    got = decode_layer(native, packed, x, cs, cs, k_pool.clone(), v_pool.clone(), slots, tables, seq_lens)
+    expected = decode_layer_ref(raw, packed, x, cs, cs, k_pool.clone(), v_pool.clone(), slots, tables, seq_lens)
+    assert got is not None and torch.isnan(expected).all() and torch.isnan(got).all()
+
+
 def test_each_part_of_the_form_changes_the_result(native) -> None:
     """The form is not ignored: flipping any one of its parts changes the step's output."""
     hq, hkv, d, base = FORMS["Gemma3"]

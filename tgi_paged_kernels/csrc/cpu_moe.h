@@ -19,8 +19,10 @@ struct MoeRouting {
   std::vector<float> weight;
 };
 
-// Softmax over one token's `experts` router logits, its top_k (largest first; ties: lower index first, as
-// torch.topk on CPU), renormalized over the top_k when `normalize`: appended to `picks` as (expert, weight).
+// Softmax over one token's `experts` router logits, its top_k (largest first; ties: lower index first, and NaN above
+// every number, as torch.topk on CPU), renormalized over the top_k when `normalize`: appended to `picks` as
+// (expert, weight). A NaN logit so gives NaN weights and a NaN output, as transformers' block gives, never a read
+// outside the experts.
 inline void route_token(const float* logits, int experts, int top_k, bool normalize, std::vector<float>& probs,
                         std::vector<std::pair<int, float>>& picks) {
   float top = logits[0];
@@ -30,13 +32,17 @@ inline void route_token(const float* logits, int experts, int top_k, bool normal
   for (int e = 0; e < experts; ++e) probs[e] = probs[e] / total;
   picks.clear();
   float picked = 0.0f;
+  constexpr float kTaken = -1.0f;  // below every probability
   for (int k = 0; k < top_k; ++k) {
     int best = -1;
-    for (int e = 0; e < experts; ++e)
-      if (probs[e] >= 0.0f && (best < 0 || probs[e] > probs[best])) best = e;
+    for (int e = 0; e < experts; ++e) {
+      const float p = probs[e];
+      if (p == kTaken) continue;
+      if (best < 0 || (std::isnan(p) && !std::isnan(probs[best])) || p > probs[best]) best = e;
+    }
     picks.emplace_back(best, probs[best]);
     picked += probs[best];
-    probs[best] = -1.0f;  // taken
+    probs[best] = kTaken;
   }
   if (normalize)
     for (auto& pick : picks) pick.second = pick.second / picked;
@@ -125,7 +131,7 @@ void moe_mlp(const float* mlp_x, int64_t T, int64_t H, int64_t I, int experts, i
         weight[t * top_k + k] = picks[k].second;
       }
     }
-    group_by_expert(T, top_k, experts, index.data(), weight.data(), routing);  // route_token picks each once
+    group_by_expert(T, top_k, experts, index.data(), weight.data(), routing);  // picks in range, each once
   }  // implicit barrier: every thread sees the routing
   run_experts(mlp_x, T, H, I, weight_dtype, w_gate_up, w_down, routing, rows, expert_out, gate_up, act, out, activate);
 }
