@@ -9,6 +9,8 @@ sums in another order, with SiLU between the two GEMMs (1e-4).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,13 @@ def _experts(experts: int, hidden: int, inter: int, seed: int) -> tuple[torch.Te
     return gate_up, torch.randn(experts, hidden, inter, generator=g) * 0.3
 
 
+def _packed(
+    gate_up: torch.Tensor, down: torch.Tensor, pack: Callable[[torch.Tensor], torch.Tensor] = pack_weight
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's weights packed, stacked (as the native layer holds them)."""
+    return torch.cat([pack(w) for w in gate_up]), torch.cat([pack(w) for w in down])
+
+
 def _picks(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
@@ -48,9 +57,7 @@ def test_experts_match_the_reference(native, dtype, tokens, hidden, inter, exper
     index, weights = _picks(tokens, experts, top_k, tokens + 1)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens + 2))
     pack = pack_weight if dtype == torch.float32 else pack_weight_bf16
-    got = moe_experts(
-        native, x, index, weights, torch.cat([pack(w) for w in gate_up]), torch.cat([pack(w) for w in down]), inter
-    )
+    got = moe_experts(native, x, index, weights, *_packed(gate_up, down, pack), inter)
     if dtype == torch.float32:
         want = moe_experts_ref(x, index, weights, gate_up, down)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -80,7 +87,7 @@ def test_a_pick_of_the_expert_count_is_no_expert(native) -> None:
     """transformers' experts skip a pick equal to their count (expert parallelism's mark for an expert held
     elsewhere); so does the kernel, even twice for one token."""
     gate_up, down = _experts(4, 16, 8, 0)
-    packed = (torch.cat([pack_weight(w) for w in gate_up]), torch.cat([pack_weight(w) for w in down]))
+    packed = _packed(gate_up, down)
     x = torch.randn(3, 16)
     index, weights = torch.tensor([[1, 4], [4, 4], [0, 2]]), torch.rand(3, 2)
     got = moe_experts(native, x, index, weights, *packed, 8)
@@ -91,14 +98,14 @@ def test_a_pick_of_the_expert_count_is_no_expert(native) -> None:
 @pytest.mark.parametrize("bad", [[[0, 5]], [[-1, 0]], [[2, 2]]], ids=["past-the-experts", "negative", "twice"])
 def test_bad_picks_are_refused(native, bad) -> None:
     gate_up, down = _experts(4, 16, 8, 0)
-    packed = (torch.cat([pack_weight(w) for w in gate_up]), torch.cat([pack_weight(w) for w in down]))
+    packed = _packed(gate_up, down)
     with pytest.raises(ValueError, match="outside the 4 experts"):
         moe_experts(native, torch.randn(1, 16), torch.tensor(bad), torch.ones(1, 2), *packed, 8)
 
 
 def test_inputs_that_do_not_fit_are_refused(native) -> None:
     gate_up, down = _experts(4, 16, 8, 0)
-    packed = (torch.cat([pack_weight(w) for w in gate_up]), torch.cat([pack_weight(w) for w in down]))
+    packed = _packed(gate_up, down)
     index, weights = _picks(3, 4, 2, 1)
     with pytest.raises(ValueError, match="do not fit"):
         moe_experts(native, torch.randn(3, 16, dtype=torch.bfloat16), index, weights, *packed, 8)

@@ -56,15 +56,20 @@ def test_a_shared_expert_is_read_once_fused() -> None:
     assert [tuple(t.shape) for t in parts.shared[:3]] == [(80, 32), (32, 40), (1, 32)]
 
 
-@pytest.mark.skipif(native_kernels() is None, reason="no C++ compiler here: no native kernels")
-def test_native_experts_give_transformers_experts_output() -> None:
-    block = _qwen3_moe_block(False)
+def _native_experts(block) -> NativeExperts:  # noqa: ANN001
+    """:class:`NativeExperts` on the packed weights of a :func:`_qwen3_moe_block` (6 experts, 48 wide)."""
     parts = moe_parts(block)
     assert not isinstance(parts, str)
-    native = NativeExperts(
+    return NativeExperts(
         torch.cat([pack_weight(w) for w in parts.gate_up]), torch.cat([pack_weight(w) for w in parts.down]),
         6, 48, parts.act_fn, native_kernels(),
     )  # fmt: skip
+
+
+@pytest.mark.skipif(native_kernels() is None, reason="no C++ compiler here: no native kernels")
+def test_native_experts_give_transformers_experts_output() -> None:
+    block = _qwen3_moe_block(False)
+    native = _native_experts(block)
     x = torch.randn(9, 32, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         _, weights, index = block.gate(x)
@@ -78,14 +83,10 @@ def test_native_experts_take_no_rows_and_skip_the_expert_count() -> None:
     """No tokens: an empty output (as transformers' loop gives), on the native call and the Python loop alike; a pick
     equal to the expert count is skipped on both."""
     block = _qwen3_moe_block(False)
-    parts = moe_parts(block)
-    assert not isinstance(parts, str)
-    native = NativeExperts(
-        torch.cat([pack_weight(w) for w in parts.gate_up]), torch.cat([pack_weight(w) for w in parts.down]),
-        6, 48, parts.act_fn, native_kernels(),
-    )  # fmt: skip
-    empty = native(torch.zeros(0, 32), torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0, 3))
-    assert empty.shape == (0, 32)
+    native = _native_experts(block)
+    no_picks = torch.zeros(0, 3, dtype=torch.int64)
+    assert native(torch.zeros(0, 32), no_picks, torch.zeros(0, 3)).shape == (0, 32)
+    assert native(torch.zeros(0, 32, dtype=torch.float64), no_picks, torch.zeros(0, 3)).shape == (0, 32)
     x, index, weights = torch.randn(2, 32), torch.tensor([[0, 6, 2], [6, 1, 5]]), torch.rand(2, 3)
     with torch.inference_mode():
         want = block.experts(x, index, weights)

@@ -46,8 +46,8 @@ int tgi_paged_gemm_bf16_amx(int on) {
 
 // out[T, H] = sum over each token's picks k of top_weight[t, k] * expert(top_index[t, k])(x[t]), the experts' SiLU
 // gated MLPs packed in weight_dtype (0 fp32, 1 bf16) one after another (gate/up [2I, H] in w_gate_up, down [H, I]
-// in w_down), added in expert order. scratch: T * (2H + 3I) floats. Returns 1 (nothing written) for a pick
-// outside [0, experts) or an expert picked twice by one token.
+// in w_down), added in expert order; a pick of `experts` is no expert. scratch: T * (2H + 3I) floats. Returns 1
+// (nothing written) for a pick outside [0, experts] or an expert picked twice by one token.
 int tgi_paged_moe_experts(const float* x, int64_t T, int64_t H, const int64_t* top_index, const float* top_weight,
                           int top_k, int experts, int64_t I, int weight_dtype, const void* w_gate_up,
                           const void* w_down, float* scratch, float* out, int num_threads) {
