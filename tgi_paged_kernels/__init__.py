@@ -42,6 +42,7 @@ from .api import (
 
 if TYPE_CHECKING:  # the lazy names below, for type checkers
     from .cpu_gemm import moe_experts as moe_experts
+    from .cpu_gemm import pack_weight_bf16 as pack_weight_bf16
     from .cpu_gemm import unpack_weight as unpack_weight
     from .cpu_layer import (
         PACK_BLOCK as PACK_BLOCK,
@@ -117,6 +118,7 @@ _LAZY = {
     "gemm_packed": "cpu_layer",
     "pack_weight": "cpu_layer",
     "unpack_weight": "cpu_gemm",
+    "pack_weight_bf16": "cpu_gemm",
     "moe_experts": "cpu_gemm",
     "dequantize_fp8": "fp8_gemm",
     "check_int_linear": "int_gemm",

@@ -167,3 +167,29 @@ def test_a_wide_fp32_linear_runs_the_native_gemm_unless_told_not_to(
     assert isinstance(kept[0], PackedLinear)  # compiled steps and TGI_PAGED_NATIVE_LAYERS=0 keep oneDNN
     bf16 = nn.Sequential(nn.Linear(72, 310).to(torch.bfloat16))
     assert swap_fast_layers(bf16, CPU, torch.bfloat16).native_heads == 0  # fp32 only
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_linears_run_the_native_gemm_where_onednn_has_no_bf16(monkeypatch, bias) -> None:
+    """AVX2-only CPUs (simulated: oneDNN can pack fp32 only): every plain bf16 linear, of any width, runs the native
+    bf16 GEMM (torch's bf16 linear there took 2-7x the fp32 time), with fp32 sums rounded once as torch's does."""
+    from tgi_paged_backend.runner.cpu.fast_layers import NativeLinear
+    from tgi_paged_kernels import native_kernels
+
+    if native_kernels() is None:
+        pytest.skip("native kernels not built here")
+    monkeypatch.setattr(fast_layers, "can_pack", lambda dtype, device: dtype == torch.float32)
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(72, 310, bias=bias), nn.Linear(310, 40, bias=bias)).to(torch.bfloat16)
+    x = torch.randn(2, 9, 72).bfloat16()
+    with torch.inference_mode():
+        expected = block(x).float()
+    report = swap_fast_layers(block, CPU, torch.bfloat16)
+    assert all(isinstance(m, NativeLinear) for m in block)
+    assert (report.native_bf16, report.native_heads, report.packed_linears) == (2, 0, 0)
+    with torch.inference_mode():
+        got = block(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=2**-6, atol=2e-2)
+    kept = nn.Sequential(nn.Linear(72, 310).to(torch.bfloat16))
+    assert swap_fast_layers(kept, CPU, torch.bfloat16, native_heads=False).native_bf16 == 0  # a compiled step

@@ -130,7 +130,7 @@ def test_fp32_params_round_trips_and_the_bf16_criterion() -> None:
 
 def test_native_linear_bf16_rows_small_and_many() -> None:
     """Few bf16 rows: the packed bf16 GEMM (fp32 sums, rounded once); many rows: oneDNN on the kept weight, as the
-    per-op linear computes it."""
+    per-op linear computes it, where oneDNN runs bf16 (else the packed GEMM at every row count)."""
     linear = torch.nn.Linear(64, 40, bias=True).to(torch.bfloat16)
     packed = pack_weight(linear.weight.detach().float())
     native = fast_layers.NativeLinear(
@@ -138,8 +138,12 @@ def test_native_linear_bf16_rows_small_and_many() -> None:
         linear.bias.detach().float(), native_kernels(), 64,
     )  # fmt: skip
     native.keep_dense(linear)
-    assert native.bf16_rows in (fast_layers.BF16_MATMUL_ROWS, fast_layers.BF16_DOT_MATMUL_ROWS)
-    for rows in (3, native.bf16_rows - 1, native.bf16_rows + 5):
+    if fast_layers.can_pack(torch.bfloat16, torch.device("cpu")):
+        assert native.bf16_rows in (fast_layers.BF16_MATMUL_ROWS, fast_layers.BF16_DOT_MATMUL_ROWS)
+        assert native.dense is not None
+    else:
+        assert native.bf16_rows == fast_layers.NO_BF16_MATMUL and native.dense is None
+    for rows in (3, min(native.bf16_rows, 64) - 1, min(native.bf16_rows, 64) + 5):
         x = torch.randn(rows, 64).bfloat16()
         exact = x.float() @ linear.weight.float().T + linear.bias.float()
         got = native(x)
@@ -149,6 +153,8 @@ def test_native_linear_bf16_rows_small_and_many() -> None:
 
 def test_bf16_matmul_rows_follow_the_gemm_path() -> None:
     """oneDNN takes bf16 rows from 64 where the native GEMM runs vdpbf16ps (faster below that), else from 32."""
+    if not fast_layers.can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("oneDNN has no bf16 GEMM on this CPU (test_without_onednn_bf16_the_native_gemm_serves_every_row)")
     native = native_kernels()
     dot = set_bf16_dot(native)
     try:
@@ -158,3 +164,19 @@ def test_bf16_matmul_rows_follow_the_gemm_path() -> None:
         assert fast_layers.bf16_matmul_rows(native) == fast_layers.BF16_MATMUL_ROWS == 32
     finally:
         set_bf16_dot(native, dot)
+
+
+def test_without_onednn_bf16_the_native_gemm_serves_every_row(family_dir, monkeypatch) -> None:
+    """An AVX2-only CPU (oneDNN has no bf16 GEMM there; simulated): bf16 rows never go to oneDNN, nothing is packed
+    for it (packing raised there), and a bf16 model still runs its native layers and answers as on any host."""
+    monkeypatch.setattr(fast_layers, "can_pack", lambda dtype, device: dtype == torch.float32)
+    assert fast_layers.bf16_matmul_rows(native_kernels()) == fast_layers.NO_BF16_MATMUL
+    runner = _runner(family_dir("Llama"))
+    assert runner.native_layers is not None and runner.native_layers.wrapped == 2
+    linears = [m for m in runner.model.modules() if isinstance(m, fast_layers.NativeLinear)]
+    assert linears and all(m.dense is None and m.bf16_rows == fast_layers.NO_BF16_MATMUL for m in linears)
+    assert not any(isinstance(m, fast_layers.PackedLinear) for m in runner.model.modules())
+    assert not any(type(m) is torch.nn.Linear for m in runner.model.modules())  # the LM head too: native bf16
+    tokens, _ = _generate(runner)
+    monkeypatch.undo()
+    assert _generate(_runner(family_dir("Llama")))[0] == tokens

@@ -137,6 +137,13 @@ inline void tile2_rows(int rows, const float* a, int64_t lda, int64_t K, const f
 }
 #endif
 
+// Rows of the next register tile of at most `tile` rows when `left` rows remain: the rest in equal tiles (12 rows
+// of 5-row tiles as 4 + 4 + 4, not 5 + 5 + 2, whose short tile has too few accumulators to hide the FMA latency).
+inline int even_tile(int64_t left, int tile) {
+  const int64_t tiles = (left + tile - 1) / tile;
+  return static_cast<int>((left + tiles - 1) / tiles);
+}
+
 // Rows per task of a GEMM of M rows: at most kMaxRows, the chunks equal up to one register tile (`tile_rows`
 // rows), so that threads taking equal numbers of tasks get equal work (128 rows as 96 + 32 left one of two
 // threads a quarter of the work).

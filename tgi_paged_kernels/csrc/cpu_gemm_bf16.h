@@ -43,13 +43,16 @@ inline void tile_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w,
   store_rows(acc, R, bias, add, ldadd, out, ldo, cols);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kMRb = 6;  // 6 rows x 2 halves of 8 lanes: 12 accumulators
+// 5 rows x 2 halves of 8 lanes: 10 accumulators, the pair's two even (then odd) widened weights, an activation and
+// the mask: the 16 ymm registers. 6 rows spilled three accumulators to the stack (1.3-1.4x the fp32 tile's time on
+// a Zen 3 core; 5 rows 0.95-1.0x it: bench_packed_linears.py --bf16-paths).
+constexpr int kMRb = 5;
 
 // Rows [0, R) of one column block: the pair's dwords widened (even k: dword << 16, odd k: dword & 0xffff0000),
-// fused multiply-adds in k order, then the epilogue.
+// fused multiply-adds in k order, the sums stored to c[r * kNB ..]. Not inlined: its registers are allocated
+// on its own (inlined into the task loop, the same code ran 1.2-1.6x slower at some row counts).
 template <int R>
-inline void tile_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w, const float* bias, const float* add,
-                      int64_t ldadd, float* out, int64_t ldo, int cols) {
+__attribute__((noinline)) void sums_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w, float* c) {
   __m256 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
@@ -73,12 +76,18 @@ inline void tile_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w,
       hi[r] = _mm256_fmadd_ps(x, o1, hi[r]);
     }
   }
-  float c[kNB];
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(c, lo[r]);
-    _mm256_storeu_ps(c + 8, hi[r]);
-    epilogue(c, bias, add ? add + r * ldadd : nullptr, out + r * ldo, cols);
+    _mm256_storeu_ps(c + r * kNB, lo[r]);
+    _mm256_storeu_ps(c + r * kNB + 8, hi[r]);
   }
+}
+
+template <int R>
+inline void tile_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w, const float* bias, const float* add,
+                      int64_t ldadd, float* out, int64_t ldo, int cols) {
+  float c[R * kNB];
+  sums_bf16<R>(a, lda, K, w, c);
+  for (int r = 0; r < R; ++r) epilogue(c + r * kNB, bias, add ? add + r * ldadd : nullptr, out + r * ldo, cols);
 }
 #else
 constexpr int kMRb = 4;
@@ -125,8 +134,8 @@ void gemm_packed_bf16(const float* a, int64_t lda, int64_t M, int64_t K, const u
   gemm_tasks(M, K, (N + kNB - 1) / kNB, kMRb, 96, [&](int64_t nb, int64_t m_begin, int64_t m_end) {
     const int64_t n0 = nb * kNB;
     const int cols = static_cast<int>(std::min<int64_t>(kNB, N - n0));
-    for (int64_t m0 = m_begin; m0 < m_end; m0 += kMRb) {
-      const int rows = static_cast<int>(std::min<int64_t>(kMRb, m_end - m0));
+    for (int64_t m0 = m_begin, rows = 0; m0 < m_end; m0 += rows) {
+      rows = even_tile(m_end - m0, kMRb);
       tile_bf16_rows<kMRb>(rows, a + m0 * lda, lda, K, packed + nb * block_elems, bias ? bias + n0 : nullptr,
                            add ? add + m0 * ldadd + n0 : nullptr, ldadd, out + m0 * ldo + n0, ldo, cols);
     }

@@ -46,6 +46,7 @@ from tgi_paged_kernels import (
     gemm_packed_int8,
     native_kernels,
     pack_weight,
+    pack_weight_bf16,
     unpack_weight,
 )
 
@@ -218,6 +219,8 @@ class SwapReport:
     fused_norms: int
     native_heads: int
     """Wide fp32 linears (the LM head) on the native packed GEMM (:data:`NATIVE_MIN_OUT_FEATURES`)."""
+    native_bf16: int
+    """bf16 linears on the native packed GEMM where oneDNN has no bf16 (AVX2-only CPUs): every plain one."""
     kept_norms: tuple[str, ...]
     """Class names of RMSNorm-looking modules that did not reproduce the fused form (left as they are)."""
 
@@ -226,9 +229,17 @@ def swap_fast_layers(
     model: nn.Module, device: torch.device, dtype: torch.dtype, native_heads: bool = True
 ) -> SwapReport:
     """Replace plain linears and Llama-form RMSNorms of ``model`` in place (see the module docstring);
-    ``native_heads=False`` keeps wide fp32 linears on oneDNN too (a compiled step traces oneDNN's op)."""
+    ``native_heads=False`` keeps wide fp32 linears on oneDNN too (a compiled step traces oneDNN's op).
+
+    A bf16 model where oneDNN has no bf16 GEMM (AVX2-only CPUs: torch's bf16 ``F.linear`` there took 2-7x the fp32
+    one's time, 58.7 against 26.0 ms for SmolLM2's LM head at 20 rows) gets every plain linear on the native bf16 GEMM
+    (:class:`NativeLinear`: fp32 sums of the exact products, rounded to bf16 once, as torch's bf16 linear)."""
     pack = can_pack(dtype, device)
-    native = native_kernels() if native_heads and dtype == torch.float32 and device.type == "cpu" else None
+    native_dtype = (
+        native_heads and device.type == "cpu" and (dtype == torch.float32 or (dtype == torch.bfloat16 and not pack))
+    )
+    native = native_kernels() if native_dtype else None
+    every_width = dtype == torch.bfloat16
     packed = fused = heads = 0
     kept: set[str] = set()
     for parent in list(model.modules()):
@@ -238,10 +249,10 @@ def swap_fast_layers(
                 and isinstance(child, nn.Linear)
                 and type(child) is nn.Linear
                 and child.weight.dtype == dtype
-                and child.out_features >= NATIVE_MIN_OUT_FEATURES
+                and (every_width or child.out_features >= NATIVE_MIN_OUT_FEATURES)
             ):
-                bias = None if child.bias is None else child.bias.detach()
-                packed_weight = pack_weight(child.weight.detach())
+                bias = None if child.bias is None else child.bias.detach().float()
+                packed_weight = (pack_weight_bf16 if every_width else pack_weight)(child.weight.detach())
                 setattr(parent, name, NativeLinear(packed_weight, child.out_features, bias, native, child.in_features))
                 heads += 1
                 continue
@@ -261,12 +272,18 @@ def swap_fast_layers(
                 fused += 1
             else:
                 kept.add(type(child).__name__)
-    report = SwapReport(packed_linears=packed, fused_norms=fused, native_heads=heads, kept_norms=tuple(sorted(kept)))
+    report = SwapReport(
+        packed_linears=packed,
+        fused_norms=fused,
+        native_heads=0 if every_width else heads,
+        native_bf16=heads if every_width else 0,
+        kept_norms=tuple(sorted(kept)),
+    )
     logger.info(
         "fast layers: {} linears packed for oneDNN{}{}, {} RMSNorms fused{}",
         packed,
-        "" if pack else f" (none: {dtype} on {device.type} runs plain linears)",
-        f", {heads} wide on the native GEMM" if heads else "",
+        "" if pack or native else f" (none: {dtype} on {device.type} runs plain linears)",
+        f", {heads} {'bf16 (no oneDNN bf16 here)' if every_width else 'wide'} on the native GEMM" if heads else "",
         fused,
         f"; kept {', '.join(report.kept_norms)} (another norm form)" if kept else "",
     )
@@ -285,9 +302,15 @@ set_bf16_dot`, no AMX): 30 cold SmolLM2 layers at 32 rows took 22.3 ms against o
 (39.8 / 39.7), at 256 rows 157 / 141 (AMD EPYC, 2 threads, ``bench_packed_linears.py --bf16-paths``)."""
 
 
+NO_BF16_MATMUL = 1 << 62
+""":func:`bf16_matmul_rows` where oneDNN has no bf16 GEMM (AVX2-only CPUs): the native GEMM serves every row count."""
+
+
 def bf16_matmul_rows(native: NativeKernels) -> int:
     """From how many rows a bf16 :class:`NativeLinear` hands its input to oneDNN, for the path this process's
-    bf16 GEMM runs now."""
+    bf16 GEMM runs now; :data:`NO_BF16_MATMUL` where oneDNN cannot run bf16 here."""
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        return NO_BF16_MATMUL
     dot = bool(native.gemm_bf16_dot(-1)) and not native.gemm_bf16_amx(-1)
     return BF16_DOT_MATMUL_ROWS if dot else BF16_MATMUL_ROWS
 
@@ -316,8 +339,10 @@ class NativeLinear(nn.Module):
 
     def keep_dense(self, linear: nn.Linear) -> None:
         """Serve bf16 inputs of many rows by ``linear`` (the module's own, same weight and bias) in oneDNN's layout
-        (its bytes count there, :attr:`PackedLinear.resident_bytes`)."""
-        self.dense = PackedLinear(linear)
+        (its bytes count there, :attr:`PackedLinear.resident_bytes`), where oneDNN runs bf16 (:func:`can_pack`;
+        elsewhere the native GEMM serves every row count and nothing is kept)."""
+        if self.bf16_rows != NO_BF16_MATMUL:
+            self.dense = PackedLinear(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

@@ -24,4 +24,4 @@ class PackLinears:
         report = swap_fast_layers(
             model, ctx.device, ctx.dtype, native_heads=config.native_layers and not config.compile_decode
         )
-        return report, report.packed_linears + report.native_heads + report.fused_norms
+        return report, report.packed_linears + report.native_heads + report.native_bf16 + report.fused_norms
