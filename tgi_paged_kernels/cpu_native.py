@@ -53,8 +53,10 @@ FLAGS = (
 """Build flags; :func:`build_library`'s ``arch`` replaces ``native`` (the tests build ``x86-64-v3``: AVX2 paths).
 ``-ffp-contract=off``: no fused multiply-add the source does not write (the same bits on every ISA);
 ``-fno-trapping-math``: the compiler may compute a floating-point value a branch would skip (no code here reads FP
-exception flags; values and rounding are unchanged). Without it GCC kept a branch around ``x * e`` in SiLU and
-the clamp of the softmax's exp, so those loops ran scalar on AVX2 builds (SiLU was 10 % of an fp32 prefill)."""
+exception flags; each operation's value and rounding are unchanged). Without it GCC kept a branch around ``x * e`` in
+SiLU and the clamp of the softmax's exp, so those loops ran scalar on AVX2 builds (SiLU was 10 % of an fp32
+prefill). On AVX2 builds the softmax denominators (``omp simd`` reductions in decode and prefill attention) now sum
+in 8 lanes, as AVX-512 builds already did in 16: a few ulp from the scalar order, still independent of the batch."""
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 """Storage dtypes the kernels read natively; one-byte (fp8) pools go through a decode table (code 2)."""
 

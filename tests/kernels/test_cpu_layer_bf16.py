@@ -40,7 +40,10 @@ from tgi_paged_kernels.cpu_layer import LayerWeights, decode_layer
 from tgi_paged_kernels.cpu_layer_ref import decode_layer_ref, gemm_packed_bf16_ref
 from tgi_paged_kernels.cpu_layer_step import LayerStep, decode_layer_parts
 
-SHAPES = [(1, 128, 256, False), (20, 128, 256, True), (13, 101, 37, True), (300, 64, 48, False), (7, 576, 960, False)]
+SHAPES = [
+    (1, 128, 256, False), (2, 101, 40, True), (6, 128, 256, False), (11, 64, 48, True), (20, 128, 256, True),
+    (13, 101, 37, True), (300, 64, 48, False), (7, 576, 960, False),
+]  # fmt: skip
 """(M, K, N, bias): rows around the register tiles, an odd K (a zero pair member), N not a multiple of 16."""
 BF16_ULP = 2.0**-7
 """One bf16 ulp, relative: 2^-7 at the bottom of a binade (7 stored mantissa bits), 2^-8 at its top."""

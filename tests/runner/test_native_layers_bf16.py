@@ -170,6 +170,14 @@ def test_without_onednn_bf16_the_native_gemm_serves_every_row(family_dir, monkey
     """An AVX2-only CPU (oneDNN has no bf16 GEMM there; simulated): bf16 rows never go to oneDNN, nothing is packed
     for it (packing raised there), and a bf16 model still runs its native layers and answers as on any host."""
     monkeypatch.setattr(fast_layers, "can_pack", lambda dtype, device: dtype == torch.float32)
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+
+    def fp32_only(weight: torch.Tensor, *args: object) -> torch.Tensor:  # as oneDNN on such a CPU: bf16 raises
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+        return reorder(weight, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", fp32_only)
     assert fast_layers.bf16_matmul_rows(native_kernels()) == fast_layers.NO_BF16_MATMUL
     runner = _runner(family_dir("Llama"))
     assert runner.native_layers is not None and runner.native_layers.wrapped == 2

@@ -13,6 +13,7 @@ transformers' modules stay the model definition of every served family; after lo
   as they are (cuBLAS). Quantized linears (:mod:`.quant`) are not plain ``nn.Linear`` and are left alone;
 - a plain fp32 ``nn.Linear`` of at least :data:`NATIVE_MIN_OUT_FEATURES` outputs (the LM head) by a
   :class:`NativeLinear` where the native kernels are built (the native packed GEMM reads a cold weight faster);
+  in a bf16 model where oneDNN has no bf16 GEMM (AVX2-only CPUs), every plain ``nn.Linear`` (bf16 packed);
 - every RMSNorm of the Llama form (``weight * x / sqrt(mean(x^2) + eps)``, computed in fp32) by
   :class:`FusedRMSNorm`, one ``torch.rms_norm`` call instead of six elementwise kernels. A norm is
   swapped only after it reproduces the original on a random input (Gemma's ``1 + weight`` form and
@@ -233,7 +234,8 @@ def swap_fast_layers(
 
     A bf16 model where oneDNN has no bf16 GEMM (AVX2-only CPUs: torch's bf16 ``F.linear`` there took 2-7x the fp32
     one's time, 58.7 against 26.0 ms for SmolLM2's LM head at 20 rows) gets every plain linear on the native bf16 GEMM
-    (:class:`NativeLinear`: fp32 sums of the exact products, rounded to bf16 once, as torch's bf16 linear)."""
+    (:class:`NativeLinear`: fp32 sums of the exact products, rounded to bf16 once, as torch's bf16 linear). With
+    ``native_heads=False`` (native layers off, compiled decode) they keep torch's bf16 linear."""
     pack = can_pack(dtype, device)
     native_dtype = (
         native_heads and device.type == "cpu" and (dtype == torch.float32 or (dtype == torch.bfloat16 and not pack))

@@ -1,5 +1,6 @@
-"""Rewrite ``pack``: plain linears packed for oneDNN on CPU (a wide fp32 LM head for the native GEMM unless the
-native layers are off or the decode step is compiled), Llama-form RMSNorms fused into one call
+"""Rewrite ``pack``: plain linears packed for oneDNN on CPU (a wide fp32 LM head, and every bf16 linear where oneDNN
+has no bf16, for the native GEMM unless the native layers are off or the decode step is compiled), Llama-form RMSNorms
+fused into one call
 (:mod:`tgi_paged_backend.runner.cpu.fast_layers`; on CUDA only the norms change)."""
 
 from __future__ import annotations
