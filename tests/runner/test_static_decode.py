@@ -25,6 +25,7 @@ from tests.helpers.static_decode_stand_ins import CountingBackend, fake_cuda_gra
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.runner.static import setup as static_setup
 from tgi_paged_backend.runner.static.decode_step import (
     VIEW_NAMES,
     StaticDecodeInputs,
@@ -118,7 +119,7 @@ def test_compile_traces_every_bucket_once_with_no_graph_break(tiny_model_factory
     torch._dynamo.reset()
     counters.clear()
     backend = CountingBackend()
-    step = runner._static_step(runner.k_caches, runner.v_caches, max_seq_len=MAX_SEQ_LEN, buckets=BUCKETS)
+    step = static_setup.static_step(runner, runner.k_caches, runner.v_caches, max_seq_len=MAX_SEQ_LEN, buckets=BUCKETS)
     step.compile(backend=backend)  # fullgraph=True: a graph break would raise here
     assert len(backend.graphs) == len(BUCKETS)
     for lengths in ([9], [40, 3], [17, 25, 8], [70, 1, 33, 12], [5]):  # refilled buffers, every bucket

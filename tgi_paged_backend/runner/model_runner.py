@@ -313,12 +313,6 @@ class ModelRunner:
     """Whether decode may run through the static step (not yet the tensor-parallel runner: collectives
     inside a captured graph are untested)."""
 
-    def _static_step(
-        self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], **options: Any
-    ) -> StaticDecodeStep:
-        """The static step over ``k_caches``/``v_caches`` (:func:`.static.setup.static_step`)."""
-        return static_setup.static_step(self, k_caches, v_caches, **options)
-
     def profile_decode_graphs(self, max_seq_len: int) -> int:
         """Device bytes the decode CUDA graphs will take (0 off CUDA or without ``CUDA_GRAPHS``), measured
         by capturing them against a temporary pool before the real one is sized; stored in
