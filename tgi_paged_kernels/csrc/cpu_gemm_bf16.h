@@ -44,8 +44,8 @@ inline void tile_bf16(const float* a, int64_t lda, int64_t K, const uint16_t* w,
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // 5 rows x 2 halves of 8 lanes: 10 accumulators, the pair's two raw weight loads, their two even (then odd) widened
-// halves, an activation and the mask: the 16 ymm registers. 6 rows spilled three accumulators to the stack (1.3-1.4x
-// the fp32 tile's time on a Zen 3 core, hot weights, one thread; 5 rows 0.9-1.0x it).
+// halves, an activation and the mask: the 16 ymm registers. 6 rows spilled three accumulators to the stack (their FMA
+// chains then ran through store-to-load forwarding; perf annotate on a Zen 3 core).
 constexpr int kMRb = 5;
 
 // Rows [0, R) of one column block: the pair's dwords widened (even k: dword << 16, odd k: dword & 0xffff0000),

@@ -232,8 +232,8 @@ def swap_fast_layers(
     """Replace plain linears and Llama-form RMSNorms of ``model`` in place (see the module docstring);
     ``native_heads=False`` keeps wide fp32 linears on oneDNN too (a compiled step traces oneDNN's op).
 
-    A bf16 model where oneDNN has no bf16 GEMM (AVX2-only CPUs: torch's bf16 ``F.linear`` there took 2-7x the fp32
-    one's time, 58.7 against 26.0 ms for SmolLM2's LM head at 20 rows) gets every plain linear on the native bf16 GEMM
+    A bf16 model where oneDNN has no bf16 GEMM (AVX2-only CPUs: torch's bf16 ``F.linear`` there converts and runs
+    several times slower than fp32) gets every plain linear on the native bf16 GEMM
     (:class:`NativeLinear`: fp32 sums of the exact products, rounded to bf16 once, as torch's bf16 linear). With
     ``native_heads=False`` (native layers off, compiled decode) they keep torch's bf16 linear."""
     pack = can_pack(dtype, device)
