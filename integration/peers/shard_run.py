@@ -110,6 +110,17 @@ def anatomy(before: dict, after: dict) -> tuple[dict[str, float], int]:
     return parts, steps
 
 
+def _decode_shape(samples: dict[str, list[float]], tokens: int, requests: int, steps: float) -> dict[str, int]:
+    """The burst's mean running batch and context from the metric samples (one a second); a burst shorter than a
+    sample (a fast host's host-bound run) gets its batch from the counts (tokens after each request's first, per
+    decode step) and keeps the trace's context estimate (the caller's)."""
+    n = len(samples["running"])
+    if n == 0:
+        return {"batch": max(1, round((tokens - requests) / steps))} if steps else {}
+    ctx = sum(u / r for u, r in zip(samples["used_tokens"], samples["running"])) / n
+    return {"batch": max(1, round(sum(samples["running"]) / n)), "context": max(1, round(ctx))}
+
+
 def run_shard(
     job: dict[str, Any], *, max_batch_prefill_tokens: int, ready_timeout_s: float = 300, log=print
 ) -> tuple[EngineResult, dict[str, list[dict]], dict[str, float]]:
@@ -159,17 +170,10 @@ def run_shard(
                         after = await asyncio.to_thread(scrape, port)
                         parts, steps = anatomy(before, after)
                         result.anatomies[name] = {**parts, "decode_steps": steps}
+                        tokens = sum(len(r["tokens"]) for r in runs[name])
                         if name == "burst":
                             result.anatomy = parts
-                            n = max(1, len(samples["running"]))
-                            batch = sum(samples["running"]) / n
-                            ctx = sum(u / r for u, r in zip(samples["used_tokens"], samples["running"])) / n
-                            shapes = {
-                                "batch": max(1, round(batch)),
-                                "context": max(1, round(ctx)),
-                                "decode_steps": steps,
-                            }
-                        tokens = sum(len(r["tokens"]) for r in runs[name])
+                            shapes = {"decode_steps": steps, **_decode_shape(samples, tokens, len(requests), steps)}
                         log(f"  shard {name}: {tokens} tokens, {steps} decode steps")
                     return runs, shapes
                 finally:

@@ -104,3 +104,15 @@ def test_vllm_worker_needs_only_the_stdlib_and_vllm() -> None:
         for a in (n.names if isinstance(n, ast.Import) else [n])
     }
     assert roots <= {"__future__", "json", "os", "resource", "sys", "time", "torch", "vllm"}, roots
+
+
+def test_the_bare_forward_shape_survives_a_burst_shorter_than_one_metric_sample() -> None:
+    """A fast host's host-bound burst (about 1 s) can end before the first metric sample: the batch then comes from
+    the counts, the context from the trace (no key), not 1 row x 1 token as the first host E run printed."""
+    from integration.peers.shard_run import _decode_shape
+
+    sampled = {"running": [16.0, 18.0], "used_tokens": [1600.0, 2160.0]}
+    assert _decode_shape(sampled, 2114, 32, 127) == {"batch": 17, "context": 110}
+    empty = {"running": [], "used_tokens": []}
+    assert _decode_shape(empty, 2114, 32, 127) == {"batch": 16}
+    assert _decode_shape(empty, 32, 32, 0) == {}
