@@ -44,9 +44,11 @@ class HostInfo:
 def parse_cpuinfo(text: str) -> tuple[str, dict[str, bool]]:
     """``(model name, {flag: present})`` of the first processor block in ``/proc/cpuinfo`` text.
 
-    x86 lists ``flags``; some kernels (and other architectures) say ``Features``; both are read.
+    x86 lists ``flags``; some kernels (and other architectures) say ``Features``; both are read. The model name
+    gains x86's ``cpu family`` and ``model`` numbers where cpuinfo has them: a VM may name only the vendor's line
+    (``AMD EPYC``), which then tells a Zen 3 from a Zen 5 host.
     """
-    model, found = "unknown", set()
+    model, found, numbers = "unknown", set(), {}
     for line in text.splitlines():
         if not line.strip():
             if found or model != "unknown":
@@ -58,6 +60,10 @@ def parse_cpuinfo(text: str) -> tuple[str, dict[str, bool]]:
             model = value.strip() or model
         elif key in ("flags", "features"):
             found |= set(value.split())
+        elif key in ("cpu family", "model") and value.strip().isdigit():
+            numbers.setdefault(key, value.strip())
+    if model != "unknown" and len(numbers) == 2:
+        model = f"{model} (family {numbers['cpu family']}, model {numbers['model']})"
     return model, {flag: flag in found for flag in ISA_FLAGS}
 
 

@@ -44,6 +44,8 @@ def test_cpuinfo_parsing_reads_the_first_processor() -> None:
     model, flags = parse_cpuinfo("processor : 0\nFeatures : fp asimd bf16\n")  # aarch64: no model name
     assert model == "unknown" and not any(flags.values())
     assert parse_cpuinfo("") == ("unknown", dict.fromkeys(flags, False))
+    epyc = "processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\nflags\t\t: avx2\n"
+    assert parse_cpuinfo(epyc)[0] == "AMD EPYC (family 26, model 2)"  # a VM's bare vendor line, told apart
 
 
 @pytest.mark.parametrize(
