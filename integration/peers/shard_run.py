@@ -110,7 +110,7 @@ def anatomy(before: dict, after: dict) -> tuple[dict[str, float], int]:
     return parts, steps
 
 
-def _decode_shape(samples: dict[str, list[float]], tokens: int, requests: int, steps: float) -> dict[str, int]:
+def _decode_shape(samples: dict[str, list[float]], tokens: int, requests: int, steps: int) -> dict[str, int]:
     """The burst's mean running batch and context from the metric samples (one a second); a burst shorter than a
     sample (a fast host's host-bound run) gets its batch from the counts (tokens after each request's first, per
     decode step) and keeps the trace's context estimate (the caller's)."""

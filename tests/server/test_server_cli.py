@@ -68,7 +68,7 @@ def serve_argv(uds: Path, level: str, *extra: str) -> list[str]:
 
 def wait_for_socket(proc: subprocess.Popen, path: Path, timeout: float = 90.0) -> None:
     # A liveness deadline, not a timing check: three shards importing torch at once on 2 busy cores took ~9 s
-    # quiet and over 20 s under a full suite's load on a slow host.
+    # beside a pip install and over 20 s under a full suite's load on a slow host.
     deadline = time.monotonic() + timeout
     while not path.exists():
         if proc.poll() is not None:
