@@ -110,15 +110,22 @@ def anatomy(before: dict, after: dict) -> tuple[dict[str, float], int]:
     return parts, steps
 
 
+MIN_CONTEXT_SAMPLES = 3
+"""Metric samples a burst needs before its mean context is read from them."""
+
+
 def _decode_shape(samples: dict[str, list[float]], tokens: int, requests: int, steps: int) -> dict[str, int]:
-    """The burst's mean running batch and context from the metric samples (one a second); a burst shorter than a
-    sample (a fast host's host-bound run) gets its batch from the counts (tokens after each request's first, per
-    decode step) and keeps the trace's context estimate (the caller's)."""
+    """The burst's mean running batch and context. The batch comes from the counts (tokens after each request's
+    first, per decode step): the metric samples (one a second) of a burst of a second or two fall on its tail,
+    where few requests still run (host E's Qwen3 form printed "batch 1" against 16 from the counts). The context
+    comes from the samples when at least :data:`MIN_CONTEXT_SAMPLES` were taken, else from the trace's estimate (the
+    caller's: no key)."""
+    shape = {"batch": max(1, round((tokens - requests) / steps))} if steps else {}
     n = len(samples["running"])
-    if n == 0:
-        return {"batch": max(1, round((tokens - requests) / steps))} if steps else {}
-    ctx = sum(u / r for u, r in zip(samples["used_tokens"], samples["running"])) / n
-    return {"batch": max(1, round(sum(samples["running"]) / n)), "context": max(1, round(ctx))}
+    if n >= MIN_CONTEXT_SAMPLES:
+        ctx = sum(u / r for u, r in zip(samples["used_tokens"], samples["running"])) / n
+        shape["context"] = max(1, round(ctx))
+    return shape
 
 
 def run_shard(

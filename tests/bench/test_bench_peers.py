@@ -107,12 +107,15 @@ def test_vllm_worker_needs_only_the_stdlib_and_vllm() -> None:
 
 
 def test_the_bare_forward_shape_survives_a_burst_shorter_than_one_metric_sample() -> None:
-    """A fast host's host-bound burst (about 1 s) can end before the first metric sample: the batch then comes from
-    the counts, the context from the trace (no key), not 1 row x 1 token as the first host E run printed."""
+    """A fast host's host-bound burst (about 1 s) ends before the first metric sample, or takes one on its tail: the
+    batch comes from the counts, the context from the trace (no key) unless three samples were taken, not 1 row x 1
+    token (the first host E run) or "batch 1" from a tail sample (the second)."""
     from integration.peers.shard_run import _decode_shape
 
-    sampled = {"running": [16.0, 18.0], "used_tokens": [1600.0, 2160.0]}
-    assert _decode_shape(sampled, 2114, 32, 127) == {"batch": 17, "context": 110}
+    sampled = {"running": [16.0, 18.0, 20.0], "used_tokens": [1600.0, 2160.0, 2000.0]}
+    assert _decode_shape(sampled, 2114, 32, 127) == {"batch": 16, "context": 107}
+    tail = {"running": [1.0], "used_tokens": [176.0]}
+    assert _decode_shape(tail, 2114, 32, 127) == {"batch": 16}
     empty = {"running": [], "used_tokens": []}
     assert _decode_shape(empty, 2114, 32, 127) == {"batch": 16}
     assert _decode_shape(empty, 32, 32, 0) == {}
