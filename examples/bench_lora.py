@@ -34,7 +34,7 @@ from integration.smollm2 import ensure_smollm2  # noqa: E402
 from tgi_paged_backend.engine import build_engine  # noqa: E402
 from tgi_paged_backend.engine.types import BatchSpec, RequestSpec, StoppingParams  # noqa: E402
 from tgi_paged_backend.envs import build_config  # noqa: E402
-from tgi_paged_backend.runner.cpu.native_layers import NativeDecoderLayer  # noqa: E402
+from tgi_paged_backend.runner.native.layers import NativeDecoderLayer  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NUM_ADAPTERS = 16

@@ -30,7 +30,7 @@ from integration.peers.host import describe, host_info  # noqa: E402
 from integration.peers.hostbound import ensure_hostbound_model  # noqa: E402
 from tgi_paged_backend.bench.decode_step import random_decode_step  # noqa: E402
 from tgi_paged_backend.config import CacheConfig, ModelConfig, ServerConfig  # noqa: E402
-from tgi_paged_backend.runner.cpu.native_layers import NativeDecoderLayer  # noqa: E402
+from tgi_paged_backend.runner.native.layers import NativeDecoderLayer  # noqa: E402
 from tgi_paged_backend.runner.parallel.process_group import TensorParallelGroup  # noqa: E402
 from tgi_paged_backend.runner.parallel.tp_runner import TensorParallelRunner  # noqa: E402
 

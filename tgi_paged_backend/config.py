@@ -188,7 +188,7 @@ class ModelConfig:
     back to the next when it cannot build here. Not used on CUDA (Triton kernels)."""
     native_layers: bool = True
     """``TGI_PAGED_NATIVE_LAYERS``: on CPU, fp32 decode steps of Llama-form decoder layers with small
-    projections run as one native call per layer (``runner.cpu.native_layers``); ``0`` keeps the per-op path."""
+    projections run as one native call per layer (``runner.native.layers``); ``0`` keeps the per-op path."""
     max_images_per_request: int = 8
     """``TGI_PAGED_MAX_IMAGES_PER_REQUEST``: a vision-language model's request carrying more images is refused
     (INVALID_ARGUMENT); Warmup measures the vision tower's peak at this many of its largest images (bounded by

@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers
     )
     from .cpu_layer_lora import LayerLora as LayerLora
     from .cpu_layer_lora import LoraTarget as LoraTarget
+    from .cpu_layer_stack import LayerStack as LayerStack
     from .cpu_layer_step import decode_layer_parts as decode_layer_parts
     from .cpu_lora import add_lora_cpu as add_lora_cpu
     from .cpu_lora import cpu_b_stack as cpu_b_stack
@@ -109,6 +110,7 @@ _LAZY = {
     "decode_layer": "cpu_layer",
     "decode_layer_parts": "cpu_layer_step",
     "LayerLora": "cpu_layer_lora",
+    "LayerStack": "cpu_layer_stack",
     "LoraTarget": "cpu_layer_lora",
     "PackedInt8": "cpu_quant",
     "dequantized_int8": "cpu_quant",

@@ -8,7 +8,7 @@ call and one OpenMP region, on weights packed once (:func:`pack_weight`) for a G
 one sequential sum (:mod:`.cpu_gemm`: the same whatever the rows or threads). The arithmetic is fp32; the
 projections are packed in fp32, bf16 (:meth:`LayerWeights.as_bf16`) or int8 (:mod:`.cpu_quant`), the hidden state
 (with the RoPE tables) and the pools are fp32 or bf16 (a bf16 hidden state is widened at entry and rounded at exit,
-a bf16 pool stores rounded K/V and is read widened); the caller (``runner.cpu.native_layers``) decides when it
+a bf16 pool stores rounded K/V and is read widened); the caller (``runner.native.layers``) decides when it
 applies.
 
 The layer is data, not code: :class:`LayerForm` says which norms the layer has and where (before and

@@ -16,7 +16,7 @@ replicated bias and the residual add). :func:`decode_layer_parts` runs
 The all-reduce runs in Python between native calls (``torch.distributed`` through the caller's function): a
 callback from inside the OpenMP region would hold every other thread spinning at a barrier while gloo's own
 threads need the cores, and would call into Python from a C++ thread. References: the per-op layer of the same
-slices with the same all-reduces (the load-time check of ``runner.cpu.native_layers`` compares them with the
+slices with the same all-reduces (the load-time check of ``runner.native.layers`` compares them with the
 all-reduce as the identity, each rank on its own slices); ``tests/kernels/test_cpu_layer_parts.py`` sums two
 halves of a layer through :func:`decode_layer_parts` against :func:`.cpu_layer_ref.decode_layer_ref` of the whole.
 """

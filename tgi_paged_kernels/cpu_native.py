@@ -188,6 +188,14 @@ class NativeKernels:
         )  # fmt: skip
         # stage, partial sums (a tensor-parallel rank's parts; 0, null: the whole layer), decode_layer's arguments
         self.decode_layer_stage = bind("tgi_paged_decode_layer_stage", _int, _ptr, *self.decode_layer.argtypes)
+        self.decode_layers = bind(  # a stack's decode step: per-layer specs, pools, tables; the rest shared
+            "tgi_paged_decode_layers",
+            _i64, _ptr, _ptr, _ptr, _ptr, _ptr,  # layers, specs[], k_caches[], v_caches[], tables[], failed layer
+            _ptr, _i64, _ptr, _ptr,  # hidden, T, cos, sin
+            _i64, _i64, _i64, _i64,  # blocks, pool strides
+            _ptr, _int, _i64, _i64, _ptr, _int,  # slots, tables' int64?, stride, width, seq lens
+            _int, _ptr, _int, _int, _int,  # block size, scratch, threads, act dtype, KV dtype
+        )  # fmt: skip
         self.prefill_attention = bind(
             "tgi_paged_prefill_attention",
             _ptr, _i64, _i64,  # query, strides

@@ -101,6 +101,24 @@ def engines_table(results: list[EngineResult], rate: float, config: dict[str, An
     return table(headers, rows)
 
 
+def wall_split(wall_s: float, a: dict[str, float], decode_steps: Any) -> str:
+    """Where the burst's wall time (the client's first arrival -> last token) goes: the shard's decode and prefill
+    steps (its step histogram), and the rest: outside the shard's steps (its servicer and gRPC, the router replay
+    and the client on the same cores, and any wait for work)."""
+    steps_s = a["decode_total"] + a["prefill_total"]
+    rest = wall_s - steps_s
+    per_step = (
+        f" = {1000 * rest / decode_steps:.2f} ms per decode step"
+        if isinstance(decode_steps, int) and decode_steps
+        else ""
+    )
+    return (
+        f"burst wall {wall_s:.2f} s: decode steps {a['decode_total']:.2f} s, prefill steps {a['prefill_total']:.2f} s "
+        f"({a['prefill_steps']:.0f} steps), outside the shard's steps {rest:.2f} s{per_step} (servicer, gRPC, router "
+        "replay, client)"
+    )
+
+
 def anatomy_table(shard: EngineResult | None, bare: dict[str, Any] | None, shape: dict[str, Any]) -> str:
     if shard is None or not shard.anatomy or not shard.anatomy.get("step"):
         return "step anatomy: no decode step measured (shard not run, or it exports no tgi_paged_step_part_seconds)"
@@ -130,6 +148,9 @@ def anatomy_table(shard: EngineResult | None, bare: dict[str, Any] | None, shape
         )
     else:
         lines.append("bare forward: not measured")
+    burst = shard.runs.get("burst")
+    if burst is not None and "decode_total" in a:
+        lines.append(wall_split(burst.wall_s, a, steps))
     single = shard.anatomies.get("single")
     if single and single.get("step"):
         rest = single["step"] - single["forward"]

@@ -96,7 +96,8 @@ async def _drive(
 
 
 def anatomy(before: dict, after: dict) -> tuple[dict[str, float], int]:
-    """Mean seconds per decode step by part over the run, and the number of decode steps."""
+    """Mean seconds per decode step by part over the run (``step``: the whole step), the run's seconds in decode
+    and prefill steps (``decode_total``, ``prefill_total``) and its prefill steps, and the number of decode steps."""
 
     def delta(name: str, **labels: str) -> float:
         return counter_delta(before, after, name, **labels)
@@ -107,6 +108,9 @@ def anatomy(before: dict, after: dict) -> tuple[dict[str, float], int]:
         for p in STEP_PARTS
     }
     parts["step"] = delta("tgi_paged_step_seconds_sum", phase="decode") / steps if steps else 0.0
+    parts["decode_total"] = delta("tgi_paged_step_seconds_sum", phase="decode")
+    parts["prefill_total"] = delta("tgi_paged_step_seconds_sum", phase="prefill")
+    parts["prefill_steps"] = delta("tgi_paged_step_seconds_count", phase="prefill")
     return parts, steps
 
 

@@ -119,3 +119,14 @@ def test_the_bare_forward_shape_survives_a_burst_shorter_than_one_metric_sample(
     empty = {"running": [], "used_tokens": []}
     assert _decode_shape(empty, 2114, 32, 127) == {"batch": 16}
     assert _decode_shape(empty, 32, 32, 0) == {}
+
+
+def test_the_wall_split_says_what_the_shard_steps_leave_of_the_burst() -> None:
+    """The burst's wall minus the shard's decode and prefill steps is the time outside them, per decode step."""
+    from integration.peers.report import wall_split
+
+    a = {"decode_total": 0.60, "prefill_total": 0.15, "prefill_steps": 4.0}
+    text = wall_split(1.00, a, 125)
+    assert "decode steps 0.60 s, prefill steps 0.15 s (4 steps)" in text
+    assert "outside the shard's steps 0.25 s = 2.00 ms per decode step" in text
+    assert "per decode step" not in wall_split(1.00, a, "?")

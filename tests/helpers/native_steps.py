@@ -1,12 +1,12 @@
-"""Which steps an engine's native decode layers served (``runner.cpu.native_layers``): engine tests assert that
+"""Which steps an engine's native decode layers served (``runner.native.layers``): engine tests assert that
 LoRA and speculative verify steps ran as one native call per layer, not on the per-op path."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tgi_paged_backend.runner.cpu import native_layers
-from tgi_paged_backend.runner.cpu.native_layers import NativeDecoderLayer
+from tgi_paged_backend.runner.native import layers as native_layers
+from tgi_paged_backend.runner.native.layers import NativeDecoderLayer
 
 
 @dataclass

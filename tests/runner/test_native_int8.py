@@ -17,9 +17,9 @@ from tests.helpers.int_checkpoints import int_reference, write_int_checkpoint
 from tests.helpers.paged_driver import greedy_hf, greedy_paged
 from tests.helpers.tiny_models import EOS_ID, PAD_ID
 from tgi_paged_backend.config import CacheConfig, ModelConfig
-from tgi_paged_backend.runner.cpu.native_layers import NativeDecoderLayer, NativeInt8Linear
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.runner.native.layers import NativeDecoderLayer, NativeInt8Linear
 from tgi_paged_backend.runner.quant.linear import IntLinear
 from tgi_paged_kernels.cpu_native import native_kernels
 

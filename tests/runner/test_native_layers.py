@@ -1,4 +1,4 @@
-"""Native decode layers (``runner.cpu.native_layers``): which families' layers run decode steps as one native call,
+"""Native decode layers (``runner.native.layers``): which families' layers run decode steps as one native call,
 that those runners give the logits and greedy tokens of the per-op path, and that anything else keeps the
 Python path. (Token-exactness of every family against HF: test_family_matrix, which serves them natively.)"""
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from tgi_paged_backend.config import CacheConfig, ModelConfig
-from tgi_paged_backend.runner.cpu import native_layers
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention
 from tgi_paged_backend.runner.cpu.layer_forms import layer_attention
-from tgi_paged_backend.runner.cpu.native_layers import NativeDecoderLayer
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.runner.native import layers as native_layers
+from tgi_paged_backend.runner.native.layers import NativeDecoderLayer
 from tgi_paged_backend.runner.rewrites.pipeline import model_rewrites
 from tgi_paged_kernels.cpu_native import native_kernels
 

@@ -1,4 +1,4 @@
-"""bf16 models on the native decode layer (``runner.cpu.native_layers``, ``runner.cpu.native_checks``): the layers are
+"""bf16 models on the native decode layer (``runner.native.layers``, ``runner.native.checks``): the layers are
 wrapped, every decode step runs natively, and greedy generation's logits stay as close to HF's fp32 logits as HF's
 own bf16 model is.
 
@@ -24,11 +24,12 @@ import torch
 
 from tests.helpers.tiny_models import load_reference
 from tgi_paged_backend.config import CacheConfig, ModelConfig
-from tgi_paged_backend.runner.cpu import fast_layers, native_layers
-from tgi_paged_backend.runner.cpu.native_checks import bf16_step_close, fp32_params
-from tgi_paged_backend.runner.cpu.native_layers import NativeDecoderLayer
+from tgi_paged_backend.runner.cpu import fast_layers
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.runner.native import layers as native_layers
+from tgi_paged_backend.runner.native.checks import bf16_step_close, fp32_params
+from tgi_paged_backend.runner.native.layers import NativeDecoderLayer
 from tgi_paged_kernels.cpu_gemm import bf16_from_packed, pack_weight, set_bf16_amx, set_bf16_dot
 from tgi_paged_kernels.cpu_native import native_kernels
 

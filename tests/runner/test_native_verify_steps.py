@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.runner.test_native_layers import WRAPPED, _count_native_calls, _runner
-from tgi_paged_backend.runner.cpu.native_layers import MAX_QUERY_ROWS, NativeDecoderLayer
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.runner.native.layers import MAX_QUERY_ROWS, NativeDecoderLayer
 from tgi_paged_kernels.cpu_native import native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="no C++ compiler here: no native kernels")

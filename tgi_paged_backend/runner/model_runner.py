@@ -26,7 +26,6 @@ from tgi_paged_backend.runner import memory_budget
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata, mask_placeholder
 from tgi_paged_backend.runner.cpu.fast_layers import SwapReport
 from tgi_paged_backend.runner.cpu.fused_blocks import FusionReport
-from tgi_paged_backend.runner.cpu.native_layers import NativeLayersReport
 from tgi_paged_backend.runner.families.alibi import has_alibi_attention
 from tgi_paged_backend.runner.image_embeds import model_inputs
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch, dummy_prefill_chunks
@@ -34,6 +33,8 @@ from tgi_paged_backend.runner.kv_pool import BlockIds, KVPool
 from tgi_paged_backend.runner.model.loader import LoadedModel, load_model, resident_bytes
 from tgi_paged_backend.runner.model.medusa import MedusaHeads, load_medusa_for
 from tgi_paged_backend.runner.model.spec import ModelSpec, resolve_kv_dtype
+from tgi_paged_backend.runner.native.layers import NativeLayersReport
+from tgi_paged_backend.runner.native.stack import prove_stack
 from tgi_paged_backend.runner.rewrites.base import AppliedRewrites, ModelRewrite, RewriteContext
 from tgi_paged_backend.runner.rewrites.pipeline import model_rewrites, run_rewrites
 from tgi_paged_backend.runner.static import setup as static_setup
@@ -291,7 +292,8 @@ class ModelRunner:
 
     def warm_decode(self) -> float:
         """Run one dummy decode step so its one-time costs (the CPU decode kernel's compilation, oneDNN's
-        primitive caches) are paid at Warmup, not by the first request. Returns the seconds it took.
+        primitive caches) are paid at Warmup, not by the first request; first prove the native layers' stacks
+        (:func:`~.native.stack.prove_stack`). Returns the seconds it took.
 
         Three requests of ``block_size + 1`` tokens (sizes that differ, so no duck-sized guard of the
         compiled kernel ties them), every block the scratch block 0 (never handed out), so no pool block
@@ -301,6 +303,11 @@ class ModelRunner:
             raise RuntimeError("allocate_kv_cache() must be called before warm_decode()")
         chunks = [RequestChunk(token_ids=[0], num_computed=self.block_size, block_table=[0, 0]) for _ in range(3)]
         start = time.perf_counter()
+        for stack in self.native_layers.stacks if self.native_layers is not None else ():
+            if self.pool_groups.num_groups == 1:  # proven on scratch pools before any decode step may use it
+                prove_stack(stack, self._forward, self.k_caches, self.v_caches, self.block_size)
+            else:
+                stack.kept = "KV layer groups: each group has its own slots"
         self._forward(build_forward_batch(chunks, self.block_size), self.k_caches, self.v_caches)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -1,2 +1,2 @@
-"""CPU load-time rewrites of the model: fused q/k/v and gate/up blocks, native C++ decoder layers,
-oneDNN-packed linears and fused norms."""
+"""CPU load-time rewrites of the model: fused q/k/v and gate/up blocks, the layer (and MoE) forms the native
+decoder layers (:mod:`..native`) run, oneDNN-packed linears and fused norms."""

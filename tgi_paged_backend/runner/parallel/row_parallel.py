@@ -30,7 +30,7 @@ def local_sums(module: nn.Module) -> Iterator[None]:
 
     For the load-time checks that compare a replacement with the module it replaces on each rank alone: no
     collective runs, so a check whose outcome differs between ranks cannot leave them in different collectives
-    (the ranks agree on the outcome afterwards, e.g. ``runner.cpu.native_layers.wrap_native_layers``). Both sides
+    (the ranks agree on the outcome afterwards, e.g. ``runner.native.layers.wrap_native_layers``). Both sides
     of such a check sum at the same points, so equal partial sums mean equal all-reduced ones."""
     held = [(m, m.__dict__["_all_reduce"]) for m in module.modules() if m.__dict__.get("_all_reduce") is not None]
     for m, _ in held:

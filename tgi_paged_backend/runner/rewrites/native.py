@@ -1,6 +1,6 @@
 """Rewrite ``native`` (CPU, fp32 and bf16 models): a fused decoder layer's decode step as one C++ call, for every
-layer form :mod:`tgi_paged_backend.runner.cpu.layer_forms` describes (:mod:`tgi_paged_backend.runner.cpu.
-native_layers`); on a tensor-parallel rank (fp32), native calls between the all-reduces, on the layers whose check
+layer form :mod:`tgi_paged_backend.runner.cpu.layer_forms` describes (:mod:`tgi_paged_backend.runner.native.
+layers`); on a tensor-parallel rank (fp32), native calls between the all-reduces, on the layers whose check
 passed on every rank."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tgi_paged_backend.runner.cpu.native_layers import Agree, NativeLayersReport, wrap_native_layers
+from tgi_paged_backend.runner.native.layers import Agree, NativeLayersReport, wrap_native_layers
 from tgi_paged_backend.runner.rewrites.base import Decision, RewriteContext, runs, skip
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -42,7 +42,7 @@ class NativeLayers:
 
 
 def _agreement(ctx: RewriteContext) -> Agree | None:
-    """A tensor-parallel rank's :data:`~..cpu.native_layers.Agree`: a layer passes where it passed on every rank
+    """A tensor-parallel rank's :data:`~..native.layers.Agree`: a layer passes where it passed on every rank
     (one all-gather of the outcomes on the control group); ``None`` on one shard."""
     group = ctx.tp_group
     if group is None:

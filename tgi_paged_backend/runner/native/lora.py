@@ -1,4 +1,4 @@
-"""The LoRA adapters of a native decoder layer (:mod:`.native_layers`), as the native step adds them.
+"""The LoRA adapters of a native decoder layer (:mod:`.layers`), as the native step adds them.
 
 :func:`tgi_paged_backend.lora.layers.attach_adapters` wraps each adapted linear in a
 :class:`~tgi_paged_backend.lora.layers.LoraLinear`; the fusion of q/k/v and gate/up keeps each projection's

@@ -1,4 +1,4 @@
-"""The load-time check of :mod:`.native_layers` (:func:`~.native_layers.wrap_native_layers`): random decode and
+"""The load-time check of :mod:`.layers` (:func:`~.layers.wrap_native_layers`): random decode and
 verify steps over scratch pools (:func:`check_metadata`), a layer called on one as the model calls it
 (:func:`call_as_model`), and what a bf16 layer's check needs: the layer run in fp32 for a while, and the bf16
 step's tolerance.
@@ -27,7 +27,7 @@ from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecu
 from tgi_paged_kernels import LayerWeights
 
 if TYPE_CHECKING:
-    from tgi_paged_backend.runner.cpu.native_layers import NativeDecoderLayer
+    from tgi_paged_backend.runner.native.layers import NativeDecoderLayer
 
 
 BF16_EPS = 2.0**-8

@@ -1,22 +1,22 @@
 """Decoder layers that run on the native CPU kernels (fp32 and bf16 models): a decode step as one call, for every
 layer form.
 
-After :func:`~runner.cpu.fused_blocks.fuse_blocks`, a decoder layer whose form :mod:`.layer_forms` can describe
-(a class of :data:`~.layer_forms.NORM_PLACES` made of a :class:`~runner.cpu.fused_blocks.FusedPagedAttention`, a
+After :func:`~runner.cpu.fused_blocks.fuse_blocks`, a decoder layer whose form :mod:`~..cpu.layer_forms` can describe
+(a class of :data:`~..cpu.layer_forms.NORM_PLACES` made of a :class:`~runner.cpu.fused_blocks.FusedPagedAttention`, a
 :class:`~runner.cpu.fused_blocks.FusedGatedMLP` of SiLU or GeLU-tanh, RMSNorms of the ``w`` or ``1 + w`` kind,
 LayerNorms, plain fp32 projections: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Granite, OLMo2, Phi-3,
 Cohere, Cohere 2, Phi, GPT-NeoX, GPT-J, StarCoder2 (parallel blocks, LayerNorms, partial or interleaved RoPE,
 ungated MLPs), GPT-2, GPT-BigCode, OPT (learned positions: no RoPE; ReLU; OPT-350m's norms after the add) and
 Falcon (parallel blocks with one or two LayerNorms, grouped or one KV head), Mixtral and Qwen3-MoE (an MoE MLP:
-router, top-k, experts' GEMMs: :mod:`.moe_forms`)) is wrapped by :class:`NativeDecoderLayer`:
+router, top-k, experts' GEMMs: :mod:`~..cpu.moe_forms`)) is wrapped by :class:`NativeDecoderLayer`:
 
 - a **decode step** (one new token per request, fp32 or bf16 pools) runs the whole layer through
   :func:`tgi_paged_kernels.cpu_layer.decode_layer`: one call and one OpenMP region instead of ~10
   calls, each with its Python, dispatch and thread wake-up; so does a **speculative verify step** (a few query
   rows per request that already has context: :data:`MAX_QUERY_ROWS`) and a step whose rows use **LoRA adapters**
-  (each row's delta added inside the call, :mod:`.native_lora`);
+  (each row's delta added inside the call, :mod:`.lora`);
 - every other step (prefill, chunks, the static step, probes and checks) runs the wrapped layer, whose four
-  projections are :class:`NativeLinear` (an MoE block's experts :class:`~.moe_forms.NativeExperts`) over the same
+  projections are :class:`NativeLinear` (an MoE block's experts :class:`~..cpu.moe_forms.NativeExperts`) over the same
   packed weights (the native GEMM, as fast as oneDNN
   at every shape we measured): one copy of the weights, no extra memory.
 
@@ -32,7 +32,7 @@ block) or OLMo2's q/k norms over all heads (an all-reduce inside the norm) keep 
 Wrapped only after one decode step over scratch pools gives the original's output and K/V (to 1e-4: the
 GEMM sums in another order than oneDNN/MKL): a description that is wrong is never served. A bf16 layer's
 description is proven so on the layer widened to fp32, then its bf16 step (weights packed in bf16, fp32
-arithmetic, bf16 hidden state) is checked against the module's bf16 step (:mod:`.native_checks`).
+arithmetic, bf16 hidden state) is checked against the module's bf16 step (:mod:`.checks`).
 ``TGI_PAGED_NATIVE_LAYERS=0`` (``ModelConfig.native_layers``) keeps the per-op path. Figures:
 ``docs/performance-cpu.md``, "CPU forward".
 """
@@ -62,7 +62,8 @@ from tgi_paged_backend.runner.cpu.layer_forms import (
     row_parallel_part,
 )
 from tgi_paged_backend.runner.cpu.moe_forms import NativeExperts
-from tgi_paged_backend.runner.cpu.native_checks import (
+from tgi_paged_backend.runner.model.vlm_loading import text_model
+from tgi_paged_backend.runner.native.checks import (
     bf16_step,
     call_as_model,
     check_lengths,
@@ -71,10 +72,11 @@ from tgi_paged_backend.runner.cpu.native_checks import (
     projection_dtype,
     reproduces_bf16,
 )
-from tgi_paged_backend.runner.cpu.native_lora import layer_lora
-from tgi_paged_backend.runner.model.vlm_loading import text_model
+from tgi_paged_backend.runner.native.lora import layer_lora
+from tgi_paged_backend.runner.native.stack import DecodeStack, stack_layers
 from tgi_paged_backend.runner.parallel.row_parallel import local_sums
 from tgi_paged_kernels import (
+    LayerStack,
     LayerWeights,
     NativeKernels,
     PackedInt8,
@@ -92,7 +94,7 @@ context (a verify step: the last token and its draft; prompts keep the prefill p
 
 
 def layer_weights(layer: nn.Module) -> LayerWeights | str:
-    """The packed weights of ``layer``'s form (:func:`~.layer_forms.layer_form`), or why it has none."""
+    """The packed weights of ``layer``'s form (:func:`~..cpu.layer_forms.layer_form`), or why it has none."""
     found = layer_form(layer)
     if isinstance(found, str):
         return found
@@ -136,11 +138,20 @@ class NativeDecoderLayer(nn.Module):
         """A tensor-parallel rank's layer (its o and down projections row-parallel): what sums their partial sums
         over the ranks, between the native calls of :func:`~tgi_paged_kernels.decode_layer_parts`; ``None``: the
         whole layer is one call."""
-        self.native_steps = 0
-        """Decode steps this layer ran as one native call (the load-time check needs its step to be one)."""
+        self.calls = [0]
+        """``[decode steps run natively]`` (:attr:`native_steps`; a list: counting needs no ``Module.__setattr__``)."""
+        self.stack: DecodeStack | None = None
+        """The layer list's stack (:mod:`.stack`) when every layer in it is native; :attr:`stack_index` this
+        layer's place in it."""
+        self.stack_index = 0
         self.as_tuple = False
         """transformers before 4.54 returns ``(hidden,)`` from a decoder layer, later versions the tensor: set
         by the load-time check (:func:`_reproduces`) from what the wrapped layer returns."""
+
+    @property
+    def native_steps(self) -> int:
+        """Decode steps this layer ran natively, alone or in its stack (the load-time check needs one)."""
+        return self.calls[0]
 
     def own_projections(self) -> None:
         """Make the packed weights the only copy: the wrapped layer's four projections become
@@ -210,8 +221,22 @@ class NativeDecoderLayer(nn.Module):
         return metadata
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        stack = self.stack
+        if stack is not None and self.stack_index:
+            given = kwargs.get(METADATA_KWARG)
+            if given is None and self.channel is not None:
+                given = self.channel.metadata
+            if stack.passes_through(self.stack_index, given):  # the first layer ran this step's whole stack
+                return (hidden_states,) if self.as_tuple else hidden_states
+            stack.observe(self.stack_index, kwargs.get("position_embeddings"))
         metadata = self._native_step(hidden_states, kwargs)
         tables = kwargs.get("position_embeddings")
+        if stack is not None and not self.stack_index:
+            stack.observe(0, tables)
+            if metadata is not None and self.lora_step is None:
+                out = stack.run(hidden_states, tables, metadata)
+                if out is not None:
+                    return (out,) if self.as_tuple else out
         if metadata is None or (tables is None and self.rope != "none"):
             return self.layer(hidden_states, *args, **kwargs)
         cos, sin = (None, None) if self.rope == "none" else rope_tables(tables, self.rope)
@@ -229,7 +254,7 @@ class NativeDecoderLayer(nn.Module):
         out = decode_layer(*step) if self._all_reduce is None else decode_layer_parts(*step[:10], self._all_reduce)
         if out is None:  # inputs of another kind (slot dtype, RoPE table layout): the per-op path serves
             return self.layer(hidden_states, *args, **kwargs)
-        self.native_steps += 1
+        self.calls[0] += 1
         return (out.unsqueeze(0),) if self.as_tuple else out.unsqueeze(0)
 
 
@@ -256,6 +281,10 @@ class NativeLayersReport:
     wrapped: int
     kept: tuple[str, ...]
     """Why candidates kept their Python path (one line per distinct reason)."""
+    stacks: tuple[DecodeStack, ...] = ()
+    """The layer lists whose layers are all native (:mod:`.stack`: one call per decode step once proven)."""
+    stack_kept: tuple[str, ...] = ()
+    """Why a layer list of native layers has no stack."""
 
 
 def _reproduces(
@@ -391,7 +420,27 @@ def wrap_native_layers(
             passed.own_projections()
             setattr(parent, name, passed)
             wrapped += 1
-    report = NativeLayersReport(wrapped=wrapped, kept=tuple(sorted(kept)))
+    stacks, stack_kept = _stacks({parent for parent, _, passed in candidates if passed is not None}, native)
+    report = NativeLayersReport(
+        wrapped=wrapped, kept=tuple(sorted(kept)), stacks=tuple(stacks), stack_kept=tuple(sorted(stack_kept))
+    )
     if wrapped or kept:
         logger.info("native decode layers: {} wrapped{}", wrapped, f"; kept: {'; '.join(report.kept)}" if kept else "")
     return report
+
+
+def _stacks(parents: set[nn.Module], native: NativeKernels | None) -> tuple[list[DecodeStack], set[str]]:
+    """A :class:`~.stack.DecodeStack` for each layer list (a parent of wrapped layers) whose children are all
+    native layers, and why the others have none."""
+    stacks, kept = [], set()
+    for parent in parents:
+        layers = list(parent.children())
+        if native is None or not all(isinstance(layer, NativeDecoderLayer) for layer in layers):
+            kept.add("some layers of the list run per op")
+            continue
+        found = stack_layers(cast(list[NativeDecoderLayer], layers), lambda weights: LayerStack(native, weights))
+        if isinstance(found, str):
+            kept.add(found)
+        else:
+            stacks.append(found)
+    return stacks, kept

@@ -1,0 +1,98 @@
+"""A model's native layers as one call per decode step (``runner.native.stack``): proven at Warmup on scratch
+pools, then serving decode steps with the per-layer path's logits to the bit; models whose layers take different
+RoPE tables, differ in rotary kind, or are not all native keep a call per layer, and say why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.runner.test_native_layers import _runner, _steps
+from tgi_paged_backend.runner.native import stack as native_stack
+from tgi_paged_backend.runner.native.layers import NativeDecoderLayer
+from tgi_paged_kernels.cpu_native import native_kernels
+
+pytestmark = pytest.mark.skipif(native_kernels() is None, reason="no C++ compiler here: no native kernels")
+
+PROMPTS = [[3, 17, 5, 9, 11, 2, 8, 13, 21, 4, 6], [7, 7, 1, 30, 2], [12]]
+NEW_TOKENS = 6
+
+STACKED = {
+    "Llama": "",
+    "Qwen3": "",
+    "Mixtral": "",
+    "Gemma2": "",  # a sliding and a full layer: one RoPE table, windows in the layers' specs
+    "Phi": "",
+    "GPT-2": "",  # no RoPE: no tables at all
+    "Falcon": "",  # its layers take their metadata from the attention's channel
+    "Gemma3": "kept: different RoPE tables",  # local and global tables
+    "Cohere2": "none: differ in KV heads, head size, hidden size or rotary kind",  # a full layer without RoPE
+    "gpt-oss": "none: ",  # no native layer at all (its MoE layers run per op)
+}
+"""What each tiny family's stack does after Warmup: serves (""), is kept (``kept: `` the reason), or there is none
+(``none: `` why)."""
+
+
+def _warmed(name: str, family_dir):
+    runner = _runner(family_dir(name))
+    runner.allocate_kv_cache(8)
+    runner.warm_decode()
+    return runner
+
+
+@pytest.mark.parametrize("name", sorted(STACKED))
+def test_the_stack_serves_where_proven_with_the_per_layer_logits(family_dir, name) -> None:
+    runner = _warmed(name, family_dir)
+    report = runner.native_layers
+    assert report is not None
+    outcome, _, reason = STACKED[name].partition(": ")
+    if outcome == "none":
+        assert report.stacks == () and (not reason or any(reason in line for line in report.stack_kept))
+        return
+    (stack,) = report.stacks
+    assert stack.enabled == (outcome == "") and reason in stack.kept
+    layers = [m for m in runner.model.modules() if isinstance(m, NativeDecoderLayer)]
+    steps, calls = stack.steps, [layer.native_steps for layer in layers]
+    stacked = _steps(runner, PROMPTS, NEW_TOKENS)
+    assert stack.steps - steps == (NEW_TOKENS if stack.enabled else 0)
+    assert [layer.native_steps - n for layer, n in zip(layers, calls)] == [NEW_TOKENS] * len(layers)
+    per_layer = _steps(_runner(family_dir(name)), PROMPTS, NEW_TOKENS)  # not warmed: its stack is not proven
+    for got, expected in zip(stacked, per_layer):
+        assert torch.equal(got, expected)
+
+
+def test_a_stacked_step_that_differs_is_not_served(family_dir, monkeypatch) -> None:
+    """The proof compares the whole model's logits and K/V: a stack kernel off by a bit never serves."""
+    real = native_stack.LayerStack.decode
+
+    def off_by_a_bit(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        return None if out is None else out * 1.001
+
+    monkeypatch.setattr(native_stack.LayerStack, "decode", off_by_a_bit)
+    runner = _warmed("Llama", family_dir)
+    (stack,) = runner.native_layers.stacks
+    assert not stack.enabled and "differ" in stack.kept
+    steps = stack.steps
+    _steps(runner, PROMPTS, 2)
+    assert stack.steps == steps
+
+
+def test_a_model_that_skips_a_layer_is_not_stacked(family_dir) -> None:
+    """The proof records the layers' calls: a loop that calls them other than once each, in order, keeps them."""
+    runner = _runner(family_dir("Llama"))
+    (stack,) = runner.native_layers.stacks
+    layers = runner.model.model.layers
+    runner.model.model.layers = type(layers)(list(layers)[:1])  # the loop now calls only the first layer
+    runner.allocate_kv_cache(8)
+    runner.warm_decode()
+    assert not stack.enabled and "once, in order" in stack.kept
+
+
+def test_lora_and_tensor_parallel_layers_keep_a_call_each() -> None:
+    class Layer:
+        def __init__(self, all_reduce=None, lora_step=None):
+            self._all_reduce, self.lora_step = all_reduce, lora_step
+
+    assert "tensor-parallel" in native_stack.stack_layers([Layer(all_reduce=object())], lambda w: None)
+    assert "LoRA" in native_stack.stack_layers([Layer(lora_step=object())], lambda w: None)

@@ -1,0 +1,178 @@
+"""A model's native decoder layers as one native call per decode step
+(:class:`tgi_paged_kernels.cpu_layer_stack.LayerStack`).
+
+transformers' model loop calls its decoder layers one by one. When every layer of the model's layer list is a
+:class:`~.layers.NativeDecoderLayer` that runs whole (no tensor-parallel parts, no LoRA wrappers), a decode
+step's first layer runs all of them in one call and the others pass the result through: no Python, argument checks,
+ctypes conversion or OpenMP fork per layer. Every layer then takes layer 0's RoPE tables and slots; each its own
+pools and block table.
+
+That is right only where the model gives every layer the same tables and does nothing between layers. So the stack
+serves only after :func:`prove_stack` (at Warmup, :meth:`ModelRunner.warm_decode`) ran one decode step of the whole
+model over scratch pools both ways: every layer was called in order with the same RoPE tables, and the logits and
+every layer's K/V came out equal to the bit (the same kernel per layer, in the same order). Gemma 3 (local and global
+RoPE tables), models that add between layers, and KV layer groups keep a call per layer; so do verify steps and
+steps with LoRA rows. ``stack.kept`` says why a stack does not serve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from loguru import logger
+
+from tgi_paged_backend.runner.attention import PagedAttentionMetadata
+from tgi_paged_backend.runner.cpu.fused_blocks import rope_tables
+from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
+from tgi_paged_kernels import LayerStack
+
+if TYPE_CHECKING:
+    from tgi_paged_backend.runner.native.layers import NativeDecoderLayer
+
+Forward = Callable[[ForwardBatch, list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
+"""The runner's forward over given pools (``ModelRunner._forward``): logits of the batch's rows."""
+
+
+class DecodeStack:
+    """The layers of one layer list (model order) and whether their decode steps run as one call."""
+
+    def __init__(self, layers: list[NativeDecoderLayer], kernel: LayerStack) -> None:
+        self.layers = layers
+        self.kernel = kernel
+        self.enabled = False
+        """Set by :func:`prove_stack` when the stacked step gave the per-layer step's logits and K/V."""
+        self.kept = "not proven (no Warmup decode step yet)"
+        """Why the stack does not serve (empty when it does)."""
+        self.steps = 0
+        """Decode steps served as one call."""
+        self._served: PagedAttentionMetadata | None = None
+        """The step whose layers the first layer ran: the others pass its output through."""
+        self._probe: list[tuple[int, Any]] | None = None
+
+    def passes_through(self, index: int, metadata: PagedAttentionMetadata | None) -> bool:
+        """Whether layer ``index`` (> 0) of this step was already run by the first layer's call."""
+        if metadata is None or metadata is not self._served:
+            return False
+        if index == len(self.layers) - 1:
+            self._served = None
+        return True
+
+    def observe(self, index: int, position_embeddings: Any) -> None:
+        """:func:`prove_stack`'s per-layer step: the layers' order and the RoPE tables each got."""
+        if self._probe is not None:
+            self._probe.append((index, position_embeddings))
+
+    def run(
+        self, hidden: torch.Tensor, position_embeddings: Any, metadata: PagedAttentionMetadata
+    ) -> torch.Tensor | None:
+        """The whole stack's output for a decode step's ``hidden`` ``[1, T, H]`` as the first layer got it, or
+        ``None`` (not proven, or inputs of another kind: every layer then runs its own call)."""
+        first = self.layers[0]
+        if not self.enabled or not metadata.batch.is_decode:
+            return None
+        cos = sin = None
+        if first.rope != "none":
+            if position_embeddings is None:
+                return None
+            cos, sin = rope_tables(position_embeddings, first.rope)
+            if cos.dtype != hidden.dtype:
+                cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)
+        slot_mapping, _ = metadata.tables(first.layer_idx)
+        tables = []
+        for layer in self.layers:
+            slots, table = metadata.tables(layer.layer_idx)
+            if slots is not slot_mapping:  # KV layer groups: each group its own slots
+                return None
+            tables.append(table)
+        k_caches = [metadata.k_caches[layer.layer_idx] for layer in self.layers]
+        v_caches = [metadata.v_caches[layer.layer_idx] for layer in self.layers]
+        out = self.kernel.decode(hidden[0], cos, sin, k_caches, v_caches, slot_mapping, tables, metadata.batch.seq_lens)
+        if out is None:
+            return None
+        self._served = metadata
+        self.steps += 1
+        for layer in self.layers:
+            layer.calls[0] += 1
+        return out.unsqueeze(0)
+
+
+def stack_layers(
+    layers: list[NativeDecoderLayer], kernel_stack: Callable[[list[Any]], LayerStack]
+) -> DecodeStack | str:
+    """The stack of ``layers`` (every entry of one layer list, in order), or why they keep a call each."""
+    if any(layer._all_reduce is not None for layer in layers):
+        return "tensor-parallel ranks run their layers in parts"
+    if any(layer.lora_step is not None for layer in layers):
+        return "LoRA adapters are loaded"
+    if len({layer.weights.weight_dtype for layer in layers}) != 1:
+        return "the layers' weights differ in dtype"
+    try:
+        kernel = kernel_stack([layer.weights for layer in layers])
+    except ValueError as e:
+        return str(e)
+    stack = DecodeStack(layers, kernel)
+    for i, layer in enumerate(layers):
+        layer.stack, layer.stack_index = stack, i
+    return stack
+
+
+def _proof_batch(block_size: int) -> tuple[ForwardBatch, int]:
+    """A decode step of three requests of different lengths over their own blocks, and the blocks it needs."""
+    lengths = (1, block_size + 3, 2 * block_size + 1)
+    chunks, first = [], 0
+    for i, n in enumerate(lengths):
+        blocks = -(-(n + 1) // block_size)
+        chunks.append(RequestChunk(token_ids=[7 + i], num_computed=n, block_table=list(range(first, first + blocks))))
+        first += blocks
+    return build_forward_batch(chunks, block_size), first
+
+
+def prove_stack(
+    stack: DecodeStack, forward: Forward, k_like: list[torch.Tensor], v_like: list[torch.Tensor], block_size: int
+) -> bool:
+    """Run one decode step of the whole model over scratch pools shaped as ``k_like``/``v_like`` (random history)
+    per layer, then stacked; enable the stack when every layer was called in order with the first layer's RoPE
+    tables and the logits and K/V are equal to the bit. Logs the outcome; returns ``stack.enabled``."""
+    batch, blocks = _proof_batch(block_size)
+    generator = torch.Generator().manual_seed(0)
+
+    def pools(like: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.randn((blocks, *t.shape[1:]), generator=generator).to(t.dtype) for t in like]
+
+    k0, v0 = pools(k_like), pools(v_like)
+    probe: list[tuple[int, Any]] = []
+    try:
+        stack.enabled, stack._probe = False, probe
+        ref_k, ref_v = [t.clone() for t in k0], [t.clone() for t in v0]
+        ref = forward(batch, ref_k, ref_v)
+        stack.enabled, stack._probe, steps = True, None, stack.steps
+        got_k, got_v = [t.clone() for t in k0], [t.clone() for t in v0]
+        got = forward(batch, got_k, got_v)
+        kept = _verdict(len(stack.layers), probe, stack.steps - steps, (ref, *ref_k, *ref_v), (got, *got_k, *got_v))
+    except Exception as e:  # noqa: BLE001 - any failure means: a call per layer
+        kept = f"its proof step failed: {type(e).__name__}: {e}"
+    finally:
+        stack._probe = stack._served = None
+    stack.enabled, stack.kept = not kept, kept
+    logger.info(
+        "native decode stack: {}",
+        f"{len(stack.layers)} layers as one call per decode step" if stack.enabled else f"kept per layer: {kept}",
+    )
+    return stack.enabled
+
+
+def _verdict(
+    layers: int, probe: list[tuple[int, Any]], served: int, ref: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...]
+) -> str:
+    """Why the stacked step may not serve (empty: it may)."""
+    if [i for i, _ in probe] != list(range(layers)):
+        return "the model does not call each of its layers once, in order"
+    if any(tables is not probe[0][1] for _, tables in probe):
+        return "its layers take different RoPE tables"
+    if served != 1:
+        return "the stacked step did not run (inputs of another kind)"
+    if not all(torch.equal(a, b) for a, b in zip(ref, got)):
+        return "the stacked step's logits or K/V differ from a call per layer"
+    return ""
