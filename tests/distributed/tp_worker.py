@@ -19,8 +19,8 @@ import torch  # noqa: E402
 from tests.helpers.paged_driver import greedy_paged  # noqa: E402
 from tgi_paged_backend.config import CacheConfig, ModelConfig, ServerConfig  # noqa: E402
 from tgi_paged_backend.runner.cpu import fast_layers  # noqa: E402
-from tgi_paged_backend.runner.native import layers as native_layers  # noqa: E402
 from tgi_paged_backend.runner.model.loader import ModelLoadError  # noqa: E402
+from tgi_paged_backend.runner.native import layers as native_layers  # noqa: E402
 from tgi_paged_backend.runner.native.layers import NativeDecoderLayer  # noqa: E402
 from tgi_paged_backend.runner.parallel.process_group import TensorParallelGroup  # noqa: E402
 from tgi_paged_backend.runner.parallel.tp_runner import TensorParallelRunner  # noqa: E402
