@@ -6,6 +6,8 @@ rounds, and prints median and min ms per step with the host's CPU and load. Vari
 
 - ``default``: what serving runs (native C++ kernels, fused attention and MLP blocks, native decode layers
   where they apply, packed linears);
+- ``per-layer``: the default with one native call per layer (the model's stack of native layers, one call per
+  decode step, kept off: ``runner.native.stack``);
 - ``per-op``: the default without the native decode layers (``TGI_PAGED_NATIVE_LAYERS=0``);
 - ``unfused``: without the block fusion (``runner.cpu.fused_blocks``, hence no native decode layers either);
 - ``no-amx``: the default with the bf16 GEMM's AMX tiles and vdpbf16ps off (``cpu_gemm.set_bf16_amx``,
@@ -16,7 +18,7 @@ rounds, and prints median and min ms per step with the host's CPU and load. Vari
   torch's RMSNorm: the forward as it was before the native kernels (``compiled`` was the default).
 
     .venv/bin/python examples/bench_forward.py [--model smollm2|hostbound|hostbound-qwen3|...|DIR] [--rows 20]
-        [--threads 2] [--variants default per-op unfused compiled] [--prefill TOKENS] [--quantize gptq]
+        [--threads 2] [--variants default per-layer per-op unfused compiled] [--prefill TOKENS] [--quantize gptq]
         [--dtypes float32 bfloat16]
 
 ``--prefill TOKENS`` times a prefill step of fresh prompts (17-156 tokens each, about TOKENS in all) instead.
@@ -49,7 +51,7 @@ from tgi_paged_kernels.cpu_gemm import set_bf16_amx, set_bf16_dot  # noqa: E402
 
 BLOCK_SIZE = 16
 SMOLLM2 = Path.home() / ".cache" / "tgi-paged-backend" / "SmolLM2-135M-Instruct"
-VARIANTS = ("default", "per-op", "unfused", "compiled", "sdpa", "all-packed", "no-amx")
+VARIANTS = ("default", "per-layer", "per-op", "unfused", "compiled", "sdpa", "all-packed", "no-amx")
 
 
 def _model_dir(name: str) -> str:
@@ -64,7 +66,8 @@ def _model_dir(name: str) -> str:
 def build(variant: str, model: str, quantize: str | None = None, dtype: str = "float32") -> model_runner.ModelRunner:
     """A runner of ``variant`` (see the module docstring)."""
     real_min = fast_layers.PACK_MIN_ELEMENTS
-    without = () if variant in ("default", "all-packed", "no-amx") else ("fuse",)
+    native_layers = variant in ("default", "per-layer", "all-packed", "no-amx")
+    without = () if native_layers else ("fuse",)
     if variant == "all-packed":
         fast_layers.PACK_MIN_ELEMENTS = 0
     try:
@@ -73,7 +76,7 @@ def build(variant: str, model: str, quantize: str | None = None, dtype: str = "f
             ModelConfig(
                 model_id=model,
                 cpu_decode=kernel,
-                native_layers=variant in ("default", "all-packed", "no-amx"),
+                native_layers=native_layers,
                 quantize=quantize,
                 dtype=dtype,
             ),
@@ -121,6 +124,8 @@ def main() -> None:
         amx_for(name)
         runner.allocate_kv_cache(step.num_blocks)
         runner.warm_decode()
+        for stack in runner.native_layers.stacks if name.startswith("per-layer") and runner.native_layers else ():
+            stack.enabled = False
         for _ in range(3):
             runner.forward(batch)
     times: dict[str, list[float]] = {variant: [] for variant in runners}
