@@ -20,6 +20,7 @@ tool prompt (the stock ``router/src/infer/tool_grammar.rs``, ``infer/chat_templa
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from typing import Any
@@ -140,6 +141,8 @@ def tokenizer_chat_template(tokenizer: Any) -> Renderer:
         return text
 
     render.uses_tools = template_uses_tools(getattr(tokenizer, "chat_template", None))  # type: ignore[attr-defined]
+    with contextlib.suppress(Exception):  # compiled now, as the stock router compiles its template at start
+        render([{"role": "user", "content": "hi"}])
     return render
 
 
