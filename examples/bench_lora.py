@@ -169,6 +169,8 @@ def main() -> None:
         if args.per_op and k:
             scenarios.append((f"16 loaded, {k} used, per-op LoRA", lora, k, False))
     results: dict[str, list[tuple[float, int, list[float]]]] = {name: [] for name, _, _, _ in scenarios}
+    for engine in (base, lora):
+        engine.runner.warm_decode()  # as Warmup does: proves the native stack (one call for all layers a step)
     run_burst(base, burst(4, 4, 0), 999)  # first-call costs out of the figures
     run_burst(lora, burst(4, 4, 4), 999)
     batch_id = 1

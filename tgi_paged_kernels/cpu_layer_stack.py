@@ -4,7 +4,7 @@ would run it, with no Python, ctypes conversion or argument checks between them.
 
 Layer 0's inputs are checked by :meth:`.cpu_layer_step.LayerStep.prepare`; every other layer's pools and block
 table must be laid out as layer 0's (same shape, strides, dtype), and every layer takes the same hidden state, RoPE
-tables, slots and sequence lengths: one token per request, no LoRA rows (those steps run a call per layer).
+tables, slots and sequence lengths: one token per request; each layer its own LoRA rows when adapters are used.
 Reference: the same layers through :func:`.cpu_layer.decode_layer` one by one
 (``tests/kernels/test_cpu_layer_stack.py``: equal to the bit, K/V included).
 """
@@ -22,6 +22,7 @@ from .cpu_native import NativeKernels
 
 if TYPE_CHECKING:
     from .cpu_layer import LayerWeights
+    from .cpu_layer_lora import LayerLora
 
 
 class LayerStack:
@@ -53,17 +54,27 @@ class LayerStack:
         slot_mapping: torch.Tensor,
         block_tables: Sequence[torch.Tensor],
         seq_lens: torch.Tensor,
+        loras: Sequence[LayerLora] | None = None,
+        token_slots: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The stack's output for ``hidden`` ``[T, H]`` (a new tensor of its dtype): layer ``i`` on its pools
-        ``k_caches[i]``/``v_caches[i]`` and its table ``block_tables[i]``, the other arguments as
-        :func:`.cpu_layer.decode_layer`'s (one token per request). ``None`` for inputs of another kind (the caller
-        runs a call per layer); ``ValueError`` for a slot or block id outside the pool or a table too narrow."""
+        ``k_caches[i]``/``v_caches[i]`` and its table ``block_tables[i]``, with ``loras[i]``'s deltas on the rows
+        whose ``token_slots`` entry is an adapter (fp32 only), the other arguments as :func:`.cpu_layer.decode_layer`'s
+        (one token per request). ``None`` for inputs of another kind (the caller runs a call per layer);
+        ``ValueError`` for a slot or block id outside the pool or a table too narrow."""
         n = len(self.weights)
         if len(k_caches) != n or len(v_caches) != n or len(block_tables) != n:
             return None
+        lora_args = None
+        if loras is not None:
+            if token_slots is None or len(loras) != n:
+                return None
+            lora_args = [lora.args(token_slots) for lora in loras]
+            if any(a is None for a in lora_args):
+                return None
         step = LayerStep.prepare(
             self.native, self.weights[0], hidden, cos, sin, k_caches[0], v_caches[0], slot_mapping, block_tables[0],
-            seq_lens,
+            seq_lens, None, None if loras is None else loras[0], token_slots,
         )  # fmt: skip
         if step is None:
             return None
@@ -82,7 +93,8 @@ class LayerStack:
         a = step.args  # LayerStep's argument tuple: see LayerStep.prepare
         status = self.native.decode_layers(
             n, self._specs, pointers(*(k.data_ptr() for k in k_caches)), pointers(*(v.data_ptr() for v in v_caches)),
-            pointers(*(t.data_ptr() for t in block_tables)), ctypes.byref(failed),
+            pointers(*(t.data_ptr() for t in block_tables)),
+            None if lora_args is None else pointers(*(ctypes.addressof(a) for a in lora_args)), ctypes.byref(failed),
             a[1], a[2], a[3], a[4], a[7], a[8], a[9], a[10], a[11], a[13], a[14], a[15], a[16], a[17], a[18],
             scratch.data_ptr(), a[20], a[24], a[25],
         )  # fmt: skip

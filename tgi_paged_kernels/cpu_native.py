@@ -190,7 +190,8 @@ class NativeKernels:
         self.decode_layer_stage = bind("tgi_paged_decode_layer_stage", _int, _ptr, *self.decode_layer.argtypes)
         self.decode_layers = bind(  # a stack's decode step: per-layer specs, pools, tables; the rest shared
             "tgi_paged_decode_layers",
-            _i64, _ptr, _ptr, _ptr, _ptr, _ptr,  # layers, specs[], k_caches[], v_caches[], tables[], failed layer
+            _i64, _ptr, _ptr, _ptr, _ptr,  # layers, specs[], k_caches[], v_caches[], tables[]
+            _ptr, _ptr,  # LoRA rows per layer (null: none), the failed layer
             _ptr, _i64, _ptr, _ptr,  # hidden, T, cos, sin
             _i64, _i64, _i64, _i64,  # blocks, pool strides
             _ptr, _int, _i64, _i64, _ptr, _int,  # slots, tables' int64?, stride, width, seq lens

@@ -353,6 +353,27 @@ def test_adapter_rows_decode_on_the_native_layers(families, monkeypatch, kind):
     assert forwards >= MAX_NEW - 1 and native == forwards * num_native_layers(engine) > 0
 
 
+def test_adapter_rows_decode_in_the_native_stack(families):
+    """After Warmup's proof, decode steps with adapter rows run every layer in one native call (each layer its own
+    deltas), token-exact against PEFT."""
+    family = families("llama")
+    engine = family.engine(num_blocks=48)
+    engine.runner.warm_decode()  # Warmup's: proves the stack, adapter rows beside base rows
+    (stack,) = engine.runner.native_layers.stacks
+    assert stack.enabled, stack.kept
+    steps = stack.steps
+    blocks = RouterBlocks(engine)
+    driver = RouterDriver(engine, blocks)
+    layout = [(1, "full", 6), (2, "", 9), (3, "rs", 4), (4, "qv", 11)]
+    requests = [
+        router_spec(engine, blocks, rid, make_text(300 + rid, words), MAX_NEW, adapter_id=adapter)
+        for rid, adapter, words in layout
+    ]
+    driver.run(BatchSpec(id=9, requests=tuple(requests)))
+    expect_reference(engine, family, driver, requests)
+    assert stack.steps - steps >= MAX_NEW - 1
+
+
 def test_adapter_rows_verify_drafts_on_the_native_layers(families, monkeypatch):
     """Speculation with adapters: each request's verify step (its last token and an oracle's draft of its PEFT
     continuation, a wrong token planted) runs natively with the request's adapter, and stays token-exact."""

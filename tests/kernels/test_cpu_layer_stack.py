@@ -83,3 +83,34 @@ def test_a_slot_outside_the_pool_names_the_layer(native) -> None:
         LayerStack(native, weights).decode(
             x, cos, sin, [k for k, _ in pools], [v for _, v in pools], bad, [tables] * LAYERS, seq_lens
         )
+
+
+def test_lora_rows_in_the_stack_equal_one_call_per_layer(native) -> None:
+    """Each layer adds its own adapters' deltas to the rows whose slot is an adapter, as one call per layer does."""
+    from tests.kernels.test_cpu_layer_lora import HIDDEN, INTER, _lora
+
+    hq, hkv, d, form = FORMS["Llama"]
+    weights = [_layer(hq, hkv, d, HIDDEN, INTER, form, seed=i)[1] for i in range(LAYERS)]
+    loras = [_lora(hq, hkv, d, form.gated) for _ in range(LAYERS)]
+    lengths = [1, 5, 17, 9]
+    (k0, v0), tables, seq_lens, slots = _step(lengths, 4, hkv, d, torch.int64)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(len(lengths), HIDDEN, generator=g)
+    cos, sin = (torch.randn(len(lengths), d, generator=g) for _ in range(2))
+    token_slots = torch.tensor([0, -1, 2, 1])
+    one = [(k0.clone(), v0.clone()) for _ in range(LAYERS)]
+    expected = x
+    for w, lora, (k, v) in zip(weights, loras, one):
+        expected = decode_layer(native, w, expected, cos, sin, k, v, slots, tables, seq_lens, None, lora, token_slots)
+    stacked = [(k0.clone(), v0.clone()) for _ in range(LAYERS)]
+    got = LayerStack(native, weights).decode(
+        x, cos, sin, [k for k, _ in stacked], [v for _, v in stacked], slots, [tables] * LAYERS, seq_lens, loras,
+        token_slots,
+    )  # fmt: skip
+    assert got is not None and torch.equal(got, expected)
+    for (k1, v1), (k2, v2) in zip(one, stacked):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    base = LayerStack(native, weights).decode(
+        x, cos, sin, [k0.clone()] * LAYERS, [v0.clone()] * LAYERS, slots, [tables] * LAYERS, seq_lens
+    )
+    assert base is not None and not torch.equal(base, got)  # the deltas count

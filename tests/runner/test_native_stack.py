@@ -89,10 +89,10 @@ def test_a_model_that_skips_a_layer_is_not_stacked(family_dir) -> None:
     assert not stack.enabled and "once, in order" in stack.kept
 
 
-def test_lora_and_tensor_parallel_layers_keep_a_call_each() -> None:
+def test_tensor_parallel_layers_and_split_lora_routing_keep_a_call_each() -> None:
     class Layer:
         def __init__(self, all_reduce=None, lora_step=None):
             self._all_reduce, self.lora_step = all_reduce, lora_step
 
     assert "tensor-parallel" in native_stack.stack_layers([Layer(all_reduce=object())], lambda w: None)
-    assert "LoRA" in native_stack.stack_layers([Layer(lora_step=object())], lambda w: None)
+    assert "route" in native_stack.stack_layers([Layer(), Layer(lora_step=object())], lambda w: None)

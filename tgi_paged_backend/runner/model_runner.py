@@ -305,7 +305,8 @@ class ModelRunner:
         start = time.perf_counter()
         for stack in self.native_layers.stacks if self.native_layers is not None else ():
             if self.pool_groups.num_groups == 1:  # proven on scratch pools before any decode step may use it
-                prove_stack(stack, self._forward, self.k_caches, self.v_caches, self.block_size)
+                slots = (0, -1, 0) if self.lora is not None else (-1, -1, -1)  # adapter rows beside base rows
+                prove_stack(stack, self._forward, self.k_caches, self.v_caches, self.block_size, slots)
             else:
                 stack.kept = "KV layer groups: each group has its own slots"
         self._forward(build_forward_batch(chunks, self.block_size), self.k_caches, self.v_caches)

@@ -233,7 +233,7 @@ class NativeDecoderLayer(nn.Module):
         tables = kwargs.get("position_embeddings")
         if stack is not None and not self.stack_index:
             stack.observe(0, tables)
-            if metadata is not None and self.lora_step is None:
+            if metadata is not None:
                 out = stack.run(hidden_states, tables, metadata)
                 if out is not None:
                     return (out,) if self.as_tuple else out

@@ -2,17 +2,18 @@
 (:class:`tgi_paged_kernels.cpu_layer_stack.LayerStack`).
 
 transformers' model loop calls its decoder layers one by one. When every layer of the model's layer list is a
-:class:`~.layers.NativeDecoderLayer` that runs whole (no tensor-parallel parts, no LoRA wrappers), a decode
-step's first layer runs all of them in one call and the others pass the result through: no Python, argument checks,
-ctypes conversion or OpenMP fork per layer. Every layer then takes layer 0's RoPE tables and slots; each its own
-pools and block table.
+:class:`~.layers.NativeDecoderLayer` that runs whole (no tensor-parallel parts), a decode step's first layer runs
+all of them in one call and the others pass the result through: no Python, argument checks, ctypes conversion or
+OpenMP fork per layer. Every layer then takes layer 0's RoPE tables and slots; each its own pools, block table and
+LoRA deltas (the rows' adapters, when the layers add them natively).
 
 That is right only where the model gives every layer the same tables and does nothing between layers. So the stack
 serves only after :func:`prove_stack` (at Warmup, :meth:`ModelRunner.warm_decode`) ran one decode step of the whole
 model over scratch pools both ways: every layer was called in order with the same RoPE tables, and the logits and
-every layer's K/V came out equal to the bit (the same kernel per layer, in the same order). Gemma 3 (local and global
-RoPE tables), models that add between layers, and KV layer groups keep a call per layer; so do verify steps and
-steps with LoRA rows. ``stack.kept`` says why a stack does not serve.
+every layer's K/V came out equal to the bit (the same kernel per layer, in the same order); with adapters loaded,
+the proof step has rows with and without them. Gemma 3 (local and global RoPE tables), models that add between
+layers, and KV layer groups keep a call per layer; so do verify steps, and steps with adapter rows on layers whose
+LoRA runs per op. ``stack.kept`` says why a stack does not serve.
 """
 
 from __future__ import annotations
@@ -88,7 +89,15 @@ class DecodeStack:
             tables.append(table)
         k_caches = [metadata.k_caches[layer.layer_idx] for layer in self.layers]
         v_caches = [metadata.v_caches[layer.layer_idx] for layer in self.layers]
-        out = self.kernel.decode(hidden[0], cos, sin, k_caches, v_caches, slot_mapping, tables, metadata.batch.seq_lens)
+        token_slots = None if first.lora_step is None else first.lora_step.token_slots
+        loras = None
+        if token_slots is not None:  # rows with adapters: every layer adds its deltas in the call
+            loras = [layer.lora for layer in self.layers]
+            if any(lora is None for lora in loras):
+                return None
+        out = self.kernel.decode(
+            hidden[0], cos, sin, k_caches, v_caches, slot_mapping, tables, metadata.batch.seq_lens, loras, token_slots
+        )
         if out is None:
             return None
         self._served = metadata
@@ -104,8 +113,8 @@ def stack_layers(
     """The stack of ``layers`` (every entry of one layer list, in order), or why they keep a call each."""
     if any(layer._all_reduce is not None for layer in layers):
         return "tensor-parallel ranks run their layers in parts"
-    if any(layer.lora_step is not None for layer in layers):
-        return "LoRA adapters are loaded"
+    if any(layer.lora_step is not layers[0].lora_step for layer in layers):
+        return "the layers' LoRA wrappers route their rows apart"
     if len({layer.weights.weight_dtype for layer in layers}) != 1:
         return "the layers' weights differ in dtype"
     try:
@@ -118,24 +127,32 @@ def stack_layers(
     return stack
 
 
-def _proof_batch(block_size: int) -> tuple[ForwardBatch, int]:
-    """A decode step of three requests of different lengths over their own blocks, and the blocks it needs."""
+def _proof_batch(block_size: int, lora_slots: tuple[int, ...]) -> tuple[ForwardBatch, int]:
+    """A decode step of three requests of different lengths over their own blocks (request ``i`` on adapter slot
+    ``lora_slots[i]``, -1: none), and the blocks it needs."""
     lengths = (1, block_size + 3, 2 * block_size + 1)
     chunks, first = [], 0
-    for i, n in enumerate(lengths):
+    for i, (n, slot) in enumerate(zip(lengths, lora_slots)):
         blocks = -(-(n + 1) // block_size)
-        chunks.append(RequestChunk(token_ids=[7 + i], num_computed=n, block_table=list(range(first, first + blocks))))
+        table = list(range(first, first + blocks))
+        chunks.append(RequestChunk(token_ids=[7 + i], num_computed=n, block_table=table, lora_slot=slot))
         first += blocks
     return build_forward_batch(chunks, block_size), first
 
 
 def prove_stack(
-    stack: DecodeStack, forward: Forward, k_like: list[torch.Tensor], v_like: list[torch.Tensor], block_size: int
+    stack: DecodeStack,
+    forward: Forward,
+    k_like: list[torch.Tensor],
+    v_like: list[torch.Tensor],
+    block_size: int,
+    lora_slots: tuple[int, ...] = (-1, -1, -1),
 ) -> bool:
     """Run one decode step of the whole model over scratch pools shaped as ``k_like``/``v_like`` (random history)
     per layer, then stacked; enable the stack when every layer was called in order with the first layer's RoPE
-    tables and the logits and K/V are equal to the bit. Logs the outcome; returns ``stack.enabled``."""
-    batch, blocks = _proof_batch(block_size)
+    tables and the logits and K/V are equal to the bit. ``lora_slots``: the three requests' adapter slots (a model
+    with adapters proves its rows with and without). Logs the outcome; returns ``stack.enabled``."""
+    batch, blocks = _proof_batch(block_size, lora_slots)
     generator = torch.Generator().manual_seed(0)
 
     def pools(like: list[torch.Tensor]) -> list[torch.Tensor]:
