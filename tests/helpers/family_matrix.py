@@ -325,6 +325,10 @@ def render_markdown(
         "`native (one C++ call per layer)` when every decoder layer's form is described by",
         "`runner/cpu/layer_forms.py` and reproduced at load, so a decode step runs each layer as one",
         "`tgi_paged_kernels.cpu_layer.decode_layer` call; else `per-op` (one Python call per operation) and why.",
+        "After Warmup, a model whose decoder layers are all native takes its decode steps as one call for every",
+        "layer (`runner/native/stack.py`, proven at Warmup): every `native` family below except those paged in",
+        "KV layer groups (Gemma2, Gemma3, Cohere2: one slot mapping per group) and Cohere2's mixed rotary kinds",
+        "(`tests/runner/test_native_stack.py`).",
         f"transformers {transformers.__version__}.",
         "",
         "| family | architecture class | single-shard exact | preemption exact | speculation exact | TP=2 exact | "

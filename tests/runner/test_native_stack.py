@@ -18,11 +18,31 @@ PROMPTS = [[3, 17, 5, 9, 11, 2, 8, 13, 21, 4, 6], [7, 7, 1, 30, 2], [12]]
 NEW_TOKENS = 6
 
 STACKED = {
-    "Llama": "",
-    "Qwen3": "",
-    "Mixtral": "",
+    **dict.fromkeys(
+        [
+            "Llama",
+            "Mistral",
+            "Qwen2",
+            "Qwen3",
+            "Gemma",
+            "Granite",
+            "OLMo2",
+            "Mixtral",
+            "Qwen3-MoE",
+            "Qwen2-MoE",
+            "Phi",
+            "Phi3",
+            "Cohere",
+            "StarCoder2",
+            "GPT-J",
+            "GPT-NeoX",
+            "GPT-BigCode",
+            "OPT",
+            "Falcon-7B",
+        ],
+        "",
+    ),  # fmt: skip
     "Gemma2": "",  # a sliding and a full layer: one RoPE table, windows in the layers' specs
-    "Phi": "",
     "GPT-2": "",  # no RoPE: no tables at all
     "Falcon": "",  # its layers take their metadata from the attention's channel
     "Gemma3": "kept: different RoPE tables",  # local and global tables
@@ -59,6 +79,17 @@ def test_the_stack_serves_where_proven_with_the_per_layer_logits(family_dir, nam
     per_layer = _steps(_runner(family_dir(name)), PROMPTS, NEW_TOKENS)  # not warmed: its stack is not proven
     for got, expected in zip(stacked, per_layer):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("name", ["Gemma2", "Gemma3"])
+def test_kv_layer_groups_keep_a_call_per_layer(family_dir, name) -> None:
+    """Sliding beside full layers, paged per KV layer group as the engine pages them: each group has its own slots,
+    so the stack (one slot mapping for every layer) is not used, whatever else the layers share."""
+    runner = _runner(family_dir(name))
+    runner.allocate_kv_cache(8, grouped=True)
+    runner.warm_decode()
+    (stack,) = runner.native_layers.stacks
+    assert not stack.enabled and "KV layer groups" in stack.kept
 
 
 def test_a_stacked_step_that_differs_is_not_served(family_dir, monkeypatch) -> None:
