@@ -4,7 +4,8 @@ would run it, with no Python, ctypes conversion or argument checks between them.
 
 Layer 0's inputs are checked by :meth:`.cpu_layer_step.LayerStep.prepare`; every other layer's pools and block
 table must be laid out as layer 0's (same shape, strides, dtype), and every layer takes the same hidden state, RoPE
-tables, slots and sequence lengths: one token per request; each layer its own LoRA rows when adapters are used.
+tables, slots and sequence lengths (one token per request, or a verify step's rows); each layer its own LoRA rows
+when adapters are used.
 Reference: the same layers through :func:`.cpu_layer.decode_layer` one by one
 (``tests/kernels/test_cpu_layer_stack.py``: equal to the bit, K/V included).
 """
@@ -56,12 +57,14 @@ class LayerStack:
         seq_lens: torch.Tensor,
         loras: Sequence[LayerLora] | None = None,
         token_slots: torch.Tensor | None = None,
+        query_start_loc: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The stack's output for ``hidden`` ``[T, H]`` (a new tensor of its dtype): layer ``i`` on its pools
         ``k_caches[i]``/``v_caches[i]`` and its table ``block_tables[i]``, with ``loras[i]``'s deltas on the rows
         whose ``token_slots`` entry is an adapter (fp32 only), the other arguments as :func:`.cpu_layer.decode_layer`'s
-        (one token per request). ``None`` for inputs of another kind (the caller runs a call per layer);
-        ``ValueError`` for a slot or block id outside the pool or a table too narrow."""
+        (one token per request, or with ``query_start_loc`` a verify step's rows). ``None`` for inputs of another
+        kind (the caller runs a call per layer); ``ValueError`` for a slot or block id outside the pool or a table
+        too narrow."""
         n = len(self.weights)
         if len(k_caches) != n or len(v_caches) != n or len(block_tables) != n:
             return None
@@ -74,7 +77,7 @@ class LayerStack:
                 return None
         step = LayerStep.prepare(
             self.native, self.weights[0], hidden, cos, sin, k_caches[0], v_caches[0], slot_mapping, block_tables[0],
-            seq_lens, None, None if loras is None else loras[0], token_slots,
+            seq_lens, query_start_loc, None if loras is None else loras[0], token_slots,
         )  # fmt: skip
         if step is None:
             return None
@@ -96,7 +99,7 @@ class LayerStack:
             pointers(*(t.data_ptr() for t in block_tables)),
             None if lora_args is None else pointers(*(ctypes.addressof(a) for a in lora_args)), ctypes.byref(failed),
             a[1], a[2], a[3], a[4], a[7], a[8], a[9], a[10], a[11], a[13], a[14], a[15], a[16], a[17], a[18],
-            scratch.data_ptr(), a[20], a[24], a[25],
+            scratch.data_ptr(), a[20], a[21], a[22], a[24], a[25],
         )  # fmt: skip
         if status == 0:
             return step.out

@@ -225,3 +225,23 @@ def test_verify_steps_run_on_the_native_layers(tiny_llama_dir, hf_greedy, monkey
     assert 0 < engine.stats.accepted_tokens < engine.stats.draft_tokens
     forwards, native = record.count(verify=True)
     assert forwards > 0 and native == forwards * num_native_layers(engine)
+
+
+def test_verify_steps_run_in_the_native_stack_after_warmup(tiny_llama_dir, hf_greedy, monkeypatch):
+    """After Warmup's proofs, decode and verify steps run every layer in one native call, token-exact."""
+    engine = make_engine(tiny_llama_dir, speculate=3)
+    engine.runner.warm_decode()
+    (stack,) = engine.runner.native_layers.stacks
+    assert stack.enabled and stack.verify, stack.verify_kept
+    request = spec(1, make_text(60, 6), 14)
+    ids = prompt_ids(engine, request.text)
+    truth = ids + hf_greedy(tiny_llama_dir, ids, 14)
+    monkeypatch.setattr(speculation, "ngram_draft", OracleDrafts([truth], wrong_every=2))
+    record = record_steps(engine, monkeypatch)
+    steps = stack.steps
+    driver = RouterDriver(engine, check_preempted=False)
+    driver.run(BatchSpec(id=0, requests=(request,)))
+    assert driver.tokens[1] == truth[len(ids) :]
+    assert 0 < engine.stats.accepted_tokens < engine.stats.draft_tokens
+    forwards, native = record.count(verify=True)
+    assert forwards > 0 and native == 0 and stack.steps - steps >= forwards  # no per-layer call: all stacked

@@ -114,3 +114,29 @@ def test_lora_rows_in_the_stack_equal_one_call_per_layer(native) -> None:
         x, cos, sin, [k0.clone()] * LAYERS, [v0.clone()] * LAYERS, slots, [tables] * LAYERS, seq_lens
     )
     assert base is not None and not torch.equal(base, got)  # the deltas count
+
+
+def test_verify_rows_in_the_stack_equal_one_call_per_layer(native) -> None:
+    """A speculative verify step (several rows per request over earlier context) through the stack: each layer as
+    one ``decode_layer`` call with the same ``query_start_loc`` gives it."""
+    from tests.kernels.test_cpu_layer_lora import _verify_step
+
+    hq, hkv, d, form = FORMS["Qwen3"]
+    weights = [_layer(hq, hkv, d, 64, 96, form, seed=i)[1] for i in range(LAYERS)]
+    (k0, v0), tables, seq_lens, slots, qsl = _verify_step([3, 1, 4], [5, 9, 2], 4, hkv, d)
+    g = torch.Generator().manual_seed(6)
+    rows = int(qsl[-1])
+    x = torch.randn(rows, 64, generator=g)
+    cos, sin = (torch.randn(rows, d, generator=g) for _ in range(2))
+    one = [(k0.clone(), v0.clone()) for _ in range(LAYERS)]
+    expected = x
+    for w, (k, v) in zip(weights, one):
+        expected = decode_layer(native, w, expected, cos, sin, k, v, slots, tables, seq_lens, qsl)
+    stacked = [(k0.clone(), v0.clone()) for _ in range(LAYERS)]
+    got = LayerStack(native, weights).decode(
+        x, cos, sin, [k for k, _ in stacked], [v for _, v in stacked], slots, [tables] * LAYERS, seq_lens,
+        query_start_loc=qsl,
+    )  # fmt: skip
+    assert got is not None and torch.equal(got, expected)
+    for (k1, v1), (k2, v2) in zip(one, stacked):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.runner.test_native_layers import _runner, _steps
+from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.native import stack as native_stack
 from tgi_paged_backend.runner.native.layers import NativeDecoderLayer
 from tgi_paged_kernels.cpu_native import native_kernels
@@ -127,3 +128,29 @@ def test_tensor_parallel_layers_and_split_lora_routing_keep_a_call_each() -> Non
 
     assert "tensor-parallel" in native_stack.stack_layers([Layer(all_reduce=object())], lambda w: None)
     assert "route" in native_stack.stack_layers([Layer(), Layer(lora_step=object())], lambda w: None)
+
+
+@pytest.mark.parametrize("name", ["Llama", "Qwen3-MoE"])
+def test_verify_steps_run_stacked_with_the_per_layer_logits(family_dir, name) -> None:
+    """Warmup proves a verify step too (the last token and drafts of each request): it then runs as one call, with
+    the per-layer path's logits to the bit."""
+    runner = _warmed(name, family_dir)
+    (stack,) = runner.native_layers.stacks
+    assert stack.enabled and stack.verify, stack.verify_kept
+
+    def verify_logits(r) -> tuple[torch.Tensor, int]:
+        r.allocate_kv_cache(16)
+        tables = [[1, 2, 3], [4, 5, 6]]
+        prefill = [RequestChunk([3, 17, 5, 9, 11], 0, tables[0]), RequestChunk([7, 7, 1], 0, tables[1])]
+        r.forward(build_forward_batch(prefill, 4))
+        steps = stack.steps
+        verify = [
+            RequestChunk([2, 8, 13], 5, tables[0], all_logits=True),
+            RequestChunk([4, 6], 3, tables[1], all_logits=True),
+        ]
+        return r.forward(build_forward_batch(verify, 4)), stack.steps - steps
+
+    got, served = verify_logits(runner)
+    assert served == 1
+    expected, _ = verify_logits(_runner(family_dir(name)))  # not warmed: a call per layer
+    assert torch.equal(got, expected)

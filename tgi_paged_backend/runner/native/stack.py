@@ -46,6 +46,10 @@ class DecodeStack:
         """Set by :func:`prove_stack` when the stacked step gave the per-layer step's logits and K/V."""
         self.kept = "not proven (no Warmup decode step yet)"
         """Why the stack does not serve (empty when it does)."""
+        self.verify = False
+        """Whether speculative verify steps (a few rows per request) run stacked too (proven like decode steps,
+        on layers that all run their verify steps natively); :attr:`verify_kept` says why not."""
+        self.verify_kept = "not proven"
         self.steps = 0
         """Decode steps served as one call."""
         self._served: PagedAttentionMetadata | None = None
@@ -68,10 +72,10 @@ class DecodeStack:
     def run(
         self, hidden: torch.Tensor, position_embeddings: Any, metadata: PagedAttentionMetadata
     ) -> torch.Tensor | None:
-        """The whole stack's output for a decode step's ``hidden`` ``[1, T, H]`` as the first layer got it, or
-        ``None`` (not proven, or inputs of another kind: every layer then runs its own call)."""
-        first = self.layers[0]
-        if not self.enabled or not metadata.batch.is_decode:
+        """The whole stack's output for a decode or verify step's ``hidden`` ``[1, T, H]`` as the first layer got
+        it, or ``None`` (not proven, or inputs of another kind: every layer then runs its own call)."""
+        first, batch = self.layers[0], metadata.batch
+        if not self.enabled or (not batch.is_decode and not self.verify):
             return None
         cos = sin = None
         if first.rope != "none":
@@ -95,9 +99,11 @@ class DecodeStack:
             loras = [layer.lora for layer in self.layers]
             if any(lora is None for lora in loras):
                 return None
+        query_start_loc = None if batch.is_decode else batch.query_start_loc  # a verify step's rows per request
         out = self.kernel.decode(
-            hidden[0], cos, sin, k_caches, v_caches, slot_mapping, tables, metadata.batch.seq_lens, loras, token_slots
-        )
+            hidden[0], cos, sin, k_caches, v_caches, slot_mapping, tables, batch.seq_lens, loras, token_slots,
+            query_start_loc,
+        )  # fmt: skip
         if out is None:
             return None
         self._served = metadata
@@ -127,17 +133,23 @@ def stack_layers(
     return stack
 
 
-def _proof_batch(block_size: int, lora_slots: tuple[int, ...]) -> tuple[ForwardBatch, int]:
-    """A decode step of three requests of different lengths over their own blocks (request ``i`` on adapter slot
-    ``lora_slots[i]``, -1: none), and the blocks it needs."""
+def _proof_batch(block_size: int, lora_slots: tuple[int, ...], rows: int = 1) -> tuple[ForwardBatch, int]:
+    """A decode step (``rows`` > 1: a verify step of that many rows per request) of three requests of different
+    lengths over their own blocks (request ``i`` on adapter slot ``lora_slots[i]``, -1: none), and the blocks it
+    needs."""
     lengths = (1, block_size + 3, 2 * block_size + 1)
     chunks, first = [], 0
     for i, (n, slot) in enumerate(zip(lengths, lora_slots)):
-        blocks = -(-(n + 1) // block_size)
+        blocks = -(-(n + rows) // block_size)
         table = list(range(first, first + blocks))
-        chunks.append(RequestChunk(token_ids=[7 + i], num_computed=n, block_table=table, lora_slot=slot))
+        tokens = [7 + i + r for r in range(rows)]
+        chunks.append(RequestChunk(token_ids=tokens, num_computed=n, block_table=table, lora_slot=slot))
         first += blocks
     return build_forward_batch(chunks, block_size), first
+
+
+VERIFY_PROOF_ROWS = 3
+"""Rows per request of the verify proof step (the last token and two drafts)."""
 
 
 def prove_stack(
@@ -150,9 +162,43 @@ def prove_stack(
 ) -> bool:
     """Run one decode step of the whole model over scratch pools shaped as ``k_like``/``v_like`` (random history)
     per layer, then stacked; enable the stack when every layer was called in order with the first layer's RoPE
-    tables and the logits and K/V are equal to the bit. ``lora_slots``: the three requests' adapter slots (a model
-    with adapters proves its rows with and without). Logs the outcome; returns ``stack.enabled``."""
-    batch, blocks = _proof_batch(block_size, lora_slots)
+    tables and the logits and K/V are equal to the bit. Then the same for a verify step, when every layer runs
+    its verify steps natively. ``lora_slots``: the three requests' adapter slots (a model with adapters proves its
+    rows with and without). Logs the outcome; returns ``stack.enabled``."""
+    stack.enabled = stack.verify = False
+    kept = _prove(stack, forward, k_like, v_like, _proof_batch(block_size, lora_slots))
+    stack.kept, stack.enabled = kept, not kept
+    if kept:
+        stack.verify_kept = "decode steps are not stacked"
+    elif not all(layer.verify_steps for layer in stack.layers):
+        stack.verify_kept = "some layers run their verify steps per op"
+    else:
+        stack.verify = True  # while its proof runs: set back below unless it passes
+        stack.verify_kept = _prove(
+            stack, forward, k_like, v_like, _proof_batch(block_size, lora_slots, VERIFY_PROOF_ROWS)
+        )
+        stack.verify = not stack.verify_kept
+    stack.enabled = not kept  # each proof leaves the stack disabled
+    logger.info(
+        "native decode stack: {}",
+        f"{len(stack.layers)} layers as one call per decode step"
+        + (" and per verify step" if stack.verify else f"; verify steps per layer: {stack.verify_kept}")
+        if stack.enabled
+        else f"kept per layer: {kept}",
+    )
+    return stack.enabled
+
+
+def _prove(
+    stack: DecodeStack,
+    forward: Forward,
+    k_like: list[torch.Tensor],
+    v_like: list[torch.Tensor],
+    proof: tuple[ForwardBatch, int],
+) -> str:
+    """One step of ``proof`` per layer, then stacked, over the same scratch pools: why the stacked step may not
+    serve (empty: it may). Leaves the stack disabled."""
+    batch, blocks = proof
     generator = torch.Generator().manual_seed(0)
 
     def pools(like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -167,17 +213,11 @@ def prove_stack(
         stack.enabled, stack._probe, steps = True, None, stack.steps
         got_k, got_v = [t.clone() for t in k0], [t.clone() for t in v0]
         got = forward(batch, got_k, got_v)
-        kept = _verdict(len(stack.layers), probe, stack.steps - steps, (ref, *ref_k, *ref_v), (got, *got_k, *got_v))
+        return _verdict(len(stack.layers), probe, stack.steps - steps, (ref, *ref_k, *ref_v), (got, *got_k, *got_v))
     except Exception as e:  # noqa: BLE001 - any failure means: a call per layer
-        kept = f"its proof step failed: {type(e).__name__}: {e}"
+        return f"its proof step failed: {type(e).__name__}: {e}"
     finally:
-        stack._probe = stack._served = None
-    stack.enabled, stack.kept = not kept, kept
-    logger.info(
-        "native decode stack: {}",
-        f"{len(stack.layers)} layers as one call per decode step" if stack.enabled else f"kept per layer: {kept}",
-    )
-    return stack.enabled
+        stack.enabled, stack._probe, stack._served = False, None, None
 
 
 def _verdict(
