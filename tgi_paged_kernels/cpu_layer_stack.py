@@ -72,8 +72,9 @@ class LayerStack:
         if loras is not None:
             if token_slots is None or len(loras) != n:
                 return None
-            lora_args = [lora.args(token_slots) for lora in loras]
-            if any(a is None for a in lora_args):
+            made = [lora.args(token_slots) for lora in loras]
+            lora_args = [a for a in made if a is not None]
+            if len(lora_args) != n:
                 return None
         step = LayerStep.prepare(
             self.native, self.weights[0], hidden, cos, sin, k_caches[0], v_caches[0], slot_mapping, block_tables[0],

@@ -96,8 +96,8 @@ class DecodeStack:
         token_slots = None if first.lora_step is None else first.lora_step.token_slots
         loras = None
         if token_slots is not None:  # rows with adapters: every layer adds its deltas in the call
-            loras = [layer.lora for layer in self.layers]
-            if any(lora is None for lora in loras):
+            loras = [layer.lora for layer in self.layers if layer.lora is not None]
+            if len(loras) != len(self.layers):
                 return None
         query_start_loc = None if batch.is_decode else batch.query_start_loc  # a verify step's rows per request
         out = self.kernel.decode(
