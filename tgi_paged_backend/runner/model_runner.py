@@ -303,12 +303,11 @@ class ModelRunner:
             raise RuntimeError("allocate_kv_cache() must be called before warm_decode()")
         chunks = [RequestChunk(token_ids=[0], num_computed=self.block_size, block_table=[0, 0]) for _ in range(3)]
         start = time.perf_counter()
-        for stack in self.native_layers.stacks if self.native_layers is not None else ():
-            if self.pool_groups.num_groups == 1:  # proven on scratch pools before any decode step may use it
-                slots = (0, -1, 0) if self.lora is not None else (-1, -1, -1)  # adapter rows beside base rows
-                prove_stack(stack, self._forward, self.k_caches, self.v_caches, self.block_size, slots)
-            else:
-                stack.kept = "KV layer groups: each group has its own slots"
+        slots = (0, -1, 0) if self.lora is not None else (-1, -1, -1)  # adapter rows beside base rows
+        for stack in self.native_layers.stacks if self.native_layers is not None else ():  # before any step uses it
+            prove_stack(
+                stack, self._forward, self.k_caches, self.v_caches, self.block_size, slots, self.pool_groups.num_groups
+            )
         self._forward(build_forward_batch(chunks, self.block_size), self.k_caches, self.v_caches)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -199,10 +199,29 @@ class NativeDecoderLayer(nn.Module):
         except AttributeError:
             return getattr(self._modules["layer"], name)
 
-    def _native_step(self, hidden: torch.Tensor, kwargs: dict[str, Any]) -> PagedAttentionMetadata | None:
+    def _given_metadata(self, kwargs: dict[str, Any]) -> PagedAttentionMetadata | None:
+        """The step's metadata: the model call's keyword, or (Falcon) our attention's channel."""
         metadata: PagedAttentionMetadata | None = kwargs.get(METADATA_KWARG)
         if metadata is None and self.channel is not None:
             metadata = self.channel.metadata
+        return metadata
+
+    def step_tables(
+        self, position_embeddings: Any, dtype: torch.dtype
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """``(cos, sin)`` as the native step takes them (``dtype``, the hidden state's; ``(None, None)`` for the
+        rotary kind ``none``), or ``None`` when the model passed no tables (the per-op path serves)."""
+        if self.rope == "none":
+            return None, None
+        if position_embeddings is None:
+            return None
+        cos, sin = rope_tables(position_embeddings, self.rope)
+        if cos.dtype != dtype:  # the step takes them alike
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
+
+    def _native_step(self, hidden: torch.Tensor, kwargs: dict[str, Any]) -> PagedAttentionMetadata | None:
+        metadata = self._given_metadata(kwargs)
         if (
             metadata is None
             or not (metadata.batch.is_decode or (self.verify_steps and _verify_rows(metadata.batch)))
@@ -223,10 +242,7 @@ class NativeDecoderLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         stack = self.stack
         if stack is not None and self.stack_index:
-            given = kwargs.get(METADATA_KWARG)
-            if given is None and self.channel is not None:
-                given = self.channel.metadata
-            if stack.passes_through(self.stack_index, given):  # the first layer ran this step's whole stack
+            if stack.passes_through(self.stack_index, self._given_metadata(kwargs)):  # the first layer ran them all
                 return (hidden_states,) if self.as_tuple else hidden_states
             stack.observe(self.stack_index, kwargs.get("position_embeddings"))
         metadata = self._native_step(hidden_states, kwargs)
@@ -237,11 +253,10 @@ class NativeDecoderLayer(nn.Module):
                 out = stack.run(hidden_states, tables, metadata)
                 if out is not None:
                     return (out,) if self.as_tuple else out
-        if metadata is None or (tables is None and self.rope != "none"):
+        rope = None if metadata is None else self.step_tables(tables, hidden_states.dtype)
+        if metadata is None or rope is None:
             return self.layer(hidden_states, *args, **kwargs)
-        cos, sin = (None, None) if self.rope == "none" else rope_tables(tables, self.rope)
-        if cos is not None and sin is not None and cos.dtype != hidden_states.dtype:  # the step takes them alike
-            cos, sin = cos.to(hidden_states.dtype), sin.to(hidden_states.dtype)
+        cos, sin = rope
         slot_mapping, block_tables = metadata.tables(self.layer_idx)
         batch = metadata.batch
         token_slots = None if self.lora_step is None else self.lora_step.token_slots

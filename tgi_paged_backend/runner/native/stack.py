@@ -25,7 +25,6 @@ import torch
 from loguru import logger
 
 from tgi_paged_backend.runner.attention import PagedAttentionMetadata
-from tgi_paged_backend.runner.cpu.fused_blocks import rope_tables
 from tgi_paged_backend.runner.input_batch import ForwardBatch, RequestChunk, build_forward_batch
 from tgi_paged_kernels import LayerStack
 
@@ -77,13 +76,10 @@ class DecodeStack:
         first, batch = self.layers[0], metadata.batch
         if not self.enabled or (not batch.is_decode and not self.verify):
             return None
-        cos = sin = None
-        if first.rope != "none":
-            if position_embeddings is None:
-                return None
-            cos, sin = rope_tables(position_embeddings, first.rope)
-            if cos.dtype != hidden.dtype:
-                cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)
+        rope = first.step_tables(position_embeddings, hidden.dtype)
+        if rope is None:
+            return None
+        cos, sin = rope
         slot_mapping, _ = metadata.tables(first.layer_idx)
         tables = []
         for layer in self.layers:
@@ -159,15 +155,20 @@ def prove_stack(
     v_like: list[torch.Tensor],
     block_size: int,
     lora_slots: tuple[int, ...] = (-1, -1, -1),
+    kv_groups: int = 1,
 ) -> bool:
     """Run one decode step of the whole model over scratch pools shaped as ``k_like``/``v_like`` (random history)
     per layer, then stacked; enable the stack when every layer was called in order with the first layer's RoPE
     tables and the logits and K/V are equal to the bit. Then the same for a verify step, when every layer runs
     its verify steps natively. ``lora_slots``: the three requests' adapter slots (a model with adapters proves its
-    rows with and without). Logs the outcome; returns ``stack.enabled``."""
+    rows with and without). A pool of several ``kv_groups`` keeps a call per layer (each group has its own slots).
+    Logs the outcome; returns ``stack.enabled``."""
     stack.enabled = stack.verify = False
-    kept = _prove(stack, forward, k_like, v_like, _proof_batch(block_size, lora_slots))
-    stack.kept, stack.enabled = kept, not kept
+    if kv_groups != 1:
+        kept = "KV layer groups: each group has its own slots"
+    else:
+        kept = _prove(stack, forward, k_like, v_like, _proof_batch(block_size, lora_slots))
+    stack.kept = kept
     if kept:
         stack.verify_kept = "decode steps are not stacked"
     elif not all(layer.verify_steps for layer in stack.layers):
@@ -179,13 +180,11 @@ def prove_stack(
         )
         stack.verify = not stack.verify_kept
     stack.enabled = not kept  # each proof leaves the stack disabled
-    logger.info(
-        "native decode stack: {}",
-        f"{len(stack.layers)} layers as one call per decode step"
-        + (" and per verify step" if stack.verify else f"; verify steps per layer: {stack.verify_kept}")
-        if stack.enabled
-        else f"kept per layer: {kept}",
-    )
+    if kept:
+        logger.info("native decode stack: kept per layer: {}", kept)
+    else:
+        verify = " and per verify step" if stack.verify else f"; verify steps per layer: {stack.verify_kept}"
+        logger.info("native decode stack: {} layers as one call per decode step{}", len(stack.layers), verify)
     return stack.enabled
 
 
