@@ -50,7 +50,7 @@ class DecodeStack:
         on layers that all run their verify steps natively); :attr:`verify_kept` says why not."""
         self.verify_kept = "not proven"
         self.steps = 0
-        """Decode steps served as one call."""
+        """Decode and verify steps served as one call."""
         self._served: PagedAttentionMetadata | None = None
         """The step whose layers the first layer ran: the others pass its output through."""
         self._probe: list[tuple[int, Any]] | None = None
