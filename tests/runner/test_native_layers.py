@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tgi_paged_backend.config import CacheConfig, ModelConfig
+from tgi_paged_backend.runner.cpu import layer_forms
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention
 from tgi_paged_backend.runner.cpu.layer_forms import layer_attention
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
@@ -227,14 +228,14 @@ def test_a_layer_that_differs_keeps_the_python_path(family_dir, monkeypatch) -> 
 def test_a_wrong_description_is_never_served(family_dir, monkeypatch, name, change) -> None:
     """The form derived from the module, with one part wrong: the load-time check (or the weights' fit to
     the form) keeps every layer on the Python path."""
-    real = native_layers.layer_form
+    real = layer_forms.layer_form
 
     def wrong(layer):
         found = real(layer)
         assert not isinstance(found, str)
         return dataclasses.replace(found[0], **change), found[1]
 
-    monkeypatch.setattr(native_layers, "layer_form", wrong)
+    monkeypatch.setattr(layer_forms, "layer_form", wrong)  # what layer_weights reads
     runner = _runner(family_dir(name))
     assert runner.native_layers is not None and runner.native_layers.wrapped == 0
     assert runner.native_layers.kept

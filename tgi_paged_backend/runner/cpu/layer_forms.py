@@ -29,7 +29,7 @@ from tgi_paged_backend.runner.cpu.moe_forms import MoeParts, moe_parts
 from tgi_paged_backend.runner.cpu.qkv_layouts import plain_linear
 from tgi_paged_backend.runner.parallel.row_parallel import RowParallelLinear
 from tgi_paged_backend.runner.quant.linear import IntLinear
-from tgi_paged_kernels import LayerForm, PackedInt8, pack_int8
+from tgi_paged_kernels import LayerForm, LayerWeights, PackedInt8, pack_int8, pack_int8_layer
 
 _PLACES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 _PRE = ("input_layernorm", None, "post_attention_layernorm", None)
@@ -301,3 +301,20 @@ def _moe_mlp(moe: MoeParts) -> _MlpRaw | str:
         if _activation(moe.shared[3]) != _activation(moe.act_fn):
             return "MoE: its shared expert's activation is not the experts'"
     return raw, False, moe.act_fn
+
+
+def layer_weights(layer: nn.Module) -> LayerWeights | str:
+    """The packed weights of ``layer``'s form (:func:`layer_form`), or why it has none."""
+    found = layer_form(layer)
+    if isinstance(found, str):
+        return found
+    form, raw = found
+    attn = cast(FusedPagedAttention, layer_attention(layer))
+    heads = dict(num_q_heads=attn.num_q_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
+    int8 = {name: raw.pop(name) for name in ("qkv", "o", "gate_up", "down") if isinstance(raw.get(name), PackedInt8)}
+    try:
+        if int8:  # int8 projections of one group per channel (GPTQ, compressed-tensors): dequantized in the tile
+            return pack_int8_layer(form, raw, int8, **heads)
+        return LayerWeights.pack(form, raw, **heads)
+    except ValueError as e:  # weights that do not fit the form
+        return str(e)

@@ -56,8 +56,8 @@ from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention, rope_
 from tgi_paged_backend.runner.cpu.layer_forms import (
     NORM_PLACES,
     layer_attention,
-    layer_form,
     layer_mlp,
+    layer_weights,
     mlp_parts,
     row_parallel_part,
 )
@@ -83,7 +83,6 @@ from tgi_paged_kernels import (
     decode_layer,
     decode_layer_parts,
     native_kernels,
-    pack_int8_layer,
 )
 
 MAX_ROWS = 256
@@ -91,23 +90,6 @@ MAX_ROWS = 256
 MAX_QUERY_ROWS = 16
 """A step of several rows per request runs natively when each request has at most this many new rows and earlier
 context (a verify step: the last token and its draft; prompts keep the prefill path)."""
-
-
-def layer_weights(layer: nn.Module) -> LayerWeights | str:
-    """The packed weights of ``layer``'s form (:func:`~..cpu.layer_forms.layer_form`), or why it has none."""
-    found = layer_form(layer)
-    if isinstance(found, str):
-        return found
-    form, raw = found
-    attn = cast(FusedPagedAttention, layer_attention(layer))
-    heads = dict(num_q_heads=attn.num_q_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
-    int8 = {name: raw.pop(name) for name in ("qkv", "o", "gate_up", "down") if isinstance(raw.get(name), PackedInt8)}
-    try:
-        if int8:  # int8 projections of one group per channel (GPTQ, compressed-tensors): dequantized in the tile
-            return pack_int8_layer(form, raw, int8, **heads)
-        return LayerWeights.pack(form, raw, **heads)
-    except ValueError as e:  # weights that do not fit the form
-        return str(e)
 
 
 class NativeDecoderLayer(nn.Module):
