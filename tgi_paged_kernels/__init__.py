@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers
     from .cpu_gemm import moe_experts as moe_experts
     from .cpu_gemm import pack_weight_bf16 as pack_weight_bf16
     from .cpu_gemm import unpack_weight as unpack_weight
+    from .cpu_greedy import greedy_pick as greedy_pick
     from .cpu_layer import (
         PACK_BLOCK as PACK_BLOCK,
     )
@@ -104,6 +105,7 @@ _LAZY = {
     "NativeKernels": "cpu_native",
     "native_kernels": "cpu_native",
     "native_decode_for": "cpu_native",
+    "greedy_pick": "cpu_greedy",
     "LayerForm": "cpu_layer",
     "PACK_BLOCK": "cpu_layer",
     "LayerWeights": "cpu_layer",

@@ -37,7 +37,7 @@ from .kernel_cache import cache_dir, cpu_signature
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f"cpu_{n}.cpp" for n in ("kernels", "layer", "gemm", "prefill", "lora", "quant"))
+SOURCES = tuple(CSRC / f"cpu_{n}.cpp" for n in ("kernels", "layer", "gemm", "prefill", "lora", "quant", "greedy"))
 """Compiled into one library; the headers they include are part of the cache key."""
 HEADERS = tuple(sorted(CSRC.glob("cpu_*.h")))
 FLAGS = (
@@ -216,6 +216,9 @@ class NativeKernels:
             _i64, _i64, _ptr, _ptr, _int,  # slots, max rank, scales, ranks, threads
         )  # fmt: skip
         """Raw entry point of ``csrc/cpu_lora.cpp``; :func:`tgi_paged_kernels.lora.add_lora_cpu` wraps it."""
+        self.greedy_pick = bind("tgi_paged_greedy_pick", _ptr, _i64, _i64, _i64, _ptr, _ptr, _int)
+        """Raw entry point of ``csrc/cpu_greedy.cpp`` (scores, rows, vocab, row stride, ids, logprobs, threads);
+        :func:`tgi_paged_kernels.cpu_greedy.greedy_pick` wraps it."""
         self._tables: dict[torch.dtype, torch.Tensor] = {}
 
     @property

@@ -109,3 +109,37 @@ def test_penalties_warpers_sampling_and_alternatives_still_get_the_full_processi
     assert out[1].logprob != pytest.approx(float(torch.log_softmax(logits[1], dim=-1)[out[1].id]), abs=1e-3)
     assert len(out[3].top_ids) == 3 and out[3].top_ids[0] == out[3].id
     assert out[2].logprob == pytest.approx(float(torch.log_softmax(logits[2], dim=-1)[out[2].id]), abs=1e-6)
+
+
+def test_the_runners_greedy_pass_chooses_an_all_greedy_batch() -> None:
+    """The runner's native pass (``greedy=``) serves a batch whose rows are all greedy without alternatives: the
+    same ids as argmax, log_softmax's value within fp32 summation error, NaN and -inf rows made float32 min."""
+    from tgi_paged_backend.runner.model_runner import ModelRunner
+
+    logits = edge_rows(torch.Generator().manual_seed(4))
+    calls: list[torch.Tensor] = []
+
+    def greedy(scores: torch.Tensor):
+        calls.append(scores)
+        return ModelRunner.greedy_pick(scores)
+
+    out = choose_next_tokens(logits, [SamplingParams() for _ in range(7)], [0] * 7, greedy=greedy)
+    if ModelRunner.greedy_pick(logits) is None:
+        pytest.skip("no native kernels here")
+    assert len(calls) == 1
+    torch_path = choose_next_tokens(logits, [SamplingParams() for _ in range(7)], [0] * 7)
+    assert [c.id for c in out] == [c.id for c in torch_path]
+    for mine, theirs in zip(out, torch_path):
+        assert mine.logprob == pytest.approx(theirs.logprob, rel=1e-5, abs=1e-5)
+        assert mine.top_ids == [] and mine.top_logprobs == []
+    assert out[3].logprob == FMIN and out[2].id == 10
+
+
+@pytest.mark.parametrize("params, top_n", [([SamplingParams(do_sample=True, seed=1), SamplingParams()], [0, 0]),
+                                           ([SamplingParams(), SamplingParams()], [0, 2])])  # fmt: skip
+def test_sampling_or_alternatives_in_the_batch_skip_the_greedy_pass(params, top_n) -> None:
+    def greedy(scores: torch.Tensor):
+        raise AssertionError("the greedy pass must not run for this batch")
+
+    out = choose_next_tokens(torch.randn(2, 300), params, [0, 0], top_n=top_n, greedy=greedy)
+    assert len(out) == 2

@@ -304,6 +304,7 @@ class ModelStep:
             [len(r.output_ids) + i for r, i in owners],  # draft position i is output step len + i: same seeds
             histories if any(needs_history) else None,
             [r.spec.top_n_tokens for r, _ in owners],
+            greedy=self.runner.greedy_pick,
         )
         timer.lap("sample")
         generations, finished, accepted_total, j = [], [], 0, 0

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -250,6 +250,10 @@ def process_logits(
 # ----------------------------------------------------------------------------------------------------
 
 
+GreedyPick = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
+"""``scores [B, V]`` -> ``(ids, logprobs)``: each row's first maximum (its first NaN if any, as ``argmax``) and
+``log_softmax`` there; ``None`` when it does not take these scores."""
+
 _BLOCK = 512
 """Columns per block of :func:`_first_maximum`'s first pass."""
 
@@ -288,12 +292,14 @@ def choose_next_tokens(
     top_n: Sequence[int] | None = None,
     *,
     history_lens: Sequence[int] | None = None,
+    greedy: GreedyPick | None = None,
 ) -> list[ChosenToken]:
     """Choose one token per row of ``logits`` ``[B, V]``.
 
     ``steps[i]``: tokens request i has generated before this choice (0 at prefill); with its seed it
     fully determines the random draw. ``histories``: see :func:`process_logits`. ``top_n[i]``: how many
-    top alternatives to return (0 = none).
+    top alternatives to return (0 = none). ``greedy`` (the runner's native pass) chooses a batch whose rows all
+    decode greedily without alternatives, when it takes the scores.
     """
     batch = len(params)
     if len(steps) != batch or (top_n is not None and len(top_n) != batch):
@@ -302,6 +308,10 @@ def choose_next_tokens(
     sample_rows = [i for i, p in enumerate(params) if p.is_sampling]
     ns = [0] * batch if top_n is None else [max(0, min(int(n), scores.shape[1])) for n in top_n]
     max_n = max(ns, default=0)
+    picked = greedy(scores) if greedy is not None and not sample_rows and max_n == 0 else None
+    if picked is not None:  # every row greedy, no alternatives: ids and logprobs in one native pass
+        ids_l, lps_l = _finite_logprobs(*picked)
+        return [ChosenToken(id=i, logprob=lp, top_ids=[], top_logprobs=[]) for i, lp in zip(ids_l, lps_l)]
     logprobs = torch.log_softmax(scores, dim=-1)
     next_ids = _first_maximum(scores)
 

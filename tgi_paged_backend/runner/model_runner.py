@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from loguru import logger
 
+import tgi_paged_kernels
 from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.lora.checkpoint import LoraAdapter, load_adapters
 from tgi_paged_backend.lora.layers import LoraModel
@@ -152,6 +153,12 @@ class ModelRunner:
     @property
     def fast_layers(self) -> SwapReport | None:
         return self.rewrites.get("pack")
+
+    @staticmethod
+    def greedy_pick(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each row's first maximum and its log-probability in one native pass over CPU fp32 logits, or ``None``
+        (other logits, or no native kernels: the sampler runs torch's argmax and ``log_softmax``)."""
+        return tgi_paged_kernels.greedy_pick(scores) if scores.is_cpu else None
 
     def propose_medusa(self, rows: Sequence[int], k: int) -> list[list[int]]:
         """The Medusa heads' proposals (up to ``k`` tokens) at logits rows ``rows`` of the last forward."""
