@@ -34,6 +34,7 @@ from tgi_paged_backend.runner.kv_pool import BlockIds, KVPool
 from tgi_paged_backend.runner.model.loader import LoadedModel, load_model, resident_bytes
 from tgi_paged_backend.runner.model.medusa import MedusaHeads, load_medusa_for
 from tgi_paged_backend.runner.model.spec import ModelSpec, resolve_kv_dtype
+from tgi_paged_backend.runner.native.direct import DirectDecode, direct_decode, prove_direct
 from tgi_paged_backend.runner.native.layers import NativeLayersReport
 from tgi_paged_backend.runner.native.stack import prove_stack
 from tgi_paged_backend.runner.rewrites.base import AppliedRewrites, ModelRewrite, RewriteContext
@@ -120,6 +121,9 @@ class ModelRunner:
         """Device bytes of the decode CUDA graphs (:meth:`profile_decode_graphs`), kept out of the KV pool."""
         self.static_decode: StaticDecodeStep | None = None
         """The static decode step decode batches run through when it holds them (:meth:`prepare_static_decode`)."""
+        self.direct_decode: DirectDecode | None = None
+        """Decode steps of a stacked model without its forward (:mod:`.native.direct`), when its modules are laid out
+        for them; they serve once proven at Warmup (``enabled``; ``kept`` says why not)."""
 
     def _load_model(self, model_config: ModelConfig) -> LoadedModel:
         """Load the model onto ``self.device`` (the tensor-parallel runner loads on the CPU; its ``tp_slice``
@@ -284,6 +288,9 @@ class ModelRunner:
         )  # fmt: skip
         routing = self.lora.step.open(batch.lora_slots) if self.lora is not None else contextlib.nullcontext()
         with torch.inference_mode(), routing:
+            logits = None if self.direct_decode is None else self.direct_decode.run(batch, metadata)
+            if logits is not None:
+                return logits
             out = self.model(
                 **model_inputs(self.model, batch),
                 position_ids=batch.positions.unsqueeze(0)
@@ -311,10 +318,17 @@ class ModelRunner:
         chunks = [RequestChunk(token_ids=[0], num_computed=self.block_size, block_table=[0, 0]) for _ in range(3)]
         start = time.perf_counter()
         slots = (0, -1, 0) if self.lora is not None else (-1, -1, -1)  # adapter rows beside base rows
-        for stack in self.native_layers.stacks if self.native_layers is not None else ():  # before any step uses it
+        stacks = self.native_layers.stacks if self.native_layers is not None else ()
+        for stack in stacks:  # before any step uses it
             prove_stack(
                 stack, self._forward, self.k_caches, self.v_caches, self.block_size, slots, self.pool_groups.num_groups
             )
+        direct = direct_decode(self.model, stacks[0]) if len(stacks) == 1 else "not one stack of layers"
+        self.direct_decode = direct if isinstance(direct, DirectDecode) else None  # the proof's step runs through it
+        if self.direct_decode is not None:
+            prove_direct(self.direct_decode, self._forward, self.k_caches, self.v_caches, self.block_size, slots)
+        elif stacks:
+            logger.info("native direct decode: the model's forward serves: {}", direct)
         self._forward(build_forward_batch(chunks, self.block_size), self.k_caches, self.v_caches)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

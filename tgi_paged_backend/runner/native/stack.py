@@ -69,10 +69,15 @@ class DecodeStack:
             self._probe.append((index, position_embeddings))
 
     def run(
-        self, hidden: torch.Tensor, position_embeddings: Any, metadata: PagedAttentionMetadata
+        self,
+        hidden: torch.Tensor,
+        position_embeddings: Any,
+        metadata: PagedAttentionMetadata,
+        pass_through: bool = True,
     ) -> torch.Tensor | None:
         """The whole stack's output for a decode or verify step's ``hidden`` ``[1, T, H]`` as the first layer got
-        it, or ``None`` (not proven, or inputs of another kind: every layer then runs its own call)."""
+        it, or ``None`` (not proven, or inputs of another kind: every layer then runs its own call). ``pass_through``:
+        the other layers will be called on this step (the model's loop) and return their input."""
         first, batch = self.layers[0], metadata.batch
         if not self.enabled or (not batch.is_decode and not self.verify):
             return None
@@ -102,7 +107,7 @@ class DecodeStack:
         )  # fmt: skip
         if out is None:
             return None
-        self._served = metadata
+        self._served = metadata if pass_through else None
         self.steps += 1
         for layer in self.layers:
             layer.calls[0] += 1
@@ -129,7 +134,7 @@ def stack_layers(
     return stack
 
 
-def _proof_batch(block_size: int, lora_slots: tuple[int, ...], rows: int = 1) -> tuple[ForwardBatch, int]:
+def proof_batch(block_size: int, lora_slots: tuple[int, ...], rows: int = 1) -> tuple[ForwardBatch, int]:
     """A decode step (``rows`` > 1: a verify step of that many rows per request) of three requests of different
     lengths over their own blocks (request ``i`` on adapter slot ``lora_slots[i]``, -1: none), and the blocks it
     needs."""
@@ -167,7 +172,7 @@ def prove_stack(
     if kv_groups != 1:
         kept = "KV layer groups: each group has its own slots"
     else:
-        kept = _prove(stack, forward, k_like, v_like, _proof_batch(block_size, lora_slots))
+        kept = _prove(stack, forward, k_like, v_like, proof_batch(block_size, lora_slots))
     stack.kept = kept
     if kept:
         stack.verify_kept = "decode steps are not stacked"
@@ -176,7 +181,7 @@ def prove_stack(
     else:
         stack.verify = True  # while its proof runs: set back below unless it passes
         stack.verify_kept = _prove(
-            stack, forward, k_like, v_like, _proof_batch(block_size, lora_slots, VERIFY_PROOF_ROWS)
+            stack, forward, k_like, v_like, proof_batch(block_size, lora_slots, VERIFY_PROOF_ROWS)
         )
         stack.verify = not stack.verify_kept
     stack.enabled = not kept  # each proof leaves the stack disabled

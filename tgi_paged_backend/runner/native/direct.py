@@ -1,0 +1,118 @@
+"""A stacked model's decode step without transformers' model loop: embed the tokens, take the RoPE tables from the
+model's rotary module, run the :class:`~.stack.DecodeStack`'s one call, then the final norm and the LM head on the
+step's logits rows.
+
+With the stack, a decode step's decoder layers are one native call, and what is left of the step's forward is
+transformers' model code around it: the causal-mask helpers, a module call per layer (each passing the stack's
+output through), output dataclasses. :class:`DirectDecode` calls the model's own embedding, rotary, norm and head
+modules in the order a plain decoder-only model does, and serves only after :func:`prove_direct` (at Warmup, after
+the stack's proof) ran one decode step both ways over scratch pools and got the same logits and K/V to the bit. A
+model that does anything else around its layers (an embedding multiplier, logit scaling or soft-capping, another
+layout of its modules) fails the proof and keeps the model's forward; ``direct.kept`` says why.
+"""
+
+from __future__ import annotations
+
+import torch
+from loguru import logger
+from torch import nn
+
+from tgi_paged_backend.runner.attention import PagedAttentionMetadata
+from tgi_paged_backend.runner.input_batch import ForwardBatch
+from tgi_paged_backend.runner.native.stack import DecodeStack, Forward, proof_batch
+
+
+class DirectDecode:
+    """The modules around a stacked model's layers, and whether its decode steps skip the model's forward."""
+
+    def __init__(self, stack: DecodeStack, embed: nn.Module, rotary: nn.Module, norm: nn.Module, head: nn.Module):
+        self.stack, self.embed, self.rotary, self.norm, self.head = stack, embed, rotary, norm, head
+        self.enabled = False
+        """Set by :func:`prove_direct` when the direct step gave the model's logits and K/V."""
+        self.kept = "not proven (no Warmup decode step yet)"
+        self.steps = 0
+        """Decode steps served directly."""
+
+    def run(self, batch: ForwardBatch, metadata: PagedAttentionMetadata) -> torch.Tensor | None:
+        """``[K, vocab]`` fp32 logits of a plain text decode step's rows, or ``None`` (not proven, a step of another
+        kind, or inputs the stack does not take: the model's forward serves)."""
+        if not self.enabled or not batch.is_decode or batch.image_rows or batch.rope_positions is not None:
+            return None
+        hidden = self.embed(batch.input_ids.unsqueeze(0))
+        tables = self.rotary(hidden, batch.positions.unsqueeze(0))
+        out = self.stack.run(hidden, tables, metadata, pass_through=False)
+        if out is None:
+            return None
+        self.steps += 1
+        logits = self.head(self.norm(out)[:, batch.logits_indices, :])
+        return logits[0].float()
+
+
+def direct_decode(model: nn.Module, stack: DecodeStack) -> DirectDecode | str:
+    """``model``'s direct decode step around ``stack``, or why its modules are not laid out for one: a causal LM
+    whose ``model`` holds ``embed_tokens``, ``rotary_emb``, ``norm`` and exactly the stack's layers as ``layers``,
+    and whose ``lm_head`` is the head."""
+    base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    parts = [getattr(base, name, None) for name in ("embed_tokens", "rotary_emb", "norm", "layers")]
+    embed, rotary, norm, layers = parts
+    if not isinstance(head, nn.Module) or not all(isinstance(part, nn.Module) for part in parts):
+        return "the model's modules are not laid out as model.{embed_tokens, rotary_emb, norm, layers} and lm_head"
+    assert isinstance(embed, nn.Module) and isinstance(rotary, nn.Module) and isinstance(norm, nn.Module)
+    if not isinstance(layers, nn.ModuleList) or list(layers) != stack.layers:
+        return "the stack is not the model's layer list"
+    return DirectDecode(stack, embed, rotary, norm, head)
+
+
+def prove_direct(
+    direct: DirectDecode,
+    forward: Forward,
+    k_like: list[torch.Tensor],
+    v_like: list[torch.Tensor],
+    block_size: int,
+    lora_slots: tuple[int, ...] = (-1, -1, -1),
+) -> bool:
+    """Run one decode step over scratch pools shaped as ``k_like``/``v_like`` (random history) through the model's
+    forward, then directly; enable the direct step when the logits and K/V are equal to the bit (``lora_slots``:
+    as :func:`~.stack.prove_stack`'s). Logs the outcome; returns ``direct.enabled``."""
+    direct.enabled = False
+    if not direct.stack.enabled:
+        direct.kept = "the layers are not stacked"
+    else:
+        direct.kept = _prove(direct, forward, k_like, v_like, *proof_batch(block_size, lora_slots))
+    direct.enabled = not direct.kept
+    if direct.kept:
+        logger.info("native direct decode: the model's forward serves: {}", direct.kept)
+    else:
+        logger.info("native direct decode: embed, the stack, norm and head without the model's forward")
+    return direct.enabled
+
+
+def _prove(
+    direct: DirectDecode,
+    forward: Forward,
+    k_like: list[torch.Tensor],
+    v_like: list[torch.Tensor],
+    batch: ForwardBatch,
+    blocks: int,
+) -> str:
+    generator = torch.Generator().manual_seed(1)
+
+    def pools(like: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.randn((blocks, *t.shape[1:]), generator=generator).to(t.dtype) for t in like]
+
+    k0, v0 = pools(k_like), pools(v_like)
+    try:
+        ref_k, ref_v = [t.clone() for t in k0], [t.clone() for t in v0]
+        ref = forward(batch, ref_k, ref_v)
+        direct.enabled, steps = True, direct.steps
+        got_k, got_v = [t.clone() for t in k0], [t.clone() for t in v0]
+        got = forward(batch, got_k, got_v)
+    except Exception as e:  # noqa: BLE001 - any failure means: the model's forward serves
+        return f"its proof step failed: {type(e).__name__}: {e}"
+    finally:
+        direct.enabled = False
+    if direct.steps != steps + 1:
+        return "the direct step did not run (inputs of another kind)"
+    if not all(torch.equal(a, b) for a, b in zip((ref, *ref_k, *ref_v), (got, *got_k, *got_v))):
+        return "the direct step's logits or K/V differ from the model's forward"
+    return ""
