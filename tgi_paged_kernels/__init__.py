@@ -81,6 +81,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers
     from .cpu_quant import PackedInt8 as PackedInt8
     from .cpu_quant import dequantized_int8 as dequantized_int8
     from .cpu_quant import gemm_packed_int8 as gemm_packed_int8
+    from .cpu_quant import pack_fp8 as pack_fp8
     from .cpu_quant import pack_int8 as pack_int8
     from .cpu_quant import pack_int8_layer as pack_int8_layer
     from .fp8_gemm import dequantize_fp8 as dequantize_fp8
@@ -117,6 +118,7 @@ _LAZY = {
     "PackedInt8": "cpu_quant",
     "dequantized_int8": "cpu_quant",
     "gemm_packed_int8": "cpu_quant",
+    "pack_fp8": "cpu_quant",
     "pack_int8": "cpu_quant",
     "pack_int8_layer": "cpu_quant",
     "gemm_packed": "cpu_layer",

@@ -165,7 +165,7 @@ class _Spec(ctypes.Structure):
         *((name, ctypes.c_int32) for name in ("layer_norm", "rotary_dim", "gated", "post_add_norms")),
         *((name, ctypes.c_int32) for name in ("experts", "top_k", "norm_top_k", "shared_intermediate")),
         *((name, ctypes.c_float) for name in ("scale", "softcap", "residual_scale")),
-        ("weight_dtype", ctypes.c_int32),  # 0 fp32, 1 bf16, 2 int8 (3 fp8 e4m3: shared convention, not run here)
+        ("weight_dtype", ctypes.c_int32),  # 0 fp32, 1 bf16, 2 int8 codes, 3 fp8 e4m3 codes
         *((f"eps_{name}", ctypes.c_float) for name in (*LAYER_NORMS, "q", "k")),
         *((name, ctypes.c_void_p) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias", "o", "gu", "down")),
         *((name, ctypes.c_void_p) for name in (*BIASES, "o_bias", "gate_up_bias", "down_bias", "router")),
@@ -236,8 +236,16 @@ class LayerWeights:
     :attr:`down` hold int8 codes packed by :func:`.cpu_quant.pack_int8` (:attr:`weight_dtype` fp32) and this their
     columns' zero points and scales, ``(qkv zeros, qkv scales, o zeros, ...)`` (:func:`.cpu_quant.pack_int8_layer`
     builds it)."""
+    fp8_codes: bool = False
+    """With :attr:`int8_columns`: the codes are fp8 e4m3 bytes (:func:`.cpu_quant.pack_fp8`; zeros unused)."""
     spec: Any = field(default=None, init=False, repr=False, compare=False)
     """The ``LayerSpec`` the native call reads (addresses of the tensors above, which this object keeps)."""
+
+    def _weight_code(self) -> int:
+        """``LayerSpec.weight_dtype``: 0 fp32, 1 bf16, 2 int8 codes, 3 fp8 e4m3 codes."""
+        if self.int8_columns is not None:
+            return 3 if self.fp8_codes else 2
+        return int(self.weight_dtype == torch.bfloat16)
 
     @classmethod
     def pack(
@@ -317,7 +325,7 @@ class LayerWeights:
             ACTIVATIONS.index(f.activation), QK_NORMS.index(f.qk_norm), ROPE_KINDS.index(f.rope), int(f.parallel),
             int(f.norm == "layer"), f.rotary_dim or d, int(f.gated), int(f.post_add_norms),
             f.experts, f.top_k, int(f.norm_top_k), self.shared_intermediate,
-            f.scale, f.softcap, f.residual_scale, 2 if int8 else int(dtype == torch.bfloat16),
+            f.scale, f.softcap, f.residual_scale, self._weight_code(),
             *(f.eps for _ in LAYER_NORMS), f.qk_eps, f.qk_eps,
             *(address(getattr(self, name)) for name in (*LAYER_NORMS, "q_norm", "k_norm", "qkv", "qkv_bias")),
             self.o.data_ptr(), self.gate_up.data_ptr(), self.down.data_ptr(),

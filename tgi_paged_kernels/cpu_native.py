@@ -172,7 +172,8 @@ class NativeKernels:
         self.gemm_packed_i8 = bind(  # a, lda, M, K, codes, zeros, scales, N, bias, add, ldadd, out, ldo, threads
             "tgi_paged_gemm_packed_i8", _ptr, _i64, _i64, _i64, *(_ptr,) * 3, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int
         )
-        """Raw entry points of ``csrc/cpu_gemm.cpp``, ``cpu_quant.cpp`` (int8), ``cpu_layer.cpp``; ``cpu_gemm``,
+        self.gemm_packed_f8 = bind("tgi_paged_gemm_packed_f8", *self.gemm_packed_i8.argtypes)  # zeros unused
+        """Raw entry points of ``csrc/cpu_gemm.cpp``, ``cpu_quant.cpp`` (int8, fp8), ``cpu_layer.cpp``; ``cpu_gemm``,
         ``cpu_quant``, ``cpu_layer`` wrap them."""
         self._bf16_rounds = bind("tgi_paged_gemm_bf16_rounds_activations")
         self.gemm_bf16_amx = bind("tgi_paged_gemm_bf16_amx", _int)

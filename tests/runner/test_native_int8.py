@@ -1,5 +1,6 @@
-"""Int8 checkpoints of one group per output channel (GPTQ ``group_size -1``, compressed-tensors ``channel``) decode
-through the native layer with the weights dequantized inside the GEMM's tile (``tgi_paged_kernels.cpu_quant``).
+"""Int8 checkpoints of one group per output channel (GPTQ ``group_size -1``, compressed-tensors ``channel``), and fp8
+weights of one scale per channel (``--quantize fp8``), decode through the native layer with the weights dequantized
+inside the GEMM's tile (``tgi_paged_kernels.cpu_quant``).
 
 The oracle is the per-op int8 path (``TGI_PAGED_NATIVE_LAYERS=0``: ``IntLinear`` dequantizes each weight to
 ``(code - zero) * scale`` in fp32 and runs ``F.linear``), within its own semantics: the same weight values, the
@@ -64,3 +65,24 @@ def test_int8_layers_decode_natively_with_the_per_op_paths_tokens(tiny_model_fac
         decode = build_forward_batch([RequestChunk([7], 9, [0, 1, 2]), RequestChunk([8], 5, [3, 4])], 4)
         logits.append(runner.forward(decode))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_layers_decode_natively_with_the_per_op_paths_tokens(tiny_model_factory) -> None:
+    """``--quantize fp8`` (e4m3, one scale per output channel): the native layer decodes the bytes in its GEMM's tile
+    (``weight_dtype`` 3), giving the per-op ``Fp8Linear`` path's tokens and HF's on the dequantized model."""
+    from tests.helpers.quant_models import dequantized_reference
+    from tgi_paged_backend.runner.quant.linear import Fp8Linear
+
+    src = tiny_model_factory("qwen2")
+    native, per_op = _runner(src, "fp8", True), _runner(src, "fp8", False)
+    layers = [m for m in native.model.modules() if isinstance(m, NativeDecoderLayer)]
+    assert len(layers) == 2 and all(m.weights.fp8_codes for m in layers)
+    assert len([m for m in native.model.modules() if isinstance(m, NativeInt8Linear)]) == 8
+    assert not any(isinstance(m, Fp8Linear) for m in native.model.modules())  # one copy of the bytes
+    assert abs(native.weights_bytes - per_op.weights_bytes) < 0.02 * per_op.weights_bytes
+
+    prompts = [np.random.default_rng(5).integers(4, 320, n).tolist() for n in (6, 17, 30)]
+    tokens = greedy_paged(native, prompts, 10)
+    assert tokens == greedy_paged(per_op, prompts, 10)
+    assert tokens == greedy_hf(dequantized_reference(src), prompts, 10, [EOS_ID], PAD_ID)
+    assert sum(m.native_steps for m in layers) >= 2 * 8

@@ -37,11 +37,17 @@ from tgi_paged_backend.config import CacheConfig, ModelConfig
 from tgi_paged_backend.runner.cpu.fast_layers import PackedLinear
 from tgi_paged_backend.runner.model.loader import ModelLoadError, load_model
 from tgi_paged_backend.runner.model_runner import ModelRunner
+from tgi_paged_backend.runner.native.layers import NativeDecoderLayer
 from tgi_paged_backend.runner.quant.apply import AFFINE_LINEAR_SUBCLASSES, quantize_model_fp8
 from tgi_paged_backend.runner.quant.linear import Fp8Linear
 from tgi_paged_backend.runner.quant.methods import QuantizationError
+from tgi_paged_backend.runner.rewrites.pipeline import model_rewrites
 
 CROSSCHECK = Path(__file__).parents[1] / "helpers" / "compressed_tensors_check.py"
+
+
+def native_layers(runner: ModelRunner) -> list[NativeDecoderLayer]:
+    return [m for m in runner.model.modules() if isinstance(m, NativeDecoderLayer)]
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +80,16 @@ CASES = ("fp8", "ct-channel", "ct-tensor-dynamic")
 def test_linears_hold_the_quantized_bytes_and_match_the_dequantized_model(case, checkpoints, prompts):
     model_dir, quantize, strategy = checkpoints[case]
     src = checkpoints["src"]
-    runner = ModelRunner(ModelConfig(model_id=str(model_dir), quantize=quantize), CacheConfig(block_size=8), "cpu")
+    config = ModelConfig(model_id=str(model_dir), quantize=quantize)
+    # loading: the linears as loaded (the served runner below fuses them and packs them for the native layers)
+    loaded = ModelRunner(config, CacheConfig(block_size=8), "cpu", rewrites=model_rewrites(without=("fuse", "native")))
     reference = dequantized_reference(src, strategy)
     names = linear_names(src)
-    assert {n for n, m in runner.model.named_modules() if isinstance(m, Fp8Linear)} == set(names)
+    assert {n for n, m in loaded.model.named_modules() if isinstance(m, Fp8Linear)} == set(names)
     # the LM head stays full precision (a plain linear, packed for oneDNN by the fast-layer swap)
-    assert type(runner.model.get_output_embeddings()) in (torch.nn.Linear, PackedLinear)
+    assert type(loaded.model.get_output_embeddings()) in (torch.nn.Linear, PackedLinear)
     for name in names:
-        ours = runner.model.get_submodule(name)
+        ours = loaded.model.get_submodule(name)
         assert ours.qweight.dtype == torch.float8_e4m3fn
         assert torch.equal(ours.dequantized_weight(torch.float32), reference.get_submodule(name).weight)
         if quantize == "compressed-tensors":  # the file's bytes, not a re-quantization
@@ -94,8 +102,10 @@ def test_linears_hold_the_quantized_bytes_and_match_the_dequantized_model(case, 
     quantized = sum(full.get_submodule(n).weight.numel() for n in names)
     channels = sum(full.get_submodule(n).out_features for n in names)
     full_bytes = sum(t.numel() * t.element_size() for t in (*full.parameters(), *full.buffers()))
-    assert runner.weights_bytes == full_bytes - quantized * 4 + quantized * 1 + channels * 4
+    assert loaded.weights_bytes == full_bytes - quantized * 4 + quantized * 1 + channels * 4
 
+    runner = ModelRunner(config, CacheConfig(block_size=8), "cpu")  # served: the native layers decode the fp8 bytes
+    assert all(layer.weights.fp8_codes for layer in native_layers(runner))
     runner.allocate_kv_cache(64)
     from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 
@@ -229,7 +239,8 @@ def test_fp8_other_families_are_token_exact(kind, tiny_model_factory, prompts):
 
     src = tiny_model_factory(kind)
     runner = ModelRunner(ModelConfig(model_id=str(src), quantize="fp8"), CacheConfig(block_size=8), "cpu")
-    assert any(isinstance(m, Fp8Linear) for m in runner.model.modules())
+    fp8_layers = [layer for layer in native_layers(runner) if layer.weights.fp8_codes]
+    assert fp8_layers or any(isinstance(m, Fp8Linear) for m in runner.model.modules())
     expected = greedy_hf_full_recompute(dequantized_reference(src), prompts, 12, [EOS_ID])
     assert greedy_paged(runner, prompts, 12, num_blocks=64) == expected
 

@@ -34,8 +34,8 @@ struct LayerSpec {
   int32_t experts, top_k, norm_top_k;  // experts > 0: an MoE MLP (cpu_moe.h), gated, w_gate_up / w_down per expert
   int32_t shared_intermediate;  // > 0: plus a shared expert, sigmoid(w_shared_gate . x) * its gated MLP (Qwen2-MoE)
   float scale, softcap, residual_scale;
-  int32_t weight_dtype;  // the packed projections: 0 fp32 (cpu_gemm.h), 1 bf16 (cpu_gemm_bf16.h), 2 int8 codes
-                         // (cpu_gemm_quant.h: the four projections only, no MoE); norms stay fp32
+  int32_t weight_dtype;  // the packed projections: 0 fp32 (cpu_gemm.h), 1 bf16 (cpu_gemm_bf16.h), 2 int8 codes,
+                         // 3 fp8 e4m3 codes (cpu_gemm_quant.h: the four projections only, no MoE); norms stay fp32
   float eps_attn_in, eps_attn_out, eps_mlp_in, eps_mlp_out, eps_q, eps_k;
   const float *attn_in, *attn_out, *mlp_in, *mlp_out;  // before / after attention, before / after the MLP
   const float *q_norm, *k_norm;
@@ -46,7 +46,7 @@ struct LayerSpec {
   const float *b_o, *b_gate_up, *b_down;                       // projection biases (null: none)
   const void* w_router;                                        // packed [experts, H] (MoE only)
   const void *w_shared_gate_up, *w_shared_down, *w_shared_gate;  // packed [2Is, H], [H, Is], [1, H]
-  const float* w_zeros[4];   // int8: per packed column of w_qkv, w_o, w_gate_up, w_down (kQkv .. kDown)
+  const float* w_zeros[4];   // int8 / fp8: per packed column of w_qkv, w_o, w_gate_up, w_down (kQkv .. kDown)
   const float* w_scales[4];  // the same columns' scales
 };
 
@@ -57,8 +57,11 @@ enum Projection { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
 inline void gemm_proj(const LayerSpec& S, int p, const float* a, int64_t lda, int64_t M, int64_t K, const void* w,
                       int64_t N, const float* bias, const float* add, int64_t ldadd, float* out, int64_t ldo) {
   if (S.weight_dtype == 2) {
-    gemm_packed_i8(a, lda, M, K, static_cast<const uint8_t*>(w), S.w_zeros[p], S.w_scales[p], N, bias, add, ldadd,
-                   out, ldo);
+    gemm_packed_i8<false>(a, lda, M, K, static_cast<const uint8_t*>(w), S.w_zeros[p], S.w_scales[p], N, bias, add,
+                          ldadd, out, ldo);
+  } else if (S.weight_dtype == 3) {
+    gemm_packed_i8<true>(a, lda, M, K, static_cast<const uint8_t*>(w), S.w_zeros[p], S.w_scales[p], N, bias, add,
+                         ldadd, out, ldo);
   } else {
     gemm_weights(S.weight_dtype, a, lda, M, K, w, N, bias, add, ldadd, out, ldo);
   }
@@ -346,7 +349,7 @@ int tgi_paged_decode_layer_stage(
   const bool int8_columns = S.w_zeros[0] && S.w_zeros[1] && S.w_zeros[2] && S.w_zeros[3] && S.w_scales[0] &&
                             S.w_scales[1] && S.w_scales[2] && S.w_scales[3];
   if (stage < 0 || stage > 3 || (stage && (!partial || S.experts > 0)) || (stage == 2 && S.parallel) ||
-      S.weight_dtype < 0 || S.weight_dtype > 2 || (S.weight_dtype == 2 && (!int8_columns || S.experts > 0)) ||
+      S.weight_dtype < 0 || S.weight_dtype > 3 || (S.weight_dtype >= 2 && (!int8_columns || S.experts > 0)) ||
       // a bf16 hidden state is the whole layer's only (a rank's stages keep the per-op path)
       act_dtype < 0 || act_dtype > 1 || (stage && act_dtype) || kv_dtype < 0 || kv_dtype > 1 ||
       S.activation < 0 || S.activation > 3 || (S.experts > 0 && (!S.gated || !S.w_router || S.top_k < 1 ||

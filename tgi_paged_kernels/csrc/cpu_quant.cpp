@@ -12,7 +12,18 @@ int tgi_paged_gemm_packed_i8(const float* a, int64_t lda, int64_t M, int64_t K, 
                              const float* zeros, const float* scales, int64_t N, const float* bias, const float* add,
                              int64_t ldadd, float* out, int64_t ldo, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
-  gemm_packed_i8(a, lda, M, K, codes, zeros, scales, N, bias, add, ldadd, out, ldo);
+  gemm_packed_i8<false>(a, lda, M, K, codes, zeros, scales, N, bias, add, ldadd, out, ldo);
+  return kOk;
+}
+
+// The same for fp8 e4m3 codes: out = a @ (e4m3(codes) * scales)^T (+ bias) (+ add); zeros unused (may be null).
+// Returns 0.
+int tgi_paged_gemm_packed_f8(const float* a, int64_t lda, int64_t M, int64_t K, const uint8_t* codes,
+                             const float* zeros, const float* scales, int64_t N, const float* bias, const float* add,
+                             int64_t ldadd, float* out, int64_t ldo, int num_threads) {
+  (void)zeros;
+#pragma omp parallel num_threads(num_threads)
+  gemm_packed_i8<true>(a, lda, M, K, codes, scales, scales, N, bias, add, ldadd, out, ldo);
   return kOk;
 }
 

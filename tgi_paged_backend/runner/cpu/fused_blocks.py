@@ -49,7 +49,7 @@ from tgi_paged_backend.runner.cpu.qkv_layouts import (
 )
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.parallel.row_parallel import RowParallelLinear
-from tgi_paged_backend.runner.quant.linear import IntLinear
+from tgi_paged_backend.runner.quant.linear import Fp8Linear, IntLinear
 from tgi_paged_kernels import native_kernels
 
 CHECK_TOKENS = 12
@@ -126,8 +126,8 @@ def _plain(*modules: Any) -> bool:
 
 def _fusable(*parts: Any, down: Any) -> bool:
     """Plain gate/up (one, or two stacked into one GEMM) and down projections, or int8 ones of one group per
-    channel (:func:`~.qkv_layouts.stacked` stacks their codes; other int layouts keep their MLP)."""
-    if all(isinstance(lora_base(m), IntLinear) for m in (*parts, down)):
+    channel, or fp8 ones (:func:`~.qkv_layouts.stacked` stacks their codes; other int layouts keep their MLP)."""
+    if all(isinstance(lora_base(m), (IntLinear, Fp8Linear)) for m in (*parts, down)):
         return stackable(*parts) and stackable(down)
     return _plain(*parts) and _plain_down(down)
 

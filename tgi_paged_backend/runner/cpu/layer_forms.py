@@ -28,8 +28,8 @@ from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedA
 from tgi_paged_backend.runner.cpu.moe_forms import MoeParts, moe_parts
 from tgi_paged_backend.runner.cpu.qkv_layouts import plain_linear
 from tgi_paged_backend.runner.parallel.row_parallel import RowParallelLinear
-from tgi_paged_backend.runner.quant.linear import IntLinear
-from tgi_paged_kernels import LayerForm, LayerWeights, PackedInt8, pack_int8, pack_int8_layer
+from tgi_paged_backend.runner.quant.linear import Fp8Linear, IntLinear
+from tgi_paged_kernels import LayerForm, LayerWeights, PackedInt8, pack_fp8, pack_int8, pack_int8_layer
 
 _PLACES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 _PRE = ("input_layernorm", None, "post_attention_layernorm", None)
@@ -187,8 +187,14 @@ def row_parallel_part(module: Any) -> tuple[Any, torch.Tensor | None, RowParalle
 
 
 def _int8(linear: Any) -> PackedInt8 | None:
-    """An :class:`IntLinear` of 8 bits and one group per output channel (per-channel scales), packed for the native
-    GEMM (:func:`~tgi_paged_kernels.pack_int8`); ``None`` for anything else."""
+    """An :class:`IntLinear` of 8 bits and one group per output channel (per-channel scales), or an
+    :class:`Fp8Linear` (one scale per output channel) without a NaN byte, packed for the native GEMM
+    (:func:`~tgi_paged_kernels.pack_int8`, :func:`~tgi_paged_kernels.pack_fp8`); ``None`` for anything else."""
+    if isinstance(linear, Fp8Linear) and linear.qweight.dtype == torch.float8_e4m3fn:
+        try:
+            return pack_fp8(linear.qweight, linear.weight_scale)
+        except ValueError:  # a NaN byte: the per-op path dequantizes it as torch does
+            return None
     if not isinstance(linear, IntLinear) or linear.bits != 8 or linear.scales.shape[1] != 1:
         return None
     return pack_int8(linear.codes(), linear.scales, linear.zeros)
@@ -223,7 +229,7 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, Any]] | str:
             return "its projections are not plain fp32 linears (quantized, sliced or biased in part)"
         qkv_w, o_w = qkv.weight, o.weight
     if isinstance(raw["gate_up"], PackedInt8) != isinstance(qkv_w, PackedInt8):
-        return "its projections are not all fp32 or all int8 of one group per channel"
+        return "its projections are not all fp32 or all int8 / fp8 of one scale per channel"
     down_row_parallel = row_parallel_part(getattr(mlp, names[1]))[2] if names is not None and moe is None else None
     if (o_row_parallel is None) != (down_row_parallel is None):  # a sharded MoE block: not a fused MLP here
         return "one of its o and down projections is row-parallel, the other not"
@@ -313,7 +319,7 @@ def layer_weights(layer: nn.Module) -> LayerWeights | str:
     heads = dict(num_q_heads=attn.num_q_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
     int8 = {name: raw.pop(name) for name in ("qkv", "o", "gate_up", "down") if isinstance(raw.get(name), PackedInt8)}
     try:
-        if int8:  # int8 projections of one group per channel (GPTQ, compressed-tensors): dequantized in the tile
+        if int8:  # int8 (GPTQ, compressed-tensors) or fp8 projections of one scale per channel: dequantized in the tile
             return pack_int8_layer(form, raw, int8, **heads)
         return LayerWeights.pack(form, raw, **heads)
     except ValueError as e:  # weights that do not fit the form

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tgi_paged_backend.lora.layers import lora_base, stack_with_lora
-from tgi_paged_backend.runner.quant.linear import IntLinear, stacked_int_linear
+from tgi_paged_backend.runner.quant.linear import Fp8Linear, IntLinear, stacked_fp8_linear, stacked_int_linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +64,10 @@ def stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
 
 def linear_input(linear: Any) -> tuple[int, torch.dtype, torch.device]:
     """``(in_features, dtype, device)`` of the input a projection takes (LoRA seen through): a plain linear's
-    weight's, an int linear's fp32 (it dequantizes into the input's dtype; the CPU checks run fp32)."""
+    weight's, an int or fp8 linear's fp32 (it dequantizes into the input's dtype; the CPU checks run fp32)."""
     base = lora_base(linear)
+    if isinstance(base, Fp8Linear):
+        return int(base.in_features), torch.float32, base.qweight.device
     if isinstance(base, IntLinear):
         return int(base.in_features), torch.float32, base.qweight.device
     weight = cast(nn.Linear, base).weight
@@ -75,22 +77,29 @@ def linear_input(linear: Any) -> tuple[int, torch.dtype, torch.device]:
 def _stack_bases(bases: list[nn.Module]) -> nn.Module:
     if all(isinstance(m, IntLinear) for m in bases):
         return stacked_int_linear(cast(list[IntLinear], bases))
+    if all(isinstance(m, Fp8Linear) for m in bases):
+        return stacked_fp8_linear(cast(list[Fp8Linear], bases))
     return stacked_linear(cast(list[nn.Linear], bases))
 
 
 def stacked(parts: list[nn.Module]) -> nn.Module:
-    """:func:`stacked_linear` of the parts' GEMMs (:func:`~..quant.linear.stacked_int_linear` for int linears), each
-    part's LoRA adapters (if any) kept on its columns."""
+    """:func:`stacked_linear` of the parts' GEMMs (:func:`~..quant.linear.stacked_int_linear` for int linears,
+    :func:`~..quant.linear.stacked_fp8_linear` for fp8 ones), each part's LoRA adapters (if any) kept on its
+    columns."""
     return stack_with_lora(parts, _stack_bases)
 
 
 def stackable(*linears: Any) -> bool:
     """Plain linears of one input width, all with a bias or all without (so one GEMM computes them); or int8 linears
-    of one group per output channel (GPTQ, compressed-tensors: what the native decode layer runs)."""
+    of one group per output channel (GPTQ, compressed-tensors), or fp8 e4m3 ones (one scale per output channel):
+    what the native decode layer runs."""
     bases = [lora_base(m) for m in linears]
     same = len({m.in_features for m in bases}) == 1 and len({m.bias is None for m in bases}) == 1
     ints = [m for m in bases if isinstance(m, IntLinear) and m.bits == 8 and m.scales.shape[1] == 1]
     if ints and len(ints) == len(bases):  # the int8 layouts the native layer runs (one group per channel)
+        return same
+    fp8 = [m for m in bases if isinstance(m, Fp8Linear) and m.qweight.dtype == torch.float8_e4m3fn]
+    if fp8 and len(fp8) == len(bases):
         return same
     return all(type(m) is nn.Linear for m in bases) and same
 

@@ -166,13 +166,13 @@ class NativeDecoderLayer(nn.Module):
             setattr(owner, name, replace_lora_base(getattr(owner, name), linear))
 
     def _linear(self, index: int, width: int, bias: torch.Tensor | None, in_features: int) -> nn.Module:
-        """The module of projection ``index`` (qkv, o, gate_up, down) over its packed weight: fp32, bf16 or int8."""
+        """The module of projection ``index`` (qkv, o, gate_up, down) over its packed weight (fp32, bf16, int8, fp8)."""
         w = self.weights
         packed = (w.qkv, w.o, w.gate_up, w.down)[index]
         if w.int8_columns is None:
             return NativeLinear(packed, width, bias, self.native, in_features)
         zeros, scales = w.int8_columns[2 * index : 2 * index + 2]
-        return NativeInt8Linear(PackedInt8(packed, zeros, scales, width), bias, self.native)
+        return NativeInt8Linear(PackedInt8(packed, zeros, scales, width, fp8=w.fp8_codes), bias, self.native)
 
     def __getattr__(self, name: str) -> Any:
         """Attributes of the wrapped layer read through (``self_attn``, ``mlp``, ``attention_type``, ...)."""

@@ -198,6 +198,19 @@ def stacked_int_linear(parts: Sequence[IntLinear]) -> IntLinear:
     )
 
 
+def stacked_fp8_linear(parts: Sequence[Fp8Linear]) -> Fp8Linear:
+    """One :class:`Fp8Linear` whose output is the outputs of ``parts`` side by side (all with a bias or none): their
+    fp8 weights and per-channel scales stacked by output channel (q/k/v or gate/up in one GEMM)."""
+    if len({p.bias is None for p in parts}) != 1 or len({p.qweight.dtype for p in parts}) != 1:
+        raise ValueError("stacked_fp8_linear: parts of other fp8 formats or biases")
+    biases = [p.bias.detach() for p in parts if p.bias is not None]
+    return Fp8Linear(
+        torch.cat([p.qweight for p in parts]),
+        torch.cat([p.weight_scale for p in parts]),
+        torch.cat(biases) if biases else None,
+    )
+
+
 def _row_index(rows: Sequence[slice], out_features: int, device: torch.device) -> torch.Tensor:
     """The output channels of ``rows`` in order, as an index (advanced indexing copies)."""
     runs = [range(*r.indices(out_features)) for r in rows]
