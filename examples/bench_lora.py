@@ -11,7 +11,7 @@ switched off (adapter rows on the per-op path, as before the deltas joined the n
 the others; ``--used`` picks the scenarios.
 
     .venv/bin/python examples/bench_lora.py [--requests 32] [--max-new 32] [--repeats 3] [--threads 2]
-        [--used 0,1,4,16] [--per-op]
+        [--used 0,1,4,16] [--per-op] [--adapter-dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ RANK = 8
 WORDS = "the of and to in is was for on that with as by at from his her they this which model memory block".split()
 
 
-def write_adapters(model_dir: Path, out: Path, count: int) -> list[Path]:
-    """``count`` random rank-8 PEFT adapters of ``model_dir`` (config and safetensors as PEFT writes them)."""
+def write_adapters(model_dir: Path, out: Path, count: int, dtype: torch.dtype = torch.float32) -> list[Path]:
+    """``count`` random rank-8 PEFT adapters of ``model_dir`` (config and safetensors as PEFT writes them), their
+    A and B saved in ``dtype`` (bf16: as PEFT saves adapters trained on a bf16 model)."""
     import transformers
     from safetensors.torch import save_file
 
@@ -72,8 +73,8 @@ def write_adapters(model_dir: Path, out: Path, count: int) -> list[Path]:
         for layer in range(config.num_hidden_layers):
             for name, (n_in, n_out) in shapes.items():
                 key = f"base_model.model.model.layers.{layer}.{name}"
-                tensors[f"{key}.lora_A.weight"] = torch.randn(RANK, n_in, generator=gen) / n_in**0.5
-                tensors[f"{key}.lora_B.weight"] = 0.01 * torch.randn(n_out, RANK, generator=gen)
+                tensors[f"{key}.lora_A.weight"] = (torch.randn(RANK, n_in, generator=gen) / n_in**0.5).to(dtype)
+                tensors[f"{key}.lora_B.weight"] = (0.01 * torch.randn(n_out, RANK, generator=gen)).to(dtype)
         save_file(tensors, str(path / "adapter_model.safetensors"))
         adapter_config = {
             "peft_type": "LORA",
@@ -147,18 +148,26 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out/bench/lora"))
     parser.add_argument("--used", default="0,1,4,16", help="adapters used per scenario, comma-separated")
     parser.add_argument("--per-op", action="store_true", help="also each scenario with LoRA rows on the per-op path")
+    parser.add_argument(
+        "--adapter-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the adapter files (bfloat16: they stay bf16 on the fp32 model, half the bytes)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(describe(host_info(), "float32"))
     model = ensure_smollm2(progress=False)
-    adapters = write_adapters(model, args.out, NUM_ADAPTERS)
+    dtype = getattr(torch, args.adapter_dtype)
+    out = args.out if dtype == torch.float32 else args.out.with_name(f"{args.out.name}-{args.adapter_dtype}")
+    adapters = write_adapters(model, out, NUM_ADAPTERS, dtype)
     knobs = {"TGI_PAGED_NUM_BLOCKS": "1024", "PREFIX_CACHING": "0"}
     base = build_engine(build_config({"model_id": str(model)}, knobs))
     lora_list = ",".join(f"a{i:02d}={path}" for i, path in enumerate(adapters))
     lora = build_engine(build_config({"model_id": str(model)}, {**knobs, "LORA_ADAPTERS": lora_list}))
     runner = lora.runner
     print(
-        f"{NUM_ADAPTERS} adapters, rank {RANK}, 7 projections x {runner.spec.num_layers} layers: "
+        f"{NUM_ADAPTERS} {args.adapter_dtype} adapters, rank {RANK}, 7 projections x {runner.spec.num_layers} layers: "
         f"{runner.lora_bytes / 2**20:.1f} MiB = {runner.lora_bytes / runner.block_bytes:.0f} KV blocks of "
         f"{runner.block_size} tokens ({runner.block_bytes / 2**10:.0f} KiB each, {runner.kv_dtype})"
     )

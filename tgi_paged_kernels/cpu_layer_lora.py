@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cpu_lora import MAX_RANK
+from .cpu_lora import MAX_RANK, STACK_DTYPES
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 """The layer's projections a target adds to (``LoraTarget::projection`` in C++ is the index)."""
@@ -33,6 +33,7 @@ class _Target(ctypes.Structure):
         ("max_rank", ctypes.c_int32),
         *((name, ctypes.c_int64) for name in ("column", "width", "in_features", "num_slots")),
         *((name, ctypes.c_void_p) for name in ("a", "bt", "scales", "ranks")),
+        ("dtype", ctypes.c_int32),
     ]
 
 
@@ -50,9 +51,11 @@ class LoraTarget:
     """One of :data:`PROJECTIONS`."""
     column: int
     a_stack: torch.Tensor
-    """fp32 ``[S, R, K]`` contiguous; a slot of rank ``r < R`` has zero rows past ``r``."""
+    """fp32 or bf16 ``[S, R, K]`` contiguous; a slot of rank ``r < R`` has zero rows past ``r``."""
     b_stack: torch.Tensor
-    """fp32 ``[S, N, R]``, a transposed view of a contiguous ``[S, R, N]`` (:func:`.cpu_lora.cpu_b_stack`)."""
+    """``[S, N, R]`` in A's dtype, a transposed view of a contiguous ``[S, R, N]`` (:func:`.cpu_lora.cpu_b_stack`).
+    bf16 stacks (an fp32 model's adapters saved in bf16) are widened exactly in the tiles: the bits of fp32
+    stacks of the same values, at half the bytes."""
     scales: torch.Tensor
     """fp32 ``[S]``."""
     ranks: torch.Tensor
@@ -62,7 +65,8 @@ class LoraTarget:
         a, b = self.a_stack, self.b_stack
         fits = (
             self.projection in PROJECTIONS and self.column >= 0 and a.dim() == 3 and b.dim() == 3
-            and a.dtype == b.dtype == self.scales.dtype == torch.float32 and self.ranks.dtype == torch.int32
+            and a.dtype == b.dtype and a.dtype in STACK_DTYPES and self.scales.dtype == torch.float32
+            and self.ranks.dtype == torch.int32
             and a.device.type == "cpu" and a.is_contiguous() and b.transpose(1, 2).is_contiguous()
             and (b.shape[0], b.shape[2]) == tuple(a.shape[:2]) and a.shape[1] <= MAX_RANK
             and self.scales.shape == self.ranks.shape == (a.shape[0],)
@@ -70,8 +74,9 @@ class LoraTarget:
         )  # fmt: skip
         if not fits:
             raise ValueError(
-                f"LoraTarget {self.projection!r}: A {a.dtype} {tuple(a.shape)}, B {tuple(b.shape)} are not fp32 CPU "
-                f"stacks [S, R <= {MAX_RANK}, K] / [S, N, R] (B laid out [S, R, N]) with fp32 scales, int32 ranks [S]"
+                f"LoraTarget {self.projection!r}: A {a.dtype} {tuple(a.shape)}, B {b.dtype} {tuple(b.shape)} are not "
+                f"fp32 or bf16 CPU stacks of one dtype [S, R <= {MAX_RANK}, K] / [S, N, R] (B laid out [S, R, N]) with "
+                "fp32 scales, int32 ranks [S]"
             )
 
 
@@ -96,6 +101,7 @@ class LayerLora:
                     t.b_stack.data_ptr(),
                     t.scales.data_ptr(),
                     t.ranks.data_ptr(),
+                    STACK_DTYPES.index(t.a_stack.dtype),
                 )
                 for t in targets
             )

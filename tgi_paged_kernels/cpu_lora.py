@@ -17,6 +17,9 @@ from .lora import check_lora
 
 MAX_RANK = 256
 """Largest padded rank the native kernel takes (its per-row scratch); larger stacks use the torch path."""
+STACK_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes of A and B the native kernels read (the C++ ``dtype`` codes are the index): bf16 stacks are an fp32
+model's adapters saved in bf16, widened exactly in the kernel."""
 
 
 def cpu_b_stack(num_slots: int, out_features: int, max_rank: int, dtype: torch.dtype) -> torch.Tensor:
@@ -39,12 +42,19 @@ def add_lora_cpu(
     ranks: torch.Tensor,
 ) -> bool:
     """Add each row's adapter delta to ``out`` ``[T, N]`` in place; ``False`` (nothing done) unless every
-    tensor is fp32 on the CPU with unit inner strides (the caller then uses the torch path).
+    tensor is fp32 on the CPU with unit inner strides (A and B may be bf16 together: widened exactly) (the caller
+    then uses the torch path).
 
     Raises ``ValueError`` for a slot ``>= S`` or a rank above ``R`` (nothing is written then).
     """
     tensors = (out, x, a_stack, b_stack, scales)
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors) or a_stack.shape[1] > MAX_RANK:
+    stack_dtype = a_stack.dtype if b_stack.dtype == a_stack.dtype else None
+    if (
+        any(t.device.type != "cpu" for t in tensors)
+        or any(t.dtype != torch.float32 for t in (out, x, scales))
+        or stack_dtype not in STACK_DTYPES
+        or a_stack.shape[1] > MAX_RANK
+    ):
         return False
     check_lora(x, token_slots, a_stack, b_stack, scales, out=out)
     if tuple(ranks.shape) != (a_stack.shape[0],):
@@ -60,6 +70,7 @@ def add_lora_cpu(
         out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), slots.data_ptr(),
         out.shape[0], in_features, out.shape[1], a_stack.data_ptr(), b_stack.data_ptr(),
         num_slots, max_rank, scales.data_ptr(), ranks.data_ptr(), torch.get_num_threads(),
+        STACK_DTYPES.index(a_stack.dtype),
     )  # fmt: skip
     if status:
         raise ValueError(f"add_lora_cpu: a slot is >= {num_slots} or a rank exceeds {max_rank} (status {status})")

@@ -391,3 +391,46 @@ def test_adapter_rows_verify_drafts_on_the_native_layers(families, monkeypatch):
     assert 0 < engine.stats.accepted_tokens < engine.stats.draft_tokens
     forwards, native = record.count(verify=True, lora=True)
     assert forwards > 0 and native == forwards * num_native_layers(engine)
+
+
+def test_bf16_adapter_files_of_an_fp32_model_stay_bf16_and_decode_exactly(families, tmp_path):
+    """Adapters saved in bf16 for an fp32 model stay bf16 on CPU (half the bytes; the kernels widen each value
+    exactly, as PEFT does when it loads them): token-exact against PEFT, adapter rows in the native stack; a mix of
+    bf16 and fp32 files stacks in fp32."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tgi_paged_backend.lora.layers import LoraLinear
+
+    family = families("llama")
+    halves = {}
+    for name in ("full", "qv"):
+        halves[name] = tmp_path / f"{name}-bf16"
+        shutil.copytree(family.adapters[name], halves[name])
+        weights = halves[name] / "adapter_model.safetensors"
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(weights)).items()}, str(weights))
+    bf16 = Family(family.base, halves, {})
+    engine = bf16.engine(num_blocks=48)
+    engine.runner.warm_decode()
+    wrappers = [m for m in engine.runner.model.modules() if isinstance(m, LoraLinear)]
+    assert wrappers and all(w.a_stack.dtype == w.b_stack.dtype == torch.bfloat16 for w in wrappers)
+    fp32_bytes = family.engine(num_blocks=48).runner.lora.num_bytes  # all four fp32 adapters
+    assert engine.runner.lora.num_bytes < fp32_bytes / 2  # two adapters, two bytes a value
+    (stack,) = engine.runner.native_layers.stacks
+    assert stack.enabled, stack.kept
+    steps = stack.steps
+    blocks = RouterBlocks(engine)
+    driver = RouterDriver(engine, blocks)
+    layout = [(1, "full", 6), (2, "", 9), (3, "qv", 4), (4, "full", 11)]
+    requests = [
+        router_spec(engine, blocks, rid, make_text(500 + rid, words), MAX_NEW, adapter_id=adapter)
+        for rid, adapter, words in layout
+    ]
+    driver.run(BatchSpec(id=9, requests=tuple(requests)))
+    expect_reference(engine, bf16, driver, requests)
+    assert stack.steps - steps >= MAX_NEW - 1
+
+    mixed = Family(family.base, {"full": halves["full"], "qv": family.adapters["qv"]}, {})
+    wrappers = [m for m in mixed.engine(num_blocks=48).runner.model.modules() if isinstance(m, LoraLinear)]
+    assert all(w.a_stack.dtype == torch.float32 for w in wrappers)

@@ -218,3 +218,50 @@ def test_the_avx2_build_gives_the_reference(native, tmp_path) -> None:
     token_slots = [1] * 9 + [-1, 0, 2]
     got, expected, _ = _run(v3, "SmolLM2", [2] * 6, [5 + 3 * i for i in range(6)], token_slots)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def _stacks_in(lora: LayerLora, dtype: torch.dtype) -> LayerLora:
+    """``lora``'s targets with A and B rounded to bf16, stored in ``dtype`` (bf16, or fp32 holding those values)."""
+
+    def cast(t: LoraTarget) -> LoraTarget:
+        a = t.a_stack.to(torch.bfloat16).to(dtype)
+        num_slots, max_rank, _ = t.a_stack.shape
+        b = cpu_b_stack(num_slots, t.b_stack.shape[1], max_rank, dtype).transpose(1, 2)  # [S, R, N]
+        b.copy_(t.b_stack.transpose(1, 2).to(torch.bfloat16))
+        return LoraTarget(t.projection, t.column, a, b.transpose(1, 2), t.scales, t.ranks)
+
+    return LayerLora([cast(t) for t in lora.targets])
+
+
+@pytest.mark.parametrize("native_build", ["native", "x86-64-v3", "x86-64"])
+def test_bf16_stacks_give_the_bits_of_fp32_stacks_of_their_values(native, tmp_path, native_build) -> None:
+    """An fp32 model's adapters saved in bf16 stay bf16 (half the bytes): the tiles widen each value exactly, so the
+    layer's output and K/V are those of fp32 stacks holding the same values, bit for bit, on every build."""
+    kernels = native
+    if native_build != "native":
+        if native_build == "x86-64-v3" and "avx2" not in open("/proc/cpuinfo").read():
+            pytest.skip("this CPU cannot run AVX2 code")
+        compiler = shutil.which("c++") or shutil.which("g++")
+        assert compiler is not None
+        library = tmp_path / f"cpu_kernels_{native_build}.so"
+        flags = [f if f != "-march=native" else f"-march={native_build}" for f in FLAGS]
+        done = subprocess.run(
+            [compiler, *flags, *map(str, SOURCES), "-o", str(library)], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        kernels = NativeKernels(library)
+    hq, hkv, d, form = FORMS["SmolLM2"]
+    _, packed = _layer(hq, hkv, d, HIDDEN, INTER, form)
+    (k_pool, v_pool), tables, seq_lens, slots, _ = _verify_step([1] * 10, [3 + 5 * i for i in range(10)], 4, hkv, d)
+    g = torch.Generator().manual_seed(8)
+    x, cos, sin = torch.randn(10, HIDDEN, generator=g), torch.randn(10, d, generator=g), torch.randn(10, d, generator=g)
+    token_slots = torch.tensor([0, 1, 2, -1, 1, 1, 0, 2, 2, -1])
+    outs = []
+    for dtype in (torch.bfloat16, torch.float32):
+        lora = _stacks_in(_lora(hq, hkv, d, form.gated), dtype)
+        assert all(t.a_stack.dtype == dtype for t in lora.targets)
+        k, v = k_pool.clone(), v_pool.clone()
+        out = decode_layer(kernels, packed, x, cos, sin, k, v, slots, tables, seq_lens, None, lora, token_slots)
+        assert out is not None
+        outs.append((out, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

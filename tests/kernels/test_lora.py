@@ -254,3 +254,21 @@ def test_cpu_native_lora_leaves_ranks_above_its_scratch_to_torch(native) -> None
     out = base.clone()
     assert not add_lora_cpu(native, out, x, slots, a, b, scales, ranks)  # no error: the caller's torch path serves
     assert torch.equal(out, base)
+
+
+def test_cpu_native_lora_bf16_stacks_give_the_bits_of_fp32_stacks_of_their_values(native) -> None:
+    """An fp32 model's adapters saved in bf16: the per-layer kernel widens each value exactly (the prefill path)."""
+    from tgi_paged_kernels.cpu_lora import add_lora_cpu
+
+    base, x, slots, a, b, scales, ranks = _cpu_case(9, [0, -1, 2, 2, 1, -1, 0, 2, 1], [8, 3, 5])
+    a16 = a.to(torch.bfloat16)
+    b16 = cpu_b_stack(3, 80, 8, torch.bfloat16)
+    b16.copy_(b)
+    outs = []
+    for a_s, b_s in ((a16, b16), (a16.float(), b16.float().transpose(1, 2).contiguous().transpose(1, 2))):
+        out = base.clone()
+        assert add_lora_cpu(native, out, x, slots, a_s, b_s, scales, ranks)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.equal(outs[0], base)
+    assert not add_lora_cpu(native, base.clone(), x, slots, a16, b, scales, ranks)  # A and B of two dtypes: torch's

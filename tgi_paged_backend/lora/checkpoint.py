@@ -173,10 +173,17 @@ def _read_weights(directory: Path, entry: str) -> dict[str, torch.Tensor]:
 
 
 def load_adapter(
-    source: AdapterSource, index: int, model: nn.Module, dtype: torch.dtype, max_rank: int = DEFAULT_MAX_LORA_RANK
+    source: AdapterSource,
+    index: int,
+    model: nn.Module,
+    dtype: torch.dtype,
+    max_rank: int = DEFAULT_MAX_LORA_RANK,
+    keep_bf16: bool = False,
 ) -> LoraAdapter:
     """Read ``source`` and check every module against ``model`` (the unsharded base model); ranks above
-    ``max_rank`` are refused."""
+    ``max_rank`` are refused. A and B are cast to ``dtype`` (the model's), except with ``keep_bf16`` (CPU) an
+    adapter saved entirely in bf16 for an fp32 model: it stays bf16, half the bytes, the kernels widening each value
+    exactly (:func:`.layers.attach_adapters`)."""
     entry = str(source)
     directory = adapter_directory(source)
     config = _read_config(directory, entry)
@@ -234,12 +241,19 @@ def load_adapter(
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise ConfigError(f"{where}: the weights hold NaN or infinity")
-        weights[path] = LoraModuleWeights(a.to(dtype).contiguous(), b.to(dtype).contiguous(), scaling)
+        weights[path] = LoraModuleWeights(a.contiguous(), b.contiguous(), scaling)
+    stored = {t.dtype for w in weights.values() for t in (w.a, w.b)}
+    if not (keep_bf16 and dtype == torch.float32 and stored == {torch.bfloat16}):
+        weights = {path: LoraModuleWeights(w.a.to(dtype), w.b.to(dtype), w.scaling) for path, w in weights.items()}
     return LoraAdapter(source.name, index, directory, weights)
 
 
 def load_adapters(
-    sources: tuple[AdapterSource, ...], model: nn.Module, dtype: torch.dtype, max_rank: int = DEFAULT_MAX_LORA_RANK
+    sources: tuple[AdapterSource, ...],
+    model: nn.Module,
+    dtype: torch.dtype,
+    max_rank: int = DEFAULT_MAX_LORA_RANK,
+    keep_bf16: bool = False,
 ) -> tuple[LoraAdapter, ...]:
-    """Every adapter of ``LORA_ADAPTERS`` in index order (1, 2, ...)."""
-    return tuple(load_adapter(source, i + 1, model, dtype, max_rank) for i, source in enumerate(sources))
+    """Every adapter of ``LORA_ADAPTERS`` in index order (1, 2, ...) (``keep_bf16``: :func:`load_adapter`'s)."""
+    return tuple(load_adapter(source, i + 1, model, dtype, max_rank, keep_bf16) for i, source in enumerate(sources))

@@ -145,8 +145,11 @@ class LoraLinear(nn.Module):
             rank = self.ranks[slot]
             if rank == 0:
                 continue
-            xa = x2[rows] @ self.a_stack[slot, :rank].T
-            delta = (xa @ self.b_stack[slot, :, :rank].T) * self.scale_values[slot]
+            a, b = self.a_stack[slot, :rank], self.b_stack[slot, :, :rank]
+            if a.dtype != x2.dtype:  # bf16 stacks of an fp32 model: widened (exact)
+                a, b = a.to(x2.dtype), b.to(x2.dtype)
+            xa = x2[rows] @ a.T
+            delta = (xa @ b.T) * self.scale_values[slot]
             if isinstance(rows, slice):
                 y2[rows] += delta
             else:
@@ -235,7 +238,10 @@ def attach_adapters(model: nn.Module, adapters: Sequence[LoraAdapter], device: t
     modules = dict(model.named_modules())
     paths = sorted({path for adapter in adapters for path in adapter.modules})
     num_bytes = 0
-    dtype = adapters[0].dtype  # the model's compute dtype, which load_adapters cast every A and B to
+    # the model's compute dtype, which load_adapters cast every A and B to, or bf16 when every adapter kept its bf16
+    # (an fp32 model on CPU): some kept, some not, they stack in fp32 (bf16 values widen exactly)
+    dtypes = {adapter.dtype for adapter in adapters}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     for path in paths:
         parent_path, _, attr = path.rpartition(".")
         parent, module = modules[parent_path], modules[path]

@@ -139,7 +139,8 @@ class ModelRunner:
         sources = parse_lora_adapters(self.model_config.lora_adapters)
         if not sources:
             return ()
-        return load_adapters(sources, loaded.model, loaded.dtype, self.model_config.max_lora_rank)
+        keep_bf16 = self.device.type == "cpu"  # bf16 adapter files of an fp32 model stay bf16 (the tiles widen them)
+        return load_adapters(sources, loaded.model, loaded.dtype, self.model_config.max_lora_rank, keep_bf16)
 
     # What the load-time rewrites did (``None`` when one did not run).
     @property

@@ -17,27 +17,36 @@ namespace {
 constexpr int kLoraMaxRank = 256;  // per-row scratch of the shrink (on the stack of a task)
 constexpr int64_t kLoraChunk = 256;  // outputs of one expand chunk (the delta stays in registers / L1)
 
-// xa[r] = A[r, :] . x for r < rank: each a sequential (vectorized) sum over k.
-inline void lora_shrink_row(const float* x, const float* a, int rank, int64_t in_features, float* xa) {
+// xa[r] = A[r, :] . x for r < rank: 16 lane sums over k (each in k order), then their sum in lane order, then the
+// tail: an order the source fixes, so A in W = fp32 or bf16 (widened exactly) gives the same bits for the same
+// values, whatever width the compiler vectorizes with.
+template <typename W>
+inline void lora_shrink_row(const float* x, const W* a, int rank, int64_t in_features, float* xa) {
   for (int r = 0; r < rank; ++r) {
-    const float* ar = a + r * in_features;
+    const W* ar = a + r * in_features;
+    float lanes[16] = {};
+    int64_t k = 0;
+    for (; k + 16 <= in_features; k += 16) {
+      for (int l = 0; l < 16; ++l) lanes[l] += x[k + l] * lora_value(ar + k + l);
+    }
     float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t k = 0; k < in_features; ++k) acc += x[k] * ar[k];
+    for (int l = 0; l < 16; ++l) acc += lanes[l];
+    for (; k < in_features; ++k) acc += x[k] * lora_value(ar + k);
     xa[r] = acc;
   }
 }
 
-// out[n0 + i] += scale * sum_r xa[r] * Bt[r, n0 + i] for i < width <= kLoraChunk (Bt: [rank, out_features]).
-inline void lora_expand_chunk(const float* xa, const float* bt, int rank, int64_t out_features, int64_t n0,
+// out[n0 + i] += scale * sum_r xa[r] * Bt[r, n0 + i] for i < width <= kLoraChunk (Bt: [rank, out_features] in W).
+template <typename W>
+inline void lora_expand_chunk(const float* xa, const W* bt, int rank, int64_t out_features, int64_t n0,
                               int64_t width, float scale, float* out) {
   float acc[kLoraChunk];
   for (int64_t i = 0; i < width; ++i) acc[i] = 0.0f;
   for (int r = 0; r < rank; ++r) {
     const float xr = xa[r];
-    const float* btr = bt + r * out_features + n0;
+    const W* btr = bt + r * out_features + n0;
 #pragma omp simd
-    for (int64_t i = 0; i < width; ++i) acc[i] += xr * btr[i];
+    for (int64_t i = 0; i < width; ++i) acc[i] += xr * lora_value(btr + i);
   }
 #pragma omp simd
   for (int64_t i = 0; i < width; ++i) out[n0 + i] += acc[i] * scale;
@@ -51,10 +60,11 @@ struct LoraTarget {
   int32_t max_rank;    // R <= kLoraMaxRank
   int64_t column, width;  // the projection's output columns [column, column + width) the delta adds to
   int64_t in_features, num_slots;
-  const float* a;       // [S, R, in_features]
-  const float* bt;      // [S, R, width] (B transposed)
+  const void* a;        // [S, R, in_features], in `dtype`
+  const void* bt;       // [S, R, width] (B transposed), in `dtype`
   const float* scales;  // [S]
   const int32_t* ranks;  // [S], each <= R
+  int32_t dtype;        // of A and B: 0 fp32, 1 bf16 (widened exactly in the tiles)
 };
 
 // A decode step's LoRA (cpu_layer_lora.LayerLora): the layer's targets and the adapter slot of each row
@@ -76,6 +86,7 @@ inline bool lora_fits(const LayerLora* lora, int64_t T, const int64_t* in, const
   for (int64_t i = 0; i < lora->num_targets; ++i) {
     const LoraTarget& g = lora->targets[i];
     if (g.projection < 0 || g.projection >= kLoraProjections || g.max_rank < 0 || g.max_rank > kLoraMaxRank ||
+        g.dtype < 0 || g.dtype > 1 ||
         g.column < 0 || g.width <= 0 || !g.a || !g.bt || !g.scales || !g.ranks ||
         g.in_features != in[g.projection] || g.column + g.width > out[g.projection] || (experts && g.projection >= 2))
       return false;
@@ -119,20 +130,21 @@ inline void group_rows(const int64_t* slots, int64_t T, LoraGroups& groups) {
   if (groups.rows.empty()) groups.starts.assign(1, 0);
 }
 
-// Asks for the n floats from p into the cache ahead of their reads: a task's A and B (a few tens of KiB, one
+// Asks for the n values from p into the cache ahead of their reads: a task's A and B (a few tens of KiB, one
 // adapter's rows of one projection) are too short a stream for the hardware prefetcher to reach full speed.
-inline void lora_prefetch(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 2);
+template <typename W>
+inline void lora_prefetch(const W* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(W)) __builtin_prefetch(p + i, 0, 2);
 }
 
 // The delta of one target for one group of kRows rows of adapter slot s (rank > 0): the shrink into registers'
 // scratch (xa: the rows' ranks), then the expand over all the target's columns, out_rows[j] its row j's first.
-template <int kRows>
+template <int kRows, typename W>
 inline void lora_group_delta(const LoraTarget& g, int64_t s, const float* const x_rows[kRows],
                              float* const out_rows[kRows]) {
   const int rank = g.ranks[s];
-  const float* a = g.a + s * g.max_rank * g.in_features;
-  const float* bt = g.bt + s * g.max_rank * g.width;
+  const W* a = static_cast<const W*>(g.a) + s * g.max_rank * g.in_features;
+  const W* bt = static_cast<const W*>(g.bt) + s * g.max_rank * g.width;
   lora_prefetch(a, rank * g.in_features);
   lora_prefetch(bt, rank * g.width);
   float xa[kRows][kLoraMaxRank];
@@ -149,6 +161,22 @@ inline void lora_group_delta(const LoraTarget& g, int64_t s, const float* const 
   const float* xa_rows[kRows];
   for (int j = 0; j < kRows; ++j) xa_rows[j] = xa[j];
   lora_expand_tile<kRows>(xa_rows, bt, g.width, rank, g.width, g.scales[s], out_rows);
+}
+
+// lora_group_delta for a group of `count` rows (1 .. kLoraGroup) of A and B in W.
+template <typename W>
+inline void lora_group_rows(int count, const LoraTarget& g, int64_t s, const float* const x_rows[kLoraTileRows],
+                            float* const out_rows[kLoraTileRows]) {
+  switch (count) {
+    case 1: lora_group_delta<1, W>(g, s, x_rows, out_rows); break;
+    case 2: lora_group_delta<2, W>(g, s, x_rows, out_rows); break;
+    case 3: lora_group_delta<3, W>(g, s, x_rows, out_rows); break;
+    case 4: lora_group_delta<4, W>(g, s, x_rows, out_rows); break;
+    case 5: lora_group_delta<5, W>(g, s, x_rows, out_rows); break;
+    case 6: lora_group_delta<6, W>(g, s, x_rows, out_rows); break;
+    case 7: lora_group_delta<7, W>(g, s, x_rows, out_rows); break;
+    default: lora_group_delta<8, W>(g, s, x_rows, out_rows); break;
+  }
 }
 
 // Task `task` of lora_add_rows: target (task / G)-th of `projection`, group task % G.
@@ -170,15 +198,10 @@ inline void lora_task(const LayerLora* lora, const LoraGroups& groups, int proje
     x_rows[j] = x + rows[j] * ldx;
     out_rows[j] = out + rows[j] * ldo + g.column;
   }
-  switch (count) {
-    case 1: lora_group_delta<1>(g, s, x_rows, out_rows); break;
-    case 2: lora_group_delta<2>(g, s, x_rows, out_rows); break;
-    case 3: lora_group_delta<3>(g, s, x_rows, out_rows); break;
-    case 4: lora_group_delta<4>(g, s, x_rows, out_rows); break;
-    case 5: lora_group_delta<5>(g, s, x_rows, out_rows); break;
-    case 6: lora_group_delta<6>(g, s, x_rows, out_rows); break;
-    case 7: lora_group_delta<7>(g, s, x_rows, out_rows); break;
-    default: lora_group_delta<8>(g, s, x_rows, out_rows); break;
+  if (g.dtype == 1) {
+    lora_group_rows<uint16_t>(count, g, s, x_rows, out_rows);
+  } else {
+    lora_group_rows<float>(count, g, s, x_rows, out_rows);
   }
 }
 
