@@ -140,6 +140,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model or str(ensure_smollm2())
     engine = build_engine(build_config({"model_id": model}, {"TGI_PAGED_NUM_BLOCKS": "2048"}))
+    engine.runner.warm_decode()  # as Warmup does: proves the native stack and direct decode
     engine.prefill(BatchSpec(id=0, requests=(request(1, 2, SCHEMA),)), None)  # vocabulary scan, warm caches
     engine.clear_cache(None)
 

@@ -60,6 +60,8 @@ def main() -> None:
             )
             for pod in PODS
         }
+        for engine in engines.values():
+            engine.runner.warm_decode()  # as Warmup does: proves the native stack and direct decode
         index = KVIndex({pod: f"tcp://127.0.0.1:{port}" for pod, port in ports.items()}, BLOCK_SIZE)
         time.sleep(0.3)
         tokenizer = engines[PODS[0]].prompt_tokenizer

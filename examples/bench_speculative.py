@@ -240,6 +240,8 @@ def main() -> None:
         )
         for label, (n, max_batch) in SPECULATE.items()
     }
+    for engine in engines.values():
+        engine.runner.warm_decode()  # as Warmup does: proves the native stack (decode, verify) and direct decode
     for engine in engines.values():  # first-call costs out of the figures
         run_batch(engine, requests([chat("Repeat: one two three, one two three.")] * 2, 8, True, 1), 999)
     eos = "ignore EOS" if args.ignore_eos else "stop at EOS"

@@ -45,6 +45,7 @@ def _request(rid: int, prefix: str, image: bytes | None, max_new: int) -> Reques
 
 def run(model_dir: Path, mode: str, num_requests: int, max_new: int, seed: int) -> dict:
     engine = make_engine(model_dir, num_blocks=512, block_size=8)
+    engine.runner.warm_decode()  # as Warmup does: proves the native stack and direct decode
     prefix = make_text(1, 12)
     first = png_bytes(64, 64, 100)
     engine.prefill(BatchSpec(id=1, requests=(_request(1, prefix, first, 1),)), None)  # fills the prefix cache
