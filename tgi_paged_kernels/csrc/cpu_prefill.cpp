@@ -7,7 +7,8 @@
 // dtype, decoded to fp32) into the packed layout of cpu_gemm.h, then for each query head of the group and each
 // tile of query rows: scores = q K^T by the packed GEMM over the key blocks the tile can see
 // (causal: none past its last row), scale, soft-cap, causal and window masks, softmax (a sink joins the
-// denominator), and out = p V by the same GEMM. With per-row key limits (bidirectional spans: a row sees keys up
+// denominator), and out = p V by the same GEMM (on AVX-512 two key blocks, or two blocks of V's columns, per
+// register tile: tile2 of cpu_gemm.h, the same sums). With per-row key limits (bidirectional spans: a row sees keys up
 // to its limit, not only up to itself) the tile reads keys up to its rows' largest limit. Many pairs: one task each;
 // few (a long prompt alone): each pair's query rows cut into ranges, a task each (prefill_tasks).
 
@@ -109,7 +110,15 @@ inline void attend_tile(const PrefillArgs& a, const PairView& v, int j, int64_t 
     for (int r = 0; r < rows; ++r) reach = std::max(reach, a.limits[v.q0 + r0 + r]);
   const int64_t seen = reach + 1 - v.lo;  // keys [0, seen) are visible to some row of the tile
   const int64_t seen_pad = (seen + kNB - 1) / kNB * kNB;
-  for (int64_t i0 = 0; i0 < seen_pad; i0 += kNB)
+  // Two key blocks at a time where the ISA has the registers (one broadcast of q per two FMAs; the same bits).
+  int64_t i0 = 0;
+#if defined(__AVX512F__)
+  for (; i0 + 2 * kNB <= seen_pad; i0 += 2 * kNB) {
+    const float* k0 = kv.keys.data() + (i0 / kNB) * D * kNB;
+    tile2_rows<kMR2>(rows, q, a.q_st, D, k0, k0 + D * kNB, nullptr, nullptr, 0, scores + i0, v.n_pad, kNB);
+  }
+#endif
+  for (; i0 < seen_pad; i0 += kNB)
     tile_rows<kMR>(rows, q, a.q_st, D, kv.keys.data() + (i0 / kNB) * D * kNB, nullptr, nullptr, 0, scores + i0,
                    v.n_pad, kNB);
   for (int r = 0; r < rows; ++r) {
@@ -141,9 +150,18 @@ inline void attend_tile(const PrefillArgs& a, const PairView& v, int j, int64_t 
     std::fill(sr + vis_hi, sr + seen_pad, 0.0f);
   }
   float* o = a.out + ((v.q0 + r0) * a.num_q_heads + j) * static_cast<int64_t>(D);
-  for (int d0 = 0; d0 < D; d0 += kNB)
+  const int64_t ldo = static_cast<int64_t>(a.num_q_heads) * D;
+  int d0 = 0;
+#if defined(__AVX512F__)
+  for (; d0 + kNB < D; d0 += 2 * kNB) {  // two column blocks of V (the second may be short)
+    const float* v0 = kv.values.data() + (d0 / kNB) * v.n_pad * kNB;
+    tile2_rows<kMR2>(rows, scores, v.n_pad, seen_pad, v0, v0 + v.n_pad * kNB, nullptr, nullptr, 0, o + d0, ldo,
+                     std::min(kNB, D - d0 - kNB));
+  }
+#endif
+  for (; d0 < D; d0 += kNB)
     tile_rows<kMR>(rows, scores, v.n_pad, seen_pad, kv.values.data() + (d0 / kNB) * v.n_pad * kNB, nullptr,
-                   nullptr, 0, o + d0, static_cast<int64_t>(a.num_q_heads) * D, std::min(kNB, D - d0));
+                   nullptr, 0, o + d0, ldo, std::min(kNB, D - d0));
 }
 
 // A task: rows [r_begin, r_end) of request b's queries for KV head h's query heads.
