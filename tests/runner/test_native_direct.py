@@ -1,6 +1,7 @@
 """A stacked model's decode steps without transformers' model loop (``runner.native.direct``): proven at Warmup against
-the model's forward, then serving decode steps with its logits to the bit; a model that does more around its layers
-(logit scaling or soft-capping, embedding multipliers) is kept on its forward, and says why."""
+the model's forward, then serving decode steps with its logits to the bit, the scalings some families add around
+their layers included (Granite's multipliers, Cohere's logit scale, Gemma 2's final soft-cap); a direct step that
+leaves one out, or differs by a bit, is kept on the model's forward, and says why."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 from tests.runner.test_native_layers import _runner, _steps
 from tests.runner.test_native_stack import NEW_TOKENS, PROMPTS
-from tgi_paged_backend.runner.native.direct import DirectDecode
+from tgi_paged_backend.runner.native import direct as native_direct
+from tgi_paged_backend.runner.native.direct import DirectDecode, Ends
 from tgi_paged_kernels.cpu_native import native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="no C++ compiler here: no native kernels")
@@ -31,9 +33,9 @@ DIRECT = {
         ],
         "",
     ),  # fmt: skip
-    "Cohere": "kept: differ",  # its logits are scaled after the head
-    "Granite": "kept: differ",  # embedding, residual and logits multipliers
-    "Gemma2": "kept: differ",  # final logit soft-capping
+    "Cohere": "",  # its logits are scaled after the head
+    "Granite": "",  # embedding and logits multipliers (the residual one is the layers')
+    "Gemma2": "",  # final logit soft-capping
     "Gemma3": "kept: not stacked",  # local and global RoPE tables: no stack
     "GPT-2": "none",  # transformer.h, not model.layers
     "Falcon": "none",
@@ -88,3 +90,17 @@ def test_a_model_whose_layers_are_not_the_stack_has_no_direct_step(family_dir) -
     runner.allocate_kv_cache(8)
     runner.warm_decode()
     assert runner.direct_decode is None
+
+
+@pytest.mark.parametrize("name", ["Cohere", "Granite", "Gemma2"])
+def test_a_direct_step_without_the_familys_scalings_is_not_served(family_dir, monkeypatch, name) -> None:
+    """The scalings are read from the model (:class:`Ends`); a direct step that left them out would give other
+    logits: the proof catches it."""
+    runner = _runner(family_dir(name))
+    assert Ends.of(runner.model) != Ends()
+    monkeypatch.setattr(native_direct.Ends, "of", classmethod(lambda cls, model: cls()))
+    runner = _runner(family_dir(name))
+    runner.allocate_kv_cache(8)
+    runner.warm_decode()
+    direct = runner.direct_decode
+    assert direct is not None and not direct.enabled and "differ" in direct.kept
