@@ -328,7 +328,10 @@ def render_markdown(
         "After Warmup, a model whose decoder layers are all native takes its decode steps as one call for every",
         "layer (`runner/native/stack.py`, proven at Warmup): every `native` family below except those paged in",
         "KV layer groups (Gemma2, Gemma3, Cohere2: one slot mapping per group) and Cohere2's mixed rotary kinds",
-        "(`tests/runner/test_native_stack.py`).",
+        "(`tests/runner/test_native_stack.py`). Of those, the families laid out as",
+        "`model.{embed_tokens, rotary_emb, norm, layers}` with `lm_head` (Llama, Mistral, Qwen2/3, Gemma, Granite,",
+        "OLMo2, Phi-3, Cohere, StarCoder2, the MoE forms) also skip transformers' model loop on decode steps",
+        "(`runner/native/direct.py`, a second Warmup proof; `tests/runner/test_native_direct.py`).",
         f"transformers {transformers.__version__}.",
         "",
         "| family | architecture class | single-shard exact | preemption exact | speculation exact | TP=2 exact | "
