@@ -116,6 +116,19 @@ def expect_reference(engine, family: Family, driver: RouterDriver, requests) -> 
         assert driver.final[r.id].generated_text.finish_reason is FinishReason.LENGTH
 
 
+def serve_layout(engine, family: Family, layout: list[tuple[int, str, int]], text_seed: int) -> None:
+    """One batch of ``(request id, adapter id, words)`` requests through the router driver, each token-exact against
+    PEFT."""
+    blocks = RouterBlocks(engine)
+    driver = RouterDriver(engine, blocks)
+    requests = [
+        router_spec(engine, blocks, rid, make_text(text_seed + rid, words), MAX_NEW, adapter_id=adapter)
+        for rid, adapter, words in layout
+    ]
+    driver.run(BatchSpec(id=9, requests=tuple(requests)))
+    expect_reference(engine, family, driver, requests)
+
+
 def record_lora_slots(engine) -> list[torch.Tensor | None]:
     """Record every forward's ``batch.lora_slots`` (the runner outlives the engine's re-configuration)."""
     seen: list[torch.Tensor | None] = []
@@ -362,15 +375,7 @@ def test_adapter_rows_decode_in_the_native_stack(families):
     (stack,) = engine.runner.native_layers.stacks
     assert stack.enabled, stack.kept
     steps = stack.steps
-    blocks = RouterBlocks(engine)
-    driver = RouterDriver(engine, blocks)
-    layout = [(1, "full", 6), (2, "", 9), (3, "rs", 4), (4, "qv", 11)]
-    requests = [
-        router_spec(engine, blocks, rid, make_text(300 + rid, words), MAX_NEW, adapter_id=adapter)
-        for rid, adapter, words in layout
-    ]
-    driver.run(BatchSpec(id=9, requests=tuple(requests)))
-    expect_reference(engine, family, driver, requests)
+    serve_layout(engine, family, [(1, "full", 6), (2, "", 9), (3, "rs", 4), (4, "qv", 11)], text_seed=300)
     assert stack.steps - steps >= MAX_NEW - 1
 
 
@@ -420,15 +425,7 @@ def test_bf16_adapter_files_of_an_fp32_model_stay_bf16_and_decode_exactly(famili
     (stack,) = engine.runner.native_layers.stacks
     assert stack.enabled, stack.kept
     steps = stack.steps
-    blocks = RouterBlocks(engine)
-    driver = RouterDriver(engine, blocks)
-    layout = [(1, "full", 6), (2, "", 9), (3, "qv", 4), (4, "full", 11)]
-    requests = [
-        router_spec(engine, blocks, rid, make_text(500 + rid, words), MAX_NEW, adapter_id=adapter)
-        for rid, adapter, words in layout
-    ]
-    driver.run(BatchSpec(id=9, requests=tuple(requests)))
-    expect_reference(engine, bf16, driver, requests)
+    serve_layout(engine, bf16, [(1, "full", 6), (2, "", 9), (3, "qv", 4), (4, "full", 11)], text_seed=500)
     assert stack.steps - steps >= MAX_NEW - 1
 
     mixed = Family(family.base, {"full": halves["full"], "qv": family.adapters["qv"]}, {})

@@ -24,7 +24,7 @@ from torch import nn
 
 from tgi_paged_backend.runner.attention import PagedAttentionMetadata
 from tgi_paged_backend.runner.input_batch import ForwardBatch
-from tgi_paged_backend.runner.native.stack import DecodeStack, Forward, proof_batch
+from tgi_paged_backend.runner.native.stack import DecodeStack, Forward, both_ways, proof_batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,24 +141,15 @@ def _prove(
     batch: ForwardBatch,
     blocks: int,
 ) -> str:
-    generator = torch.Generator().manual_seed(1)
-
-    def pools(like: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [torch.randn((blocks, *t.shape[1:]), generator=generator).to(t.dtype) for t in like]
-
-    k0, v0 = pools(k_like), pools(v_like)
+    steps = direct.steps
     try:
-        ref_k, ref_v = [t.clone() for t in k0], [t.clone() for t in v0]
-        ref = forward(batch, ref_k, ref_v)
-        direct.enabled, steps = True, direct.steps
-        got_k, got_v = [t.clone() for t in k0], [t.clone() for t in v0]
-        got = forward(batch, got_k, got_v)
+        ref, got = both_ways(forward, batch, blocks, k_like, v_like, lambda: setattr(direct, "enabled", True), seed=1)
     except Exception as e:  # noqa: BLE001 - any failure means: the model's forward serves
         return f"its proof step failed: {type(e).__name__}: {e}"
     finally:
         direct.enabled = False
     if direct.steps != steps + 1:
         return "the direct step did not run (inputs of another kind)"
-    if not all(torch.equal(a, b) for a, b in zip((ref, *ref_k, *ref_v), (got, *got_k, *got_v))):
+    if not all(torch.equal(a, b) for a, b in zip(ref, got)):
         return "the direct step's logits or K/V differ from the model's forward"
     return ""

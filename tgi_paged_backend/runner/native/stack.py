@@ -203,25 +203,47 @@ def _prove(
     """One step of ``proof`` per layer, then stacked, over the same scratch pools: why the stacked step may not
     serve (empty: it may). Leaves the stack disabled."""
     batch, blocks = proof
-    generator = torch.Generator().manual_seed(0)
+    probe: list[tuple[int, Any]] = []
+    try:
+        stack.enabled, stack._probe, steps = False, probe, stack.steps
+
+        def stacked() -> None:
+            stack.enabled, stack._probe = True, None
+
+        ref, got = both_ways(forward, batch, blocks, k_like, v_like, stacked, seed=0)
+        return _verdict(len(stack.layers), probe, stack.steps - steps, ref, got)
+    except Exception as e:  # noqa: BLE001 - any failure means: a call per layer
+        return f"its proof step failed: {type(e).__name__}: {e}"
+    finally:
+        stack.enabled, stack._probe, stack._served = False, None, None
+
+
+def both_ways(
+    forward: Forward,
+    batch: ForwardBatch,
+    blocks: int,
+    k_like: list[torch.Tensor],
+    v_like: list[torch.Tensor],
+    switch: Callable[[], None],
+    seed: int,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """A proof's two runs of ``batch``: over scratch pools of ``blocks`` blocks shaped as ``k_like``/``v_like``
+    (random history from ``seed``), once as things are, then after ``switch()``, each on its own copy of the pools:
+    ``(logits, every layer's K..., every layer's V...)`` of each."""
+    generator = torch.Generator().manual_seed(seed)
 
     def pools(like: list[torch.Tensor]) -> list[torch.Tensor]:
         return [torch.randn((blocks, *t.shape[1:]), generator=generator).to(t.dtype) for t in like]
 
     k0, v0 = pools(k_like), pools(v_like)
-    probe: list[tuple[int, Any]] = []
-    try:
-        stack.enabled, stack._probe = False, probe
-        ref_k, ref_v = [t.clone() for t in k0], [t.clone() for t in v0]
-        ref = forward(batch, ref_k, ref_v)
-        stack.enabled, stack._probe, steps = True, None, stack.steps
-        got_k, got_v = [t.clone() for t in k0], [t.clone() for t in v0]
-        got = forward(batch, got_k, got_v)
-        return _verdict(len(stack.layers), probe, stack.steps - steps, (ref, *ref_k, *ref_v), (got, *got_k, *got_v))
-    except Exception as e:  # noqa: BLE001 - any failure means: a call per layer
-        return f"its proof step failed: {type(e).__name__}: {e}"
-    finally:
-        stack.enabled, stack._probe, stack._served = False, None, None
+    runs = []
+    for switched in (False, True):
+        if switched:
+            switch()
+        k, v = [t.clone() for t in k0], [t.clone() for t in v0]
+        logits = forward(batch, k, v)
+        runs.append((logits, *k, *v))
+    return runs[0], runs[1]
 
 
 def _verdict(
