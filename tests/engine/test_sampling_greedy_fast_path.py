@@ -135,11 +135,28 @@ def test_the_runners_greedy_pass_chooses_an_all_greedy_batch() -> None:
     assert out[3].logprob == FMIN and out[2].id == 10
 
 
-@pytest.mark.parametrize("params, top_n", [([SamplingParams(do_sample=True, seed=1), SamplingParams()], [0, 0]),
-                                           ([SamplingParams(), SamplingParams()], [0, 2])])  # fmt: skip
-def test_sampling_or_alternatives_in_the_batch_skip_the_greedy_pass(params, top_n) -> None:
+def test_a_batch_of_sampling_rows_only_skips_the_greedy_pass() -> None:
     def greedy(scores: torch.Tensor):
         raise AssertionError("the greedy pass must not run for this batch")
 
-    out = choose_next_tokens(torch.randn(2, 300), params, [0, 0], top_n=top_n, greedy=greedy)
-    assert len(out) == 2
+    params = [SamplingParams(do_sample=True, seed=1), SamplingParams(do_sample=True, seed=2)]
+    assert len(choose_next_tokens(torch.randn(2, 300), params, [0, 0], greedy=greedy)) == 2
+
+
+def test_a_greedy_rows_logprob_does_not_depend_on_its_batch() -> None:
+    """With the runner's pass, a greedy row gets the same id and log-probability whether its batch is all greedy or
+    holds a sampling row and a row asking for alternatives."""
+    from tgi_paged_backend.runner.model_runner import ModelRunner
+
+    logits = torch.randn(3, 4000, generator=torch.Generator().manual_seed(6)) * 4
+    if ModelRunner.greedy_pick(logits) is None:
+        pytest.skip("no native kernels here")
+    greedy = ModelRunner.greedy_pick
+    alone = choose_next_tokens(logits[:1], [SamplingParams()], [0], greedy=greedy)
+    mixed = choose_next_tokens(
+        logits, [SamplingParams(), SamplingParams(do_sample=True, seed=4), SamplingParams()], [0, 0, 0],
+        top_n=[0, 0, 2], greedy=greedy,
+    )  # fmt: skip
+    assert (mixed[0].id, mixed[0].logprob) == (alone[0].id, alone[0].logprob)
+    assert mixed[2].id == int(logits[2].argmax()) and mixed[2].top_ids[0] == mixed[2].id
+    assert mixed[2].logprob == pytest.approx(mixed[2].top_logprobs[0], rel=1e-5, abs=1e-5)

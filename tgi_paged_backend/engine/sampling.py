@@ -298,9 +298,9 @@ def choose_next_tokens(
 
     ``steps[i]``: tokens request i has generated before this choice (0 at prefill); with its seed it
     fully determines the random draw. ``histories``: see :func:`process_logits`. ``top_n[i]``: how many
-    top alternatives to return (0 = none). ``greedy`` (the runner's native pass) chooses a batch whose rows all
-    decode greedily without alternatives, when it takes the scores.
-    """
+    top alternatives to return (0 = none). ``greedy`` (the runner's native pass), when it takes the scores, chooses
+    every greedy row: its id and log-probability (a row's alternatives still come from torch's ``log_softmax``, which
+    may differ from the chosen one's in the last bits)."""
     batch = len(params)
     if len(steps) != batch or (top_n is not None and len(top_n) != batch):
         raise ValueError("params, steps and top_n must have one entry per row")
@@ -308,8 +308,10 @@ def choose_next_tokens(
     sample_rows = [i for i, p in enumerate(params) if p.is_sampling]
     ns = [0] * batch if top_n is None else [max(0, min(int(n), scores.shape[1])) for n in top_n]
     max_n = max(ns, default=0)
-    picked = greedy(scores) if greedy is not None and not sample_rows and max_n == 0 else None
-    if picked is not None:  # every row greedy, no alternatives: ids and logprobs in one native pass
+    # The runner's native pass chooses every greedy row, alone or beside sampling rows and alternatives, so a greedy
+    # row's log-probability does not depend on what else is in its batch (torch's sums in another order).
+    picked = greedy(scores) if greedy is not None and len(sample_rows) < batch else None
+    if picked is not None and not sample_rows and max_n == 0:  # nothing else to compute
         ids_l, lps_l = _finite_logprobs(*picked)
         return [ChosenToken(id=i, logprob=lp, top_ids=[], top_logprobs=[]) for i, lp in zip(ids_l, lps_l)]
     logprobs = torch.log_softmax(scores, dim=-1)
@@ -328,7 +330,13 @@ def choose_next_tokens(
         race = race.masked_fill(~torch.isfinite(lp), -1.0)  # filtered tokens can never win
         next_ids.index_copy_(0, idx, race.argmax(dim=-1))
 
-    ids_l, lps_l = _finite_logprobs(next_ids, logprobs.gather(1, next_ids[:, None]).squeeze(1))
+    chosen_lps = logprobs.gather(1, next_ids[:, None]).squeeze(1)
+    if picked is not None:  # the greedy rows' ids and log-probabilities from the native pass
+        greedy_rows = torch.ones(batch, dtype=torch.bool, device=scores.device)
+        greedy_rows[sample_rows] = False
+        next_ids = torch.where(greedy_rows, picked[0], next_ids)
+        chosen_lps = torch.where(greedy_rows, picked[1], chosen_lps)
+    ids_l, lps_l = _finite_logprobs(next_ids, chosen_lps)
     if max_n > 0:
         top = torch.topk(logprobs, max_n, dim=-1, sorted=True)
         top_vals, top_ids = top.values.tolist(), top.indices.tolist()

@@ -320,6 +320,7 @@ class ModelRunner:
         start = time.perf_counter()
         slots = (0, -1, 0) if self.lora is not None else (-1, -1, -1)  # adapter rows beside base rows
         stacks = self.native_layers.stacks if self.native_layers is not None else ()
+        self.direct_decode = None  # a re-warm proves the stack against the model's loop, not an earlier direct step
         for stack in stacks:  # before any step uses it
             prove_stack(
                 stack, self._forward, self.k_caches, self.v_caches, self.block_size, slots, self.pool_groups.num_groups

@@ -84,6 +84,8 @@ class DirectDecode:
         kind, or inputs the stack does not take: the model's forward serves)."""
         if not self.enabled or not batch.is_decode or batch.image_rows or batch.rope_positions is not None:
             return None
+        if not self.stack.takes(metadata, int(batch.input_ids.shape[0])):  # before embedding: the forward serves
+            return None
         hidden = self.ends.embeddings(self.embed(batch.input_ids.unsqueeze(0)))
         tables = self.rotary(hidden, batch.positions.unsqueeze(0))
         out = self.stack.run(hidden, tables, metadata, pass_through=False)

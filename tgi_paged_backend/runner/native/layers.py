@@ -204,22 +204,25 @@ class NativeDecoderLayer(nn.Module):
 
     def _native_step(self, hidden: torch.Tensor, kwargs: dict[str, Any]) -> PagedAttentionMetadata | None:
         metadata = self._given_metadata(kwargs)
-        if (
-            metadata is None
-            or not (metadata.batch.is_decode or (self.verify_steps and _verify_rows(metadata.batch)))
+        if metadata is None or hidden.shape[0] != 1 or not self.takes_step(metadata, int(hidden.shape[1])):
+            return None
+        return metadata
+
+    def takes_step(self, metadata: PagedAttentionMetadata, rows: int) -> bool:
+        """Whether this layer's native call takes a step of ``rows`` packed rows (a decode step, or a verify step on a
+        layer that runs them) with this metadata; else the per-op path serves it."""
+        return not (
+            not (metadata.batch.is_decode or (self.verify_steps and _verify_rows(metadata.batch)))
             or metadata.static
             or metadata.layer_calls is not None
             or metadata.seen_options is not None
             or metadata.k_scale != 1.0
             or metadata.v_scale != 1.0
-            or hidden.shape[0] != 1
-            or hidden.shape[1] > MAX_ROWS
+            or rows > MAX_ROWS
             or metadata.cpu_decode != "native"  # TGI_PAGED_CPU_DECODE=compiled|sdpa: that kernel serves
             or (self.lora is None and self.lora_step is not None and self.lora_step.token_slots is not None)
             or torch.compiler.is_compiling()
-        ):
-            return None
-        return metadata
+        )
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         stack = self.stack

@@ -63,6 +63,19 @@ class DecodeStack:
             self._served = None
         return True
 
+    def takes(self, metadata: PagedAttentionMetadata, rows: int) -> bool:
+        """Whether a step of ``rows`` packed rows with this metadata may run stacked: proven for its kind (decode, or
+        verify), taken by the first layer's native call, one slot mapping for every layer, and LoRA rows only where
+        every layer adds its deltas natively. :meth:`run` may still decline on the tensors themselves."""
+        first, batch = self.layers[0], metadata.batch
+        if not self.enabled or (not batch.is_decode and not self.verify) or not first.takes_step(metadata, rows):
+            return False
+        slot_mapping, _ = metadata.tables(first.layer_idx)
+        if any(metadata.tables(layer.layer_idx)[0] is not slot_mapping for layer in self.layers):
+            return False  # KV layer groups: each group its own slots
+        lora_rows = first.lora_step is not None and first.lora_step.token_slots is not None
+        return not lora_rows or all(layer.lora is not None for layer in self.layers)
+
     def observe(self, index: int, position_embeddings: Any) -> None:
         """:func:`prove_stack`'s per-layer step: the layers' order and the RoPE tables each got."""
         if self._probe is not None:
@@ -79,19 +92,14 @@ class DecodeStack:
         it, or ``None`` (not proven, or inputs of another kind: every layer then runs its own call). ``pass_through``:
         the other layers will be called on this step (the model's loop) and return their input."""
         first, batch = self.layers[0], metadata.batch
-        if not self.enabled or (not batch.is_decode and not self.verify):
+        if not self.takes(metadata, int(hidden.shape[1])):
             return None
         rope = first.step_tables(position_embeddings, hidden.dtype)
         if rope is None:
             return None
         cos, sin = rope
         slot_mapping, _ = metadata.tables(first.layer_idx)
-        tables = []
-        for layer in self.layers:
-            slots, table = metadata.tables(layer.layer_idx)
-            if slots is not slot_mapping:  # KV layer groups: each group its own slots
-                return None
-            tables.append(table)
+        tables = [metadata.tables(layer.layer_idx)[1] for layer in self.layers]  # one slot mapping: takes()
         k_caches = [metadata.k_caches[layer.layer_idx] for layer in self.layers]
         v_caches = [metadata.v_caches[layer.layer_idx] for layer in self.layers]
         token_slots = None if first.lora_step is None else first.lora_step.token_slots
