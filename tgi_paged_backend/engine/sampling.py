@@ -315,7 +315,7 @@ def choose_next_tokens(
         ids_l, lps_l = _finite_logprobs(*picked)
         return [ChosenToken(id=i, logprob=lp, top_ids=[], top_logprobs=[]) for i, lp in zip(ids_l, lps_l)]
     logprobs = torch.log_softmax(scores, dim=-1)
-    next_ids = _first_maximum(scores)
+    next_ids = picked[0] if picked is not None else _first_maximum(scores)  # sampling rows are replaced below
 
     if sample_rows:
         vocab = scores.shape[1]
@@ -331,10 +331,9 @@ def choose_next_tokens(
         next_ids.index_copy_(0, idx, race.argmax(dim=-1))
 
     chosen_lps = logprobs.gather(1, next_ids[:, None]).squeeze(1)
-    if picked is not None:  # the greedy rows' ids and log-probabilities from the native pass
+    if picked is not None:  # the greedy rows' log-probabilities from the native pass too
         greedy_rows = torch.ones(batch, dtype=torch.bool, device=scores.device)
         greedy_rows[sample_rows] = False
-        next_ids = torch.where(greedy_rows, picked[0], next_ids)
         chosen_lps = torch.where(greedy_rows, picked[1], chosen_lps)
     ids_l, lps_l = _finite_logprobs(next_ids, chosen_lps)
     if max_n > 0:

@@ -88,7 +88,7 @@ class DirectDecode:
             return None
         hidden = self.ends.embeddings(self.embed(batch.input_ids.unsqueeze(0)))
         tables = self.rotary(hidden, batch.positions.unsqueeze(0))
-        out = self.stack.run(hidden, tables, metadata, pass_through=False)
+        out = self.stack.call(hidden, tables, metadata, pass_through=False)
         if out is None:
             return None
         self.steps += 1

@@ -91,9 +91,16 @@ class DecodeStack:
         """The whole stack's output for a decode or verify step's ``hidden`` ``[1, T, H]`` as the first layer got
         it, or ``None`` (not proven, or inputs of another kind: every layer then runs its own call). ``pass_through``:
         the other layers will be called on this step (the model's loop) and return their input."""
-        first, batch = self.layers[0], metadata.batch
         if not self.takes(metadata, int(hidden.shape[1])):
             return None
+        return self.call(hidden, position_embeddings, metadata, pass_through)
+
+    def call(
+        self, hidden: torch.Tensor, position_embeddings: Any, metadata: PagedAttentionMetadata, pass_through: bool
+    ) -> torch.Tensor | None:
+        """:meth:`run` for a step :meth:`takes` has taken (the caller asked it), or ``None`` for tensors of another
+        kind."""
+        first, batch = self.layers[0], metadata.batch
         rope = first.step_tables(position_embeddings, hidden.dtype)
         if rope is None:
             return None
@@ -103,11 +110,8 @@ class DecodeStack:
         k_caches = [metadata.k_caches[layer.layer_idx] for layer in self.layers]
         v_caches = [metadata.v_caches[layer.layer_idx] for layer in self.layers]
         token_slots = None if first.lora_step is None else first.lora_step.token_slots
-        loras = None
-        if token_slots is not None:  # rows with adapters: every layer adds its deltas in the call
-            loras = [layer.lora for layer in self.layers if layer.lora is not None]
-            if len(loras) != len(self.layers):
-                return None
+        # rows with adapters: every layer adds its deltas in the call (takes() saw every layer's LoRA native)
+        loras = None if token_slots is None else [layer.lora for layer in self.layers if layer.lora is not None]
         query_start_loc = None if batch.is_decode else batch.query_start_loc  # a verify step's rows per request
         out = self.kernel.decode(
             hidden[0], cos, sin, k_caches, v_caches, slot_mapping, tables, batch.seq_lens, loras, token_slots,
