@@ -381,8 +381,8 @@ def decode_layer(
     of its dtype), writing the tokens' K/V into fp32 or bf16 pools ``[num_blocks, block_size, Hkv, D]`` at
     ``slot_mapping`` (int64; negative slots skipped). With ``query_start_loc`` (int32 ``[B + 1]``): ``B`` requests
     of several rows each (a speculative verify step), each row attending over its request's positions up to its
-    own. With ``lora`` (:class:`.cpu_layer_lora.LayerLora`; fp32 ``hidden`` only): row ``t`` adds adapter
-    ``token_slots[t]``'s deltas (``-1``: none).
+    own. With ``lora`` (:class:`.cpu_layer_lora.LayerLora`): row ``t`` adds adapter ``token_slots[t]``'s deltas
+    (``-1``: none), in fp32 (a bf16 ``hidden`` too).
 
     ``cos``/``sin`` ``[T, rotary_dim or D]`` contiguous, of ``hidden``'s dtype (unread, may be ``None``, for the
     rotary kind ``none``); ``block_tables`` ``[T, *]`` and ``seq_lens`` ``[T]``, int32 or int64. ``None`` for inputs of

@@ -119,7 +119,7 @@ class LayerStep:
             or (query_start_loc is not None and (query_start_loc.dtype != torch.int32 or requests < 1))
             or (
                 lora is not None
-                and (token_slots is None or token_slots.shape != (tokens,) or hidden.dtype != torch.float32)
+                and (token_slots is None or token_slots.shape != (tokens,))
             )
             or block_tables.dtype not in (torch.int32, torch.int64)
             or seq_lens.dtype not in (torch.int32, torch.int64)

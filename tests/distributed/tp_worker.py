@@ -58,7 +58,7 @@ def main() -> None:
         rank=args.rank, world_size=args.world_size, master_addr="127.0.0.1", master_port=args.port, dist_timeout_s=60
     )
     if args.native_check_fails_on == args.rank:
-        native_layers._reproduces = lambda *_args, **_kwargs: False  # type: ignore[assignment]
+        native_layers.reproduces = lambda *_args, **_kwargs: False  # type: ignore[assignment]
     group = TensorParallelGroup.initialize(server, torch.device("cpu"), startup_timeout_s=120)
     prompts = json.loads(args.prompts)
     result: dict[str, dict] = {}

@@ -231,10 +231,36 @@ def test_the_dot_path_is_on_by_default_on_amd_cores_only(tmp_path) -> None:
     assert out.stdout.strip() == str(int(built and "AuthenticAMD" in cpuinfo))
 
 
-def test_a_bf16_hidden_state_keeps_the_per_op_path_under_tp_and_lora(native) -> None:
-    """What the merge of bf16 with tensor parallelism and LoRA left per op: a rank's parts and LoRA rows take an fp32
-    hidden state only (``None``: the per-op path, before any all-reduce), and the library refuses a stage of a bf16
-    hidden state (status 6) rather than run it."""
+def test_bf16_lora_rows_match_the_reference(native) -> None:
+    """A bf16 hidden state with adapter rows: the deltas are added in fp32 inside the step (rows of another adapter,
+    and of none, in one batch), as the reference adds them; rows without an adapter are the base step's."""
+    rounded, w, (hq, hkv, d, form) = _bf16_layer("Llama", hidden=LORA_HIDDEN, inter=LORA_INTER)
+    (k_pool, v_pool), tables, seq_lens, slots = _step([3, 9, 6], 4, hkv, d, torch.int32)
+    k_pool, v_pool = k_pool.bfloat16(), v_pool.bfloat16()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, LORA_HIDDEN, generator=g).bfloat16()
+    cos, sin = (torch.randn(3, d, generator=g).bfloat16() for _ in range(2))
+    lora, token_slots = _lora(hq, hkv, d, form.gated), torch.tensor([0, -1, 1])
+    pools = (k_pool.clone(), v_pool.clone())
+    got = decode_layer(native, w, x, cos, sin, *pools, slots, tables, seq_lens, None, lora, token_slots)
+    ref_pools = (k_pool.clone(), v_pool.clone())
+    rounds = native.gemm_bf16_rounds_activations
+    expected = decode_layer_ref(
+        rounded, w, x, cos, sin, *ref_pools, slots, tables, seq_lens,
+        lora=lora, token_slots=token_slots, rounds_activations=rounds,
+    )  # fmt: skip
+    assert got is not None and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=BF16_ULP, atol=1e-4)
+    for pool, ref in zip(pools, ref_pools):
+        torch.testing.assert_close(pool.float(), ref.float(), rtol=BF16_ULP, atol=1e-4)
+    base = decode_layer(native, w, x, cos, sin, k_pool.clone(), v_pool.clone(), slots, tables, seq_lens)
+    assert base is not None and torch.equal(got[1], base[1]) and not torch.equal(got[0], base[0])
+
+
+def test_a_bf16_hidden_state_keeps_the_per_op_path_under_tp(native) -> None:
+    """What the merge of bf16 with tensor parallelism left per op: a rank's parts take an fp32 hidden state only
+    (``None``: the per-op path, before any all-reduce), and the library refuses a stage of a bf16 hidden state
+    (status 6) rather than run it."""
     _, w, (hq, hkv, d, form) = _bf16_layer("Llama", hidden=LORA_HIDDEN, inter=LORA_INTER)
     (k_pool, v_pool), tables, seq_lens, slots = _step([3, 9], 4, hkv, d, torch.int32)
     k_pool, v_pool = k_pool.bfloat16(), v_pool.bfloat16()
@@ -246,9 +272,6 @@ def test_a_bf16_hidden_state_keeps_the_per_op_path_under_tp_and_lora(native) -> 
 
     args = (native, w, x, cs, cs, k_pool, v_pool, slots, tables, seq_lens)
     assert decode_layer_parts(*args, refuse) is None
-    lora, token_slots = _lora(hq, hkv, d, form.gated), torch.tensor([0, -1])
-    assert decode_layer(*args, None, lora, token_slots) is None
-    assert decode_layer(*args, None, lora, token_slots=torch.tensor([-1, -1])) is None  # whatever the rows' slots
     step = LayerStep.prepare(*args)
     assert step is not None  # the whole layer runs it: stage 0
     with pytest.raises(ValueError, match="status 6"):

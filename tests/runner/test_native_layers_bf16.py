@@ -45,16 +45,19 @@ def _runner(path, **options) -> ModelRunner:
     return ModelRunner(ModelConfig(model_id=str(path), dtype="bfloat16", **options), CacheConfig(block_size=4))
 
 
-def _generate(runner: ModelRunner) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Prefill then greedy decode steps: each request's tokens (prompt and generated) and each step's logits."""
+def _generate(runner: ModelRunner, slots: tuple[int, ...] = (-1, -1, -1)) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Prefill then greedy decode steps: each request's tokens (prompt and generated) and each step's logits
+    (request ``i`` on adapter slot ``slots[i]``, -1: the base model)."""
     blocks = 8
     runner.allocate_kv_cache(len(PROMPTS) * blocks + 1)
     tables = [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(len(PROMPTS))]
-    logits = [runner.forward(build_forward_batch([RequestChunk(p, 0, t) for p, t in zip(PROMPTS, tables)], 4))]
+    chunk = RequestChunk
+    prompts = [chunk(p, 0, t, lora_slot=s) for p, t, s in zip(PROMPTS, tables, slots)]
+    logits = [runner.forward(build_forward_batch(prompts, 4))]
     tokens = [list(p) for p in PROMPTS]
     for _ in range(NEW_TOKENS):
         ids = logits[-1].argmax(dim=-1).tolist()
-        chunks = [RequestChunk([i], len(seq), t) for i, seq, t in zip(ids, tokens, tables)]
+        chunks = [chunk([i], len(seq), t, lora_slot=s) for i, seq, t, s in zip(ids, tokens, tables, slots)]
         for seq, i in zip(tokens, ids):
             seq.append(i)
         logits.append(runner.forward(build_forward_batch(chunks, 4)))
@@ -74,11 +77,22 @@ def test_bf16_greedy_generation_is_as_close_to_hf_fp32_as_hf_bf16(family_dir, mo
     monkeypatch.setattr(native_layers, "decode_layer", lambda *a, **k: calls.append(a[2].dtype) or real(*a, **k))
     tokens, ours = _generate(runner)
     assert calls == [torch.bfloat16] * (2 * NEW_TOKENS)  # every decode step of both layers ran natively, in bf16
-    hf32 = load_reference(path)
-    hf16 = load_reference(path).to(torch.bfloat16)
+    _expect_as_close_as_hf(name, tokens, ours, load_reference(path), load_reference(path).to(torch.bfloat16))
+
+
+def _expect_as_close_as_hf(
+    name: str,
+    tokens: list[list[int]],
+    ours: list[torch.Tensor],
+    hf32: torch.nn.Module,
+    hf16: torch.nn.Module,
+    requests: tuple[int, ...] = (0, 1, 2),
+) -> None:
+    """The module docstring's criterion for ``requests``: ``ours`` (each step's logits) against HF fp32 ``hf32``, as
+    HF bf16 ``hf16`` is, on the same tokens."""
     errors: list[tuple[float, float]] = []
-    for b, seq in enumerate(tokens):
-        ids = torch.tensor([seq])
+    for b in requests:
+        ids = torch.tensor([tokens[b]])
         with torch.inference_mode():
             exact, rounded = hf32(ids).logits[0].float(), hf16(ids).logits[0].float()
         start = len(PROMPTS[b]) - 1  # the prompt's last position: the prefill's logits
@@ -90,6 +104,51 @@ def test_bf16_greedy_generation_is_as_close_to_hf_fp32_as_hf_bf16(family_dir, mo
             assert ours_error <= 2 * hf_error + SLACK * exact.abs().max().item(), (name, b, step, errors[-1])
     ours_mean, hf_mean = (sum(e) / len(errors) for e in zip(*errors))
     assert ours_mean <= 1.25 * hf_mean, (name, ours_mean, hf_mean)
+
+
+def test_bf16_verify_steps_run_natively_as_close_to_hf_fp32_as_hf_bf16(family_dir, monkeypatch) -> None:
+    """A bf16 model's verify step (each request's generated tokens as drafts, 8 rows per request) runs in the native
+    layer call: its logits meet the module docstring's criterion at every row."""
+    path = family_dir("Qwen3")
+    tokens, _ = _generate(_runner(path))
+    runner = _runner(path)
+    calls: list[bool] = []
+    real = native_layers.decode_layer
+    record = lambda *a, **k: calls.append(a[10] is not None) or real(*a, **k)  # noqa: E731 - query_start_loc given
+    monkeypatch.setattr(native_layers, "decode_layer", record)
+    blocks = 8
+    runner.allocate_kv_cache(len(PROMPTS) * blocks + 1)
+    tables = [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(len(PROMPTS))]
+    ours = [runner.forward(build_forward_batch([RequestChunk(p, 0, t) for p, t in zip(PROMPTS, tables)], 4))]
+    drafts = [RequestChunk(seq[len(p) :], len(p), t, all_logits=True) for p, seq, t in zip(PROMPTS, tokens, tables)]
+    rows = runner.forward(build_forward_batch(drafts, 4)).view(len(PROMPTS), NEW_TOKENS, -1)
+    assert calls == [True, True]  # both layers ran the verify step natively
+    ours += [rows[:, j] for j in range(NEW_TOKENS)]
+    _expect_as_close_as_hf("Qwen3 verify", tokens, ours, load_reference(path), load_reference(path).bfloat16())
+
+
+def test_bf16_adapter_rows_decode_natively_as_close_to_peft_fp32_as_peft_bf16(family_dir, tmp_path, monkeypatch):
+    """A bf16 model's adapter rows (beside base rows) decode in the native layer call, the deltas added in fp32:
+    greedy logits as close to HF + PEFT in fp32 as HF + PEFT in bf16 are."""
+    from peft import PeftModel
+
+    from tests.helpers.lora_adapters import write_adapter
+
+    path = family_dir("Llama")
+    adapter = write_adapter(path, tmp_path / "full", seed=5)
+    runner = _runner(path, lora_adapters=f"full={adapter}")
+    assert runner.native_layers is not None and runner.native_layers.wrapped == 2, runner.native_layers
+    assert not runner.native_layers.kept, runner.native_layers.kept
+    calls: list[bool] = []
+    real = native_layers.decode_layer
+    record = lambda *a, **k: calls.append(a[-1] is not None) or real(*a, **k)  # noqa: E731 - token_slots given
+    monkeypatch.setattr(native_layers, "decode_layer", record)
+    slots = (0, -1, 0)
+    tokens, ours = _generate(runner, slots)
+    assert calls == [True] * (2 * NEW_TOKENS)  # every decode step of both layers ran natively, with adapter rows
+    refs = [PeftModel.from_pretrained(load_reference(path), str(adapter)).eval() for _ in range(2)]
+    refs[1] = refs[1].to(torch.bfloat16)
+    _expect_as_close_as_hf("Llama+LoRA", tokens, ours, *refs, requests=(0, 2))
 
 
 def test_fp16_and_fp8_kv_keep_the_per_op_path(family_dir) -> None:

@@ -10,7 +10,7 @@ check recorded) and Granite's residual multiplier. A tensor-parallel rank's laye
 heads and MLP columns, its o and down projections' linears over its input columns (:func:`row_parallel_part`; their
 replicated biases are added after the all-reduce, which the native step leaves to its caller).
 
-Nothing here is trusted: a layer is served natively only after :func:`.native_layers._reproduces` has shown
+Nothing here is trusted: a layer is served natively only after :func:`..native.checks.reproduces` has shown
 one decode step of the description gives the module's output and K/V.
 """
 

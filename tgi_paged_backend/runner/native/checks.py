@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -114,36 +114,87 @@ def call_as_model(
             channel.metadata = None
 
 
-def bf16_inputs(wrapped: NativeDecoderLayer, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The bf16 check's hidden state and RoPE tables: random values rounded to bf16, held in ``dtype``."""
-    w, rows = wrapped.weights, len(check_lengths(1))
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(1, rows, w.hidden_size, generator=generator).bfloat16().to(dtype)
+def check_step(
+    layer: nn.Module,
+    wrapped: NativeDecoderLayer,
+    block_size: int,
+    rows: int = 1,
+    lora: bool = False,
+    dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype = torch.float32,
+    bf16_values: bool = False,
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """``layer`` (``wrapped`` or the layer it wraps) on one random check step of :func:`check_lengths` requests:
+    what it returns, and the K and V pools after it. ``rows`` > 1: a verify step of that many rows per request;
+    ``lora``: rows of the base model and of each adapter mixed (when ``wrapped`` adds adapters natively); hidden
+    state and tables in ``dtype``, pools in ``kv_dtype``; ``bf16_values``: every input rounded to bf16 first (the
+    bf16 check's inputs, another seed)."""
+    w = wrapped.weights
+    generator = torch.Generator().manual_seed(1 if bf16_values else 0)
+    tokens = rows * len(check_lengths(block_size))
     table = rope_table_width(wrapped.rope, w.form.rotary_dim or w.head_dim)
-    return x, tuple(torch.randn(1, rows, table, generator=generator).bfloat16().to(dtype) for _ in range(2))
-
-
-def bf16_step(
-    layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``layer`` (or ``wrapped``) on the bf16 check's step in ``dtype`` over pools of ``kv_dtype``: its output and
-    the K and V pools after it."""
-    x, tables = bf16_inputs(wrapped, dtype)
-    meta = check_metadata(wrapped.weights, wrapped.layer_idx, block_size, 1, kv_dtype, True)
-    with torch.inference_mode():
-        out = call_as_model(layer, wrapped, x, tables, meta)
-    out = out[0] if isinstance(out, tuple) else out
+    inputs = [torch.randn(1, tokens, width, generator=generator) for width in (w.hidden_size, table, table)]
+    x, cos, sin = ((t.bfloat16() if bf16_values else t).to(dtype) for t in inputs)
+    step, slots = wrapped.lora_step, None
+    if lora and step is not None and wrapped.lora is not None:
+        slots = torch.arange(tokens) % (wrapped.lora.num_slots + 1) - 1
+    routing = step.open(slots) if step is not None else nullcontext()
+    meta = check_metadata(w, wrapped.layer_idx, block_size, rows, kv_dtype, bf16_values)
+    with torch.inference_mode(), routing:
+        out = call_as_model(layer, wrapped, x, (cos, sin), meta)
     return out, meta.k_caches[-1], meta.v_caches[-1]
 
 
+def reproduces(
+    layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int, rows: int = 1, lora: bool = False
+) -> bool:
+    """Whether ``wrapped`` gives ``layer``'s output and K/V to 1e-4 on one random fp32 check step
+    (:func:`check_step`) that it ran natively (it learns there whether the layer returns a tuple)."""
+    expected, *ref_kv = check_step(layer, wrapped, block_size, rows, lora)
+    wrapped.as_tuple = isinstance(expected, tuple)
+    steps = wrapped.native_steps
+    got, *kv = check_step(wrapped, wrapped, block_size, rows, lora)
+    if wrapped.native_steps == steps:  # the step fell back to the per-op path: nothing proven
+        return False
+    pairs = [(_output(expected), _output(got)), *zip(ref_kv, kv)]
+    return all(a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in pairs)
+
+
+def bf16_step(
+    layer: nn.Module,
+    wrapped: NativeDecoderLayer,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    rows: int = 1,
+    lora: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``layer`` (or ``wrapped``) on the bf16 check's step (:func:`check_step` on bf16 values) in ``dtype`` over
+    pools of ``kv_dtype``: its output and the K and V pools after it."""
+    out, k, v = check_step(layer, wrapped, block_size, rows, lora, dtype, kv_dtype, True)
+    return _output(out), k, v
+
+
 def reproduces_bf16(
-    layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int, kv_dtype: torch.dtype, exact: tuple
+    layer: nn.Module,
+    wrapped: NativeDecoderLayer,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    exact: tuple,
+    rows: int = 1,
+    lora: bool = False,
 ) -> bool:
     """Whether ``wrapped`` (bf16 weights) runs the bf16 check's step natively, as close to the fp32 module's
-    results ``exact`` as the bf16 module's own step (:func:`bf16_step_close`), output and K/V."""
-    per_op = bf16_step(layer, wrapped, block_size, torch.bfloat16, kv_dtype)
+    results ``exact`` (the same step: :func:`bf16_step` in fp32) as the bf16 module's own step
+    (:func:`bf16_step_close`), output and K/V."""
+    per_op = bf16_step(layer, wrapped, block_size, torch.bfloat16, kv_dtype, rows, lora)
     steps = wrapped.native_steps
-    native = bf16_step(wrapped, wrapped, block_size, torch.bfloat16, kv_dtype)
+    native = bf16_step(wrapped, wrapped, block_size, torch.bfloat16, kv_dtype, rows, lora)
     if wrapped.native_steps == steps:
         return False
     return all(bf16_step_close(*triple) for triple in zip(native, per_op, exact))
+
+
+def _output(returned: Any) -> torch.Tensor:
+    """A decoder layer's output: the tensor, or the first of the tuple older transformers return."""
+    return returned[0] if isinstance(returned, tuple) else returned

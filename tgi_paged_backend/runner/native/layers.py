@@ -39,7 +39,6 @@ arithmetic, bf16 hidden state) is checked against the module's bf16 step (:mod:`
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -52,7 +51,7 @@ from torch import nn
 from tgi_paged_backend.lora.layers import find_lora_step, lora_base, replace_lora_base
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
 from tgi_paged_backend.runner.cpu.fast_layers import NativeInt8Linear, NativeLinear
-from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention, rope_table_width, rope_tables
+from tgi_paged_backend.runner.cpu.fused_blocks import FusedPagedAttention, rope_tables
 from tgi_paged_backend.runner.cpu.layer_forms import (
     NORM_PLACES,
     layer_attention,
@@ -65,11 +64,9 @@ from tgi_paged_backend.runner.cpu.moe_forms import NativeExperts
 from tgi_paged_backend.runner.model.vlm_loading import text_model
 from tgi_paged_backend.runner.native.checks import (
     bf16_step,
-    call_as_model,
-    check_lengths,
-    check_metadata,
     fp32_params,
     projection_dtype,
+    reproduces,
     reproduces_bf16,
 )
 from tgi_paged_backend.runner.native.lora import layer_lora
@@ -128,7 +125,7 @@ class NativeDecoderLayer(nn.Module):
         self.stack_index = 0
         self.as_tuple = False
         """transformers before 4.54 returns ``(hidden,)`` from a decoder layer, later versions the tensor: set
-        by the load-time check (:func:`_reproduces`) from what the wrapped layer returns."""
+        by the load-time check (:func:`.checks.reproduces`) from what the wrapped layer returns."""
 
     @property
     def native_steps(self) -> int:
@@ -287,50 +284,13 @@ class NativeLayersReport:
     """Why a layer list of native layers has no stack."""
 
 
-def _reproduces(
-    layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int, rows: int = 1, lora: bool = False
-) -> bool:
-    """Whether ``wrapped`` gives ``layer``'s output and K/V on one random decode step (``rows`` > 1: a verify step
-    of that many rows per request; ``lora``: rows of the base model and of the first adapters mixed) that it ran
-    natively (it learns there whether the layer returns a tuple)."""
-    w = wrapped.weights
-    generator = torch.Generator().manual_seed(0)
-    tokens = rows * len(check_lengths(block_size))
-    x = torch.randn(1, tokens, w.hidden_size, generator=generator)
-    table = rope_table_width(wrapped.rope, w.form.rotary_dim or w.head_dim)
-    cos, sin = (torch.randn(1, tokens, table, generator=generator) for _ in range(2))
-    step, slots = wrapped.lora_step, None
-    if lora and step is not None and wrapped.lora is not None:
-        slots = torch.arange(tokens) % (wrapped.lora.num_slots + 1) - 1
-    routing = step.open(slots) if step is not None else contextlib.nullcontext()
-    with torch.inference_mode(), routing:
-        ref_meta = check_metadata(w, wrapped.layer_idx, block_size, rows)
-        expected = call_as_model(layer, wrapped, x, (cos, sin), ref_meta)
-        as_tuple = isinstance(expected, tuple)
-        wrapped.as_tuple = as_tuple
-        meta = check_metadata(w, wrapped.layer_idx, block_size, rows)
-        steps = wrapped.native_steps
-        got = call_as_model(wrapped, wrapped, x, (cos, sin), meta)
-        if wrapped.native_steps == steps:  # the step fell back to the per-op path: nothing proven
-            return False
-    expected, got = (expected[0], got[0]) if as_tuple else (expected, got)
-    close = all(
-        a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-4)
-        for a, b in (
-            (expected, got),
-            (ref_meta.k_caches[-1], meta.k_caches[-1]),
-            (ref_meta.v_caches[-1], meta.v_caches[-1]),
-        )
-    )
-    return close
-
-
 def _candidate(
     child: nn.Module, native: NativeKernels, block_size: int, kv_dtype: torch.dtype
 ) -> NativeDecoderLayer | str:
-    """``child`` wrapped, its step proven (fp32: :func:`_reproduces`, a tensor-parallel rank's with the all-reduces
-    as the identity; bf16: the description on the layer widened to fp32, then :func:`reproduces_bf16`), its
-    verify and LoRA steps checked (fp32 whole layers only), or why it keeps its Python path."""
+    """``child`` wrapped, its step proven (fp32: :func:`.checks.reproduces`, a tensor-parallel rank's with the
+    all-reduces as the identity; bf16: the description on the layer widened to fp32, then
+    :func:`.checks.reproduces_bf16`), its verify and LoRA steps checked the same way (whole layers only), or why
+    it keeps its Python path."""
     bf16 = projection_dtype(child) == torch.bfloat16
     with fp32_params(child) if bf16 else nullcontext():
         weights = layer_weights(child)
@@ -340,29 +300,44 @@ def _candidate(
         if bf16 and candidate._all_reduce is not None:  # a rank's parts take an fp32 hidden state only
             return "a bf16 layer under tensor parallelism runs per op"
         with local_sums(candidate):
-            if not _proven(_reproduces, child, candidate, block_size):
+            if not _proven(reproduces, child, candidate, block_size):
                 return "its decode step differs"
-        if candidate._all_reduce is None and not bf16:  # a rank's (and a bf16 layer's) verify, LoRA steps: per op
-            candidate.verify_steps = True  # a verify step runs natively only while its check does, then if it passed
-            candidate.verify_steps = _proven(_reproduces, child, candidate, block_size, 3)
-            if candidate.lora is not None and not _proven(_reproduces, child, candidate, block_size, 1, True):
-                candidate.lora, candidate.lora_kept = None, "its LoRA step differs"
-        else:
+        if candidate._all_reduce is not None:  # a rank's verify and LoRA steps: per op
             candidate.lora = None
+            return candidate
+        _prove_features(candidate, lambda rows, lora: _proven(reproduces, child, candidate, block_size, rows, lora))
         if not bf16:
             return candidate
-        exact = bf16_step(child, candidate, block_size, torch.float32, torch.float32)
+        steps = [(1, False), (VERIFY_CHECK_ROWS, False), (1, True)]
+        exact = {s: bf16_step(child, candidate, block_size, torch.float32, torch.float32, *s) for s in steps}
     try:
         bf16_candidate = NativeDecoderLayer(child, weights.as_bf16(), native)
     except ValueError as e:
         return str(e)
     bf16_candidate.as_tuple = candidate.as_tuple
-    bf16_candidate.lora = None  # its LoRA steps (found by _native_step) run per op
-    if bf16_candidate.lora_step is not None:
-        bf16_candidate.lora_kept = "a bf16 layer's LoRA steps run per op"
-    if not _proven(reproduces_bf16, child, bf16_candidate, block_size, kv_dtype, exact):
+
+    def bf16_proof(rows: int, lora: bool) -> bool:
+        return _proven(reproduces_bf16, child, bf16_candidate, block_size, kv_dtype, exact[rows, lora], rows, lora)
+
+    if not bf16_proof(1, False):
         return "its bf16 decode step differs"
+    if candidate.lora is None:  # the fp32 description's LoRA step failed: so does the bf16 one
+        bf16_candidate.lora, bf16_candidate.lora_kept = None, candidate.lora_kept
+    _prove_features(bf16_candidate, bf16_proof, candidate.verify_steps)
     return bf16_candidate
+
+
+VERIFY_CHECK_ROWS = 3
+"""Rows per request of the verify check step."""
+
+
+def _prove_features(candidate: NativeDecoderLayer, proof: Callable[[int, bool], bool], verify: bool = True) -> None:
+    """Check ``candidate``'s verify steps (``verify``: not already known to differ) and its LoRA steps (when it adds
+    adapters) with ``proof(rows, lora)``; each that fails keeps the per-op path."""
+    candidate.verify_steps = verify  # a verify step runs natively only while its check does, then if it passed
+    candidate.verify_steps = verify and proof(VERIFY_CHECK_ROWS, False)
+    if candidate.lora is not None and not proof(1, True):
+        candidate.lora, candidate.lora_kept = None, "its LoRA step differs"
 
 
 def _proven(check: Any, layer: nn.Module, *args: Any) -> bool:
@@ -405,8 +380,7 @@ def wrap_native_layers(
             if candidate.lora_kept:
                 kept.add(f"{kind}: LoRA steps per op: {candidate.lora_kept}")
             if not candidate.verify_steps and candidate._all_reduce is None:
-                bf16 = candidate.weights.weight_dtype == torch.bfloat16
-                kept.add(f"{kind}: verify steps per op: {'a bf16 layer' if bf16 else 'its verify step differs'}")
+                kept.add(f"{kind}: verify steps per op: its verify step differs")
             candidates.append((parent, name, candidate))
     if agree is not None and candidates:
         for i, agreed in enumerate(agree([c is not None for _, _, c in candidates])):
