@@ -343,10 +343,13 @@ class LayerWeights:
         return int(self.shared_down.shape[1]) * (2 if self.weight_dtype == torch.bfloat16 else 1)
 
     def as_bf16(self) -> LayerWeights:
-        """These weights with the projections packed in bf16 (:func:`.cpu_gemm.bf16_from_packed`: exact for a bf16
-        model's weights); norms and biases as they are. Needs even input widths (pairs of ``k``)."""
+        """These weights for a bf16 model's steps: the projections packed in bf16 (:func:`.cpu_gemm.bf16_from_packed`:
+        exact for a bf16 model's weights; needs even input widths, pairs of ``k``), int8 or fp8 codes as they are
+        (their tile dequantizes into fp32 whatever the hidden state's dtype); norms and biases as they are."""
+        if self.int8_columns is not None:
+            return self
         widths = (self.hidden_size, self.intermediate, self.shared_intermediate)
-        if self.weight_dtype != torch.float32 or self.int8_columns is not None or any(k % 2 for k in widths):
+        if self.weight_dtype != torch.float32 or any(k % 2 for k in widths):
             raise ValueError("LayerWeights.as_bf16: needs fp32-packed weights of even input widths")
         names = ("qkv", "o", "gate_up", "down", "router", *_SHARED)
         packed = {name: getattr(self, name) for name in names}

@@ -99,14 +99,16 @@ def write_compressed_fp8(src: Path, dst: Path, strategy: str = "channel", *, dyn
     return dst
 
 
-def dequantized_reference(src: Path, strategy: str = "channel") -> torch.nn.Module:
-    """The fp32 HF model of ``src`` with every quantized linear's weight replaced by ``q * scale``."""
+def dequantized_reference(src: Path, strategy: str = "channel", loaded: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The fp32 HF model of ``src`` with every quantized linear's weight replaced by ``q * scale``, quantized from
+    the weights as a model of dtype ``loaded`` holds them (``--quantize fp8 --dtype bfloat16`` quantizes bf16
+    weights)."""
     from tests.helpers.tiny_models import load_reference
 
     model = load_reference(src)
     with torch.no_grad():
         for name in linear_names(src):
             linear = model.get_submodule(name)
-            q, scale = quantize(linear.weight, strategy)
+            q, scale = quantize(linear.weight.to(loaded), strategy)
             linear.weight.copy_(dequantize_fp8(q, scale, linear.weight.dtype))
     return model

@@ -151,6 +151,35 @@ def test_bf16_adapter_rows_decode_natively_as_close_to_peft_fp32_as_peft_bf16(fa
     _expect_as_close_as_hf("Llama+LoRA", tokens, ours, *refs, requests=(0, 2))
 
 
+@pytest.mark.parametrize("quantize", ["fp8", "gptq"])
+def test_quantized_weights_of_a_bf16_model_decode_natively(family_dir, tmp_path, monkeypatch, quantize) -> None:
+    """``--quantize fp8`` and GPTQ int8 under ``--dtype bfloat16``: the layers keep their codes (one copy, decoded
+    in the GEMM's tile into fp32) and run every decode step natively on the bf16 hidden state; prefills run the
+    native tile too. The logits meet the module docstring's criterion against HF on the dequantized weights (fp32
+    and bf16)."""
+    from tests.helpers.int_checkpoints import int_reference, write_int_checkpoint
+    from tests.helpers.quant_models import dequantized_reference
+    from tgi_paged_backend.runner.quant.linear import Fp8Linear, IntLinear
+
+    src = family_dir("Qwen2")  # biased q/k/v: the fusion check runs in the biases' bf16
+    if quantize == "fp8":
+        path, references = src, [dequantized_reference(src, loaded=torch.bfloat16) for _ in range(2)]
+    else:
+        ckpt = write_int_checkpoint(src, tmp_path / "gptq", "gptq", bits=8, group_size=-1, sym=True)
+        path, references = ckpt.path, [int_reference(src, ckpt) for _ in range(2)]
+    runner = _runner(path, quantize=quantize)
+    layers = [m for m in runner.model.modules() if isinstance(m, NativeDecoderLayer)]
+    assert len(layers) == 2 and all(m.weights.int8_columns is not None for m in layers), runner.native_layers
+    assert all(m.weights.fp8_codes == (quantize == "fp8") for m in layers)
+    assert not any(isinstance(m, (Fp8Linear, IntLinear)) for m in runner.model.modules())  # one copy of the codes
+    calls: list[torch.dtype] = []
+    real = native_layers.decode_layer
+    monkeypatch.setattr(native_layers, "decode_layer", lambda *a, **k: calls.append(a[2].dtype) or real(*a, **k))
+    tokens, ours = _generate(runner)
+    assert calls == [torch.bfloat16] * (2 * NEW_TOKENS)
+    _expect_as_close_as_hf(f"Qwen2 {quantize}", tokens, ours, references[0], references[1].bfloat16())
+
+
 def test_fp16_and_fp8_kv_keep_the_per_op_path(family_dir) -> None:
     path = family_dir("Llama")
     fp16 = ModelRunner(ModelConfig(model_id=str(path), dtype="float16"), CacheConfig(block_size=4))

@@ -364,9 +364,9 @@ class NativeLinear(nn.Module):
 
 
 class NativeInt8Linear(nn.Module):
-    """:class:`NativeLinear` of int8 codes (:func:`~tgi_paged_kernels.gemm_packed_int8`: dequantized in the tile),
-    the int8 layer's one copy of its weights; other inputs (compiled, not fp32) run ``F.linear`` on them
-    dequantized_int8."""
+    """:class:`NativeLinear` of int8 or fp8 codes (:func:`~tgi_paged_kernels.gemm_packed_int8`: dequantized in the
+    tile), the layer's one copy of its weights; a bf16 input is widened and the output rounded back (fp32 sums);
+    other inputs (compiled, fp16) run ``F.linear`` on them dequantized."""
 
     def __init__(self, packed: PackedInt8, bias: torch.Tensor | None, native: NativeKernels):
         super().__init__()
@@ -378,8 +378,8 @@ class NativeInt8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling() or x.dtype != torch.float32 or rows.stride(-1) != 1:
+        if torch.compiler.is_compiling() or x.dtype not in (torch.float32, torch.bfloat16) or rows.stride(-1) != 1:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, dequantized_int8(self.packed).to(x.dtype), bias)
-        out = gemm_packed_int8(self.native, rows, self.packed, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        out = gemm_packed_int8(self.native, rows.float(), self.packed, self.bias)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)

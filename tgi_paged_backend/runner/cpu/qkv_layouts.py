@@ -64,12 +64,11 @@ def stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
 
 def linear_input(linear: Any) -> tuple[int, torch.dtype, torch.device]:
     """``(in_features, dtype, device)`` of the input a projection takes (LoRA seen through): a plain linear's
-    weight's, an int or fp8 linear's fp32 (it dequantizes into the input's dtype; the CPU checks run fp32)."""
+    weight's; an int or fp8 linear dequantizes into the input's dtype: its bias's (a bf16 model's), else fp32."""
     base = lora_base(linear)
-    if isinstance(base, Fp8Linear):
-        return int(base.in_features), torch.float32, base.qweight.device
-    if isinstance(base, IntLinear):
-        return int(base.in_features), torch.float32, base.qweight.device
+    if isinstance(base, (Fp8Linear, IntLinear)):
+        dtype = torch.float32 if base.bias is None else base.bias.dtype
+        return int(base.in_features), dtype, base.qweight.device
     weight = cast(nn.Linear, base).weight
     return int(weight.shape[1]), weight.dtype, weight.device
 

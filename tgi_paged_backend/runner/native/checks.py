@@ -34,9 +34,10 @@ BF16_EPS = 2.0**-8
 """bf16's rounding unit (half an ulp at the top of a binade, relative): :func:`bf16_step_close`'s slack."""
 
 
-def projection_dtype(layer: nn.Module) -> torch.dtype | None:
-    """The dtype of the layer's matrices (its first 2-D parameter's), ``None`` when it has none."""
-    return next((p.dtype for p in layer.parameters() if p.dim() == 2), None)
+def layer_dtype(layer: nn.Module) -> torch.dtype | None:
+    """The dtype ``layer`` computes in: its first floating-point parameter's (a projection's weight; a quantized
+    layer's norm or bias, its codes being buffers), ``None`` when it has none."""
+    return next((p.dtype for p in layer.parameters() if p.is_floating_point()), None)
 
 
 @contextmanager

@@ -65,7 +65,7 @@ from tgi_paged_backend.runner.model.vlm_loading import text_model
 from tgi_paged_backend.runner.native.checks import (
     bf16_step,
     fp32_params,
-    projection_dtype,
+    layer_dtype,
     reproduces,
     reproduces_bf16,
 )
@@ -291,7 +291,7 @@ def _candidate(
     all-reduces as the identity; bf16: the description on the layer widened to fp32, then
     :func:`.checks.reproduces_bf16`), its verify and LoRA steps checked the same way (whole layers only), or why
     it keeps its Python path."""
-    bf16 = projection_dtype(child) == torch.bfloat16
+    bf16 = layer_dtype(child) == torch.bfloat16
     with fp32_params(child) if bf16 else nullcontext():
         weights = layer_weights(child)
         if isinstance(weights, str):
