@@ -117,10 +117,7 @@ class LayerStep:
             or block_tables.shape[0] < requests
             or seq_lens.numel() < requests
             or (query_start_loc is not None and (query_start_loc.dtype != torch.int32 or requests < 1))
-            or (
-                lora is not None
-                and (token_slots is None or token_slots.shape != (tokens,))
-            )
+            or (lora is not None and (token_slots is None or token_slots.shape != (tokens,)))
             or block_tables.dtype not in (torch.int32, torch.int64)
             or seq_lens.dtype not in (torch.int32, torch.int64)
         ):
@@ -181,15 +178,15 @@ def decode_layer_parts(
 ) -> torch.Tensor | None:
     """A tensor-parallel rank's decode step of its layer ``w`` (its slices, packed): :func:`.cpu_layer.decode_layer`
     with ``all_reduce`` summing the row-parallel projections' partial sums over the ranks (see the module
-    docstring; one call for a parallel block, two for a sequential one). ``None`` for inputs of another kind, and
-    for a form the parts do not run (an MoE MLP, a bf16 hidden state), before any all-reduce; every rank must get the
-    same answer."""
-    if w.form.experts or hidden.dtype != torch.float32:
+    docstring; one call for a parallel block, two for a sequential one), fp32 partial sums whatever ``hidden``'s
+    dtype (a bf16 one is widened once and rounded once, as the whole layer's). ``None`` for inputs of another kind,
+    and for a form the parts do not run (an MoE MLP), before any all-reduce; every rank must get the same answer."""
+    if w.form.experts:
         return None
     step = LayerStep.prepare(native, w, hidden, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens)
     if step is None:
         return None
-    partial = torch.empty_like(step.out)
+    partial = torch.empty(step.out.shape, dtype=torch.float32)
     step.run(1, partial)
     all_reduce(partial)
     if not w.form.parallel:

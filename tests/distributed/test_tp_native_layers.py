@@ -43,7 +43,7 @@ def test_tensor_parallel_ranks_decode_natively_token_exact(tmp_path: Path) -> No
         got = result[str(path)]
         expected = greedy_hf(load_reference(path), _prompts(), MAX_NEW, [EOS_ID], PAD_ID)
         assert got["tokens"] == expected, name
-        (layers0, steps0), (layers1, steps1) = got["native"]
+        (layers0, steps0, _), (layers1, steps1, _) = got["native"]
         assert layers0 == layers1 == LAYERS, (name, got["native"])
         # every decode step after the prefill, every layer, on both ranks alike
         assert steps0 == steps1 >= LAYERS * (MAX_NEW - 2), (name, got["native"])
@@ -56,5 +56,22 @@ def test_one_rank_failing_its_check_keeps_every_rank_per_op(tmp_path: Path) -> N
         extra_args=["--native-check-fails-on", "1"], timeout_s=300,
     )  # fmt: skip
     got = result[str(models["Llama"])]
-    assert got["native"] == [[0, 0], [0, 0]]  # rank 0's check passed, rank 1's did not: neither wraps
+    assert got["native"] == [[0, 0, 0], [0, 0, 0]]  # rank 0's check passed, rank 1's did not: neither wraps
     assert got["tokens"] == greedy_hf(load_reference(models["Llama"]), _prompts(), MAX_NEW, [EOS_ID], PAD_ID)
+
+
+def test_bf16_ranks_decode_natively(tmp_path: Path) -> None:
+    """``--dtype bfloat16`` under tensor parallelism: each rank's layers pass the bf16 check on their slices (the
+    all-reduces as the identity) and decode through the native parts on both ranks alike (the parts' numerics:
+    ``tests/kernels/test_cpu_layer_parts.py``)."""
+    models = _models(("Llama", "Phi"), tmp_path)
+    result = run_tp_workers(
+        list(models.values()), _prompts(), MAX_NEW, tmp_path / "bf16.json", extra_args=["--dtype", "bfloat16"],
+        timeout_s=600,
+    )  # fmt: skip
+    for name, path in models.items():
+        got = result[str(path)]
+        assert len(got["tokens"]) == len(_prompts()) and all(len(t) == MAX_NEW for t in got["tokens"]), name
+        (layers0, steps0, bf16_0), (layers1, steps1, bf16_1) = got["native"]
+        assert layers0 == layers1 == bf16_0 == bf16_1 == LAYERS, (name, got["native"])
+        assert steps0 == steps1 >= LAYERS * (MAX_NEW - 2), (name, got["native"])

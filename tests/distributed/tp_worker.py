@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument(
         "--quantize", default=None, help="--quantize of every model (fp8, compressed-tensors, gptq, awq)"
     )
+    parser.add_argument("--dtype", default=None, help="--dtype of every model (float32, bfloat16)")
     parser.add_argument(
         "--allow-refusal",
         action="store_true",
@@ -65,7 +66,10 @@ def main() -> None:
     for model in args.models:
         try:  # a refusal comes before any collective, the same on every rank
             runner = TensorParallelRunner(
-                ModelConfig(model_id=model, quantize=args.quantize), CacheConfig(block_size=8), "cpu", group
+                ModelConfig(model_id=model, quantize=args.quantize, **({"dtype": args.dtype} if args.dtype else {})),
+                CacheConfig(block_size=8),
+                "cpu",
+                group,
             )
         except ModelLoadError as err:
             if not args.allow_refusal:
@@ -75,7 +79,8 @@ def main() -> None:
         tokens = greedy_paged(runner, prompts, args.max_new, seed=args.rank)
         sizes = [runner.block_bytes, runner.spec.num_q_heads, runner.spec.num_kv_heads, runner.weights_bytes]
         native = [m for m in runner.model.modules() if isinstance(m, NativeDecoderLayer)]
-        counts = [len(native), sum(m.native_steps for m in native)]  # layers wrapped, native decode steps
+        bf16 = sum(m.weights.weight_dtype == torch.bfloat16 for m in native)
+        counts = [len(native), sum(m.native_steps for m in native), bf16]  # layers wrapped, native steps, bf16 ones
         result[model] = {
             "tokens": tokens,
             "sizes": group.all_gather_ints(sizes, "test"),

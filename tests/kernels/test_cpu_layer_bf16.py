@@ -38,7 +38,6 @@ from tgi_paged_kernels.cpu_gemm import (
 )
 from tgi_paged_kernels.cpu_layer import LayerWeights, decode_layer
 from tgi_paged_kernels.cpu_layer_ref import decode_layer_ref, gemm_packed_bf16_ref
-from tgi_paged_kernels.cpu_layer_step import LayerStep, decode_layer_parts
 
 SHAPES = [
     (1, 128, 256, False), (2, 101, 40, True), (6, 128, 256, False), (11, 64, 48, True), (20, 128, 256, True),
@@ -255,27 +254,3 @@ def test_bf16_lora_rows_match_the_reference(native) -> None:
         torch.testing.assert_close(pool.float(), ref.float(), rtol=BF16_ULP, atol=1e-4)
     base = decode_layer(native, w, x, cos, sin, k_pool.clone(), v_pool.clone(), slots, tables, seq_lens)
     assert base is not None and torch.equal(got[1], base[1]) and not torch.equal(got[0], base[0])
-
-
-def test_a_bf16_hidden_state_keeps_the_per_op_path_under_tp(native) -> None:
-    """What the merge of bf16 with tensor parallelism left per op: a rank's parts take an fp32 hidden state only
-    (``None``: the per-op path, before any all-reduce), and the library refuses a stage of a bf16 hidden state
-    (status 6) rather than run it."""
-    _, w, (hq, hkv, d, form) = _bf16_layer("Llama", hidden=LORA_HIDDEN, inter=LORA_INTER)
-    (k_pool, v_pool), tables, seq_lens, slots = _step([3, 9], 4, hkv, d, torch.int32)
-    k_pool, v_pool = k_pool.bfloat16(), v_pool.bfloat16()
-    x = torch.randn(2, LORA_HIDDEN).bfloat16()
-    cs = torch.rand(2, d).bfloat16()
-
-    def refuse(t: torch.Tensor) -> torch.Tensor:
-        raise AssertionError("no all-reduce for a step the parts do not run")
-
-    args = (native, w, x, cs, cs, k_pool, v_pool, slots, tables, seq_lens)
-    assert decode_layer_parts(*args, refuse) is None
-    step = LayerStep.prepare(*args)
-    assert step is not None  # the whole layer runs it: stage 0
-    with pytest.raises(ValueError, match="status 6"):
-        step.run(1, torch.zeros(2, LORA_HIDDEN))
-    fp32_step = LayerStep.prepare(native, w, x.float(), cs.float(), cs.float(), k_pool, v_pool, slots, tables, seq_lens)
-    assert fp32_step is not None  # an fp32 hidden state over bf16 weights runs the stages
-    fp32_step.run(1, torch.zeros(2, LORA_HIDDEN))

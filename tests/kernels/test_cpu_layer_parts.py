@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.kernels.test_cpu_layer import FORMS, _layer, _step
+from tests.kernels.test_cpu_layer_bf16 import BF16_ULP
 from tgi_paged_kernels.cpu_layer import LayerWeights
 from tgi_paged_kernels.cpu_layer_ref import decode_layer_ref
 from tgi_paged_kernels.cpu_layer_step import LayerStep, decode_layer_parts
@@ -68,19 +69,40 @@ def _shard(raw: dict, hq: int, hkv: int, d: int, inter: int, gated: bool, rank: 
      "OPT post-LN", "Falcon"],
 )  # fmt: skip
 def test_two_ranks_give_the_whole_layer(native, form_name) -> None:
+    _check_two_ranks(native, form_name, torch.float32)
+
+
+@pytest.mark.parametrize("form_name", ["Llama", "Gemma3", "Phi"])
+def test_two_bf16_ranks_give_the_whole_bf16_layer(native, form_name) -> None:
+    """A bf16 model's rank: bf16 weights, hidden state and pools; the partial sums and the residual stream between
+    the stages stay fp32 (widened once, rounded once), so each rank's output is the whole bf16 layer's to one bf16
+    rounding (sequential, sandwich norms, a parallel block)."""
+    _check_two_ranks(native, form_name, torch.bfloat16)
+
+
+def _check_two_ranks(native, form_name: str, dtype: torch.dtype) -> None:  # noqa: ANN001
     hq, hkv, d, form = FORMS[form_name]
     hidden, inter, block_size = 96, 160, 4
     raw, packed = _layer(hq, hkv, d, hidden, inter, form)
+    bf16 = dtype == torch.bfloat16
+    if bf16:  # the projections rounded to bf16 (a bf16 model's), packed in bf16
+        raw = {n: t.bfloat16().float() if n in ("qkv", "o", "gate_up", "down") else t for n, t in raw.items()}
+        packed = LayerWeights.pack(form, raw, num_q_heads=hq, num_kv_heads=hkv, head_dim=d).as_bf16()
     lengths = [1, 5, 17, 40, 3]
     (k_pool, v_pool), tables, seq_lens, slots = _step(lengths, block_size, hkv, d, torch.int64)
+    k_pool, v_pool = k_pool.to(dtype), v_pool.to(dtype)
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(len(lengths), hidden, generator=g)
+    x = torch.randn(len(lengths), hidden, generator=g).to(dtype)
     r = form.rotary_dim or d
-    cos, sin = torch.randn(len(lengths), r, generator=g), torch.randn(len(lengths), r, generator=g)
+    cos, sin = (torch.randn(len(lengths), r, generator=g).to(dtype) for _ in range(2))
     if form.rope == "none":
         cos = sin = None
     ref_k, ref_v = k_pool.clone(), v_pool.clone()
-    expected = decode_layer_ref(raw, packed, x, cos, sin, ref_k, ref_v, slots, tables, seq_lens)
+    rounds = bf16 and native.gemm_bf16_rounds_activations
+    expected = decode_layer_ref(
+        raw, packed, x, cos, sin, ref_k, ref_v, slots, tables, seq_lens, rounds_activations=rounds
+    )
+    tol = dict(rtol=BF16_ULP, atol=1e-4) if bf16 else dict(rtol=1e-4, atol=1e-4)
 
     local_kv = hkv // RANKS if hkv >= RANKS else 1
     heads = [slice(rank * local_kv, (rank + 1) * local_kv) if hkv >= RANKS else slice(0, 1) for rank in range(RANKS)]
@@ -93,6 +115,7 @@ def test_two_ranks_give_the_whole_layer(native, form_name) -> None:
         try:
             shard = _shard(raw, hq, hkv, d, inter, form.gated, rank)
             w = LayerWeights.pack(form, shard, num_q_heads=hq // RANKS, num_kv_heads=local_kv, head_dim=d)
+            w = w.as_bf16() if bf16 else w
             outputs[rank] = decode_layer_parts(
                 native, w, x, cos, sin, *pools[rank], slots, tables, seq_lens, reduce.for_rank(rank)
             )
@@ -108,9 +131,11 @@ def test_two_ranks_give_the_whole_layer(native, form_name) -> None:
     assert not errors, errors
     assert reduce.calls == [1 if form.parallel else 2] * RANKS  # a parallel block: one all-reduce for both blocks
     for rank in range(RANKS):
-        torch.testing.assert_close(outputs[rank], expected, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(pools[rank][0], ref_k[:, :, heads[rank]], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(pools[rank][1], ref_v[:, :, heads[rank]], rtol=1e-4, atol=1e-4)
+        got = outputs[rank]
+        assert got is not None and got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected.float(), **tol)
+        torch.testing.assert_close(pools[rank][0].float(), ref_k[:, :, heads[rank]].float(), **tol)
+        torch.testing.assert_close(pools[rank][1].float(), ref_v[:, :, heads[rank]].float(), **tol)
 
 
 def test_a_rank_with_an_moe_mlp_gets_none_before_any_all_reduce(native) -> None:

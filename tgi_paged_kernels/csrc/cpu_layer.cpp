@@ -192,7 +192,8 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
   float* partial = A.partial;
 #pragma omp parallel num_threads(num_threads)
   {
-    if (A.hidden_bf16) widen_inputs(A, H, S.rotary_dim);
+    // a bf16 step: widened at entry (a rank's stage 1; the fp32 copy in scratch carries h to stages 2 and 3)
+    if (A.hidden_bf16 && stage <= 1) widen_inputs(A, H, S.rotary_dim);
     const float* attn_x = A.hidden;
     if (stage <= 1 && S.attn_in) {
 #pragma omp for schedule(static)
@@ -310,7 +311,7 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
                      S.post_add);
       }
     }
-    if (A.hidden_bf16) {  // the step's output rounded to bf16, as a bf16 model's residual stream holds it
+    if (A.hidden_bf16 && (stage == 0 || stage == 3)) {  // the step's output rounded to bf16 once, at its end
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < T * H; ++i) A.hidden_bf16[i] = float_to_bf16(A.hidden[i]);
     }
@@ -338,7 +339,8 @@ extern "C" {
 //            MLP's partial sums of down to them (one all-reduce for both);
 //   stage 2 (sequential blocks): h += rs * n_ao(partial + b_o), then the MLP's partial sums of down to partial;
 //   stage 3: h += rs * n_mo(partial + b_down (+ b_o: parallel)).
-// Arguments as tgi_paged_decode_layer's (the same each stage), hidden updated by stages 2 and 3. No MoE MLP.
+// Arguments as tgi_paged_decode_layer's (the same each stage, scratch included), hidden updated by stages 2 and 3
+// (a bf16 hidden: widened by stage 1 into scratch, which carries it, rounded once by stage 3). No MoE MLP.
 int tgi_paged_decode_layer_stage(
     int stage, float* partial, const LayerSpec* spec, void* hidden, int64_t tokens, const void* cos,
     const void* sin, void* k_cache, void* v_cache, int64_t num_blocks, int64_t c_sblock, int64_t c_sslot,
@@ -350,8 +352,7 @@ int tgi_paged_decode_layer_stage(
                             S.w_scales[1] && S.w_scales[2] && S.w_scales[3];
   if (stage < 0 || stage > 3 || (stage && (!partial || S.experts > 0)) || (stage == 2 && S.parallel) ||
       S.weight_dtype < 0 || S.weight_dtype > 3 || (S.weight_dtype >= 2 && (!int8_columns || S.experts > 0)) ||
-      // a bf16 hidden state is the whole layer's only (a rank's stages keep the per-op path)
-      act_dtype < 0 || act_dtype > 1 || (stage && act_dtype) || kv_dtype < 0 || kv_dtype > 1 ||
+      act_dtype < 0 || act_dtype > 1 || kv_dtype < 0 || kv_dtype > 1 ||
       S.activation < 0 || S.activation > 3 || (S.experts > 0 && (!S.gated || !S.w_router || S.top_k < 1 ||
                                                                   S.top_k > S.experts || S.b_gate_up)) ||
       (S.shared_intermediate > 0 && (!S.experts || !S.w_shared_gate_up || !S.w_shared_down || !S.w_shared_gate)) || S.qk_norm < 0 || S.qk_norm > 2 ||
@@ -421,7 +422,7 @@ int tgi_paged_decode_layer_stage(
 // positions up to its own (block_tables and seq_lens per request, hidden and slot_mapping per row).
 // lora (null: none; stage 0 only): the LoRA deltas of the rows' adapters, added to the projections' outputs.
 // act_dtype 1: hidden and cos/sin are bf16 (a bf16 model's), widened at entry (scratch holds T * (H + 2R) more
-// floats for them, R = rotary_dim) and hidden rounded to bf16 at exit; 0: fp32 (stages take fp32 only).
+// floats for them, R = rotary_dim) and hidden rounded to bf16 at exit; 0: fp32.
 int tgi_paged_decode_layer(
     const LayerSpec* spec, void* hidden, int64_t tokens, const void* cos, const void* sin,
     void* k_cache, void* v_cache, int64_t num_blocks, int64_t c_sblock, int64_t c_sslot, int64_t c_shead,

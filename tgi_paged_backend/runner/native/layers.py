@@ -287,29 +287,25 @@ class NativeLayersReport:
 def _candidate(
     child: nn.Module, native: NativeKernels, block_size: int, kv_dtype: torch.dtype
 ) -> NativeDecoderLayer | str:
-    """``child`` wrapped, its step proven (fp32: :func:`.checks.reproduces`, a tensor-parallel rank's with the
-    all-reduces as the identity; bf16: the description on the layer widened to fp32, then
-    :func:`.checks.reproduces_bf16`), its verify and LoRA steps checked the same way (whole layers only), or why
-    it keeps its Python path."""
+    """``child`` wrapped, its step proven (fp32: :func:`.checks.reproduces`; bf16: the description on the layer
+    widened to fp32, then :func:`.checks.reproduces_bf16`; a tensor-parallel rank's with the all-reduces as the
+    identity), its verify and LoRA steps checked the same way (whole layers only), or why it keeps its Python
+    path."""
     bf16 = layer_dtype(child) == torch.bfloat16
     with fp32_params(child) if bf16 else nullcontext():
         weights = layer_weights(child)
         if isinstance(weights, str):
             return weights
         candidate = NativeDecoderLayer(child, weights, native)
-        if bf16 and candidate._all_reduce is not None:  # a rank's parts take an fp32 hidden state only
-            return "a bf16 layer under tensor parallelism runs per op"
+        rank = candidate._all_reduce is not None  # a rank's verify and LoRA steps: per op
         with local_sums(candidate):
             if not _proven(reproduces, child, candidate, block_size):
                 return "its decode step differs"
-        if candidate._all_reduce is not None:  # a rank's verify and LoRA steps: per op
-            candidate.lora = None
-            return candidate
-        _prove_features(candidate, lambda rows, lora: _proven(reproduces, child, candidate, block_size, rows, lora))
-        if not bf16:
-            return candidate
-        steps = [(1, False), (VERIFY_CHECK_ROWS, False), (1, True)]
-        exact = {s: bf16_step(child, candidate, block_size, torch.float32, torch.float32, *s) for s in steps}
+            _prove_features(candidate, lambda rows, lora: _proven(reproduces, child, candidate, block_size, rows, lora))
+            if not bf16:
+                return candidate
+            steps = [(1, False)] if rank else [(1, False), (VERIFY_CHECK_ROWS, False), (1, True)]
+            exact = {s: bf16_step(child, candidate, block_size, torch.float32, torch.float32, *s) for s in steps}
     try:
         bf16_candidate = NativeDecoderLayer(child, weights.as_bf16(), native)
     except ValueError as e:
@@ -319,11 +315,12 @@ def _candidate(
     def bf16_proof(rows: int, lora: bool) -> bool:
         return _proven(reproduces_bf16, child, bf16_candidate, block_size, kv_dtype, exact[rows, lora], rows, lora)
 
-    if not bf16_proof(1, False):
-        return "its bf16 decode step differs"
-    if candidate.lora is None:  # the fp32 description's LoRA step failed: so does the bf16 one
-        bf16_candidate.lora, bf16_candidate.lora_kept = None, candidate.lora_kept
-    _prove_features(bf16_candidate, bf16_proof, candidate.verify_steps)
+    with local_sums(bf16_candidate):
+        if not bf16_proof(1, False):
+            return "its bf16 decode step differs"
+        if candidate.lora is None:  # the fp32 description's LoRA step failed (or a rank's): so does the bf16 one
+            bf16_candidate.lora, bf16_candidate.lora_kept = None, candidate.lora_kept
+        _prove_features(bf16_candidate, bf16_proof, candidate.verify_steps)
     return bf16_candidate
 
 
@@ -333,7 +330,11 @@ VERIFY_CHECK_ROWS = 3
 
 def _prove_features(candidate: NativeDecoderLayer, proof: Callable[[int, bool], bool], verify: bool = True) -> None:
     """Check ``candidate``'s verify steps (``verify``: not already known to differ) and its LoRA steps (when it adds
-    adapters) with ``proof(rows, lora)``; each that fails keeps the per-op path."""
+    adapters) with ``proof(rows, lora)``; each that fails keeps the per-op path. A tensor-parallel rank's run per
+    op: its parts take one row per request and no adapters."""
+    if candidate._all_reduce is not None:
+        candidate.lora = None
+        return
     candidate.verify_steps = verify  # a verify step runs natively only while its check does, then if it passed
     candidate.verify_steps = verify and proof(VERIFY_CHECK_ROWS, False)
     if candidate.lora is not None and not proof(1, True):
