@@ -11,7 +11,7 @@ switched off (adapter rows on the per-op path, as before the deltas joined the n
 the others; ``--used`` picks the scenarios.
 
     .venv/bin/python examples/bench_lora.py [--requests 32] [--max-new 32] [--repeats 3] [--threads 2]
-        [--used 0,1,4,16] [--per-op] [--adapter-dtype float32|bfloat16]
+        [--used 0,1,4,16] [--per-op] [--adapter-dtype float32|bfloat16] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -154,20 +154,22 @@ def main() -> None:
         default="float32",
         help="dtype of the adapter files (bfloat16: they stay bf16 on the fp32 model, half the bytes)",
     )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's --dtype")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(describe(host_info(), "float32"))
+    print(describe(host_info(), args.dtype))
     model = ensure_smollm2(progress=False)
     dtype = getattr(torch, args.adapter_dtype)
     out = args.out if dtype == torch.float32 else args.out.with_name(f"{args.out.name}-{args.adapter_dtype}")
     adapters = write_adapters(model, out, NUM_ADAPTERS, dtype)
     knobs = {"TGI_PAGED_NUM_BLOCKS": "1024", "PREFIX_CACHING": "0"}
-    base = build_engine(build_config({"model_id": str(model)}, knobs))
+    served = {"model_id": str(model), "dtype": args.dtype}
+    base = build_engine(build_config(served, knobs))
     lora_list = ",".join(f"a{i:02d}={path}" for i, path in enumerate(adapters))
-    lora = build_engine(build_config({"model_id": str(model)}, {**knobs, "LORA_ADAPTERS": lora_list}))
+    lora = build_engine(build_config(served, {**knobs, "LORA_ADAPTERS": lora_list}))
     runner = lora.runner
     print(
-        f"{NUM_ADAPTERS} {args.adapter_dtype} adapters, rank {RANK}, 7 projections x {runner.spec.num_layers} layers: "
+        f"{args.dtype} model, {NUM_ADAPTERS} {args.adapter_dtype} adapters, rank {RANK}, 7 projections x {runner.spec.num_layers} layers: "
         f"{runner.lora_bytes / 2**20:.1f} MiB = {runner.lora_bytes / runner.block_bytes:.0f} KV blocks of "
         f"{runner.block_size} tokens ({runner.block_bytes / 2**10:.0f} KiB each, {runner.kv_dtype})"
     )

@@ -1,7 +1,8 @@
 """The CPU serving path of batched multi-LoRA: one native call per adapted layer and step (``csrc/cpu_lora.cpp``).
 
 Same contract as :func:`tgi_paged_kernels.lora.add_lora_triton` (layouts in :mod:`tgi_paged_kernels.lora`),
-for fp32 CPU tensors, plus ``ranks`` (int32 ``[S]``, each slot's own rank, so padded ranks cost nothing).
+for fp32 or bf16 CPU activations (a bf16 model's, added in fp32 and rounded once), plus ``ranks`` (int32 ``[S]``,
+each slot's own rank, so padded ranks cost nothing).
 ``b_stack`` ``[S, N, R]`` must be a transposed view of a contiguous ``[S, R, N]`` tensor (what
 :func:`cpu_b_stack` allocates): the expand then runs along ``N``, vectorized.
 Each row's delta is two dot-product loops in the row's order (no batching across rows), so a row gives
@@ -43,7 +44,8 @@ def add_lora_cpu(
 ) -> bool:
     """Add each row's adapter delta to ``out`` ``[T, N]`` in place; ``False`` (nothing done) unless every
     tensor is fp32 on the CPU with unit inner strides (A and B may be bf16 together: widened exactly) (the caller
-    then uses the torch path).
+    then uses the torch path). A bf16 model's ``out`` and ``x`` (both bf16) are widened in the kernel, each delta
+    added in fp32 and the sum rounded once, as the native decode layer adds them.
 
     Raises ``ValueError`` for a slot ``>= S`` or a rank above ``R`` (nothing is written then).
     """
@@ -51,7 +53,9 @@ def add_lora_cpu(
     stack_dtype = a_stack.dtype if b_stack.dtype == a_stack.dtype else None
     if (
         any(t.device.type != "cpu" for t in tensors)
-        or any(t.dtype != torch.float32 for t in (out, x, scales))
+        or out.dtype != x.dtype
+        or out.dtype not in STACK_DTYPES
+        or scales.dtype != torch.float32
         or stack_dtype not in STACK_DTYPES
         or a_stack.shape[1] > MAX_RANK
     ):
@@ -70,7 +74,7 @@ def add_lora_cpu(
         out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), slots.data_ptr(),
         out.shape[0], in_features, out.shape[1], a_stack.data_ptr(), b_stack.data_ptr(),
         num_slots, max_rank, scales.data_ptr(), ranks.data_ptr(), torch.get_num_threads(),
-        STACK_DTYPES.index(a_stack.dtype),
+        STACK_DTYPES.index(a_stack.dtype), STACK_DTYPES.index(out.dtype),
     )  # fmt: skip
     if status:
         raise ValueError(f"add_lora_cpu: a slot is >= {num_slots} or a rank exceeds {max_rank} (status {status})")

@@ -215,7 +215,7 @@ class NativeKernels:
             _ptr, _i64, _ptr, _i64, _ptr,  # out, stride, x, stride, slots
             _i64, _i64, _i64, _ptr, _ptr,  # rows, in, out features, A, B stacks
             _i64, _i64, _ptr, _ptr, _int,  # slots, max rank, scales, ranks, threads
-            _int,  # A's and B's dtype (0 fp32, 1 bf16)
+            _int, _int,  # A's and B's dtype, out's and x's (0 fp32, 1 bf16)
         )  # fmt: skip
         """Raw entry point of ``csrc/cpu_lora.cpp``; :func:`tgi_paged_kernels.lora.add_lora_cpu` wraps it."""
         self.greedy_pick = bind("tgi_paged_greedy_pick", _ptr, _i64, _i64, _i64, _ptr, _ptr, _int)

@@ -272,3 +272,21 @@ def test_cpu_native_lora_bf16_stacks_give_the_bits_of_fp32_stacks_of_their_value
     assert torch.equal(outs[0], outs[1])
     assert not torch.equal(outs[0], base)
     assert not add_lora_cpu(native, base.clone(), x, slots, a16, b, scales, ranks)  # A and B of two dtypes: torch's
+
+
+def test_cpu_native_lora_of_a_bf16_model_adds_in_fp32_and_rounds_once(native) -> None:
+    """A bf16 model's prefill rows: bf16 ``out`` and ``x`` (a column slice of the fused output included) with bf16
+    stacks; the result is the fp32 path's on the widened values, rounded once to bf16, in place."""
+    from tgi_paged_kernels.cpu_lora import add_lora_cpu
+
+    base, x, slots, a, b, scales, ranks = _cpu_case(5, [0, -1, 2, 1, 0], [8, 3, 5], out_f=16)
+    a16, b16 = a.bfloat16(), cpu_b_stack(3, 16, 8, torch.bfloat16)
+    b16.copy_(b)
+    x16, wide = x.bfloat16(), torch.randn(5, 40).bfloat16()
+    before = wide.clone()
+    assert add_lora_cpu(native, wide[:, 8:24], x16, slots, a16, b16, scales, ranks)
+    expected = before[:, 8:24].float()
+    assert add_lora_cpu(native, expected, x16.float(), slots, a16, b16, scales, ranks)
+    assert torch.equal(wide[:, 8:24], expected.bfloat16())
+    assert torch.equal(wide[:, :8], before[:, :8]) and torch.equal(wide[:, 24:], before[:, 24:])
+    assert torch.equal(wide[1, 8:24], before[1, 8:24])  # no adapter: untouched

@@ -28,7 +28,7 @@ from tgi_paged_backend.runner.cpu import fast_layers
 from tgi_paged_backend.runner.input_batch import RequestChunk, build_forward_batch
 from tgi_paged_backend.runner.model_runner import ModelRunner
 from tgi_paged_backend.runner.native import layers as native_layers
-from tgi_paged_backend.runner.native.checks import bf16_step_close, fp32_params
+from tgi_paged_backend.runner.native.checks import bf16_step_close, fp32_close, fp32_params
 from tgi_paged_backend.runner.native.layers import NativeDecoderLayer
 from tgi_paged_kernels.cpu_gemm import bf16_from_packed, pack_weight, set_bf16_amx, set_bf16_dot
 from tgi_paged_kernels.cpu_native import native_kernels
@@ -215,6 +215,17 @@ def test_fp32_params_round_trips_and_the_bf16_criterion() -> None:
     per_op = exact.bfloat16().float() + 0.01 * torch.randn(3, 64)
     assert bf16_step_close(exact.bfloat16(), per_op, exact)
     assert not bf16_step_close(exact.bfloat16() * 1.1, per_op, exact)
+
+
+def test_the_fp32_check_tolerance_scales_with_the_result() -> None:
+    """fp32 sums in another order differ by ~1e-5 of the result's scale, also on its small values; a wrong
+    description is off by a fraction of the scale."""
+    expected = torch.tensor([150.0, 0.01, -3.0])
+    assert fp32_close(expected, expected + torch.tensor([0.0, 1.4e-3, 0.0]))  # 1e-5 of the scale
+    assert not fp32_close(expected, expected + torch.tensor([0.0, 0.02, 0.0]))  # 1.3e-4 of the scale
+    assert not fp32_close(expected, expected * (1 + 1e-3))
+    small = torch.tensor([3.0, 0.01])  # a scale below 5 keeps the absolute 1e-4
+    assert fp32_close(small, small + 5e-5) and not fp32_close(small, small + 5e-4)
 
 
 def test_native_linear_bf16_rows_small_and_many() -> None:

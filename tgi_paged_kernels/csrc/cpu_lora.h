@@ -36,7 +36,8 @@ inline void lora_shrink_row(const float* x, const W* a, int rank, int64_t in_fea
   }
 }
 
-// out[n0 + i] += scale * sum_r xa[r] * Bt[r, n0 + i] for i < width <= kLoraChunk (Bt: [rank, out_features] in W).
+// out[i] += scale * sum_r xa[r] * Bt[r, n0 + i] for i < width <= kLoraChunk (Bt: [rank, out_features] in W; out:
+// the row's outputs from n0 on).
 template <typename W>
 inline void lora_expand_chunk(const float* xa, const W* bt, int rank, int64_t out_features, int64_t n0,
                               int64_t width, float scale, float* out) {
@@ -49,7 +50,7 @@ inline void lora_expand_chunk(const float* xa, const W* bt, int rank, int64_t ou
     for (int64_t i = 0; i < width; ++i) acc[i] += xr * lora_value(btr + i);
   }
 #pragma omp simd
-  for (int64_t i = 0; i < width; ++i) out[n0 + i] += acc[i] * scale;
+  for (int64_t i = 0; i < width; ++i) out[i] += acc[i] * scale;
 }
 
 // The adapters of one LoRA-wrapped projection of a decoder layer (or of one projection's columns in a fused

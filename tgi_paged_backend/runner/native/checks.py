@@ -31,7 +31,14 @@ if TYPE_CHECKING:
 
 
 BF16_EPS = 2.0**-8
-"""bf16's rounding unit (half an ulp at the top of a binade, relative): :func:`bf16_step_close`'s slack."""
+"""bf16's rounding unit (half an ulp at the top of a binade, relative)."""
+FP32_CHECK_TOLERANCE = 1e-4
+"""The fp32 check's tolerance, relative and absolute (:func:`fp32_close`)."""
+FP32_CHECK_SCALE_TOLERANCE = 2e-5
+"""The fp32 check's absolute tolerance in units of the result's largest magnitude, where that is larger: fp32 sums
+in another order differ by < 1e-6 of it on the tiny models and ~1e-5 on SmolLM2's layers of large activations
+(values ~150 over inner sums of ~500: 1.4e-3 on a small value); a wrong description differs by more (GeLU-tanh
+for GeLU: 1.2e-4 of it)."""
 
 
 def layer_dtype(layer: nn.Module) -> torch.dtype | None:
@@ -56,18 +63,20 @@ def fp32_params(module: nn.Module) -> Iterator[None]:
 
 def bf16_step_close(native: torch.Tensor, per_op: torch.Tensor, exact: torch.Tensor) -> bool:
     """Whether the native bf16 step's result is as close to the fp32 module's (``exact``, on the same bf16-valued
-    inputs and weights) as the module's own bf16 step is, within a factor two and one rounding:
-    ``max|native - exact| <= 2 max|per_op - exact| + 2^-8 max|exact|``.
+    inputs and weights) as the module's own bf16 step is, within a factor two and two roundings:
+    ``max|native - exact| <= 2 max|per_op - exact| + 2 * 2^-8 max|exact|``.
 
-    The native step sums in fp32 and rounds once (its GEMM may round activations to bf16 first); the module rounds
-    after every op: a right description lands well inside, a wrong packing or layout off by O(1)."""
+    The native step sums in fp32 and rounds once (its GEMM may round activations to bf16 first: a second rounding);
+    the module rounds after every op, and at a given element may land closer by luck (SmolLM2's layer 2, values
+    ~560: native one ulp off, per op 0.2): a right description lands well inside, a wrong packing or layout off by
+    O(1)."""
     if native.shape != per_op.shape or native.shape != exact.shape:
         return False
     exact = exact.float()
     scale = exact.abs().max().item() if exact.numel() else 0.0
     native_error = (native.float() - exact).abs().max().item() if exact.numel() else 0.0
     per_op_error = (per_op.float() - exact).abs().max().item() if exact.numel() else 0.0
-    return bool(native_error <= 2.0 * per_op_error + BF16_EPS * scale)
+    return bool(native_error <= 2.0 * per_op_error + 2.0 * BF16_EPS * scale)
 
 
 def check_lengths(block_size: int) -> tuple[int, ...]:
@@ -158,7 +167,15 @@ def reproduces(
     if wrapped.native_steps == steps:  # the step fell back to the per-op path: nothing proven
         return False
     pairs = [(_output(expected), _output(got)), *zip(ref_kv, kv)]
-    return all(a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in pairs)
+    return all(a.shape == b.shape and fp32_close(a, b) for a, b in pairs)
+
+
+def fp32_close(expected: torch.Tensor, got: torch.Tensor) -> bool:
+    """``got`` within :data:`FP32_CHECK_TOLERANCE` of ``expected`` (relative), and absolute the larger of it and
+    :data:`FP32_CHECK_SCALE_TOLERANCE` of ``max|expected|``."""
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    atol = max(FP32_CHECK_TOLERANCE, FP32_CHECK_SCALE_TOLERANCE * scale)
+    return torch.allclose(expected, got, rtol=FP32_CHECK_TOLERANCE, atol=atol)
 
 
 def bf16_step(
