@@ -332,6 +332,9 @@ def render_markdown(
         "`model.{embed_tokens, rotary_emb, norm, layers}` with `lm_head` (Llama, Mistral, Qwen2/3, Gemma, Granite,",
         "OLMo2, Phi-3, Cohere, StarCoder2, the MoE forms) also skip transformers' model loop on decode steps",
         "(`runner/native/direct.py`, a second Warmup proof; `tests/runner/test_native_direct.py`).",
+        "Under `--dtype bfloat16` the same layers are native (each checked against its module's bf16 step and the",
+        "fp32 module, `tests/runner/test_native_layers_bf16.py`), verify steps, adapter rows, int8/fp8 weights and",
+        "tensor-parallel ranks included, as in fp32.",
         f"transformers {transformers.__version__}.",
         "",
         "| family | architecture class | single-shard exact | preemption exact | speculation exact | TP=2 exact | "
