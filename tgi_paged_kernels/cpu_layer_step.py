@@ -180,8 +180,9 @@ def decode_layer_parts(
     with ``all_reduce`` summing the row-parallel projections' partial sums over the ranks (see the module
     docstring; one call for a parallel block, two for a sequential one), fp32 partial sums whatever ``hidden``'s
     dtype (a bf16 one is widened once and rounded once, as the whole layer's). ``None`` for inputs of another kind,
-    and for a form the parts do not run (an MoE MLP), before any all-reduce; every rank must get the same answer."""
-    if w.form.experts:
+    and for a form the parts do not run (an MoE MLP in a parallel block), before any all-reduce; every rank must get
+    the same answer. An MoE MLP: each rank's slice of every expert's intermediate (the router replicated)."""
+    if w.form.experts and w.form.parallel:
         return None
     step = LayerStep.prepare(native, w, hidden, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens)
     if step is None:

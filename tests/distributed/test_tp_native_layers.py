@@ -20,10 +20,11 @@ pytestmark = pytest.mark.skipif(native_kernels() is None, reason="no C++ compile
 
 MAX_NEW = 8
 LAYERS = 2
-FORMS = ("Llama", "Phi", "Gemma3")
+FORMS = ("Llama", "Phi", "Gemma3", "Mixtral", "Qwen2-MoE")
 """Two pre-norms (two all-reduces a layer); Phi's parallel block with LayerNorms, partial rotary and biases on o
 and the MLP (one all-reduce for both blocks, the replicated biases added once); Gemma 3's sandwich norms, q/k norms
-and a sliding and a full layer (the post-norms apply to the all-reduced sums)."""
+and a sliding and a full layer (the post-norms apply to the all-reduced sums); MoE MLPs (each rank its slice of
+every expert, the router replicated; Qwen2-MoE's shared expert sliced too)."""
 
 
 def _models(names: tuple[str, ...], workdir: Path) -> dict[str, Path]:

@@ -6,6 +6,7 @@ write each rank's KV heads to its pools."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -57,22 +58,33 @@ def _shard(raw: dict, hq: int, hkv: int, d: int, inter: int, gated: bool, rank: 
         else torch.arange(inter)[cols]
     )
     out = dict(raw)
-    out.update(qkv=raw["qkv"][rows], o=raw["o"][:, q], gate_up=raw["gate_up"][up_rows], down=raw["down"][:, cols])
+    out.update(qkv=raw["qkv"][rows], o=raw["o"][:, q])
     out.update(qkv_bias=None if raw["qkv_bias"] is None else raw["qkv_bias"][rows])
     out.update(gate_up_bias=raw["gate_up_bias"][up_rows])
+    if raw["router"] is None:
+        out.update(gate_up=raw["gate_up"][up_rows], down=raw["down"][:, cols])
+        return out
+    # MoE (slicing.py's _shard_moe): every expert's intermediate split, the router replicated; the shared expert's
+    # intermediate split the same way, its sigmoid gate replicated
+    out.update(gate_up=raw["gate_up"][:, up_rows], down=raw["down"][:, :, cols])
+    if raw["shared_gate_up"] is not None:
+        width = raw["shared_down"].shape[1]
+        shared = slice(rank * width // RANKS, (rank + 1) * width // RANKS)
+        shared_rows = torch.cat([torch.arange(width)[shared], width + torch.arange(width)[shared]])
+        out.update(shared_gate_up=raw["shared_gate_up"][shared_rows], shared_down=raw["shared_down"][:, shared])
     return out
 
 
 @pytest.mark.parametrize(
     "form_name",
     ["Llama", "Mistral+Qwen2", "Qwen3", "Gemma2", "Gemma3", "Granite", "Cohere", "Phi", "GPT-NeoX", "GPT-BigCode",
-     "OPT post-LN", "Falcon"],
+     "OPT post-LN", "Falcon", "Mixtral", "Qwen2-MoE"],
 )  # fmt: skip
 def test_two_ranks_give_the_whole_layer(native, form_name) -> None:
     _check_two_ranks(native, form_name, torch.float32)
 
 
-@pytest.mark.parametrize("form_name", ["Llama", "Gemma3", "Phi"])
+@pytest.mark.parametrize("form_name", ["Llama", "Gemma3", "Phi", "Mixtral"])
 def test_two_bf16_ranks_give_the_whole_bf16_layer(native, form_name) -> None:
     """A bf16 model's rank: bf16 weights, hidden state and pools; the partial sums and the residual stream between
     the stages stay fp32 (widened once, rounded once), so each rank's output is the whole bf16 layer's to one bf16
@@ -86,7 +98,8 @@ def _check_two_ranks(native, form_name: str, dtype: torch.dtype) -> None:  # noq
     raw, packed = _layer(hq, hkv, d, hidden, inter, form)
     bf16 = dtype == torch.bfloat16
     if bf16:  # the projections rounded to bf16 (a bf16 model's), packed in bf16
-        raw = {n: t.bfloat16().float() if n in ("qkv", "o", "gate_up", "down") else t for n, t in raw.items()}
+        projections = ("qkv", "o", "gate_up", "down", "router", "shared_gate_up", "shared_down", "shared_gate")
+        raw = {n: t.bfloat16().float() if n in projections and t is not None else t for n, t in raw.items()}
         packed = LayerWeights.pack(form, raw, num_q_heads=hq, num_kv_heads=hkv, head_dim=d).as_bf16()
     lengths = [1, 5, 17, 40, 3]
     (k_pool, v_pool), tables, seq_lens, slots = _step(lengths, block_size, hkv, d, torch.int64)
@@ -138,9 +151,11 @@ def _check_two_ranks(native, form_name: str, dtype: torch.dtype) -> None:  # noq
         torch.testing.assert_close(pools[rank][1].float(), ref_v[:, :, heads[rank]].float(), **tol)
 
 
-def test_a_rank_with_an_moe_mlp_gets_none_before_any_all_reduce(native) -> None:
+def test_a_parallel_block_with_an_moe_mlp_gets_none_before_any_all_reduce(native) -> None:
     hq, hkv, d, form = FORMS["Mixtral"]
-    _, packed = _layer(hq, hkv, d, 64, 96, form)
+    form = dataclasses.replace(form, parallel=True, mlp_in_norm=False)  # no family has one: the parts refuse it
+    raw, _ = _layer(hq, hkv, d, 64, 96, form)
+    packed = LayerWeights.pack(form, raw, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
     (k_pool, v_pool), tables, seq_lens, slots = _step([3, 9], 4, hkv, d, torch.int32)
     x, cs = torch.randn(2, 64), torch.rand(2, d)
 

@@ -292,8 +292,13 @@ int layer_impl(const LayerSpec& S, const StepArgs& A, DecodeArgs d, int num_thre
           for (int64_t i = 0; i < H; ++i) moe_out[t * H + i] = moe_out[t * H + i] + g * s_out[t * H + i];
         }
       }
-      add_residual(A.hidden, moe_out, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale, S.layer_norm,
-                   S.post_add);
+      if (stage) {  // a rank's share (its slice of every expert's intermediate, the routing replicated)
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * H; ++i) partial[i] = moe_out[i];
+      } else {
+        add_residual(A.hidden, moe_out, T, H, S.mlp_out, S.mlp_out_b, S.eps_mlp_out, S.residual_scale,
+                     S.layer_norm, S.post_add);
+      }
     } else {
       const int64_t n_gu = S.gated ? 2 * I : I;
       gemm_proj(S, kGateUp, mlp_x, H, T, H, S.w_gate_up, n_gu, S.b_gate_up, nullptr, 0, gate_up, n_gu);
@@ -340,7 +345,8 @@ extern "C" {
 //   stage 2 (sequential blocks): h += rs * n_ao(partial + b_o), then the MLP's partial sums of down to partial;
 //   stage 3: h += rs * n_mo(partial + b_down (+ b_o: parallel)).
 // Arguments as tgi_paged_decode_layer's (the same each stage, scratch included), hidden updated by stages 2 and 3
-// (a bf16 hidden: widened by stage 1 into scratch, which carries it, rounded once by stage 3). No MoE MLP.
+// (a bf16 hidden: widened by stage 1 into scratch, which carries it, rounded once by stage 3). An MoE MLP (of a
+// sequential block): stage 2's partial sums are the rank's experts' slices (and shared expert's), routed alike.
 int tgi_paged_decode_layer_stage(
     int stage, float* partial, const LayerSpec* spec, void* hidden, int64_t tokens, const void* cos,
     const void* sin, void* k_cache, void* v_cache, int64_t num_blocks, int64_t c_sblock, int64_t c_sslot,
@@ -350,7 +356,7 @@ int tgi_paged_decode_layer_stage(
   const LayerSpec& S = *spec;
   const bool int8_columns = S.w_zeros[0] && S.w_zeros[1] && S.w_zeros[2] && S.w_zeros[3] && S.w_scales[0] &&
                             S.w_scales[1] && S.w_scales[2] && S.w_scales[3];
-  if (stage < 0 || stage > 3 || (stage && (!partial || S.experts > 0)) || (stage == 2 && S.parallel) ||
+  if (stage < 0 || stage > 3 || (stage && (!partial || (S.experts > 0 && S.parallel))) || (stage == 2 && S.parallel) ||
       S.weight_dtype < 0 || S.weight_dtype > 3 || (S.weight_dtype >= 2 && (!int8_columns || S.experts > 0)) ||
       act_dtype < 0 || act_dtype > 1 || kv_dtype < 0 || kv_dtype > 1 ||
       S.activation < 0 || S.activation > 3 || (S.experts > 0 && (!S.gated || !S.w_router || S.top_k < 1 ||

@@ -27,6 +27,7 @@ from tgi_paged_backend.runner.cpu.fast_layers import outputs_close, rms_norm_eps
 from tgi_paged_backend.runner.cpu.fused_blocks import FusedGatedMLP, FusedPagedAttention
 from tgi_paged_backend.runner.cpu.moe_forms import MoeParts, moe_parts
 from tgi_paged_backend.runner.cpu.qkv_layouts import plain_linear
+from tgi_paged_backend.runner.parallel.fused_parts import ReducedOutput
 from tgi_paged_backend.runner.parallel.row_parallel import RowParallelLinear
 from tgi_paged_backend.runner.quant.linear import Fp8Linear, IntLinear
 from tgi_paged_kernels import LayerForm, LayerWeights, PackedInt8, pack_fp8, pack_int8, pack_int8_layer
@@ -103,8 +104,9 @@ def layer_places(layer: nn.Module) -> tuple[tuple[str | None, ...], bool, bool] 
 
 def layer_mlp(layer: nn.Module) -> Any:
     """A decoder layer's MLP: its ``mlp`` (MPT's ``ffn``), or the layer itself when it holds the projections (OPT's
-    fc1, fc2)."""
-    return getattr(layer, "mlp", None) or getattr(layer, "ffn", None) or (layer if mlp_parts(layer) else None)
+    fc1, fc2); a tensor-parallel rank's MoE block under its all-reduce (``ReducedOutput``), that block."""
+    mlp = getattr(layer, "mlp", None) or getattr(layer, "ffn", None) or (layer if mlp_parts(layer) else None)
+    return mlp.block if isinstance(mlp, ReducedOutput) else mlp
 
 
 def mlp_parts(mlp: Any) -> tuple[str, str, str] | None:
@@ -230,8 +232,11 @@ def layer_form(layer: nn.Module) -> tuple[LayerForm, dict[str, Any]] | str:
         qkv_w, o_w = qkv.weight, o.weight
     if isinstance(raw["gate_up"], PackedInt8) != isinstance(qkv_w, PackedInt8):
         return "its projections are not all fp32 or all int8 / fp8 of one scale per channel"
-    down_row_parallel = row_parallel_part(getattr(mlp, names[1]))[2] if names is not None and moe is None else None
-    if (o_row_parallel is None) != (down_row_parallel is None):  # a sharded MoE block: not a fused MLP here
+    if moe is None:
+        sharded_mlp = row_parallel_part(getattr(mlp, cast(tuple[str, str, str], names)[1]))[2] is not None
+    else:  # a rank's MoE block: its slice of every expert, the block's output all-reduced
+        sharded_mlp = isinstance(getattr(layer, "mlp", None), ReducedOutput)
+    if (o_row_parallel is not None) != sharded_mlp:
         return "one of its o and down projections is row-parallel, the other not"
     hidden, hq, hkv, d = int(o.out_features), attn.num_q_heads, attn.num_kv_heads, attn.head_dim
     raw.update(qkv=qkv_w, qkv_bias=qkv.bias, o=o_w, o_bias=o_bias)

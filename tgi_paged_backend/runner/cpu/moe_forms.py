@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tgi_paged_backend.runner.cpu.fast_layers import is_silu
+from tgi_paged_backend.runner.parallel.row_parallel import RowParallelLinear
 from tgi_paged_kernels import PACK_BLOCK, NativeKernels, gemm_packed, moe_experts
 
 
@@ -91,9 +92,12 @@ def moe_parts(mlp: Any) -> MoeParts | str:
 
 
 def _shared_expert(mlp: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, nn.Module] | str:
-    """The weights of Qwen2-MoE's shared expert (fused: one gate/up GEMM) and its one-row gate, or why not."""
+    """The weights of Qwen2-MoE's shared expert (fused: one gate/up GEMM) and its one-row gate, or why not. A
+    tensor-parallel rank's: its slice (down's columns under a row-parallel wrapper, summed with the block's output)."""
     expert, gate = mlp.shared_expert, getattr(mlp, "shared_expert_gate", None)
     gate_up, down = getattr(expert, "gate_up", None), getattr(expert, "down_proj", None)
+    if isinstance(down, RowParallelLinear) and down.bias is None:
+        down = down.local
     linears = (gate_up, down, gate)
     if not all(type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.float32 for m in linears):
         return "its shared expert is not a fused gated MLP of plain fp32 linears with a one-row gate"
