@@ -169,7 +169,8 @@ def main() -> None:
     lora = build_engine(build_config(served, {**knobs, "LORA_ADAPTERS": lora_list}))
     runner = lora.runner
     print(
-        f"{args.dtype} model, {NUM_ADAPTERS} {args.adapter_dtype} adapters, rank {RANK}, 7 projections x {runner.spec.num_layers} layers: "
+        f"{args.dtype} model, {NUM_ADAPTERS} {args.adapter_dtype} adapters, rank {RANK}, "
+        f"7 projections x {runner.spec.num_layers} layers: "
         f"{runner.lora_bytes / 2**20:.1f} MiB = {runner.lora_bytes / runner.block_bytes:.0f} KV blocks of "
         f"{runner.block_size} tokens ({runner.block_bytes / 2**10:.0f} KiB each, {runner.kv_dtype})"
     )

@@ -61,10 +61,10 @@ class LayerStack:
     ) -> torch.Tensor | None:
         """The stack's output for ``hidden`` ``[T, H]`` (a new tensor of its dtype): layer ``i`` on its pools
         ``k_caches[i]``/``v_caches[i]`` and its table ``block_tables[i]``, with ``loras[i]``'s deltas on the rows
-        whose ``token_slots`` entry is an adapter (fp32 only), the other arguments as :func:`.cpu_layer.decode_layer`'s
-        (one token per request, or with ``query_start_loc`` a verify step's rows). ``None`` for inputs of another
-        kind (the caller runs a call per layer); ``ValueError`` for a slot or block id outside the pool or a table
-        too narrow."""
+        whose ``token_slots`` entry is an adapter (added in fp32), the other arguments as
+        :func:`.cpu_layer.decode_layer`'s (one token per request, or with ``query_start_loc`` a verify step's rows).
+        ``None`` for inputs of another kind (the caller runs a call per layer); ``ValueError`` for a slot or block id
+        outside the pool or a table too narrow."""
         n = len(self.weights)
         if len(k_caches) != n or len(v_caches) != n or len(block_tables) != n:
             return None

@@ -50,7 +50,7 @@ def address(t: torch.Tensor | None) -> int | None:
 
 STEP_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """The hidden state's (with its RoPE tables') and the pools' dtypes the native step takes, as the C++ codes (a bf16
-hidden state: the whole layer only, without LoRA; a rank's parts and LoRA rows keep fp32)."""
+hidden state is widened at entry and rounded once at exit, a rank's parts included)."""
 
 
 def _rope_tables_fit(cos: torch.Tensor, sin: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> bool:

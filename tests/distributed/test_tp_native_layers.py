@@ -65,7 +65,7 @@ def test_bf16_ranks_decode_natively(tmp_path: Path) -> None:
     """``--dtype bfloat16`` under tensor parallelism: each rank's layers pass the bf16 check on their slices (the
     all-reduces as the identity) and decode through the native parts on both ranks alike (the parts' numerics:
     ``tests/kernels/test_cpu_layer_parts.py``)."""
-    models = _models(("Llama", "Phi"), tmp_path)
+    models = _models(("Llama", "Phi", "Mixtral", "Qwen2-MoE"), tmp_path)
     result = run_tp_workers(
         list(models.values()), _prompts(), MAX_NEW, tmp_path / "bf16.json", extra_args=["--dtype", "bfloat16"],
         timeout_s=600,

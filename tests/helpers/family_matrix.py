@@ -334,7 +334,7 @@ def render_markdown(
         "(`runner/native/direct.py`, a second Warmup proof; `tests/runner/test_native_direct.py`).",
         "Under `--dtype bfloat16` the same layers are native (each checked against its module's bf16 step and the",
         "fp32 module, `tests/runner/test_native_layers_bf16.py`), verify steps, adapter rows, int8/fp8 weights and",
-        "tensor-parallel ranks included, as in fp32.",
+        "tensor-parallel ranks included, as in fp32 (a rank's verify steps and adapter rows run per op).",
         f"transformers {transformers.__version__}.",
         "",
         "| family | architecture class | single-shard exact | preemption exact | speculation exact | TP=2 exact | "

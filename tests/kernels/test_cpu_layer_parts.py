@@ -84,7 +84,7 @@ def test_two_ranks_give_the_whole_layer(native, form_name) -> None:
     _check_two_ranks(native, form_name, torch.float32)
 
 
-@pytest.mark.parametrize("form_name", ["Llama", "Gemma3", "Phi", "Mixtral"])
+@pytest.mark.parametrize("form_name", ["Llama", "Gemma3", "Phi", "Mixtral", "Qwen2-MoE"])
 def test_two_bf16_ranks_give_the_whole_bf16_layer(native, form_name) -> None:
     """A bf16 model's rank: bf16 weights, hidden state and pools; the partial sums and the residual stream between
     the stages stay fp32 (widened once, rounded once), so each rank's output is the whole bf16 layer's to one bf16

@@ -96,7 +96,7 @@ def _shared_expert(mlp: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
     tensor-parallel rank's: its slice (down's columns under a row-parallel wrapper, summed with the block's output)."""
     expert, gate = mlp.shared_expert, getattr(mlp, "shared_expert_gate", None)
     gate_up, down = getattr(expert, "gate_up", None), getattr(expert, "down_proj", None)
-    if isinstance(down, RowParallelLinear) and down.bias is None:
+    if isinstance(down, RowParallelLinear) and down.bias is None and getattr(down, "reduced_with_block", False):
         down = down.local
     linears = (gate_up, down, gate)
     if not all(type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.float32 for m in linears):

@@ -171,11 +171,14 @@ def reproduces(
 
 
 def fp32_close(expected: torch.Tensor, got: torch.Tensor) -> bool:
-    """``got`` within :data:`FP32_CHECK_TOLERANCE` of ``expected`` (relative), and absolute the larger of it and
-    :data:`FP32_CHECK_SCALE_TOLERANCE` of ``max|expected|``."""
+    """``got`` within :data:`FP32_CHECK_TOLERANCE` of ``expected``, relative and absolute; where
+    :data:`FP32_CHECK_SCALE_TOLERANCE` of ``max|expected|`` is larger, within that at every element (no relative
+    term on top: the largest values are held to it too)."""
     scale = expected.abs().max().item() if expected.numel() else 0.0
-    atol = max(FP32_CHECK_TOLERANCE, FP32_CHECK_SCALE_TOLERANCE * scale)
-    return torch.allclose(expected, got, rtol=FP32_CHECK_TOLERANCE, atol=atol)
+    scaled = FP32_CHECK_SCALE_TOLERANCE * scale
+    if scaled <= FP32_CHECK_TOLERANCE:
+        return torch.allclose(expected, got, rtol=FP32_CHECK_TOLERANCE, atol=FP32_CHECK_TOLERANCE)
+    return torch.allclose(expected, got, rtol=0.0, atol=scaled)
 
 
 def bf16_step(

@@ -26,8 +26,10 @@ partial sums (:func:`tgi_paged_kernels.decode_layer_parts`: two all-reduces, one
 in Python through the row-parallel module's own all-reduce. Its prefills keep the row-parallel modules, their
 local linears native. Each rank checks its own slices with the all-reduces as the identity (no collective in the
 check), then the ranks agree (one all-gather): a layer is wrapped only where every rank's check passed, since a
-native rank and a per-op rank would make different all-reduces. An MoE block (sharded: its all-reduce wraps the
-block) or OLMo2's q/k norms over all heads (an all-reduce inside the norm) keep the per-op path under TP.
+native rank and a per-op rank would make different all-reduces. An MoE block (sharded: each rank its slice of
+every expert, the router replicated, the block's output all-reduced) takes the place of the MLP's down; OLMo2's
+q/k norms over all heads (an all-reduce inside the norm) keep the per-op path under TP, as do a rank's verify
+steps and adapter rows.
 
 Wrapped only after one decode step over scratch pools gives the original's output and K/V (to 1e-4: the
 GEMM sums in another order than oneDNN/MKL): a description that is wrong is never served. A bf16 layer's
@@ -151,7 +153,8 @@ class NativeDecoderLayer(nn.Module):
             if w.shared_gate_up is not None and w.shared_down is not None:  # Qwen2-MoE's (fused) shared expert
                 shared, width = mlp.shared_expert, w.shared_intermediate
                 native[(shared, "gate_up")] = NativeLinear(w.shared_gate_up, 2 * width, None, self.native, h)
-                native[(shared, "down_proj")] = NativeLinear(w.shared_down, h, None, self.native, width)
+                down_owner, down_name, _ = _computing(shared, "down_proj", None)  # a rank's: its local columns
+                native[(down_owner, down_name)] = NativeLinear(w.shared_down, h, None, self.native, width)
         else:
             up, down, _ = cast(tuple[str, str, str], mlp_parts(mlp))
             down_owner, down_name, down_bias = _computing(mlp, down, w.down_bias)
@@ -297,14 +300,15 @@ def _candidate(
         if isinstance(weights, str):
             return weights
         candidate = NativeDecoderLayer(child, weights, native)
-        rank = candidate._all_reduce is not None  # a rank's verify and LoRA steps: per op
         with local_sums(candidate):
             if not _proven(reproduces, child, candidate, block_size):
                 return "its decode step differs"
             _prove_features(candidate, lambda rows, lora: _proven(reproduces, child, candidate, block_size, rows, lora))
             if not bf16:
                 return candidate
-            steps = [(1, False)] if rank else [(1, False), (VERIFY_CHECK_ROWS, False), (1, True)]
+            steps = [(1, False)]
+            steps += [(VERIFY_CHECK_ROWS, False)] if candidate.verify_steps else []
+            steps += [(1, True)] if candidate.lora is not None else []
             exact = {s: bf16_step(child, candidate, block_size, torch.float32, torch.float32, *s) for s in steps}
     try:
         bf16_candidate = NativeDecoderLayer(child, weights.as_bf16(), native)

@@ -225,6 +225,7 @@ def _shard_moe(block: nn.Module, rank: int, world_size: int, all_reduce: AllRedu
         if down.bias is not None:
             raise ModelLoadError(f"tensor parallelism: {where}.shared_expert.down_proj has a bias: use --num-shard 1")
         shared.down_proj = row_parallel(down, rank, world_size, lambda t: t)  # reduced with the block's output
+        shared.down_proj.reduced_with_block = True  # what the native MoE step reads (runner/cpu/moe_forms.py)
     return ReducedOutput(block, all_reduce)
 
 
