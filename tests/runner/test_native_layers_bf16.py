@@ -151,8 +151,8 @@ def test_bf16_adapter_rows_decode_natively_as_close_to_peft_fp32_as_peft_bf16(fa
     _expect_as_close_as_hf("Llama+LoRA", tokens, ours, *refs, requests=(0, 2))
 
 
-@pytest.mark.parametrize("quantize", ["fp8", "gptq"])
-def test_quantized_weights_of_a_bf16_model_decode_natively(family_dir, tmp_path, monkeypatch, quantize) -> None:
+@pytest.mark.parametrize(("name", "quantize"), [("Qwen2", "fp8"), ("Qwen2", "gptq"), ("Llama", "fp8")])
+def test_quantized_weights_of_a_bf16_model_decode_natively(family_dir, tmp_path, monkeypatch, name, quantize) -> None:
     """``--quantize fp8`` and GPTQ int8 under ``--dtype bfloat16``: the layers keep their codes (one copy, decoded
     in the GEMM's tile into fp32) and run every decode step natively on the bf16 hidden state; prefills run the
     native tile too. The logits meet the module docstring's criterion against HF on the dequantized weights (fp32
@@ -161,7 +161,7 @@ def test_quantized_weights_of_a_bf16_model_decode_natively(family_dir, tmp_path,
     from tests.helpers.quant_models import dequantized_reference
     from tgi_paged_backend.runner.quant.linear import Fp8Linear, IntLinear
 
-    src = family_dir("Qwen2")  # biased q/k/v: the fusion check runs in the biases' bf16
+    src = family_dir(name)  # Qwen2's biased q/k/v, Llama's none: the fusion checks run in bf16 either way
     if quantize == "fp8":
         path, references = src, [dequantized_reference(src, loaded=torch.bfloat16) for _ in range(2)]
     else:
@@ -177,7 +177,7 @@ def test_quantized_weights_of_a_bf16_model_decode_natively(family_dir, tmp_path,
     monkeypatch.setattr(native_layers, "decode_layer", lambda *a, **k: calls.append(a[2].dtype) or real(*a, **k))
     tokens, ours = _generate(runner)
     assert calls == [torch.bfloat16] * (2 * NEW_TOKENS)
-    _expect_as_close_as_hf(f"Qwen2 {quantize}", tokens, ours, references[0], references[1].bfloat16())
+    _expect_as_close_as_hf(f"{name} {quantize}", tokens, ours, references[0], references[1].bfloat16())
 
 
 def test_fp16_and_fp8_kv_keep_the_per_op_path(family_dir) -> None:

@@ -304,12 +304,12 @@ class FusionReport:
     """Class names of candidates that did not reproduce their original (left as they are)."""
 
 
-def _fused_mlp(mlp: nn.Module) -> FusedGatedMLP | None:
+def _fused_mlp(mlp: nn.Module, model_dtype: torch.dtype) -> FusedGatedMLP | None:
     """The fused form of ``mlp`` if it reproduces it on a random input, else ``None`` (also on any error: a
     forward of another signature keeps its module)."""
     fused = FusedGatedMLP(mlp)
     try:
-        return fused if same_output(mlp, fused, *linear_input(fused.gate_up)) else None
+        return fused if same_output(mlp, fused, *linear_input(fused.gate_up, model_dtype)) else None
     except Exception as e:  # noqa: BLE001 - any failure means: keep the original
         logger.debug("MLP {} not fused: {}: {}", type(mlp).__name__, type(e).__name__, e)
         return None
@@ -327,7 +327,9 @@ def _scratch_metadata(
     return PagedAttentionMetadata(batch.to(device), [pools[0]] * layers, [pools[1]] * layers, seen_options=[])
 
 
-def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) -> FusedPagedAttention | None:
+def _fused_attention(
+    attn: nn.Module, block_size: int, kv_dtype: torch.dtype, model_dtype: torch.dtype
+) -> FusedPagedAttention | None:
     """The fused form of ``attn`` if it reproduces it: the original runs once on a random prompt (random
     cos/sin) through the paged attention over scratch pools, recording the options it passes; the fused
     module is built with exactly those and must give the same output. ``None`` otherwise (or on any error:
@@ -335,7 +337,7 @@ def _fused_attention(attn: nn.Module, block_size: int, kv_dtype: torch.dtype) ->
     layout = qkv_layout(attn)
     if layout is None:
         return None
-    width, dtype, device = linear_input(layout.projection)
+    width, dtype, device = linear_input(layout.projection, model_dtype)
     geometry = (layout.num_kv_heads, layout.head_dim)
     tries = ROPE_TRIES.get(type(attn).__name__, ("neox",))
     table = rope_table_width(tries[0], _rotary_dim(attn))
@@ -369,16 +371,17 @@ def fuse_blocks(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> Fus
     """Replace gated MLPs and Llama-form attentions of ``model`` in place (see the module docstring);
     the attention check runs over scratch pools of ``block_size`` and ``kv_dtype``."""
     linearize_conv1d(model)  # GPT-2's Conv1D projections as the nn.Linear they are (weights transposed once)
+    model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     mlps = attentions = 0
     kept: set[str] = set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             candidate: nn.Module | None
             if _gated_mlp(child):
-                candidate = _fused_mlp(child)
+                candidate = _fused_mlp(child, model_dtype)
                 mlps += candidate is not None
             elif type(child).__name__ in LLAMA_FORM_ATTENTION:
-                candidate = _fused_attention(child, block_size, kv_dtype)
+                candidate = _fused_attention(child, block_size, kv_dtype, model_dtype)
                 attentions += candidate is not None
             else:
                 continue

@@ -62,12 +62,13 @@ def stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
-def linear_input(linear: Any) -> tuple[int, torch.dtype, torch.device]:
+def linear_input(linear: Any, model_dtype: torch.dtype = torch.float32) -> tuple[int, torch.dtype, torch.device]:
     """``(in_features, dtype, device)`` of the input a projection takes (LoRA seen through): a plain linear's
-    weight's; an int or fp8 linear dequantizes into the input's dtype: its bias's (a bf16 model's), else fp32."""
+    weight's; an int or fp8 linear dequantizes into the input's dtype: its bias's, else ``model_dtype`` (the
+    dtype the model computes in)."""
     base = lora_base(linear)
     if isinstance(base, (Fp8Linear, IntLinear)):
-        dtype = torch.float32 if base.bias is None else base.bias.dtype
+        dtype = model_dtype if base.bias is None else base.bias.dtype
         return int(base.in_features), dtype, base.qweight.device
     weight = cast(nn.Linear, base).weight
     return int(weight.shape[1]), weight.dtype, weight.device
