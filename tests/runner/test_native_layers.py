@@ -291,3 +291,42 @@ def test_config_variants_are_served_as_transformers_computes_them(tmp_path, monk
     for got, want in zip(served, reference):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert torch.equal(got.argmax(dim=-1), want.argmax(dim=-1))
+
+
+class _Scaled(torch.nn.Module):
+    """A projection whose output is 1 % off: what a native linear reading its weights wrongly would give."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 1.01
+
+
+@pytest.mark.parametrize(("name", "options"), [("Llama", {}), ("Qwen2", {"quantize": "fp8"})])
+def test_native_projections_that_change_a_prefill_are_never_served(family_dir, monkeypatch, name, options) -> None:
+    """The modules prefills run after the swap (``own_projections``: native linears over the packed weights) are
+    checked on a prefill against the module's own: a wrong one (the fused q/k/v 1 % off; fp8 bytes read as int8, the
+    bug the decode check could not see) keeps every layer on the Python path, the original projections put back."""
+    from tgi_paged_kernels import PackedInt8
+
+    real = NativeDecoderLayer._linear
+
+    def wrong(self, index, width, bias, in_features):
+        if options:  # the fp8 flag dropped: the tile decodes e4m3 bytes as int8 codes
+            zeros, scales = self.weights.int8_columns[2 * index : 2 * index + 2]
+            packed = PackedInt8((self.weights.qkv, self.weights.o, self.weights.gate_up, self.weights.down)[index],
+                                zeros, scales, width, fp8=False)  # fmt: skip
+            return native_layers.NativeInt8Linear(packed, bias, self.native)
+        linear = real(self, index, width, bias, in_features)
+        return _Scaled(linear) if index == 0 else linear
+
+    monkeypatch.setattr(NativeDecoderLayer, "_linear", wrong)
+    runner = _runner(family_dir(name), **options)
+    assert runner.native_layers is not None and runner.native_layers.wrapped == 0, runner.native_layers
+    assert any("prefill through the native projections differs" in k for k in runner.native_layers.kept)
+    kinds = {type(m).__name__ for m in runner.model.modules()}
+    assert not kinds & {"_Scaled", "NativeInt8Linear", "NativeDecoderLayer"}, kinds  # the originals are back
+    monkeypatch.setattr(NativeDecoderLayer, "_linear", real)
+    assert _runner(family_dir(name), **options).native_layers.wrapped == 2  # the right projections pass

@@ -1,7 +1,8 @@
 """The load-time check of :mod:`.layers` (:func:`~.layers.wrap_native_layers`): random decode and
 verify steps over scratch pools (:func:`check_metadata`), a layer called on one as the model calls it
 (:func:`call_as_model`), and what a bf16 layer's check needs: the layer run in fp32 for a while, and the bf16
-step's tolerance.
+step's tolerance. Then the native projections that prefills run (:func:`own_proven`: a prefill before and after
+the swap).
 
 A bf16 layer is proven in two steps. First its description, on the layer in fp32 (:func:`fp32_params`: every
 bf16 parameter and buffer widened in place, which is exact, and narrowed back after, which gives the same bits):
@@ -19,11 +20,13 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
+from loguru import logger
 from torch import nn
 
 from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMetadata
 from tgi_paged_backend.runner.cpu.fused_blocks import rope_table_width
 from tgi_paged_backend.runner.input_batch import build_forward_batch, on_consecutive_blocks
+from tgi_paged_backend.runner.parallel.row_parallel import local_sums
 from tgi_paged_kernels import LayerWeights
 
 if TYPE_CHECKING:
@@ -50,7 +53,8 @@ def layer_dtype(layer: nn.Module) -> torch.dtype | None:
 @contextmanager
 def fp32_params(module: nn.Module) -> Iterator[None]:
     """``module``'s bf16 parameters and buffers widened to fp32 in place while the block runs, narrowed back
-    after (bf16 -> fp32 -> bf16 is exact); tensors of other dtypes untouched."""
+    after (bf16 -> fp32 -> bf16 is exact); tensors of other dtypes untouched. Each gets new storage both ways:
+    what holds their addresses (a :class:`~tgi_paged_kernels.LayerLora`) is built after the block, not before."""
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.dtype == torch.bfloat16]
     for t in tensors:
         t.data = t.data.float()
@@ -214,6 +218,62 @@ def reproduces_bf16(
     if wrapped.native_steps == steps:
         return False
     return all(bf16_step_close(*triple) for triple in zip(native, per_op, exact))
+
+
+def prefill_output(
+    layer: nn.Module,
+    wrapped: NativeDecoderLayer,
+    block_size: int,
+    bf16_values: bool,
+    dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``layer``'s output on a prefill of two whole prompts (across blocks) over fresh pools, inputs in ``dtype``
+    (rounded to bf16 first for a bf16 model's check): :func:`own_proven`'s step."""
+    w = wrapped.weights
+    lengths = (block_size + 3, 3 * block_size + 5)
+    chunks, blocks = on_consecutive_blocks([([0] * n, 0) for n in lengths], block_size)
+    generator = torch.Generator().manual_seed(2)
+    table = rope_table_width(wrapped.rope, w.form.rotary_dim or w.head_dim)
+    widths = (w.hidden_size, table, table)
+    inputs = [torch.randn(1, sum(lengths), width, generator=generator) for width in widths]
+    x, cos, sin = (t.bfloat16().to(dtype) if bf16_values else t for t in inputs)
+    pools = [torch.zeros(blocks, block_size, w.num_kv_heads, w.head_dim, dtype=kv_dtype) for _ in range(2)]
+    layers = wrapped.layer_idx + 1
+    meta = PagedAttentionMetadata(build_forward_batch(chunks, block_size), [pools[0]] * layers, [pools[1]] * layers)
+    with torch.inference_mode():
+        return _output(call_as_model(layer, wrapped, x, (cos, sin), meta))
+
+
+def own_proven(
+    child: nn.Module,
+    candidate: NativeDecoderLayer,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    exact: torch.Tensor | None = None,
+) -> NativeDecoderLayer | str:
+    """``candidate`` with its projections swapped for the native ones
+    (:meth:`~.layers.NativeDecoderLayer.own_projections`) where a prefill through them (prefills, chunks and
+    recompute run them) gives the module's own: fp32 as :func:`fp32_close`; bf16 as close to the fp32 module's as
+    the module's own bf16 prefill is (``exact``: the fp32 module's, :func:`prefill_output` on bf16 values, taken
+    under :func:`fp32_params` before the bf16 candidate was built; :func:`bf16_step_close`: the module's
+    projections may round weights to bf16, ours dequantize int8/fp8 codes into fp32). Else why not (the originals
+    put back). A projection that reads its weights wrongly is off by O(1)."""
+    bf16 = exact is not None
+    with local_sums(candidate):
+        try:
+            dtype = torch.bfloat16 if bf16 else torch.float32
+            before = prefill_output(child, candidate, block_size, bf16, dtype, kv_dtype)
+            candidate.own_projections()
+            after = prefill_output(child, candidate, block_size, bf16, dtype, kv_dtype)
+            same = bf16_step_close(after, before, exact) if exact is not None else fp32_close(before, after)
+        except Exception as e:  # noqa: BLE001 - any failure means: keep the Python path
+            logger.debug("layer {} projections kept: {}: {}", type(child).__name__, type(e).__name__, e)
+            same = False
+    if not same:
+        candidate.restore_projections()
+        return "its prefill through the native projections differs"
+    return candidate
 
 
 def _output(returned: Any) -> torch.Tensor:

@@ -68,6 +68,8 @@ from tgi_paged_backend.runner.native.checks import (
     bf16_step,
     fp32_params,
     layer_dtype,
+    own_proven,
+    prefill_output,
     reproduces,
     reproduces_bf16,
 )
@@ -125,6 +127,8 @@ class NativeDecoderLayer(nn.Module):
         """The layer list's stack (:mod:`.stack`) when every layer in it is native; :attr:`stack_index` this
         layer's place in it."""
         self.stack_index = 0
+        self._replaced: list[tuple[nn.Module, str, nn.Module]] = []
+        """What :meth:`own_projections` replaced: ``(owner, name, original)``."""
         self.as_tuple = False
         """transformers before 4.54 returns ``(hidden,)`` from a decoder layer, later versions the tensor: set
         by the load-time check (:func:`.checks.reproduces`) from what the wrapped layer returns."""
@@ -136,7 +140,8 @@ class NativeDecoderLayer(nn.Module):
 
     def own_projections(self) -> None:
         """Make the packed weights the only copy: the wrapped layer's four projections become
-        :class:`NativeLinear` views of them (prefills then run the native GEMM too)."""
+        :class:`NativeLinear` views of them (prefills then run the native GEMM too); :meth:`restore_projections`
+        puts the originals back."""
         attn, mlp, w = cast(FusedPagedAttention, layer_attention(self.layer)), layer_mlp(self.layer), self.weights
         qkv_width = (w.num_q_heads + 2 * w.num_kv_heads) * w.head_dim
         h, q_width = w.hidden_size, w.num_q_heads * w.head_dim
@@ -163,7 +168,14 @@ class NativeDecoderLayer(nn.Module):
         for (owner, name), linear in native.items():  # under any LoRA wrappers, which stay
             if isinstance(linear, NativeLinear) and w.weight_dtype == torch.bfloat16:  # prefills: torch's bf16 GEMM
                 linear.keep_dense(cast(nn.Linear, lora_base(getattr(owner, name))))
+            self._replaced.append((owner, name, getattr(owner, name)))
             setattr(owner, name, replace_lora_base(getattr(owner, name), linear))
+
+    def restore_projections(self) -> None:
+        """Undo :meth:`own_projections` (its check failed, or another rank's did)."""
+        for owner, name, original in reversed(self._replaced):
+            setattr(owner, name, original)
+        self._replaced.clear()
 
     def _linear(self, index: int, width: int, bias: torch.Tensor | None, in_features: int) -> nn.Module:
         """The module of projection ``index`` (qkv, o, gate_up, down) over its packed weight (fp32, bf16, int8, fp8)."""
@@ -305,7 +317,11 @@ def _candidate(
                 return "its decode step differs"
             _prove_features(candidate, lambda rows, lora: _proven(reproduces, child, candidate, block_size, rows, lora))
             if not bf16:
-                return candidate
+                return own_proven(child, candidate, block_size, kv_dtype)
+            try:
+                exact_prefill = prefill_output(child, candidate, block_size, True)
+            except Exception as e:  # noqa: BLE001 - any failure means: keep the Python path
+                return f"its fp32 prefill failed ({type(e).__name__})"
             steps = [(1, False)]
             steps += [(VERIFY_CHECK_ROWS, False)] if candidate.verify_steps else []
             steps += [(1, True)] if candidate.lora is not None else []
@@ -325,7 +341,7 @@ def _candidate(
         if candidate.lora is None:  # the fp32 description's LoRA step failed (or a rank's): so does the bf16 one
             bf16_candidate.lora, bf16_candidate.lora_kept = None, candidate.lora_kept
         _prove_features(bf16_candidate, bf16_proof, candidate.verify_steps)
-    return bf16_candidate
+    return own_proven(child, bf16_candidate, block_size, kv_dtype, exact_prefill)
 
 
 VERIFY_CHECK_ROWS = 3
@@ -392,11 +408,11 @@ def wrap_native_layers(
             parent, name, passed = candidates[i]
             if passed is not None and not agreed:
                 kept.add(f"{type(passed.layer).__name__}: another rank's check failed")
+                passed.restore_projections()
                 candidates[i] = (parent, name, None)
     wrapped = 0
     for parent, name, passed in candidates:
         if passed is not None:
-            passed.own_projections()
             setattr(parent, name, passed)
             wrapped += 1
     stacks, stack_kept = _stacks({parent for parent, _, passed in candidates if passed is not None}, native)
