@@ -8,7 +8,7 @@ through each, a step of each in turn for ``--steps`` rounds, and rank 0 prints m
 the host's CPU and load, and how many layers decoded natively.
 
     .venv/bin/python examples/bench_tp_forward.py [--model hostbound|smollm2|DIR] [--rows 20] [--threads 1]
-        [--steps 20]
+        [--steps 20] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def rank_main(args: argparse.Namespace) -> None:
     step = random_decode_step(args.rows, BLOCK_SIZE)
     runners = {}
     for variant in VARIANTS:
-        config = ModelConfig(model_id=args.model, native_layers=variant == "default")
+        config = ModelConfig(model_id=args.model, native_layers=variant == "default", dtype=args.dtype)
         runners[variant] = TensorParallelRunner(config, CacheConfig(block_size=BLOCK_SIZE), "cpu", group)
         runners[variant].allocate_kv_cache(step.num_blocks)
         for _ in range(3):
@@ -72,9 +72,10 @@ def rank_main(args: argparse.Namespace) -> None:
     native = [m for m in runners["default"].model.modules() if isinstance(m, NativeDecoderLayer)]
     counts = group.all_gather_ints([len(native), sum(m.native_steps for m in native)], "bench")
     if args.rank == 0:
-        print(describe(host_info(), "float32"), f"load average {os.getloadavg()[0]:.2f}")
+        print(describe(host_info(), args.dtype), f"load average {os.getloadavg()[0]:.2f}")
         print(
-            f"decode step, {args.rows} rows, {Path(args.model).name}, tensor parallel {WORLD_SIZE} (gloo), "
+            f"decode step, {args.rows} rows, {Path(args.model).name} {args.dtype}, tensor parallel {WORLD_SIZE} "
+            "(gloo), "
             f"{args.threads} thread(s) per rank, {args.steps} steps each, alternated; native layers "
             f"(layers, steps) per rank: {counts}"
         )
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="threads per rank")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's --dtype")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -99,6 +101,7 @@ def main() -> None:
         return
     model, port = _model_dir(args.model), free_port()
     common = ["--model", model, "--rows", str(args.rows), "--threads", str(args.threads), "--steps", str(args.steps)]
+    common += ["--dtype", args.dtype]
     procs = [
         subprocess.Popen([sys.executable, __file__, *common, "--rank", str(rank), "--port", str(port)])
         for rank in range(WORLD_SIZE)
