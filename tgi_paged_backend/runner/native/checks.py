@@ -6,7 +6,8 @@ the swap).
 
 A bf16 layer is proven in two steps. First its description, on the layer in fp32 (:func:`fp32_params`: every
 bf16 parameter and buffer widened in place, which is exact, and narrowed back after, which gives the same bits):
-the native step on fp32-packed weights must give the module's output and K/V to 1e-4, as for an fp32 model.
+the native step on fp32-packed weights must give the module's output and K/V within :func:`fp32_close`, as for an
+fp32 model.
 Then the bf16 step (bf16-packed weights, bf16 hidden state, pools of the KV dtype) against the module's own
 bf16 step, on the same bf16-valued inputs, both measured from the fp32 module's output on them
 (:func:`bf16_step_close`).
@@ -162,7 +163,7 @@ def check_step(
 def reproduces(
     layer: nn.Module, wrapped: NativeDecoderLayer, block_size: int, rows: int = 1, lora: bool = False
 ) -> bool:
-    """Whether ``wrapped`` gives ``layer``'s output and K/V to 1e-4 on one random fp32 check step
+    """Whether ``wrapped`` gives ``layer``'s output and K/V (:func:`fp32_close`) on one random fp32 check step
     (:func:`check_step`) that it ran natively (it learns there whether the layer returns a tuple)."""
     expected, *ref_kv = check_step(layer, wrapped, block_size, rows, lora)
     wrapped.as_tuple = isinstance(expected, tuple)

@@ -31,8 +31,10 @@ every expert, the router replicated, the block's output all-reduced) takes the p
 q/k norms over all heads (an all-reduce inside the norm) keep the per-op path under TP, as do a rank's verify
 steps and adapter rows.
 
-Wrapped only after one decode step over scratch pools gives the original's output and K/V (to 1e-4: the
-GEMM sums in another order than oneDNN/MKL): a description that is wrong is never served. A bf16 layer's
+Wrapped only after one decode step over scratch pools gives the original's output and K/V (to 1e-4, or 2e-5 of the
+result's scale where that is larger: the GEMM sums in another order than oneDNN/MKL; :func:`.checks.fp32_close`),
+and a prefill through the native projections gives the original's (:func:`.checks.own_proven`): a description that
+is wrong is never served. A bf16 layer's
 description is proven so on the layer widened to fp32, then its bf16 step (weights packed in bf16, fp32
 arithmetic, bf16 hidden state) is checked against the module's bf16 step (:mod:`.checks`).
 ``TGI_PAGED_NATIVE_LAYERS=0`` (``ModelConfig.native_layers``) keeps the per-op path. Figures:
