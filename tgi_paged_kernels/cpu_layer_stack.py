@@ -4,8 +4,8 @@ would run it, with no Python, ctypes conversion or argument checks between them.
 
 Layer 0's inputs are checked by :meth:`.cpu_layer_step.LayerStep.prepare`; every other layer's pools and block
 table must be laid out as layer 0's (same shape, strides, dtype), and every layer takes the same hidden state, RoPE
-tables, slots and sequence lengths (one token per request, or a verify step's rows); each layer its own LoRA rows
-when adapters are used.
+tables and sequence lengths (one token per request, or a verify step's rows); the same slots, or each layer its own
+(KV layer groups); each layer its own LoRA rows when adapters are used.
 Reference: the same layers through :func:`.cpu_layer.decode_layer` one by one
 (``tests/kernels/test_cpu_layer_stack.py``: equal to the bit, K/V included).
 """
@@ -52,7 +52,7 @@ class LayerStack:
         sin: torch.Tensor | None,
         k_caches: Sequence[torch.Tensor],
         v_caches: Sequence[torch.Tensor],
-        slot_mapping: torch.Tensor,
+        slot_mapping: torch.Tensor | Sequence[torch.Tensor],
         block_tables: Sequence[torch.Tensor],
         seq_lens: torch.Tensor,
         loras: Sequence[LayerLora] | None = None,
@@ -63,11 +63,20 @@ class LayerStack:
         ``k_caches[i]``/``v_caches[i]`` and its table ``block_tables[i]``, with ``loras[i]``'s deltas on the rows
         whose ``token_slots`` entry is an adapter (added in fp32), the other arguments as
         :func:`.cpu_layer.decode_layer`'s (one token per request, or with ``query_start_loc`` a verify step's rows).
+        ``slot_mapping``: one for every layer, or one per layer (KV layer groups: each group its own slots).
         ``None`` for inputs of another kind (the caller runs a call per layer); ``ValueError`` for a slot or block id
         outside the pool or a table too narrow."""
         n = len(self.weights)
         if len(k_caches) != n or len(v_caches) != n or len(block_tables) != n:
             return None
+        per_layer = None if isinstance(slot_mapping, torch.Tensor) else list(slot_mapping)
+        if per_layer is not None and (
+            len(per_layer) != n
+            or any(s.dtype != torch.int64 or s.shape != (hidden.shape[0],) or not s.is_contiguous() for s in per_layer)
+        ):
+            return None
+        first_slots = per_layer[0] if per_layer is not None else slot_mapping
+        assert isinstance(first_slots, torch.Tensor)
         lora_args = None
         if loras is not None:
             if token_slots is None or len(loras) != n:
@@ -77,7 +86,7 @@ class LayerStack:
             if len(lora_args) != n:
                 return None
         step = LayerStep.prepare(
-            self.native, self.weights[0], hidden, cos, sin, k_caches[0], v_caches[0], slot_mapping, block_tables[0],
+            self.native, self.weights[0], hidden, cos, sin, k_caches[0], v_caches[0], first_slots, block_tables[0],
             seq_lens, query_start_loc, None if loras is None else loras[0], token_slots,
         )  # fmt: skip
         if step is None:
@@ -99,7 +108,9 @@ class LayerStack:
             n, self._specs, pointers(*(k.data_ptr() for k in k_caches)), pointers(*(v.data_ptr() for v in v_caches)),
             pointers(*(t.data_ptr() for t in block_tables)),
             None if lora_args is None else pointers(*(ctypes.addressof(a) for a in lora_args)), ctypes.byref(failed),
-            a[1], a[2], a[3], a[4], a[7], a[8], a[9], a[10], a[11], a[13], a[14], a[15], a[16], a[17], a[18],
+            a[1], a[2], a[3], a[4], a[7], a[8], a[9], a[10], a[11],
+            None if per_layer is None else pointers(*(s.data_ptr() for s in per_layer)),
+            a[13], a[14], a[15], a[16], a[17], a[18],
             scratch.data_ptr(), a[20], a[21], a[22], a[24], a[25],
         )  # fmt: skip
         if status == 0:

@@ -195,7 +195,7 @@ class NativeKernels:
             _ptr, _ptr,  # LoRA rows per layer (null: none), the failed layer
             _ptr, _i64, _ptr, _ptr,  # hidden, T, cos, sin
             _i64, _i64, _i64, _i64,  # blocks, pool strides
-            _ptr, _int, _i64, _i64, _ptr, _int,  # slots, tables' int64?, stride, width, seq lens
+            _ptr, _ptr, _int, _i64, _i64, _ptr, _int,  # slots, slots[] (null: shared), tables' int64?, ..., seq lens
             _int, _ptr, _int,  # block size, scratch, threads
             _ptr, _i64, _int, _int,  # query_start_loc and requests (a verify step; null: decode), act, KV dtypes
         )  # fmt: skip

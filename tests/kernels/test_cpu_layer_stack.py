@@ -55,6 +55,31 @@ def test_the_stack_equals_one_call_per_layer(native, form_name, dtype) -> None:
     assert not torch.equal(got, x)
 
 
+def test_each_layer_its_own_slots_and_table(native) -> None:
+    """KV layer groups: each layer writes its group's slots and reads its group's table (here every layer its own
+    blocks), as one call per layer with those does; a slot list of another length or dtype gives ``None``."""
+    weights, pools, _, seq_lens, _, x, cos, sin = _stack_case("Gemma3")
+    hq, hkv, d, _ = FORMS["Gemma3"]
+    lengths = [1, 5, 17, 9]
+    groups = [_step(lengths, 4, hkv, d, torch.int64, seed=10 + i) for i in range(LAYERS)]  # shuffled block ids
+    slots, tables = [g[3] for g in groups], [g[1] for g in groups]
+    assert not torch.equal(slots[0], slots[1])
+    one_by_one = [(k.clone(), v.clone()) for k, v in pools]
+    expected = x
+    for w, (k, v), s, t in zip(weights, one_by_one, slots, tables):
+        expected = decode_layer(native, w, expected, cos, sin, k, v, s, t, seq_lens)
+        assert expected is not None
+    stacked = [(k.clone(), v.clone()) for k, v in pools]
+    ks, vs = [k for k, _ in stacked], [v for _, v in stacked]
+    got = LayerStack(native, weights).decode(x, cos, sin, ks, vs, slots, tables, seq_lens)
+    assert got is not None and torch.equal(got, expected)
+    for (k1, v1), (k2, v2) in zip(one_by_one, stacked):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    stack = LayerStack(native, weights)
+    assert stack.decode(x, cos, sin, ks, vs, slots[:2], tables, seq_lens) is None
+    assert stack.decode(x, cos, sin, ks, vs, [s.int() for s in slots], tables, seq_lens) is None
+
+
 def test_inputs_of_another_kind_give_none(native) -> None:
     weights, pools, tables, seq_lens, slots, x, cos, sin = _stack_case("Llama")
     stack = LayerStack(native, weights)

@@ -4,6 +4,8 @@ RoPE tables, differ in rotary kind, or are not all native keep a call per layer,
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -82,15 +84,57 @@ def test_the_stack_serves_where_proven_with_the_per_layer_logits(family_dir, nam
         assert torch.equal(got, expected)
 
 
+def _grouped_steps(runner, warm: bool) -> tuple[list[torch.Tensor], int]:
+    """:func:`_steps` over a pool laid out per KV layer group, each group's slots and tables on blocks of its own
+    (as the engine pages them); Warmup first when ``warm``. Also the stacked steps served after Warmup."""
+    groups, blocks = runner.kv_groups.num_groups, 8
+    per_group_blocks = len(PROMPTS) * blocks
+    runner.allocate_kv_cache(groups * per_group_blocks + 1, grouped=True)
+    if warm:
+        runner.warm_decode()
+    stacks = runner.native_layers.stacks
+    warm_steps = stacks[0].steps if stacks else 0
+
+    def moved(chunk: RequestChunk, group: int) -> RequestChunk:
+        return RequestChunk(
+            chunk.token_ids, chunk.num_computed, [b + group * per_group_blocks for b in chunk.block_table]
+        )
+
+    def batch(chunks: list[RequestChunk]):
+        per_group = [build_forward_batch([moved(c, g) for c in chunks], 4) for g in range(groups)]
+        return dataclasses.replace(
+            per_group[0],
+            group_slot_mappings=tuple(b.slot_mapping for b in per_group[1:]),
+            group_block_tables=tuple(b.block_tables for b in per_group[1:]),
+        )
+
+    tables = [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(len(PROMPTS))]
+    logits = [runner.forward(batch([RequestChunk(p, 0, t) for p, t in zip(PROMPTS, tables)]))]
+    lengths = [len(p) for p in PROMPTS]
+    for _ in range(NEW_TOKENS):
+        ids = logits[-1].argmax(dim=-1).tolist()
+        logits.append(runner.forward(batch([RequestChunk([i], n, t) for i, n, t in zip(ids, lengths, tables)])))
+        lengths = [n + 1 for n in lengths]
+    return logits, (stacks[0].steps if stacks else 0) - warm_steps
+
+
 @pytest.mark.parametrize("name", ["Gemma2", "Gemma3"])
-def test_kv_layer_groups_keep_a_call_per_layer(family_dir, name) -> None:
-    """Sliding beside full layers, paged per KV layer group as the engine pages them: each group has its own slots,
-    so the stack (one slot mapping for every layer) is not used, whatever else the layers share."""
+def test_kv_layer_groups_stack_with_each_groups_slots(family_dir, name) -> None:
+    """Sliding beside full layers, paged per KV layer group as the engine pages them: the stack gives each layer its
+    group's slots and table in the one call (proven at Warmup on a step with a table per group), with the per-layer
+    path's logits to the bit; Gemma 3's layers take local or global RoPE tables and keep a call per layer."""
     runner = _runner(family_dir(name))
-    runner.allocate_kv_cache(8, grouped=True)
-    runner.warm_decode()
+    assert runner.kv_groups.num_groups == 2
+    stacked, served = _grouped_steps(runner, warm=True)
     (stack,) = runner.native_layers.stacks
-    assert not stack.enabled and "KV layer groups" in stack.kept
+    if name == "Gemma3":
+        assert not stack.enabled and "different RoPE tables" in stack.kept
+        return
+    assert stack.enabled, stack.kept
+    assert served == NEW_TOKENS
+    per_layer, _ = _grouped_steps(_runner(family_dir(name)), warm=False)
+    for got, expected in zip(stacked, per_layer):
+        assert torch.equal(got, expected)
 
 
 def test_a_stacked_step_that_differs_is_not_served(family_dir, monkeypatch) -> None:

@@ -328,7 +328,10 @@ class ModelRunner:
         direct = direct_decode(self.model, stacks[0]) if len(stacks) == 1 else "not one stack of layers"
         self.direct_decode = direct if isinstance(direct, DirectDecode) else None  # the proof's step runs through it
         if self.direct_decode is not None:
-            prove_direct(self.direct_decode, self._forward, self.k_caches, self.v_caches, self.block_size, slots)
+            prove_direct(
+                self.direct_decode, self._forward, self.k_caches, self.v_caches, self.block_size, slots,
+                self.pool_groups.num_groups,
+            )  # fmt: skip
         elif stacks:
             logger.info("native direct decode: the model's forward serves: {}", direct)
         self._forward(build_forward_batch(chunks, self.block_size), self.k_caches, self.v_caches)

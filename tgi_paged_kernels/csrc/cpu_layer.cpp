@@ -442,22 +442,24 @@ int tgi_paged_decode_layer(
 }
 
 // One decode step of n_layers whole layers in turn (a decoder's stack: tgi_paged_decode_layer each, hidden updated
-// in place by one layer after the other): layer i's spec, pools, block table and LoRA rows from specs[i],
-// k_caches[i], v_caches[i], block_tables[i], loras[i] (loras null: no adapter rows); every other argument is the
-// same for every layer (one token per request, or query_start_loc's rows: tgi_paged_decode_layer's). One native
-// call per step instead of one per layer. Returns the first non-zero status, the layer that gave it in
-// *failed_layer (earlier layers have written their K/V and updated hidden).
+// in place by one layer after the other): layer i's spec, pools, block table, slots and LoRA rows from specs[i],
+// k_caches[i], v_caches[i], block_tables[i], slot_mappings[i], loras[i] (slot_mappings null: slot_mapping for every
+// layer; loras null: no adapter rows); every other argument is the same for every layer (one token per request, or
+// query_start_loc's rows: tgi_paged_decode_layer's). One native call per step instead of one per layer. Returns the
+// first non-zero status, the layer that gave it in *failed_layer (earlier layers have written their K/V and
+// updated hidden).
 int tgi_paged_decode_layers(
     int64_t n_layers, const LayerSpec* const* specs, void* const* k_caches, void* const* v_caches,
     const void* const* block_tables, const LayerLora* const* loras, int64_t* failed_layer, void* hidden,
     int64_t tokens, const void* cos, const void* sin, int64_t num_blocks, int64_t c_sblock, int64_t c_sslot,
-    int64_t c_shead, const int64_t* slot_mapping, int bt_int64, int64_t bt_stride, int64_t bt_width,
+    int64_t c_shead, const int64_t* slot_mapping, const int64_t* const* slot_mappings, int bt_int64,
+    int64_t bt_stride, int64_t bt_width,
     const void* seq_lens, int sl_int64, int block_size, float* scratch, int num_threads,
     const int32_t* query_start_loc, int64_t num_requests, int act_dtype, int kv_dtype) {
   for (int64_t i = 0; i < n_layers; ++i) {
     const int status = tgi_paged_decode_layer_stage(
         0, nullptr, specs[i], hidden, tokens, cos, sin, k_caches[i], v_caches[i], num_blocks, c_sblock, c_sslot,
-        c_shead, slot_mapping, block_tables[i], bt_int64, bt_stride, bt_width, seq_lens, sl_int64, block_size,
+        c_shead, slot_mappings ? slot_mappings[i] : slot_mapping, block_tables[i], bt_int64, bt_stride, bt_width, seq_lens, sl_int64, block_size,
         scratch, num_threads, query_start_loc, query_start_loc ? num_requests : tokens, loras ? loras[i] : nullptr,
         act_dtype, kv_dtype);
     if (status != 0) {

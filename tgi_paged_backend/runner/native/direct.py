@@ -118,15 +118,16 @@ def prove_direct(
     v_like: list[torch.Tensor],
     block_size: int,
     lora_slots: tuple[int, ...] = (-1, -1, -1),
+    kv_groups: int = 1,
 ) -> bool:
     """Run one decode step over scratch pools shaped as ``k_like``/``v_like`` (random history) through the model's
-    forward, then directly; enable the direct step when the logits and K/V are equal to the bit (``lora_slots``:
-    as :func:`~.stack.prove_stack`'s). Logs the outcome; returns ``direct.enabled``."""
+    forward, then directly; enable the direct step when the logits and K/V are equal to the bit (``lora_slots``,
+    ``kv_groups``: as :func:`~.stack.prove_stack`'s). Logs the outcome; returns ``direct.enabled``."""
     direct.enabled = False
     if not direct.stack.enabled:
         direct.kept = "the layers are not stacked"
     else:
-        direct.kept = _prove(direct, forward, k_like, v_like, *proof_batch(block_size, lora_slots))
+        direct.kept = _prove(direct, forward, k_like, v_like, *proof_batch(block_size, lora_slots, 1, kv_groups))
     direct.enabled = not direct.kept
     if direct.kept:
         logger.info("native direct decode: the model's forward serves: {}", direct.kept)

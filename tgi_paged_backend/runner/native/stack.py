@@ -11,14 +11,16 @@ That is right only where the model gives every layer the same tables and does no
 serves only after :func:`prove_stack` (at Warmup, :meth:`ModelRunner.warm_decode`) ran one decode step of the whole
 model over scratch pools both ways: every layer was called in order with the same RoPE tables, and the logits and
 every layer's K/V came out equal to the bit (the same kernel per layer, in the same order); with adapters loaded,
-the proof step has rows with and without them. Gemma 3 (local and global RoPE tables), models that add between
-layers, and KV layer groups keep a call per layer; so do verify steps, and steps with adapter rows on layers whose
-LoRA runs per op. ``stack.kept`` says why a stack does not serve.
+the proof step has rows with and without them. KV layer groups (Gemma 2's sliding and full layers, paged apart) give
+each layer its group's slots and table in the call, proven on a step with a table per group. Gemma 3 (local and
+global RoPE tables) and models that add between layers keep a call per layer; so do steps with adapter rows on
+layers whose LoRA runs per op. ``stack.kept`` says why a stack does not serve.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,14 +67,11 @@ class DecodeStack:
 
     def takes(self, metadata: PagedAttentionMetadata, rows: int) -> bool:
         """Whether a step of ``rows`` packed rows with this metadata may run stacked: proven for its kind (decode, or
-        verify), taken by the first layer's native call, one slot mapping for every layer, and LoRA rows only where
-        every layer adds its deltas natively. :meth:`run` may still decline on the tensors themselves."""
+        verify), taken by the first layer's native call, and LoRA rows only where every layer adds its deltas
+        natively. :meth:`run` may still decline on the tensors themselves."""
         first, batch = self.layers[0], metadata.batch
         if not self.enabled or (not batch.is_decode and not self.verify) or not first.takes_step(metadata, rows):
             return False
-        slot_mapping, _ = metadata.tables(first.layer_idx)
-        if any(metadata.tables(layer.layer_idx)[0] is not slot_mapping for layer in self.layers):
-            return False  # KV layer groups: each group its own slots
         lora_rows = first.lora_step is not None and first.lora_step.token_slots is not None
         return not lora_rows or all(layer.lora is not None for layer in self.layers)
 
@@ -105,8 +104,10 @@ class DecodeStack:
         if rope is None:
             return None
         cos, sin = rope
-        slot_mapping, _ = metadata.tables(first.layer_idx)
-        tables = [metadata.tables(layer.layer_idx)[1] for layer in self.layers]  # one slot mapping: takes()
+        per_layer = [metadata.tables(layer.layer_idx) for layer in self.layers]
+        slots = [slot_mapping for slot_mapping, _ in per_layer]
+        tables = [table for _, table in per_layer]
+        shared = all(s is slots[0] for s in slots)  # else KV layer groups: each group its own slots
         k_caches = [metadata.k_caches[layer.layer_idx] for layer in self.layers]
         v_caches = [metadata.v_caches[layer.layer_idx] for layer in self.layers]
         token_slots = None if first.lora_step is None else first.lora_step.token_slots
@@ -114,8 +115,8 @@ class DecodeStack:
         loras = None if token_slots is None else [layer.lora for layer in self.layers if layer.lora is not None]
         query_start_loc = None if batch.is_decode else batch.query_start_loc  # a verify step's rows per request
         out = self.kernel.decode(
-            hidden[0], cos, sin, k_caches, v_caches, slot_mapping, tables, batch.seq_lens, loras, token_slots,
-            query_start_loc,
+            hidden[0], cos, sin, k_caches, v_caches, slots[0] if shared else slots, tables, batch.seq_lens, loras,
+            token_slots, query_start_loc,
         )  # fmt: skip
         if out is None:
             return None
@@ -146,19 +147,32 @@ def stack_layers(
     return stack
 
 
-def proof_batch(block_size: int, lora_slots: tuple[int, ...], rows: int = 1) -> tuple[ForwardBatch, int]:
+def proof_batch(
+    block_size: int, lora_slots: tuple[int, ...], rows: int = 1, kv_groups: int = 1
+) -> tuple[ForwardBatch, int]:
     """A decode step (``rows`` > 1: a verify step of that many rows per request) of three requests of different
     lengths over their own blocks (request ``i`` on adapter slot ``lora_slots[i]``, -1: none), and the blocks it
-    needs."""
+    needs; with ``kv_groups`` > 1, each further KV layer group's slots and tables on blocks of its own."""
     lengths = (1, block_size + 3, 2 * block_size + 1)
-    chunks, first = [], 0
-    for i, (n, slot) in enumerate(zip(lengths, lora_slots)):
-        blocks = -(-(n + rows) // block_size)
-        table = list(range(first, first + blocks))
-        tokens = [7 + i + r for r in range(rows)]
-        chunks.append(RequestChunk(token_ids=tokens, num_computed=n, block_table=table, lora_slot=slot))
-        first += blocks
-    return build_forward_batch(chunks, block_size), first
+
+    def step(offset: int) -> tuple[ForwardBatch, int]:
+        chunks, first = [], offset
+        for i, (n, slot) in enumerate(zip(lengths, lora_slots)):
+            blocks = -(-(n + rows) // block_size)
+            table = list(range(first, first + blocks))
+            tokens = [7 + i + r for r in range(rows)]
+            chunks.append(RequestChunk(token_ids=tokens, num_computed=n, block_table=table, lora_slot=slot))
+            first += blocks
+        return build_forward_batch(chunks, block_size), first - offset
+
+    batch, used = step(0)
+    groups = [step(g * used)[0] for g in range(1, kv_groups)]
+    batch = replace(
+        batch,
+        group_slot_mappings=tuple(b.slot_mapping for b in groups),
+        group_block_tables=tuple(b.block_tables for b in groups),
+    )
+    return batch, used * kv_groups
 
 
 VERIFY_PROOF_ROWS = 3
@@ -178,13 +192,10 @@ def prove_stack(
     per layer, then stacked; enable the stack when every layer was called in order with the first layer's RoPE
     tables and the logits and K/V are equal to the bit. Then the same for a verify step, when every layer runs
     its verify steps natively. ``lora_slots``: the three requests' adapter slots (a model with adapters proves its
-    rows with and without). A pool of several ``kv_groups`` keeps a call per layer (each group has its own slots).
+    rows with and without). A pool of several ``kv_groups``: the proof step has each group's slots and tables.
     Logs the outcome; returns ``stack.enabled``."""
     stack.enabled = stack.verify = False
-    if kv_groups != 1:
-        kept = "KV layer groups: each group has its own slots"
-    else:
-        kept = _prove(stack, forward, k_like, v_like, proof_batch(block_size, lora_slots))
+    kept = _prove(stack, forward, k_like, v_like, proof_batch(block_size, lora_slots, 1, kv_groups))
     stack.kept = kept
     if kept:
         stack.verify_kept = "decode steps are not stacked"
@@ -193,7 +204,7 @@ def prove_stack(
     else:
         stack.verify = True  # while its proof runs: set back below unless it passes
         stack.verify_kept = _prove(
-            stack, forward, k_like, v_like, proof_batch(block_size, lora_slots, VERIFY_PROOF_ROWS)
+            stack, forward, k_like, v_like, proof_batch(block_size, lora_slots, VERIFY_PROOF_ROWS, kv_groups)
         )
         stack.verify = not stack.verify_kept
     stack.enabled = not kept  # each proof leaves the stack disabled
