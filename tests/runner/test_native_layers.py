@@ -304,17 +304,23 @@ class _Scaled(torch.nn.Module):
         return self.inner(x) * 1.01
 
 
-@pytest.mark.parametrize(("name", "options"), [("Llama", {}), ("Qwen2", {"quantize": "fp8"})])
-def test_native_projections_that_change_a_prefill_are_never_served(family_dir, monkeypatch, name, options) -> None:
+@pytest.mark.parametrize(("name", "options"), [("Llama", {}), ("Qwen2", {"quantize": "fp8"}), ("Llama", "lora")])
+def test_native_projections_that_change_a_prefill_are_never_served(
+    family_dir, monkeypatch, tmp_path, name, options
+) -> None:
     """The modules prefills run after the swap (``own_projections``: native linears over the packed weights) are
     checked on a prefill against the module's own: a wrong one (the fused q/k/v 1 % off; fp8 bytes read as int8, the
-    bug the decode check could not see) keeps every layer on the Python path, the original projections put back."""
+    bug the decode check could not see) keeps every layer on the Python path, the original projections put back
+    (under the LoRA wrappers of a model with adapters)."""
+    from tests.helpers.lora_adapters import write_adapter
     from tgi_paged_kernels import PackedInt8
 
+    if options == "lora":
+        options = {"lora_adapters": f"a={write_adapter(family_dir(name), tmp_path / 'a', seed=2)}"}
     real = NativeDecoderLayer._linear
 
     def wrong(self, index, width, bias, in_features):
-        if options:  # the fp8 flag dropped: the tile decodes e4m3 bytes as int8 codes
+        if "quantize" in options:  # the fp8 flag dropped: the tile decodes e4m3 bytes as int8 codes
             zeros, scales = self.weights.int8_columns[2 * index : 2 * index + 2]
             packed = PackedInt8((self.weights.qkv, self.weights.o, self.weights.gate_up, self.weights.down)[index],
                                 zeros, scales, width, fp8=False)  # fmt: skip
@@ -327,6 +333,27 @@ def test_native_projections_that_change_a_prefill_are_never_served(family_dir, m
     assert runner.native_layers is not None and runner.native_layers.wrapped == 0, runner.native_layers
     assert any("prefill through the native projections differs" in k for k in runner.native_layers.kept)
     kinds = {type(m).__name__ for m in runner.model.modules()}
-    assert not kinds & {"_Scaled", "NativeInt8Linear", "NativeDecoderLayer"}, kinds  # the originals are back
+    assert not kinds & {"_Scaled", "NativeInt8Linear", "NativeLinear", "NativeDecoderLayer"}, kinds  # originals back
     monkeypatch.setattr(NativeDecoderLayer, "_linear", real)
     assert _runner(family_dir(name), **options).native_layers.wrapped == 2  # the right projections pass
+
+
+def test_a_wrapped_layer_keeps_no_copy_of_its_original_projections(family_dir) -> None:
+    """Once wrapped, the packed weights are the only copy: the original projections' weights are freed."""
+    import gc
+    import weakref
+
+    originals: list[weakref.ref] = []
+    real = NativeDecoderLayer.own_projections
+
+    def watched(self):
+        attn = layer_attention(self.layer)
+        originals.append(weakref.ref(attn.qkv_proj.weight))
+        real(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(NativeDecoderLayer, "own_projections", watched)
+        runner = _runner(family_dir("Llama"))
+    gc.collect()
+    assert runner.native_layers.wrapped == 2 and len(originals) == 2
+    assert all(ref() is None for ref in originals)

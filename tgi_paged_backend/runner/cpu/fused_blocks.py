@@ -371,7 +371,8 @@ def fuse_blocks(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> Fus
     """Replace gated MLPs and Llama-form attentions of ``model`` in place (see the module docstring);
     the attention check runs over scratch pools of ``block_size`` and ``kv_dtype``."""
     linearize_conv1d(model)  # GPT-2's Conv1D projections as the nn.Linear they are (weights transposed once)
-    model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    floats = (p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)  # not fp8
+    model_dtype = next(floats, torch.float32)
     mlps = attentions = 0
     kept: set[str] = set()
     for parent in list(model.modules()):

@@ -130,7 +130,7 @@ class NativeDecoderLayer(nn.Module):
         layer's place in it."""
         self.stack_index = 0
         self._replaced: list[tuple[nn.Module, str, nn.Module]] = []
-        """What :meth:`own_projections` replaced: ``(owner, name, original)``."""
+        """``(owner, name, original GEMM)`` of :meth:`own_projections`, until kept or restored."""
         self.as_tuple = False
         """transformers before 4.54 returns ``(hidden,)`` from a decoder layer, later versions the tensor: set
         by the load-time check (:func:`.checks.reproduces`) from what the wrapped layer returns."""
@@ -170,13 +170,18 @@ class NativeDecoderLayer(nn.Module):
         for (owner, name), linear in native.items():  # under any LoRA wrappers, which stay
             if isinstance(linear, NativeLinear) and w.weight_dtype == torch.bfloat16:  # prefills: torch's bf16 GEMM
                 linear.keep_dense(cast(nn.Linear, lora_base(getattr(owner, name))))
-            self._replaced.append((owner, name, getattr(owner, name)))
+            self._replaced.append((owner, name, lora_base(getattr(owner, name))))
             setattr(owner, name, replace_lora_base(getattr(owner, name), linear))
 
     def restore_projections(self) -> None:
-        """Undo :meth:`own_projections` (its check failed, or another rank's did)."""
+        """Undo :meth:`own_projections` (its check failed, or another rank's did): each original GEMM back, under
+        any LoRA wrappers."""
         for owner, name, original in reversed(self._replaced):
-            setattr(owner, name, original)
+            setattr(owner, name, replace_lora_base(getattr(owner, name), original))
+        self._replaced.clear()
+
+    def keep_projections(self) -> None:
+        """Drop the originals kept for :meth:`restore_projections`: the packed weights are the only copy."""
         self._replaced.clear()
 
     def _linear(self, index: int, width: int, bias: torch.Tensor | None, in_features: int) -> nn.Module:
@@ -415,6 +420,7 @@ def wrap_native_layers(
     wrapped = 0
     for parent, name, passed in candidates:
         if passed is not None:
+            passed.keep_projections()  # every rank agreed: the originals go
             setattr(parent, name, passed)
             wrapped += 1
     stacks, stack_kept = _stacks({parent for parent, _, passed in candidates if passed is not None}, native)
