@@ -69,14 +69,17 @@ class LayerStack:
         n = len(self.weights)
         if len(k_caches) != n or len(v_caches) != n or len(block_tables) != n:
             return None
-        per_layer = None if isinstance(slot_mapping, torch.Tensor) else list(slot_mapping)
-        if per_layer is not None and (
-            len(per_layer) != n
-            or any(s.dtype != torch.int64 or s.shape != (hidden.shape[0],) or not s.is_contiguous() for s in per_layer)
-        ):
-            return None
-        first_slots = per_layer[0] if per_layer is not None else slot_mapping
-        assert isinstance(first_slots, torch.Tensor)
+        per_layer = None
+        if isinstance(slot_mapping, torch.Tensor):
+            first_slots = slot_mapping
+        else:
+            per_layer = list(slot_mapping)
+            rows = (hidden.shape[0],)
+            if len(per_layer) != n or any(
+                s.dtype != torch.int64 or s.shape != rows or not s.is_contiguous() for s in per_layer
+            ):
+                return None
+            first_slots = per_layer[0]
         lora_args = None
         if loras is not None:
             if token_slots is None or len(loras) != n:

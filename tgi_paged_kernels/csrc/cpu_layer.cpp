@@ -356,7 +356,8 @@ int tgi_paged_decode_layer_stage(
   const LayerSpec& S = *spec;
   const bool int8_columns = S.w_zeros[0] && S.w_zeros[1] && S.w_zeros[2] && S.w_zeros[3] && S.w_scales[0] &&
                             S.w_scales[1] && S.w_scales[2] && S.w_scales[3];
-  if (stage < 0 || stage > 3 || (stage && (!partial || (S.experts > 0 && S.parallel))) || (stage == 2 && S.parallel) ||
+  if (stage < 0 || stage > 3 || (stage && (!partial || (S.experts > 0 && S.parallel))) ||
+      (stage == 2 && S.parallel) ||
       S.weight_dtype < 0 || S.weight_dtype > 3 || (S.weight_dtype >= 2 && (!int8_columns || S.experts > 0)) ||
       act_dtype < 0 || act_dtype > 1 || kv_dtype < 0 || kv_dtype > 1 ||
       S.activation < 0 || S.activation > 3 || (S.experts > 0 && (!S.gated || !S.w_router || S.top_k < 1 ||
@@ -459,9 +460,9 @@ int tgi_paged_decode_layers(
   for (int64_t i = 0; i < n_layers; ++i) {
     const int status = tgi_paged_decode_layer_stage(
         0, nullptr, specs[i], hidden, tokens, cos, sin, k_caches[i], v_caches[i], num_blocks, c_sblock, c_sslot,
-        c_shead, slot_mappings ? slot_mappings[i] : slot_mapping, block_tables[i], bt_int64, bt_stride, bt_width, seq_lens, sl_int64, block_size,
-        scratch, num_threads, query_start_loc, query_start_loc ? num_requests : tokens, loras ? loras[i] : nullptr,
-        act_dtype, kv_dtype);
+        c_shead, slot_mappings ? slot_mappings[i] : slot_mapping, block_tables[i], bt_int64, bt_stride, bt_width,
+        seq_lens, sl_int64, block_size, scratch, num_threads, query_start_loc,
+        query_start_loc ? num_requests : tokens, loras ? loras[i] : nullptr, act_dtype, kv_dtype);
     if (status != 0) {
       *failed_layer = i;
       return status;

@@ -39,6 +39,7 @@ from tgi_paged_backend.runner.attention import METADATA_KWARG, PagedAttentionMet
 from tgi_paged_backend.runner.cpu.fast_layers import is_silu, outputs_close, same_output
 from tgi_paged_backend.runner.cpu.qkv_layouts import (
     QkvLayout,
+    compute_dtype,
     head_dim_of,
     linear_input,
     linearize_conv1d,
@@ -371,8 +372,7 @@ def fuse_blocks(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> Fus
     """Replace gated MLPs and Llama-form attentions of ``model`` in place (see the module docstring);
     the attention check runs over scratch pools of ``block_size`` and ``kv_dtype``."""
     linearize_conv1d(model)  # GPT-2's Conv1D projections as the nn.Linear they are (weights transposed once)
-    floats = (p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)  # not fp8
-    model_dtype = next(floats, torch.float32)
+    model_dtype = compute_dtype(model) or torch.float32
     mlps = attentions = 0
     kept: set[str] = set()
     for parent in list(model.modules()):

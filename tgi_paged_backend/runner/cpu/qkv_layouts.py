@@ -62,6 +62,12 @@ def stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
+def compute_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype ``module`` computes in: its first floating-point parameter's that is not fp8 (a projection's
+    weight, an embedding; a quantized layer's norm or bias, its codes being buffers), ``None`` when it has none."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point() and p.element_size() > 1), None)
+
+
 def linear_input(linear: Any, model_dtype: torch.dtype = torch.float32) -> tuple[int, torch.dtype, torch.device]:
     """``(in_features, dtype, device)`` of the input a projection takes (LoRA seen through): a plain linear's
     weight's; an int or fp8 linear dequantizes into the input's dtype: its bias's, else ``model_dtype`` (the

@@ -45,12 +45,6 @@ in another order differ by < 1e-6 of it on the tiny models and ~1e-5 on SmolLM2'
 for GeLU: 1.2e-4 of it)."""
 
 
-def layer_dtype(layer: nn.Module) -> torch.dtype | None:
-    """The dtype ``layer`` computes in: its first floating-point parameter's (a projection's weight; a quantized
-    layer's norm or bias, its codes being buffers), ``None`` when it has none."""
-    return next((p.dtype for p in layer.parameters() if p.is_floating_point()), None)
-
-
 @contextmanager
 def fp32_params(module: nn.Module) -> Iterator[None]:
     """``module``'s bf16 parameters and buffers widened to fp32 in place while the block runs, narrowed back
@@ -145,11 +139,8 @@ def check_step(
     state and tables in ``dtype``, pools in ``kv_dtype``; ``bf16_values``: every input rounded to bf16 first (the
     bf16 check's inputs, another seed)."""
     w = wrapped.weights
-    generator = torch.Generator().manual_seed(1 if bf16_values else 0)
     tokens = rows * len(check_lengths(block_size))
-    table = rope_table_width(wrapped.rope, w.form.rotary_dim or w.head_dim)
-    inputs = [torch.randn(1, tokens, width, generator=generator) for width in (w.hidden_size, table, table)]
-    x, cos, sin = ((t.bfloat16() if bf16_values else t).to(dtype) for t in inputs)
+    x, cos, sin = _random_inputs(wrapped, tokens, 1 if bf16_values else 0, dtype, bf16_values)
     step, slots = wrapped.lora_step, None
     if lora and step is not None and wrapped.lora is not None:
         slots = torch.arange(tokens) % (wrapped.lora.num_slots + 1) - 1
@@ -234,11 +225,7 @@ def prefill_output(
     w = wrapped.weights
     lengths = (block_size + 3, 3 * block_size + 5)
     chunks, blocks = on_consecutive_blocks([([0] * n, 0) for n in lengths], block_size)
-    generator = torch.Generator().manual_seed(2)
-    table = rope_table_width(wrapped.rope, w.form.rotary_dim or w.head_dim)
-    widths = (w.hidden_size, table, table)
-    inputs = [torch.randn(1, sum(lengths), width, generator=generator) for width in widths]
-    x, cos, sin = (t.bfloat16().to(dtype) if bf16_values else t for t in inputs)
+    x, cos, sin = _random_inputs(wrapped, sum(lengths), 2, dtype, bf16_values)
     pools = [torch.zeros(blocks, block_size, w.num_kv_heads, w.head_dim, dtype=kv_dtype) for _ in range(2)]
     layers = wrapped.layer_idx + 1
     meta = PagedAttentionMetadata(build_forward_batch(chunks, block_size), [pools[0]] * layers, [pools[1]] * layers)
@@ -275,6 +262,19 @@ def own_proven(
         candidate.restore_projections()
         return "its prefill through the native projections differs"
     return candidate
+
+
+def _random_inputs(
+    wrapped: NativeDecoderLayer, tokens: int, seed: int, dtype: torch.dtype, bf16_values: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A check step's hidden state and RoPE tables ``[1, tokens, *]`` in ``dtype``: random values from ``seed``,
+    rounded to bf16 first with ``bf16_values``."""
+    w = wrapped.weights
+    table = rope_table_width(wrapped.rope, w.form.rotary_dim or w.head_dim)
+    generator = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(1, tokens, width, generator=generator) for width in (w.hidden_size, table, table)]
+    x, cos, sin = ((t.bfloat16() if bf16_values else t).to(dtype) for t in inputs)
+    return x, cos, sin
 
 
 def _output(returned: Any) -> torch.Tensor:

@@ -65,11 +65,11 @@ from tgi_paged_backend.runner.cpu.layer_forms import (
     row_parallel_part,
 )
 from tgi_paged_backend.runner.cpu.moe_forms import NativeExperts
+from tgi_paged_backend.runner.cpu.qkv_layouts import compute_dtype
 from tgi_paged_backend.runner.model.vlm_loading import text_model
 from tgi_paged_backend.runner.native.checks import (
     bf16_step,
     fp32_params,
-    layer_dtype,
     own_proven,
     prefill_output,
     reproduces,
@@ -168,9 +168,10 @@ class NativeDecoderLayer(nn.Module):
             native[(mlp, up)] = self._linear(2, (1 + w.form.gated) * w.intermediate, w.gate_up_bias, h)
             native[(down_owner, down_name)] = self._linear(3, h, down_bias, w.intermediate)
         for (owner, name), linear in native.items():  # under any LoRA wrappers, which stay
+            original = lora_base(getattr(owner, name))
             if isinstance(linear, NativeLinear) and w.weight_dtype == torch.bfloat16:  # prefills: torch's bf16 GEMM
-                linear.keep_dense(cast(nn.Linear, lora_base(getattr(owner, name))))
-            self._replaced.append((owner, name, lora_base(getattr(owner, name))))
+                linear.keep_dense(cast(nn.Linear, original))
+            self._replaced.append((owner, name, original))
             setattr(owner, name, replace_lora_base(getattr(owner, name), linear))
 
     def restore_projections(self) -> None:
@@ -313,7 +314,7 @@ def _candidate(
     widened to fp32, then :func:`.checks.reproduces_bf16`; a tensor-parallel rank's with the all-reduces as the
     identity), its verify and LoRA steps checked the same way (whole layers only), or why it keeps its Python
     path."""
-    bf16 = layer_dtype(child) == torch.bfloat16
+    bf16 = compute_dtype(child) == torch.bfloat16
     with fp32_params(child) if bf16 else nullcontext():
         weights = layer_weights(child)
         if isinstance(weights, str):
